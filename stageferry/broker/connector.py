@@ -1,0 +1,75 @@
+"""The data-plane contract: how a stage leader hands a payload to the next stage's leader.
+
+Who calls what, and when (leaders only; followers never touch a connector):
+
+* **Producer leader**, after its model returned a payload: :meth:`Connector.put` once.  The returned
+  :class:`Outgoing` holds the :data:`~stageferry.schemas.PayloadRef` for the envelope and, for an inline
+  payload, the ``blob`` field.  The producer must then either hand the envelope on (after which the
+  payload belongs to the consumer: a NIXL slot is freed by the consumer's READ notification or by its
+  lease running out unclaimed) or call :meth:`Connector.abandon` if the hand-off did not happen.
+* **Consumer leader**, on an envelope: ``async with connector.get(ref, blob) as incoming`` — inside the
+  block ``incoming.payload`` is valid (it may be a zero-copy view of the consumer's pool); on exit the
+  consumer's slot is released.  Errors: :class:`~stageferry.errors.ManifestError` (reject),
+  :class:`~stageferry.errors.PayloadUnavailableError` (recompute upstream), other
+  :class:`~stageferry.errors.DataPlaneError` after the connector's own fallbacks are exhausted.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from stageferry.schemas import PayloadRef, Transport
+
+Payload = Any
+"""A nested structure (dicts, lists, tuples) of tensors and small plain values."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """What a put produced: the reference for the envelope, and the inline bytes if any."""
+
+    ref: PayloadRef
+    blob: bytes | None
+    transport: Transport
+    nbytes: int
+    seconds: float
+    fallback_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """A payload held by the consumer leader, with how it came."""
+
+    payload: Payload
+    transport: Transport
+    nbytes: int
+    seconds: float
+    fallback_reason: str | None = None
+
+
+class Connector(abc.ABC):
+    """Moves one payload from a producer leader to a consumer leader."""
+
+    @abc.abstractmethod
+    async def put(self, key: str, payload: Payload, *, force_inline: bool = False) -> Outgoing:
+        """Make ``payload`` fetchable by the next stage; ``key`` names the hop in logs and metrics."""
+
+    @abc.abstractmethod
+    def get(self, ref: PayloadRef, blob: bytes | None, *, key: str) -> contextlib.AbstractAsyncContextManager[Incoming]:
+        """Fetch the payload ``ref`` describes; the payload is valid inside the context."""
+
+    def abandon(self, outgoing: Outgoing) -> None:  # noqa: B027 - optional hook
+        """The envelope for ``outgoing`` was never handed on: free whatever the put holds."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release everything (agents, pools) at shutdown."""
+
+
+@contextlib.asynccontextmanager
+async def holding(incoming: Incoming) -> AsyncIterator[Incoming]:
+    """A context for payloads that need no release (inline, in-process)."""
+    yield incoming

@@ -1,0 +1,569 @@
+"""The NIXL connector: payloads wait in the producer's registered pool; the consumer READs them.
+
+Producer side (:meth:`NixlConnector.put`): pack the payload into one slot per memory kind of the
+pre-registered pool and describe it in the envelope; a *lease* keeps the slot until
+
+* the consumer's READ completes — its notification ``sf-release:<token>`` frees the slot;
+* the consumer asks for it inline instead (the resend stream) or drops it — freed after answering;
+* the lease runs out *unclaimed* — freed; the producer marks the claim key ``expired`` atomically, so a
+  late consumer finds it gone (and recomputes) instead of reading freed memory.  A claimed slot is kept
+  until the consumer's claim key expires (the consumer died mid-READ) or its notification arrives.
+
+Consumer side (:meth:`NixlConnector.get`): validate the manifest and descriptors, make sure the
+producer's agent is loaded (from Redis, or the envelope in ``direct`` mode; a restarted producer has
+a new incarnation and is re-added), claim the payload, READ into the consumer's own pool, unpack as
+zero-copy views.  On handshake or transfer failure the producer is asked to resend inline (up to
+``inline_fallback_max_bytes``); if the producer is gone, :class:`PayloadUnavailableError` sends the
+request back to be recomputed.
+
+Threading: the NIXL agent is not thread-safe; every agent call happens on the event-loop thread (each
+is a short, non-blocking call), memory copies run in worker threads.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+import redis.asyncio as aioredis
+import structlog
+import torch
+
+from stageferry.broker import metrics
+from stageferry.broker.connector import Connector, Incoming, Outgoing, Payload
+from stageferry.broker.inline import InlineConnector
+from stageferry.broker.keys import Keys
+from stageferry.broker.nixl_agent import NixlAgent, XferState
+from stageferry.broker.payload_codec import (
+    pack_into,
+    plan_payload,
+    unpack,
+    validate_manifest,
+    validate_remote_regions,
+)
+from stageferry.broker.pool import PoolSet, Slot
+from stageferry.broker.redis_conn import translated
+from stageferry.config import DataPlaneConfig, MetadataMode, Timeouts
+from stageferry.errors import (
+    ControlPlaneError,
+    DataPlaneError,
+    HandshakeError,
+    ManifestError,
+    PayloadTooLargeError,
+    PayloadUnavailableError,
+    PeerDisconnectedError,
+    PoolExhaustedError,
+    TransferError,
+)
+from stageferry.schemas import (
+    DeviceKind,
+    InlinePayload,
+    MemKind,
+    NixlPayload,
+    PayloadRef,
+    RemoteRegion,
+    Transport,
+)
+
+log = structlog.get_logger(__name__)
+
+RELEASE_TAG = b"sf-release:"
+_NOTIF_POLL_S = 0.002
+_LEASE_SCAN_S = 0.25
+
+
+@dataclass(slots=True)
+class Lease:
+    """A payload held for a consumer, until released or expired unclaimed."""
+
+    token: str
+    slots: dict[DeviceKind, Slot]
+    nbytes: int
+    expires_at: float
+    key: str
+    order: tuple[DeviceKind, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """A producer agent this consumer has loaded."""
+
+    name: str
+    incarnation: str
+    arenas: tuple[RemoteRegion, ...]
+
+
+@dataclass(slots=True)
+class Counters:
+    """What tests and benchmarks count (not timings)."""
+
+    puts: int = 0
+    gets: int = 0
+    reads: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+
+class NixlConnector(Connector):
+    """Both sides of the NIXL data plane for one leader process (one agent, one pool set)."""
+
+    def __init__(
+        self,
+        *,
+        redis: aioredis.Redis,
+        keys: Keys,
+        stage: str,
+        replica: str,
+        config: DataPlaneConfig,
+        timeouts: Timeouts,
+        cuda_device: torch.device | None = None,
+        agent: NixlAgent | None = None,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.stage = stage
+        self.config = config
+        self.timeouts = timeouts
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.name = f"{stage}-{replica}-{self.incarnation[:8]}"
+        self.cuda_device = cuda_device
+        self.inline = InlineConnector(
+            max_bytes=config.inline_fallback_max_bytes, max_payload_bytes=config.max_payload_bytes,
+            cuda_device=cuda_device,
+        )
+        self.agent = agent
+        self.pools: PoolSet | None = None
+        self.unavailable_reason: str | None = None
+        self.leases: dict[str, Lease] = {}
+        self.peers: dict[str, Peer] = {}
+        self.counters = Counters()
+        self._peer_lock = anyio.Lock()
+        self._transport_logged: set[str] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def open(self) -> None:
+        """Create the agent and register the pools once (at start-up, not per request).
+
+        If NIXL cannot be loaded the connector still works, inline only, and says why once."""
+        try:
+            if self.agent is None:
+                self.agent = NixlAgent(self.name)
+            self.pools = PoolSet.from_config(self.config, registrar=self.agent, cuda_device=self.cuda_device)
+        except DataPlaneError as exc:
+            self.agent, self.pools = None, None
+            self.unavailable_reason = exc.code
+            metrics.HANDSHAKE_FAILURES.labels("agent_unavailable").inc()
+            log.error("nixl.unavailable", error=exc.message, fallback="inline")
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Background duties: agent record heartbeat, notifications, lease expiry, resend requests."""
+        if self.agent is None:
+            task_status.started()
+            return
+        await self._publish_record()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._heartbeat)
+            tg.start_soon(self._drain_notifications)
+            tg.start_soon(self._expire_leases)
+            tg.start_soon(self._serve_resends)
+            task_status.started()
+
+    async def aclose(self) -> None:
+        """Drop the agent record, free every lease, release remotes and pools (NIXL's clean-up order)."""
+        if self.agent is None:
+            return
+        with contextlib.suppress(ControlPlaneError), translated():
+            await self.redis.delete(self.keys.agent(self.name))
+        for token in list(self.leases):
+            self._free(token, reason="shutdown")
+        for remote in list(self.agent.remotes()):
+            self.agent.remove_remote(remote)
+        if self.pools is not None:
+            self.pools.close()
+        self.agent.close()
+        self.agent = None
+
+    # ------------------------------------------------------------------ producer side
+
+    async def put(self, key: str, payload: Payload, *, force_inline: bool = False) -> Outgoing:
+        started = time.perf_counter()
+        plan = plan_payload(payload)
+        manifest = plan.manifest
+        total = manifest.total_bytes
+        if total > self.config.max_payload_bytes:
+            raise PayloadTooLargeError("payload above max_payload_bytes", bytes=total, limit=self.config.max_payload_bytes)
+        if total <= self.config.inline_max_bytes:
+            return await self.inline.encode(payload)
+        reason = "forced" if force_inline else self.unavailable_reason
+        if reason is None:
+            assert self.pools is not None
+            try:
+                slots = await self.pools.acquire_regions(manifest, timeout=self.timeouts.pool_wait)
+            except PoolExhaustedError:
+                reason = "pool_exhausted"
+            except ManifestError:
+                reason = "no_pool_for_device"
+        if reason is not None:
+            return await self._inline_fallback(payload, reason)
+        try:
+            buffers = {kind: slot.view for kind, slot in slots.items()}
+            await anyio.to_thread.run_sync(pack_into, plan, buffers)
+        except BaseException:
+            self.pools.release_all(slots)  # type: ignore[union-attr]
+            raise
+        token = f"{key}.{uuid.uuid4().hex[:12]}"
+        expires = time.time() + self.timeouts.lease
+        self.leases[token] = Lease(
+            token=token, slots=slots, nbytes=total, expires_at=expires, key=key,
+            order=tuple(r.device for r in manifest.regions),
+        )
+        regions = [slots[r.device].remote_region() for r in manifest.regions]
+        metadata = base64.b64encode(self.agent.metadata()).decode() if self._direct else None  # type: ignore[union-attr]
+        ref = NixlPayload(
+            manifest=manifest, agent=self.name, incarnation=self.incarnation, token=token, regions=regions,
+            lease_expires_at=expires, agent_metadata_b64=metadata,
+        )
+        seconds = time.perf_counter() - started
+        self.counters.puts += 1
+        metrics.PUTS.labels(Transport.NIXL.value).inc()
+        metrics.BYTES.labels("put", Transport.NIXL.value).inc(total)
+        metrics.TRANSFER_SECONDS.labels(Transport.NIXL.value, "put").observe(seconds)
+        self._publish_pool_usage()
+        return Outgoing(ref=ref, blob=None, transport=Transport.NIXL, nbytes=total, seconds=seconds)
+
+    async def _inline_fallback(self, payload: Payload, reason: str) -> Outgoing:
+        """Inline up to the fallback cap; above it NIXL was needed and is not there."""
+        self.counters.fallbacks[reason] = self.counters.fallbacks.get(reason, 0) + 1
+        log.warning("payload.inline_fallback", reason=reason)
+        try:
+            return await self.inline.encode(payload, fallback_reason=reason)
+        except PayloadTooLargeError as exc:
+            raise PayloadUnavailableError(
+                f"payload too large for inline fallback ({reason})", reason=reason, **exc.details
+            ) from exc
+
+    def abandon(self, outgoing: Outgoing) -> None:
+        if isinstance(outgoing.ref, NixlPayload):
+            self._free(outgoing.ref.token, reason="abandoned")
+
+    @property
+    def _direct(self) -> bool:
+        return self.config.metadata_mode is MetadataMode.DIRECT
+
+    def _free(self, token: str, *, reason: str) -> bool:
+        lease = self.leases.pop(token, None)
+        if lease is None:
+            return False
+        if self.pools is not None:
+            self.pools.release_all(lease.slots)
+        log.debug("payload.slot_freed", token=token, reason=reason, bytes=lease.nbytes)
+        self._publish_pool_usage()
+        return True
+
+    def _publish_pool_usage(self) -> None:
+        if self.pools is not None:
+            for kind, pool in self.pools.pools.items():
+                metrics.POOL_BYTES_IN_USE.labels(kind.value).set(pool.bytes_in_use)
+
+    async def _publish_record(self) -> None:
+        assert self.agent is not None and self.pools is not None
+        record = {
+            "name": self.name,
+            "stage": self.stage,
+            "incarnation": self.incarnation,
+            "metadata": self.agent.metadata(),
+            "arenas": json.dumps([a.model_dump(mode="json") for a in self.pools.arenas()]),
+            "started_at": str(time.time()),
+        }
+        key = self.keys.agent(self.name)
+        with translated():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hset(key, mapping=record)
+                pipe.pexpire(key, int(self.config.agent_ttl_s * 1000))
+                await pipe.execute()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await anyio.sleep(self.config.agent_heartbeat_s)
+            try:
+                with translated():
+                    alive = await self.redis.pexpire(self.keys.agent(self.name), int(self.config.agent_ttl_s * 1000))
+                if not alive:  # Redis restarted without our record
+                    await self._publish_record()
+            except ControlPlaneError as exc:
+                log.warning("nixl.heartbeat_failed", error=exc.message)
+
+    async def _drain_notifications(self) -> None:
+        """The one consumer of NIXL notifications in this process."""
+        assert self.agent is not None
+        while True:
+            await anyio.sleep(_NOTIF_POLL_S if self.leases else 0.05)
+            for _remote, messages in self.agent.drain_notifs().items():
+                for message in messages:
+                    if message.startswith(RELEASE_TAG):
+                        self._free(message[len(RELEASE_TAG):].decode(errors="replace"), reason="read_done")
+
+    async def _expire_leases(self) -> None:
+        """Free leases that ran out unclaimed; a claimed one waits for its claim to expire."""
+        while True:
+            await anyio.sleep(_LEASE_SCAN_S)
+            now = time.time()
+            for token in [t for t, lease in self.leases.items() if lease.expires_at <= now]:
+                try:
+                    with translated():
+                        unclaimed = await self.redis.set(
+                            self.keys.claim(token), b"expired", nx=True, px=int(self.timeouts.claim * 1000)
+                        )
+                except ControlPlaneError as exc:
+                    log.warning("payload.lease_check_failed", error=exc.message)
+                    continue
+                if unclaimed:
+                    self._free(token, reason="lease_expired")
+
+    async def _serve_resends(self) -> None:
+        """Answer consumers that could not READ: send the bytes inline (or refuse), then free the slot."""
+        stream = self.keys.resend(self.name)
+        last = "$"
+        while True:
+            try:
+                with translated():
+                    reply = await self.redis.xread({stream: last}, block=1000, count=16)
+            except ControlPlaneError as exc:
+                log.warning("nixl.resend_read_failed", error=exc.message)
+                await anyio.sleep(0.5)
+                continue
+            for _s, entries in reply or []:
+                for eid, fields in entries:
+                    last = eid.decode()
+                    await self._answer_resend(fields)
+            with contextlib.suppress(ControlPlaneError), translated():
+                if reply:
+                    await self.redis.xtrim(stream, minid=last)
+
+    async def _answer_resend(self, fields: dict[bytes, bytes]) -> None:
+        token = fields.get(b"token", b"").decode(errors="replace")
+        action = fields.get(b"action", b"resend")
+        lease = self.leases.get(token)
+        if action != b"resend" or lease is None:
+            self._free(token, reason="dropped_by_consumer")
+            if action == b"resend":
+                await self._reply(token, b"")
+            return
+        blob = b""
+        if lease.nbytes <= self.config.inline_fallback_max_bytes:
+            blob = await anyio.to_thread.run_sync(_concat_regions, lease)
+        await self._reply(token, blob)
+        self._free(token, reason="resent_inline")
+
+    async def _reply(self, token: str, blob: bytes) -> None:
+        key = self.keys.resend_reply(token)
+        with contextlib.suppress(ControlPlaneError), translated():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.rpush(key, b"\x01" + blob if blob else b"\x00")
+                pipe.expire(key, int(self.timeouts.resend) + 5)
+                await pipe.execute()
+
+    # ------------------------------------------------------------------ consumer side
+
+    @contextlib.asynccontextmanager
+    async def get(self, ref: PayloadRef, blob: bytes | None, *, key: str) -> AsyncIterator[Incoming]:
+        slots: dict[DeviceKind, Slot] = {}
+        try:
+            incoming, slots = await self._fetch(ref, blob, key)
+            self._count_get(incoming)
+            yield incoming
+        finally:
+            if slots and self.pools is not None:
+                self.pools.release_all(slots)
+
+    async def _fetch(
+        self, ref: PayloadRef, blob: bytes | None, key: str
+    ) -> tuple[Incoming, dict[DeviceKind, Slot]]:
+        """The payload and the local slots it lives in (empty when it came inline)."""
+        if isinstance(ref, InlinePayload):
+            return await self.inline.decode(ref, blob), {}
+        if not isinstance(ref, NixlPayload):
+            raise ManifestError(f"cannot fetch a {ref.kind!r} payload", kind=ref.kind)
+        validate_manifest(ref.manifest, max_payload_bytes=self.config.max_payload_bytes)
+        if self.agent is None or self.pools is None:
+            return await self._resend_inline(ref, reason=self.unavailable_reason or "nixl_unavailable"), {}
+        started = time.perf_counter()
+        try:
+            peer = await self._ensure_peer(ref)
+        except HandshakeError as exc:
+            metrics.HANDSHAKE_FAILURES.labels(exc.code).inc()
+            log.warning("nixl.handshake_failed", key=key, error=exc.message)
+            return await self._resend_inline(ref, reason="handshake_failed"), {}
+        except TimeoutError:
+            metrics.HANDSHAKE_FAILURES.labels("timeout").inc()
+            return await self._resend_inline(ref, reason="handshake_timeout"), {}
+        validate_remote_regions(ref.manifest, ref.regions, peer.arenas)
+        await self._claim(ref)
+        try:
+            slots = await self.pools.acquire_regions(ref.manifest, timeout=self.timeouts.pool_wait)
+        except PoolExhaustedError:
+            return await self._resend_inline(ref, reason="pool_exhausted"), {}
+        try:
+            await self._read(ref, peer, slots)
+            payload = unpack(ref.manifest, {kind: slot.view for kind, slot in slots.items()}, copy=False)
+        except TransferError as exc:
+            self.pools.release_all(slots)
+            metrics.TRANSFER_FAILURES.labels(exc.code).inc()
+            log.warning("nixl.read_failed", key=key, error=exc.message, peer=peer.name)
+            if isinstance(exc, PeerDisconnectedError):
+                self._forget_peer(peer.name)
+            return await self._resend_inline(ref, reason="transfer_failed"), {}
+        except BaseException:
+            self.pools.release_all(slots)
+            raise
+        seconds = time.perf_counter() - started
+        return Incoming(payload=payload, transport=Transport.NIXL, nbytes=ref.manifest.total_bytes, seconds=seconds), slots
+
+    def _count_get(self, incoming: Incoming) -> None:
+        """Count a get; inline gets are counted by the inline connector's metrics already."""
+        self.counters.gets += 1
+        if incoming.transport is Transport.NIXL:
+            metrics.GETS.labels(Transport.NIXL.value).inc()
+            metrics.BYTES.labels("get", Transport.NIXL.value).inc(incoming.nbytes)
+            metrics.TRANSFER_SECONDS.labels(Transport.NIXL.value, "get").observe(incoming.seconds)
+
+    async def discard(self, ref: PayloadRef) -> None:
+        """Tell the producer that a payload will never be read (the request was settled meanwhile)."""
+        if isinstance(ref, NixlPayload):
+            with contextlib.suppress(ControlPlaneError), translated():
+                await self.redis.xadd(self.keys.resend(ref.agent), {"token": ref.token, "action": "drop"})
+
+    async def _ensure_peer(self, ref: NixlPayload) -> Peer:
+        """The producer's agent, loaded once per incarnation; metadata only from our own prefix."""
+        cached = self.peers.get(ref.agent)
+        if cached is not None and cached.incarnation == ref.incarnation:
+            return cached
+        async with self._peer_lock:
+            cached = self.peers.get(ref.agent)
+            if cached is not None and cached.incarnation == ref.incarnation:
+                return cached
+            if cached is not None:
+                self._forget_peer(ref.agent)
+            with anyio.fail_after(self.timeouts.handshake):
+                record = await self._agent_record(ref.agent)
+            if record is None:
+                raise PayloadUnavailableError("producer agent is gone", agent=ref.agent)
+            if record.get(b"name", b"").decode() != ref.agent or record.get(b"incarnation", b"").decode() != ref.incarnation:
+                raise PayloadUnavailableError("producer agent restarted since the put", agent=ref.agent)
+            metadata = record[b"metadata"]
+            if ref.agent_metadata_b64 is not None and base64.b64decode(ref.agent_metadata_b64) != metadata:
+                raise HandshakeError("envelope metadata differs from the registered agent", agent=ref.agent)
+            arenas = _parse_arenas(record.get(b"arenas", b"[]"))
+            assert self.agent is not None
+            try:
+                name = self.agent.add_remote(metadata)
+            except DataPlaneError as exc:
+                raise HandshakeError(f"cannot load agent {ref.agent}: {exc.message}", agent=ref.agent) from exc
+            if name != ref.agent:
+                self.agent.remove_remote(name)
+                raise HandshakeError("agent metadata names another agent", agent=ref.agent, metadata_name=name)
+            peer = Peer(name=name, incarnation=ref.incarnation, arenas=arenas)
+            self.peers[name] = peer
+            return peer
+
+    async def _agent_record(self, name: str) -> dict[bytes, bytes] | None:
+        with translated():
+            record = await self.redis.hgetall(self.keys.agent(name))
+        if not record or b"metadata" not in record:
+            return None
+        return record
+
+    def _forget_peer(self, name: str) -> None:
+        self.peers.pop(name, None)
+        if self.agent is not None:
+            self.agent.remove_remote(name)
+
+    async def _claim(self, ref: NixlPayload) -> None:
+        """Claim before reading, so the producer never frees the slot under our READ."""
+        with translated():
+            ok = await self.redis.set(
+                self.keys.claim(ref.token), self.name.encode(), nx=True, px=int(self.timeouts.claim * 1000)
+            )
+        if not ok:
+            raise PayloadUnavailableError("payload lease expired or already claimed", token=ref.token)
+
+    async def _read(self, ref: NixlPayload, peer: Peer, slots: dict[DeviceKind, Slot]) -> None:
+        """READ every non-empty region; the last READ carries the release notification."""
+        assert self.agent is not None
+        pairs = [(spec, remote) for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True) if spec.nbytes]
+        deadline = time.monotonic() + self.timeouts.transfer
+        for i, (spec, remote) in enumerate(pairs):
+            local = slots[spec.device]
+            notif = RELEASE_TAG + ref.token.encode() if i == len(pairs) - 1 else b""
+            handle = self.agent.start_read(
+                [(local.address, spec.nbytes, local.device_id)], _mem_kind(spec.device),
+                [(remote.address, remote.length, remote.device_id)], remote.mem_kind, peer.name, notif,
+            )
+            try:
+                await self._wait_done(handle, deadline)
+            finally:
+                self.agent.release(handle)
+        self.counters.reads += 1
+        if peer.name not in self._transport_logged:
+            self._transport_logged.add(peer.name)
+            transport = self.agent.transport_info(peer.name)
+            vram = any(r.mem_kind is MemKind.VRAM for r in ref.regions)
+            level = "warning" if vram and transport and "tcp" in transport.lower() else "info"
+            getattr(log, level)("nixl.transport", peer=peer.name, transport=transport or "unknown (set UCX_PROTO_INFO=y)")
+        if not pairs:  # zero-size payload: nothing to READ, release the producer explicitly
+            await self.discard(ref)
+
+    async def _wait_done(self, handle: object, deadline: float) -> None:
+        """Poll to completion: spin (yielding) briefly for small payloads, then sleep-poll."""
+        assert self.agent is not None
+        spins = 0
+        while self.agent.poll(handle) is not XferState.DONE:
+            if time.monotonic() > deadline:
+                raise TransferError("READ timed out", seconds=self.timeouts.transfer)
+            spins += 1
+            await anyio.sleep(0 if spins < 200 else 0.0005)
+
+    async def _resend_inline(self, ref: NixlPayload, *, reason: str) -> Incoming:
+        """Ask the producer to send the payload inline; it is gone if nobody answers in time."""
+        started = time.perf_counter()
+        reply_key = self.keys.resend_reply(ref.token)
+        with translated():
+            await self.redis.xadd(self.keys.resend(ref.agent), {"token": ref.token, "action": "resend"})
+            reply = await self.redis.blpop([reply_key], timeout=self.timeouts.resend)
+        if not reply or reply[1][:1] != b"\x01":
+            raise PayloadUnavailableError("producer could not resend the payload", reason=reason, agent=ref.agent)
+        metrics.FALLBACKS.labels(reason).inc()
+        self.counters.fallbacks[reason] = self.counters.fallbacks.get(reason, 0) + 1
+        log.warning("payload.inline_fallback", reason=reason, side="consumer")
+        inline_ref = InlinePayload(manifest=ref.manifest, blob_bytes=len(reply[1]) - 1, fallback_reason=reason)
+        incoming = await self.inline.decode(inline_ref, reply[1][1:])
+        return Incoming(
+            payload=incoming.payload, transport=Transport.INLINE, nbytes=incoming.nbytes,
+            seconds=time.perf_counter() - started, fallback_reason=reason,
+        )
+
+
+def _mem_kind(device: DeviceKind) -> MemKind:
+    return MemKind.VRAM if device is DeviceKind.CUDA else MemKind.DRAM
+
+
+def _concat_regions(lease: Lease) -> bytes:
+    """The slot bytes in manifest order (the inline form), for a resend."""
+    parts = [lease.slots[k].view.cpu().numpy().tobytes() for k in lease.order]
+    return b"".join(parts)
+
+
+def _parse_arenas(raw: bytes) -> tuple[RemoteRegion, ...]:
+    try:
+        items = json.loads(raw)
+        if not isinstance(items, list) or len(items) > 8:
+            raise ValueError("arenas must be a short list")
+        return tuple(RemoteRegion.model_validate(item) for item in items)
+    except ValueError as exc:
+        raise HandshakeError(f"agent record has invalid arenas: {exc}") from exc

@@ -1,0 +1,339 @@
+"""Bounded, pre-registered memory pools: where payloads wait for a READ, and where READs land.
+
+Each :class:`MemoryPool` allocates one uint8 tensor (host DRAM or one GPU's memory) at start-up and
+registers it with NIXL once; payload regions are slots carved out of it by :class:`ArenaAllocator`, so no
+request pays for memory registration.  A full pool is back-pressure: :meth:`MemoryPool.acquire` waits,
+bounded by a timeout, then raises :class:`~stageferry.errors.PoolExhaustedError`.
+
+Ownership: whoever acquires a slot must release it (the producer on READ notification or lease expiry,
+the consumer when its payload context exits).  Pools are single-threaded: call them from the event loop
+thread that owns them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import anyio
+import structlog
+import torch
+
+from stageferry.broker.metrics import POOL_BYTES_IN_USE
+from stageferry.config import DataPlaneConfig
+from stageferry.errors import ManifestError, PoolExhaustedError
+from stageferry.schemas.payload import MEM_KIND_OF, DeviceKind, Manifest, RemoteRegion
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_ALIGNMENT = 256
+"""Slot offsets are multiples of this: enough for any dtype view and for GPU copy engines."""
+
+
+class ArenaAllocator:
+    """First-fit over a sorted free list, coalescing neighbours on free; offsets only, no memory.
+
+    Sizes are rounded up to ``alignment`` (a zero-byte request still takes one unit, so every live slot
+    has its own offset).
+    """
+
+    def __init__(self, capacity: int, alignment: int) -> None:
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a positive power of two, got {alignment}")
+        if capacity < alignment:
+            raise ValueError(f"capacity {capacity} is smaller than one alignment unit ({alignment})")
+        self.capacity = capacity - capacity % alignment
+        self.alignment = alignment
+        self._free_offsets: list[int] = [0]  # sorted; parallel to _free_sizes
+        self._free_sizes: list[int] = [self.capacity]
+        self._live: dict[int, int] = {}  # offset -> rounded size
+        self._in_use = 0
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self._in_use
+
+    @property
+    def live(self) -> int:
+        return len(self._live)
+
+    def free_blocks(self) -> list[tuple[int, int]]:
+        """``(offset, size)`` of every free block, in address order (for tests and diagnostics)."""
+        return list(zip(self._free_offsets, self._free_sizes, strict=True))
+
+    def allocate(self, nbytes: int) -> int | None:
+        """The offset of a new block of at least ``nbytes``, or None when no free block is large enough."""
+        if nbytes < 0:
+            raise ValueError(f"cannot allocate {nbytes} bytes")
+        size = max(1, -(-nbytes // self.alignment)) * self.alignment
+        for i, free in enumerate(self._free_sizes):
+            if free >= size:
+                offset = self._free_offsets[i]
+                if free == size:
+                    del self._free_offsets[i], self._free_sizes[i]
+                else:
+                    self._free_offsets[i] += size
+                    self._free_sizes[i] -= size
+                self._live[offset] = size
+                self._in_use += size
+                return offset
+        return None
+
+    def free(self, offset: int) -> None:
+        """Return a block; ValueError for an offset that is not live (double free, or never allocated)."""
+        size = self._live.pop(offset, None)
+        if size is None:
+            raise ValueError(f"offset {offset} is not an allocated block")
+        self._in_use -= size
+        i = bisect.bisect_left(self._free_offsets, offset)
+        end = offset + size
+        if i < len(self._free_offsets) and self._free_offsets[i] == end:  # merge with the next block
+            size += self._free_sizes[i]
+            del self._free_offsets[i], self._free_sizes[i]
+        if i > 0 and self._free_offsets[i - 1] + self._free_sizes[i - 1] == offset:  # and the previous
+            self._free_sizes[i - 1] += size
+        else:
+            self._free_offsets.insert(i, offset)
+            self._free_sizes.insert(i, size)
+
+
+class Registrar(Protocol):
+    """Registers memory for remote access once; :class:`stageferry.broker.nixl_agent.NixlAgent` is one."""
+
+    def register(self, tensor: torch.Tensor) -> object:
+        """Register a contiguous tensor; the returned handle is what :meth:`deregister` takes."""
+        ...
+
+    def deregister(self, handle: object) -> None: ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Slot:
+    """One acquired region of a pool; ``view`` is exactly ``nbytes`` long and valid until released.
+
+    Identity matters (``eq=False``): a pool only frees the very slot object it handed out, so a stale
+    copy released twice cannot free someone else's reuse of the same offset.
+    """
+
+    kind: DeviceKind
+    offset: int
+    nbytes: int
+    view: torch.Tensor = field(repr=False)
+    address: int
+    device_id: int
+
+    def remote_region(self) -> RemoteRegion:
+        """The wire form of this slot, for a NIXL descriptor."""
+        return RemoteRegion(mem_kind=MEM_KIND_OF[self.kind], address=self.address, length=self.nbytes,
+                            device_id=self.device_id)
+
+
+class _Waiter:
+    __slots__ = ("event", "nbytes")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.event: anyio.Event | None = None
+
+
+class MemoryPool:
+    """One registered arena of one device kind, handing out slots first-come, first-served.
+
+    Waiters are served in FIFO order (a large request is not starved by a stream of small ones); the
+    price is that small requests queue behind a large one at the head, for at most their timeout.
+    """
+
+    def __init__(self, kind: DeviceKind, capacity: int, *, device: torch.device,
+                 registrar: Registrar | None, alignment: int = DEFAULT_ALIGNMENT) -> None:
+        if (device.type == "cuda") != (kind is DeviceKind.CUDA):
+            raise ValueError(f"a {kind} pool cannot live on {device}")
+        self.kind = kind
+        self._alloc = ArenaAllocator(capacity, alignment)
+        self._buffer = torch.empty(self._alloc.capacity, dtype=torch.uint8, device=device)
+        self.device_id = self._buffer.get_device() if kind is DeviceKind.CUDA else 0
+        self._registrar = registrar
+        self._handle = registrar.register(self._buffer) if registrar is not None else None
+        self._slots: dict[int, Slot] = {}
+        self._waiters: deque[_Waiter] = deque()
+        self._closed = False
+        log.info("pool.created", kind=kind.value, capacity=self.capacity, device=str(device),
+                 registered=registrar is not None)
+
+    @property
+    def capacity(self) -> int:
+        return self._alloc.capacity
+
+    @property
+    def slots_in_use(self) -> int:
+        return self._alloc.live
+
+    @property
+    def bytes_in_use(self) -> int:
+        """Bytes reserved, counting each slot's alignment padding."""
+        return self._alloc.bytes_in_use
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def arena(self) -> RemoteRegion:
+        """The whole registered arena, as producers advertise it (consumers check descriptors against it)."""
+        return RemoteRegion(mem_kind=MEM_KIND_OF[self.kind], address=self._buffer.data_ptr(),
+                            length=self.capacity, device_id=self.device_id)
+
+    async def acquire(self, nbytes: int, *, timeout: float) -> Slot:  # noqa: ASYNC109 - ends in a typed error
+        """A slot of ``nbytes``; waits up to ``timeout`` seconds for releases, then PoolExhaustedError.
+
+        A request larger than the pool fails at once.  Cancellation while waiting takes nothing.
+        """
+        if self._closed:
+            raise PoolExhaustedError("pool is closed", kind=self.kind.value)
+        if nbytes > self.capacity:
+            raise PoolExhaustedError("payload region larger than the whole pool", kind=self.kind.value,
+                                     nbytes=nbytes, capacity=self.capacity)
+        if not self._waiters:
+            slot = self._try_take(nbytes)
+            if slot is not None:
+                return slot
+        waiter = _Waiter(nbytes)
+        self._waiters.append(waiter)
+        try:
+            with anyio.move_on_after(timeout):
+                while not self._closed:
+                    if self._waiters[0] is waiter:
+                        slot = self._try_take(nbytes)
+                        if slot is not None:
+                            return slot
+                    waiter.event = anyio.Event()
+                    await waiter.event.wait()
+        finally:
+            self._waiters.remove(waiter)
+            self._wake_head()
+        log.warning("pool.exhausted", kind=self.kind.value, nbytes=nbytes, timeout=timeout,
+                    bytes_in_use=self.bytes_in_use, slots_in_use=self.slots_in_use, closed=self._closed)
+        why = "pool closed while waiting" if self._closed else "no pool slot freed in time"
+        raise PoolExhaustedError(why, kind=self.kind.value, nbytes=nbytes, timeout=timeout,
+                                 bytes_in_use=self.bytes_in_use, capacity=self.capacity)
+
+    def release(self, slot: Slot) -> bool:
+        """Free ``slot`` and wake the next waiter; True if freed.
+
+        Releasing a slot that is no longer live (already released, or from another pool) is ignored and
+        returns False: lease expiry and READ completion may both try, and only the first counts.
+        """
+        if self._slots.get(slot.offset) is not slot:
+            log.debug("pool.release.stale", kind=self.kind.value, offset=slot.offset)
+            return False
+        del self._slots[slot.offset]
+        self._alloc.free(slot.offset)
+        self._publish()
+        self._wake_head()
+        return True
+
+    def close(self) -> None:
+        """Deregister the arena (idempotent) and fail every waiter; live slots are reported, not freed."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.slots_in_use:
+            log.warning("pool.close.live_slots", kind=self.kind.value, slots=self.slots_in_use)
+        for waiter in self._waiters:
+            if waiter.event is not None:
+                waiter.event.set()
+        if self._registrar is not None:
+            self._registrar.deregister(self._handle)
+            self._handle = None
+        log.info("pool.closed", kind=self.kind.value)
+
+    def _try_take(self, nbytes: int) -> Slot | None:
+        offset = self._alloc.allocate(nbytes)
+        if offset is None:
+            return None
+        view = self._buffer[offset:offset + nbytes]
+        slot = Slot(kind=self.kind, offset=offset, nbytes=nbytes, view=view,
+                    address=self._buffer.data_ptr() + offset, device_id=self.device_id)
+        self._slots[offset] = slot
+        self._publish()
+        return slot
+
+    def _wake_head(self) -> None:
+        if self._waiters and self._waiters[0].event is not None:
+            self._waiters[0].event.set()
+
+    def _publish(self) -> None:
+        POOL_BYTES_IN_USE.labels(kind=self.kind.value).set(self.bytes_in_use)
+
+
+class PoolSet:
+    """One :class:`MemoryPool` per configured device kind; acquires a payload's regions all-or-nothing."""
+
+    def __init__(self, pools: Mapping[DeviceKind, MemoryPool]) -> None:
+        for kind, pool in pools.items():
+            if pool.kind is not kind:
+                raise ValueError(f"pool of kind {pool.kind} filed under {kind}")
+        self.pools: dict[DeviceKind, MemoryPool] = dict(pools)
+
+    @classmethod
+    def from_config(cls, config: DataPlaneConfig, *, registrar: Registrar | None,
+                    cuda_device: torch.device | None = None) -> PoolSet:
+        """CPU pool always; a CUDA pool when a GPU is present and ``gpu_pool_bytes`` > 0."""
+        pools = {DeviceKind.CPU: MemoryPool(DeviceKind.CPU, config.cpu_pool_bytes,
+                                            device=torch.device("cpu"), registrar=registrar)}
+        if config.gpu_pool_bytes > 0 and torch.cuda.is_available():
+            device = cuda_device or torch.device("cuda", torch.cuda.current_device())
+            pools[DeviceKind.CUDA] = MemoryPool(DeviceKind.CUDA, config.gpu_pool_bytes, device=device,
+                                                registrar=registrar)
+        return cls(pools)
+
+    @property
+    def capacity(self) -> int:
+        return sum(p.capacity for p in self.pools.values())
+
+    @property
+    def slots_in_use(self) -> int:
+        return sum(p.slots_in_use for p in self.pools.values())
+
+    @property
+    def bytes_in_use(self) -> int:
+        return sum(p.bytes_in_use for p in self.pools.values())
+
+    def arenas(self) -> list[RemoteRegion]:
+        return [p.arena() for p in self.pools.values()]
+
+    async def acquire_regions(
+        self, manifest: Manifest, *, timeout: float  # noqa: ASYNC109 - ends in PoolExhaustedError
+    ) -> dict[DeviceKind, Slot]:
+        """A slot for every region of ``manifest`` within ``timeout`` overall, or none at all.
+
+        On PoolExhaustedError, cancellation or any other failure, the slots already taken are released.
+        ManifestError if the manifest needs a kind this process has no pool for.
+        """
+        kinds = [r.device for r in manifest.regions]
+        if len(set(kinds)) != len(kinds):
+            raise ManifestError("two regions of the same device kind", devices=[k.value for k in kinds])
+        missing = [k.value for k in kinds if k not in self.pools]
+        if missing:
+            raise ManifestError("payload needs memory this process has no pool for", missing=missing)
+        deadline = anyio.current_time() + timeout
+        taken: dict[DeviceKind, Slot] = {}
+        try:
+            for region in manifest.regions:
+                remaining = max(0.0, deadline - anyio.current_time())
+                taken[region.device] = await self.pools[region.device].acquire(region.nbytes,
+                                                                               timeout=remaining)
+        except BaseException:
+            self.release_all(taken.values())
+            raise
+        return taken
+
+    def release_all(self, slots: Mapping[DeviceKind, Slot] | Iterable[Slot]) -> None:
+        """Release every slot (from :meth:`acquire_regions`, or any iterable); stale ones are ignored."""
+        for slot in slots.values() if isinstance(slots, Mapping) else slots:
+            self.pools[slot.kind].release(slot)
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()

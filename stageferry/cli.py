@@ -1,0 +1,344 @@
+"""The ``stageferry`` command: submit and follow jobs, read traces, run stage services or a whole pipeline.
+
+Global options (``--redis-url``, ``--prefix``, ``--pipeline``) override the ``STAGEFERRY_*`` environment.
+Expected errors (every :class:`StageferryError`) print one ``error [code]: message`` line on stderr and
+exit 1; stdout carries only results (request ids, JSON, tables), so that scripts can use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, ParamSpec, TypeVar
+
+import anyio
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+from stageferry.client import Client
+from stageferry.config import Settings
+from stageferry.console import error_line, follow, render_status
+from stageferry.errors import ConfigError, JobValidationError, StageferryError
+from stageferry.logs import configure_logging
+from stageferry.schemas import JobRequest, MediaInputs, RequestState, RequestStatus, Task
+from stageferry.trace import format_trace
+
+app = typer.Typer(
+    name="stageferry",
+    help="Disaggregated multimodal generation: Redis Streams control plane, NIXL data plane.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+stderr = Console(stderr=True)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class _Overrides:
+    redis_url: str | None
+    prefix: str | None
+    pipeline: Path | None
+
+
+@app.callback()
+def _global_options(
+    ctx: typer.Context,
+    redis_url: Annotated[str | None, typer.Option("--redis-url", help="Redis URL (env STAGEFERRY_REDIS_URL).")] = None,
+    prefix: Annotated[str | None, typer.Option("--prefix", help="Key prefix (env STAGEFERRY_PREFIX).")] = None,
+    pipeline: Annotated[
+        Path | None, typer.Option("--pipeline", help="Pipeline TOML file (env STAGEFERRY_PIPELINE).")
+    ] = None,
+) -> None:
+    ctx.obj = _Overrides(redis_url, prefix, pipeline)
+
+
+def _settings(ctx: typer.Context) -> Settings:
+    """Environment settings with the command line's overrides applied."""
+    given = ctx.obj if isinstance(ctx.obj, _Overrides) else _Overrides(None, None, None)
+    overrides = {k: v for k, v in dataclasses.asdict(given).items() if v is not None}
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(f"bad settings: {exc.errors(include_url=False)[0]['msg']}") from exc
+
+
+def _expected_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Turn expected errors into one line on stderr and a non-zero exit, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except StageferryError as exc:
+            typer.echo(error_line(exc), err=True)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _with_client(ctx: typer.Context, action: Callable[[Client], Awaitable[R]]) -> R:
+    """Run ``action`` with a client for the configured deployment, in a fresh event loop."""
+    settings = _settings(ctx)
+    configure_logging(fmt=settings.log_format, level=settings.log_level, service="cli")
+
+    async def run() -> R:
+        async with Client.from_settings(settings) as client:
+            return await action(client)
+
+    return anyio.run(run)
+
+
+def _print_status(status: RequestStatus) -> None:
+    typer.echo(status.model_dump_json(indent=2))
+
+
+# -- job options, shared by `submit` and `up` -------------------------------------------------------------
+
+TaskOpt = Annotated[Task | None, typer.Option("--task", help="t2va, fl2va or ref2va.")]
+PromptOpt = Annotated[str | None, typer.Option("--prompt")]
+WidthOpt = Annotated[int | None, typer.Option("--width")]
+HeightOpt = Annotated[int | None, typer.Option("--height")]
+FpsOpt = Annotated[int | None, typer.Option("--fps")]
+DurationOpt = Annotated[float | None, typer.Option("--duration", help="Seconds of video.")]
+StepsOpt = Annotated[int | None, typer.Option("--steps", help="num_inference_steps.")]
+SeedOpt = Annotated[int | None, typer.Option("--seed")]
+FlowShiftOpt = Annotated[float | None, typer.Option("--flow-shift")]
+AudioFlowShiftOpt = Annotated[float | None, typer.Option("--audio-flow-shift")]
+GuidanceOpt = Annotated[float | None, typer.Option("--guidance")]
+LoraOpt = Annotated[str | None, typer.Option("--lora", help="A configured LoRA adapter name.")]
+_MEDIA_HELP = "A path the encoder stage can read, or upload:LOCAL_FILE to upload the bytes."
+FirstFrameOpt = Annotated[str | None, typer.Option("--first-frame", help=_MEDIA_HELP)]
+LastFrameOpt = Annotated[str | None, typer.Option("--last-frame", help=_MEDIA_HELP)]
+RefVideoOpt = Annotated[str | None, typer.Option("--reference-video", help=_MEDIA_HELP)]
+RefAudioOpt = Annotated[str | None, typer.Option("--reference-audio", help=_MEDIA_HELP)]
+
+UPLOAD_SCHEME = "upload:"
+
+
+def build_job(
+    base: dict[str, Any], fields: dict[str, Any], media: dict[str, str | None]
+) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Job data from a base (``--json``) plus option overrides; media given as ``upload:`` become uploads."""
+    job = dict(base)
+    job.update({k: v.value if isinstance(v, Task) else v for k, v in fields.items() if v is not None})
+    job_media = dict(job.get("media") or {})
+    uploads: dict[str, Path] = {}
+    for name, value in media.items():
+        if value is None:
+            continue
+        if value.startswith(UPLOAD_SCHEME):
+            uploads[name] = Path(value.removeprefix(UPLOAD_SCHEME))
+        else:
+            job_media[name] = {"path": value}
+    if job_media:
+        job["media"] = job_media
+    return job, uploads
+
+
+def read_job_json(source: str | None) -> dict[str, Any]:
+    """``--json FILE`` (or ``-`` for stdin) as a dict; malformed input is a job validation error."""
+    if source is None:
+        return {}
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text()
+        data = json.loads(text)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {source}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise JobValidationError(
+            f"malformed JSON in {source}", [{"field": "job", "message": str(exc), "type": "json_invalid"}]
+        ) from exc
+    if not isinstance(data, dict):
+        raise JobValidationError(
+            "the job must be a JSON object", [{"field": "job", "message": "not an object", "type": "dict_type"}]
+        )
+    return data
+
+
+def _media(first: str | None, last: str | None, video: str | None, audio: str | None) -> dict[str, str | None]:
+    names = list(MediaInputs.model_fields)
+    return dict(zip(names, (first, last, video, audio), strict=True))
+
+
+# -- commands ------------------------------------------------------------------------------------------------
+
+
+@app.command()
+@_expected_errors
+def submit(
+    ctx: typer.Context,
+    task: TaskOpt = None,
+    prompt: PromptOpt = None,
+    width: WidthOpt = None,
+    height: HeightOpt = None,
+    fps: FpsOpt = None,
+    duration: DurationOpt = None,
+    steps: StepsOpt = None,
+    seed: SeedOpt = None,
+    flow_shift: FlowShiftOpt = None,
+    audio_flow_shift: AudioFlowShiftOpt = None,
+    guidance: GuidanceOpt = None,
+    lora: LoraOpt = None,
+    first_frame: FirstFrameOpt = None,
+    last_frame: LastFrameOpt = None,
+    reference_video: RefVideoOpt = None,
+    reference_audio: RefAudioOpt = None,
+    json_source: Annotated[str | None, typer.Option("--json", help="Job JSON file, or - for stdin.")] = None,
+    request_id: Annotated[str | None, typer.Option("--request-id")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Follow progress, then print the result.")] = False,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="With --wait: seconds.")] = None,
+) -> None:
+    """Submit a job; prints its request id (with --wait: follows it and prints the final status)."""
+    fields = {
+        "task": task, "prompt": prompt, "width": width, "height": height, "fps": fps, "duration": duration,
+        "num_inference_steps": steps, "seed": seed, "flow_shift": flow_shift,
+        "audio_flow_shift": audio_flow_shift, "guidance": guidance, "lora": lora,
+    }  # fmt: skip
+    job, uploads = build_job(
+        read_job_json(json_source), fields, _media(first_frame, last_frame, reference_video, reference_audio)
+    )
+
+    async def act(client: Client) -> RequestStatus | None:
+        rid = await client.submit(job, request_id=request_id, uploads=uploads)
+        typer.echo(rid)
+        if not wait:
+            return None
+        return await follow(client, rid, timeout=timeout, console=stderr)
+
+    status = _with_client(ctx, act)
+    if status is not None:
+        _print_status(status)
+        stderr.print(render_status(status), highlight=False)
+        if status.state is not RequestState.DONE:
+            raise typer.Exit(1)
+
+
+@app.command()
+@_expected_errors
+def status(ctx: typer.Context, request_id: str) -> None:
+    """Print a request's status as JSON."""
+    found = _with_client(ctx, lambda c: c.status(request_id))
+    if found is None:
+        typer.echo(f"error [not_found]: no request {request_id!r} (unknown or expired)", err=True)
+        raise typer.Exit(1)
+    _print_status(found)
+
+
+@app.command("wait")
+@_expected_errors
+def wait_cmd(
+    ctx: typer.Context,
+    request_id: str,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds.")] = None,
+) -> None:
+    """Block until the request ends; print its status (exit 1 unless it is done)."""
+    final = _with_client(ctx, lambda c: c.wait(request_id, timeout=timeout))
+    _print_status(final)
+    if final.state is not RequestState.DONE:
+        raise typer.Exit(1)
+
+
+@app.command()
+@_expected_errors
+def cancel(ctx: typer.Context, request_id: str) -> None:
+    """Cancel a request: it stops at the next stage boundary and ends as cancelled."""
+    if _with_client(ctx, lambda c: c.cancel(request_id)):
+        typer.echo(f"cancel requested for {request_id}")
+        return
+    typer.echo(f"error [not_cancellable]: {request_id} is unknown or already finished", err=True)
+    raise typer.Exit(1)
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of a job request (what the job field of a raw XADD must satisfy)."""
+    typer.echo(json.dumps(JobRequest.model_json_schema(), indent=2))
+
+
+@app.command()
+@_expected_errors
+def trace(ctx: typer.Context, request_id: str) -> None:
+    """Print a request's events across all services in time order, with per-hop timings and transports."""
+    events = _with_client(ctx, lambda c: c.trace(request_id))
+    if not events:
+        typer.echo(f"error [not_found]: no events for {request_id!r} (unknown or expired)", err=True)
+        raise typer.Exit(1)
+    typer.echo(format_trace(events))
+
+
+@app.command()
+@_expected_errors
+def serve(
+    ctx: typer.Context,
+    stage: str,
+    tp: Annotated[int | None, typer.Option("--tp", min=1, help="Override the stage's TP size.")] = None,
+) -> None:
+    """Run one replica of a stage service until SIGTERM/SIGINT."""
+    settings = _settings(ctx)
+    pipeline = settings.load_pipeline()
+    pipeline.stage(stage)  # an unknown stage is a config error before anything starts
+    from stageferry.stages.service import serve as serve_stage
+
+    anyio.run(functools.partial(serve_stage, settings, pipeline, stage, tp=tp))
+
+
+@app.command()
+@_expected_errors
+def up(
+    ctx: typer.Context,
+    task: TaskOpt = Task.T2VA,
+    prompt: PromptOpt = "a paper boat drifting down a rain-soaked street, rain drumming on tin roofs",
+    width: WidthOpt = 320,
+    height: HeightOpt = 192,
+    fps: FpsOpt = None,
+    duration: DurationOpt = None,
+    steps: StepsOpt = None,
+    seed: SeedOpt = None,
+    first_frame: FirstFrameOpt = None,
+    last_frame: LastFrameOpt = None,
+    reference_video: RefVideoOpt = None,
+    reference_audio: RefAudioOpt = None,
+    serve_forever: Annotated[bool, typer.Option("--serve", help="Keep running after the job, until Ctrl-C.")] = False,
+    startup_timeout: Annotated[float, typer.Option("--startup-timeout", help="Seconds for services.")] = 120.0,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds for the job.")] = 600.0,
+    log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Service logs (default <output_dir>/logs).")] = None,
+) -> None:
+    """Run the whole pipeline here (a private Redis if none is configured) and one job through it."""
+    settings = _settings(ctx)
+    if settings.pipeline is not None:  # the services run with the same file wherever they start
+        settings = settings.model_copy(update={"pipeline": settings.pipeline.resolve()})
+    configure_logging(fmt=settings.log_format, level=settings.log_level, service="up")
+    fields = {
+        "task": task, "prompt": prompt, "width": width, "height": height, "fps": fps, "duration": duration,
+        "num_inference_steps": steps, "seed": seed,
+    }  # fmt: skip
+    job, uploads = build_job({}, fields, _media(first_frame, last_frame, reference_video, reference_audio))
+    from stageferry.launcher import run_up
+
+    code = anyio.run(
+        functools.partial(
+            run_up, settings, job, uploads, serve=serve_forever, startup_timeout=startup_timeout,
+            job_timeout=timeout, log_dir=log_dir, console=stderr,
+        )
+    )  # fmt: skip
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    """Console entry point (``stageferry`` and ``python -m stageferry``)."""
+    app(prog_name="stageferry")
+
+
+__all__ = ["app", "build_job", "main", "read_job_json"]

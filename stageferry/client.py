@@ -1,0 +1,292 @@
+"""The Python client: submit jobs, wait for results, read status and traces.
+
+:class:`Client` is async (anyio, redis-py asyncio); :class:`SyncClient` runs one in a background
+event loop for synchronous callers.  Everything goes through :class:`RequestStore`, so a job submitted
+here and one enqueued with a raw ``XADD`` are the same to the stages.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar, cast
+
+import anyio
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+from pydantic import ValidationError
+
+from stageferry.broker.keys import Keys
+from stageferry.broker.redis_conn import BLOCK_MS, connect, translated
+from stageferry.broker.requests import RequestStore
+from stageferry.config import PipelineConfig, Settings
+from stageferry.errors import DeadlineExceededError, JobValidationError
+from stageferry.schemas import JobRequest, MediaInputs, RequestStatus
+from stageferry.schemas.job import REQUEST_ID_PATTERN
+from stageferry.schemas.validation import field_errors
+from stageferry.trace import TraceEvent, parse_events, parse_row
+
+#: Where clients connect when no ``STAGEFERRY_REDIS_URL`` is configured.
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+T = TypeVar("T")
+#: XREAD's reply, as redis-py returns it with ``decode_responses=False``.
+_XReadReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
+
+
+def new_request_id() -> str:
+    """A fresh request id, e.g. ``video_sync-9e35132f9fa268e8``."""
+    return f"video_sync-{uuid.uuid4().hex[:16]}"
+
+
+def validate_job(data: Mapping[str, Any]) -> JobRequest:
+    """A job from plain data, or :class:`JobValidationError` naming each bad field.
+
+    Only the schema is checked here; deployment limits (step cap, LoRA adapters, ...) are checked by
+    the first stage, which rejects the request with the same kind of field errors.
+    """
+    try:
+        return JobRequest.model_validate(data)
+    except ValidationError as exc:
+        errors = field_errors(exc)
+        summary = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+        raise JobValidationError(f"invalid job: {summary}", errors) from exc
+
+
+def with_upload_refs(data: Mapping[str, Any], upload_keys: Mapping[str, str]) -> dict[str, Any]:
+    """A copy of job ``data`` whose ``media.<name>`` points at each uploaded key."""
+    out = dict(data)
+    if upload_keys:
+        media = dict(out.get("media") or {})
+        media.update({name: {"upload_key": key} for name, key in upload_keys.items()})
+        out["media"] = media
+    return out
+
+
+class Client:
+    """Async client for one deployment (Redis URL, key prefix, pipeline)."""
+
+    def __init__(self, url: str, *, prefix: str = "sf", pipeline: PipelineConfig | None = None) -> None:
+        self.url = url
+        self.keys = Keys(prefix)
+        self.pipeline = pipeline or PipelineConfig()
+        self.redis = connect(url)
+        retention = self.pipeline.retention
+        self.store = RequestStore(
+            self.redis, self.keys, ttl_s=retention.request_ttl_s, events_maxlen=retention.events_maxlen
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Client:
+        """A client for the configured deployment (``STAGEFERRY_REDIS_URL``/``PREFIX``/``PIPELINE``)."""
+        return cls(settings.redis_url or DEFAULT_REDIS_URL, prefix=settings.prefix, pipeline=settings.load_pipeline())
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.redis.aclose()
+
+    async def submit(
+        self,
+        job: JobRequest | Mapping[str, Any],
+        *,
+        request_id: str | None = None,
+        uploads: Mapping[str, bytes | Path] | None = None,
+        upload_ttl_s: int = 3600,
+    ) -> str:
+        """Validate, upload media, enqueue on the first stage; the request id.
+
+        Submitting an id that is already known enqueues nothing (and uploads nothing) and returns it.
+        """
+        rid = request_id or new_request_id()
+        if not re.fullmatch(REQUEST_ID_PATTERN, rid):
+            raise JobValidationError(
+                f"invalid request id {rid!r}",
+                [{"field": "request_id", "message": f"must match {REQUEST_ID_PATTERN}", "type": "pattern"}],
+            )
+        data = job.model_dump(mode="json") if isinstance(job, JobRequest) else dict(job)
+        blobs = await self._read_uploads(uploads or {})
+        checked = validate_job(with_upload_refs(data, {name: self.keys.upload(rid, name) for name in blobs}))
+        if await self.store.get(rid) is not None:
+            return rid
+        if blobs:
+            with translated():
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for name, blob in blobs.items():
+                        pipe.set(self.keys.upload(rid, name), blob, ex=upload_ttl_s)
+                    await pipe.execute()
+        first = self.pipeline.stages[0].name
+        await self.store.submit(rid, checked, first, stream_maxlen=self.pipeline.retention.stream_maxlen)
+        return rid
+
+    async def _read_uploads(self, uploads: Mapping[str, bytes | Path]) -> dict[str, bytes]:
+        limit = self.pipeline.limits.max_upload_bytes
+        blobs: dict[str, bytes] = {}
+        for name, source in uploads.items():
+            field = f"media.{name}"
+            if name not in MediaInputs.model_fields:
+                raise JobValidationError(
+                    f"unknown media input {name!r}",
+                    [{"field": field, "message": "no such media input", "type": "unknown_media"}],
+                )
+            try:
+                blob = source if isinstance(source, bytes) else await anyio.Path(source).read_bytes()
+            except OSError as exc:
+                raise JobValidationError(
+                    f"cannot read upload {source!s}: {exc.strerror}",
+                    [{"field": field, "message": str(exc), "type": "unreadable_upload"}],
+                ) from exc
+            if len(blob) > limit:
+                raise JobValidationError(
+                    f"upload {name} is {len(blob)} bytes, above the limit of {limit}",
+                    [{"field": field, "message": f"larger than {limit} bytes", "type": "upload_too_large"}],
+                )
+            blobs[name] = blob
+        return blobs
+
+    async def wait(self, request_id: str, *, timeout: float | None = None) -> RequestStatus:
+        """Block until the request is terminal (:class:`DeadlineExceededError` after ``timeout``)."""
+        return await self.store.wait(request_id, timeout=timeout)
+
+    async def status(self, request_id: str) -> RequestStatus | None:
+        return await self.store.get(request_id)
+
+    async def cancel(self, request_id: str) -> bool:
+        """Ask the stages to stop the request at their next boundary; False if unknown or finished."""
+        return await self.store.request_cancel(request_id)
+
+    async def trace(self, request_id: str) -> list[TraceEvent]:
+        """The request's events across all services, in time order."""
+        return parse_events(await self.store.events(request_id))
+
+    async def result_bytes(self, request_id: str) -> bytes | None:
+        """The stored result (e.g. the MP4), if the last stage stored it in Redis."""
+        with translated():
+            value = await self.redis.get(self.keys.result(request_id))
+        return value if value is None or isinstance(value, bytes) else str(value).encode()
+
+    async def watch(self, request_id: str, *, timeout: float | None = None) -> AsyncIterator[TraceEvent]:
+        """Yield the request's events as they arrive (blocking reads), ending after a terminal status.
+
+        :class:`DeadlineExceededError` if it is not terminal within ``timeout`` seconds.
+        """
+        key = self.keys.events(request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last_id = "0-0"
+        while True:
+            block = BLOCK_MS
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceededError("timed out waiting for the result", request_id=request_id)
+                block = max(1, min(BLOCK_MS, int(remaining * 1000)))
+            with translated():
+                reply = cast(_XReadReply, await self.redis.xread({key: last_id}, block=block, count=100))
+            for _stream, rows in reply or []:
+                for raw_id, raw_fields in rows:
+                    last_id = raw_id.decode()
+                    fields = {k.decode(): v.decode(errors="replace") for k, v in raw_fields.items()}
+                    event = parse_row(last_id, fields)
+                    if event is None:
+                        continue
+                    yield event
+                    status = event.status
+                    if status is not None and status.state.terminal:
+                        return
+            if not reply:  # a quiet spell: the events may have expired while the request ended
+                current = await self.status(request_id)
+                if current is not None and current.state.terminal:
+                    return
+
+    async def wait_with_events(
+        self,
+        request_id: str,
+        on_event: Callable[[TraceEvent], None],
+        *,
+        timeout: float | None = None,
+    ) -> RequestStatus:
+        """Like :meth:`wait`, calling ``on_event`` for each event on the way (progress displays)."""
+        async for event in self.watch(request_id, timeout=timeout):
+            on_event(event)
+        return await self.wait(request_id, timeout=BLOCK_MS / 1000)
+
+
+class SyncClient:
+    """Blocking facade over :class:`Client`: one event loop in a background thread, one call at a time."""
+
+    def __init__(self, url: str, *, prefix: str = "sf", pipeline: PipelineConfig | None = None) -> None:
+        self._portal_cm: AbstractContextManager[BlockingPortal] | None = start_blocking_portal()
+        self._portal = self._portal_cm.__enter__()
+        self._client: Client = self._portal.call(lambda: Client(url, prefix=prefix, pipeline=pipeline))
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> SyncClient:
+        return cls(settings.redis_url or DEFAULT_REDIS_URL, prefix=settings.prefix, pipeline=settings.load_pipeline())
+
+    def _call(self, fn: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        return self._portal.call(fn)
+
+    def submit(
+        self,
+        job: JobRequest | Mapping[str, Any],
+        *,
+        request_id: str | None = None,
+        uploads: Mapping[str, bytes | Path] | None = None,
+        upload_ttl_s: int = 3600,
+    ) -> str:
+        client = self._client
+        return self._call(lambda: client.submit(job, request_id=request_id, uploads=uploads, upload_ttl_s=upload_ttl_s))
+
+    def wait(self, request_id: str, *, timeout: float | None = None) -> RequestStatus:
+        return self._call(lambda: self._client.wait(request_id, timeout=timeout))
+
+    def status(self, request_id: str) -> RequestStatus | None:
+        return self._call(lambda: self._client.status(request_id))
+
+    def cancel(self, request_id: str) -> bool:
+        return self._call(lambda: self._client.cancel(request_id))
+
+    def trace(self, request_id: str) -> list[TraceEvent]:
+        return self._call(lambda: self._client.trace(request_id))
+
+    def result_bytes(self, request_id: str) -> bytes | None:
+        return self._call(lambda: self._client.result_bytes(request_id))
+
+    def close(self) -> None:
+        """Close the connection and stop the background loop; idempotent."""
+        if self._portal_cm is None:
+            return
+        try:
+            self._call(self._client.aclose)
+        finally:
+            cm, self._portal_cm = self._portal_cm, None
+            cm.__exit__(None, None, None)
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+__all__ = [
+    "DEFAULT_REDIS_URL",
+    "Client",
+    "SyncClient",
+    "new_request_id",
+    "validate_job",
+    "with_upload_refs",
+]

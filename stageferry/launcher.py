@@ -1,0 +1,208 @@
+"""``stageferry up``: the whole pipeline on one machine — Redis, one service per stage, one job.
+
+With no Redis configured a private one is started for the run.  Each stage runs as its own
+``python -m stageferry serve <stage>`` process (own session, logs in ``<log_dir>/<stage>.log``), as it
+would in a deployment; ``up`` waits until every stage has a live worker heartbeat, submits the job,
+shows its progress, prints where the output is with each hop's transport and each stage's time, then
+stops everything in order: services (SIGTERM, SIGKILL after a bound), then Redis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import anyio
+import redis.asyncio as aioredis
+from anyio.abc import Process
+from rich.console import Console
+
+from stageferry.broker.keys import Keys
+from stageferry.broker.redis_conn import translated
+from stageferry.client import Client, validate_job, with_upload_refs
+from stageferry.config import Settings
+from stageferry.console import follow, render_status
+from stageferry.embedded_redis import EmbeddedRedis
+from stageferry.errors import StageFailedError
+from stageferry.schemas import RequestState
+
+#: A worker counts as live when its heartbeat is at most this old.
+FRESH_HEARTBEAT_S = 10.0
+
+
+def live_replicas(heartbeats: Mapping[bytes | str, bytes | str], *, now: float, fresh_s: float) -> list[str]:
+    """Replicas in a ``workers`` hash whose heartbeat (unix seconds) is newer than ``fresh_s``."""
+    live = []
+    for name, value in heartbeats.items():
+        try:
+            beat = float(value)
+        except ValueError:
+            continue
+        if now - beat <= fresh_s:
+            live.append(name.decode() if isinstance(name, bytes) else name)
+    return live
+
+
+class ServiceGroup:
+    """Child service processes, each in its own session (so its TP followers stop with it)."""
+
+    def __init__(self, env: Mapping[str, str], log_dir: Path, *, stop_timeout: float = 15.0) -> None:
+        self._env = dict(env)
+        self.log_dir = log_dir
+        self._stop_timeout = stop_timeout
+        self._procs: dict[str, Process] = {}
+        self._logs: list[IO[Any]] = []
+        self._stopping = False
+        self.failure: StageFailedError | None = None
+
+    async def start(self, name: str, argv: Sequence[str]) -> None:
+        log_file = await anyio.to_thread.run_sync(self._open_log, name)
+        self._procs[name] = await anyio.open_process(
+            list(argv), stdin=None, stdout=log_file, stderr=log_file, env=self._env, start_new_session=True
+        )
+
+    def _open_log(self, name: str) -> IO[Any]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_file = open(self.log_path(name), "ab")  # noqa: SIM115 - closed in stop()
+        self._logs.append(log_file)
+        return log_file
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def log_tail(self, name: str, lines: int = 5) -> str:
+        try:
+            text = self.log_path(name).read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+    async def watch(self, name: str, on_exit: anyio.CancelScope) -> None:
+        """Wait for ``name`` to exit; an exit before :meth:`stop` records a failure and cancels ``on_exit``."""
+        code = await self._procs[name].wait()
+        if not self._stopping:
+            self.failure = StageFailedError(
+                f"service {name} exited with code {code}; see {self.log_path(name)}:\n{self.log_tail(name)}",
+                service=name,
+                returncode=code,
+            )
+            on_exit.cancel()
+
+    async def stop(self) -> None:
+        """SIGTERM every service's process group, wait, SIGKILL what is left; shielded."""
+        self._stopping = True
+        with anyio.CancelScope(shield=True):
+            for proc in self._procs.values():
+                _signal_group(proc, signal.SIGTERM)
+            with anyio.move_on_after(self._stop_timeout):
+                for proc in self._procs.values():
+                    await proc.wait()
+            for proc in self._procs.values():
+                if proc.returncode is None:
+                    _signal_group(proc, signal.SIGKILL)
+                    await proc.wait()
+                await proc.aclose()
+            for log_file in self._logs:
+                log_file.close()
+
+
+def _signal_group(proc: Process, signum: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signum)
+
+
+async def wait_for_workers(redis: aioredis.Redis, keys: Keys, stages: Sequence[str], *, timeout: float) -> None:
+    """Return once every stage has a live worker; :class:`StageFailedError` naming those without."""
+    deadline = time.monotonic() + timeout
+    missing = list(stages)
+    while True:
+        with translated():
+            hashes = [await redis.hgetall(keys.workers(stage)) for stage in stages]  # type: ignore[misc]
+        now = time.time()
+        missing = [
+            s for s, h in zip(stages, hashes, strict=True) if not live_replicas(h, now=now, fresh_s=FRESH_HEARTBEAT_S)
+        ]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise StageFailedError(f"no live worker after {timeout:.0f}s for: {', '.join(missing)}", stages=missing)
+        await anyio.sleep(0.2)
+
+
+async def run_up(
+    settings: Settings,
+    job: dict[str, Any],
+    uploads: Mapping[str, Path],
+    *,
+    serve: bool,
+    startup_timeout: float,
+    job_timeout: float | None,
+    log_dir: Path | None,
+    console: Console,
+) -> int:
+    """Run the pipeline and one job; the exit status (0 done, 1 not done, 130 interrupted)."""
+    pipeline = settings.load_pipeline()
+    validate_job(with_upload_refs(job, {name: "precheck" for name in uploads}))
+    exit_code = 1
+    async with contextlib.AsyncExitStack() as stack:
+        url = settings.redis_url
+        if url is None:
+            redis_server = await stack.enter_async_context(EmbeddedRedis())
+            url = redis_server.url
+            console.print(f"redis: private server at {url} (stopped on exit)")
+        env = {
+            **os.environ,
+            "STAGEFERRY_REDIS_URL": url,
+            "STAGEFERRY_PREFIX": settings.prefix,
+            "STAGEFERRY_LOG_FORMAT": "json",
+            "STAGEFERRY_LOG_LEVEL": settings.log_level,
+        }
+        if settings.pipeline is not None:
+            env["STAGEFERRY_PIPELINE"] = str(settings.pipeline)  # made absolute by the caller
+        services = ServiceGroup(env, log_dir or Path(pipeline.output_dir) / "logs")
+        stack.push_async_callback(services.stop)
+        client = await stack.enter_async_context(Client(url, prefix=settings.prefix, pipeline=pipeline))
+        interrupted = False
+        async with anyio.create_task_group() as tg:
+
+            async def on_signal() -> None:
+                nonlocal interrupted
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        interrupted = True
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(on_signal)
+            for stage in pipeline.stages:
+                argv = [sys.executable, "-m", "stageferry", "serve", stage.name]
+                await services.start(stage.name, argv)
+                tg.start_soon(services.watch, stage.name, tg.cancel_scope)
+            console.print(f"services: {', '.join(s.name for s in pipeline.stages)} (logs in {services.log_dir})")
+            await wait_for_workers(
+                client.redis, client.keys, [s.name for s in pipeline.stages], timeout=startup_timeout
+            )
+            request_id = await client.submit(job, uploads=uploads)
+            console.print(f"submitted {request_id}")
+            status = await follow(client, request_id, timeout=job_timeout, console=console)
+            print(render_status(status))
+            exit_code = 0 if status.state is RequestState.DONE else 1
+            if serve:
+                console.print(f"serving at {url} with prefix {settings.prefix!r}; Ctrl-C to stop")
+                await anyio.sleep_forever()
+            tg.cancel_scope.cancel()
+        if services.failure is not None:
+            raise services.failure
+        if interrupted:
+            console.print("interrupted: stopping services")
+            exit_code = 130 if not serve else exit_code
+    return exit_code
+
+
+__all__ = ["FRESH_HEARTBEAT_S", "ServiceGroup", "live_replicas", "run_up", "wait_for_workers"]

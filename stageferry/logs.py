@@ -1,0 +1,214 @@
+"""Structured logging: one configuration function, request context, and forwarding to Redis.
+
+* :func:`configure_logging` is the only function that changes structlog's global configuration: JSON
+  lines for services, a pretty console on a TTY; ISO UTC timestamps; ``service`` and ``pid`` on every
+  event.
+* :func:`bound_request` binds ``request_id`` (and ``key``, ``stage``, ``rank``) to every event logged
+  inside it, through :mod:`structlog.contextvars`, so concurrent requests never mix their context.
+* :func:`forward_to_sink` (a processor in the configured chain) copies each event that carries a
+  ``request_id`` into a bounded in-memory queue — dropping the oldest, and counting the drops, when it
+  is full, so that a logging call never blocks or awaits.  The process's one :class:`EventSink` drains
+  that queue into the request's events stream (``RequestStore.append_event``), which ``stageferry
+  trace`` reads.  With no sink running, nothing is queued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import os
+import sys
+import threading
+from collections import deque
+from collections.abc import Iterator, MutableMapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+
+from stageferry.errors import ConfigError, StageferryError
+
+if TYPE_CHECKING:
+    from stageferry.broker.requests import RequestStore
+
+LogFormat = Literal["auto", "json", "console"]
+
+#: Events held for the sink at most; beyond this the oldest are dropped (and counted).
+QUEUE_MAX_EVENTS = 10_000
+
+log = structlog.get_logger(__name__)
+
+
+def configure_logging(*, fmt: LogFormat = "auto", level: str = "info", service: str) -> None:
+    """Configure structlog for this process; ``fmt="auto"`` is console on a TTY, JSON lines otherwise."""
+    level_no = logging.getLevelNamesMapping().get(level.upper())
+    if level_no is None:
+        raise ConfigError(f"unknown log level {level!r}", level=level)
+    use_console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+
+    def add_service(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+        event.setdefault("service", service)
+        event.setdefault("pid", os.getpid())  # per event: forked children report their own
+        return event
+
+    processors: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        add_service,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+        forward_to_sink,
+    ]
+    if use_console:
+        processors.append(structlog.dev.ConsoleRenderer())
+    else:
+        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(level_no),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+@contextlib.contextmanager
+def bound_request(
+    request_id: str, *, key: str | None = None, stage: str | None = None, rank: int | None = None
+) -> Iterator[None]:
+    """Bind a request's identity to every event logged inside the block (and in tasks started in it)."""
+    fields: dict[str, Any] = {"request_id": request_id, "key": key, "stage": stage, "rank": rank}
+    with structlog.contextvars.bound_contextvars(**{k: v for k, v in fields.items() if v is not None}):
+        yield
+
+
+class _EventQueue:
+    """Bounded, thread-safe FIFO of ``(request_id, event)``; full means the oldest is dropped."""
+
+    def __init__(self, maxlen: int = QUEUE_MAX_EVENTS) -> None:
+        self._items: deque[tuple[str, dict[str, Any]]] = deque()
+        self._maxlen = maxlen
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    def put(self, request_id: str, event: dict[str, Any]) -> None:
+        with self._lock:
+            if len(self._items) >= self._maxlen:
+                self._items.popleft()
+                self.dropped += 1
+            self._items.append((request_id, event))
+
+    def take(self, limit: int) -> list[tuple[str, dict[str, Any]]]:
+        with self._lock:
+            n = min(limit, len(self._items))
+            return [self._items.popleft() for _ in range(n)]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_queue = _EventQueue()
+_active_sink: EventSink | None = None
+_sink_lock = threading.Lock()
+#: True inside the sink's own task, so that its own log lines are never forwarded back to itself.
+_inside_sink: contextvars.ContextVar[bool] = contextvars.ContextVar("stageferry_inside_sink", default=False)
+
+
+def forward_to_sink(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Processor: queue a copy of events that carry ``request_id``, when a sink is running."""
+    request_id = event.get("request_id")
+    if request_id is None or _active_sink is None or _inside_sink.get():
+        return event
+    copy = dict(event)
+    if copy.get("exc_info"):
+        copy = dict(structlog.processors.format_exc_info(None, "", copy))
+    copy.pop("exc_info", None)
+    _queue.put(str(request_id), copy)
+    return event
+
+
+class EventSink:
+    """Drains forwarded events into each request's events stream; one per process.
+
+    Start it with ``await tg.start(sink.run)``; while it runs, events carrying ``request_id`` are
+    queued and written every ``interval`` seconds.  On cancellation it flushes what is left (shielded,
+    for at most ``final_flush_s``), then unregisters.  Write failures drop the batch and count it in
+    :attr:`dropped` rather than stall the service: the trace is diagnostics, not the result.
+    """
+
+    def __init__(
+        self,
+        store: RequestStore,
+        *,
+        interval: float = 0.05,
+        batch_size: int = 500,
+        final_flush_s: float = 2.0,
+    ) -> None:
+        self._store = store
+        self._interval = interval
+        self._batch_size = batch_size
+        self._final_flush_s = final_flush_s
+        self._write_drops = 0
+
+    @property
+    def dropped(self) -> int:
+        """Events lost so far: queue overflow (process-wide) plus failed writes of this sink."""
+        return _queue.dropped + self._write_drops
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Register as the process's sink and flush periodically until cancelled."""
+        _register(self)
+        token = _inside_sink.set(True)
+        try:
+            task_status.started()
+            while True:
+                await anyio.sleep(self._interval)
+                await self.flush()
+        finally:
+            with anyio.move_on_after(self._final_flush_s, shield=True):
+                await self.flush()
+            _unregister(self)
+            _inside_sink.reset(token)
+
+    async def flush(self) -> None:
+        """Write every queued event now, oldest first."""
+        token = _inside_sink.set(True)
+        try:
+            while batch := _queue.take(self._batch_size):
+                await self._write(batch)
+        finally:
+            _inside_sink.reset(token)
+
+    async def _write(self, batch: list[tuple[str, dict[str, Any]]]) -> None:
+        for i, (request_id, event) in enumerate(batch):
+            try:
+                await self._store.append_event(request_id, event)
+            except StageferryError as exc:
+                lost = len(batch) - i
+                self._write_drops += lost
+                log.warning("logs.forward_failed", error=str(exc), dropped=lost)
+                return
+
+
+def _register(sink: EventSink) -> None:
+    global _active_sink
+    with _sink_lock:
+        if _active_sink is not None and _active_sink is not sink:
+            raise RuntimeError("an EventSink is already running in this process")
+        _queue.clear()
+        _active_sink = sink
+
+
+def _unregister(sink: EventSink) -> None:
+    global _active_sink
+    with _sink_lock:
+        if _active_sink is sink:
+            _active_sink = None
+
+
+__all__ = ["EventSink", "LogFormat", "bound_request", "configure_logging", "forward_to_sink"]

@@ -1,0 +1,56 @@
+"""The stage-to-stage envelope: the only thing besides small fields that a stage stream entry holds.
+
+Wire format of a stage stream entry (all fields are bytes on the wire):
+
+* ``request_id`` — the request id (also inside the envelope, must match);
+* ``job`` — JSON :class:`~stageferry.schemas.job.JobRequest` (entries written by clients), *or*
+* ``envelope`` — JSON :class:`Envelope` (entries written by a stage), plus
+* ``blob`` — only for an inline payload: the payload's regions, concatenated.
+
+Schema version history:
+  1 — first version.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from stageferry.schemas.job import Frozen, JobRequest, RequestId
+from stageferry.schemas.payload import NoPayload, PayloadRef
+from stageferry.schemas.status import StageTiming
+
+ENVELOPE_VERSION = 1
+StageName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
+
+
+def request_key(request_id: str, from_stage_index: int, chunk: int = 0) -> str:
+    """The data-plane key of a hop, e.g. ``video_sync-9e35132f9fa268e8-816c22ca_0_0``."""
+    return f"{request_id}_{from_stage_index}_{chunk}"
+
+
+class TraceContext(Frozen):
+    """What follows a request across hops so that its trace can be stitched together."""
+
+    submitted_at: float = Field(default_factory=time.time)
+    hop_started_at: float = Field(default_factory=time.time)
+    recomputes: Annotated[int, Field(ge=0, le=100)] = 0
+    force_inline: bool = False
+    timings: Annotated[list[StageTiming], Field(max_length=64)] = Field(default_factory=list)
+
+
+class Envelope(Frozen):
+    """A request handed from one stage to the next."""
+
+    schema_version: Literal[1] = ENVELOPE_VERSION
+    request_id: RequestId
+    key: Annotated[str, Field(max_length=200)]
+    from_stage: StageName
+    to_stage: StageName
+    job: JobRequest
+    payload: PayloadRef = NoPayload()
+    attempt: Annotated[int, Field(ge=0, le=100)] = 0
+    deadline: float | None = None
+    trace: TraceContext = Field(default_factory=TraceContext)

@@ -1,0 +1,115 @@
+"""The job request: what a client enqueues, validated before any work is done.
+
+Bounds here are the hard, schema-level ones that any deployment shares; deployment-specific checks
+(configured LoRA adapters, the step cap, upload prefix and sizes) live in
+:func:`stageferry.schemas.validation.check_job_against_limits`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+MAX_PROMPT_CHARS = 8192
+SIZE_MULTIPLE = 16
+
+RequestId = Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
+
+
+def _field_error(field: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_combination", message, {"field": field})
+
+
+class Task(enum.StrEnum):
+    """Which conditioning the job carries."""
+
+    T2VA = "t2va"  #: text → video + audio
+    FL2VA = "fl2va"  #: first/last frame (+ text) → video + audio
+    REF2VA = "ref2va"  #: reference video and/or audio (+ text) → video + audio
+
+
+class Frozen(BaseModel):
+    """Base of every wire model: unknown fields are an error, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=65_536)
+
+
+class MediaRef(Frozen):
+    """A media input: a path the encoder stage can read, or bytes a client uploaded to a Redis key.
+
+    Media bytes never ride inside the stream entry; an upload key lives under the deployment's prefix
+    (checked against the configuration) and has a TTL set by the uploader.
+    """
+
+    path: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    upload_key: Annotated[str, Field(min_length=1, max_length=512, pattern=r"^[\x21-\x7e]+$")] | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> Self:
+        if (self.path is None) == (self.upload_key is None):
+            raise ValueError("give exactly one of 'path' or 'upload_key'")
+        return self
+
+
+class MediaInputs(Frozen):
+    """Media a task needs; which are required depends on the task."""
+
+    first_frame: MediaRef | None = None
+    last_frame: MediaRef | None = None
+    reference_video: MediaRef | None = None
+    reference_audio: MediaRef | None = None
+
+
+class JobRequest(Frozen):
+    """One generation job. Every field is bounded; see ``stageferry schema`` for the JSON Schema."""
+
+    task: Task = Task.T2VA
+    prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
+    negative_prompt: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] = ""
+    width: Annotated[int, Field(ge=64, le=2048)] = 1344
+    height: Annotated[int, Field(ge=64, le=2048)] = 768
+    fps: Annotated[int, Field(ge=1, le=60)] = 24
+    duration: Annotated[float, Field(gt=0.0, le=30.0)] | None = None
+    num_frames: Annotated[int, Field(ge=1, le=1024)] | None = None
+    num_inference_steps: Annotated[int, Field(ge=1, le=200)] = 8
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
+    flow_shift: Annotated[float, Field(ge=0.1, le=32.0)] = 5.0
+    audio_flow_shift: Annotated[float, Field(ge=0.1, le=32.0)] = 3.0
+    guidance: Annotated[float, Field(ge=0.0, le=30.0)] = 5.0
+    lora: Annotated[str, Field(pattern=ADAPTER_NAME_PATTERN)] | None = None
+    media: MediaInputs = MediaInputs()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        """Cross-field rules; each error names its field (``ctx.field``) for the rejection."""
+        if self.duration is not None and self.num_frames is not None:
+            raise _field_error("num_frames", "give 'duration' or 'num_frames', not both")
+        for name, value in (("width", self.width), ("height", self.height)):
+            if value % SIZE_MULTIPLE:
+                raise _field_error(name, f"{name} must be a multiple of {SIZE_MULTIPLE}, got {value}")
+        if max(self.width, self.height) > 4 * min(self.width, self.height):
+            raise _field_error("width", "aspect ratio beyond 4:1 is not supported")
+        media = self.media
+        if self.task is Task.FL2VA:
+            for name in ("first_frame", "last_frame"):
+                if getattr(media, name) is None:
+                    raise _field_error(f"media.{name}", f"fl2va needs media.{name}")
+        if self.task is Task.REF2VA and media.reference_video is None and media.reference_audio is None:
+            raise _field_error("media.reference_video", "ref2va needs media.reference_video and/or reference_audio")
+        if self.task is Task.T2VA:
+            for name in MediaInputs.model_fields:
+                if getattr(media, name) is not None:
+                    raise _field_error(f"media.{name}", "t2va takes no media inputs")
+        return self
+
+    @property
+    def frame_count(self) -> int:
+        """Frames to generate: ``num_frames`` if given, else ``duration × fps`` (default 2 s)."""
+        if self.num_frames is not None:
+            return self.num_frames
+        return max(1, round((self.duration if self.duration is not None else 2.0) * self.fps))

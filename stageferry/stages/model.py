@@ -1,0 +1,70 @@
+"""The stage model interface: what a deployment plugs in with ``module:factory``.
+
+A factory is called once per rank at start-up as ``factory(stage=StageConfig, pipeline=PipelineConfig)``
+and returns a :class:`StageModel`.  The model is called on every rank of the stage group, in a worker
+thread (never on the event loop), with the validated job and the payload the previous stage produced
+(``None`` for the first stage).  It returns the next stage's payload — a nested structure of tensors
+and plain values — or, on the last stage, a :class:`FinalOutput`.  Only the leader's return value is
+used; followers compute their shard and return whatever they like.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from stageferry.config import PipelineConfig, StageConfig
+from stageferry.errors import ConfigError
+from stageferry.schemas import JobRequest
+
+
+@dataclass(frozen=True, slots=True)
+class StageContext:
+    """What a model may know and do besides computing."""
+
+    stage: str
+    rank: int
+    world_size: int
+    device: torch.device
+    request_id: str
+    key: str
+    output_dir: Path
+    report_progress: Callable[[int, int], None] = lambda step, total: None
+    is_cancelled: Callable[[], bool] = lambda: False
+    process_group: Any = None
+    media: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class FinalOutput:
+    """The last stage's result: bytes to store and/or a file written under the output directory."""
+
+    data: bytes | None = None
+    path: Path | None = None
+    media: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class StageModel(Protocol):
+    def __call__(self, job: JobRequest, payload: Any | None, ctx: StageContext) -> Any: ...
+
+
+ModelFactory = Callable[..., StageModel]
+
+
+def load_model(stage: StageConfig, pipeline: PipelineConfig) -> StageModel:
+    """Import ``stage.model`` (``module:factory``) and build the model; failures are config errors."""
+    module_name, _, attr = stage.model.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cannot load model {stage.model!r}: {exc}", model=stage.model) from exc
+    model = factory(stage=stage, pipeline=pipeline)
+    if not callable(model):
+        raise ConfigError(f"factory {stage.model!r} returned a non-callable", model=stage.model)
+    return model

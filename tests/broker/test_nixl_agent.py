@@ -1,0 +1,240 @@
+"""Real NIXL agents, CPU DRAM over UCX, producer and consumer in separate processes.
+
+The producer runs in a spawned child; the test process is the consumer. Only plain ints and bytes
+cross the pipe (metadata, (addr, len, dev) regions, notifications), as on the real wire.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+
+from stageferry.broker import nixl_agent as na
+from stageferry.broker.nixl_agent import MemKind, NixlAgent, XferState
+from stageferry.errors import NixlUnavailableError, PeerDisconnectedError, TransferError
+
+pytest.importorskip("nixl")
+
+NBYTES = 1 << 20
+BLOCKS = 4
+DEADLINE_S = 5.0
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def pattern(n: int, salt: int) -> torch.Tensor:
+    return ((torch.arange(n, dtype=torch.int64) * 7 + salt) % 251).to(torch.uint8)
+
+
+def producer_main(conn: Connection, name: str, salt: int) -> None:
+    """Child process: register one tensor, serve notifications until told to stop."""
+    agent = NixlAgent(name)
+    src = pattern(NBYTES, salt)
+    agent.register(src)
+    conn.send((agent.metadata(), NixlAgent.region_of(src)))
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "notifs":  # wait up to arg seconds for at least `want` notifications
+            want, timeout = arg
+            got: dict[str, list[bytes]] = {}
+            end = time.monotonic() + timeout
+            while sum(len(v) for v in got.values()) < want and time.monotonic() < end:
+                for k, v in agent.drain_notifs().items():
+                    got.setdefault(k, []).extend(v)
+                time.sleep(0.001)
+            conn.send(got)
+        elif cmd == "close":
+            agent.close()
+            conn.send((agent.registrations, agent.open_handles()))
+            return
+
+
+class Producer:
+    def __init__(self, name: str, salt: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=producer_main, args=(child, name, salt), daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(60):
+            raise RuntimeError("producer did not start")
+        self.metadata, self.region = self.conn.recv()
+
+    def notifs(self, want: int) -> dict[str, list[bytes]]:
+        self.conn.send(("notifs", (want, DEADLINE_S)))
+        got: dict[str, list[bytes]] = self.conn.recv()
+        return got
+
+    def close(self) -> tuple[int, int]:
+        self.conn.send(("close", None))
+        result: tuple[int, int] = self.conn.recv()
+        self.proc.join(10)
+        return result
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+
+
+def wait_done(agent: NixlAgent, handle: object) -> float:
+    """Busy-poll to DONE with a deadline; returns seconds taken."""
+    t0 = time.monotonic()
+    while agent.poll(handle) is XferState.PROC:
+        if time.monotonic() - t0 > DEADLINE_S:
+            raise AssertionError("READ did not complete in time")
+    return time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def consumer() -> Iterator[tuple[NixlAgent, torch.Tensor]]:
+    agent = NixlAgent(f"test-consumer-{os.getpid()}")
+    dst = torch.zeros(NBYTES, dtype=torch.uint8)
+    agent.register(dst)
+    yield agent, dst
+    agent.close()
+
+
+def test_read_roundtrip_notif_and_handles(consumer: tuple[NixlAgent, torch.Tensor]) -> None:
+    agent, dst = consumer
+    base = agent.open_handles()
+    prod = Producer("test-producer-a", salt=3)
+    try:
+        name = agent.add_remote(prod.metadata)
+        assert name == "test-producer-a"
+        assert name in agent.remotes()
+        agent.warm_up(name)
+
+        dst.zero_()
+        h = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM,
+                             name, b"req-1")
+        assert agent.open_handles() == base + 1
+        wait_done(agent, h)
+        agent.release(h)
+        agent.release(h)  # idempotent
+        assert agent.open_handles() == base
+        assert torch.equal(dst, pattern(NBYTES, 3))
+        assert prod.notifs(1) == {agent.name: [b"req-1"]}
+
+        # Prepared lists: block-indexed READ of remote block 3 into local block 0, then a repost.
+        blk = NBYTES // BLOCKS
+        addr, _, dev = prod.region
+        local = agent.prepare_local([(dst.data_ptr() + i * blk, blk, 0) for i in range(BLOCKS)], MemKind.DRAM)
+        remote = agent.prepare_remote(name, [(addr + i * blk, blk, dev) for i in range(BLOCKS)], MemKind.DRAM)
+        dst.zero_()
+        h = agent.start_read_indexed(local, [0], remote, [3], b"req-2")
+        wait_done(agent, h)
+        assert torch.equal(dst[:blk], pattern(NBYTES, 3)[3 * blk:])
+        agent.repost(h, b"req-3")
+        wait_done(agent, h)
+        agent.release(h)
+        agent.release_prepared(local)
+        agent.release_prepared(remote)
+        assert agent.open_handles() == base
+        assert sorted(prod.notifs(2)[agent.name]) == [b"req-2", b"req-3"]
+
+        # Bad requests fail fast and typed, leaving no handle behind.
+        with pytest.raises(ValueError):
+            agent.start_read([(dst.data_ptr(), 10, 0)], MemKind.DRAM, [prod.region], MemKind.DRAM, name, b"")
+        with pytest.raises(TransferError):
+            agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM,
+                             "nobody", b"")
+        with pytest.raises(TransferError):  # remote region outside anything registered
+            agent.start_read([(dst.data_ptr(), 4096, 0)], MemKind.DRAM, [(addr + 2 * NBYTES, 4096, 0)],
+                             MemKind.DRAM, name, b"")
+        with pytest.raises(TransferError):
+            agent.add_remote(b"not metadata")
+        assert agent.open_handles() == base
+        assert agent.registrations == 1  # registered once at start-up, never per request
+
+        assert prod.close() == (1, 0)
+        agent.remove_remote(name)
+        agent.remove_remote(name)  # idempotent
+        assert name not in agent.remotes()
+    finally:
+        prod.kill()
+
+
+def test_read_from_dead_peer_raises_then_restarted_peer_works(
+    consumer: tuple[NixlAgent, torch.Tensor],
+) -> None:
+    agent, dst = consumer
+    base = agent.open_handles()
+    prod = Producer("test-producer-b", salt=5)
+    try:
+        name = agent.add_remote(prod.metadata)
+        h = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM,
+                             name, b"ok")
+        wait_done(agent, h)
+        agent.release(h)
+        prod.kill()
+
+        t0 = time.monotonic()
+        with pytest.raises((PeerDisconnectedError, TransferError)):
+            h = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM,
+                                 name, b"dead")
+            wait_done(agent, h)
+        assert time.monotonic() - t0 < DEADLINE_S
+        if agent.open_handles() != base:
+            agent.release(h)
+        assert agent.open_handles() == base
+    finally:
+        prod.kill()
+
+    # Same name, new process: the dead entry is replaced, not left to poison the cache.
+    prod2 = Producer("test-producer-b", salt=9)
+    try:
+        assert agent.add_remote(prod2.metadata) == name
+        h = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod2.region], MemKind.DRAM,
+                             name, b"again")
+        wait_done(agent, h)
+        agent.release(h)
+        assert torch.equal(dst, pattern(NBYTES, 9))
+        assert prod2.notifs(1) == {agent.name: [b"again"]}
+        prod2.close()
+        agent.remove_remote(name)
+        assert agent.open_handles() == base
+    finally:
+        prod2.kill()
+
+
+def test_missing_nixl_raises_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(na, "_nixl_api", None)
+    for mod in ("nixl", "nixl._api", "nixl._bindings"):
+        monkeypatch.setitem(sys.modules, mod, None)
+    with pytest.raises(NixlUnavailableError):
+        NixlAgent("never")
+
+
+def test_parse_ucx_proto_info() -> None:
+    log: list[Any] = [
+        "[1.1] [h:1 :0]   +--------+-------------+------------+",
+        "[1.1] [h:1 :0]   | c intra-node cfg#1                |",
+        "[1.1] [h:1 :0]   | active message by ucp_am_send* from host memory |",
+        "[1.1] [h:1 :0]   | Range  | Description | Config     |",
+        "[1.1] [h:1 :0]   | 0..inf | zero-copy   | tcp/lo     |",
+        "[1.2] [h:1 :0]   +--------+-------------+------------+",
+        "[1.2] [h:1 :0]   | c intra-node cfg#1                |",
+        "[1.2] [h:1 :0]   | remote memory read by ucp_get* from cuda/GPU0 |",
+        "[1.2] [h:1 :0]   +--------+-------------+------------+",
+        "[1.2] [h:1 :0]   | Range  | Description | Config     |",
+        "[1.2] [h:1 :0]   +--------+-------------+------------+",
+        "[1.2] [h:1 :0]   | 0..inf | zero-copy   | cuda_ipc/cuda |",
+        "[1.2] [h:1 :0]   +--------+-------------+------------+",
+    ]
+    assert na._parse_ucx_log("\n".join(log)) == [
+        "c intra-node cfg#1 remote memory read by ucp_get* from cuda/GPU0: 0..inf zero-copy cuda_ipc/cuda"
+    ]
+    lanes = (
+        "[1.3] [h:1 :0]  ucp_worker.c:1997 UCX  INFO    c self cfg#0 rma_am(tcp/lo)  am(tcp/lo)\n"
+        "[1.3] [h:1 :0]  ucp_worker.c:1997 UCX  INFO    c intra-node cfg#1 rma_am(tcp/lo)  am(tcp/lo cma/memory)"
+    )
+    assert na._parse_ucx_log(lanes) == ["c intra-node cfg#1 rma_am(tcp/lo) am(tcp/lo cma/memory)"]

@@ -1,0 +1,364 @@
+"""Memory pools: the arena allocator, back-pressure, cancellation safety and registration counts."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stageferry.broker.payload_codec import pack_into, plan_payload, unpack, validate_remote_regions
+from stageferry.broker.pool import ArenaAllocator, MemoryPool, PoolSet, Slot
+from stageferry.config import DataPlaneConfig, MiB
+from stageferry.errors import ManifestError, NixlUnavailableError, PoolExhaustedError
+from stageferry.schemas.payload import DeviceKind, Manifest, MemKind, RegionSpec
+
+CPU = torch.device("cpu")
+
+
+class CountingRegistrar:
+    def __init__(self) -> None:
+        self.registered = 0
+        self.deregistered = 0
+        self.live: dict[int, torch.Tensor] = {}
+
+    def register(self, tensor: torch.Tensor) -> object:
+        self.registered += 1
+        handle = object()
+        self.live[id(handle)] = tensor
+        return handle
+
+    def deregister(self, handle: object) -> None:
+        del self.live[id(handle)]
+        self.deregistered += 1
+
+
+def cpu_pool(capacity: int = 4096, registrar: CountingRegistrar | None = None) -> MemoryPool:
+    return MemoryPool(DeviceKind.CPU, capacity, device=CPU, registrar=registrar)
+
+
+def manifest_of(**regions: int) -> Manifest:
+    """A manifest with only regions (no tensors): all the pool looks at."""
+    return Manifest(tree={"v": None}, tensors=[],
+                    regions=[RegionSpec(device=DeviceKind(k), nbytes=n) for k, n in regions.items()])
+
+
+# -- allocator --------------------------------------------------------------------------------------------
+
+ops = st.lists(st.one_of(st.tuples(st.just("alloc"), st.integers(0, 1500)),
+                         st.tuples(st.just("free"), st.integers(0, 63))), max_size=120)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops, alignment=st.sampled_from([64, 256]))
+def test_allocator_never_overlaps_and_coalesces(ops: list[tuple[str, int]], alignment: int) -> None:
+    a = ArenaAllocator(8192 + 100, alignment)
+    assert a.capacity == 8192 + 100 - 100 % alignment
+    live: dict[int, int] = {}  # offset -> requested bytes
+    for op, arg in ops:
+        if op == "alloc":
+            off = a.allocate(arg)
+            if off is not None:
+                assert off % alignment == 0 and off not in live
+                live[off] = arg
+        elif live:
+            off = sorted(live)[arg % len(live)]
+            a.free(off)
+            del live[off]
+        spans = sorted((o, o + max(1, -(-n // alignment)) * alignment) for o, n in live.items())
+        assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans))
+        assert all(end <= a.capacity for _, end in spans)
+        assert a.live == len(live) and a.bytes_in_use == sum(e - s for s, e in spans)
+        free = a.free_blocks()
+        assert sum(size for _, size in free) + a.bytes_in_use == a.capacity
+        assert all(o1 + s1 < o2 for (o1, s1), (o2, _) in itertools.pairwise(free))  # coalesced
+    for off in list(live):
+        a.free(off)
+    assert a.free_blocks() == [(0, a.capacity)] and a.bytes_in_use == 0 and a.live == 0
+
+
+def test_allocator_first_fit_reuse_and_errors() -> None:
+    a = ArenaAllocator(1024, 256)
+    x, y, z = a.allocate(10), a.allocate(256), a.allocate(300)
+    assert (x, y, z) == (0, 256, 512)
+    assert a.allocate(1) is None
+    a.free(256)
+    assert a.allocate(0) == 256  # zero bytes still takes one unit at a unique offset
+    with pytest.raises(ValueError):
+        a.free(256 + 1)
+    a.free(0)
+    with pytest.raises(ValueError, match="not an allocated block"):
+        a.free(0)
+    with pytest.raises(ValueError):
+        a.allocate(-1)
+    for bad in ((100, 256), (1024, 0), (1024, 48)):
+        with pytest.raises(ValueError):
+            ArenaAllocator(*bad)
+
+
+# -- one pool ---------------------------------------------------------------------------------------------
+
+
+def test_pool_registers_once_and_describes_its_arena() -> None:
+    reg = CountingRegistrar()
+    pool = cpu_pool(4096 + 17, reg)
+    assert reg.registered == 1 and pool.capacity == 4096
+    arena = pool.arena()
+    assert arena.mem_kind is MemKind.DRAM and arena.length == 4096 and arena.device_id == 0
+    assert arena.address == next(iter(reg.live.values())).data_ptr()
+    pool.close()
+    pool.close()
+    assert reg.deregistered == 1 and not reg.live
+
+
+def test_pool_rejects_kind_device_mismatch() -> None:
+    with pytest.raises(ValueError):
+        MemoryPool(DeviceKind.CUDA, 4096, device=CPU, registrar=None)
+
+
+@pytest.mark.anyio
+async def test_slot_view_and_address() -> None:
+    pool = cpu_pool()
+    slot = await pool.acquire(100, timeout=1)
+    assert slot.view.dtype == torch.uint8 and slot.view.numel() == 100
+    assert slot.address == slot.view.data_ptr() == pool.arena().address + slot.offset
+    assert slot.offset % 256 == 0 and pool.bytes_in_use == 256 and pool.slots_in_use == 1
+    assert pool.release(slot) and pool.bytes_in_use == 0
+
+
+@pytest.mark.anyio
+async def test_back_pressure_waits_then_succeeds() -> None:
+    pool = cpu_pool(4096)
+    first = await pool.acquire(4096, timeout=1)
+    got: list[Slot] = []
+
+    async def waiter() -> None:
+        got.append(await pool.acquire(1024, timeout=5))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.sleep(0.05)
+        assert pool.waiting == 1 and not got
+        started = time.monotonic()
+        pool.release(first)
+    assert got and got[0].nbytes == 1024 and time.monotonic() - started < 1
+    assert pool.waiting == 0 and pool.slots_in_use == 1
+    pool.release(got[0])
+    assert pool.slots_in_use == 0
+
+
+@pytest.mark.anyio
+async def test_full_pool_times_out() -> None:
+    pool = cpu_pool(4096)
+    held = await pool.acquire(4000, timeout=1)
+    started = time.monotonic()
+    with pytest.raises(PoolExhaustedError, match="in time") as info:
+        await pool.acquire(512, timeout=0.05)
+    assert 0.04 < time.monotonic() - started < 1
+    assert info.value.code == "pool_exhausted" and info.value.details["nbytes"] == 512
+    assert pool.waiting == 0 and pool.slots_in_use == 1
+    pool.release(held)
+
+
+@pytest.mark.anyio
+async def test_oversized_request_fails_at_once() -> None:
+    pool = cpu_pool(4096)
+    started = time.monotonic()
+    with pytest.raises(PoolExhaustedError, match="larger than the whole pool"):
+        await pool.acquire(4097, timeout=30)
+    assert time.monotonic() - started < 0.5 and pool.waiting == 0
+
+
+@pytest.mark.anyio
+async def test_cancelled_waiter_leaks_nothing() -> None:
+    pool = cpu_pool(4096)
+    held = await pool.acquire(4096, timeout=1)
+    with anyio.move_on_after(0.05) as scope:
+        await pool.acquire(256, timeout=10)
+    assert scope.cancelled_caught
+    assert pool.waiting == 0 and pool.slots_in_use == 1
+    pool.release(held)
+    assert pool.slots_in_use == 0 and pool.bytes_in_use == 0
+    assert (await pool.acquire(4096, timeout=0)).nbytes == 4096
+
+
+@pytest.mark.anyio
+async def test_waiters_are_served_in_order() -> None:
+    pool = cpu_pool(4096)
+    held = [await pool.acquire(1024, timeout=1) for _ in range(4)]
+    order: list[str] = []
+
+    async def take(name: str, nbytes: int) -> None:
+        slot = await pool.acquire(nbytes, timeout=5)
+        order.append(name)
+        pool.release(slot)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(take, "big", 3072)
+        await anyio.sleep(0.01)
+        tg.start_soon(take, "small", 256)
+        await anyio.sleep(0.01)
+        pool.release(held[0])  # room for "small", but "big" is first in line
+        await anyio.sleep(0.05)
+        assert order == []
+        for slot in held[1:]:
+            pool.release(slot)
+    assert order == ["big", "small"] and pool.slots_in_use == 0
+
+
+@pytest.mark.anyio
+async def test_second_release_is_ignored_and_cannot_free_a_reused_offset() -> None:
+    pool = cpu_pool(4096)
+    a = await pool.acquire(4096, timeout=1)
+    assert pool.release(a) is True
+    b = await pool.acquire(4096, timeout=1)
+    assert b.offset == a.offset
+    assert pool.release(a) is False  # stale: b must stay live
+    assert pool.slots_in_use == 1
+    assert pool.release(b) is True and pool.release(b) is False
+    assert pool.slots_in_use == 0
+
+
+@pytest.mark.anyio
+async def test_close_fails_waiters_and_later_acquires() -> None:
+    reg = CountingRegistrar()
+    pool = cpu_pool(4096, reg)
+    held = await pool.acquire(4096, timeout=1)
+    errors: list[BaseException] = []
+
+    async def waiter() -> None:
+        try:
+            await pool.acquire(64, timeout=10)
+        except PoolExhaustedError as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.sleep(0.02)
+        pool.close()
+    assert len(errors) == 1 and "closed" in str(errors[0])
+    with pytest.raises(PoolExhaustedError, match="closed"):
+        await pool.acquire(64, timeout=1)
+    assert reg.deregistered == 1
+    del held
+
+
+# -- pool sets --------------------------------------------------------------------------------------------
+
+
+class StuckPool:
+    """A stand-in for a second kind's pool (no GPU here) that never frees anything."""
+
+    kind = DeviceKind.CUDA
+    capacity = slots_in_use = bytes_in_use = 0
+
+    def __init__(self, fail_after: float | None) -> None:
+        self.fail_after = fail_after
+
+    async def acquire(self, nbytes: int, *, timeout: float) -> Any:
+        if self.fail_after is None:
+            await anyio.sleep_forever()
+        else:
+            await anyio.sleep(self.fail_after)
+        raise PoolExhaustedError("stuck")
+
+    def release(self, slot: Any) -> bool:
+        raise AssertionError("nothing was handed out")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+async def test_acquire_regions_is_all_or_nothing(how: str) -> None:
+    cpu = cpu_pool(4096)
+    pools: Any = {DeviceKind.CPU: cpu, DeviceKind.CUDA: StuckPool(0.02 if how == "timeout" else None)}
+    pool_set = PoolSet(pools)
+    manifest = manifest_of(cpu=1024, cuda=1024)
+    if how == "timeout":
+        with pytest.raises(PoolExhaustedError):
+            await pool_set.acquire_regions(manifest, timeout=5)
+    else:
+        with anyio.move_on_after(0.05) as scope:
+            await pool_set.acquire_regions(manifest, timeout=5)
+        assert scope.cancelled_caught
+    assert cpu.slots_in_use == 0 and cpu.bytes_in_use == 0 and cpu.waiting == 0
+
+
+@pytest.mark.anyio
+async def test_acquire_regions_shares_one_deadline_and_checks_kinds() -> None:
+    pool_set = PoolSet({DeviceKind.CPU: cpu_pool(4096)})
+    with pytest.raises(ManifestError, match="no pool"):
+        await pool_set.acquire_regions(manifest_of(cuda=64), timeout=1)
+    dup = Manifest.model_construct(tree={"v": None}, tensors=[],
+                                   regions=[RegionSpec(device=DeviceKind.CPU, nbytes=64)] * 2)
+    with pytest.raises(ManifestError, match="same device kind"):
+        await pool_set.acquire_regions(dup, timeout=1)
+    held = await pool_set.acquire_regions(manifest_of(cpu=4096), timeout=1)
+    started = time.monotonic()
+    with pytest.raises(PoolExhaustedError):
+        await pool_set.acquire_regions(manifest_of(cpu=64), timeout=0.05)
+    assert time.monotonic() - started < 1
+    pool_set.release_all(held)
+    assert pool_set.slots_in_use == 0
+
+
+@pytest.mark.anyio
+async def test_thousand_cycles_leave_nothing_behind() -> None:
+    reg = CountingRegistrar()
+    pool_set = PoolSet.from_config(DataPlaneConfig(cpu_pool_bytes=MiB, gpu_pool_bytes=0), registrar=reg)
+    assert list(pool_set.pools) == [DeviceKind.CPU] and pool_set.capacity == MiB
+    ids = torch.arange(3)
+    payload = {"text": torch.randn(3, 5120).to(torch.bfloat16), "ids": ids, "step": 1}
+    plan = plan_payload(payload)
+    for i in range(1000):
+        slots = await pool_set.acquire_regions(plan.manifest, timeout=1)
+        if i % 100 == 0:  # the full producer -> consumer path now and then
+            pack_into(plan, {k: s.view for k, s in slots.items()})
+            validate_remote_regions(plan.manifest, [s.remote_region() for s in slots.values()],
+                                    pool_set.arenas())
+            got = unpack(plan.manifest, {k: s.view for k, s in slots.items()}, copy=True)
+            assert torch.equal(got["ids"], ids)
+        pool_set.release_all(slots)
+    assert pool_set.slots_in_use == 0 and pool_set.bytes_in_use == 0
+    assert reg.registered == 1 and reg.deregistered == 0
+    pool_set.close()
+    assert reg.deregistered == 1
+
+
+@pytest.mark.anyio
+async def test_real_nixl_agent_registers_each_pool_once() -> None:
+    from stageferry.broker.nixl_agent import NixlAgent
+
+    try:
+        agent = NixlAgent("pool-test")
+    except NixlUnavailableError as exc:
+        pytest.skip(f"NIXL unavailable: {exc}")
+    try:
+        pool_set = PoolSet.from_config(DataPlaneConfig(cpu_pool_bytes=MiB, gpu_pool_bytes=64 * MiB),
+                                       registrar=agent)
+        manifest = manifest_of(**{k.value: 4096 for k in pool_set.pools})
+        for _ in range(100):
+            pool_set.release_all(await pool_set.acquire_regions(manifest, timeout=1))
+        assert agent.registrations == len(pool_set.pools)
+        pool_set.close()
+    finally:
+        agent.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+async def test_gpu_pool_slots() -> None:
+    reg = CountingRegistrar()
+    pool_set = PoolSet.from_config(DataPlaneConfig(cpu_pool_bytes=MiB, gpu_pool_bytes=8 * MiB), registrar=reg)
+    assert set(pool_set.pools) == {DeviceKind.CPU, DeviceKind.CUDA} and reg.registered == 2
+    gpu_arena = pool_set.pools[DeviceKind.CUDA].arena()
+    assert gpu_arena.mem_kind is MemKind.VRAM
+    slots = await pool_set.acquire_regions(manifest_of(cpu=100, cuda=5000), timeout=1)
+    assert slots[DeviceKind.CUDA].view.is_cuda and slots[DeviceKind.CUDA].device_id == gpu_arena.device_id
+    pool_set.release_all(slots)
+    pool_set.close()
+    assert reg.deregistered == 2

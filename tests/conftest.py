@@ -1,0 +1,44 @@
+"""Shared fixtures: a real Redis, a private key prefix per test (deleted afterwards), asyncio for anyio."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis as sync_redis
+import structlog
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """The test Redis (``STAGEFERRY_TEST_REDIS_URL``, default the local server on 6379)."""
+    return os.environ.get("STAGEFERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture
+def prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix of this test's own; every key under it is deleted at the end."""
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    yield name
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{name}:*", count=1000))
+        for start in range(0, len(keys), 500):
+            client.delete(*keys[start : start + 500])
+    finally:
+        client.close()
+
+
+@pytest.fixture(autouse=True)
+def _reset_structlog() -> Iterator[None]:
+    """Each test starts and ends with structlog's defaults and no bound context."""
+    yield
+    structlog.reset_defaults()
+    structlog.contextvars.clear_contextvars()

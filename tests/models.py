@@ -1,0 +1,50 @@
+"""Models for tests, plugged in by ``module:factory`` exactly as a user's model would be.
+
+Behaviour is driven by the job's prompt, so one pipeline config serves every test:
+
+* ``sleep:<seconds>`` — sleep that long (in steps, reporting progress) before producing the output;
+* ``poison`` — kill the whole process at once (a request that crashes its worker every time);
+* ``fail`` — raise an ordinary exception (the request fails with ``stage_failed``).
+
+Every completed run appends ``<stage> <request_id>`` to the file named by ``STAGEFERRY_TEST_RECORD``,
+so tests can count executions across processes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from stageferry.config import PipelineConfig, StageConfig
+from stageferry.schemas import JobRequest
+from stageferry.stages.model import StageContext
+from stageferry.stages.passthrough import Passthrough
+
+
+class Scripted(Passthrough):
+    def __call__(self, job: JobRequest, payload: Any | None, ctx: StageContext) -> Any:
+        prompt = job.prompt
+        if prompt.startswith("poison"):
+            os._exit(17)
+        if prompt.startswith("fail"):
+            raise RuntimeError("scripted failure")
+        if prompt.startswith("sleep:") and ctx.stage == os.environ.get("STAGEFERRY_TEST_SLOW_STAGE", ctx.stage):
+            seconds = float(prompt.split(":", 1)[1].split()[0])
+            steps = max(1, int(seconds / 0.1))
+            for step in range(1, steps + 1):
+                time.sleep(seconds / steps)
+                ctx.report_progress(step, steps)
+                if ctx.is_cancelled():
+                    break
+        result = super().__call__(job, payload, ctx)
+        record = os.environ.get("STAGEFERRY_TEST_RECORD")
+        if record:
+            with open(record, "a") as fh:
+                fh.write(f"{ctx.stage} {ctx.request_id}\n")
+        return result
+
+
+def factory(*, stage: StageConfig, pipeline: PipelineConfig) -> Scripted:
+    hidden = int(os.environ.get("STAGEFERRY_TEST_HIDDEN", "256"))
+    return Scripted(final=pipeline.stages[-1].name == stage.name, hidden=hidden, delay_s=0.0)

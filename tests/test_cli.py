@@ -1,0 +1,199 @@
+"""The CLI through typer's runner against a real Redis, and trace formatting."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from stageferry.cli import app, build_job
+from stageferry.schemas import RequestState, RequestStatus, StageTiming, Transport
+from stageferry.trace import format_trace, hops, parse_events
+
+runner = CliRunner()
+
+
+def invoke(redis_url: str, prefix: str, *args: str, stdin: str | None = None) -> Any:
+    return runner.invoke(app, ["--redis-url", redis_url, "--prefix", prefix, *args], input=stdin)
+
+
+def test_schema_is_json_schema_with_prompt() -> None:
+    result = runner.invoke(app, ["schema"])
+    assert result.exit_code == 0
+    schema = json.loads(result.stdout)
+    assert schema["type"] == "object"
+    assert "prompt" in schema["properties"] and "prompt" in schema["required"]
+    assert schema["additionalProperties"] is False
+
+
+def test_submit_then_status(redis_url: str, prefix: str) -> None:
+    result = invoke(redis_url, prefix, "submit", "--prompt", "a boat", "--width", "320", "--height", "192",
+                    "--steps", "4", "--request-id", "cli-1")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == "cli-1"
+    result = invoke(redis_url, prefix, "status", "cli-1")
+    assert result.exit_code == 0
+    status = RequestStatus.model_validate_json(result.stdout)
+    assert status.state is RequestState.QUEUED and status.stage == "encoder"
+
+
+def test_submit_from_json_on_stdin_with_env_settings(redis_url: str, prefix: str) -> None:
+    job = json.dumps({"prompt": "from stdin", "width": 320, "height": 192})
+    env = {"STAGEFERRY_REDIS_URL": redis_url, "STAGEFERRY_PREFIX": prefix}
+    result = runner.invoke(app, ["submit", "--json", "-", "--seed", "7"], input=job, env=env)
+    assert result.exit_code == 0, result.output
+    rid = result.stdout.strip()
+    result = runner.invoke(app, ["trace", rid], env=env)
+    assert result.exit_code == 0
+    assert "status.queued" in result.stdout and "hops (between status changes):" in result.stdout
+
+
+def test_invalid_job_is_one_line_without_traceback(redis_url: str, prefix: str) -> None:
+    result = invoke(redis_url, prefix, "submit", "--prompt", "x", "--steps", "0")
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [
+        "error [invalid_job]: num_inference_steps: Input should be greater than or equal to 1"
+    ]
+    result = invoke(redis_url, prefix, "submit", "--json", "-", stdin="{not json")
+    assert result.exit_code == 1 and result.stderr.startswith("error [invalid_job]")
+    assert "Traceback" not in result.output
+
+
+def test_unknown_request(redis_url: str, prefix: str) -> None:
+    for command in ("status", "trace", "cancel"):
+        result = invoke(redis_url, prefix, command, "nope")
+        assert result.exit_code == 1, command
+        assert result.stderr.startswith("error ["), command
+
+
+def test_wait_times_out_with_a_typed_error(redis_url: str, prefix: str) -> None:
+    assert invoke(redis_url, prefix, "submit", "--prompt", "x", "--width", "320", "--height", "192",
+                  "--request-id", "w-1").exit_code == 0  # fmt: skip
+    result = invoke(redis_url, prefix, "wait", "w-1", "--timeout", "0.2")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error [deadline_exceeded]")
+
+
+def test_bad_settings_are_a_config_error() -> None:
+    result = runner.invoke(app, ["--prefix", "bad prefix!", "status", "x"])
+    assert result.exit_code == 1 and result.stderr.startswith("error [config]")
+
+
+def test_serve_unknown_stage_fails_before_starting(redis_url: str, prefix: str) -> None:
+    result = invoke(redis_url, prefix, "serve", "no-such-stage")
+    assert result.exit_code == 1 and "no stage named" in result.stderr
+
+
+def test_build_job_media_paths_and_uploads(tmp_path: Path) -> None:
+    job, uploads = build_job(
+        {"prompt": "base", "seed": 1},
+        {"task": "fl2va", "seed": 5, "width": None},
+        {"first_frame": "/data/first.png", "last_frame": f"upload:{tmp_path}/last.png", "reference_video": None},
+    )
+    assert job == {"prompt": "base", "seed": 5, "task": "fl2va", "media": {"first_frame": {"path": "/data/first.png"}}}
+    assert uploads == {"last_frame": tmp_path / "last.png"}
+
+
+# -- trace formatting ----------------------------------------------------------------------------------------
+
+
+def iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
+
+
+def status_row(t: float, state: RequestState, stage: str, **extra: Any) -> dict[str, Any]:
+    status = RequestStatus(request_id="r", state=state, stage=stage, updated_at=t, **extra)
+    return {"kind": "status", "state": state.value, "status": status.model_dump(mode="json")}
+
+
+def log_row(t: float, event: str, **fields: Any) -> dict[str, Any]:
+    return {"kind": "log", "event": {"event": event, "timestamp": iso(t), "request_id": "r", **fields}}
+
+
+def sample_rows() -> list[tuple[str, dict[str, Any]]]:
+    t = 1_700_000_000.0
+    timings = [
+        StageTiming(stage="encoder", seconds=0.4),
+        StageTiming(stage="diffusion", seconds=1.0, transport=Transport.NIXL, payload_bytes=359_024),
+    ]
+    rows = [
+        status_row(t, RequestState.QUEUED, "encoder"),
+        status_row(t + 0.1, RequestState.RUNNING, "encoder"),
+        log_row(
+            t + 0.45,
+            "payload.put",
+            service="encoder",
+            stage="encoder",
+            rank=0,
+            transport="nixl",
+            bytes=359_024,
+            seconds=0.002,
+        ),
+        status_row(t + 0.5, RequestState.QUEUED, "diffusion"),
+        status_row(t + 0.6, RequestState.RUNNING, "diffusion"),
+        log_row(
+            t + 0.7,
+            "payload.get",
+            service="diffusion",
+            stage="diffusion",
+            rank=0,
+            transport="nixl",
+            payload_bytes=359_024,
+            transfer_seconds=0.004,
+        ),
+        status_row(t + 0.9, RequestState.RUNNING, "diffusion", progress={"stage": "diffusion", "step": 4, "total": 8}),
+        status_row(t + 1.6, RequestState.DONE, "diffusion", timings=timings),
+        {"kind": "mystery"},
+    ]
+    # Stored out of time order (services flush in batches): the trace sorts by time.
+    rows[2], rows[3] = rows[3], rows[2]
+    return [(f"{1_700_000_000_000 + i}-0", row) for i, row in enumerate(rows)]
+
+
+def test_parse_events_orders_by_time_and_reads_fields() -> None:
+    events = parse_events(sample_rows())
+    names = [ev.event for ev in events]
+    assert names == ["status.queued", "status.running", "payload.put", "status.queued", "status.running",
+                     "payload.get", "status.running", "status.done"]  # fmt: skip
+    get = events[5]
+    assert (get.service, get.stage, get.rank, get.transport) == ("diffusion", "diffusion", 0, "nixl")
+    assert get.bytes == 359_024 and get.seconds == pytest.approx(0.004)
+    assert events[-1].status is not None and events[-1].status.state is RequestState.DONE
+
+
+def test_hops_merge_progress_and_carry_transports() -> None:
+    found = hops(parse_events(sample_rows()))
+    assert [(h.state, h.stage) for h in found] == [
+        ("queued", "encoder"), ("running", "encoder"), ("queued", "diffusion"), ("running", "diffusion"),
+        ("done", "diffusion"),
+    ]  # fmt: skip
+    assert found[1].seconds == pytest.approx(0.4)
+    assert found[1].transports == ("nixl",)
+    assert found[3].seconds == pytest.approx(1.0) and found[3].transports == ("nixl",)
+    assert found[-1].seconds is None
+
+
+def test_format_trace_table() -> None:
+    text = format_trace(parse_events(sample_rows()))
+    lines = text.splitlines()
+    assert lines[0] == "8 events over 1.600 s"
+    put = next(line for line in lines if "payload.put" in line)
+    assert "encoder" in put and "nixl" in put and "359024" in put and "0.002" in put
+    assert "step 4/8" in text
+    assert "hops (between status changes):" in text
+    assert any("running" in line and "0.400 s" in line and "via nixl" in line for line in lines)
+    assert format_trace([]) == "(no events)"
+
+
+def test_parse_row_accepts_raw_xread_strings() -> None:
+    t = time.time()
+    row = {"kind": "log", "event": json.dumps({"event": "x", "timestamp": iso(t), "nbytes": "12"})}
+    (event,) = parse_events([("1-0", row)])
+    assert event.bytes == 12 and event.timestamp == pytest.approx(t, abs=1e-3)
+    undated = parse_events([("1700000000123-0", {"kind": "log", "event": "{}"})])[0]
+    assert undated.timestamp == pytest.approx(1_700_000_000.123)

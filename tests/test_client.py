@@ -1,0 +1,155 @@
+"""Client against a real Redis: submit once, validation, uploads, cancel, waiting, traces, sync facade."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from stageferry import Client, JobRequest, RequestState, RequestStatus, SyncClient
+from stageferry.errors import DeadlineExceededError, JobValidationError
+from stageferry.schemas import OutputInfo
+
+pytestmark = pytest.mark.anyio
+
+JOB = {"task": "t2va", "prompt": "a boat", "width": 320, "height": 192}
+
+
+@pytest.fixture
+async def client(redis_url: str, prefix: str) -> AsyncIterator[Client]:
+    async with Client(redis_url, prefix=prefix) as c:
+        yield c
+
+
+async def stream_entries(client: Client) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    rows = await client.redis.xrange(client.keys.stage_stream("encoder"))
+    return [(bytes(eid), dict(fields)) for eid, fields in rows or []]  # type: ignore[arg-type]
+
+
+async def test_submit_twice_enqueues_once(client: Client) -> None:
+    first = await client.submit(JOB, request_id="dup-1")
+    second = await client.submit(JobRequest.model_validate(JOB), request_id="dup-1")
+    assert first == second == "dup-1"
+    entries = await stream_entries(client)
+    assert len(entries) == 1
+    fields = entries[0][1]
+    assert fields[b"request_id"] == b"dup-1"
+    assert json.loads(fields[b"job"])["prompt"] == "a boat"
+    status = await client.status("dup-1")
+    assert status is not None and status.state is RequestState.QUEUED and status.stage == "encoder"
+
+
+async def test_default_request_id(client: Client) -> None:
+    rid = await client.submit(JOB)
+    assert re.fullmatch(r"video_sync-[0-9a-f]{16}", rid)
+
+
+async def test_invalid_dict_names_the_field_and_enqueues_nothing(client: Client) -> None:
+    with pytest.raises(JobValidationError) as info:
+        await client.submit({**JOB, "num_inference_steps": 0, "colour": "red"}, request_id="bad-1")
+    fields = {e["field"]: e for e in info.value.field_errors}
+    assert fields["num_inference_steps"]["type"] == "greater_than_equal"
+    assert fields["colour"]["type"] == "extra_forbidden"
+    assert all(set(e) == {"field", "message", "type"} for e in info.value.field_errors)
+    assert info.value.code == "invalid_job"
+    assert await stream_entries(client) == []
+    assert await client.status("bad-1") is None
+
+
+async def test_invalid_request_id(client: Client) -> None:
+    with pytest.raises(JobValidationError) as info:
+        await client.submit(JOB, request_id="no spaces allowed")
+    assert info.value.field_errors[0]["field"] == "request_id"
+
+
+async def test_uploads_land_under_upload_keys_with_ttl(client: Client, tmp_path: Path) -> None:
+    last = tmp_path / "last.png"
+    last.write_bytes(b"\x89PNG last")
+    job = {**JOB, "task": "fl2va"}
+    rid = await client.submit(
+        job, request_id="up-1", uploads={"first_frame": b"\x89PNG first", "last_frame": last}, upload_ttl_s=120
+    )
+    for name, body in (("first_frame", b"\x89PNG first"), ("last_frame", b"\x89PNG last")):
+        key = client.keys.upload(rid, name)
+        assert await client.redis.get(key) == body
+        assert 0 < await client.redis.ttl(key) <= 120
+    entry = (await stream_entries(client))[0][1]
+    media = json.loads(entry[b"job"])["media"]
+    assert media["first_frame"] == {"path": None, "upload_key": client.keys.upload(rid, "first_frame")}
+    assert media["last_frame"]["upload_key"] == client.keys.upload(rid, "last_frame")
+
+
+async def test_upload_to_unknown_media_is_rejected(client: Client) -> None:
+    with pytest.raises(JobValidationError) as info:
+        await client.submit({**JOB, "task": "fl2va"}, uploads={"poster": b"x"})
+    assert info.value.field_errors[0]["field"] == "media.poster"
+    assert await stream_entries(client) == []
+
+
+async def test_cancel_sets_the_flag(client: Client) -> None:
+    rid = await client.submit(JOB)
+    assert await client.cancel(rid) is True
+    assert await client.redis.exists(client.keys.cancel(rid)) == 1
+    assert await client.cancel("never-submitted") is False
+    await client.store.set_status(RequestStatus(request_id=rid, state=RequestState.CANCELLED))
+    assert await client.cancel(rid) is False
+
+
+async def test_wait_returns_when_another_task_finishes_the_request(client: Client, redis_url: str) -> None:
+    rid = await client.submit(JOB)
+
+    async def finish() -> None:
+        await anyio.sleep(0.2)
+        async with Client(redis_url, prefix=client.keys.prefix) as other:
+            done = RequestStatus(
+                request_id=rid, state=RequestState.DONE, result=OutputInfo(location="redis:x", bytes=3)
+            )
+            assert await other.store.set_status(done)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(finish)
+        status = await client.wait(rid, timeout=10)
+    assert status.state is RequestState.DONE
+    assert status.result is not None and status.result.bytes == 3
+
+
+async def test_wait_times_out(client: Client) -> None:
+    rid = await client.submit(JOB)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceededError):
+        await client.wait(rid, timeout=0.3)
+    assert time.monotonic() - started < 2
+
+
+async def test_watch_yields_events_until_terminal(client: Client) -> None:
+    rid = await client.submit(JOB)
+    await client.store.append_event(rid, {"event": "payload.put", "transport": "inline", "bytes": 10})
+    await client.store.set_status(RequestStatus(request_id=rid, state=RequestState.FAILED))
+    names = [ev.event async for ev in client.watch(rid, timeout=5)]
+    assert names == ["status.queued", "payload.put", "status.failed"]
+
+
+async def test_trace_and_result_bytes(client: Client) -> None:
+    rid = await client.submit(JOB)
+    await client.redis.set(client.keys.result(rid), b"mp4-bytes")
+    assert await client.result_bytes(rid) == b"mp4-bytes"
+    assert await client.result_bytes("missing") is None
+    events = await client.trace(rid)
+    assert [ev.event for ev in events] == ["status.queued"]
+    assert events[0].stage == "encoder"
+
+
+def test_sync_client(redis_url: str, prefix: str) -> None:
+    with SyncClient(redis_url, prefix=prefix) as client:
+        rid = client.submit(JOB, request_id="sync-1")
+        status = client.status(rid)
+        assert status is not None and status.state is RequestState.QUEUED
+        assert client.cancel(rid) is True
+        assert [ev.event for ev in client.trace(rid)] == ["status.queued"]
+        with pytest.raises(DeadlineExceededError):
+            client.wait(rid, timeout=0.1)

@@ -1,0 +1,126 @@
+"""Logging: configuration, request context, and forwarding of request events to Redis."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from stageferry.broker.keys import Keys
+from stageferry.broker.redis_conn import open_client
+from stageferry.broker.requests import RequestStore
+from stageferry.errors import ConfigError
+from stageferry.logs import EventSink, _EventQueue, bound_request, configure_logging
+
+log = structlog.get_logger("test")
+MERGE = [structlog.contextvars.merge_contextvars]
+
+
+def test_bound_request_binds_and_unbinds() -> None:
+    with capture_logs(processors=MERGE) as events:
+        with bound_request("r-1", key="r-1_0_0", stage="encoder", rank=0):
+            log.info("inside", n=1)
+        log.info("outside")
+    assert events[0] == {
+        "event": "inside",
+        "n": 1,
+        "request_id": "r-1",
+        "key": "r-1_0_0",
+        "stage": "encoder",
+        "rank": 0,
+        "log_level": "info",
+    }
+    assert "request_id" not in events[1]
+
+
+def test_bound_request_omits_unset_fields() -> None:
+    with capture_logs(processors=MERGE) as events, bound_request("r-2"):
+        log.info("x")
+    assert events[0]["request_id"] == "r-2"
+    assert "stage" not in events[0] and "rank" not in events[0]
+
+
+def test_json_lines_with_service_pid_and_utc_time(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging(fmt="json", level="info", service="encoder")
+    log.debug("hidden")
+    log.info("payload.put", bytes=12, transport="nixl")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    event = json.loads(lines[0])
+    assert event["event"] == "payload.put" and event["bytes"] == 12
+    assert event["service"] == "encoder" and isinstance(event["pid"], int)
+    assert event["level"] == "info"
+    assert event["timestamp"].endswith("Z")
+
+
+def test_console_format(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging(fmt="console", level="debug", service="cli")
+    log.debug("shown", a=1)
+    assert "shown" in capsys.readouterr().err
+
+
+def test_unknown_level_is_a_config_error() -> None:
+    with pytest.raises(ConfigError):
+        configure_logging(level="chatty", service="x")
+
+
+def test_queue_drops_oldest_and_counts() -> None:
+    queue = _EventQueue(maxlen=3)
+    for i in range(5):
+        queue.put("r", {"i": i})
+    assert queue.dropped == 2
+    assert [e["i"] for _, e in queue.take(10)] == [2, 3, 4]
+    assert len(queue) == 0
+
+
+@pytest.mark.anyio
+async def test_sink_forwards_request_events_to_redis(redis_url: str, prefix: str) -> None:
+    configure_logging(fmt="json", level="info", service="encoder")
+    async with open_client(redis_url) as redis:
+        store = RequestStore(redis, Keys(prefix), ttl_s=60, events_maxlen=100)
+        sink = EventSink(store)
+        async with anyio.create_task_group() as tg:
+            await tg.start(sink.run)
+            with bound_request("rid-1", stage="encoder", rank=0):
+                log.info("stage.step", step=1, total=4)
+                try:
+                    raise ValueError("boom")
+                except ValueError:
+                    log.exception("stage.oops")
+            log.info("not.forwarded")
+            await sink.flush()
+            rows = await store.events("rid-1")
+            tg.cancel_scope.cancel()
+    assert [row["kind"] for _, row in rows] == ["log", "log"]
+    first, second = (row["event"] for _, row in rows)
+    assert first["event"] == "stage.step" and first["request_id"] == "rid-1"
+    assert first["service"] == "encoder" and first["stage"] == "encoder" and first["rank"] == 0
+    assert first["step"] == 1 and first["timestamp"].endswith("Z")
+    assert "ValueError: boom" in second["exception"]
+    assert sink.dropped == 0
+
+
+@pytest.mark.anyio
+async def test_sink_flushes_on_cancellation_and_allows_one_per_process(redis_url: str, prefix: str) -> None:
+    configure_logging(fmt="json", level="info", service="diffusion")
+    async with open_client(redis_url) as redis:
+        store = RequestStore(redis, Keys(prefix), ttl_s=60, events_maxlen=100)
+        async with anyio.create_task_group() as tg:
+            await tg.start(EventSink(store, interval=60).run)
+            with pytest.raises(RuntimeError):
+                await EventSink(store).run()
+            with bound_request("rid-2"):
+                log.info("last.words")
+            tg.cancel_scope.cancel()
+        rows = await store.events("rid-2")
+        assert [row["event"]["event"] for _, row in rows] == ["last.words"]
+        # The sink unregistered: a new one may start, and events without a sink are not queued.
+        async with anyio.create_task_group() as tg:
+            await tg.start(EventSink(store).run)
+            tg.cancel_scope.cancel()
+        with bound_request("rid-3"):
+            log.info("nobody.listens")
+        assert await store.events("rid-3") == []
