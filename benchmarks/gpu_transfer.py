@@ -237,42 +237,64 @@ def consumer(conn: Connection, peer: Connection, env: dict[str, str], cpu: bool,
         agent.release(h)
         checks[n] = verify(torch, dst, n)
     diag: dict[str, dict[int, list[int]]] = {}
-    if src_ipc is not None:  # after verification: the WRITEs below overwrite the producer's buffer
-        diag["ipc_copy"] = {n: time_copy(torch, lambda k: dst[:k].copy_(src_ipc[:k]), n, iters, warmup)
-                            for n in sizes}
-        rt = _cudart()
-        if rt is not None:
-            rt.cudaDeviceEnablePeerAccess(ctypes.c_int(0), ctypes.c_uint(0))
-            stream = ctypes.c_void_p(torch.cuda.current_stream(1).cuda_stream)
-
-            def pull(k: int) -> None:
-                rt.cudaMemcpyAsync(ctypes.c_void_p(dst.data_ptr()), ctypes.c_void_p(src_ipc.data_ptr()),
-                                   ctypes.c_size_t(k), ctypes.c_int(4), stream)
-
-            diag["ipc_pull"] = {n: time_copy(torch, pull, n, iters, warmup) for n in sizes}
-        diag["write"] = {}
-        for n in sizes:
-            ts = []
-            for i in range(warmup + iters):
-                seq += 1
-                t = time.perf_counter_ns()
-                h = agent.start_write([(dst.data_ptr(), n, ldev)], kind, [(raddr, n, rdev)], kind, name,
-                                      b"%d" % seq)
-                wait(h)
-                dt = time.perf_counter_ns() - t
-                agent.release(h)
-                if i >= warmup:
-                    ts.append(dt)
-            diag["write"][n] = ts
-        del src_ipc
+    writes = 0
+    try:
+        if src_ipc is not None:  # after verification: the WRITEs below overwrite the producer's buffer
+            writes = run_diag(torch, agent, kind, name, dst, ldev, src_ipc, (raddr, rdev), sizes, iters, warmup, diag)
+    except Exception as exc:  # diagnostics must not cost the main results
+        diag["error"] = {0: [0]}
+        print(f"diagnostics failed: {type(exc).__name__}: {exc}", flush=True)
+    del src_ipc
     out = {
         "diag": diag,
-        "results": results, "checks": checks, "reads": seq, "open_handles": agent.open_handles(),
+        "results": results, "checks": checks, "reads": seq, "writes": writes, "open_handles": agent.open_handles(),
         "registrations": agent.registrations, "transport": agent.transport_info(name),
         "agent_s": created_s, "warm_up_s": warm_s,
     }
     agent.close()
     conn.send(out)
+
+
+def run_diag(torch: Any, agent: Any, kind: Any, name: str, dst: Any, ldev: int, src_ipc: Any,
+             remote: tuple[int, int], sizes: list[int], iters: int, warmup: int,
+             diag: dict[str, dict[int, list[int]]]) -> int:
+    """Cross-process baselines on the same memory (CUDA IPC) and a NIXL WRITE; returns WRITEs posted."""
+    raddr, rdev = remote
+    XferState = load_agent_module().XferState
+    seq = 0
+
+    def wait(h: object) -> None:
+        while agent.poll(h) is XferState.PROC:
+            pass
+
+    diag["ipc_copy"] = {n: time_copy(torch, lambda k: dst[:k].copy_(src_ipc[:k]), n, iters, warmup)
+                        for n in sizes}
+    rt = _cudart()
+    if rt is not None:
+        rt.cudaDeviceEnablePeerAccess(ctypes.c_int(0), ctypes.c_uint(0))
+        rt.cudaGetLastError()
+        stream = ctypes.c_void_p(torch.cuda.current_stream(1).cuda_stream)
+
+        def pull(k: int) -> None:
+            rt.cudaMemcpyAsync(ctypes.c_void_p(dst.data_ptr()), ctypes.c_void_p(src_ipc.data_ptr()),
+                               ctypes.c_size_t(k), ctypes.c_int(4), stream)
+
+        diag["ipc_pull"] = {n: time_copy(torch, pull, n, iters, warmup) for n in sizes}
+    diag["write"] = {}
+    for n in sizes:
+        ts = []
+        for i in range(warmup + iters):
+            seq += 1
+            t = time.perf_counter_ns()
+            h = agent.start_write([(dst.data_ptr(), n, ldev)], kind, [(raddr, n, rdev)], kind, name,
+                                  b"%d" % seq)
+            wait(h)
+            dt = time.perf_counter_ns() - t
+            agent.release(h)
+            if i >= warmup:
+                ts.append(dt)
+        diag["write"][n] = ts
+    return seq
 
 
 # -- baseline ----------------------------------------------------------------------------------------
@@ -329,6 +351,7 @@ def baseline(sizes: list[int], cpu: bool, iters: int, warmup: int) -> dict[str, 
     if rt is not None:
         with torch.cuda.device(1):
             rt.cudaDeviceEnablePeerAccess(ctypes.c_int(0), ctypes.c_uint(0))  # 704 = already enabled: fine
+            rt.cudaGetLastError()  # don't leave that for torch's next launch check
             stream = ctypes.c_void_p(torch.cuda.current_stream(1).cuda_stream)
             dst.zero_()
             for n in sizes:
@@ -399,7 +422,8 @@ def report(cfg: Config, res: dict[str, Any], base: dict[str, dict[int, list[int]
     print(f"transport: {res['transport']}")
     prod = res.get("producer", {})
     failed = [n for n, ok in res["checks"].items() if not ok]
-    print(f"agent created in {res['agent_s']:.3f} s, warm_up {res['warm_up_s'] * 1e3:.1f} ms; READs {res['reads']}, "
+    print(f"agent created in {res['agent_s']:.3f} s, warm_up {res['warm_up_s'] * 1e3:.1f} ms; "
+          f"READs {res['reads']}, WRITEs {res['writes']}, "
           f"notifs at producer {prod.get('notifs')}, open handles after {res['open_handles']}, "
           f"registrations {res['registrations']}/{prod.get('registrations')}; "
           f"bytes verified: {not failed}" + (f" (FAILED for sizes {failed})" if failed else ""))
@@ -438,7 +462,9 @@ def report(cfg: Config, res: dict[str, Any], base: dict[str, dict[int, list[int]
                 cells.append(f"{gb:.0f} ({gb / bgb:.2f})")
             print(f"| {n:,} | " + " | ".join(cells) + " |")
     diag = res.get("diag") or {}
-    if diag:
+    if "error" in diag:
+        print("\n(diagnostics failed: see the consumer's message above)")
+    elif diag:
         print("\ndiagnostics, median ms (GB/s): where the gap to the peer copy comes from\n")
         cols = [("ipc_copy", "torch copy_ of the producer's tensor via CUDA IPC, in the consumer (push)"),
                 ("ipc_pull", "same IPC memory, cudaMemcpyAsync on GPU1's stream"),

@@ -64,6 +64,7 @@ class DataPlaneConfig(Strict):
     cpu_pool_bytes: Annotated[int, Field(ge=MiB, le=64 * GiB)] = 256 * MiB
     gpu_pool_bytes: Annotated[int, Field(ge=0, le=64 * GiB)] = 512 * MiB
     max_payload_bytes: Annotated[int, Field(ge=KiB, le=16 * GiB)] = 1 * GiB
+    nixl_backends: tuple[Annotated[str, Field(pattern=r"^[A-Z_0-9]{1,32}$")], ...] = ("UCX",)
     agent_heartbeat_s: Annotated[float, Field(gt=0, le=60)] = 2.0
     agent_ttl_s: Annotated[float, Field(gt=0, le=600)] = 6.0
 

@@ -14,6 +14,8 @@ from typing import Any
 import redis as sync_redis
 
 from stageferry.broker.keys import Keys
+from stageferry.client import SyncClient
+from stageferry.config import PipelineConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,6 +58,13 @@ class Services:
         self.extra_env = dict(extra_env)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.keys = Keys(prefix)
+        self._clients: list[SyncClient] = []
+
+    def client(self) -> SyncClient:
+        """A client for this deployment, closed with the services (its portal thread would block exit)."""
+        client = SyncClient(self.redis_url, prefix=self.prefix, pipeline=PipelineConfig.load(self.pipeline))
+        self._clients.append(client)
+        return client
 
     def env(self, replica: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -95,6 +104,8 @@ class Services:
         self.stop_all()
 
     def stop_all(self) -> None:
+        for client in self._clients:
+            client.close()
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)

@@ -15,7 +15,7 @@ import pytest
 import redis as sync_redis
 
 from stageferry.broker.keys import Keys
-from stageferry.client import Client, SyncClient
+from stageferry.client import Client
 from stageferry.config import PipelineConfig
 from stageferry.embedded_redis import EmbeddedRedis
 from stageferry.schemas import RequestState
@@ -46,10 +46,6 @@ def make_services(tmp_path: Path, redis_url: str, prefix: str, connector: str = 
     )
 
 
-def client_for(svc: Services) -> SyncClient:
-    return SyncClient(svc.redis_url, prefix=svc.prefix, pipeline=PipelineConfig.load(svc.pipeline))
-
-
 def completions(tmp_path: Path, stage: str, rid: str) -> int:
     path = tmp_path / "record.txt"
     if not path.exists():
@@ -67,7 +63,7 @@ def test_killed_worker_request_finishes_elsewhere_once(tmp_path: Path, redis_url
         svc.start("diffusion", "a")
         svc.wait_live("encoder", "encoder-a")
         svc.wait_live("diffusion", "diffusion-a")
-        client = client_for(svc)
+        client = svc.client()
         rid = client.submit({**JOB, "prompt": "sleep:3"})
         wait_for(lambda: (s := client.status(rid)) and s.state is RequestState.RUNNING and s.stage == "encoder",
                  30, "encoder running")
@@ -84,7 +80,7 @@ def test_killed_worker_request_finishes_elsewhere_once(tmp_path: Path, redis_url
 def test_poison_entry_goes_to_dead_letter_and_request_fails(tmp_path: Path, redis_url: str, prefix: str) -> None:
     svc = make_services(tmp_path, redis_url, prefix)
     with svc:
-        client = client_for(svc)
+        client = svc.client()
         rid = client.submit({**JOB, "prompt": "poison pill"})
         # The entry kills every worker that takes it: keep starting replicas until it is dead-lettered.
         for attempt in range(6):
@@ -113,7 +109,7 @@ def test_poison_entry_goes_to_dead_letter_and_request_fails(tmp_path: Path, redi
 def test_duplicate_submission_runs_once(tmp_path: Path, redis_url: str, prefix: str) -> None:
     svc = make_services(tmp_path, redis_url, prefix)
     with svc:
-        client = client_for(svc)
+        client = svc.client()
         rid = client.submit(JOB, request_id="video_sync-dup-1")
         assert client.submit(JOB, request_id="video_sync-dup-1") == rid
         r = sync_redis.Redis.from_url(redis_url)
@@ -170,7 +166,7 @@ def test_cancel_stops_at_next_stage_boundary(tmp_path: Path, redis_url: str, pre
     with svc:
         svc.start("encoder", "a")
         svc.start("diffusion", "a")
-        client = client_for(svc)
+        client = svc.client()
         rid = client.submit({**JOB, "prompt": "sleep:2"})
         wait_for(lambda: (s := client.status(rid)) and s.state is RequestState.RUNNING, 60, "running")
         assert client.cancel(rid)
@@ -186,7 +182,7 @@ def test_sigterm_drains_the_entry_in_hand(tmp_path: Path, redis_url: str, prefix
     with svc:
         enc = svc.start("encoder", "a")
         svc.wait_live("encoder", "encoder-a")
-        client = client_for(svc)
+        client = svc.client()
         rid = client.submit({**JOB, "prompt": "sleep:1.5"})
         wait_for(lambda: (s := client.status(rid)) and s.state is RequestState.RUNNING, 30, "running")
         enc.send_signal(signal.SIGTERM)
@@ -239,7 +235,7 @@ def test_invalid_jobs_end_rejected_with_field_errors(tmp_path: Path, redis_url: 
             body = job if isinstance(job, str) else json.dumps(job)
             r.xadd(keys.stage_stream("encoder"), {"request_id": rid, "job": body})
             ids[name] = rid
-        client = client_for(svc)
+        client = svc.client()
         for name, rid in ids.items():
             status = client.wait(rid, timeout=60)
             assert status.state is RequestState.REJECTED, (name, status)

@@ -9,6 +9,10 @@ rebuilt locally (their own serialisation is pickle and must not cross a trust bo
 
 Not thread-safe: the agent runs without NIXL's internal locking (no listener thread), so one thread
 owns a :class:`NixlAgent` and all its calls.
+
+CUDA ordering: UCX copies VRAM on its own CUDA stream, unordered with torch's.  Whoever fills a buffer
+(producer) or last wrote the destination (consumer) must synchronize that work before a READ is posted;
+once :meth:`NixlAgent.poll` says DONE the bytes are in place for any stream.
 """
 
 from __future__ import annotations
@@ -382,7 +386,9 @@ class NixlAgent:
         "UCX" and telemetry only times and bytes); per-peer detail when two peers share one UCX endpoint
         configuration (UCX prints a table once per configuration: the second peer gets the first's, marked
         "shared"); anything with ``UCX_PROTO_INFO=used`` (printed only when the agent is destroyed).
-        Learned at a peer's first completed READ.
+        Learned at a peer's first completed READ.  Seen on 2 x H200 (nixl-cu13 1.5.1, UCX 1.23.0):
+        ``remote memory read by ucp_get*(multi) into cuda/GPU1 from cuda/dev[2]: 0..inf zero-copy
+        cuda_ipc/cuda``; on CPU: ``... zero-copy cma/memory``.
         """
         return self._transport.get(remote_name)
 

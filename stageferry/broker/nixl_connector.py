@@ -97,6 +97,7 @@ class Peer:
     name: str
     incarnation: str
     arenas: tuple[RemoteRegion, ...]
+    metadata: bytes
 
 
 @dataclass(slots=True)
@@ -153,7 +154,7 @@ class NixlConnector(Connector):
         If NIXL cannot be loaded the connector still works, inline only, and says why once."""
         try:
             if self.agent is None:
-                self.agent = NixlAgent(self.name)
+                self.agent = NixlAgent(self.name, backends=self.config.nixl_backends)
             self.pools = PoolSet.from_config(self.config, registrar=self.agent, cuda_device=self.cuda_device)
         except DataPlaneError as exc:
             self.agent, self.pools = None, None
@@ -172,6 +173,7 @@ class NixlConnector(Connector):
             tg.start_soon(self._drain_notifications)
             tg.start_soon(self._expire_leases)
             tg.start_soon(self._serve_resends)
+            tg.start_soon(self._sweep_peers)
             task_status.started()
 
     async def aclose(self) -> None:
@@ -380,6 +382,8 @@ class NixlConnector(Connector):
             yield incoming
         finally:
             if slots and self.pools is not None:
+                if DeviceKind.CUDA in slots:  # kernels queued on the payload must finish before reuse
+                    await anyio.to_thread.run_sync(torch.cuda.synchronize, slots[DeviceKind.CUDA].view.device)
                 self.pools.release_all(slots)
 
     async def _fetch(
@@ -440,37 +444,62 @@ class NixlConnector(Connector):
                 await self.redis.xadd(self.keys.resend(ref.agent), {"token": ref.token, "action": "drop"})
 
     async def _ensure_peer(self, ref: NixlPayload) -> Peer:
-        """The producer's agent, loaded once per incarnation; metadata only from our own prefix."""
-        cached = self.peers.get(ref.agent)
-        if cached is not None and cached.incarnation == ref.incarnation:
-            return cached
-        async with self._peer_lock:
-            cached = self.peers.get(ref.agent)
-            if cached is not None and cached.incarnation == ref.incarnation:
-                return cached
-            if cached is not None:
-                self._forget_peer(ref.agent)
-            with anyio.fail_after(self.timeouts.handshake):
-                record = await self._agent_record(ref.agent)
-            if record is None:
-                raise PayloadUnavailableError("producer agent is gone", agent=ref.agent)
-            if record.get(b"name", b"").decode() != ref.agent or record.get(b"incarnation", b"").decode() != ref.incarnation:
-                raise PayloadUnavailableError("producer agent restarted since the put", agent=ref.agent)
-            metadata = record[b"metadata"]
-            if ref.agent_metadata_b64 is not None and base64.b64decode(ref.agent_metadata_b64) != metadata:
-                raise HandshakeError("envelope metadata differs from the registered agent", agent=ref.agent)
-            arenas = _parse_arenas(record.get(b"arenas", b"[]"))
-            assert self.agent is not None
-            try:
-                name = self.agent.add_remote(metadata)
-            except DataPlaneError as exc:
-                raise HandshakeError(f"cannot load agent {ref.agent}: {exc.message}", agent=ref.agent) from exc
-            if name != ref.agent:
-                self.agent.remove_remote(name)
-                raise HandshakeError("agent metadata names another agent", agent=ref.agent, metadata_name=name)
-            peer = Peer(name=name, incarnation=ref.incarnation, arenas=arenas)
-            self.peers[name] = peer
-            return peer
+        """The producer's agent, loaded once per incarnation; metadata only from our own prefix.
+
+        A name that does not carry its incarnation, or envelope metadata that differs from the agent's
+        record, is a hostile or corrupted descriptor (:class:`ManifestError`); a well-formed agent
+        without a record has gone away (:class:`PayloadUnavailableError`: recompute)."""
+        if not ref.agent.endswith(f"-{ref.incarnation[:8]}"):
+            raise ManifestError("agent name does not match its incarnation", agent=ref.agent)
+        claimed = None if ref.agent_metadata_b64 is None else _b64(ref.agent_metadata_b64)
+        if ref.agent_metadata_b64 is not None and claimed is None:
+            raise ManifestError("agent metadata is not base64", agent=ref.agent)
+        peer = self.peers.get(ref.agent)
+        if peer is None or peer.incarnation != ref.incarnation:
+            async with self._peer_lock:
+                peer = self.peers.get(ref.agent)
+                if peer is None or peer.incarnation != ref.incarnation:
+                    peer = await self._load_peer(ref)
+        if claimed is not None and claimed != peer.metadata:
+            raise ManifestError("envelope metadata differs from the registered agent", agent=ref.agent)
+        return peer
+
+    async def _load_peer(self, ref: NixlPayload) -> Peer:
+        if ref.agent in self.peers:
+            self._forget_peer(ref.agent)
+        with anyio.fail_after(self.timeouts.handshake):
+            record = await self._agent_record(ref.agent)
+        if record is None:
+            raise PayloadUnavailableError("producer agent is gone", agent=ref.agent)
+        if record.get(b"name") != ref.agent.encode() or record.get(b"incarnation") != ref.incarnation.encode():
+            raise ManifestError("agent record does not match the envelope", agent=ref.agent)
+        metadata = record[b"metadata"]
+        arenas = _parse_arenas(record.get(b"arenas", b"[]"))
+        assert self.agent is not None
+        try:
+            name = self.agent.add_remote(metadata)
+        except DataPlaneError as exc:
+            raise HandshakeError(f"cannot load agent {ref.agent}: {exc.message}", agent=ref.agent) from exc
+        if name != ref.agent:
+            self.agent.remove_remote(name)
+            raise HandshakeError("agent metadata names another agent", agent=ref.agent, metadata_name=name)
+        peer = Peer(name=name, incarnation=ref.incarnation, arenas=arenas, metadata=metadata)
+        self.peers[name] = peer
+        return peer
+
+    async def _sweep_peers(self) -> None:
+        """Forget producers whose record is gone (they exited or died): remote agents return to baseline."""
+        while True:
+            await anyio.sleep(self.config.agent_ttl_s)
+            for name in list(self.peers):
+                try:
+                    with translated():
+                        alive = await self.redis.exists(self.keys.agent(name))
+                except ControlPlaneError:
+                    break
+                if not alive:
+                    log.info("nixl.peer_gone", peer=name)
+                    self._forget_peer(name)
 
     async def _agent_record(self, name: str) -> dict[bytes, bytes] | None:
         with translated():
@@ -502,7 +531,7 @@ class NixlConnector(Connector):
             local = slots[spec.device]
             notif = RELEASE_TAG + ref.token.encode() if i == len(pairs) - 1 else b""
             handle = self.agent.start_read(
-                [(local.address, spec.nbytes, local.device_id)], _mem_kind(spec.device),
+                [(local.address, spec.nbytes, local.device_id)], mem_kind_of(spec.device),
                 [(remote.address, remote.length, remote.device_id)], remote.mem_kind, peer.name, notif,
             )
             try:
@@ -549,7 +578,14 @@ class NixlConnector(Connector):
         )
 
 
-def _mem_kind(device: DeviceKind) -> MemKind:
+def _b64(text: str) -> bytes | None:
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:
+        return None
+
+
+def mem_kind_of(device: DeviceKind) -> MemKind:
     return MemKind.VRAM if device is DeviceKind.CUDA else MemKind.DRAM
 
 

@@ -394,7 +394,11 @@ class StageWorker:
     async def _hand_on(self, entry: Entry, envelope: Envelope, output: Any, timing: StageTiming) -> None:
         assert self.next_stage is not None and self.output_connector is not None
         key = request_key(envelope.request_id, self.index)
-        outgoing = await self.output_connector.put(key, output, force_inline=envelope.trace.force_inline)
+        try:
+            outgoing = await self.output_connector.put(key, output, force_inline=envelope.trace.force_inline)
+        except DataPlaneError as exc:  # could not publish it here: compute again, maybe on another replica
+            await self._recompute(entry, envelope, exc, target=self.stage)
+            return
         log.info(
             "payload.put", key=key, transport=outgoing.transport.value, bytes=outgoing.nbytes,
             seconds=round(outgoing.seconds, 6), fallback=outgoing.fallback_reason, to_stage=self.next_stage.name,
@@ -447,26 +451,30 @@ class StageWorker:
             location=location, redis_key=redis_key, bytes=len(data), sha256=digest, media=output.media, data=output.info
         )
 
-    async def _recompute(self, entry: Entry, envelope: Envelope, exc: DataPlaneError) -> None:
-        """Send the request back to the previous stage (its payload is gone), up to the retry limit."""
+    async def _recompute(
+        self, entry: Entry, envelope: Envelope, exc: DataPlaneError, *, target: StageConfig | None = None
+    ) -> None:
+        """Send the request back to be computed again — by default to the previous stage, whose payload
+        is gone — up to ``limits.max_recomputes``; then it fails with the data-plane error."""
         rid = envelope.request_id
         recomputes = envelope.trace.recomputes + 1
-        if self.previous_stage is None or recomputes > self.pipeline.limits.max_recomputes:
+        target = target or self.previous_stage
+        if target is None or recomputes > self.pipeline.limits.max_recomputes:
             await self._fail(entry, rid, exc)
             return
         metrics.RECOMPUTES.labels(exc.code).inc()
-        log.warning("request.recompute", reason=exc.code, error=exc.message, recomputes=recomputes)
+        log.warning("request.recompute", reason=exc.code, error=exc.message, recomputes=recomputes, to_stage=target.name)
         trace = envelope.trace.model_copy(
             update={"recomputes": recomputes, "force_inline": not isinstance(exc, PayloadUnavailableError)}
         )
         back = Envelope(
             request_id=rid, key=request_key(rid, self.index), from_stage=self.stage.name,
-            to_stage=self.previous_stage.name, job=envelope.job, payload=NoPayload(), attempt=envelope.attempt + 1,
+            to_stage=target.name, job=envelope.job, payload=NoPayload(), attempt=envelope.attempt + 1,
             deadline=envelope.deadline, trace=trace,
         )
         fields = {"request_id": rid, "envelope": back.model_dump_json()}
-        if await self.stream.hand_off(entry.id, self.previous_stage.name, fields):
-            await self._set_status(rid, RequestState.QUEUED, stage=self.previous_stage.name, attempt=back.attempt)
+        if await self.stream.hand_off(entry.id, target.name, fields):
+            await self._set_status(rid, RequestState.QUEUED, stage=target.name, attempt=back.attempt)
             metrics.ENTRIES.labels(self.stage.name, "recomputed").inc()
 
     async def _reject(self, entry: Entry, rid: str, exc: RejectedError) -> None:

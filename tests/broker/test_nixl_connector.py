@@ -1,0 +1,241 @@
+"""The NIXL connector between two processes (real agents, CPU DRAM over UCX, real Redis).
+
+A producer leader runs in its own process (``tests.peer_producer``); the test process is the
+consumer leader.  Payloads are compared bit for bit with what the producer built.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import redis as sync_redis
+import torch
+from pydantic import TypeAdapter
+
+from stageferry.broker.keys import Keys
+from stageferry.broker.nixl_connector import NixlConnector
+from stageferry.broker.redis_conn import connect
+from stageferry.config import DataPlaneConfig, Timeouts
+from stageferry.errors import PayloadUnavailableError
+from stageferry.schemas import InlinePayload, NixlPayload, PayloadRef, Transport
+from stageferry.testing import assert_same
+from tests.peer_producer import build
+from tests.procs import ROOT, wait_for
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
+REF = TypeAdapter(PayloadRef)
+
+
+@dataclass
+class Producer:
+    proc: subprocess.Popen[bytes]
+    redis: sync_redis.Redis
+    prefix: str
+    log: Path
+
+    def take(self, timeout: float = 60) -> dict[str, Any]:
+        item = self.redis.blpop([f"{self.prefix}:test:refs"], timeout=timeout)
+        assert item is not None, f"producer sent nothing: {self.log.read_text()[-3000:]}"
+        return json.loads(item[1])
+
+    def stats(self) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in self.redis.hgetall(f"{self.prefix}:test:producer").items()}
+
+    def wait_stats(self, **expected: int) -> dict[str, str]:
+        def ok() -> dict[str, str] | None:
+            s = self.stats()
+            return s if s and all(s.get(k) == str(v) for k, v in expected.items()) else None
+
+        return wait_for(ok, 20, f"producer stats {expected}; last {self.stats()}")
+
+    def stop(self) -> None:
+        self.redis.set(f"{self.prefix}:test:stop", 1)
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def start_producer(tmp_path: Path, redis_url: str, prefix: str) -> Iterator[Any]:
+    started: list[Producer] = []
+
+    def start(*args: str) -> Producer:
+        log = tmp_path / f"producer-{len(started)}.log"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.peer_producer", "--redis-url", redis_url, "--prefix", prefix, *args],
+            stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        producer = Producer(proc, sync_redis.Redis.from_url(redis_url), prefix, log)
+        started.append(producer)
+        return producer
+
+    yield start
+    for p in started:
+        if p.proc.poll() is None:
+            p.proc.kill()
+            p.proc.wait(10)
+
+
+@asynccontextmanager
+async def consumer(
+    redis_url: str, prefix: str, cuda_device: torch.device | None = None, **config: Any
+) -> AsyncIterator[NixlConnector]:
+    redis = connect(redis_url)
+    conn = NixlConnector(
+        redis=redis, keys=Keys(prefix), stage="diffusion", replica="test",
+        config=DataPlaneConfig(**config), timeouts=Timeouts(resend=3.0), cuda_device=cuda_device,
+    )
+    await anyio.to_thread.run_sync(conn.open)
+    async with anyio.create_task_group() as tg:
+        await tg.start(conn.run)
+        try:
+            yield conn
+        finally:
+            tg.cancel_scope.cancel()
+    await conn.aclose()
+    await redis.aclose()
+
+
+def ref_of(item: dict[str, Any]) -> tuple[Any, bytes | None]:
+    blob = base64.b64decode(item["blob"]) if item.get("blob") is not None else None
+    return REF.validate_json(item["ref"]), blob
+
+
+@pytest.mark.parametrize("mode", ["queried", "direct"])
+async def test_task_payloads_round_trip_exactly(start_producer: Any, redis_url: str, prefix: str, mode: str) -> None:
+    specs = ["T2VA", "FL2VA", "Ref2VA", "bytes:1000", "bytes:0"]
+    producer = start_producer("--payloads", ",".join(specs), "--mode", mode)
+    async with consumer(redis_url, prefix) as conn:
+        for spec in specs:
+            item = producer.take()
+            ref, blob = ref_of(item)
+            small = spec.startswith("bytes:")
+            assert isinstance(ref, InlinePayload if small else NixlPayload), spec
+            if mode == "direct" and not small:
+                assert ref.agent_metadata_b64
+            async with conn.get(ref, blob, key=item["key"]) as incoming:
+                assert incoming.transport is (Transport.INLINE if small else Transport.NIXL)
+                assert_same(incoming.payload, build(spec, item["seed"]))
+        assert conn.pools is not None and conn.pools.slots_in_use == 0
+        assert conn.agent is not None and conn.agent.open_handles() == 0
+        producer.wait_stats(leases=0, slots_in_use=0, open_handles=0, registrations=1)
+        producer.stop()
+
+
+async def test_nixl_unavailable_at_the_producer_goes_inline_up_to_the_cap(
+    start_producer: Any, redis_url: str, prefix: str
+) -> None:
+    producer = start_producer("--payloads", "FL2VA,Ref2VA", "--backends", "NO_SUCH_BACKEND")
+    async with consumer(redis_url, prefix) as conn:
+        item = producer.take()
+        ref, blob = ref_of(item)
+        assert isinstance(ref, InlinePayload) and ref.fallback_reason == "nixl_unavailable"
+        async with conn.get(ref, blob, key=item["key"]) as incoming:
+            assert incoming.transport is Transport.INLINE
+            assert_same(incoming.payload, build("FL2VA", item["seed"]))
+        # 65 MB is above the 16 MiB inline-fallback cap: the put fails, the stage recomputes (worker test).
+        assert producer.take()["error"] == "payload_unavailable"
+        assert producer.stats()["unavailable"] == "nixl_unavailable"
+    producer.stop()
+
+
+async def test_nixl_unavailable_at_the_consumer_gets_an_inline_resend(
+    start_producer: Any, redis_url: str, prefix: str
+) -> None:
+    producer = start_producer("--payloads", "FL2VA,Ref2VA")
+    async with consumer(redis_url, prefix, nixl_backends=("NO_SUCH_BACKEND",)) as conn:
+        assert conn.agent is None
+        item = producer.take()
+        ref, blob = ref_of(item)
+        async with conn.get(ref, blob, key=item["key"]) as incoming:
+            assert incoming.transport is Transport.INLINE and incoming.fallback_reason == "nixl_unavailable"
+            assert_same(incoming.payload, build("FL2VA", item["seed"]))
+        item = producer.take()
+        ref, blob = ref_of(item)
+        with pytest.raises(PayloadUnavailableError):  # above the cap: only a recompute can help
+            async with conn.get(ref, blob, key=item["key"]):
+                pass
+        producer.wait_stats(leases=0, slots_in_use=0)
+    producer.stop()
+
+
+async def test_a_thousand_transfers_leave_no_resources_behind(
+    start_producer: Any, redis_url: str, prefix: str
+) -> None:
+    count = 1000
+    producer = start_producer("--payloads", "bytes:100000", "--repeat", str(count), "--pool-mib", "4")
+    async with consumer(redis_url, prefix, cpu_pool_bytes=4 << 20) as conn:
+        assert conn.agent is not None
+        registrations = conn.agent.registrations
+        for _ in range(count):
+            item = producer.take()
+            ref, blob = ref_of(item)
+            async with conn.get(ref, blob, key=item["key"]) as incoming:
+                assert incoming.transport is Transport.NIXL
+                assert incoming.payload["blob"].numel() == 100_000
+        assert conn.agent.registrations == registrations == 1, "no registration per request"
+        assert conn.counters.reads == count
+        assert conn.pools is not None and conn.pools.slots_in_use == 0 and conn.agent.open_handles() == 0
+        stats = producer.wait_stats(leases=0, slots_in_use=0, open_handles=0, registrations=1)
+        assert stats["puts"] == str(count)
+        assert len(conn.agent.remotes()) == 1
+        producer.stop()
+        # The producer's record is gone: the consumer forgets its agent (remote agents back to baseline).
+        with anyio.fail_after(30):
+            while conn.agent.remotes():
+                await anyio.sleep(0.2)
+
+
+@pytest.mark.parametrize("die_after", ["claim", "post"])
+async def test_consumer_killed_mid_read_frees_the_slot_once_its_claim_expires(
+    start_producer: Any, redis_url: str, prefix: str, tmp_path: Path, die_after: str
+) -> None:
+    producer = start_producer("--payloads", "Ref2VA", "--lease", "1")
+    log = tmp_path / "reader.log"
+    reader = subprocess.Popen(
+        [sys.executable, "-m", "tests.peer_reader_dies", "--redis-url", redis_url, "--prefix", prefix,
+         "--die-after", die_after],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert reader.wait(timeout=60) == -9, log.read_text()[-3000:]
+    killed_at = time.monotonic()
+    if die_after == "claim":
+        # The lease (1 s) has run out, but the dead consumer's claim (4 s, its own setting) still holds it ...
+        time.sleep(1.5)
+        assert producer.stats()["leases"] == "1"
+    # ... until the claim expires (or, if the READ finished before the kill, its notification came).
+    producer.wait_stats(leases=0, slots_in_use=0)
+    if die_after == "claim":
+        assert time.monotonic() - killed_at >= 2.0
+    producer.stop()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (runs on the device machine)")
+async def test_cuda_leaves_land_on_the_consumer_gpu(start_producer: Any, redis_url: str, prefix: str) -> None:
+    """VRAM → VRAM between two processes (GPU 0 → GPU 1 when there are two), CPU leaves beside them."""
+    dst = torch.device("cuda", torch.cuda.device_count() - 1)
+    producer = start_producer("--payloads", "mixed,mixed", "--device", "cuda:0")
+    async with consumer(redis_url, prefix, cuda_device=dst) as conn:
+        for _ in range(2):
+            item = producer.take()
+            ref, blob = ref_of(item)
+            assert isinstance(ref, NixlPayload)
+            assert {r.mem_kind.value for r in ref.regions} == {"DRAM", "VRAM"}
+            async with conn.get(ref, blob, key=item["key"]) as incoming:
+                got = incoming.payload
+                assert incoming.transport is Transport.NIXL
+                assert got["gpu"].device == dst and got["ids"].device == dst and got["empty_gpu"].device == dst
+                assert got["cpu"]["hidden_states"].device.type == "cpu"
+                assert_same(got, build("mixed", item["seed"], "cuda:0"))
+        producer.wait_stats(leases=0, slots_in_use=0)
+    producer.stop()
