@@ -23,7 +23,6 @@ import os
 import statistics
 import sys
 import time
-import types
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -57,13 +56,15 @@ def fill(torch: Any, buf: Any, n: int) -> None:
     step = 64 << 20
     for off in range(0, n, step):
         k = min(step, n - off)
-        buf[off:off + k].copy_(pattern(torch, k, off, buf.device))
+        buf[off : off + k].copy_(pattern(torch, k, off, buf.device))
 
 
 def verify(torch: Any, buf: Any, n: int) -> bool:
     step = 64 << 20
-    return all(torch.equal(buf[off:off + min(step, n - off)], pattern(torch, min(step, n - off), off, buf.device))
-               for off in range(0, n, step))
+    return all(
+        torch.equal(buf[off : off + min(step, n - off)], pattern(torch, min(step, n - off), off, buf.device))
+        for off in range(0, n, step)
+    )
 
 
 def split(base: int, n: int, chunks: int, dev: int) -> list[tuple[int, int, int]]:
@@ -84,24 +85,9 @@ def stats(ns: list[int], n: int) -> tuple[float, float, float]:
 
 
 def load_agent_module() -> Any:
-    """stageferry.broker.nixl_agent, also where stageferry's package imports need absent packages.
+    """stageferry.broker.nixl_agent (imported in the child processes, after their environment is set)."""
+    import stageferry.broker.nixl_agent as mod
 
-    The GPU host has torch, nixl (carried) and structlog but not the control plane's redis/pydantic
-    stack; the wrapper itself needs only stageferry.errors, so the two packages are stubbed then.
-    """
-    try:
-        import stageferry.broker.nixl_agent as mod
-    except ImportError as exc:
-        for k in [k for k in sys.modules if k == "stageferry" or k.startswith("stageferry.")]:
-            del sys.modules[k]
-        root = Path(__file__).resolve().parents[1] / "stageferry"
-        for name, path in (("stageferry", root), ("stageferry.broker", root / "broker")):
-            stub = types.ModuleType(name)
-            stub.__path__ = [str(path)]
-            sys.modules[name] = stub
-        import stageferry.broker.nixl_agent as mod
-
-        print(f"note: stageferry package imports skipped ({exc})", flush=True)
     return mod
 
 
@@ -119,8 +105,7 @@ def _setup(env: dict[str, str], cpu: bool, device: int) -> tuple[Any, Any]:
     return torch, torch.device("cuda", device)
 
 
-def producer(ctl: Connection, peer: Connection, env: dict[str, str], cpu: bool, nbytes: int,
-             share: bool) -> None:
+def producer(ctl: Connection, peer: Connection, env: dict[str, str], cpu: bool, nbytes: int, share: bool) -> None:
     torch, dev = _setup(env, cpu, 0)
     NixlAgent = load_agent_module().NixlAgent
 
@@ -158,9 +143,19 @@ def time_copy(torch: Any, copy: Any, n: int, iters: int, warmup: int) -> list[in
     return ts
 
 
-def consumer(conn: Connection, peer: Connection, env: dict[str, str], cpu: bool, nbytes: int,
-             sizes: list[int], chunk_list: list[int], modes: list[str], iters: int, warmup: int,
-             share: bool) -> None:
+def consumer(
+    conn: Connection,
+    peer: Connection,
+    env: dict[str, str],
+    cpu: bool,
+    nbytes: int,
+    sizes: list[int],
+    chunk_list: list[int],
+    modes: list[str],
+    iters: int,
+    warmup: int,
+    share: bool,
+) -> None:
     torch, dev = _setup(env, cpu, 1)
     na = load_agent_module()
     MemKind, NixlAgent, XferState = na.MemKind, na.NixlAgent, na.XferState
@@ -247,17 +242,34 @@ def consumer(conn: Connection, peer: Connection, env: dict[str, str], cpu: bool,
     del src_ipc
     out = {
         "diag": diag,
-        "results": results, "checks": checks, "reads": seq, "writes": writes, "open_handles": agent.open_handles(),
-        "registrations": agent.registrations, "transport": agent.transport_info(name),
-        "agent_s": created_s, "warm_up_s": warm_s,
+        "results": results,
+        "checks": checks,
+        "reads": seq,
+        "writes": writes,
+        "open_handles": agent.open_handles(),
+        "registrations": agent.registrations,
+        "transport": agent.transport_info(name),
+        "agent_s": created_s,
+        "warm_up_s": warm_s,
     }
     agent.close()
     conn.send(out)
 
 
-def run_diag(torch: Any, agent: Any, kind: Any, name: str, dst: Any, ldev: int, src_ipc: Any,
-             remote: tuple[int, int], sizes: list[int], iters: int, warmup: int,
-             diag: dict[str, dict[int, list[int]]]) -> int:
+def run_diag(
+    torch: Any,
+    agent: Any,
+    kind: Any,
+    name: str,
+    dst: Any,
+    ldev: int,
+    src_ipc: Any,
+    remote: tuple[int, int],
+    sizes: list[int],
+    iters: int,
+    warmup: int,
+    diag: dict[str, dict[int, list[int]]],
+) -> int:
     """Cross-process baselines on the same memory (CUDA IPC) and a NIXL WRITE; returns WRITEs posted."""
     raddr, rdev = remote
     XferState = load_agent_module().XferState
@@ -267,8 +279,7 @@ def run_diag(torch: Any, agent: Any, kind: Any, name: str, dst: Any, ldev: int, 
         while agent.poll(h) is XferState.PROC:
             pass
 
-    diag["ipc_copy"] = {n: time_copy(torch, lambda k: dst[:k].copy_(src_ipc[:k]), n, iters, warmup)
-                        for n in sizes}
+    diag["ipc_copy"] = {n: time_copy(torch, lambda k: dst[:k].copy_(src_ipc[:k]), n, iters, warmup) for n in sizes}
     rt = _cudart()
     if rt is not None:
         rt.cudaDeviceEnablePeerAccess(ctypes.c_int(0), ctypes.c_uint(0))
@@ -276,8 +287,13 @@ def run_diag(torch: Any, agent: Any, kind: Any, name: str, dst: Any, ldev: int, 
         stream = ctypes.c_void_p(torch.cuda.current_stream(1).cuda_stream)
 
         def pull(k: int) -> None:
-            rt.cudaMemcpyAsync(ctypes.c_void_p(dst.data_ptr()), ctypes.c_void_p(src_ipc.data_ptr()),
-                               ctypes.c_size_t(k), ctypes.c_int(4), stream)
+            rt.cudaMemcpyAsync(
+                ctypes.c_void_p(dst.data_ptr()),
+                ctypes.c_void_p(src_ipc.data_ptr()),
+                ctypes.c_size_t(k),
+                ctypes.c_int(4),
+                stream,
+            )
 
         diag["ipc_pull"] = {n: time_copy(torch, pull, n, iters, warmup) for n in sizes}
     diag["write"] = {}
@@ -286,8 +302,7 @@ def run_diag(torch: Any, agent: Any, kind: Any, name: str, dst: Any, ldev: int, 
         for i in range(warmup + iters):
             seq += 1
             t = time.perf_counter_ns()
-            h = agent.start_write([(dst.data_ptr(), n, ldev)], kind, [(raddr, n, rdev)], kind, name,
-                                  b"%d" % seq)
+            h = agent.start_write([(dst.data_ptr(), n, ldev)], kind, [(raddr, n, rdev)], kind, name, b"%d" % seq)
             wait(h)
             dt = time.perf_counter_ns() - t
             agent.release(h)
@@ -359,8 +374,13 @@ def baseline(sizes: list[int], cpu: bool, iters: int, warmup: int) -> dict[str, 
                 for i in range(warmup + iters):
                     sync()
                     t = time.perf_counter_ns()
-                    rc = rt.cudaMemcpyAsync(ctypes.c_void_p(dst.data_ptr()), ctypes.c_void_p(src.data_ptr()),
-                                            ctypes.c_size_t(n), ctypes.c_int(4), stream)  # cudaMemcpyDefault
+                    rc = rt.cudaMemcpyAsync(
+                        ctypes.c_void_p(dst.data_ptr()),
+                        ctypes.c_void_p(src.data_ptr()),
+                        ctypes.c_size_t(n),
+                        ctypes.c_int(4),
+                        stream,
+                    )  # cudaMemcpyDefault
                     sync()
                     if rc != 0:
                         break
@@ -389,8 +409,11 @@ def run_config(cfg: Config, args: argparse.Namespace, sizes: list[int]) -> dict[
     cc, cchild = ctx.Pipe()
     peer_p, peer_c = ctx.Pipe()  # producer -> consumer directly (a shared CUDA tensor can't be relayed)
     p = ctx.Process(target=producer, args=(pchild, peer_p, env, args.cpu, n_max, share), daemon=True)
-    c = ctx.Process(target=consumer, args=(cchild, peer_c, env, args.cpu, n_max, sizes, args.chunks,
-                                           args.modes, args.iters, args.warmup, share), daemon=True)
+    c = ctx.Process(
+        target=consumer,
+        args=(cchild, peer_c, env, args.cpu, n_max, sizes, args.chunks, args.modes, args.iters, args.warmup, share),
+        daemon=True,
+    )
     p.start()
     c.start()
     try:
@@ -411,8 +434,9 @@ def fmt(ms: float, gbs: float) -> str:
     return f"{ms:.3f} ms ({gbs:.0f} GB/s)"
 
 
-def report(cfg: Config, res: dict[str, Any], base: dict[str, dict[int, list[int]]], args: argparse.Namespace,
-           sizes: list[int]) -> list[tuple[str, str, int, float]]:
+def report(
+    cfg: Config, res: dict[str, Any], base: dict[str, dict[int, list[int]]], args: argparse.Namespace, sizes: list[int]
+) -> list[tuple[str, str, int, float]]:
     env = {k: v for k, v in {**os.environ, **cfg.env}.items() if k.startswith(("UCX_", "NIXL_"))}
     if args.proto_info:
         env.setdefault("UCX_PROTO_INFO", "y")
@@ -422,11 +446,13 @@ def report(cfg: Config, res: dict[str, Any], base: dict[str, dict[int, list[int]
     print(f"transport: {res['transport']}")
     prod = res.get("producer", {})
     failed = [n for n, ok in res["checks"].items() if not ok]
-    print(f"agent created in {res['agent_s']:.3f} s, warm_up {res['warm_up_s'] * 1e3:.1f} ms; "
-          f"READs {res['reads']}, WRITEs {res['writes']}, "
-          f"notifs at producer {prod.get('notifs')}, open handles after {res['open_handles']}, "
-          f"registrations {res['registrations']}/{prod.get('registrations')}; "
-          f"bytes verified: {not failed}" + (f" (FAILED for sizes {failed})" if failed else ""))
+    print(
+        f"agent created in {res['agent_s']:.3f} s, warm_up {res['warm_up_s'] * 1e3:.1f} ms; "
+        f"READs {res['reads']}, WRITEs {res['writes']}, "
+        f"notifs at producer {prod.get('notifs')}, open handles after {res['open_handles']}, "
+        f"registrations {res['registrations']}/{prod.get('registrations')}; "
+        f"bytes verified: {not failed}" + (f" (FAILED for sizes {failed})" if failed else "")
+    )
     mm, mc = args.main_mode, args.main_chunks
     print(f"\nNIXL READ {kind} = `{mm}` with {mc} descriptor(s); p99 = nearest rank of {args.iters}\n")
     pull = bool(base["pull"])
@@ -466,9 +492,11 @@ def report(cfg: Config, res: dict[str, Any], base: dict[str, dict[int, list[int]
         print("\n(diagnostics failed: see the consumer's message above)")
     elif diag:
         print("\ndiagnostics, median ms (GB/s): where the gap to the peer copy comes from\n")
-        cols = [("ipc_copy", "torch copy_ of the producer's tensor via CUDA IPC, in the consumer (push)"),
-                ("ipc_pull", "same IPC memory, cudaMemcpyAsync on GPU1's stream"),
-                ("write", "NIXL WRITE GPU1->GPU0 (push), start_write x1")]
+        cols = [
+            ("ipc_copy", "torch copy_ of the producer's tensor via CUDA IPC, in the consumer (push)"),
+            ("ipc_pull", "same IPC memory, cudaMemcpyAsync on GPU1's stream"),
+            ("write", "NIXL WRITE GPU1->GPU0 (push), start_write x1"),
+        ]
         cols = [c for c in cols if c[0] in diag]
         print(f"| bytes | {base_name} | " + " | ".join(d for _, d in cols) + f" | NIXL READ {mm} x{mc} |")
         print("|---:|---:|" + "---:|" * (len(cols) + 1))
@@ -494,17 +522,28 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--cpu", action="store_true", help="DRAM->DRAM between two processes, memcpy baseline")
-    ap.add_argument("--config", action="append", default=[], metavar="LABEL[:K=V;K=V...]",
-                    help="extra env for both processes; repeat to compare (each gets fresh processes)")
-    ap.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[1],
-                    help="descriptors per READ, comma list")
+    ap.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="LABEL[:K=V;K=V...]",
+        help="extra env for both processes; repeat to compare (each gets fresh processes)",
+    )
+    ap.add_argument(
+        "--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[1], help="descriptors per READ, comma list"
+    )
     ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
     ap.add_argument("--main-mode", default="start_read", choices=MODES)
     ap.add_argument("--main-chunks", type=int, default=1)
-    ap.add_argument("--no-proto-info", dest="proto_info", action="store_false",
-                    help="don't set UCX_PROTO_INFO=y (then the transport cannot be named)")
-    ap.add_argument("--no-diag", dest="diag", action="store_false",
-                    help="skip the GPU diagnostics (CUDA IPC copies, NIXL WRITE)")
+    ap.add_argument(
+        "--no-proto-info",
+        dest="proto_info",
+        action="store_false",
+        help="don't set UCX_PROTO_INFO=y (then the transport cannot be named)",
+    )
+    ap.add_argument(
+        "--no-diag", dest="diag", action="store_false", help="skip the GPU diagnostics (CUDA IPC copies, NIXL WRITE)"
+    )
     ap.add_argument("--config-timeout", type=float, default=240.0)
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip remaining configs after this many s")
     args = ap.parse_args()
@@ -518,8 +557,10 @@ def main() -> None:
 
     import torch
 
-    print(f"torch {torch.__version__}, python {sys.version.split()[0]}, "
-          f"{'CPU' if args.cpu else torch.cuda.get_device_name(0) + ' x' + str(torch.cuda.device_count())}")
+    print(
+        f"torch {torch.__version__}, python {sys.version.split()[0]}, "
+        f"{'CPU' if args.cpu else torch.cuda.get_device_name(0) + ' x' + str(torch.cuda.device_count())}"
+    )
     if not args.cpu and torch.cuda.device_count() < 2:
         sys.exit("need 2 GPUs (or --cpu)")
     ucx_env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_", "NCCL_", "CUDA_"))}
@@ -546,8 +587,10 @@ def main() -> None:
             print(f"- config `{label}`, {m} x{ch}: ratio {ratio:.2f} -> target {ok}")
         main_rows = [r for r in summary if r[1] == args.main_mode and r[2] == args.main_chunks]
         best = max(main_rows or summary, key=lambda r: r[3])
-        print(f"\nTARGET {'HOLDS' if best[3] >= TARGET_RATIO else 'DOES NOT HOLD'} "
-              f"(best {args.main_mode} x{args.main_chunks}: config `{best[0]}`, ratio {best[3]:.2f})")
+        print(
+            f"\nTARGET {'HOLDS' if best[3] >= TARGET_RATIO else 'DOES NOT HOLD'} "
+            f"(best {args.main_mode} x{args.main_chunks}: config `{best[0]}`, ratio {best[3]:.2f})"
+        )
     print(f"\ntotal {time.monotonic() - t_start:.1f} s")
 
 

@@ -32,6 +32,6 @@ if ! redis_answers; then
   redis_answers || { echo "test: redis-server did not answer" >&2; exit 1; }
 fi
 
-.venv/bin/ruff check stageferry tests
+.venv/bin/ruff check stageferry tests benchmarks
 .venv/bin/mypy stageferry
 exec .venv/bin/pytest -q "$@"

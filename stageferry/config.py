@@ -47,9 +47,7 @@ class StageConfig(Strict):
     """One stage of the pipeline."""
 
     name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
-    model: Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")] = (
-        "stageferry.stages.passthrough:factory"
-    )
+    model: Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")] = "stageferry.stages.passthrough:factory"
     tp: Annotated[int, Field(ge=1, le=64)] = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
 

@@ -30,24 +30,31 @@ def build(spec: str, seed: int, device: str = "cpu") -> object:
         return sized_payload(int(spec.split(":", 1)[1]), seed=seed)
     if spec == "mixed":
         fl2va = TASKS["FL2VA"][0]()
-        return {"gpu": fl2va["visual_latents"]["first_last"].to(device), "cpu": fl2va["text"],
-                "empty_gpu": torch.empty(0, 3, device=device), "ids": torch.arange(9, device=device)}
+        return {
+            "gpu": fl2va["visual_latents"]["first_last"].to(device),
+            "cpu": fl2va["text"],
+            "empty_gpu": torch.empty(0, 3, device=device),
+            "ids": torch.arange(9, device=device),
+        }
     return TASKS[spec][0]()
 
 
 async def main(args: argparse.Namespace) -> None:
     keys = Keys(args.prefix)
     config = DataPlaneConfig(
-        metadata_mode=MetadataMode(args.mode), nixl_backends=tuple(args.backends.split(",")),
-        cpu_pool_bytes=args.pool_mib << 20, inline_fallback_max_bytes=args.fallback_cap,
+        metadata_mode=MetadataMode(args.mode),
+        nixl_backends=tuple(args.backends.split(",")),
+        cpu_pool_bytes=args.pool_mib << 20,
+        inline_fallback_max_bytes=args.fallback_cap,
     )
     timeouts = Timeouts(lease=args.lease, claim=args.claim)
     async with open_client(args.redis_url) as redis:
         cuda = torch.device(args.device) if args.device.startswith("cuda") else None
         if cuda is not None:
             torch.cuda.set_device(cuda)
-        conn = NixlConnector(redis=redis, keys=keys, stage="encoder", replica="peer", config=config, timeouts=timeouts,
-                             cuda_device=cuda)
+        conn = NixlConnector(
+            redis=redis, keys=keys, stage="encoder", replica="peer", config=config, timeouts=timeouts, cuda_device=cuda
+        )
         conn.open()
         async with anyio.create_task_group() as tg:
             await tg.start(conn.run)
@@ -56,15 +63,22 @@ async def main(args: argparse.Namespace) -> None:
                 key = f"video_sync-peer{i}_0_0"
                 try:
                     out = await conn.put(key, build(spec, i, args.device))
-                    item = {"key": key, "spec": spec, "seed": i, "ref": out.ref.model_dump_json(),
-                            "blob": base64.b64encode(out.blob).decode() if out.blob is not None else None}
+                    item = {
+                        "key": key,
+                        "spec": spec,
+                        "seed": i,
+                        "ref": out.ref.model_dump_json(),
+                        "blob": base64.b64encode(out.blob).decode() if out.blob is not None else None,
+                    }
                 except DataPlaneError as exc:
                     item = {"key": key, "spec": spec, "seed": i, "error": exc.code}
                 await redis.rpush(f"{args.prefix}:test:refs", json.dumps(item))
             while not await redis.exists(f"{args.prefix}:test:stop"):
                 agent = conn.agent
                 stats = {
-                    "pid": os.getpid(), "leases": len(conn.leases), "puts": conn.counters.puts,
+                    "pid": os.getpid(),
+                    "leases": len(conn.leases),
+                    "puts": conn.counters.puts,
                     "slots_in_use": conn.pools.slots_in_use if conn.pools else 0,
                     "registrations": agent.registrations if agent else 0,
                     "open_handles": agent.open_handles() if agent else 0,

@@ -20,8 +20,14 @@ from stageferry.schemas import NixlPayload, PayloadRef
 
 async def main(args: argparse.Namespace) -> None:
     async with open_client(args.redis_url) as redis:
-        conn = NixlConnector(redis=redis, keys=Keys(args.prefix), stage="diffusion", replica="doomed",
-                             config=DataPlaneConfig(), timeouts=Timeouts(claim=4))
+        conn = NixlConnector(
+            redis=redis,
+            keys=Keys(args.prefix),
+            stage="diffusion",
+            replica="doomed",
+            config=DataPlaneConfig(),
+            timeouts=Timeouts(claim=4),
+        )
         conn.open()
         item = json.loads((await redis.blpop([f"{args.prefix}:test:refs"], timeout=60))[1])
         ref = TypeAdapter(PayloadRef).validate_json(item["ref"])
@@ -34,8 +40,11 @@ async def main(args: argparse.Namespace) -> None:
         spec, remote = ref.manifest.regions[0], ref.regions[0]
         local = slots[spec.device]
         conn.agent.start_read(  # type: ignore[union-attr]
-            [(local.address, spec.nbytes, local.device_id)], mem_kind_of(spec.device),
-            [(remote.address, remote.length, remote.device_id)], remote.mem_kind, peer.name,
+            [(local.address, spec.nbytes, local.device_id)],
+            mem_kind_of(spec.device),
+            [(remote.address, remote.length, remote.device_id)],
+            remote.mem_kind,
+            peer.name,
             RELEASE_TAG + ref.token.encode(),
         )
         os.kill(os.getpid(), signal.SIGKILL)  # mid-READ: posted, not completed, nothing cleaned up

@@ -69,8 +69,12 @@ class Services:
     def env(self, replica: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
-            STAGEFERRY_REDIS_URL=self.redis_url, STAGEFERRY_PREFIX=self.prefix, STAGEFERRY_PIPELINE=str(self.pipeline),
-            STAGEFERRY_REPLICA=replica, STAGEFERRY_LOG_FORMAT="json", PYTHONPATH=str(ROOT),
+            STAGEFERRY_REDIS_URL=self.redis_url,
+            STAGEFERRY_PREFIX=self.prefix,
+            STAGEFERRY_PIPELINE=str(self.pipeline),
+            STAGEFERRY_REPLICA=replica,
+            STAGEFERRY_LOG_FORMAT="json",
+            PYTHONPATH=str(ROOT),
         )
         env.update(self.extra_env)
         return env
@@ -79,7 +83,10 @@ class Services:
         log = open(self.tmp_path / f"{stage}-{replica}-{len(self.procs)}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(
             [sys.executable, "-m", "stageferry", "serve", stage, *args],
-            env=self.env(replica), stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp_path,
+            env=self.env(replica),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.tmp_path,
         )
         self.procs.append(proc)
         return proc

@@ -41,7 +41,10 @@ def pipeline_file(tmp_path: Path, connector: str = "inline", **limits: object) -
 
 def make_services(tmp_path: Path, redis_url: str, prefix: str, connector: str = "inline", **env: str) -> Services:
     return Services(
-        tmp_path, redis_url=redis_url, prefix=prefix, pipeline=pipeline_file(tmp_path, connector),
+        tmp_path,
+        redis_url=redis_url,
+        prefix=prefix,
+        pipeline=pipeline_file(tmp_path, connector),
         extra_env={"STAGEFERRY_TEST_RECORD": str(tmp_path / "record.txt"), **env},
     )
 
@@ -65,8 +68,11 @@ def test_killed_worker_request_finishes_elsewhere_once(tmp_path: Path, redis_url
         svc.wait_live("diffusion", "diffusion-a")
         client = svc.client()
         rid = client.submit({**JOB, "prompt": "sleep:3"})
-        wait_for(lambda: (s := client.status(rid)) and s.state is RequestState.RUNNING and s.stage == "encoder",
-                 30, "encoder running")
+        wait_for(
+            lambda: (s := client.status(rid)) and s.state is RequestState.RUNNING and s.stage == "encoder",
+            30,
+            "encoder running",
+        )
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
         svc.start("encoder", "b")  # another replica reclaims the idle entry after the visibility timeout
@@ -87,7 +93,8 @@ def test_poison_entry_goes_to_dead_letter_and_request_fails(tmp_path: Path, redi
             proc = svc.start("encoder", f"r{attempt}")
             settled = wait_for(
                 lambda p=proc: p.poll() is not None or ((s := client.status(rid)) is not None and s.state.terminal),
-                60, "worker death or a settled request",
+                60,
+                "worker death or a settled request",
             )
             assert settled
             status = client.status(rid)

@@ -30,14 +30,19 @@ JOB = {"prompt": "a cat", "width": 320, "height": 192, "num_inference_steps": 2}
 
 def make(tmp_path: Path, redis_url: str, prefix: str, **data_plane: Any) -> Services:
     path = write_pipeline(
-        tmp_path / "pipeline.toml", STAGES,
+        tmp_path / "pipeline.toml",
+        STAGES,
         timeouts={"visibility": 3.0, "claim_renew_every": 0.5, "resend": 2.0},
         limits={"max_recomputes": 2},
         data_plane={"connector": "nixl", "agent_ttl_s": 2.0, "agent_heartbeat_s": 0.5, **data_plane},
     )
-    return Services(tmp_path, redis_url=redis_url, prefix=prefix, pipeline=path,
-                    extra_env={"STAGEFERRY_TEST_RECORD": str(tmp_path / "record.txt"),
-                               "STAGEFERRY_TEST_HIDDEN": "5120"})
+    return Services(
+        tmp_path,
+        redis_url=redis_url,
+        prefix=prefix,
+        pipeline=path,
+        extra_env={"STAGEFERRY_TEST_RECORD": str(tmp_path / "record.txt"), "STAGEFERRY_TEST_HIDDEN": "5120"},
+    )
 
 
 def runs(tmp_path: Path, stage: str, rid: str) -> int:
@@ -63,9 +68,7 @@ def test_producer_killed_after_publishing_is_recomputed(tmp_path: Path, redis_ur
         assert hop.transport.value == "nixl" and hop.payload_bytes >= 204_800
 
 
-def test_nixl_down_and_payload_above_the_cap_recomputes_then_fails(
-    tmp_path: Path, redis_url: str, prefix: str
-) -> None:
+def test_nixl_down_and_payload_above_the_cap_recomputes_then_fails(tmp_path: Path, redis_url: str, prefix: str) -> None:
     with make(tmp_path, redis_url, prefix, nixl_backends=["NO_SUCH_BACKEND"], inline_fallback_max_bytes=100_000) as svc:
         svc.start("encoder", "a")
         svc.start("diffusion", "a")
@@ -119,16 +122,27 @@ def corruptions() -> dict[str, Callable[[dict[str, Any]], None]]:
     }
 
 
-def test_hostile_descriptors_are_rejected_and_the_worker_survives(
-    tmp_path: Path, redis_url: str, prefix: str
-) -> None:
+def test_hostile_descriptors_are_rejected_and_the_worker_survives(tmp_path: Path, redis_url: str, prefix: str) -> None:
     r = sync_redis.Redis.from_url(redis_url)
     with make(tmp_path, redis_url, prefix) as svc:
         consumer = svc.start("diffusion", "a")
         peer = subprocess.Popen(  # a real producer agent, so that valid references exist to corrupt
-            [sys.executable, "-m", "tests.peer_producer", "--redis-url", redis_url, "--prefix", prefix,
-             "--payloads", "T2VA,T2VA", "--mode", "direct"],
-            stdout=(tmp_path / "peer.log").open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+            [
+                sys.executable,
+                "-m",
+                "tests.peer_producer",
+                "--redis-url",
+                redis_url,
+                "--prefix",
+                prefix,
+                "--payloads",
+                "T2VA,T2VA",
+                "--mode",
+                "direct",
+            ],
+            stdout=(tmp_path / "peer.log").open("wb"),
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
         svc.procs.append(peer)
@@ -137,8 +151,9 @@ def test_hostile_descriptors_are_rejected_and_the_worker_survives(
         stream = svc.keys.stage_stream("diffusion")
 
         def send(rid: str, payload_json: str) -> None:
-            env = Envelope(request_id=rid, key=request_key(rid, 0), from_stage="encoder", to_stage="diffusion",
-                           job=job).model_dump(mode="json")
+            env = Envelope(
+                request_id=rid, key=request_key(rid, 0), from_stage="encoder", to_stage="diffusion", job=job
+            ).model_dump(mode="json")
             env["payload"] = json.loads(payload_json)
             r.xadd(stream, {"request_id": rid, "envelope": json.dumps(env)})
 

@@ -35,7 +35,12 @@ class StageConnectors:
 
 
 async def build_connectors(
-    *, pipeline: PipelineConfig, stage: StageConfig, redis: aioredis.Redis, keys: Keys, replica: str,
+    *,
+    pipeline: PipelineConfig,
+    stage: StageConfig,
+    redis: aioredis.Redis,
+    keys: Keys,
+    replica: str,
     device: torch.device,
 ) -> StageConnectors:
     """Connectors for ``stage``: none on the input of the first stage, none on the output of the last."""
@@ -47,7 +52,12 @@ async def build_connectors(
     nixl = None
     if dp.connector is ConnectorKind.NIXL:
         nixl = NixlConnector(
-            redis=redis, keys=keys, stage=stage.name, replica=replica, config=dp, timeouts=pipeline.timeouts,
+            redis=redis,
+            keys=keys,
+            stage=stage.name,
+            replica=replica,
+            config=dp,
+            timeouts=pipeline.timeouts,
             cuda_device=cuda,
         )
         await anyio.to_thread.run_sync(nixl.open)
@@ -56,6 +66,4 @@ async def build_connectors(
         connector = InlineConnector(
             max_bytes=dp.inline_fallback_max_bytes, max_payload_bytes=dp.max_payload_bytes, cuda_device=cuda
         )
-    return StageConnectors(
-        input=connector if has_input else None, output=connector if has_output else None, nixl=nixl
-    )
+    return StageConnectors(input=connector if has_input else None, output=connector if has_output else None, nixl=nixl)

@@ -40,9 +40,7 @@ class InlineConnector(Connector):
         started = time.perf_counter()
         manifest, blob = await _maybe_in_thread(encode_inline, payload, size_hint=None)
         if len(blob) > self.max_bytes:
-            raise PayloadTooLargeError(
-                "payload too large to travel inline", bytes=len(blob), inline_cap=self.max_bytes
-            )
+            raise PayloadTooLargeError("payload too large to travel inline", bytes=len(blob), inline_cap=self.max_bytes)
         seconds = time.perf_counter() - started
         metrics.PUTS.labels(Transport.INLINE.value).inc()
         metrics.BYTES.labels("put", Transport.INLINE.value).inc(len(blob))
@@ -50,8 +48,14 @@ class InlineConnector(Connector):
         if fallback_reason:
             metrics.FALLBACKS.labels(fallback_reason).inc()
         ref = InlinePayload(manifest=manifest, blob_bytes=len(blob), fallback_reason=fallback_reason)
-        return Outgoing(ref=ref, blob=blob, transport=Transport.INLINE, nbytes=len(blob), seconds=seconds,
-                        fallback_reason=fallback_reason)
+        return Outgoing(
+            ref=ref,
+            blob=blob,
+            transport=Transport.INLINE,
+            nbytes=len(blob),
+            seconds=seconds,
+            fallback_reason=fallback_reason,
+        )
 
     async def put(self, key: str, payload: Payload, *, force_inline: bool = False) -> Outgoing:
         return await self.encode(payload)
@@ -71,8 +75,13 @@ class InlineConnector(Connector):
         metrics.GETS.labels(Transport.INLINE.value).inc()
         metrics.BYTES.labels("get", Transport.INLINE.value).inc(len(blob))
         metrics.TRANSFER_SECONDS.labels(Transport.INLINE.value, "get").observe(seconds)
-        return Incoming(payload=payload, transport=Transport.INLINE, nbytes=len(blob), seconds=seconds,
-                        fallback_reason=ref.fallback_reason)
+        return Incoming(
+            payload=payload,
+            transport=Transport.INLINE,
+            nbytes=len(blob),
+            seconds=seconds,
+            fallback_reason=ref.fallback_reason,
+        )
 
     @contextlib.asynccontextmanager
     async def get(self, ref: PayloadRef, blob: bytes | None, *, key: str) -> AsyncIterator[Incoming]:

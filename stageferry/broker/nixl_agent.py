@@ -33,6 +33,7 @@ import structlog
 import torch
 
 from stageferry.errors import NixlUnavailableError, PeerDisconnectedError, TransferError
+from stageferry.schemas.payload import MemKind
 
 log = structlog.get_logger(__name__)
 
@@ -45,11 +46,6 @@ class XferState(enum.StrEnum):
     PROC = "PROC"
     DONE = "DONE"
     ERR = "ERR"
-
-
-class MemKind(enum.StrEnum):
-    DRAM = "DRAM"
-    VRAM = "VRAM"
 
 
 _nixl_api: Any = None  # nixl._api, once imported
@@ -156,8 +152,7 @@ class NixlAgent:
         self._transport: dict[str, str] = {}
         self._transport_tries: dict[str, int] = {}
         self._log_offset = 0
-        log.info("nixl.agent.created", agent=name, backends=list(backends),
-                 seconds=round(time.perf_counter() - t0, 4))
+        log.info("nixl.agent.created", agent=name, backends=list(backends), seconds=round(time.perf_counter() - t0, 4))
 
     # -- identity and memory ---------------------------------------------------------------------------
 
@@ -178,8 +173,13 @@ class NixlAgent:
         reg = _Registration(descs, tensor.numel() * tensor.element_size())
         self._regs[id(reg)] = reg
         self.registrations += 1
-        log.info("nixl.memory.registered", agent=self.name, kind=self.kind_of(tensor).value,
-                 nbytes=reg.nbytes, device=str(tensor.device))
+        log.info(
+            "nixl.memory.registered",
+            agent=self.name,
+            kind=self.kind_of(tensor).value,
+            nbytes=reg.nbytes,
+            device=str(tensor.device),
+        )
         return reg
 
     def deregister(self, handle: object) -> None:
@@ -220,7 +220,9 @@ class NixlAgent:
             if type(exc).__name__ == "nixlNotAllowedError":
                 raise PeerDisconnectedError(
                     "add_remote: an agent of that name with other connection info is cached (peer restarted?)"
-                    "; remove_remote() it first", agent=self.name) from exc
+                    "; remove_remote() it first",
+                    agent=self.name,
+                ) from exc
             raise _translate(exc, "add_remote", agent=self.name) from exc
         name = raw.decode() if isinstance(raw, bytes | bytearray) else str(raw)
         if name not in self._remotes:
@@ -262,13 +264,27 @@ class NixlAgent:
 
     # -- transfers -------------------------------------------------------------------------------------
 
-    def start_read(self, local: Sequence[Region], local_kind: MemKind, remote: Sequence[Region],
-                   remote_kind: MemKind, remote_name: str, notif: bytes) -> object:
+    def start_read(
+        self,
+        local: Sequence[Region],
+        local_kind: MemKind,
+        remote: Sequence[Region],
+        remote_kind: MemKind,
+        remote_name: str,
+        notif: bytes,
+    ) -> object:
         """Post a READ (remote -> local); ``notif`` reaches the remote side when it completes."""
         return self._start("READ", local, local_kind, remote, remote_kind, remote_name, notif)
 
-    def start_write(self, local: Sequence[Region], local_kind: MemKind, remote: Sequence[Region],
-                    remote_kind: MemKind, remote_name: str, notif: bytes) -> object:
+    def start_write(
+        self,
+        local: Sequence[Region],
+        local_kind: MemKind,
+        remote: Sequence[Region],
+        remote_kind: MemKind,
+        remote_name: str,
+        notif: bytes,
+    ) -> object:
         """Post a WRITE (local -> remote, a push); same contract as :meth:`start_read`."""
         return self._start("WRITE", local, local_kind, remote, remote_kind, remote_name, notif)
 
@@ -280,16 +296,21 @@ class NixlAgent:
         """Prepare a peer's regions once; validation then happens here instead of on every READ."""
         return self._prepare(remote_name, remote_name, regions, kind)
 
-    def start_read_indexed(self, local: PreparedList, local_idx: Sequence[int], remote: PreparedList,
-                           remote_idx: Sequence[int], notif: bytes) -> object:
+    def start_read_indexed(
+        self,
+        local: PreparedList,
+        local_idx: Sequence[int],
+        remote: PreparedList,
+        remote_idx: Sequence[int],
+        notif: bytes,
+    ) -> object:
         """Post a READ of prepared remote entries into prepared local entries (contiguous ones merge)."""
         if remote.remote is None or local.remote is not None:
             raise ValueError("need a local prepared list and a remote one")
         if local.released or remote.released:
             raise ValueError("prepared list already released")
         try:
-            h = self._agent.make_prepped_xfer("READ", local._h, list(local_idx), remote._h,
-                                              list(remote_idx), notif)
+            h = self._agent.make_prepped_xfer("READ", local._h, list(local_idx), remote._h, list(remote_idx), notif)
         except Exception as exc:
             if not _is_nixl_error(exc):
                 raise
@@ -406,8 +427,16 @@ class NixlAgent:
             log.warning("nixl.remote.disconnected", agent=self.name, remote=remote, during=what)
         return err
 
-    def _start(self, op: str, local: Sequence[Region], local_kind: MemKind, remote: Sequence[Region],
-               remote_kind: MemKind, remote_name: str, notif: bytes) -> XferHandle:
+    def _start(
+        self,
+        op: str,
+        local: Sequence[Region],
+        local_kind: MemKind,
+        remote: Sequence[Region],
+        remote_kind: MemKind,
+        remote_name: str,
+        notif: bytes,
+    ) -> XferHandle:
         if len(local) != len(remote) or not local:
             raise ValueError("local and remote need the same, non-zero number of regions")
         nbytes = 0
@@ -440,8 +469,7 @@ class NixlAgent:
             raise TransferError("posting the READ failed", agent=self.name, remote=xh.remote)
         return xh
 
-    def _prepare(self, agent_name: str, remote: str | None, regions: Sequence[Region],
-                 kind: MemKind) -> PreparedList:
+    def _prepare(self, agent_name: str, remote: str | None, regions: Sequence[Region], kind: MemKind) -> PreparedList:
         if not regions:
             raise ValueError("nothing to prepare")
         try:

@@ -134,7 +134,8 @@ class NixlConnector(Connector):
         self.name = f"{stage}-{replica}-{self.incarnation[:8]}"
         self.cuda_device = cuda_device
         self.inline = InlineConnector(
-            max_bytes=config.inline_fallback_max_bytes, max_payload_bytes=config.max_payload_bytes,
+            max_bytes=config.inline_fallback_max_bytes,
+            max_payload_bytes=config.max_payload_bytes,
             cuda_device=cuda_device,
         )
         self.agent = agent
@@ -199,7 +200,9 @@ class NixlConnector(Connector):
         manifest = plan.manifest
         total = manifest.total_bytes
         if total > self.config.max_payload_bytes:
-            raise PayloadTooLargeError("payload above max_payload_bytes", bytes=total, limit=self.config.max_payload_bytes)
+            raise PayloadTooLargeError(
+                "payload above max_payload_bytes", bytes=total, limit=self.config.max_payload_bytes
+            )
         if total <= self.config.inline_max_bytes:
             return await self.inline.encode(payload)
         reason = "forced" if force_inline else self.unavailable_reason
@@ -222,14 +225,23 @@ class NixlConnector(Connector):
         token = f"{key}.{uuid.uuid4().hex[:12]}"
         expires = time.time() + self.timeouts.lease
         self.leases[token] = Lease(
-            token=token, slots=slots, nbytes=total, expires_at=expires, key=key,
+            token=token,
+            slots=slots,
+            nbytes=total,
+            expires_at=expires,
+            key=key,
             order=tuple(r.device for r in manifest.regions),
         )
         regions = [slots[r.device].remote_region() for r in manifest.regions]
         metadata = base64.b64encode(self.agent.metadata()).decode() if self._direct else None  # type: ignore[union-attr]
         ref = NixlPayload(
-            manifest=manifest, agent=self.name, incarnation=self.incarnation, token=token, regions=regions,
-            lease_expires_at=expires, agent_metadata_b64=metadata,
+            manifest=manifest,
+            agent=self.name,
+            incarnation=self.incarnation,
+            token=token,
+            regions=regions,
+            lease_expires_at=expires,
+            agent_metadata_b64=metadata,
         )
         seconds = time.perf_counter() - started
         self.counters.puts += 1
@@ -309,7 +321,7 @@ class NixlConnector(Connector):
             for _remote, messages in self.agent.drain_notifs().items():
                 for message in messages:
                     if message.startswith(RELEASE_TAG):
-                        self._free(message[len(RELEASE_TAG):].decode(errors="replace"), reason="read_done")
+                        self._free(message[len(RELEASE_TAG) :].decode(errors="replace"), reason="read_done")
 
     async def _expire_leases(self) -> None:
         """Free leases that ran out unclaimed; a claimed one waits for its claim to expire."""
@@ -386,9 +398,7 @@ class NixlConnector(Connector):
                     await anyio.to_thread.run_sync(torch.cuda.synchronize, slots[DeviceKind.CUDA].view.device)
                 self.pools.release_all(slots)
 
-    async def _fetch(
-        self, ref: PayloadRef, blob: bytes | None, key: str
-    ) -> tuple[Incoming, dict[DeviceKind, Slot]]:
+    async def _fetch(self, ref: PayloadRef, blob: bytes | None, key: str) -> tuple[Incoming, dict[DeviceKind, Slot]]:
         """The payload and the local slots it lives in (empty when it came inline)."""
         if isinstance(ref, InlinePayload):
             return await self.inline.decode(ref, blob), {}
@@ -427,7 +437,9 @@ class NixlConnector(Connector):
             self.pools.release_all(slots)
             raise
         seconds = time.perf_counter() - started
-        return Incoming(payload=payload, transport=Transport.NIXL, nbytes=ref.manifest.total_bytes, seconds=seconds), slots
+        return Incoming(
+            payload=payload, transport=Transport.NIXL, nbytes=ref.manifest.total_bytes, seconds=seconds
+        ), slots
 
     def _count_get(self, incoming: Incoming) -> None:
         """Count a get; inline gets are counted by the inline connector's metrics already."""
@@ -531,8 +543,12 @@ class NixlConnector(Connector):
             local = slots[spec.device]
             notif = RELEASE_TAG + ref.token.encode() if i == len(pairs) - 1 else b""
             handle = self.agent.start_read(
-                [(local.address, spec.nbytes, local.device_id)], mem_kind_of(spec.device),
-                [(remote.address, remote.length, remote.device_id)], remote.mem_kind, peer.name, notif,
+                [(local.address, spec.nbytes, local.device_id)],
+                mem_kind_of(spec.device),
+                [(remote.address, remote.length, remote.device_id)],
+                remote.mem_kind,
+                peer.name,
+                notif,
             )
             try:
                 await self._wait_done(handle, deadline)
@@ -544,7 +560,9 @@ class NixlConnector(Connector):
             transport = self.agent.transport_info(peer.name)
             vram = any(r.mem_kind is MemKind.VRAM for r in ref.regions)
             level = "warning" if vram and transport and "tcp" in transport.lower() else "info"
-            getattr(log, level)("nixl.transport", peer=peer.name, transport=transport or "unknown (set UCX_PROTO_INFO=y)")
+            getattr(log, level)(
+                "nixl.transport", peer=peer.name, transport=transport or "unknown (set UCX_PROTO_INFO=y)"
+            )
         if not pairs:  # zero-size payload: nothing to READ, release the producer explicitly
             await self.discard(ref)
 
@@ -573,8 +591,11 @@ class NixlConnector(Connector):
         inline_ref = InlinePayload(manifest=ref.manifest, blob_bytes=len(reply[1]) - 1, fallback_reason=reason)
         incoming = await self.inline.decode(inline_ref, reply[1][1:])
         return Incoming(
-            payload=incoming.payload, transport=Transport.INLINE, nbytes=incoming.nbytes,
-            seconds=time.perf_counter() - started, fallback_reason=reason,
+            payload=incoming.payload,
+            transport=Transport.INLINE,
+            nbytes=incoming.nbytes,
+            seconds=time.perf_counter() - started,
+            fallback_reason=reason,
         )
 
 

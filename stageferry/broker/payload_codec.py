@@ -165,8 +165,7 @@ class _Flattener:
             _fail("only strided (dense) tensors can travel", path=path, layout=str(t.layout))
         dtype = DTYPE_OF.get(t.dtype)
         if dtype is None:
-            _fail("unsupported tensor dtype", path=path, dtype=str(t.dtype),
-                  supported=[d.value for d in DType])
+            _fail("unsupported tensor dtype", path=path, dtype=str(t.dtype), supported=[d.value for d in DType])
         if t.dim() > MAX_NDIM:
             _fail("tensor has too many dimensions", path=path, ndim=t.dim(), limit=MAX_NDIM)
         if len(self.tensors) >= MAX_TENSORS:
@@ -197,8 +196,11 @@ def plan_payload(payload: Any, *, alignment: int = MANIFEST_ALIGNMENT) -> PackPl
         offset = cursor[kind] if nbytes else 0
         if nbytes:
             cursor[kind] = _round_up(offset + nbytes, alignment)
-        specs.append(TensorSpec(dtype=dtype, shape=list(t.shape), device=kind, region=region_of[kind],
-                                offset=offset, nbytes=nbytes))
+        specs.append(
+            TensorSpec(
+                dtype=dtype, shape=list(t.shape), device=kind, region=region_of[kind], offset=offset, nbytes=nbytes
+            )
+        )
     regions = [RegionSpec(device=k, nbytes=cursor[k]) for k in kinds]
     manifest = Manifest(tree=tree, tensors=specs, regions=regions)
     _check_structure(manifest)  # never emit what a consumer would reject
@@ -236,26 +238,33 @@ def _check_tensor(i: int, t: TensorSpec, regions: Sequence[RegionSpec]) -> None:
         if not _is_int(v) or not 0 <= v <= MAX_REGION_BYTES:
             _fail(f"tensor {name} out of range", tensor=i, value=str(v), limit=MAX_REGION_BYTES)
     if not _is_int(t.region) or not 0 <= t.region < len(regions):
-        _fail("tensor refers to a region that does not exist", tensor=i, region=str(t.region),
-              regions=len(regions))
+        _fail("tensor refers to a region that does not exist", tensor=i, region=str(t.region), regions=len(regions))
     region = regions[t.region]
     if region.device != t.device:
-        _fail("tensor device does not match its region's device", tensor=i, device=str(t.device),
-              region_device=str(region.device))
+        _fail(
+            "tensor device does not match its region's device",
+            tensor=i,
+            device=str(t.device),
+            region_device=str(region.device),
+        )
     expected = math.prod(t.shape) * ITEMSIZE[t.dtype]  # Python ints: no overflow, whatever the dims
     if expected != t.nbytes:
-        _fail("tensor nbytes does not equal shape x itemsize", tensor=i, nbytes=t.nbytes,
-              expected=expected if expected <= MAX_REGION_BYTES else "huge")
+        _fail(
+            "tensor nbytes does not equal shape x itemsize",
+            tensor=i,
+            nbytes=t.nbytes,
+            expected=expected if expected <= MAX_REGION_BYTES else "huge",
+        )
     if t.offset % MANIFEST_ALIGNMENT:
         _fail("tensor offset is not aligned", tensor=i, offset=t.offset, alignment=MANIFEST_ALIGNMENT)
     if t.offset + t.nbytes > region.nbytes:
-        _fail("tensor extends beyond its region", tensor=i, offset=t.offset, nbytes=t.nbytes,
-              region_nbytes=region.nbytes)
+        _fail(
+            "tensor extends beyond its region", tensor=i, offset=t.offset, nbytes=t.nbytes, region_nbytes=region.nbytes
+        )
 
 
 def _check_overlaps(manifest: Manifest) -> None:
-    spans = sorted((t.region, t.offset, t.offset + t.nbytes, i) for i, t in enumerate(manifest.tensors)
-                   if t.nbytes)
+    spans = sorted((t.region, t.offset, t.offset + t.nbytes, i) for i, t in enumerate(manifest.tensors) if t.nbytes)
     for (r0, _, end0, i0), (r1, start1, _, i1) in itertools.pairwise(spans):
         if r0 == r1 and start1 < end0:
             _fail("tensors overlap within a region", tensors=[i0, i1], region=r0)
@@ -359,41 +368,65 @@ def validate_manifest(manifest: Manifest, *, max_payload_bytes: int) -> None:
         _fail("payload larger than this deployment accepts", nbytes=total, limit=max_payload_bytes)
 
 
-def validate_remote_regions(manifest: Manifest, regions: Sequence[RemoteRegion],
-                            arenas: Sequence[RemoteRegion]) -> None:
+def validate_remote_regions(
+    manifest: Manifest, regions: Sequence[RemoteRegion], arenas: Sequence[RemoteRegion]
+) -> None:
     """Reject descriptors that do not match the (already validated) manifest or leave the peer's arenas.
 
     ``arenas`` are the registered pool arenas the producer advertises; every region must lie inside one
     of the same memory kind and device, so a READ can only touch memory the producer offered.
     """
     if len(regions) != len(manifest.regions):
-        _fail("remote region count does not match the manifest", regions=len(regions),
-              expected=len(manifest.regions))
+        _fail("remote region count does not match the manifest", regions=len(regions), expected=len(manifest.regions))
     for i, (rr, spec) in enumerate(zip(regions, manifest.regions, strict=True)):
         _check_address_range(rr, what="remote region", index=i)
         if rr.length != spec.nbytes:
-            _fail("remote region length does not match the manifest", region=i, length=rr.length,
-                  expected=spec.nbytes)
+            _fail("remote region length does not match the manifest", region=i, length=rr.length, expected=spec.nbytes)
         if rr.mem_kind != MEM_KIND_OF[spec.device]:
-            _fail("remote region memory kind does not match the manifest", region=i,
-                  mem_kind=str(rr.mem_kind), device=str(spec.device))
+            _fail(
+                "remote region memory kind does not match the manifest",
+                region=i,
+                mem_kind=str(rr.mem_kind),
+                device=str(spec.device),
+            )
         if not any(_inside(rr, a) for a in arenas):
-            _fail("remote region is outside every advertised arena", region=i, address=rr.address,
-                  length=rr.length, mem_kind=str(rr.mem_kind), device_id=rr.device_id)
+            _fail(
+                "remote region is outside every advertised arena",
+                region=i,
+                address=rr.address,
+                length=rr.length,
+                mem_kind=str(rr.mem_kind),
+                device_id=rr.device_id,
+            )
 
 
 def _check_address_range(r: RemoteRegion, *, what: str, index: int) -> None:
-    ok = (_is_int(r.address) and _is_int(r.length) and _is_int(r.device_id)
-          and 1 <= r.address < MAX_ADDRESS and 0 <= r.length <= MAX_REGION_BYTES
-          and r.address + r.length <= MAX_ADDRESS and 0 <= r.device_id <= MAX_DEVICE_ID)
+    ok = (
+        _is_int(r.address)
+        and _is_int(r.length)
+        and _is_int(r.device_id)
+        and 1 <= r.address < MAX_ADDRESS
+        and 0 <= r.length <= MAX_REGION_BYTES
+        and r.address + r.length <= MAX_ADDRESS
+        and 0 <= r.device_id <= MAX_DEVICE_ID
+    )
     if not ok:
-        _fail(f"{what} has an out-of-range address, length or device", index=index,
-              address=str(r.address), length=str(r.length), device_id=str(r.device_id))
+        _fail(
+            f"{what} has an out-of-range address, length or device",
+            index=index,
+            address=str(r.address),
+            length=str(r.length),
+            device_id=str(r.device_id),
+        )
 
 
 def _inside(r: RemoteRegion, arena: RemoteRegion) -> bool:
-    return (arena.mem_kind == r.mem_kind and arena.device_id == r.device_id
-            and arena.address <= r.address and r.address + r.length <= arena.address + arena.length)
+    return (
+        arena.mem_kind == r.mem_kind
+        and arena.device_id == r.device_id
+        and arena.address <= r.address
+        and r.address + r.length <= arena.address + arena.length
+    )
 
 
 # -- bytes in and out ------------------------------------------------------------------------------------
@@ -416,7 +449,7 @@ def _typed_view(buf: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     dtype = TORCH_DTYPE[spec.dtype]
     if spec.nbytes == 0:
         return torch.empty(tuple(spec.shape), dtype=dtype, device=buf.device)
-    return buf[spec.offset:spec.offset + spec.nbytes].view(dtype).view(tuple(spec.shape))
+    return buf[spec.offset : spec.offset + spec.nbytes].view(dtype).view(tuple(spec.shape))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -491,7 +524,7 @@ def encode_inline(payload: Any) -> tuple[Manifest, bytes]:
     buffers: dict[DeviceKind, torch.Tensor] = {}
     start = 0
     for r in plan.manifest.regions:
-        buffers[r.device] = flat[start:start + r.nbytes]
+        buffers[r.device] = flat[start : start + r.nbytes]
         start += r.nbytes
     pack_into(plan, buffers)
     return plan.manifest, bytes(blob)
@@ -505,8 +538,7 @@ def _blob_view(blob: bytes | bytearray | memoryview) -> tuple[torch.Tensor, bool
         return torch.frombuffer(blob, dtype=torch.uint8), writable
 
 
-def decode_inline(manifest: Manifest, blob: bytes | bytearray | memoryview, *,
-                  cuda_device: torch.device | None) -> Any:
+def decode_inline(manifest: Manifest, blob: bytes | bytearray | memoryview, *, cuda_device: torch.device | None) -> Any:
     """Validate ``manifest`` against ``blob`` and rebuild the payload; the result owns or shares ``blob``.
 
     A writable ``blob`` (bytearray) is shared zero-copy for CPU leaves; an immutable one (``bytes``, as
@@ -524,7 +556,7 @@ def decode_inline(manifest: Manifest, blob: bytes | bytearray | memoryview, *,
     buffers: dict[DeviceKind, torch.Tensor] = {}
     start = 0
     for r in manifest.regions:
-        part = flat[start:start + r.nbytes]
+        part = flat[start : start + r.nbytes]
         if r.device is DeviceKind.CUDA:
             part = part.to(cuda_device)
         elif not writable or start % _MAX_ITEMSIZE or part.data_ptr() % _MAX_ITEMSIZE:

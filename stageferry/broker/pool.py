@@ -127,8 +127,9 @@ class Slot:
 
     def remote_region(self) -> RemoteRegion:
         """The wire form of this slot, for a NIXL descriptor."""
-        return RemoteRegion(mem_kind=MEM_KIND_OF[self.kind], address=self.address, length=self.nbytes,
-                            device_id=self.device_id)
+        return RemoteRegion(
+            mem_kind=MEM_KIND_OF[self.kind], address=self.address, length=self.nbytes, device_id=self.device_id
+        )
 
 
 class _Waiter:
@@ -146,8 +147,15 @@ class MemoryPool:
     price is that small requests queue behind a large one at the head, for at most their timeout.
     """
 
-    def __init__(self, kind: DeviceKind, capacity: int, *, device: torch.device,
-                 registrar: Registrar | None, alignment: int = DEFAULT_ALIGNMENT) -> None:
+    def __init__(
+        self,
+        kind: DeviceKind,
+        capacity: int,
+        *,
+        device: torch.device,
+        registrar: Registrar | None,
+        alignment: int = DEFAULT_ALIGNMENT,
+    ) -> None:
         if (device.type == "cuda") != (kind is DeviceKind.CUDA):
             raise ValueError(f"a {kind} pool cannot live on {device}")
         self.kind = kind
@@ -159,8 +167,13 @@ class MemoryPool:
         self._slots: dict[int, Slot] = {}
         self._waiters: deque[_Waiter] = deque()
         self._closed = False
-        log.info("pool.created", kind=kind.value, capacity=self.capacity, device=str(device),
-                 registered=registrar is not None)
+        log.info(
+            "pool.created",
+            kind=kind.value,
+            capacity=self.capacity,
+            device=str(device),
+            registered=registrar is not None,
+        )
 
     @property
     def capacity(self) -> int:
@@ -181,8 +194,12 @@ class MemoryPool:
 
     def arena(self) -> RemoteRegion:
         """The whole registered arena, as producers advertise it (consumers check descriptors against it)."""
-        return RemoteRegion(mem_kind=MEM_KIND_OF[self.kind], address=self._buffer.data_ptr(),
-                            length=self.capacity, device_id=self.device_id)
+        return RemoteRegion(
+            mem_kind=MEM_KIND_OF[self.kind],
+            address=self._buffer.data_ptr(),
+            length=self.capacity,
+            device_id=self.device_id,
+        )
 
     async def acquire(self, nbytes: int, *, timeout: float) -> Slot:  # noqa: ASYNC109 - ends in a typed error
         """A slot of ``nbytes``; waits up to ``timeout`` seconds for releases, then PoolExhaustedError.
@@ -192,8 +209,9 @@ class MemoryPool:
         if self._closed:
             raise PoolExhaustedError("pool is closed", kind=self.kind.value)
         if nbytes > self.capacity:
-            raise PoolExhaustedError("payload region larger than the whole pool", kind=self.kind.value,
-                                     nbytes=nbytes, capacity=self.capacity)
+            raise PoolExhaustedError(
+                "payload region larger than the whole pool", kind=self.kind.value, nbytes=nbytes, capacity=self.capacity
+            )
         if not self._waiters:
             slot = self._try_take(nbytes)
             if slot is not None:
@@ -212,11 +230,24 @@ class MemoryPool:
         finally:
             self._waiters.remove(waiter)
             self._wake_head()
-        log.warning("pool.exhausted", kind=self.kind.value, nbytes=nbytes, timeout=timeout,
-                    bytes_in_use=self.bytes_in_use, slots_in_use=self.slots_in_use, closed=self._closed)
+        log.warning(
+            "pool.exhausted",
+            kind=self.kind.value,
+            nbytes=nbytes,
+            timeout=timeout,
+            bytes_in_use=self.bytes_in_use,
+            slots_in_use=self.slots_in_use,
+            closed=self._closed,
+        )
         why = "pool closed while waiting" if self._closed else "no pool slot freed in time"
-        raise PoolExhaustedError(why, kind=self.kind.value, nbytes=nbytes, timeout=timeout,
-                                 bytes_in_use=self.bytes_in_use, capacity=self.capacity)
+        raise PoolExhaustedError(
+            why,
+            kind=self.kind.value,
+            nbytes=nbytes,
+            timeout=timeout,
+            bytes_in_use=self.bytes_in_use,
+            capacity=self.capacity,
+        )
 
     def release(self, slot: Slot) -> bool:
         """Free ``slot`` and wake the next waiter; True if freed.
@@ -252,9 +283,15 @@ class MemoryPool:
         offset = self._alloc.allocate(nbytes)
         if offset is None:
             return None
-        view = self._buffer[offset:offset + nbytes]
-        slot = Slot(kind=self.kind, offset=offset, nbytes=nbytes, view=view,
-                    address=self._buffer.data_ptr() + offset, device_id=self.device_id)
+        view = self._buffer[offset : offset + nbytes]
+        slot = Slot(
+            kind=self.kind,
+            offset=offset,
+            nbytes=nbytes,
+            view=view,
+            address=self._buffer.data_ptr() + offset,
+            device_id=self.device_id,
+        )
         self._slots[offset] = slot
         self._publish()
         return slot
@@ -277,15 +314,20 @@ class PoolSet:
         self.pools: dict[DeviceKind, MemoryPool] = dict(pools)
 
     @classmethod
-    def from_config(cls, config: DataPlaneConfig, *, registrar: Registrar | None,
-                    cuda_device: torch.device | None = None) -> PoolSet:
+    def from_config(
+        cls, config: DataPlaneConfig, *, registrar: Registrar | None, cuda_device: torch.device | None = None
+    ) -> PoolSet:
         """CPU pool always; a CUDA pool when a GPU is present and ``gpu_pool_bytes`` > 0."""
-        pools = {DeviceKind.CPU: MemoryPool(DeviceKind.CPU, config.cpu_pool_bytes,
-                                            device=torch.device("cpu"), registrar=registrar)}
+        pools = {
+            DeviceKind.CPU: MemoryPool(
+                DeviceKind.CPU, config.cpu_pool_bytes, device=torch.device("cpu"), registrar=registrar
+            )
+        }
         if config.gpu_pool_bytes > 0 and torch.cuda.is_available():
             device = cuda_device or torch.device("cuda", torch.cuda.current_device())
-            pools[DeviceKind.CUDA] = MemoryPool(DeviceKind.CUDA, config.gpu_pool_bytes, device=device,
-                                                registrar=registrar)
+            pools[DeviceKind.CUDA] = MemoryPool(
+                DeviceKind.CUDA, config.gpu_pool_bytes, device=device, registrar=registrar
+            )
         return cls(pools)
 
     @property
@@ -304,7 +346,10 @@ class PoolSet:
         return [p.arena() for p in self.pools.values()]
 
     async def acquire_regions(
-        self, manifest: Manifest, *, timeout: float  # noqa: ASYNC109 - ends in PoolExhaustedError
+        self,
+        manifest: Manifest,
+        *,
+        timeout: float,  # noqa: ASYNC109 - ends in PoolExhaustedError
     ) -> dict[DeviceKind, Slot]:
         """A slot for every region of ``manifest`` within ``timeout`` overall, or none at all.
 
@@ -322,8 +367,7 @@ class PoolSet:
         try:
             for region in manifest.regions:
                 remaining = max(0.0, deadline - anyio.current_time())
-                taken[region.device] = await self.pools[region.device].acquire(region.nbytes,
-                                                                               timeout=remaining)
+                taken[region.device] = await self.pools[region.device].acquire(region.nbytes, timeout=remaining)
         except BaseException:
             self.release_all(taken.values())
             raise

@@ -44,7 +44,7 @@ class TraceContext(Frozen):
 class Envelope(Frozen):
     """A request handed from one stage to the next."""
 
-    schema_version: Literal[1] = ENVELOPE_VERSION
+    schema_version: Literal[1] = 1
     request_id: RequestId
     key: Annotated[str, Field(max_length=200)]
     from_stage: StageName

@@ -83,7 +83,7 @@ class RegionSpec(Frozen):
 class Manifest(Frozen):
     """Structure, dtypes, shapes, devices and byte offsets of a payload. Validated before any copy."""
 
-    version: Literal[1] = MANIFEST_VERSION
+    version: Literal[1] = 1
     tree: Any
     tensors: Annotated[list[TensorSpec], Field(max_length=MAX_TENSORS)]
     regions: Annotated[list[RegionSpec], Field(max_length=len(DeviceKind))]

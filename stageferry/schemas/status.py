@@ -26,9 +26,7 @@ class RequestState(enum.StrEnum):
         return self in TERMINAL_STATES
 
 
-TERMINAL_STATES = frozenset(
-    {RequestState.DONE, RequestState.FAILED, RequestState.REJECTED, RequestState.CANCELLED}
-)
+TERMINAL_STATES = frozenset({RequestState.DONE, RequestState.FAILED, RequestState.REJECTED, RequestState.CANCELLED})
 
 
 class Transport(enum.StrEnum):

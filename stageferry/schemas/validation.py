@@ -45,7 +45,9 @@ def parse_envelope(raw: bytes | str) -> Envelope:
         if all(e["field"].startswith("job") for e in errors):
             job_errors = [{**e, "field": e["field"].removeprefix("job.")} for e in errors]
             raise JobValidationError(f"invalid job: {job_errors[0]['field']}", job_errors) from exc
-        raise EnvelopeError(f"invalid envelope: {errors[0]['field']}: {errors[0]['message']}", field_errors=errors) from exc
+        raise EnvelopeError(
+            f"invalid envelope: {errors[0]['field']}: {errors[0]['message']}", field_errors=errors
+        ) from exc
 
 
 def check_job_limits(
@@ -63,7 +65,9 @@ def check_job_limits(
     if len(job.prompt) > max_prompt_chars:
         errors.append(_err("prompt", f"at most {max_prompt_chars} characters", "string_too_long"))
     if job.lora is not None and job.lora not in lora_adapters:
-        errors.append(_err("lora", f"unknown adapter {job.lora!r}; configured: {list(lora_adapters)}", "unknown_adapter"))
+        errors.append(
+            _err("lora", f"unknown adapter {job.lora!r}; configured: {list(lora_adapters)}", "unknown_adapter")
+        )
     for name in type(job.media).model_fields:
         ref = getattr(job.media, name)
         if ref is not None and ref.upload_key is not None and not ref.upload_key.startswith(upload_prefix):

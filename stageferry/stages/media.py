@@ -97,7 +97,7 @@ def probe_image(data: bytes, field: str) -> tuple[int, int]:
 def probe_video_frames(data: bytes, field: str, *, limit: int = 10_000) -> int:
     """How many video frames decode (bounded)."""
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
                 raise _invalid(field, "no video stream", "bad_media")
             count = 0
@@ -113,7 +113,7 @@ def probe_video_frames(data: bytes, field: str, *, limit: int = 10_000) -> int:
 def probe_audio_seconds(data: bytes, field: str) -> float:
     """Seconds of decodable audio (decoding stops after ``_MAX_PROBE_SECONDS``)."""
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.audio:
                 raise _invalid(field, "no audio stream", "bad_media")
             samples = 0.0

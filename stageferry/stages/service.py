@@ -32,9 +32,16 @@ def local_compute(model: StageModel, stage: StageConfig, pipeline: PipelineConfi
 
     async def compute(item: WorkItem, progress: ProgressSink) -> Any:
         ctx = StageContext(
-            stage=stage.name, rank=0, world_size=1, device=device, request_id=item.request_id, key=item.key,
-            output_dir=Path(pipeline.output_dir), report_progress=progress.report,
-            is_cancelled=lambda: progress.cancelled, media=item.media,
+            stage=stage.name,
+            rank=0,
+            world_size=1,
+            device=device,
+            request_id=item.request_id,
+            key=item.key,
+            output_dir=Path(pipeline.output_dir),
+            report_progress=progress.report,
+            is_cancelled=lambda: progress.cancelled,
+            media=item.media,
         )
         try:
             return await anyio.to_thread.run_sync(model, item.job, item.payload, ctx)
@@ -67,9 +74,14 @@ async def serve(settings: Settings, pipeline: PipelineConfig, stage_name: str, *
             pipeline=pipeline, stage=stage, redis=redis, keys=keys, replica=settings.replica, device=device
         )
         worker = StageWorker(
-            redis=redis, keys=keys, pipeline=pipeline, stage=stage, replica=settings.replica,
+            redis=redis,
+            keys=keys,
+            pipeline=pipeline,
+            stage=stage,
+            replica=settings.replica,
             compute=local_compute(model, stage, pipeline, device),
-            input_connector=connectors.input, output_connector=connectors.output,
+            input_connector=connectors.input,
+            output_connector=connectors.output,
         )
         try:
             async with anyio.create_task_group() as tg:

@@ -17,13 +17,13 @@ again, up to ``limits.max_recomputes``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -152,9 +152,9 @@ class StageWorker:
             task_status.started()
             log.info("worker.started", stage=self.stage.name, consumer=self.stream.consumer)
             while not self._stopping:
-                entries = await self._with_redis_retry(lambda: self.stream.read(1, block_ms=500))
+                entries = await self._with_redis_retry(functools.partial(self.stream.read, 1, block_ms=500))
                 for entry in entries or []:
-                    await self._with_redis_retry(lambda e=entry: self.process(e))
+                    await self._with_redis_retry(functools.partial(self.process, entry))
             tg.cancel_scope.cancel()
         await self._deregister()
         log.info("worker.stopped", stage=self.stage.name, processed=self.processed)
@@ -281,8 +281,9 @@ class StageWorker:
 
     def _parse(self, entry: Entry, rid: str) -> Envelope:
         """The entry as an envelope: clients send a bare ``job`` to the first stage, stages send envelopes."""
-        if len(entry.fields.get("envelope", b"")) + len(entry.fields.get("job", b"")) > self.pipeline.limits.max_entry_bytes:
-            raise EnvelopeError("entry too large", limit=self.pipeline.limits.max_entry_bytes)
+        limit = self.pipeline.limits.max_entry_bytes
+        if sum(len(v) for v in entry.fields.values()) > limit:
+            raise EnvelopeError("entry too large", limit=limit)
         if "envelope" in entry.fields:
             envelope = parse_envelope(entry.fields["envelope"])
             if envelope.request_id != rid or envelope.to_stage != self.stage.name:
@@ -290,7 +291,11 @@ class StageWorker:
         elif "job" in entry.fields and self.index == 0:
             job = parse_job(entry.fields["job"])
             envelope = Envelope(
-                request_id=rid, key=request_key(rid, -1), from_stage="client", to_stage=self.stage.name, job=job,
+                request_id=rid,
+                key=request_key(rid, -1),
+                from_stage="client",
+                to_stage=self.stage.name,
+                job=job,
                 deadline=time.time() + self.pipeline.timeouts.request,
             )
         else:
@@ -319,7 +324,8 @@ class StageWorker:
             return True
         if envelope.deadline is not None and time.time() > envelope.deadline:
             await self._release_input(envelope)
-            await self._finish(rid, RequestState.FAILED, error=ErrorInfo(code="deadline_exceeded", message="the request's deadline passed"))
+            error = ErrorInfo(code="deadline_exceeded", message="the request's deadline passed")
+            await self._finish(rid, RequestState.FAILED, error=error)
             await self.stream.ack(entry.id)
             return True
         owner_key = self.keys.run_owner(rid, self.stage.name, envelope.attempt)
@@ -351,8 +357,11 @@ class StageWorker:
             return {}
         limits = self.pipeline.limits
         loaded = await load_media(
-            envelope.job, redis=self.redis, upload_prefix=self.keys.upload_prefix(),
-            max_bytes=limits.max_upload_bytes, min_audio_s=limits.min_reference_audio_s,
+            envelope.job,
+            redis=self.redis,
+            upload_prefix=self.keys.upload_prefix(),
+            max_bytes=limits.max_upload_bytes,
+            min_audio_s=limits.min_reference_audio_s,
         )
         return loaded.items
 
@@ -382,7 +391,9 @@ class StageWorker:
             await anyio.sleep(0.25)
             if progress.latest != published and progress.latest is not None:
                 published = progress.latest
-                await self._set_running(envelope, Progress(stage=self.stage.name, step=published[0], total=published[1]))
+                await self._set_running(
+                    envelope, Progress(stage=self.stage.name, step=published[0], total=published[1])
+                )
             if time.monotonic() >= next_renew:
                 next_renew = time.monotonic() + every
                 if not await self.stream.renew(entry.id):
@@ -400,15 +411,27 @@ class StageWorker:
             await self._recompute(entry, envelope, exc, target=self.stage)
             return
         log.info(
-            "payload.put", key=key, transport=outgoing.transport.value, bytes=outgoing.nbytes,
-            seconds=round(outgoing.seconds, 6), fallback=outgoing.fallback_reason, to_stage=self.next_stage.name,
+            "payload.put",
+            key=key,
+            transport=outgoing.transport.value,
+            bytes=outgoing.nbytes,
+            seconds=round(outgoing.seconds, 6),
+            fallback=outgoing.fallback_reason,
+            to_stage=self.next_stage.name,
         )
         trace = envelope.trace.model_copy(
             update={"hop_started_at": time.time(), "timings": [*envelope.trace.timings, timing], "force_inline": False}
         )
         nxt = Envelope(
-            request_id=envelope.request_id, key=key, from_stage=self.stage.name, to_stage=self.next_stage.name,
-            job=envelope.job, payload=outgoing.ref, attempt=envelope.attempt, deadline=envelope.deadline, trace=trace,
+            request_id=envelope.request_id,
+            key=key,
+            from_stage=self.stage.name,
+            to_stage=self.next_stage.name,
+            job=envelope.job,
+            payload=outgoing.ref,
+            attempt=envelope.attempt,
+            deadline=envelope.deadline,
+            trace=trace,
         )
         fields: dict[str, bytes | str] = {"request_id": envelope.request_id, "envelope": nxt.model_dump_json()}
         if outgoing.blob is not None:
@@ -418,7 +441,10 @@ class StageWorker:
             self.output_connector.abandon(outgoing)
             return
         await self._set_status(
-            envelope.request_id, RequestState.QUEUED, stage=self.next_stage.name, attempt=envelope.attempt,
+            envelope.request_id,
+            RequestState.QUEUED,
+            stage=self.next_stage.name,
+            attempt=envelope.attempt,
             timings=trace.timings,
         )
         metrics.ENTRIES.labels(self.stage.name, "handed_on").inc()
@@ -446,7 +472,7 @@ class StageWorker:
             redis_key = self.keys.result(rid)
             with translated():
                 await self.redis.set(redis_key, data, ex=self.pipeline.retention.request_ttl_s, nx=True)
-        location = str(Path(output.path).resolve()) if output.path is not None else f"redis:{redis_key}"
+        location = str(await anyio.Path(output.path).resolve()) if output.path is not None else f"redis:{redis_key}"
         return OutputInfo(
             location=location, redis_key=redis_key, bytes=len(data), sha256=digest, media=output.media, data=output.info
         )
@@ -463,14 +489,22 @@ class StageWorker:
             await self._fail(entry, rid, exc)
             return
         metrics.RECOMPUTES.labels(exc.code).inc()
-        log.warning("request.recompute", reason=exc.code, error=exc.message, recomputes=recomputes, to_stage=target.name)
+        log.warning(
+            "request.recompute", reason=exc.code, error=exc.message, recomputes=recomputes, to_stage=target.name
+        )
         trace = envelope.trace.model_copy(
             update={"recomputes": recomputes, "force_inline": not isinstance(exc, PayloadUnavailableError)}
         )
         back = Envelope(
-            request_id=rid, key=request_key(rid, self.index), from_stage=self.stage.name,
-            to_stage=target.name, job=envelope.job, payload=NoPayload(), attempt=envelope.attempt + 1,
-            deadline=envelope.deadline, trace=trace,
+            request_id=rid,
+            key=request_key(rid, self.index),
+            from_stage=self.stage.name,
+            to_stage=target.name,
+            job=envelope.job,
+            payload=NoPayload(),
+            attempt=envelope.attempt + 1,
+            deadline=envelope.deadline,
+            trace=trace,
         )
         fields = {"request_id": rid, "envelope": back.model_dump_json()}
         if await self.stream.hand_off(entry.id, target.name, fields):
@@ -494,14 +528,19 @@ class StageWorker:
 
     async def _cancelled(self, entry: Entry, rid: str) -> None:
         log.info("request.cancelled")
-        await self._finish(rid, RequestState.CANCELLED, error=ErrorInfo(code="cancelled", message="cancelled by the client"))
+        error = ErrorInfo(code="cancelled", message="cancelled by the client")
+        await self._finish(rid, RequestState.CANCELLED, error=error)
         metrics.ENTRIES.labels(self.stage.name, "cancelled").inc()
         await self.stream.ack(entry.id)
 
     async def _set_running(self, envelope: Envelope, progress: Progress | None) -> None:
         await self._set_status(
-            envelope.request_id, RequestState.RUNNING, stage=self.stage.name, progress=progress,
-            attempt=envelope.attempt, timings=envelope.trace.timings,
+            envelope.request_id,
+            RequestState.RUNNING,
+            stage=self.stage.name,
+            progress=progress,
+            attempt=envelope.attempt,
+            timings=envelope.trace.timings,
         )
 
     async def _finish(self, rid: str, state: RequestState, **fields: Any) -> bool:

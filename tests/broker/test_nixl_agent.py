@@ -114,8 +114,7 @@ def test_read_roundtrip_notif_and_handles(consumer: tuple[NixlAgent, torch.Tenso
         agent.warm_up(name)
 
         dst.zero_()
-        h = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM,
-                             name, b"req-1")
+        h = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM, name, b"req-1")
         assert agent.open_handles() == base + 1
         wait_done(agent, h)
         agent.release(h)
@@ -132,7 +131,7 @@ def test_read_roundtrip_notif_and_handles(consumer: tuple[NixlAgent, torch.Tenso
         dst.zero_()
         h = agent.start_read_indexed(local, [0], remote, [3], b"req-2")
         wait_done(agent, h)
-        assert torch.equal(dst[:blk], pattern(NBYTES, 3)[3 * blk:])
+        assert torch.equal(dst[:blk], pattern(NBYTES, 3)[3 * blk :])
         agent.repost(h, b"req-3")
         wait_done(agent, h)
         agent.release(h)
@@ -145,11 +144,11 @@ def test_read_roundtrip_notif_and_handles(consumer: tuple[NixlAgent, torch.Tenso
         with pytest.raises(ValueError):
             agent.start_read([(dst.data_ptr(), 10, 0)], MemKind.DRAM, [prod.region], MemKind.DRAM, name, b"")
         with pytest.raises(TransferError):
-            agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM,
-                             "nobody", b"")
+            agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM, "nobody", b"")
         with pytest.raises(TransferError):  # remote region outside anything registered
-            agent.start_read([(dst.data_ptr(), 4096, 0)], MemKind.DRAM, [(addr + 2 * NBYTES, 4096, 0)],
-                             MemKind.DRAM, name, b"")
+            agent.start_read(
+                [(dst.data_ptr(), 4096, 0)], MemKind.DRAM, [(addr + 2 * NBYTES, 4096, 0)], MemKind.DRAM, name, b""
+            )
         with pytest.raises(TransferError):
             agent.add_remote(b"not metadata")
         assert agent.open_handles() == base
@@ -171,16 +170,14 @@ def test_read_from_dead_peer_raises_then_restarted_peer_works(
     prod = Producer("test-producer-b", salt=5)
     try:
         name = agent.add_remote(prod.metadata)
-        h = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM,
-                             name, b"ok")
+        h = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM, name, b"ok")
         wait_done(agent, h)
         agent.release(h)
         prod.kill()
 
         t0 = time.monotonic()
         with pytest.raises((PeerDisconnectedError, TransferError)):
-            h = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM,
-                                 name, b"dead")
+            h = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM, name, b"dead")
             wait_done(agent, h)
         assert time.monotonic() - t0 < DEADLINE_S
         if agent.open_handles() != base:
@@ -193,8 +190,7 @@ def test_read_from_dead_peer_raises_then_restarted_peer_works(
     prod2 = Producer("test-producer-b", salt=9)
     try:
         assert agent.add_remote(prod2.metadata) == name
-        h = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod2.region], MemKind.DRAM,
-                             name, b"again")
+        h = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod2.region], MemKind.DRAM, name, b"again")
         wait_done(agent, h)
         agent.release(h)
         assert torch.equal(dst, pattern(NBYTES, 9))

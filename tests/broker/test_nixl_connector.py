@@ -53,7 +53,7 @@ class Producer:
     def stats(self) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in self.redis.hgetall(f"{self.prefix}:test:producer").items()}
 
-    def wait_stats(self, **expected: int) -> dict[str, str]:
+    def wait_stats(self, **expected: int | str) -> dict[str, str]:
         def ok() -> dict[str, str] | None:
             s = self.stats()
             return s if s and all(s.get(k) == str(v) for k, v in expected.items()) else None
@@ -73,9 +73,12 @@ def start_producer(tmp_path: Path, redis_url: str, prefix: str) -> Iterator[Any]
         log = tmp_path / f"producer-{len(started)}.log"
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.peer_producer", "--redis-url", redis_url, "--prefix", prefix, *args],
-            stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
-        producer = Producer(proc, sync_redis.Redis.from_url(redis_url), prefix, log)
+        producer = Producer(proc, sync_redis.Redis.from_url(redis_url, socket_timeout=None), prefix, log)
         started.append(producer)
         return producer
 
@@ -92,8 +95,13 @@ async def consumer(
 ) -> AsyncIterator[NixlConnector]:
     redis = connect(redis_url)
     conn = NixlConnector(
-        redis=redis, keys=Keys(prefix), stage="diffusion", replica="test",
-        config=DataPlaneConfig(**config), timeouts=Timeouts(resend=3.0), cuda_device=cuda_device,
+        redis=redis,
+        keys=Keys(prefix),
+        stage="diffusion",
+        replica="test",
+        config=DataPlaneConfig(**config),
+        timeouts=Timeouts(resend=3.0),
+        cuda_device=cuda_device,
     )
     await anyio.to_thread.run_sync(conn.open)
     async with anyio.create_task_group() as tg:
@@ -145,7 +153,7 @@ async def test_nixl_unavailable_at_the_producer_goes_inline_up_to_the_cap(
             assert_same(incoming.payload, build("FL2VA", item["seed"]))
         # 65 MB is above the 16 MiB inline-fallback cap: the put fails, the stage recomputes (worker test).
         assert producer.take()["error"] == "payload_unavailable"
-        assert producer.stats()["unavailable"] == "nixl_unavailable"
+        producer.wait_stats(unavailable="nixl_unavailable")
     producer.stop()
 
 
@@ -169,9 +177,7 @@ async def test_nixl_unavailable_at_the_consumer_gets_an_inline_resend(
     producer.stop()
 
 
-async def test_a_thousand_transfers_leave_no_resources_behind(
-    start_producer: Any, redis_url: str, prefix: str
-) -> None:
+async def test_a_thousand_transfers_leave_no_resources_behind(start_producer: Any, redis_url: str, prefix: str) -> None:
     count = 1000
     producer = start_producer("--payloads", "bytes:100000", "--repeat", str(count), "--pool-mib", "4")
     async with consumer(redis_url, prefix, cpu_pool_bytes=4 << 20) as conn:
@@ -203,9 +209,21 @@ async def test_consumer_killed_mid_read_frees_the_slot_once_its_claim_expires(
     producer = start_producer("--payloads", "Ref2VA", "--lease", "1")
     log = tmp_path / "reader.log"
     reader = subprocess.Popen(
-        [sys.executable, "-m", "tests.peer_reader_dies", "--redis-url", redis_url, "--prefix", prefix,
-         "--die-after", die_after],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [
+            sys.executable,
+            "-m",
+            "tests.peer_reader_dies",
+            "--redis-url",
+            redis_url,
+            "--prefix",
+            prefix,
+            "--die-after",
+            die_after,
+        ],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert reader.wait(timeout=60) == -9, log.read_text()[-3000:]
     killed_at = time.monotonic()

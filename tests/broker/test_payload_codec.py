@@ -23,7 +23,6 @@ from stageferry.broker.payload_codec import (
     validate_remote_regions,
 )
 from stageferry.errors import ManifestError
-from stageferry.testing import HIDDEN, TASKS, assert_same, bits, randn, tensor_bytes, tensors_of
 from stageferry.schemas.payload import (
     MAX_TREE_DEPTH,
     MAX_TREE_NODES,
@@ -34,6 +33,7 @@ from stageferry.schemas.payload import (
     RemoteRegion,
     TensorSpec,
 )
+from stageferry.testing import HIDDEN, TASKS, assert_same, bits, randn, tensor_bytes, tensors_of
 
 GiB = 1 << 30
 CUDA = torch.cuda.is_available()
@@ -48,8 +48,6 @@ def over_the_wire(manifest: Manifest) -> Manifest:
     return Manifest.model_validate_json(manifest.model_dump_json())
 
 
-
-
 @pytest.fixture(scope="module", params=list(TASKS))
 def task_payload(request: pytest.FixtureRequest) -> Any:
     build, total = TASKS[request.param]
@@ -60,9 +58,10 @@ def task_payload(request: pytest.FixtureRequest) -> Any:
 
 def region_buffers(manifest: Manifest, device: torch.device | None = None) -> dict[DeviceKind, torch.Tensor]:
     """Stand-ins for pool slot views, one per region (CUDA regions on ``device``)."""
-    return {r.device: torch.empty(r.nbytes, dtype=torch.uint8,
-                                  device=device if r.device is DeviceKind.CUDA else "cpu")
-            for r in manifest.regions}
+    return {
+        r.device: torch.empty(r.nbytes, dtype=torch.uint8, device=device if r.device is DeviceKind.CUDA else "cpu")
+        for r in manifest.regions
+    }
 
 
 def inside(t: torch.Tensor, buf: torch.Tensor) -> bool:
@@ -124,8 +123,12 @@ def test_scalars_empty_and_odd_dtypes_round_trip() -> None:
         "nan_bits": torch.tensor([0x7FC1, -1, -(2**15)], dtype=torch.int16).view(torch.float16),
         "f64": torch.tensor([math.pi, -0.0, float("inf")], dtype=torch.float64),
         "mask": torch.tensor([[True, False], [False, True]]).t(),
-        "small": [torch.tensor([-128, 127], dtype=torch.int8), torch.tensor([255], dtype=torch.uint8),
-                  torch.tensor([-(2**31)], dtype=torch.int32), torch.tensor([7], dtype=torch.int16)],
+        "small": [
+            torch.tensor([-128, 127], dtype=torch.int8),
+            torch.tensor([255], dtype=torch.uint8),
+            torch.tensor([-(2**31)], dtype=torch.int32),
+            torch.tensor([7], dtype=torch.int16),
+        ],
         "empty": (torch.empty(0), torch.empty(3, 0, dtype=torch.int64)),
         "grad": torch.ones(3, requires_grad=True) * 2,
         "values": [0, -1, 2**63 - 1, 1e-300, -0.0, "", "ünïcode ✓", None, False],
@@ -213,12 +216,20 @@ def random_tensors(draw: st.DrawFn) -> torch.Tensor:
     return t
 
 
-plain_values = (st.none() | st.booleans() | st.integers(-(2**63) + 1, 2**63 - 1)
-                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
+plain_values = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63) + 1, 2**63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+)
 payloads = st.recursive(
     random_tensors() | plain_values,
-    lambda inner: (st.lists(inner, max_size=4) | st.lists(inner, max_size=4).map(tuple)
-                   | st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.lists(inner, max_size=4).map(tuple)
+        | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
     max_leaves=16,
 )
 
@@ -250,8 +261,12 @@ def test_random_payloads_round_trip(payload: Any, copy: bool) -> None:
 
 def base_manifest() -> Manifest:
     """text [2,4] bf16 @0, ids [3] int64 @64, latents [2,2] fp32 @128; one CPU region of 192 bytes."""
-    payload = {"text": torch.ones(2, 4, dtype=torch.bfloat16), "ids": torch.arange(3),
-               "lat": torch.zeros(2, 2), "meta": {"n": 1}}
+    payload = {
+        "text": torch.ones(2, 4, dtype=torch.bfloat16),
+        "ids": torch.arange(3),
+        "lat": torch.zeros(2, 2),
+        "meta": {"n": 1},
+    }
     m = plan_payload(payload).manifest
     assert [t.offset for t in m.tensors] == [0, 64, 128] and m.regions[0].nbytes == 192
     return m
@@ -289,22 +304,22 @@ MANIFEST_CORRUPTIONS: dict[str, tuple[Callable[[Manifest], Manifest], str]] = {
     "region_index_out_of_range": (lambda m: with_tensor(m, 0, region=1), "region that does not exist"),
     "region_kind_mismatch": (lambda m: with_tensor(m, 0, device=DeviceKind.CUDA), "does not match"),
     "duplicate_region_kinds": (
-        lambda m: m.model_copy(update={"regions": [m.regions[0], m.regions[0]]}), "same device kind"),
+        lambda m: m.model_copy(update={"regions": [m.regions[0], m.regions[0]]}),
+        "same device kind",
+    ),
     "overlapping_tensors": (lambda m: with_tensor(m, 1, offset=0), "overlap"),
     "missing_tensor_index": (lambda m: with_tree(m, {"l": [*ALL_T, {"t": 3}]}), "does not exist"),
     "same_index_twice": (lambda m: with_tree(m, {"l": [*ALL_T, {"t": 0}]}), "twice"),
     "bool_as_index": (lambda m: with_tree(m, {"l": [{"t": True}, {"t": 1}, {"t": 2}]}), "does not exist"),
     "unreferenced_tensor": (lambda m: with_tree(m, {"l": ALL_T[:2]}), "not referenced"),
     "tree_too_deep": (lambda m: with_tree(m, nested(MAX_TREE_DEPTH + 1)), "too deeply"),
-    "too_many_nodes": (
-        lambda m: with_tree(m, {"l": [*ALL_T, *([{"v": 0}] * MAX_TREE_NODES)]}), "too many nodes"),
+    "too_many_nodes": (lambda m: with_tree(m, {"l": [*ALL_T, *([{"v": 0}] * MAX_TREE_NODES)]}), "too many nodes"),
     "node_with_two_keys": (lambda m: with_tree(m, {"l": ALL_T, "v": 1}), "exactly one key"),
     "node_not_an_object": (lambda m: with_tree(m, [0, 1, 2]), "exactly one key"),
     "unknown_tag": (lambda m: with_tree(m, {"x": ALL_T}), "unknown tag"),
     "container_body_not_list": (lambda m: with_tree(m, {"l": {"t": 0}}), "must be a list"),
     "non_str_dict_key": (lambda m: with_tree(m, {"d": [[1, {"l": ALL_T}]]}), "not a string"),
-    "duplicate_dict_key": (
-        lambda m: with_tree(m, {"d": [["a", {"l": ALL_T}], ["a", {"v": 1}]]}), "duplicate dict key"),
+    "duplicate_dict_key": (lambda m: with_tree(m, {"d": [["a", {"l": ALL_T}], ["a", {"v": 1}]]}), "duplicate dict key"),
     "malformed_dict_entry": (lambda m: with_tree(m, {"d": [["a"]]}), "malformed dict entry"),
     "forbidden_plain_value": (lambda m: with_tree(m, {"l": [*ALL_T, {"v": [1, 2]}]}), "forbidden type"),
     "nan_plain_value": (lambda m: with_tree(m, {"l": [*ALL_T, {"v": math.nan}]}), "not finite"),
@@ -376,8 +391,11 @@ REMOTE_CORRUPTIONS: dict[str, tuple[list[RemoteRegion], list[RemoteRegion], str]
     "count_mismatch_none": ([], [ARENA], "count"),
     "count_mismatch_extra": ([GOOD, GOOD], [ARENA], "count"),
     "length_mismatch": ([region(length=191)], [ARENA], "length does not match"),
-    "mem_kind_mismatch": ([region(mem_kind=MemKind.VRAM)],
-                          [ARENA, ARENA.model_copy(update={"mem_kind": MemKind.VRAM})], "memory kind"),
+    "mem_kind_mismatch": (
+        [region(mem_kind=MemKind.VRAM)],
+        [ARENA, ARENA.model_copy(update={"mem_kind": MemKind.VRAM})],
+        "memory kind",
+    ),
     "outside_arena": ([region(address=0x20000)], [ARENA], "outside every advertised arena"),
     "straddles_arena_end": ([region(address=0x10000 + 4096 - 64)], [ARENA], "outside every"),
     "below_arena_start": ([region(address=0x10000 - 64)], [ARENA], "outside every"),
@@ -443,8 +461,10 @@ def test_inline_misaligned_region_start_is_copied() -> None:
     """A hostile but valid layout: the second region starts at an odd blob offset; views must still work."""
     manifest = Manifest(
         tree={"l": [{"t": 0}, {"t": 1}]},
-        tensors=[TensorSpec(dtype="uint8", shape=[3], device="cuda", region=0, offset=0, nbytes=3),
-                 TensorSpec(dtype="float64", shape=[1], device="cpu", region=1, offset=0, nbytes=8)],
+        tensors=[
+            TensorSpec(dtype="uint8", shape=[3], device="cuda", region=0, offset=0, nbytes=3),
+            TensorSpec(dtype="float64", shape=[1], device="cpu", region=1, offset=0, nbytes=8),
+        ],
         regions=[RegionSpec(device="cuda", nbytes=3), RegionSpec(device="cpu", nbytes=8)],
     )
     validate_manifest(manifest, max_payload_bytes=GiB)
@@ -460,9 +480,14 @@ def test_inline_misaligned_region_start_is_copied() -> None:
 
 def cuda_payload() -> Any:
     dev = torch.device("cuda", 0)
-    return {"text": randn(7, HIDDEN, dtype=torch.bfloat16).to(dev), "ids": torch.arange(7, device=dev),
-            "lat": randn(4, 6).t().to(dev), "cpu_side": torch.arange(5, dtype=torch.int32),
-            "empty": torch.empty(0, device=dev), "n": 3}
+    return {
+        "text": randn(7, HIDDEN, dtype=torch.bfloat16).to(dev),
+        "ids": torch.arange(7, device=dev),
+        "lat": randn(4, 6).t().to(dev),
+        "cpu_side": torch.arange(5, dtype=torch.int32),
+        "empty": torch.empty(0, device=dev),
+        "n": 3,
+    }
 
 
 @needs_cuda

@@ -44,14 +44,17 @@ def cpu_pool(capacity: int = 4096, registrar: CountingRegistrar | None = None) -
 
 def manifest_of(**regions: int) -> Manifest:
     """A manifest with only regions (no tensors): all the pool looks at."""
-    return Manifest(tree={"v": None}, tensors=[],
-                    regions=[RegionSpec(device=DeviceKind(k), nbytes=n) for k, n in regions.items()])
+    return Manifest(
+        tree={"v": None}, tensors=[], regions=[RegionSpec(device=DeviceKind(k), nbytes=n) for k, n in regions.items()]
+    )
 
 
 # -- allocator --------------------------------------------------------------------------------------------
 
-ops = st.lists(st.one_of(st.tuples(st.just("alloc"), st.integers(0, 1500)),
-                         st.tuples(st.just("free"), st.integers(0, 63))), max_size=120)
+ops = st.lists(
+    st.one_of(st.tuples(st.just("alloc"), st.integers(0, 1500)), st.tuples(st.just("free"), st.integers(0, 63))),
+    max_size=120,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -293,8 +296,9 @@ async def test_acquire_regions_shares_one_deadline_and_checks_kinds() -> None:
     pool_set = PoolSet({DeviceKind.CPU: cpu_pool(4096)})
     with pytest.raises(ManifestError, match="no pool"):
         await pool_set.acquire_regions(manifest_of(cuda=64), timeout=1)
-    dup = Manifest.model_construct(tree={"v": None}, tensors=[],
-                                   regions=[RegionSpec(device=DeviceKind.CPU, nbytes=64)] * 2)
+    dup = Manifest.model_construct(
+        tree={"v": None}, tensors=[], regions=[RegionSpec(device=DeviceKind.CPU, nbytes=64)] * 2
+    )
     with pytest.raises(ManifestError, match="same device kind"):
         await pool_set.acquire_regions(dup, timeout=1)
     held = await pool_set.acquire_regions(manifest_of(cpu=4096), timeout=1)
@@ -318,8 +322,7 @@ async def test_thousand_cycles_leave_nothing_behind() -> None:
         slots = await pool_set.acquire_regions(plan.manifest, timeout=1)
         if i % 100 == 0:  # the full producer -> consumer path now and then
             pack_into(plan, {k: s.view for k, s in slots.items()})
-            validate_remote_regions(plan.manifest, [s.remote_region() for s in slots.values()],
-                                    pool_set.arenas())
+            validate_remote_regions(plan.manifest, [s.remote_region() for s in slots.values()], pool_set.arenas())
             got = unpack(plan.manifest, {k: s.view for k, s in slots.items()}, copy=True)
             assert torch.equal(got["ids"], ids)
         pool_set.release_all(slots)
@@ -338,8 +341,7 @@ async def test_real_nixl_agent_registers_each_pool_once() -> None:
     except NixlUnavailableError as exc:
         pytest.skip(f"NIXL unavailable: {exc}")
     try:
-        pool_set = PoolSet.from_config(DataPlaneConfig(cpu_pool_bytes=MiB, gpu_pool_bytes=64 * MiB),
-                                       registrar=agent)
+        pool_set = PoolSet.from_config(DataPlaneConfig(cpu_pool_bytes=MiB, gpu_pool_bytes=64 * MiB), registrar=agent)
         manifest = manifest_of(**{k.value: 4096 for k in pool_set.pools})
         for _ in range(100):
             pool_set.release_all(await pool_set.acquire_regions(manifest, timeout=1))
