@@ -8,13 +8,12 @@ here and one enqueued with a raw ``XADD`` are the same to the stages.
 from __future__ import annotations
 
 import re
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -24,7 +23,7 @@ from stageferry.broker.keys import Keys
 from stageferry.broker.redis_conn import BLOCK_MS, connect, translated
 from stageferry.broker.requests import RequestStore
 from stageferry.config import PipelineConfig, Settings
-from stageferry.errors import DeadlineExceededError, JobValidationError
+from stageferry.errors import JobValidationError
 from stageferry.schemas import JobRequest, MediaInputs, RequestStatus
 from stageferry.schemas.job import REQUEST_ID_PATTERN
 from stageferry.schemas.validation import field_errors
@@ -181,33 +180,10 @@ class Client:
 
         :class:`DeadlineExceededError` if it is not terminal within ``timeout`` seconds.
         """
-        key = self.keys.events(request_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        last_id = "0-0"
-        while True:
-            block = BLOCK_MS
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise DeadlineExceededError("timed out waiting for the result", request_id=request_id)
-                block = max(1, min(BLOCK_MS, int(remaining * 1000)))
-            with translated():
-                reply = cast(_XReadReply, await self.redis.xread({key: last_id}, block=block, count=100))
-            for _stream, rows in reply or []:
-                for raw_id, raw_fields in rows:
-                    last_id = raw_id.decode()
-                    fields = {k.decode(): v.decode(errors="replace") for k, v in raw_fields.items()}
-                    event = parse_row(last_id, fields)
-                    if event is None:
-                        continue
-                    yield event
-                    status = event.status
-                    if status is not None and status.state.terminal:
-                        return
-            if not reply:  # a quiet spell: the events may have expired while the request ended
-                current = await self.status(request_id)
-                if current is not None and current.state.terminal:
-                    return
+        async for entry_id, fields in self.store.follow(request_id, timeout=timeout):
+            event = parse_row(entry_id, fields)
+            if event is not None:
+                yield event
 
     async def wait_with_events(
         self,

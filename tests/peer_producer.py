@@ -47,7 +47,7 @@ async def main(args: argparse.Namespace) -> None:
         cpu_pool_bytes=args.pool_mib << 20,
         inline_fallback_max_bytes=args.fallback_cap,
     )
-    timeouts = Timeouts(lease=args.lease, claim=args.claim)
+    timeouts = Timeouts(lease=args.lease, claim=args.claim, pool_wait=60.0)  # tests never fall back on a slow CI
     async with open_client(args.redis_url) as redis:
         cuda = torch.device(args.device) if args.device.startswith("cuda") else None
         if cuda is not None:

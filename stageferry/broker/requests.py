@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -18,10 +19,11 @@ import structlog
 from stageferry.broker.keys import Keys
 from stageferry.broker.redis_conn import BLOCK_MS, translated
 from stageferry.errors import DeadlineExceededError, QueueFullError
-from stageferry.schemas import JobRequest, RequestState, RequestStatus
+from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestState, RequestStatus
 
 log = structlog.get_logger(__name__)
 
+_TERMINAL_NAMES = frozenset(state.value for state in TERMINAL_STATES)
 _TERMINAL_LUA = "local t = {done=true, failed=true, rejected=true, cancelled=true}\n"
 
 # KEYS: request hash, events stream. ARGV: state, status json, ttl, events maxlen.
@@ -120,15 +122,15 @@ class RequestStore:
             rows = await self._redis.xrange(self._keys.events(request_id))
         return [(eid.decode(), _decode_event(fields)) for eid, fields in rows]
 
-    async def wait(self, request_id: str, *, timeout: float | None = None) -> RequestStatus:
-        """Block (XREAD BLOCK on the events stream, no polling) until the request is terminal."""
+    async def follow(
+        self, request_id: str, *, timeout: float | None = None
+    ) -> AsyncIterator[tuple[str, dict[str, str]]]:
+        """Yield the request's events (entry id, fields) as they arrive, from the first, by blocking reads;
+        stop after a terminal status.  :class:`DeadlineExceededError` if not terminal within ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         last_id = "0-0"
         key = self._keys.events(request_id)
         while True:
-            status = await self.get(request_id)
-            if status is not None and status.state.terminal:
-                return status
             block = BLOCK_MS
             if deadline is not None:
                 remaining = deadline - time.monotonic()
@@ -137,9 +139,27 @@ class RequestStore:
                 block = max(1, min(BLOCK_MS, int(remaining * 1000)))
             with translated():
                 reply = await self._redis.xread({key: last_id}, block=block, count=100)
-            for _stream, entries in reply or []:
-                for eid, _fields in entries:
-                    last_id = eid.decode()
+            for _stream, rows in reply or []:
+                for raw_id, raw_fields in rows:
+                    last_id = raw_id.decode()
+                    fields = {k.decode(): v.decode(errors="replace") for k, v in raw_fields.items()}
+                    yield last_id, fields
+                    if fields.get("kind") == "status" and fields.get("state") in _TERMINAL_NAMES:
+                        return
+            if not reply:  # a quiet spell: the events may have expired while the request ended
+                current = await self.get(request_id)
+                if current is not None and current.state.terminal:
+                    return
+
+    async def wait(self, request_id: str, *, timeout: float | None = None) -> RequestStatus:
+        """Block (XREAD BLOCK on the events stream, no polling) until the request is terminal."""
+        status = await self.get(request_id)
+        if status is None or not status.state.terminal:
+            async for _event in self.follow(request_id, timeout=timeout):
+                pass
+            status = await self.get(request_id)
+        assert status is not None
+        return status
 
 
 def _decode_event(fields: dict[bytes, bytes]) -> dict[str, Any]:

@@ -251,13 +251,10 @@ class StageWorker:
             async with self._fetch(envelope, entry) as incoming:
                 progress = ProgressSink()
                 output = await self._compute_holding_claim(entry, envelope, incoming, progress, media)
-        except PayloadUnavailableError as exc:
-            await self._recompute(entry, envelope, exc)
-            return
         except ManifestError as exc:
             await self._reject(entry, rid, exc)
             return
-        except DataPlaneError as exc:
+        except DataPlaneError as exc:  # the payload is gone or cannot be fetched: compute it again upstream
             await self._recompute(entry, envelope, exc)
             return
         except StageferryError as exc:
