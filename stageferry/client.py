@@ -34,7 +34,6 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 T = TypeVar("T")
 #: XREAD's reply, as redis-py returns it with ``decode_responses=False``.
-_XReadReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 
 
 def new_request_id() -> str:

@@ -168,6 +168,20 @@ async def test_worker_exits_nonzero_when_redis_stays_away(tmp_path: Path, prefix
             assert code != 0
 
 
+def test_worker_recreates_a_lost_group(tmp_path: Path, redis_url: str, prefix: str) -> None:
+    """A Redis restarted without persistence loses streams and groups: workers make them again."""
+    svc = make_services(tmp_path, redis_url, prefix)
+    with svc:
+        svc.start("encoder", "a")
+        svc.start("diffusion", "a")
+        svc.wait_live("encoder", "encoder-a")
+        r = sync_redis.Redis.from_url(redis_url)
+        r.delete(svc.keys.stage_stream("encoder"), svc.keys.stage_stream("diffusion"))
+        client = svc.client()
+        rid = client.submit(JOB)
+        assert client.wait(rid, timeout=60).state is RequestState.DONE
+
+
 def test_cancel_stops_at_next_stage_boundary(tmp_path: Path, redis_url: str, prefix: str) -> None:
     svc = make_services(tmp_path, redis_url, prefix, STAGEFERRY_TEST_SLOW_STAGE="encoder")
     with svc:

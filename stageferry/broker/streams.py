@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import structlog
-from redis import exceptions as redis_errors
 
 from stageferry.broker.keys import Keys
 from stageferry.broker.redis_conn import BLOCK_MS, translated
+from stageferry.errors import ControlPlaneError
 
 log = structlog.get_logger(__name__)
 
@@ -104,7 +104,7 @@ class StageStream:
             with translated():
                 await self._redis.xgroup_create(self.key, self.group, id="0", mkstream=True)
             log.info("stream.group_created", stream=self.key, group=self.group)
-        except Exception as exc:  # BUSYGROUP: it exists already
+        except ControlPlaneError as exc:  # BUSYGROUP: it exists already
             if "BUSYGROUP" not in str(exc):
                 raise
 
@@ -125,8 +125,8 @@ class StageStream:
                 reply = await self._redis.xreadgroup(
                     self.group, self.consumer, {self.key: start}, count=count, block=block_ms
                 )
-        except Exception as exc:
-            if "NOGROUP" in str(exc):
+        except ControlPlaneError as exc:
+            if _group_lost(exc):
                 await self.ensure_group()
                 return []
             raise
@@ -147,8 +147,8 @@ class StageStream:
                 reply = await self._redis.xautoclaim(
                     self.key, self.group, self.consumer, self._visibility_ms, start_id="0-0", count=count
                 )
-        except Exception as exc:
-            if "NOGROUP" in str(exc):
+        except ControlPlaneError as exc:
+            if _group_lost(exc):
                 await self.ensure_group()
                 return []
             raise
@@ -220,15 +220,21 @@ class StageStream:
         try:
             with translated():
                 info = await self._redis.xpending(self.key, self.group)
-        except Exception as exc:
-            if "NOGROUP" in str(exc):
+        except ControlPlaneError as exc:
+            if _group_lost(exc):
                 return 0
             raise
         return int(info["pending"])
+
+
+def _group_lost(exc: ControlPlaneError) -> bool:
+    """The stream or group vanished (deleted, or Redis restarted without persistence): make it again."""
+    text = str(exc)
+    return "NOGROUP" in text or "UNBLOCKED" in text
 
 
 def _decode_fields(fields: Mapping[bytes, bytes]) -> dict[str, bytes]:
     return {k.decode("utf-8", errors="replace"): v for k, v in fields.items()}
 
 
-__all__ = ["Entry", "StageStream", "redis_errors"]
+__all__ = ["Entry", "StageStream"]

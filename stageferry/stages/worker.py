@@ -212,7 +212,7 @@ class StageWorker:
             metrics.ENTRIES.labels(self.stage.name, "dead_lettered").inc()
             await self.stream.dead_letter(entry, reason="missing or invalid request_id", error_code="invalid_envelope")
             return
-        with bound_request(rid, stage=self.stage.name):
+        with bound_request(rid, stage=self.stage.name, rank=0):
             try:
                 await self._process(entry, rid)
             except ControlPlaneError as exc:
@@ -238,6 +238,11 @@ class StageWorker:
         except RejectedError as exc:
             await self._reject(entry, rid, exc)
             return
+        with structlog.contextvars.bound_contextvars(key=envelope.key, attempt=envelope.attempt):
+            await self._run(entry, rid, envelope)
+
+    async def _run(self, entry: Entry, rid: str, envelope: Envelope) -> None:
+        """Everything after parsing: skip what is settled, fetch, compute, hand on."""
         if await self._already_settled(entry, envelope):
             return
         try:

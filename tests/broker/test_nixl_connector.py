@@ -24,6 +24,7 @@ import redis as sync_redis
 import torch
 from pydantic import TypeAdapter
 
+from stageferry.broker import metrics
 from stageferry.broker.keys import Keys
 from stageferry.broker.nixl_connector import NixlConnector
 from stageferry.broker.redis_conn import connect
@@ -123,6 +124,7 @@ def ref_of(item: dict[str, Any]) -> tuple[Any, bytes | None]:
 async def test_task_payloads_round_trip_exactly(start_producer: Any, redis_url: str, prefix: str, mode: str) -> None:
     specs = ["T2VA", "FL2VA", "Ref2VA", "bytes:1000", "bytes:0"]
     producer = start_producer("--payloads", ",".join(specs), "--mode", mode)
+    nixl_gets_before = metrics.GETS.labels("nixl")._value.get()
     async with consumer(redis_url, prefix) as conn:
         for spec in specs:
             item = producer.take()
@@ -136,6 +138,7 @@ async def test_task_payloads_round_trip_exactly(start_producer: Any, redis_url: 
                 assert_same(incoming.payload, build(spec, item["seed"]))
         assert conn.pools is not None and conn.pools.slots_in_use == 0
         assert conn.agent is not None and conn.agent.open_handles() == 0
+        assert metrics.GETS.labels("nixl")._value.get() - nixl_gets_before == 3  # counted, per transport
         producer.wait_stats(leases=0, slots_in_use=0, open_handles=0, registrations=1)
         producer.stop()
 
@@ -256,4 +259,19 @@ async def test_cuda_leaves_land_on_the_consumer_gpu(start_producer: Any, redis_u
                 assert got["cpu"]["hidden_states"].device.type == "cpu"
                 assert_same(got, build("mixed", item["seed"], "cuda:0"))
         producer.wait_stats(leases=0, slots_in_use=0)
+    producer.stop()
+
+
+async def test_an_unclaimed_lease_expires_and_the_payload_is_then_gone(
+    start_producer: Any, redis_url: str, prefix: str
+) -> None:
+    producer = start_producer("--payloads", "FL2VA", "--lease", "1")
+    item = producer.take()
+    producer.wait_stats(leases=0, slots_in_use=0)  # nobody claimed it within its lease: freed
+    ref, blob = ref_of(item)
+    async with consumer(redis_url, prefix) as conn:
+        with pytest.raises(PayloadUnavailableError):  # the producer marked the claim key "expired"
+            async with conn.get(ref, blob, key=item["key"]):
+                pass
+        assert conn.pools is not None and conn.pools.slots_in_use == 0
     producer.stop()
