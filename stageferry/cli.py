@@ -289,9 +289,9 @@ def serve(
     settings = _settings(ctx)
     pipeline = settings.load_pipeline()
     pipeline.stage(stage)  # an unknown stage is a config error before anything starts
-    from stageferry.stages.service import serve as serve_stage
+    from stageferry.stages.service import run_service
 
-    anyio.run(functools.partial(serve_stage, settings, pipeline, stage, tp=tp))
+    raise typer.Exit(run_service(settings, pipeline, stage, tp=tp))
 
 
 @app.command()

@@ -23,6 +23,8 @@ a request's failed/rejected status shows, so that clients branch on codes, never
     │   ├── PoolExhaustedError       no slot freed within the back-pressure timeout
     │   └── PayloadTooLargeError     above every cap that applies (pool, inline, total)
     ├── StageFailedError             a stage's model raised; the request fails with the cause
+    ├── GroupBrokenError             a rank of the stage group is gone: the replica stops, the entry is
+    │                                reclaimed elsewhere (never a request failure)
     ├── DeadlineExceededError        the request's deadline passed
     └── CancelledRequestError        the client cancelled the request
 """
@@ -123,9 +125,28 @@ class StageFailedError(StageferryError):
     code = "stage_failed"
 
 
+class GroupBrokenError(StageferryError):
+    """A collective failed because a rank died; the request itself is fine and must not fail."""
+
+    code = "group_broken"
+
+
 class DeadlineExceededError(StageferryError):
     code = "deadline_exceeded"
 
 
 class CancelledRequestError(StageferryError):
     code = "cancelled"
+
+
+def error_from_code(code: str, message: str, details: dict[str, Any] | None = None) -> StageferryError:
+    """Rebuild a typed error from its code (a follower raising the leader's error, for instance)."""
+    classes: list[type[StageferryError]] = [StageferryError]
+    i = 0
+    while i < len(classes):
+        classes += classes[i].__subclasses__()
+        i += 1
+    cls = next((c for c in classes if c.code == code), StageferryError)
+    error = cls.__new__(cls)
+    StageferryError.__init__(error, message, **(details or {}))
+    return error

@@ -6,8 +6,10 @@ Behaviour is driven by the job's prompt, so one pipeline config serves every tes
 * ``poison`` — kill the whole process at once (a request that crashes its worker every time);
 * ``fail`` — raise an ordinary exception (the request fails with ``stage_failed``).
 
-Every completed run appends ``<stage> <request_id>`` to the file named by ``STAGEFERRY_TEST_RECORD``,
-so tests can count executions across processes.
+Every completed run appends ``<stage> <request_id>`` (rank 0 only) to the file named by
+``STAGEFERRY_TEST_RECORD``, so tests can count executions across processes; with
+``STAGEFERRY_TEST_DIGESTS`` every rank appends ``<stage> <request_id> <rank> <sha256>`` of the payload it
+holds.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from stageferry.config import PipelineConfig, StageConfig
 from stageferry.schemas import JobRequest
 from stageferry.stages.model import StageContext
-from stageferry.stages.passthrough import Passthrough
+from stageferry.stages.passthrough import Passthrough, payload_digest
 
 
 class Scripted(Passthrough):
@@ -39,9 +41,14 @@ class Scripted(Passthrough):
                     break
         result = super().__call__(job, payload, ctx)
         record = os.environ.get("STAGEFERRY_TEST_RECORD")
-        if record:
+        if record and ctx.rank == 0:
             with open(record, "a") as fh:
                 fh.write(f"{ctx.stage} {ctx.request_id}\n")
+        digests = os.environ.get("STAGEFERRY_TEST_DIGESTS")
+        if digests:  # what every rank holds: the input payload (consumers) or the output (producers)
+            held = payload if payload is not None else result
+            with open(digests, "a") as fh:
+                fh.write(f"{ctx.stage} {ctx.request_id} {ctx.rank} {payload_digest(held)}\n")
         return result
 
 

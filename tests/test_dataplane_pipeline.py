@@ -123,7 +123,7 @@ def corruptions() -> dict[str, Callable[[dict[str, Any]], None]]:
 
 
 def test_hostile_descriptors_are_rejected_and_the_worker_survives(tmp_path: Path, redis_url: str, prefix: str) -> None:
-    r = sync_redis.Redis.from_url(redis_url)
+    r = sync_redis.Redis.from_url(redis_url, socket_timeout=None)
     with make(tmp_path, redis_url, prefix) as svc:
         consumer = svc.start("diffusion", "a")
         peer = subprocess.Popen(  # a real producer agent, so that valid references exist to corrupt

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from stageferry.schemas import PayloadRef, Transport
+from stageferry.schemas import DeviceKind, Manifest, PayloadRef, Transport
 
 Payload = Any
 """A nested structure (dicts, lists, tuples) of tensors and small plain values."""
@@ -42,13 +42,18 @@ class Outgoing:
 
 @dataclass(frozen=True, slots=True)
 class Incoming:
-    """A payload held by the consumer leader, with how it came."""
+    """A payload held by the consumer leader, with how it came.
+
+    ``manifest`` and ``regions`` are set when the payload's packed bytes are at hand (e.g. the pool
+    slot a NIXL READ landed in), so a stage group can fan them out without packing them again."""
 
     payload: Payload
     transport: Transport
     nbytes: int
     seconds: float
     fallback_reason: str | None = None
+    manifest: Manifest | None = None
+    regions: Mapping[DeviceKind, Any] | None = None
 
 
 class Connector(abc.ABC):

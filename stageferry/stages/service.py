@@ -1,103 +1,131 @@
-"""``stageferry serve <stage>``: one stage service — model, connectors, worker loop, signals.
+"""``stageferry serve <stage>``: one replica of a stage — a single process, or a TP group of ranks.
 
-The service runs until SIGTERM/SIGINT (it then drains: finishes the entry in hand and exits 0), or
-until Redis has been unreachable for longer than ``timeouts.redis_unreachable`` (it then exits
-non-zero so that a supervisor restarts it; it never hangs silently).
+A replica runs until SIGTERM/SIGINT (it then drains: finishes the entry in hand and exits 0), or until
+Redis has been unreachable for longer than ``timeouts.redis_unreachable`` (it then exits non-zero so that
+a supervisor restarts it; it never hangs silently).  With ``tp > 1`` the process becomes the group's
+supervisor (:func:`stageferry.stages.group.supervise`); under torchrun (``WORLD_SIZE`` set) each process
+is one rank.
 """
 
 from __future__ import annotations
 
+import os
 import signal
-from pathlib import Path
-from typing import Any
 
 import anyio
 import structlog
-import torch
+import torch.distributed as dist
 
 from stageferry.broker.connectors import build_connectors
 from stageferry.broker.keys import Keys
 from stageferry.broker.redis_conn import open_client, wait_until_reachable
 from stageferry.config import PipelineConfig, Settings, StageConfig
-from stageferry.errors import ConfigError, StageFailedError, StageferryError
+from stageferry.errors import ConfigError
 from stageferry.logs import EventSink, configure_logging
-from stageferry.stages.model import StageContext, StageModel, load_model
-from stageferry.stages.worker import Compute, ProgressSink, StageWorker, WorkItem
+from stageferry.stages.group import GroupCompute, die_with_parent, follow, init_group, rank_device, supervise
+from stageferry.stages.group_channel import GroupChannel
+from stageferry.stages.model import load_model
+from stageferry.stages.worker import StageWorker
 
 log = structlog.get_logger(__name__)
 
 
-def local_compute(model: StageModel, stage: StageConfig, pipeline: PipelineConfig, device: torch.device) -> Compute:
-    """A single-rank group: run the model in a worker thread, model errors become ``stage_failed``."""
-
-    async def compute(item: WorkItem, progress: ProgressSink) -> Any:
-        ctx = StageContext(
-            stage=stage.name,
-            rank=0,
-            world_size=1,
-            device=device,
-            request_id=item.request_id,
-            key=item.key,
-            output_dir=Path(pipeline.output_dir),
-            report_progress=progress.report,
-            is_cancelled=lambda: progress.cancelled,
-            media=item.media,
-        )
-        try:
-            return await anyio.to_thread.run_sync(model, item.job, item.payload, ctx)
-        except StageferryError:
-            raise
-        except Exception as exc:
-            raise StageFailedError(f"{stage.name} model failed: {type(exc).__name__}: {exc}") from exc
-
-    return compute
-
-
-async def serve(settings: Settings, pipeline: PipelineConfig, stage_name: str, *, tp: int | None = None) -> None:
-    """Run one replica of ``stage_name`` until signalled."""
-    configure_logging(fmt=settings.log_format, level=settings.log_level, service=f"{stage_name}")
+def run_service(settings: Settings, pipeline: PipelineConfig, stage_name: str, *, tp: int | None = None) -> int:
+    """The ``serve`` command: returns the process exit code."""
     stage = pipeline.stage(stage_name)
     if tp is not None and tp != stage.tp:
         stage = stage.model_copy(update={"tp": tp})
     if settings.redis_url is None:
         raise ConfigError("no Redis configured: set STAGEFERRY_REDIS_URL (or use `stageferry up`)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        if world != stage.tp:
+            raise ConfigError(f"WORLD_SIZE={world} but stage {stage.name} has tp={stage.tp}")
+        rank = int(os.environ["RANK"])
+        return _run_rank(settings, pipeline, stage, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
+    if stage.tp > 1:
+        configure_logging(fmt=settings.log_format, level=settings.log_level, service=f"{stage.name}-group")
+        child_env = {
+            "STAGEFERRY_REDIS_URL": settings.redis_url,
+            "STAGEFERRY_PREFIX": settings.prefix,
+            "STAGEFERRY_REPLICA": settings.replica,
+            **({"STAGEFERRY_PIPELINE": str(settings.pipeline)} if settings.pipeline else {}),
+        }
+        return supervise(stage.name, stage.tp, env=child_env)
+    configure_logging(fmt=settings.log_format, level=settings.log_level, service=stage.name)
+    device = rank_device(stage, 0)
+    compute = GroupCompute(load_model(stage, pipeline), stage, pipeline, GroupChannel.solo(device))
+    anyio.run(serve_leader, settings, pipeline, stage, compute)
+    return 0
+
+
+def _run_rank(settings: Settings, pipeline: PipelineConfig, stage: StageConfig, *, rank: int, local_rank: int) -> int:
+    if os.environ.get("STAGEFERRY_GROUP_CHILD"):
+        die_with_parent(follower=rank != 0)
+    configure_logging(fmt=settings.log_format, level=settings.log_level, service=f"{stage.name}-rank{rank}")
+    device = rank_device(stage, local_rank)
+    channel = init_group(rank, stage.tp, device)
+    model = load_model(stage, pipeline)
+    try:
+        if rank == 0:
+            anyio.run(serve_leader, settings, pipeline, stage, GroupCompute(model, stage, pipeline, channel))
+        else:
+            follow(model, stage, pipeline, channel)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+async def serve_leader(settings: Settings, pipeline: PipelineConfig, stage: StageConfig, compute: GroupCompute) -> None:
+    """The leader: Redis, connectors, the worker loop; the only rank that touches the control and data
+    planes.  On exit it releases its followers."""
+    assert settings.redis_url is not None
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
         start_http_server(settings.metrics_port)
-    device = torch.device("cpu")
-    model = await anyio.to_thread.run_sync(load_model, stage, pipeline)
     keys = Keys(settings.prefix)
-    async with open_client(settings.redis_url) as redis:
-        await wait_until_reachable(redis, timeout=pipeline.timeouts.redis_unreachable)
-        connectors = await build_connectors(
-            pipeline=pipeline, stage=stage, redis=redis, keys=keys, replica=settings.replica, device=device
-        )
-        worker = StageWorker(
-            redis=redis,
-            keys=keys,
-            pipeline=pipeline,
-            stage=stage,
-            replica=settings.replica,
-            compute=local_compute(model, stage, pipeline, device),
-            input_connector=connectors.input,
-            output_connector=connectors.output,
-        )
-        try:
-            async with anyio.create_task_group() as tg:
-                await tg.start(EventSink(worker.store).run)
-                tg.start_soon(_drain_on_signal, worker)
-                await connectors.start(tg)
-                await worker.run()
-                tg.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await connectors.aclose()
+    try:
+        async with open_client(settings.redis_url) as redis:
+            await wait_until_reachable(redis, timeout=pipeline.timeouts.redis_unreachable)
+            connectors = await build_connectors(
+                pipeline=pipeline,
+                stage=stage,
+                redis=redis,
+                keys=keys,
+                replica=settings.replica,
+                device=compute.channel.device,
+            )
+            worker = StageWorker(
+                redis=redis,
+                keys=keys,
+                pipeline=pipeline,
+                stage=stage,
+                replica=settings.replica,
+                compute=compute,
+                input_connector=connectors.input,
+                output_connector=connectors.output,
+            )
+            try:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(EventSink(worker.store).run)
+                    tg.start_soon(_drain_on_signal, worker)
+                    await connectors.start(tg)
+                    await worker.run()
+                    tg.cancel_scope.cancel()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await connectors.aclose()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await compute.close()
+            log.info("group.stopped", stage=stage.name, rank_calls=compute.rank_calls)
 
 
 async def _drain_on_signal(worker: StageWorker) -> None:
+    """First SIGTERM/SIGINT: drain.  Later ones are absorbed (a group's supervisor forwards the signal
+    its terminal already sent): the entry in hand still finishes."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("service.draining", signal=signal.Signals(signum).name)
             worker.stop()
-            return

@@ -22,9 +22,9 @@ import hashlib
 import random
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import redis.asyncio as aioredis
@@ -41,6 +41,7 @@ from stageferry.errors import (
     ControlPlaneError,
     DataPlaneError,
     EnvelopeError,
+    GroupBrokenError,
     ManifestError,
     PayloadUnavailableError,
     RejectedError,
@@ -49,9 +50,11 @@ from stageferry.errors import (
 )
 from stageferry.logs import bound_request
 from stageferry.schemas import (
+    DeviceKind,
     Envelope,
     ErrorInfo,
     JobRequest,
+    Manifest,
     NoPayload,
     OutputInfo,
     Progress,
@@ -79,10 +82,24 @@ class WorkItem:
     request_id: str
     key: str
     media: dict[str, bytes] = field(default_factory=dict)
+    manifest: Manifest | None = None
+    regions: Mapping[DeviceKind, Any] | None = None
 
 
-Compute = Callable[[WorkItem, "ProgressSink"], Awaitable[Any]]
-"""Runs the model for one item on every rank of the group; returns the leader's output."""
+class Compute(Protocol):
+    """How the leader gets its group to run the model (one rank: a thread; TP: fan-out first)."""
+
+    async def __call__(self, item: WorkItem, progress: ProgressSink) -> Any:
+        """Run the model on every rank; the leader's output, or a typed error."""
+
+    async def abort(self, request_id: str, key: str, error: StageferryError) -> None:
+        """The leader could not get the payload: tell the other ranks (they raise the same error)."""
+
+    async def idle(self) -> None:
+        """Called between entries when nothing came: keep the group's collectives alive."""
+
+    async def close(self) -> None:
+        """The leader stops: release the other ranks."""
 
 
 class ProgressSink:
@@ -155,6 +172,8 @@ class StageWorker:
                 entries = await self._with_redis_retry(functools.partial(self.stream.read, 1, block_ms=500))
                 for entry in entries or []:
                     await self._with_redis_retry(functools.partial(self.process, entry))
+                if not entries:
+                    await self.compute.idle()
             tg.cancel_scope.cancel()
         await self._deregister()
         log.info("worker.stopped", stage=self.stage.name, processed=self.processed)
@@ -215,6 +234,8 @@ class StageWorker:
         with bound_request(rid, stage=self.stage.name, rank=0):
             try:
                 await self._process(entry, rid)
+            except GroupBrokenError:
+                raise  # leave the entry pending: the replica stops and another one reclaims it
             except ControlPlaneError as exc:
                 if is_connection_error(exc):
                     raise
@@ -257,11 +278,15 @@ class StageWorker:
                 progress = ProgressSink()
                 output = await self._compute_holding_claim(entry, envelope, incoming, progress, media)
         except ManifestError as exc:
+            await self.compute.abort(rid, envelope.key, exc)
             await self._reject(entry, rid, exc)
             return
         except DataPlaneError as exc:  # the payload is gone or cannot be fetched: compute it again upstream
+            await self.compute.abort(rid, envelope.key, exc)
             await self._recompute(entry, envelope, exc)
             return
+        except GroupBrokenError:
+            raise
         except StageferryError as exc:
             await self._fail(entry, rid, exc)
             return
@@ -372,35 +397,51 @@ class StageWorker:
     ) -> Any:
         """Run the model while renewing the entry's claim and publishing progress."""
         item = WorkItem(
-            job=envelope.job, payload=incoming.payload, request_id=envelope.request_id, key=envelope.key, media=media
+            job=envelope.job,
+            payload=incoming.payload,
+            request_id=envelope.request_id,
+            key=envelope.key,
+            media=media,
+            manifest=incoming.manifest,
+            regions=incoming.regions,
         )
         result: list[Any] = []
+        failure: list[Exception] = []
 
         async def run_model() -> None:
-            result.append(await self.compute(item, progress))
+            try:
+                result.append(await self.compute(item, progress))
+            except Exception as exc:  # re-raised below as itself, not wrapped in an ExceptionGroup
+                failure.append(exc)
             tg.cancel_scope.cancel()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(run_model)
             tg.start_soon(self._keep_claim, entry, envelope, progress)
+        if failure:
+            raise failure[0]
         return result[0]
 
     async def _keep_claim(self, entry: Entry, envelope: Envelope, progress: ProgressSink) -> None:
+        """Renew the entry's claim and publish progress while the model runs.  Redis trouble here is
+        logged and retried on the next round: it must not fail a job that is computing fine."""
         every = self.pipeline.timeouts.claim_renew_every
         published: tuple[int, int] | None = None
         next_renew = time.monotonic() + every
         while True:
             await anyio.sleep(0.25)
-            if progress.latest != published and progress.latest is not None:
-                published = progress.latest
-                await self._set_running(
-                    envelope, Progress(stage=self.stage.name, step=published[0], total=published[1])
-                )
-            if time.monotonic() >= next_renew:
-                next_renew = time.monotonic() + every
-                if not await self.stream.renew(entry.id):
-                    log.warning("worker.claim_lost", entry=entry.id)
-                progress.cancelled = await self.store.is_cancelled(envelope.request_id)
+            try:
+                if progress.latest != published and progress.latest is not None:
+                    step, total = progress.latest
+                    await self._set_running(envelope, Progress(stage=self.stage.name, step=step, total=total))
+                    published = (step, total)
+                if time.monotonic() >= next_renew:
+                    if not await self.stream.renew(entry.id):
+                        log.warning("worker.claim_lost", entry=entry.id)
+                    progress.cancelled = await self.store.is_cancelled(envelope.request_id)
+                    next_renew = time.monotonic() + every
+            except ControlPlaneError as exc:
+                log.warning("worker.renew_failed", entry=entry.id, error=exc.message)
 
     # ---------------------------------------------------------------- outcomes
 

@@ -1,0 +1,339 @@
+"""Stage groups: N tensor-parallel ranks, one leader.
+
+``stageferry serve <stage> --tp N`` starts a *supervisor* that launches N rank processes (or, under
+torchrun, each process is one rank already).  Rank 0 is the leader: the only rank that talks to Redis
+and to the data plane.  It reads an entry, fetches the payload once, and fans the job, its media and the
+payload out to the followers (:class:`GroupCompute`, over :mod:`stageferry.stages.group_channel`); every
+rank then runs the model.  A miss is fanned out too (``fail``), so followers never wait for a payload
+that will not come.
+
+Health: the supervisor watches its ranks — if any rank dies, it stops the others and exits non-zero
+(the un-acked entry is then reclaimed by another replica); rank processes die with their supervisor
+(``PR_SET_PDEATHSIG``).  SIGTERM drains: the leader finishes the entry in hand, tells the followers to
+stop, and everyone exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+import torch
+import torch.distributed as dist
+
+from stageferry.broker import metrics
+from stageferry.broker.payload_codec import pack_into, plan_payload, unpack
+from stageferry.config import PipelineConfig, StageConfig
+from stageferry.embedded_redis import free_port
+from stageferry.errors import GroupBrokenError, StageFailedError, StageferryError, error_from_code
+from stageferry.logs import bound_request
+from stageferry.schemas import DeviceKind, JobRequest, Manifest
+from stageferry.stages.group_channel import GroupChannel, MessageKind
+from stageferry.stages.model import StageContext, StageModel
+from stageferry.stages.worker import ProgressSink, WorkItem
+
+log = structlog.get_logger(__name__)
+
+#: The leader sends a ``noop`` when idle this long, so followers' collectives never time out.
+IDLE_NOOP_S = 2.0
+_COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+_PR_SET_PDEATHSIG = 1
+
+
+def rank_device(stage: StageConfig, local_rank: int) -> torch.device:
+    """Each rank's GPU from its local rank; CPU for every rank when there is no GPU (or device=cpu)."""
+    if stage.device != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if stage.device == "cuda":
+        raise StageFailedError("stage asks for CUDA but this host has no GPU", stage=stage.name)
+    return torch.device("cpu")
+
+
+def init_group(rank: int, world_size: int, device: torch.device) -> GroupChannel:
+    """Join the torch.distributed group (env:// rendezvous); gloo for headers and CPU tensors, NCCL
+    for CUDA tensors when the ranks have GPUs."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT, device_id=device)
+        cpu_group = dist.new_group(backend="gloo", timeout=_COLLECTIVE_TIMEOUT)
+        device_group = dist.group.WORLD
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT)
+        cpu_group = device_group = dist.group.WORLD
+    return GroupChannel(rank=rank, world_size=world_size, device=device, cpu_group=cpu_group, device_group=device_group)
+
+
+def rank_context(
+    stage: StageConfig,
+    pipeline: PipelineConfig,
+    channel: GroupChannel,
+    *,
+    request_id: str,
+    key: str,
+    media: dict[str, bytes],
+    progress: ProgressSink | None = None,
+) -> StageContext:
+    return StageContext(
+        stage=stage.name,
+        rank=channel.rank,
+        world_size=channel.world_size,
+        device=channel.device,
+        request_id=request_id,
+        key=key,
+        output_dir=Path(pipeline.output_dir),
+        report_progress=progress.report if progress is not None else (lambda step, total: None),
+        is_cancelled=(lambda: progress.cancelled) if progress is not None else (lambda: False),
+        process_group=channel.device_group,
+        media=media,
+    )
+
+
+def connector_calls() -> tuple[int, int]:
+    """This process's payload puts and gets, over all transports, from its own metrics."""
+
+    def total(counter: Any) -> int:
+        return int(sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")))
+
+    return total(metrics.PUTS), total(metrics.GETS)
+
+
+class GroupCompute:
+    """The leader's side of a group: fan out, compute on every rank, agree on success."""
+
+    def __init__(self, model: StageModel, stage: StageConfig, pipeline: PipelineConfig, channel: GroupChannel):
+        self.model = model
+        self.stage = stage
+        self.pipeline = pipeline
+        self.channel = channel
+        self.rank_calls: list[list[int]] = []
+        self._lock = threading.Lock()  # one message at a time on the channel
+        self._last_sent = time.monotonic()
+        self.broken = False
+
+    async def __call__(self, item: WorkItem, progress: ProgressSink) -> Any:
+        return await anyio.to_thread.run_sync(self._run, item, progress)
+
+    def _run(self, item: WorkItem, progress: ProgressSink) -> Any:
+        manifest, regions = _packed(item)
+        header = {
+            "request_id": item.request_id,
+            "key": item.key,
+            "job": item.job.model_dump_json(),
+            "sent_at": time.time(),
+        }
+        ctx = rank_context(
+            self.stage,
+            self.pipeline,
+            self.channel,
+            request_id=item.request_id,
+            key=item.key,
+            media=item.media,
+            progress=progress,
+        )
+        with self._lock, self._collectives():
+            self.channel.send(MessageKind.JOB, header, media=item.media, manifest=manifest, buffers=regions)
+            error: BaseException | None = None
+            output = None
+            try:
+                output = self.model(item.job, item.payload, ctx)
+            except Exception as exc:
+                error = exc
+            # A dead rank makes this fail too, and then the group — not the request — is what broke.
+            any_failed = self.channel.any_failed(error is not None)
+            self._last_sent = time.monotonic()
+        if isinstance(error, StageferryError):
+            raise error
+        if error is not None:
+            raise StageFailedError(f"{self.stage.name} model failed: {type(error).__name__}: {error}") from error
+        if any_failed:
+            raise StageFailedError(f"{self.stage.name}: a follower rank failed", stage=self.stage.name)
+        return output
+
+    async def abort(self, request_id: str, key: str, error: StageferryError) -> None:
+        """Tell the followers the leader could not get this request's payload."""
+        header = {"request_id": request_id, "key": key, "error": error.to_dict(), "sent_at": time.time()}
+        await anyio.to_thread.run_sync(self._send, MessageKind.FAIL, header)
+
+    async def idle(self) -> None:
+        if time.monotonic() - self._last_sent >= IDLE_NOOP_S:
+            await anyio.to_thread.run_sync(self._send, MessageKind.NOOP, {})
+
+    async def close(self) -> None:
+        """Release the followers; every rank then reports its connector calls (``rank_calls``)."""
+
+        def stop() -> None:
+            self._send(MessageKind.STOP, {})
+            with self._collectives():
+                self.rank_calls = self.channel.gather_counts(list(connector_calls()))
+
+        if not self.broken:
+            await anyio.to_thread.run_sync(stop)
+
+    def _send(self, kind: MessageKind, header: dict[str, Any]) -> None:
+        with self._lock, self._collectives():
+            self.channel.send(kind, header)
+            self._last_sent = time.monotonic()
+
+    @contextlib.contextmanager
+    def _collectives(self) -> Iterator[None]:
+        """A failed collective means a rank is gone: :class:`GroupBrokenError`, and no more messages."""
+        if self.broken:
+            raise GroupBrokenError("the stage group lost a rank", stage=self.stage.name)
+        try:
+            yield
+        except (RuntimeError, dist.DistBackendError) as exc:
+            self.broken = True
+            log.error("group.broken", stage=self.stage.name, error=str(exc)[:500])
+            raise GroupBrokenError(f"the stage group lost a rank: {exc}", stage=self.stage.name) from exc
+
+
+def _packed(item: WorkItem) -> tuple[Manifest | None, dict[DeviceKind, torch.Tensor] | None]:
+    """The payload's packed regions: as received (a NIXL slot) when available, else packed now."""
+    if item.payload is None:
+        return None, None
+    if item.manifest is not None and item.regions is not None:
+        return item.manifest, dict(item.regions)
+    plan = plan_payload(item.payload)
+    buffers = {
+        r.device: torch.empty(r.nbytes, dtype=torch.uint8, device=_device_of(item.payload, r.device))
+        for r in plan.manifest.regions
+    }
+    pack_into(plan, buffers)
+    return plan.manifest, buffers
+
+
+def _device_of(payload: Any, kind: DeviceKind) -> torch.device:
+    if kind is DeviceKind.CPU:
+        return torch.device("cpu")
+    stack = [payload]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor) and node.is_cuda:
+            return node.device
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def follow(model: StageModel, stage: StageConfig, pipeline: PipelineConfig, channel: GroupChannel) -> None:
+    """A follower rank: receive, compute, agree — until the leader says stop."""
+    log.info("group.follower_ready", stage=stage.name, rank=channel.rank)
+    while True:
+        message = channel.receive()
+        header = message.header
+        if message.kind is MessageKind.STOP:
+            puts, gets = connector_calls()
+            channel.gather_counts([puts, gets])
+            log.info("group.follower_stopping", stage=stage.name, rank=channel.rank, puts=puts, gets=gets)
+            return
+        if message.kind is MessageKind.NOOP:
+            continue
+        request_id = str(header.get("request_id", ""))
+        with bound_request(request_id, key=header.get("key"), stage=stage.name, rank=channel.rank):
+            if message.kind is MessageKind.FAIL:
+                _raise_leaders_error(header)
+                continue
+            failed = False
+            try:
+                job = JobRequest.model_validate_json(header["job"])
+                payload = None if message.manifest is None else unpack(message.manifest, message.buffers, copy=False)
+                ctx = rank_context(
+                    stage, pipeline, channel, request_id=request_id, key=str(header.get("key")), media=message.media
+                )
+                model(job, payload, ctx)
+            except Exception:
+                log.exception("group.follower_model_failed")
+                failed = True
+            channel.any_failed(failed)
+
+
+def _raise_leaders_error(header: dict[str, Any]) -> None:
+    """Raise (and log) on this follower the typed error the leader hit, then carry on serving."""
+    err = header.get("error") or {}
+    try:
+        raise error_from_code(str(err.get("code", "")), str(err.get("message", "")), err.get("details"))
+    except StageferryError as exc:
+        lag = time.time() - float(header.get("sent_at", time.time()))
+        log.warning("group.request_failed", code=exc.code, error=exc.message, lag_s=round(lag, 4))
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def die_with_parent(*, follower: bool) -> None:
+    """Ask the kernel to SIGKILL this rank if its supervisor dies (Linux; elsewhere a no-op).
+
+    Followers ignore SIGTERM/SIGINT (a Ctrl-C or ``pkill`` reaches every process of the group): they
+    stop when their leader, which drains first, tells them to."""
+    if follower:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def supervise(stage: str, tp: int, *, env: dict[str, str]) -> int:
+    """Start ``tp`` rank processes of ``stage`` and watch them; returns the group's exit code."""
+    port = free_port()
+    base = dict(
+        os.environ,
+        **env,
+        WORLD_SIZE=str(tp),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        STAGEFERRY_GROUP_CHILD="1",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "stageferry", "serve", stage, "--tp", str(tp)],
+            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+        )
+        for rank in range(tp)
+    ]
+    log.info("group.started", stage=stage, tp=tp, pids=[p.pid for p in procs])
+    draining = False
+
+    def drain(signum: int, _frame: Any) -> None:
+        nonlocal draining
+        draining = True
+        if procs[0].poll() is None:
+            procs[0].send_signal(signal.SIGTERM)  # the leader drains, then stops the followers
+
+    signal.signal(signal.SIGTERM, drain)
+    signal.signal(signal.SIGINT, drain)
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(code is not None for code in codes):
+            return 0 if all(code == 0 for code in codes) else 1
+        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        exited_early = [rank for rank, code in enumerate(codes) if code == 0 and not draining]
+        if failed or exited_early:
+            log.error("group.rank_died", stage=stage, failed=failed, exited=exited_early)
+            _stop_all(procs)
+            return 1
+        time.sleep(0.1)
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """A broken group cannot finish its entry (it will be reclaimed elsewhere): stop every rank now."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
