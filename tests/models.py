@@ -6,6 +6,8 @@ Behaviour is driven by the job's prompt, so one pipeline config serves every tes
 * ``poison`` — kill the whole process at once (a request that crashes its worker every time);
 * ``fail`` — raise an ordinary exception (the request fails with ``stage_failed``).
 
+With ``STAGEFERRY_TEST_PAYLOAD_ON_DEVICE`` set, the producer's payload lives on its rank's device (GPU).
+
 Every completed run appends ``<stage> <request_id>`` (rank 0 only) to the file named by
 ``STAGEFERRY_TEST_RECORD``, so tests can count executions across processes; with
 ``STAGEFERRY_TEST_DIGESTS`` every rank appends ``<stage> <request_id> <rank> <sha256>`` of the payload it
@@ -17,6 +19,8 @@ from __future__ import annotations
 import os
 import time
 from typing import Any
+
+import torch
 
 from stageferry.config import PipelineConfig, StageConfig
 from stageferry.schemas import JobRequest
@@ -40,6 +44,8 @@ class Scripted(Passthrough):
                 if ctx.is_cancelled():
                     break
         result = super().__call__(job, payload, ctx)
+        if isinstance(result, dict) and os.environ.get("STAGEFERRY_TEST_PAYLOAD_ON_DEVICE"):
+            result = {k: v.to(ctx.device) if isinstance(v, torch.Tensor) else v for k, v in result.items()}
         record = os.environ.get("STAGEFERRY_TEST_RECORD")
         if record and ctx.rank == 0:
             with open(record, "a") as fh:

@@ -1,0 +1,237 @@
+"""Fan-out cost of a stage group: the leader broadcasting a payload to its ranks, against payload size.
+
+Two measurements, each printed as a markdown table of medians and p99 (one run, side by side):
+
+* ``--mode broadcast`` (default): world sizes 1, 2, 4 (``--ranks``); rank 0 sends a ``job`` message
+  carrying the payload's packed region through :class:`stageferry.stages.group_channel.GroupChannel`
+  (gloo on CPU, NCCL with ``--backend nccl``); every follower receives and unpacks it.  Timed from the
+  leader's send to every rank holding the tensors (a barrier closes each round).
+* ``--mode nixl-fanout`` (GPUs): a TP1 producer process on GPU 0 holds the payload in registered VRAM;
+  a TP2 consumer group (leader on GPU 1, follower on GPU 0) — the leader READs it over NIXL into its
+  own VRAM, then broadcasts it over NCCL.  Prints READ, broadcast and total time per size.
+
+  python benchmarks/fanout.py --ranks 1,2,4                        # CPU, gloo
+  python benchmarks/fanout.py --backend nccl --ranks 2             # 2 GPUs
+  python benchmarks/fanout.py --mode nixl-fanout                   # 2 GPUs, NIXL + NCCL
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from stageferry.broker.payload_codec import plan_payload
+from stageferry.embedded_redis import free_port
+from stageferry.schemas import DeviceKind
+from stageferry.stages.group_channel import GroupChannel, MessageKind
+
+TASK_SIZES = [359_024, 11_158_136, 64_963_792]
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    s = sorted(samples)
+    return statistics.median(s), s[min(len(s) - 1, int(0.99 * len(s)))]
+
+
+def _init(rank: int, world: int, port: int, backend: str) -> GroupChannel:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        cpu_group = dist.new_group(backend="gloo")
+        return GroupChannel(
+            rank=rank, world_size=world, device=device, cpu_group=cpu_group, device_group=dist.group.WORLD
+        )
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return GroupChannel(
+        rank=rank, world_size=world, device=device, cpu_group=dist.group.WORLD, device_group=dist.group.WORLD
+    )
+
+
+def _broadcast_rank(rank: int, world: int, port: int, backend: str, sizes: list[int], iters: int, out: Any) -> None:
+    channel = _init(rank, world, port, backend)
+    kind = DeviceKind.CUDA if backend == "nccl" else DeviceKind.CPU
+    for size in sizes:
+        payload = {"blob": torch.empty(size, dtype=torch.uint8, device=channel.device)}
+        plan = plan_payload(payload)
+        buffers = {kind: payload["blob"]}
+        times = []
+        for i in range(iters + 2):
+            dist.barrier(group=channel.cpu_group)
+            t0 = time.perf_counter()
+            if rank == 0:
+                channel.send(MessageKind.JOB, {"i": i}, manifest=plan.manifest, buffers=buffers)
+            else:
+                message = channel.receive()
+                assert message.buffers[kind].numel() >= size
+            if backend == "nccl":
+                torch.cuda.synchronize(channel.device)
+            dist.barrier(group=channel.cpu_group)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        if rank == 0:
+            out.put((world, size, times))
+    dist.destroy_process_group()
+
+
+def run_broadcast(args: argparse.Namespace) -> None:
+    sizes = [int(s) for s in args.sizes.split(",")]
+    ctx = mp.get_context("spawn")
+    results: dict[tuple[int, int], list[float]] = {}
+    for world in [int(w) for w in args.ranks.split(",")]:
+        if world == 1:
+            for size in sizes:
+                results[(1, size)] = [0.0]
+            continue
+        out = ctx.Queue()
+        port = free_port()
+        procs = [
+            ctx.Process(target=_broadcast_rank, args=(r, world, port, args.backend, sizes, args.iters, out))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for _ in sizes:
+            w, size, times = out.get(timeout=600)
+            results[(w, size)] = times
+        for p in procs:
+            p.join(60)
+    worlds = [int(w) for w in args.ranks.split(",")]
+    print(
+        f"\n### Fan-out: leader → {args.backend} broadcast of the payload region "
+        f"(median / p99 ms, {args.iters} rounds; world 1 needs no broadcast)\n"
+    )
+    print("| bytes | " + " | ".join(f"TP{w}" for w in worlds) + " |")
+    print("| ---: |" + " ---: |" * len(worlds))
+    for size in sizes:
+        cells = []
+        for w in worlds:
+            med, p99 = percentiles(results[(w, size)])
+            gbps = size / med / 1e9 if med else float("inf")
+            cells.append("0" if w == 1 else f"{med * 1e3:.3f} / {p99 * 1e3:.3f} ({gbps:.1f} GB/s)")
+        print(f"| {size:,} | " + " | ".join(cells) + " |")
+
+
+# ---------------------------------------------------------------------- NIXL READ, then NCCL fan-out
+
+
+def _producer(conn: Any, sizes: list[int]) -> None:
+    from stageferry.broker.nixl_agent import NixlAgent
+
+    torch.cuda.set_device(0)
+    agent = NixlAgent("bench-producer")
+    buf = torch.randint(0, 255, (max(sizes),), dtype=torch.uint8, device="cuda:0")
+    agent.register(buf)
+    torch.cuda.synchronize()
+    conn.send((agent.metadata(), buf.data_ptr()))
+    conn.recv()  # until the consumer is done
+    agent.close()
+
+
+def _consumer_rank(rank: int, port: int, sizes: list[int], iters: int, conn: Any, out: Any) -> None:
+    from stageferry.broker.nixl_agent import NixlAgent, XferState
+    from stageferry.schemas import MemKind
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", 1 - rank)  # the leader on GPU 1, the follower on GPU 0
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
+    cpu_group = dist.new_group(backend="gloo")
+    channel = GroupChannel(rank=rank, world_size=2, device=device, cpu_group=cpu_group, device_group=dist.group.WORLD)
+    agent = remote = None
+    dst = torch.empty(max(sizes), dtype=torch.uint8, device=device)
+    if rank == 0:
+        agent = NixlAgent("bench-consumer")
+        agent.register(dst)
+        metadata, remote_addr = conn.recv()
+        remote = agent.add_remote(metadata)
+    for size in sizes:
+        plan = plan_payload({"blob": dst[:size]})
+        reads, fans, totals = [], [], []
+        for i in range(iters + 2):
+            dist.barrier(group=cpu_group)
+            t0 = time.perf_counter()
+            if rank == 0:
+                assert agent is not None and remote is not None
+                h = agent.start_read(
+                    [(dst.data_ptr(), size, device.index)],
+                    MemKind.VRAM,
+                    [(remote_addr, size, 0)],
+                    MemKind.VRAM,
+                    remote,
+                    b"",
+                )
+                while agent.poll(h) is not XferState.DONE:
+                    pass
+                agent.release(h)
+                t1 = time.perf_counter()
+                channel.send(MessageKind.JOB, {"i": i}, manifest=plan.manifest, buffers={DeviceKind.CUDA: dst})
+            else:
+                t1 = t0
+                channel.receive()
+            torch.cuda.synchronize(device)
+            dist.barrier(group=cpu_group)
+            t2 = time.perf_counter()
+            if i >= 2:
+                reads.append(t1 - t0)
+                fans.append(t2 - t1)
+                totals.append(t2 - t0)
+        if rank == 0:
+            out.put((size, reads, fans, totals))
+    if rank == 0:
+        conn.send("done")
+        assert agent is not None
+        agent.close()
+    dist.destroy_process_group()
+
+
+def run_nixl_fanout(args: argparse.Namespace) -> None:
+    sizes = [int(s) for s in args.sizes.split(",")]
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    out = ctx.Queue()
+    port = free_port()
+    producer = ctx.Process(target=_producer, args=(b, sizes))
+    producer.start()
+    ranks = [
+        ctx.Process(target=_consumer_rank, args=(r, port, sizes, args.iters, a if r == 0 else None, out))
+        for r in range(2)
+    ]
+    for p in ranks:
+        p.start()
+    rows = [out.get(timeout=600) for _ in sizes]
+    for p in [*ranks, producer]:
+        p.join(60)
+    print(
+        f"\n### TP1 producer (GPU 0) → TP2 consumer: leader (GPU 1) NIXL READ, then NCCL broadcast to GPU 0 "
+        f"(median / p99 ms, {args.iters} rounds)\n"
+    )
+    print("| bytes | NIXL READ | NCCL fan-out | total |")
+    print("| ---: | ---: | ---: | ---: |")
+    for size, reads, fans, totals in rows:
+        cells = [f"{percentiles(x)[0] * 1e3:.3f} / {percentiles(x)[1] * 1e3:.3f}" for x in (reads, fans, totals)]
+        print(f"| {size:,} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=["broadcast", "nixl-fanout"], default="broadcast")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    parser.add_argument("--ranks", default="1,2,4")
+    parser.add_argument("--sizes", default=",".join(str(s) for s in [4096, 1 << 20, *TASK_SIZES, 256 << 20]))
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, cuda devices {torch.cuda.device_count()}, cpu threads {torch.get_num_threads()}")
+    (run_nixl_fanout if args.mode == "nixl-fanout" else run_broadcast)(args)
+
+
+if __name__ == "__main__":
+    main()
