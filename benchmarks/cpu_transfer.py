@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import anyio  # noqa: E402
+import redis.asyncio as aioredis  # noqa: E402
 import torch  # noqa: E402
 
 from stageferry.broker.inline import InlineConnector  # noqa: E402
@@ -78,11 +80,16 @@ def connector(redis: Any, prefix: str, stage: str, pool_bytes: int) -> NixlConne
     return conn
 
 
+def bench_client(url: str) -> Any:
+    """The benchmark's own traffic (commands, envelopes): a 256 MiB entry outlasts connect()'s socket timeout."""
+    return aioredis.from_url(url, decode_responses=False, socket_timeout=300)
+
+
 # -- producer process --------------------------------------------------------------------------------------
 
 
 async def producer(args: argparse.Namespace) -> None:
-    redis = connect(args.redis_url)
+    redis, bench = connect(args.redis_url), bench_client(args.redis_url)
     conn = connector(redis, args.prefix, "bench-producer", args.pool_bytes)
     conn.open()
     assert conn.agent is not None, f"producer has no NIXL agent: {conn.unavailable_reason}"
@@ -90,10 +97,12 @@ async def producer(args: argparse.Namespace) -> None:
     cmd_key, env_key = f"{args.prefix}:bench:cmd", f"{args.prefix}:bench:env"
     async with anyio.create_task_group() as tg:
         await tg.start(conn.run)
-        await redis.rpush(f"{args.prefix}:bench:ready", b"1")
+        await bench.rpush(f"{args.prefix}:bench:ready", b"1")
         while True:
-            _, raw = await redis.blpop([cmd_key])
-            cmd = json.loads(raw)
+            item = await bench.blpop([cmd_key], timeout=1)
+            if item is None:
+                continue
+            cmd = json.loads(item[1])
             if cmd["op"] == "stop":
                 break
             nbytes = cmd["nbytes"]
@@ -115,10 +124,11 @@ async def producer(args: argparse.Namespace) -> None:
             }
             if out.blob is not None:
                 fields["blob"] = out.blob
-            await redis.xadd(env_key, fields)
+            await bench.xadd(env_key, fields)
         tg.cancel_scope.cancel()
     await conn.aclose()
     await redis.aclose()
+    await bench.aclose()
 
 
 # -- consumer (this process) -------------------------------------------------------------------------------
@@ -156,7 +166,9 @@ class Consumer:
     async def hop(self, op: str, nbytes: int, i: int) -> dict[str, float]:
         """One lock-step hop; milliseconds of put, get, delivery and hop."""
         await self.redis.rpush(self.cmd_key, json.dumps({"op": op, "nbytes": nbytes, "i": i}))
-        reply = await self.redis.xread({self.env_key: self.last}, block=0, count=1)
+        reply = None
+        while not reply:
+            reply = await self.redis.xread({self.env_key: self.last}, block=1000, count=1)
         t2 = time.monotonic_ns()
         (_, [(eid, fields)]) = reply[0]
         self.last = eid
@@ -183,13 +195,19 @@ def memcpy_ms(src: torch.Tensor, dst: torch.Tensor) -> float:
     return (time.perf_counter_ns() - t0) / 1e6
 
 
-async def consumer_main(args: argparse.Namespace) -> int:
-    prefix = f"bench-{uuid.uuid4().hex[:8]}"
-    pool_bytes = max(256 * MiB, 2 * max(args.sizes) + 16 * MiB)
+def pool_bytes_for(sizes: list[int]) -> int:
+    return max(256 * MiB, 2 * max(sizes) + 16 * MiB)  # two slots of the largest payload fit
+
+
+def start_producer(args: argparse.Namespace, prefix: str) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, __file__, "--role", "producer", "--prefix", prefix]
-    cmd += ["--redis-url", args.redis_url, "--pool-bytes", str(pool_bytes)]
-    proc = subprocess.Popen(cmd)
-    redis = connect(args.redis_url)
+    cmd += ["--redis-url", args.redis_url, "--pool-bytes", str(pool_bytes_for(args.sizes))]
+    return subprocess.Popen(cmd)
+
+
+async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.Popen[bytes]) -> int:
+    pool_bytes = pool_bytes_for(args.sizes)
+    redis, bench = connect(args.redis_url), bench_client(args.redis_url)
     conn = connector(redis, prefix, "bench-consumer", pool_bytes)
     await anyio.to_thread.run_sync(conn.open)
     assert conn.agent is not None, f"consumer has no NIXL agent: {conn.unavailable_reason}"
@@ -199,8 +217,8 @@ async def consumer_main(args: argparse.Namespace) -> int:
         async with anyio.create_task_group() as tg:
             await tg.start(conn.run)
             with anyio.fail_after(60):
-                await redis.blpop([f"{prefix}:bench:ready"])
-            c = Consumer(redis, conn, prefix)
+                await bench.blpop([f"{prefix}:bench:ready"], timeout=60)
+            c = Consumer(bench, conn, prefix)
             # Warm-up: connection set-up to the peer, allocator and code paths; not counted.
             for nbytes in args.sizes[:1]:
                 for i in range(WARMUP):
@@ -229,15 +247,16 @@ async def consumer_main(args: argparse.Namespace) -> int:
             requests = conn.counters.reads - gets_before
             registrations = (regs_after - regs_before, requests)
             prod_regs = c.producer_registrations
-            await redis.rpush(f"{prefix}:bench:cmd", json.dumps({"op": "stop"}))
+            await bench.rpush(f"{prefix}:bench:cmd", json.dumps({"op": "stop"}))
             tg.cancel_scope.cancel()
     finally:
         await conn.aclose()
-        proc.wait(timeout=30)
+        await anyio.to_thread.run_sync(lambda: proc.wait(timeout=30))
         keys = [k async for k in redis.scan_iter(match=f"{prefix}:*")]
         if keys:
             await redis.delete(*keys)
         await redis.aclose()
+        await bench.aclose()
     return report(args, results, registrations, prod_regs)
 
 
@@ -248,6 +267,8 @@ def report(
     prod_regs: list[int],
 ) -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, iters={args.iters}, warm-up {WARMUP}")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"{os.cpu_count()} CPUs; load average at the end {load} (other work on the host skews every column)")
     print("times in ms, median / p99 of one run; NIXL with inline_max_bytes=0 (every size goes over NIXL)\n")
     print("## 1. Transfer")
     print()
@@ -332,7 +353,13 @@ def main() -> int:
         anyio.run(producer, args)
         return 0
     print(f"$ .venv/bin/python {' '.join(sys.argv)}\n")
-    return anyio.run(consumer_main, args)
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    proc = start_producer(args, prefix)
+    try:
+        return anyio.run(consumer_main, args, prefix, proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 if __name__ == "__main__":

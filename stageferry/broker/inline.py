@@ -24,7 +24,7 @@ from stageferry.schemas import InlinePayload, PayloadRef, Transport
 log = structlog.get_logger(__name__)
 
 #: Below this many bytes, encoding and decoding run on the event loop (a thread hop costs more).
-_THREAD_ABOVE = 1 << 20
+THREAD_ABOVE = 1 << 20
 
 
 class InlineConnector(Connector):
@@ -92,6 +92,6 @@ class InlineConnector(Connector):
 
 async def _maybe_in_thread(fn, *args, size_hint: int | None):  # type: ignore[no-untyped-def]
     """Run CPU-heavy codec work off the event loop unless it is known to be small."""
-    if size_hint is not None and size_hint < _THREAD_ABOVE:
+    if size_hint is not None and size_hint < THREAD_ABOVE:
         return fn(*args)
     return await anyio.to_thread.run_sync(fn, *args)

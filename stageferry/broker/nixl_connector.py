@@ -37,7 +37,7 @@ import torch
 
 from stageferry.broker import metrics
 from stageferry.broker.connector import Connector, Incoming, Outgoing, Payload
-from stageferry.broker.inline import InlineConnector
+from stageferry.broker.inline import THREAD_ABOVE, InlineConnector
 from stageferry.broker.keys import Keys
 from stageferry.broker.nixl_agent import NixlAgent, XferState
 from stageferry.broker.payload_codec import (
@@ -218,7 +218,10 @@ class NixlConnector(Connector):
             return await self._inline_fallback(payload, reason)
         try:
             buffers = {kind: slot.view for kind, slot in slots.items()}
-            await anyio.to_thread.run_sync(pack_into, plan, buffers)
+            if total < THREAD_ABOVE:  # a thread hop costs more than copying this much here
+                pack_into(plan, buffers)
+            else:
+                await anyio.to_thread.run_sync(pack_into, plan, buffers)
         except BaseException:
             self.pools.release_all(slots)  # type: ignore[union-attr]
             raise
