@@ -1,0 +1,104 @@
+"""Job media bytes (``ctx.media``) → tensors the reference encoders take.
+
+Images are decoded with Pillow, video with PyAV (resampled in time to the job's fps), both centre-cropped
+to the job's aspect ratio and resized to its size; audio is decoded with PyAV and resampled to 32 kHz
+mono by ``av.AudioResampler``.  Every read is bounded (frames, seconds).  The leader has already probed
+the bytes (``stages/media.py``); anything that still fails to decode is a rejection naming the field
+(``JobValidationError``), raised alike on every rank since every rank holds the same bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import av
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from stageferry.errors import JobValidationError
+from stageferry.stages.reference.audio import SAMPLE_RATE
+
+
+def load_image(data: bytes, width: int, height: int, *, field: str) -> torch.Tensor:
+    """An image → [1, 3, H, W] fp32 in [-1, 1]."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return _fit(img, width, height)[None]
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise bad_media(field, f"not a decodable image: {exc}") from exc
+
+
+def load_video(data: bytes, width: int, height: int, fps: int, max_frames: int, *, field: str) -> torch.Tensor:
+    """A video → up to ``max_frames`` frames [F, 3, H, W] fp32 in [-1, 1], resampled to ``fps``.
+
+    Output frame i shows the last decoded frame whose time is at or before i / fps (from the first).
+    """
+    decoded: list[tuple[float, Image.Image]] = []
+    horizon = max_frames / fps
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise bad_media(field, "no video stream")
+            for frame in container.decode(video=0):
+                t = float(frame.time) if frame.time is not None else len(decoded) / fps
+                decoded.append((t, frame.to_image()))
+                if t - decoded[0][0] >= horizon:
+                    break
+    except av.FFmpegError as exc:
+        raise bad_media(field, f"not a decodable video: {exc}") from exc
+    if not decoded:
+        raise bad_media(field, "video has no decodable frames")
+    start = decoded[0][0]
+    count = min(max_frames, max(1, math.floor((decoded[-1][0] - start) * fps + 1e-6) + 1))
+    out, j = [], 0
+    for i in range(count):
+        while j + 1 < len(decoded) and decoded[j + 1][0] - start <= i / fps + 1e-6:
+            j += 1
+        out.append(_fit(decoded[j][1], width, height))
+    return torch.stack(out)
+
+
+def load_audio(data: bytes, *, max_seconds: float, field: str) -> torch.Tensor:
+    """Audio → mono 32 kHz fp32 samples [S], at most ``max_seconds`` of them."""
+    limit = int(max_seconds * SAMPLE_RATE)
+    chunks: list[np.ndarray] = []
+    total = 0
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.audio:
+                raise bad_media(field, "no audio stream")
+            for frame in container.decode(audio=0):
+                for out in resampler.resample(frame):
+                    chunks.append(out.to_ndarray().reshape(-1))
+                    total += out.samples
+                if total >= limit:
+                    break
+            for out in resampler.resample(None):
+                chunks.append(out.to_ndarray().reshape(-1))
+    except av.FFmpegError as exc:
+        raise bad_media(field, f"not decodable audio: {exc}") from exc
+    if not chunks:
+        raise bad_media(field, "audio has no decodable samples")
+    return torch.from_numpy(np.concatenate(chunks)[:limit].astype(np.float32))
+
+
+def bad_media(field: str, message: str) -> JobValidationError:
+    """The rejection for media that does not decode: the same shape ``stages/media.py`` gives."""
+    return JobValidationError(
+        f"invalid job: {field}: {message}", [{"field": field, "message": message, "type": "bad_media"}]
+    )
+
+
+def _fit(img: Image.Image, width: int, height: int) -> torch.Tensor:
+    """Centre-crop to the target aspect ratio, resize → [3, H, W] fp32 in [-1, 1]."""
+    img = img.convert("RGB")
+    src_w, src_h = img.size
+    scale = min(src_w / width, src_h / height)
+    crop_w, crop_h = round(width * scale), round(height * scale)
+    left, top = (src_w - crop_w) // 2, (src_h - crop_h) // 2
+    img = img.resize((width, height), Image.Resampling.BICUBIC, box=(left, top, left + crop_w, top + crop_h))
+    arr = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())
+    return arr.permute(2, 0, 1).float() / 127.5 - 1.0

@@ -1,0 +1,102 @@
+"""A small VAE-style video autoencoder: ×8 spatial, ×4 temporal compression, 16 latent channels.
+
+Encoding: each frame [3, H, W] in [-1, 1] gives 3 colour channels (8×8 average pool) and 13 feature
+channels (three stride-2 convolutions, a 1×1 projection, tanh); a fixed orthogonal 16×16 mix turns the
+16 channels into the latent.  Frames are grouped in time like causal video VAEs: frame 0 alone, then
+groups of 4, so F frames give ``1 + ceil((F - 1) / 4)`` latent frames; a group's latent is the mean of
+its frames' latents (the posterior mean: no sampling, so encoding is deterministic).
+
+Decoding inverts the mix, interpolates latents back to F frames along time, upsamples the colour
+channels bilinearly and adds a small texture from the feature channels through three upsampling
+convolutions.  Because the colour path is an (approximate) inverse, a decoded first/last-frame latent
+looks like a blurred version of the image it came from.
+
+Weights are drawn from fixed seeds; the module is replicated (not sharded) on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from stageferry.stages.reference.tp import full_weight
+
+SPATIAL = 8
+TEMPORAL = 4
+CHANNELS = 16
+_COLOUR = 3
+_COLOUR_GAIN = 2.0
+_TEXTURE = 0.15
+
+
+def latent_frames(frames: int) -> int:
+    """Latent frames for ``frames`` video frames: frame 0 alone, then groups of 4."""
+    return 1 + math.ceil(max(0, frames - 1) / TEMPORAL)
+
+
+def latent_index(frame: int) -> int:
+    """The latent frame that frame ``frame`` belongs to."""
+    return 0 if frame == 0 else (frame - 1) // TEMPORAL + 1
+
+
+def _mix(seed: int) -> torch.Tensor:
+    q, r = torch.linalg.qr(full_weight(seed, "vae.mix", CHANNELS, CHANNELS, std=1.0))
+    return q * torch.sign(torch.diagonal(r))[None, :]
+
+
+class VideoVAE:
+    """Encoder and decoder; ``device`` is where they compute."""
+
+    def __init__(self, *, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        def w(name: str, *shape: int) -> torch.Tensor:
+            return full_weight(seed, name, *shape).to(device)
+
+        self.device = torch.device(device)
+        self.mix = _mix(seed).to(device)
+        self.enc = [w("vae.enc0", 16, 3, 3, 3), w("vae.enc1", 32, 16, 3, 3), w("vae.enc2", 32, 32, 3, 3)]
+        self.enc_out = w("vae.enc_out", CHANNELS - _COLOUR, 32, 1, 1)
+        self.dec_in = w("vae.dec_in", 16, CHANNELS - _COLOUR, 1, 1)
+        self.dec = [w("vae.dec0", 16, 16, 3, 3), w("vae.dec1", 8, 16, 3, 3), w("vae.dec2", 3, 8, 3, 3)]
+
+    def encode(self, frames: torch.Tensor, *, batch: int = 16) -> torch.Tensor:
+        """[F, 3, H, W] in [-1, 1] → latents [16, latent_frames(F), H/8, W/8] (fp32)."""
+        per_frame = torch.cat([self._encode_frames(chunk) for chunk in frames.split(batch)])  # [F, 16, h, w]
+        groups = [per_frame[:1], *(per_frame[1:].split(TEMPORAL) if per_frame.shape[0] > 1 else ())]
+        return torch.stack([g.mean(dim=0) for g in groups], dim=1)
+
+    def _encode_frames(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.device, torch.float32)
+        colour = F.avg_pool2d(x, SPATIAL) * _COLOUR_GAIN
+        h = x
+        for weight in self.enc:
+            h = F.silu(F.conv2d(h, weight, stride=2, padding=1))
+        feats = torch.tanh(F.conv2d(F.group_norm(h, 1), self.enc_out))
+        return torch.einsum("ij,fjhw->fihw", self.mix, torch.cat([colour, feats], dim=1))
+
+    def decode(self, latents: torch.Tensor, frames: int, *, batch: int = 16) -> torch.Tensor:
+        """Latents [16, T', h, w] → ``frames`` RGB frames [frames, H, W, 3] uint8 (H = 8h, W = 8w)."""
+        per_frame = self._interpolate(latents.to(self.device, torch.float32), frames)  # [frames, 16, h, w]
+        return torch.cat([self._decode_frames(chunk) for chunk in per_frame.split(batch)])
+
+    def _interpolate(self, z: torch.Tensor, frames: int) -> torch.Tensor:
+        t_lat = z.shape[1]
+        centres = np.array([0.0] + [TEMPORAL * k - 1.5 for k in range(1, t_lat)])
+        pos = np.interp(np.arange(frames, dtype=np.float64), centres, np.arange(t_lat, dtype=np.float64))
+        lo = np.floor(pos).astype(np.int64)
+        hi = np.minimum(lo + 1, t_lat - 1)
+        frac = torch.tensor(pos - lo, dtype=torch.float32, device=z.device)[:, None, None, None]
+        zt = z.transpose(0, 1)  # [T', 16, h, w]
+        return zt[torch.from_numpy(lo)] * (1 - frac) + zt[torch.from_numpy(hi)] * frac
+
+    def _decode_frames(self, z: torch.Tensor) -> torch.Tensor:
+        u = torch.einsum("ji,fjhw->fihw", self.mix, z)
+        colour = F.interpolate(u[:, :_COLOUR] / _COLOUR_GAIN, scale_factor=SPATIAL, mode="bilinear")
+        h = F.silu(F.conv2d(u[:, _COLOUR:], self.dec_in))
+        for i, weight in enumerate(self.dec):
+            h = F.conv2d(F.interpolate(h, scale_factor=2, mode="nearest"), weight, padding=1)
+            h = F.silu(h) if i < len(self.dec) - 1 else torch.tanh(h)
+        rgb = (colour + _TEXTURE * h).clamp(-1.0, 1.0)
+        return ((rgb + 1.0) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
