@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.resources
 import json
 import sys
 from collections.abc import Awaitable, Callable
@@ -165,6 +166,14 @@ def read_job_json(source: str | None) -> dict[str, Any]:
             "the job must be a JSON object", [{"field": "job", "message": "not an object", "type": "dict_type"}]
         )
     return data
+
+
+def sample_media(task: Task) -> dict[str, Path]:
+    """The bundled sample inputs for ``task`` (none for t2va)."""
+    names = {Task.FL2VA: ("first_frame", "last_frame"), Task.REF2VA: ("reference_video", "reference_audio")}
+    root = Path(str(importlib.resources.files("stageferry") / "samples"))
+    suffix = {"first_frame": ".png", "last_frame": ".png", "reference_video": ".mp4", "reference_audio": ".wav"}
+    return {name: root / f"{name}{suffix[name]}" for name in names.get(task, ())}
 
 
 def _media(first: str | None, last: str | None, video: str | None, audio: str | None) -> dict[str, str | None]:
@@ -324,7 +333,10 @@ def up(
         "task": task, "prompt": prompt, "width": width, "height": height, "fps": fps, "duration": duration,
         "num_inference_steps": steps, "seed": seed,
     }  # fmt: skip
-    job, uploads = build_job({}, fields, _media(first_frame, last_frame, reference_video, reference_audio))
+    media = _media(first_frame, last_frame, reference_video, reference_audio)
+    if not any(media.values()):  # fl2va and ref2va need media: the bundled samples, uploaded
+        media = {name: f"upload:{path}" for name, path in sample_media(Task(task)).items()}
+    job, uploads = build_job({}, fields, media)
     from stageferry.launcher import run_up
 
     code = anyio.run(

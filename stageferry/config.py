@@ -109,8 +109,8 @@ class PipelineConfig(Strict):
     """A deployment: stages in order (the first reads client jobs, the last stores results)."""
 
     stages: Annotated[tuple[StageConfig, ...], Field(min_length=1, max_length=16)] = (
-        StageConfig(name="encoder", model="stageferry.stages.passthrough:factory", tp=1),
-        StageConfig(name="diffusion", model="stageferry.stages.passthrough:factory", tp=1),
+        StageConfig(name="encoder", model="stageferry.stages.reference.encoder:factory", tp=2),
+        StageConfig(name="diffusion", model="stageferry.stages.reference.diffusion:factory", tp=4),
     )
     data_plane: DataPlaneConfig = DataPlaneConfig()
     timeouts: Timeouts = Timeouts()

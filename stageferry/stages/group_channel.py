@@ -85,8 +85,8 @@ class GroupChannel:
         body["media"] = {name: len(data) for name, data in media.items()}
         body["manifest"] = manifest.model_dump_json() if manifest is not None else None
         self._broadcast_bytes(msgpack.packb(body, use_bin_type=True))
-        for name in sorted(media):
-            self._broadcast_bytes(media[name])
+        for name in sorted(media):  # sizes are in the header: no length broadcast
+            self._broadcast_bytes(media[name], expect=len(media[name]))
         if manifest is not None:
             assert buffers is not None
             for region in manifest.regions:

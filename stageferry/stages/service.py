@@ -13,6 +13,7 @@ import os
 import signal
 
 import anyio
+import torch
 import structlog
 import torch.distributed as dist
 
@@ -64,6 +65,8 @@ def _run_rank(settings: Settings, pipeline: PipelineConfig, stage: StageConfig, 
         die_with_parent(follower=rank != 0)
     configure_logging(fmt=settings.log_format, level=settings.log_level, service=f"{stage.name}-rank{rank}")
     device = rank_device(stage, local_rank)
+    if device.type == "cpu":  # ranks share the host's cores; oversubscribed threads only slow every rank
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // stage.tp))
     channel = init_group(rank, stage.tp, device)
     model = load_model(stage, pipeline)
     try:

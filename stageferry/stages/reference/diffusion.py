@@ -19,6 +19,8 @@ the same job and payload (see ``encoder.py`` for its keys), it:
 
 from __future__ import annotations
 
+import hashlib
+
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,9 +153,16 @@ class ReferenceDiffusion:
             "tp": ctx.world_size,
             "video_latent_shape": list(gen.video_latents.shape),
             "audio_latent_shape": list(gen.audio_latents.shape),
+            "frames_sha256": _digest(gen.frames),
+            "audio_sha256": _digest(gen.audio),
             "timings": timings,
         }
         return FinalOutput(path=path, media=probe_mp4(path), info=info)
+
+
+def _digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes: exact comparisons of outputs (the MP4 encoder adds its own noise)."""
+    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 def _check_payload(job: JobRequest, payload: Any, device: torch.device) -> tuple[Layout, dict[str, Any]]:
