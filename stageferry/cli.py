@@ -335,7 +335,7 @@ def up(
     }  # fmt: skip
     media = _media(first_frame, last_frame, reference_video, reference_audio)
     if not any(media.values()):  # fl2va and ref2va need media: the bundled samples, uploaded
-        media = {name: f"upload:{path}" for name, path in sample_media(Task(task)).items()}
+        media = {name: f"upload:{path}" for name, path in sample_media(Task(task or Task.T2VA)).items()}
     job, uploads = build_job({}, fields, media)
     from stageferry.launcher import run_up
 

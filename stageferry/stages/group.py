@@ -143,7 +143,15 @@ class GroupCompute:
             progress=progress,
         )
         with self._lock, self._collectives():
+            started = time.perf_counter()
             self.channel.send(MessageKind.JOB, header, media=item.media, manifest=manifest, buffers=regions)
+            if self.channel.world_size > 1:
+                log.info(
+                    "group.fanout",
+                    ranks=self.channel.world_size,
+                    seconds=round(time.perf_counter() - started, 6),
+                    bytes=manifest.total_bytes if manifest is not None else 0,
+                )
             error: BaseException | None = None
             output = None
             try:

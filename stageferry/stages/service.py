@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import anyio
-import torch
 import structlog
-import torch.distributed as dist
+import torch
 
 from stageferry.broker.connectors import build_connectors
 from stageferry.broker.keys import Keys
@@ -67,16 +67,23 @@ def _run_rank(settings: Settings, pipeline: PipelineConfig, stage: StageConfig, 
     device = rank_device(stage, local_rank)
     if device.type == "cpu":  # ranks share the host's cores; oversubscribed threads only slow every rank
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // stage.tp))
-    channel = init_group(rank, stage.tp, device)
-    model = load_model(stage, pipeline)
+    code = 1
     try:
+        channel = init_group(rank, stage.tp, device)
+        model = load_model(stage, pipeline)
         if rank == 0:
             anyio.run(serve_leader, settings, pipeline, stage, GroupCompute(model, stage, pipeline, channel))
         else:
             follow(model, stage, pipeline, channel)
+        code = 0
+    except Exception:
+        log.exception("group.rank_failed", stage=stage.name, rank=rank)
     finally:
-        dist.destroy_process_group()
-    return 0
+        # Our own resources (NIXL agent, pools, Redis) are closed by now.  Skip torch.distributed's and
+        # UCX's C++ teardown, which can abort (SIGABRT) once a peer rank has already gone.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 async def serve_leader(settings: Settings, pipeline: PipelineConfig, stage: StageConfig, compute: GroupCompute) -> None:

@@ -20,7 +20,6 @@ the same job and payload (see ``encoder.py`` for its keys), it:
 from __future__ import annotations
 
 import hashlib
-
 import time
 from dataclasses import dataclass
 from pathlib import Path
