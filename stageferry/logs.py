@@ -68,7 +68,7 @@ def configure_logging(*, fmt: LogFormat = "auto", level: str = "info", service: 
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),  # one write() per line: no interleaving
         cache_logger_on_first_use=False,
     )
 

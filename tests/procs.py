@@ -80,7 +80,7 @@ class Services:
         return env
 
     def start(self, stage: str, replica: str, *args: str) -> subprocess.Popen[bytes]:
-        log = open(self.tmp_path / f"{stage}-{replica}-{len(self.procs)}.log", "wb")  # noqa: SIM115
+        log = open(self.tmp_path / f"{stage}-{replica}-{len(self.procs)}.log", "ab")  # noqa: SIM115 - O_APPEND: ranks share it
         proc = subprocess.Popen(
             [sys.executable, "-m", "stageferry", "serve", stage, *args],
             env=self.env(replica),

@@ -61,6 +61,10 @@ def _import_nixl() -> tuple[Any, Any]:
         return _nixl_api, _nixl_bind
     # Known UCX registration-cache leak; must be in the environment before libucs loads.
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+    # On by default so that every consumer can log the transport actually used with each peer (a silent
+    # fall to TCP is the most common NIXL performance problem); UCX prints its tables once per endpoint
+    # configuration, into a per-process file.  Set UCX_PROTO_INFO=n to turn it off.
+    os.environ.setdefault("UCX_PROTO_INFO", "y")
     proto_info = os.environ.get("UCX_PROTO_INFO", "n").lower()
     info_level = os.environ.get("UCX_LOG_LEVEL", "").lower() in {"info", "debug", "trace"}
     if (proto_info not in {"", "n", "no", "0", "off"} or info_level) and "UCX_LOG_FILE" not in os.environ:
