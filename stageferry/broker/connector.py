@@ -70,6 +70,9 @@ class Connector(abc.ABC):
     def abandon(self, outgoing: Outgoing) -> None:  # noqa: B027 - optional hook
         """The envelope for ``outgoing`` was never handed on: free whatever the put holds."""
 
+    async def discard(self, ref: PayloadRef) -> None:  # noqa: B027 - optional hook
+        """Consumer side: ``ref`` will never be fetched (its request was settled meanwhile)."""
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release everything (agents, pools) at shutdown."""
 

@@ -368,10 +368,8 @@ class StageWorker:
 
     async def _release_input(self, envelope: Envelope) -> None:
         """A skipped envelope's payload is not needed: let the producer free it now."""
-        if self.input_connector is not None and envelope.payload.kind == "nixl":
-            release = getattr(self.input_connector, "discard", None)
-            if release is not None:
-                await release(envelope.payload)
+        if self.input_connector is not None:
+            await self.input_connector.discard(envelope.payload)
 
     def _fetch(self, envelope: Envelope, entry: Entry) -> Any:
         if envelope.payload.kind == "none" or self.input_connector is None:
