@@ -440,9 +440,16 @@ class NixlConnector(Connector):
             self.pools.release_all(slots)
             raise
         seconds = time.perf_counter() - started
-        return Incoming(
-            payload=payload, transport=Transport.NIXL, nbytes=ref.manifest.total_bytes, seconds=seconds
-        ), slots
+        regions = {kind: slot.view for kind, slot in slots.items()}  # a TP group fans these out as they are
+        incoming = Incoming(
+            payload=payload,
+            transport=Transport.NIXL,
+            nbytes=ref.manifest.total_bytes,
+            seconds=seconds,
+            manifest=ref.manifest,
+            regions=regions,
+        )
+        return incoming, slots
 
     def _count_get(self, incoming: Incoming) -> None:
         """Count a get; inline gets are counted by the inline connector's metrics already."""
