@@ -55,6 +55,12 @@ def validate_job(data: Mapping[str, Any]) -> JobRequest:
         raise JobValidationError(f"invalid job: {summary}", errors) from exc
 
 
+async def _read_at_most(path: Path, n: int) -> bytes:
+    """Up to ``n`` bytes of ``path``: a file that grows after its size was checked still stays bounded."""
+    async with await anyio.open_file(path, "rb") as fh:
+        return await fh.read(n)
+
+
 def with_upload_refs(data: Mapping[str, Any], upload_keys: Mapping[str, str]) -> dict[str, Any]:
     """A copy of job ``data`` whose ``media.<name>`` points at each uploaded key."""
     out = dict(data)
@@ -139,15 +145,20 @@ class Client:
                     [{"field": field, "message": "no such media input", "type": "unknown_media"}],
                 )
             try:
-                blob = source if isinstance(source, bytes) else await anyio.Path(source).read_bytes()
+                if isinstance(source, bytes):
+                    blob, size = source, len(source)
+                else:  # refused on its size, before it is read whole
+                    size = (await anyio.Path(source).stat()).st_size
+                    blob = b"" if size > limit else await _read_at_most(Path(source), limit + 1)
+                    size = max(size, len(blob))
             except OSError as exc:
                 raise JobValidationError(
                     f"cannot read upload {source!s}: {exc.strerror}",
                     [{"field": field, "message": str(exc), "type": "unreadable_upload"}],
                 ) from exc
-            if len(blob) > limit:
+            if size > limit:
                 raise JobValidationError(
-                    f"upload {name} is {len(blob)} bytes, above the limit of {limit}",
+                    f"upload {name} is {size} bytes, above the limit of {limit}",
                     [{"field": field, "message": f"larger than {limit} bytes", "type": "upload_too_large"}],
                 )
             blobs[name] = blob

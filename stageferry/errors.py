@@ -12,7 +12,8 @@ a request's failed/rejected status shows, so that clients branch on codes, never
     │   ├── EnvelopeError            a stage-to-stage entry that does not parse
     │   └── ManifestError            manifest/descriptors that fail validation before any native call
     ├── ControlPlaneError            Redis unreachable, timed out, protocol trouble
-    │   └── QueueFullError           the first stage's stream is at its bound (back-pressure)
+    │   ├── QueueFullError           the first stage's stream is at its bound (back-pressure)
+    │   └── AccessDeniedError        Redis refused our credentials or an ACL forbids a command/key
     ├── DataPlaneError               moving payload bytes failed (may fall back or recompute)
     │   ├── NixlUnavailableError     NIXL could not be loaded or no agent could be made
     │   ├── HandshakeError           the producer's agent metadata is missing, stale or untrusted
@@ -81,6 +82,12 @@ class ControlPlaneError(StageferryError):
 
 class QueueFullError(ControlPlaneError):
     code = "queue_full"
+
+
+class AccessDeniedError(ControlPlaneError):
+    """Wrong or missing password, or an ACL that forbids a command or key: retrying cannot help."""
+
+    code = "access_denied"
 
 
 class DataPlaneError(StageferryError):

@@ -36,6 +36,10 @@ class Keys:
     def dead_letter(self, stage: str) -> str:
         return f"{self.prefix}:stage:{stage}:dlq"
 
+    def wake(self, stage: str) -> str:
+        """A short list our writers push to after each XADD to ``stage``'s stream: idle readers block on it."""
+        return f"{self.prefix}:stage:{stage}:wake"
+
     def workers(self, stage: str) -> str:
         return f"{self.prefix}:stage:{stage}:workers"
 
@@ -53,6 +57,10 @@ class Keys:
 
     def result(self, request_id: str) -> str:
         return f"{self.prefix}:req:{request_id}:result"
+
+    def video_meta(self, request_id: str) -> str:
+        """The HTTP gateway's record of a video job (model, prompt, size, seconds), as its API reports it."""
+        return f"{self.prefix}:req:{request_id}:video"
 
     def upload(self, request_id: str, name: str) -> str:
         return f"{self.prefix}:upload:{request_id}:{name}"

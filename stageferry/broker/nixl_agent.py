@@ -427,6 +427,11 @@ class NixlAgent:
     def open_handles(self) -> int:
         return len(self._handles)
 
+    @property
+    def registered_bytes(self) -> int:
+        """Memory registered right now (the pools, once each: it must not grow with traffic)."""
+        return sum(reg.nbytes for reg in self._regs.values())
+
     def close(self) -> None:
         """Clean-up in NIXL's order: transfer handles, prepared lists, remote agents, registrations."""
         for h in list(self._handles.values()):

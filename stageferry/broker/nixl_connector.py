@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
+import hmac
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -49,6 +52,7 @@ from stageferry.broker.payload_codec import (
 )
 from stageferry.broker.pool import PoolSet, Slot
 from stageferry.broker.redis_conn import translated
+from stageferry.chaos.failpoints import CONSUMER_READ_POSTED, failpoint
 from stageferry.config import DataPlaneConfig, MetadataMode, Timeouts
 from stageferry.errors import (
     ControlPlaneError,
@@ -57,7 +61,6 @@ from stageferry.errors import (
     ManifestError,
     PayloadTooLargeError,
     PayloadUnavailableError,
-    PeerDisconnectedError,
     PoolExhaustedError,
     TransferError,
 )
@@ -74,6 +77,9 @@ from stageferry.schemas import (
 log = structlog.get_logger(__name__)
 
 RELEASE_TAG = b"sf-release:"
+#: A freed payload's claim key outlives its lease by this much more than the claim timeout, so that a
+#: consumer whose clock runs behind the producer's still finds it gone (and recomputes).
+GONE_SLACK_S = 60.0
 _NOTIF_POLL_S = 0.002
 _LEASE_SCAN_S = 0.25
 
@@ -88,6 +94,8 @@ class Lease:
     expires_at: float
     key: str
     order: tuple[DeviceKind, ...]
+    #: Why the slot is to be freed, once its claim key says ``released`` (see ``_settle``).
+    settled: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +106,7 @@ class Peer:
     incarnation: str
     arenas: tuple[RemoteRegion, ...]
     metadata: bytes
+    seal_key: bytes
 
 
 @dataclass(slots=True)
@@ -131,6 +140,7 @@ class NixlConnector(Connector):
         self.config = config
         self.timeouts = timeouts
         self.incarnation = uuid.uuid4().hex[:16]
+        self._seal_key = secrets.token_bytes(32)  # signs this incarnation's descriptors (see lease_seal)
         self.name = f"{stage}-{replica}-{self.incarnation[:8]}"
         self.cuda_device = cuda_device
         self.inline = InlineConnector(
@@ -157,11 +167,26 @@ class NixlConnector(Connector):
             if self.agent is None:
                 self.agent = NixlAgent(self.name, backends=self.config.nixl_backends)
             self.pools = PoolSet.from_config(self.config, registrar=self.agent, cuda_device=self.cuda_device)
+            metrics.watch_resources(self.resources)
         except DataPlaneError as exc:
             self.agent, self.pools = None, None
             self.unavailable_reason = exc.code
             metrics.HANDSHAKE_FAILURES.labels("agent_unavailable").inc()
             log.error("nixl.unavailable", error=exc.message, fallback="inline")
+
+    def resources(self) -> dict[str, float]:
+        """What this process holds right now; at rest: no leases, no slots, one registration per pool."""
+        agent, pools = self.agent, self.pools
+        return {
+            "leases": len(self.leases),
+            "pool_slots_in_use": pools.slots_in_use if pools else 0,
+            "pool_bytes_in_use": pools.bytes_in_use if pools else 0,
+            "pools": len(pools.pools) if pools else 0,
+            "registrations": agent.registrations if agent else 0,
+            "registered_bytes": agent.registered_bytes if agent else 0,
+            "open_handles": agent.open_handles() if agent else 0,
+            "remote_agents": len(agent.remotes()) if agent else 0,
+        }
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Background duties: agent record heartbeat, notifications, lease expiry, resend requests."""
@@ -245,6 +270,7 @@ class NixlConnector(Connector):
             regions=regions,
             lease_expires_at=expires,
             agent_metadata_b64=metadata,
+            seal=lease_seal(self._seal_key, self.name, token, regions),
         )
         seconds = time.perf_counter() - started
         self.counters.puts += 1
@@ -256,22 +282,50 @@ class NixlConnector(Connector):
 
     async def _inline_fallback(self, payload: Payload, reason: str) -> Outgoing:
         """Inline up to the fallback cap; above it NIXL was needed and is not there."""
-        self.counters.fallbacks[reason] = self.counters.fallbacks.get(reason, 0) + 1
-        log.warning("payload.inline_fallback", reason=reason)
         try:
-            return await self.inline.encode(payload, fallback_reason=reason)
+            outgoing = await self.inline.encode(payload, fallback_reason=reason)
         except PayloadTooLargeError as exc:
+            log.warning("payload.inline_fallback_too_large", reason=reason, details=exc.details)
             raise PayloadUnavailableError(
                 f"payload too large for inline fallback ({reason})", reason=reason, **exc.details
             ) from exc
+        self.counters.fallbacks[reason] = self.counters.fallbacks.get(reason, 0) + 1  # counted once it happened
+        log.warning("payload.inline_fallback", reason=reason)
+        return outgoing
 
     def abandon(self, outgoing: Outgoing) -> None:
-        if isinstance(outgoing.ref, NixlPayload):
-            self._free(outgoing.ref.token, reason="abandoned")
+        """Free an unpublished payload — through the lease loop, which first marks its token gone: after
+        a lost reply the hand-off may have been published after all."""
+        if isinstance(outgoing.ref, NixlPayload) and outgoing.ref.token in self.leases:
+            self.leases[outgoing.ref.token].settled = "abandoned"
 
     @property
     def _direct(self) -> bool:
         return self.config.metadata_mode is MetadataMode.DIRECT
+
+    async def _settle(self, token: str, *, reason: str) -> None:
+        """Free a slot that a consumer is done with (READ complete, sent inline, dropped), but mark its
+        claim key ``released`` first: the envelope naming it may be delivered again (its consumer died
+        after the READ, before acknowledging), and that consumer must find the payload gone instead of
+        claiming anew and READing memory that now holds another payload.  If Redis is away the slot
+        stays held; the lease loop retries."""
+        lease = self.leases.get(token)
+        if lease is None:
+            return
+        lease.settled = reason
+        if await self._mark_gone(lease, b"released", overwrite=True):
+            self._free(token, reason=reason)
+
+    async def _mark_gone(self, lease: Lease, value: bytes, *, overwrite: bool) -> bool:
+        """Set the lease's claim key to ``value`` until no consumer may still try it (the lease's end
+        plus slack); with ``overwrite`` False only if nobody claimed it.  False if not set."""
+        ttl_ms = int((max(0.0, lease.expires_at - time.time()) + self.timeouts.claim + GONE_SLACK_S) * 1000)
+        try:
+            with translated():
+                return bool(await self.redis.set(self.keys.claim(lease.token), value, nx=not overwrite, px=ttl_ms))
+        except ControlPlaneError as exc:
+            log.warning("payload.mark_gone_failed", error=exc.message)
+            return False
 
     def _free(self, token: str, *, reason: str) -> bool:
         lease = self.leases.pop(token, None)
@@ -296,6 +350,7 @@ class NixlConnector(Connector):
             "incarnation": self.incarnation,
             "metadata": self.agent.metadata(),
             "arenas": json.dumps([a.model_dump(mode="json") for a in self.pools.arenas()]),
+            "seal_key": self._seal_key.hex(),
             "started_at": str(time.time()),
         }
         key = self.keys.agent(self.name)
@@ -324,23 +379,19 @@ class NixlConnector(Connector):
             for _remote, messages in self.agent.drain_notifs().items():
                 for message in messages:
                     if message.startswith(RELEASE_TAG):
-                        self._free(message[len(RELEASE_TAG) :].decode(errors="replace"), reason="read_done")
+                        await self._settle(message[len(RELEASE_TAG) :].decode(errors="replace"), reason="read_done")
 
     async def _expire_leases(self) -> None:
-        """Free leases that ran out unclaimed; a claimed one waits for its claim to expire."""
+        """Free leases that ran out unclaimed (a claimed one waits for its claim to expire), and settled
+        ones whose claim key could not be marked yet."""
         while True:
             await anyio.sleep(_LEASE_SCAN_S)
             now = time.time()
-            for token in [t for t, lease in self.leases.items() if lease.expires_at <= now]:
-                try:
-                    with translated():
-                        unclaimed = await self.redis.set(
-                            self.keys.claim(token), b"expired", nx=True, px=int(self.timeouts.claim * 1000)
-                        )
-                except ControlPlaneError as exc:
-                    log.warning("payload.lease_check_failed", error=exc.message)
-                    continue
-                if unclaimed:
+            for token, lease in list(self.leases.items()):
+                if lease.settled is not None:
+                    if await self._mark_gone(lease, b"released", overwrite=True):
+                        self._free(token, reason=lease.settled)
+                elif lease.expires_at <= now and await self._mark_gone(lease, b"expired", overwrite=False):
                     self._free(token, reason="lease_expired")
 
     async def _serve_resends(self) -> None:
@@ -368,7 +419,7 @@ class NixlConnector(Connector):
         action = fields.get(b"action", b"resend")
         lease = self.leases.get(token)
         if action != b"resend" or lease is None:
-            self._free(token, reason="dropped_by_consumer")
+            await self._settle(token, reason="dropped_by_consumer")
             if action == b"resend":
                 await self._reply(token, b"")
             return
@@ -376,7 +427,7 @@ class NixlConnector(Connector):
         if lease.nbytes <= self.config.inline_fallback_max_bytes:
             blob = await anyio.to_thread.run_sync(_concat_regions, lease)
         await self._reply(token, blob)
-        self._free(token, reason="resent_inline")
+        await self._settle(token, reason="resent_inline")
 
     async def _reply(self, token: str, blob: bytes) -> None:
         key = self.keys.resend_reply(token)
@@ -421,6 +472,9 @@ class NixlConnector(Connector):
             metrics.HANDSHAKE_FAILURES.labels("timeout").inc()
             return await self._resend_inline(ref, reason="handshake_timeout"), {}
         validate_remote_regions(ref.manifest, ref.regions, peer.arenas)
+        if not hmac.compare_digest(ref.seal, lease_seal(peer.seal_key, ref.agent, ref.token, ref.regions)):
+            # In the producer's pool but not what it leased under this token: another request's slot.
+            raise ManifestError("descriptors are not the ones the producer leased", agent=ref.agent, token=ref.token)
         await self._claim(ref)
         try:
             slots = await self.pools.acquire_regions(ref.manifest, timeout=self.timeouts.pool_wait)
@@ -430,11 +484,13 @@ class NixlConnector(Connector):
             await self._read(ref, peer, slots)
             payload = unpack(ref.manifest, {kind: slot.view for kind, slot in slots.items()}, copy=False)
         except TransferError as exc:
-            self.pools.release_all(slots)
             metrics.TRANSFER_FAILURES.labels(exc.code).inc()
             log.warning("nixl.read_failed", key=key, error=exc.message, peer=peer.name)
-            if isinstance(exc, PeerDisconnectedError):
-                self._forget_peer(peer.name)
+            # Drop the peer on any failure, a timeout too, and before the slots go back to the pool: its
+            # endpoint may be broken (a cut link) and must not deliver late bytes into a reused slot; the
+            # next payload from it re-adds it from fresh metadata.
+            self._forget_peer(peer.name)
+            self.pools.release_all(slots)
             return await self._resend_inline(ref, reason="transfer_failed"), {}
         except BaseException:
             self.pools.release_all(slots)
@@ -463,7 +519,16 @@ class NixlConnector(Connector):
         """Tell the producer that a payload will never be read (the request was settled meanwhile)."""
         if isinstance(ref, NixlPayload):
             with contextlib.suppress(ControlPlaneError), translated():
-                await self.redis.xadd(self.keys.resend(ref.agent), {"token": ref.token, "action": "drop"})
+                await self._ask_producer(ref, "drop")
+
+    async def _ask_producer(self, ref: NixlPayload, action: str) -> None:
+        """Post a resend/drop request; the stream expires once no lease could still need it, so a
+        producer that died leaves nothing behind in Redis."""
+        stream = self.keys.resend(ref.agent)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(stream, {"token": ref.token, "action": action})
+            pipe.expire(stream, int(self.timeouts.lease + self.timeouts.resend) + 60)
+            await pipe.execute()
 
     async def _ensure_peer(self, ref: NixlPayload) -> Peer:
         """The producer's agent, loaded once per incarnation; metadata only from our own prefix.
@@ -497,6 +562,12 @@ class NixlConnector(Connector):
             raise ManifestError("agent record does not match the envelope", agent=ref.agent)
         metadata = record[b"metadata"]
         arenas = _parse_arenas(record.get(b"arenas", b"[]"))
+        try:
+            seal_key = bytes.fromhex(record.get(b"seal_key", b"").decode())
+        except ValueError:
+            seal_key = b""
+        if len(seal_key) != 32:
+            raise ManifestError("agent record has no valid seal key", agent=ref.agent)
         assert self.agent is not None
         try:
             name = self.agent.add_remote(metadata)
@@ -505,7 +576,7 @@ class NixlConnector(Connector):
         if name != ref.agent:
             self.agent.remove_remote(name)
             raise HandshakeError("agent metadata names another agent", agent=ref.agent, metadata_name=name)
-        peer = Peer(name=name, incarnation=ref.incarnation, arenas=arenas, metadata=metadata)
+        peer = Peer(name=name, incarnation=ref.incarnation, arenas=arenas, metadata=metadata, seal_key=seal_key)
         self.peers[name] = peer
         return peer
 
@@ -536,7 +607,14 @@ class NixlConnector(Connector):
             self.agent.remove_remote(name)
 
     async def _claim(self, ref: NixlPayload) -> None:
-        """Claim before reading, so the producer never frees the slot under our READ."""
+        """Claim before reading, so the producer never frees the slot under our READ.
+
+        Around the lease's end the claim key arbitrates (the producer marks it ``expired`` only if
+        nobody claimed it).  Its markers ``expired``/``released`` outlive the lease by at least
+        ``GONE_SLACK_S``; later than half that past the lease, a missing key no longer proves anything,
+        so the payload counts as gone."""
+        if time.time() > ref.lease_expires_at + GONE_SLACK_S / 2:
+            raise PayloadUnavailableError("payload lease ran out long ago", token=ref.token)
         with translated():
             ok = await self.redis.set(
                 self.keys.claim(ref.token), self.name.encode(), nx=True, px=int(self.timeouts.claim * 1000)
@@ -560,6 +638,7 @@ class NixlConnector(Connector):
                 peer.name,
                 notif,
             )
+            failpoint(CONSUMER_READ_POSTED)  # fault injection: die with the READ in flight
             try:
                 await self._wait_done(handle, deadline)
             finally:
@@ -591,7 +670,7 @@ class NixlConnector(Connector):
         started = time.perf_counter()
         reply_key = self.keys.resend_reply(ref.token)
         with translated():
-            await self.redis.xadd(self.keys.resend(ref.agent), {"token": ref.token, "action": "resend"})
+            await self._ask_producer(ref, "resend")
             reply = await self.redis.blpop([reply_key], timeout=self.timeouts.resend)
         if not reply or reply[1][:1] != b"\x01":
             raise PayloadUnavailableError("producer could not resend the payload", reason=reason, agent=ref.agent)
@@ -634,3 +713,15 @@ def _parse_arenas(raw: bytes) -> tuple[RemoteRegion, ...]:
         return tuple(RemoteRegion.model_validate(item) for item in items)
     except ValueError as exc:
         raise HandshakeError(f"agent record has invalid arenas: {exc}") from exc
+
+
+def lease_seal(key: bytes, agent: str, token: str, regions: list[RemoteRegion]) -> str:
+    """The producer's HMAC over a lease: its agent, token and exact regions (address, length, device, kind).
+
+    The consumer checks it with the key from the producer's agent record (readable only by stages under
+    the ACL), so a forged or shifted descriptor that still lies inside the producer's pool — another
+    request's slot — is refused before any READ."""
+    body = json.dumps(
+        [agent, token, [[r.address, r.length, r.device_id, r.mem_kind.value] for r in regions]], separators=(",", ":")
+    )
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()

@@ -1,8 +1,16 @@
 """The Redis boundary: one connection factory, and the one place redis-py errors become ours.
 
-URLs may be ``redis://`` or ``rediss://`` (TLS; ``ssl_ca_certs`` etc. as URL query parameters), with
-``user:password@`` for an ACL user.  Commands are retried by redis-py with exponential backoff and
-jitter on connection and timeout errors; what still fails leaves here as :class:`ControlPlaneError`.
+URLs may be ``redis://`` or ``rediss://`` (TLS), with ``user:password@`` for an ACL user.  TLS options
+ride in the URL's query, so one ``STAGEFERRY_REDIS_URL`` configures every process alike::
+
+    rediss://stageferry:secret@redis.internal:6380/0?ssl_ca_certs=/etc/stageferry/ca.crt
+    rediss://...?ssl_ca_certs=ca.crt&ssl_certfile=client.crt&ssl_keyfile=client.key   (mutual TLS)
+
+The URL is checked before any I/O: an unknown query parameter, a TLS option on a plain ``redis://`` URL
+or a certificate file that does not exist is a :class:`ConfigError` at start-up, not a TypeError at the
+first command.  Commands are retried by redis-py with exponential backoff and jitter on connection and
+timeout errors; what still fails leaves here as :class:`ControlPlaneError` — or :class:`AccessDeniedError`
+when Redis refuses the credentials or an ACL forbids a command, which no retry can heal.
 """
 
 from __future__ import annotations
@@ -11,15 +19,18 @@ import contextlib
 import random
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import anyio
 import redis.asyncio as aioredis
 import structlog
 from redis import exceptions as redis_errors
+from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
-from stageferry.errors import ControlPlaneError
+from stageferry.errors import AccessDeniedError, ConfigError, ControlPlaneError
 
 log = structlog.get_logger(__name__)
 
@@ -28,8 +39,32 @@ BLOCK_MS = 1000
 _SOCKET_TIMEOUT_S = BLOCK_MS / 1000 + 10
 
 
+#: TLS options that redis-py takes from a ``rediss://`` URL's query (certificate files are checked).
+TLS_QUERY_FILES = frozenset({"ssl_ca_certs", "ssl_certfile", "ssl_keyfile"})
+TLS_QUERY_OPTIONS = TLS_QUERY_FILES | {"ssl_cert_reqs", "ssl_ca_path", "ssl_check_hostname", "ssl_min_version"}
+_SCHEMES = frozenset({"redis", "rediss", "unix"})
+
+
+def check_url(url: str) -> None:
+    """Refuse (:class:`ConfigError`) a URL that redis-py would only choke on later, or mis-handle silently."""
+    parts = urlsplit(url)
+    if parts.scheme not in _SCHEMES:
+        raise ConfigError(f"redis URL must start with redis://, rediss:// or unix:// (got {parts.scheme!r})")
+    for name, values in parse_qs(parts.query, keep_blank_values=True).items():
+        if name in TLS_QUERY_OPTIONS:
+            if parts.scheme != "rediss":
+                raise ConfigError(f"redis URL option {name} needs a rediss:// (TLS) URL", option=name)
+            if name in TLS_QUERY_FILES and not Path(values[-1]).is_file():
+                raise ConfigError(f"redis URL option {name}: no such file {values[-1]!r}", option=name)
+        elif name not in URL_QUERY_ARGUMENT_PARSERS:
+            raise ConfigError(f"unknown redis URL option {name!r}", option=name)
+
+
 def connect(url: str, *, retries: int = 4) -> aioredis.Redis:
-    """A client for ``url`` with bounded, jittered retries; no I/O happens until first use."""
+    """A client for ``url`` with bounded, jittered retries; no I/O happens until first use.
+
+    :class:`ConfigError` at once for a malformed URL (see :func:`check_url`)."""
+    check_url(url)
     return aioredis.from_url(
         url,
         decode_responses=False,
@@ -44,6 +79,8 @@ def connect(url: str, *, retries: int = 4) -> aioredis.Redis:
 def is_connection_error(exc: BaseException) -> bool:
     """True for failures that a reconnect may heal (as opposed to protocol or script errors)."""
     cause = exc.__cause__ if isinstance(exc, ControlPlaneError) else exc
+    if isinstance(cause, redis_errors.AuthenticationError):  # a ConnectionError to redis-py, not to us
+        return False
     return isinstance(cause, redis_errors.ConnectionError | redis_errors.TimeoutError | OSError)
 
 
@@ -52,6 +89,8 @@ def translated() -> Iterator[None]:
     """Translate redis-py errors raised inside the block into :class:`ControlPlaneError`."""
     try:
         yield
+    except (redis_errors.AuthenticationError, redis_errors.NoPermissionError) as exc:
+        raise AccessDeniedError(f"redis refused access: {exc}", redis_error=type(exc).__name__) from exc
     except redis_errors.RedisError as exc:
         raise ControlPlaneError(f"redis: {type(exc).__name__}: {exc}", redis_error=type(exc).__name__) from exc
     except OSError as exc:

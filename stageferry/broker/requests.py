@@ -18,6 +18,7 @@ import structlog
 
 from stageferry.broker.keys import Keys
 from stageferry.broker.redis_conn import BLOCK_MS, translated
+from stageferry.broker.streams import WAKE_LUA
 from stageferry.errors import DeadlineExceededError, QueueFullError
 from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestState, RequestStatus
 
@@ -41,10 +42,11 @@ return 1
 """
 )
 
-# KEYS: request hash, events stream, first stage stream.
+# KEYS: request hash, events stream, first stage stream, its wake list.
 # ARGV: status json, ttl, events maxlen, request id, job json, stream max length.
 # Returns 1 if submitted, 0 if the id is already known, -1 if the stage stream is full.
-_SUBMIT = """
+_SUBMIT = (
+    """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if redis.call('XLEN', KEYS[3]) >= tonumber(ARGV[6]) then return -1 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'status', ARGV[1])
@@ -52,8 +54,12 @@ redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'kind', 'status', 'state', 'queued', 'status', ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('XADD', KEYS[3], '*', 'request_id', ARGV[4], 'job', ARGV[5])
+"""
+    + WAKE_LUA
+    + """
 return 1
 """
+)
 
 
 class RequestStore:
@@ -70,7 +76,12 @@ class RequestStore:
     async def submit(self, request_id: str, job: JobRequest, first_stage: str, *, stream_maxlen: int) -> bool:
         """Enqueue a job once: False if ``request_id`` was already submitted (nothing is enqueued)."""
         status = RequestStatus(request_id=request_id, state=RequestState.QUEUED, stage=first_stage)
-        keys = [self._keys.request(request_id), self._keys.events(request_id), self._keys.stage_stream(first_stage)]
+        keys = [
+            self._keys.request(request_id),
+            self._keys.events(request_id),
+            self._keys.stage_stream(first_stage),
+            self._keys.wake(first_stage),
+        ]
         args = [status.model_dump_json(), self._ttl, self._maxlen, request_id, job.model_dump_json(), stream_maxlen]
         with translated():
             result = int(await self._submit(keys=keys, args=args))

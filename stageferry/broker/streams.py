@@ -6,10 +6,19 @@ checking that this consumer still owns it — so a replica that stalled past the
 lost its entry to another replica can never hand the same work on twice.  Because acknowledged entries
 are deleted, a stage stream holds only un-acknowledged work and needs no trimming (admission control
 at submit time bounds it instead).
+
+Entries are read through a Lua script that measures them inside Redis: an entry whose field values add
+up to more than ``max_entry_bytes`` comes back as its id, its request id and its size only, so an
+oversized entry is refused (dead-lettered by the worker) without ever being pulled whole.  Scripts
+cannot block, and a blocking XREADGROUP would hand over whatever arrives, however large; so an idle
+replica blocks on the stage's *wake list* instead (``BLPOP``), which every writer of ours (submit,
+hand-off) pushes to in the same script as its XADD: work is picked up at once.  An entry XADDed by
+someone else (the raw protocol) is picked up within :data:`WAKE_POLL_S`, the BLPOP's timeout.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -27,13 +36,22 @@ local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
 """
 
-# KEYS: src stream, dst stream. ARGV: group, consumer, entry id, field, value, field, value, ...
+#: Pushed to a stage's wake list after every XADD by our own writers; bounded, so a list nobody pops stays small.
+WAKE_LUA = """
+redis.call('LPUSH', KEYS[#KEYS], '1')
+redis.call('LTRIM', KEYS[#KEYS], 0, 15)
+"""
+
+# KEYS: src stream, dst stream, dst wake list. ARGV: group, consumer, entry id, field, value, field, value, ...
 _HANDOFF = (
     _OWNED
     + """
 local fields = {}
 for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('XADD', KEYS[2], '*', unpack(fields))
+"""
+    + WAKE_LUA
+    + """
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 redis.call('XDEL', KEYS[1], ARGV[3])
 return 1
@@ -59,6 +77,46 @@ return 1
 """
 )
 
+# KEYS: stream. ARGV: group, consumer, count, max entry bytes, start ('>' new, '0' own pending, or
+# 'claim' to XAUTOCLAIM entries idle at least ARGV[6] ms).  Returns {id, fields, size}: size is 0 for an
+# entry returned whole; an oversized one keeps only a short request_id, the rest never leaves Redis.
+_READ_CAPPED = """
+local entries
+if ARGV[5] == 'claim' then
+  entries = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[6], '0-0', 'COUNT', ARGV[3])[2]
+else
+  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], ARGV[5])
+  if not reply then return {} end
+  entries = reply[1][2]
+end
+local cap = tonumber(ARGV[4])
+local out = {}
+for _, e in ipairs(entries) do
+  local fields = e[2]
+  local size = 0
+  if type(fields) ~= 'table' then
+    fields = {}
+  else
+    for i = 1, #fields do size = size + #fields[i] end
+    if size > cap then
+      local rid = ''
+      for i = 1, #fields - 1, 2 do
+        if fields[i] == 'request_id' and #fields[i + 1] <= 128 then rid = fields[i + 1] end
+      end
+      fields = {'request_id', rid}
+    else
+      size = 0
+    end
+  end
+  out[#out + 1] = {e[1], fields, size}
+end
+return out
+"""
+
+#: Longest an idle replica waits on its wake list before looking at the stream anyway (raw XADDs).
+WAKE_POLL_S = 0.05
+DEFAULT_MAX_ENTRY_BYTES = 32 * 1024 * 1024
+
 
 @dataclass(frozen=True, slots=True)
 class Entry:
@@ -67,6 +125,8 @@ class Entry:
     id: str
     fields: Mapping[str, bytes]
     deliveries: int
+    too_large: int | None = None
+    """The entry's size when it is above the cap: then ``fields`` holds only its ``request_id``."""
 
     def text(self, name: str) -> str | None:
         raw = self.fields.get(name)
@@ -85,6 +145,7 @@ class StageStream:
         *,
         visibility_ms: int,
         dlq_maxlen: int = 100_000,
+        max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
     ) -> None:
         self._redis = redis
         self._keys = keys
@@ -97,6 +158,8 @@ class StageStream:
         self._handoff = redis.register_script(_HANDOFF)
         self._ack = redis.register_script(_ACK)
         self._renew = redis.register_script(_RENEW)
+        self._read_capped = redis.register_script(_READ_CAPPED)
+        self._max_entry_bytes = max_entry_bytes
 
     async def ensure_group(self) -> None:
         """Create the stream and group if missing (also after a Redis restart that lost them)."""
@@ -120,46 +183,44 @@ class StageStream:
         return await self._read_group(">", count, block_ms=block_ms)
 
     async def _read_group(self, start: str, count: int, *, block_ms: int | None) -> list[Entry]:
+        """Read ``start`` ('>' new, '0' own pending); with ``block_ms``, wait on the wake list until
+        something comes (or the time is up)."""
+        deadline = None if block_ms is None else time.monotonic() + block_ms / 1000
+        while True:
+            entries = await self._read_via_script(start, count)
+            remaining = 0.0 if deadline is None else deadline - time.monotonic()
+            if entries or remaining <= 0:
+                return entries
+            with translated():
+                await self._redis.blpop([self._keys.wake(self.stage)], timeout=min(remaining, WAKE_POLL_S))
+
+    async def _reclaim(self, count: int) -> list[Entry]:
+        entries = await self._read_via_script("claim", count)
+        for entry in entries:
+            log.warning("stream.reclaimed", stream=self.key, entry=entry.id, deliveries=entry.deliveries)
+        return entries
+
+    async def _read_via_script(self, start: str, count: int) -> list[Entry]:
+        args = [self.group, self.consumer, count, self._max_entry_bytes, start, self._visibility_ms]
         try:
             with translated():
-                reply = await self._redis.xreadgroup(
-                    self.group, self.consumer, {self.key: start}, count=count, block=block_ms
-                )
+                rows = await self._read_capped(keys=[self.key], args=args)
         except ControlPlaneError as exc:
             if _group_lost(exc):
                 await self.ensure_group()
                 return []
             raise
-        rows = [row for _stream, batch in (reply or []) for row in batch]
         # Entries deleted while pending come back with no fields: drop them from the PEL.
-        live = [(eid, fields) for eid, fields in rows if fields]
-        for eid, fields in rows:
+        live = [(eid.decode(), fields, int(size)) for eid, fields, size in rows if fields]
+        for eid, fields, _ in rows:
             if not fields:
                 await self._drop_dangling(eid.decode())
         if not live:
             return []
-        counts = await self._delivery_counts([eid.decode() for eid, _ in live])
-        return [Entry(eid.decode(), _decode_fields(f), counts.get(eid.decode(), 1)) for eid, f in live]
-
-    async def _reclaim(self, count: int) -> list[Entry]:
-        try:
-            with translated():
-                reply = await self._redis.xautoclaim(
-                    self.key, self.group, self.consumer, self._visibility_ms, start_id="0-0", count=count
-                )
-        except ControlPlaneError as exc:
-            if _group_lost(exc):
-                await self.ensure_group()
-                return []
-            raise
-        claimed = [(eid, fields) for eid, fields in reply[1] if fields]
-        if not claimed:
-            return []
-        counts = await self._delivery_counts([eid.decode() for eid, _ in claimed])
-        out = [Entry(eid.decode(), _decode_fields(f), counts.get(eid.decode(), 1)) for eid, f in claimed]
-        for entry in out:
-            log.warning("stream.reclaimed", stream=self.key, entry=entry.id, deliveries=entry.deliveries)
-        return out
+        counts = await self._delivery_counts([eid for eid, _, _ in live])
+        return [
+            Entry(eid, _decode_pairs(fields), counts.get(eid, 1), too_large=size or None) for eid, fields, size in live
+        ]
 
     async def _delivery_counts(self, ids: list[str]) -> dict[str, int]:
         with translated():
@@ -187,7 +248,7 @@ class StageStream:
             flat += [name, value]
         with translated():
             done = await self._handoff(
-                keys=[self.key, self._keys.stage_stream(next_stage)],
+                keys=[self.key, self._keys.stage_stream(next_stage), self._keys.wake(next_stage)],
                 args=[self.group, self.consumer, entry_id, *flat],
             )
         return bool(done)
@@ -233,8 +294,9 @@ def _group_lost(exc: ControlPlaneError) -> bool:
     return "NOGROUP" in text or "UNBLOCKED" in text
 
 
-def _decode_fields(fields: Mapping[bytes, bytes]) -> dict[str, bytes]:
-    return {k.decode("utf-8", errors="replace"): v for k, v in fields.items()}
+def _decode_pairs(flat: list[bytes]) -> dict[str, bytes]:
+    """A script's flat ``[name, value, ...]`` reply as a dict (field names decoded leniently)."""
+    return {flat[i].decode("utf-8", errors="replace"): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
 
 
 __all__ = ["Entry", "StageStream"]

@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from stageferry.schemas.job import Frozen, JobRequest, RequestId
-from stageferry.schemas.payload import NoPayload, PayloadRef
+from stageferry.schemas.payload import NixlPayload, NoPayload, PayloadRef
 from stageferry.schemas.status import StageTiming
 
 ENVELOPE_VERSION = 1
@@ -54,3 +54,14 @@ class Envelope(Frozen):
     attempt: Annotated[int, Field(ge=0, le=100)] = 0
     deadline: float | None = None
     trace: TraceContext = Field(default_factory=TraceContext)
+
+    @model_validator(mode="after")
+    def _agent_is_the_producer(self) -> Envelope:
+        """A NIXL payload must name the producing stage's own agent (``<from_stage>-<replica>-<incarnation>``):
+        an envelope cannot send a consumer to read from another stage's pool."""
+        payload = self.payload
+        if isinstance(payload, NixlPayload) and not (
+            payload.agent.startswith(f"{self.from_stage}-") and payload.agent.endswith(f"-{payload.incarnation[:8]}")
+        ):
+            raise ValueError(f"NIXL agent {payload.agent!r} is not an agent of stage {self.from_stage!r}")
+        return self

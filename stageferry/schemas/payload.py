@@ -128,6 +128,9 @@ class NixlPayload(Frozen):
     regions: Annotated[list[RemoteRegion], Field(max_length=len(DeviceKind))]
     lease_expires_at: float
     agent_metadata_b64: Annotated[str, Field(max_length=1_048_576)] | None = None
+    seal: Annotated[str, Field(max_length=64, pattern=r"^[0-9a-f]*$")] = ""
+    """HMAC-SHA256 by the producer over the token and its regions, keyed by a secret in the producer's agent
+    record: descriptors are only READ when they are exactly the ones the producer leased under that token."""
 
 
 PayloadRef = Annotated[NoPayload | InlinePayload | NixlPayload, Field(discriminator="kind")]

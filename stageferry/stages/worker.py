@@ -36,6 +36,7 @@ from stageferry.broker.keys import Keys
 from stageferry.broker.redis_conn import is_connection_error, translated
 from stageferry.broker.requests import RequestStore
 from stageferry.broker.streams import Entry, StageStream
+from stageferry.chaos.failpoints import PRODUCER_PUBLISHED, failpoint
 from stageferry.config import PipelineConfig, StageConfig
 from stageferry.errors import (
     ControlPlaneError,
@@ -147,6 +148,7 @@ class StageWorker:
             f"{stage.name}-{replica}",
             visibility_ms=int(timeouts.visibility * 1000),
             dlq_maxlen=pipeline.retention.dlq_maxlen,
+            max_entry_bytes=pipeline.limits.max_entry_bytes,
         )
         self.store = RequestStore(
             redis, keys, ttl_s=pipeline.retention.request_ttl_s, events_maxlen=pipeline.retention.events_maxlen
@@ -309,12 +311,16 @@ class StageWorker:
     def _parse(self, entry: Entry, rid: str) -> Envelope:
         """The entry as an envelope: clients send a bare ``job`` to the first stage, stages send envelopes."""
         limit = self.pipeline.limits.max_entry_bytes
+        if entry.too_large is not None:  # measured inside Redis; its bytes were never read
+            raise EnvelopeError("entry too large", bytes=entry.too_large, limit=limit)
         if sum(len(v) for v in entry.fields.values()) > limit:
             raise EnvelopeError("entry too large", limit=limit)
         if "envelope" in entry.fields:
             envelope = parse_envelope(entry.fields["envelope"])
             if envelope.request_id != rid or envelope.to_stage != self.stage.name:
                 raise EnvelopeError("envelope does not match its entry", request_id=rid, to_stage=envelope.to_stage)
+            if envelope.payload.kind != "none" and envelope.from_stage != getattr(self.previous_stage, "name", None):
+                raise EnvelopeError("a payload may only come from the previous stage", from_stage=envelope.from_stage)
         elif "job" in entry.fields and self.index == 0:
             job = parse_job(entry.fields["job"])
             envelope = Envelope(
@@ -481,6 +487,8 @@ class StageWorker:
             log.warning("worker.handoff_lost", entry=entry.id)
             self.output_connector.abandon(outgoing)
             return
+        if outgoing.transport is Transport.NIXL:
+            failpoint(PRODUCER_PUBLISHED)  # fault injection: the payload is out, only our pool holds it
         await self._set_status(
             envelope.request_id,
             RequestState.QUEUED,

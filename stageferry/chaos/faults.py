@@ -1,0 +1,196 @@
+"""The faults a soak injects, when, and how: real signals to real processes, and Redis restarts.
+
+A :class:`FaultPlan` is drawn from a seeded RNG (the seed is printed, so a run can be repeated): each
+fault gets a kind and a random moment in the run window.  :class:`Injector` carries them out against a
+:class:`~stageferry.chaos.cluster.Cluster`:
+
+* ``leader_kill`` / ``follower_kill`` — SIGKILL rank 0, or a rank ≥ 1, of a random replica;
+* ``producer_after_publish`` — arm the ``producer_published`` failpoint; the first producer leader
+  that hands a NIXL payload on freezes right after publishing it, and is SIGKILLed there;
+* ``consumer_mid_read`` — arm ``consumer_read_posted``; the first consumer leader that posts a READ
+  freezes with it in flight, and is SIGKILLed there;
+* ``redis_restart`` — SIGKILL the AOF Redis (as a crash would) and start it again on the same port;
+* ``stall`` — SIGSTOP a random leader for longer than the visibility timeout, then SIGCONT it.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import anyio
+import structlog
+
+from stageferry.chaos import failpoints
+from stageferry.chaos.cluster import Cluster, Replica, signal_pid
+
+log = structlog.get_logger(__name__)
+
+
+class FaultKind(enum.StrEnum):
+    LEADER_KILL = "leader_kill"
+    FOLLOWER_KILL = "follower_kill"
+    PRODUCER_AFTER_PUBLISH = "producer_after_publish"
+    CONSUMER_MID_READ = "consumer_mid_read"
+    REDIS_RESTART = "redis_restart"
+    STALL = "stall"
+
+
+_FAILPOINT_OF = {
+    FaultKind.PRODUCER_AFTER_PUBLISH: failpoints.PRODUCER_PUBLISHED,
+    FaultKind.CONSUMER_MID_READ: failpoints.CONSUMER_READ_POSTED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    at_s: float
+    kind: FaultKind
+
+
+@dataclass(frozen=True, slots=True)
+class FaultPlan:
+    seed: int
+    faults: tuple[Fault, ...]
+
+    @classmethod
+    def draw(cls, seed: int, counts: dict[FaultKind, int], *, window_s: float, start_s: float = 3.0) -> FaultPlan:
+        """``counts[kind]`` faults of each kind at uniformly random moments in ``[start_s, window_s]``."""
+        rng = random.Random(seed)
+        faults = [
+            Fault(round(rng.uniform(start_s, max(start_s, window_s)), 2), kind)
+            for kind, n in counts.items()
+            for _ in range(n)
+        ]
+        return cls(seed=seed, faults=tuple(sorted(faults, key=lambda f: f.at_s)))
+
+
+@dataclass
+class FaultLog:
+    """What was injected (by kind) and what could not be (nobody reached a failpoint in time, etc.)."""
+
+    injected: Counter[str] = field(default_factory=Counter)
+    missed: Counter[str] = field(default_factory=Counter)
+    lines: list[str] = field(default_factory=list)
+
+    def note(self, fault: Fault, started: float, ok: bool, detail: str) -> None:
+        kind = fault.kind
+        (self.injected if ok else self.missed)[kind.value] += 1
+        took = time.monotonic() - started - fault.at_s
+        self.lines.append(f"{fault.at_s:7.1f}s {kind.value:<24} {'ok  ' if ok else 'miss'} {detail} (+{took:.1f}s)")
+        log.info("chaos.fault", kind=kind.value, injected=ok, detail=detail)
+
+
+class Injector:
+    """Carries out a plan against a cluster; the RNG for targets is seeded from the plan too."""
+
+    def __init__(self, cluster: Cluster, plan: FaultPlan, *, stall_s: float, failpoint_wait_s: float = 45.0):
+        self.cluster = cluster
+        self.plan = plan
+        self.stall_s = stall_s
+        self.failpoint_wait_s = failpoint_wait_s
+        self.rng = random.Random(plan.seed + 1)
+        self.log = FaultLog()
+        self._stopped: set[int] = set()
+
+    async def run(self, started: float) -> None:
+        """Inject every fault at its moment (relative to ``started``, a ``time.monotonic()``)."""
+        try:
+            async with anyio.create_task_group() as tg:  # each at its own moment, even while a stall lasts
+                for fault in self.plan.faults:
+                    tg.start_soon(self._one, fault, started)
+        finally:
+            self.resume_all()
+
+    async def _one(self, fault: Fault, started: float) -> None:
+        delay = started + fault.at_s - time.monotonic()
+        if delay > 0:
+            await anyio.sleep(delay)
+        ok, detail = await self.inject(fault.kind)
+        self.log.note(fault, started, ok, detail)
+
+    async def inject(self, kind: FaultKind) -> tuple[bool, str]:
+        if kind is FaultKind.REDIS_RESTART:
+            return await self._restart_redis()
+        if kind in _FAILPOINT_OF:
+            return await self._at_failpoint(_FAILPOINT_OF[kind])
+        if kind is FaultKind.STALL:
+            return await self._stall()
+        return await self._kill_rank(follower=kind is FaultKind.FOLLOWER_KILL)
+
+    async def _pick(self, *, follower: bool) -> tuple[Replica, int, int] | None:
+        """A random (replica, rank, pid) whose group is fully up — a leader, or a follower rank — waiting
+        (bounded) while groups restart after earlier faults."""
+        deadline = time.monotonic() + self.failpoint_wait_s
+        while time.monotonic() < deadline:
+            targets = []
+            for replica in self.cluster.replicas:
+                ranks = replica.ranks()
+                if len(ranks) == replica.tp:
+                    targets += [(replica, r, pid) for r, pid in sorted(ranks.items()) if (r >= 1) == follower]
+            if targets:
+                return self.rng.choice(targets)
+            await anyio.sleep(0.2)
+        return None
+
+    async def _kill_rank(self, *, follower: bool) -> tuple[bool, str]:
+        target = await self._pick(follower=follower)
+        if target is None:
+            return False, "no live target"
+        replica, rank, pid = target
+        ok = signal_pid(pid, signal.SIGKILL)
+        return ok, f"{replica.consumer} rank {rank} pid {pid}"
+
+    async def _at_failpoint(self, name: str) -> tuple[bool, str]:
+        directory = self.cluster.failpoint_dir
+        failpoints.arm(directory, name, hold_s=self.failpoint_wait_s + 30)
+        deadline = time.monotonic() + self.failpoint_wait_s
+        while time.monotonic() < deadline:
+            pids = failpoints.hits(directory, name)
+            if pids:
+                for pid in pids:
+                    signal_pid(pid, signal.SIGKILL)
+                return True, f"pid {pids[0]} at {name}"
+            await anyio.sleep(0.05)
+        failpoints.disarm(directory, name)
+        for pid in failpoints.hits(directory, name):  # reached just as we gave up
+            signal_pid(pid, signal.SIGKILL)
+            return True, f"pid {pid} at {name}"
+        return False, f"nobody reached {name} in {self.failpoint_wait_s}s"
+
+    async def _restart_redis(self) -> tuple[bool, str]:
+        if not self.cluster.redis.running:
+            return False, "Redis is down already (another restart)"
+        await self.cluster.redis.kill()
+        await anyio.sleep(self.rng.uniform(0.2, 1.5))
+        await self.cluster.redis.start()
+        self.cluster.redis_restarts += 1
+        return True, f"SIGKILL + restart on port {self.cluster.redis.port} (AOF)"
+
+    async def _stall(self) -> tuple[bool, str]:
+        target = await self._pick(follower=False)
+        if target is None:
+            return False, "no live leader"
+        replica, _rank, pid = target
+        if not signal_pid(pid, signal.SIGSTOP):
+            return False, f"{replica.consumer} leader gone"
+        self._stopped.add(pid)
+        try:
+            await anyio.sleep(self.stall_s)
+        finally:
+            signal_pid(pid, signal.SIGCONT)
+            self._stopped.discard(pid)
+        return True, f"{replica.consumer} leader pid {pid} stopped {self.stall_s:.1f}s"
+
+    def resume_all(self) -> None:
+        for pid in list(self._stopped):
+            signal_pid(pid, signal.SIGCONT)
+        self._stopped.clear()
+        for name in failpoints.POINTS:
+            failpoints.disarm(self.cluster.failpoint_dir, name)
+            for pid in failpoints.hits(self.cluster.failpoint_dir, name):
+                signal_pid(pid, signal.SIGKILL)

@@ -1,0 +1,378 @@
+"""The fault-injection soak: the whole pipeline under random faults, then a full accounting.
+
+:func:`run_soak` starts a private Redis with AOF (``appendfsync always``) and the stage replicas
+(``encoder`` TP ``enc_tp`` and ``diffusion`` TP ``dif_tp``, ``replicas`` of each, the soak model of
+:mod:`stageferry.chaos.model`), submits ``requests`` jobs of mixed tasks at a steady pace, injects the
+:class:`~stageferry.chaos.faults.FaultPlan` drawn from ``seed`` meanwhile — restarting replicas that
+die, as an orchestrator would — waits until every request is terminal (or the drain bound passes),
+lets leases run out, and audits (:mod:`stageferry.chaos.audit`).  :func:`render` prints the summary.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import redis as sync_redis
+import structlog
+
+from stageferry.broker.keys import Keys
+from stageferry.chaos import audit
+from stageferry.chaos.cluster import Cluster
+from stageferry.chaos.faults import FaultKind, FaultPlan, Injector
+from stageferry.client import Client
+from stageferry.config import PipelineConfig
+from stageferry.errors import ControlPlaneError
+
+log = structlog.get_logger(__name__)
+SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+
+#: The mix of submitted jobs: (kind, weight).  ``fail`` must end failed, ``invalid`` rejected.
+MIX = (("t2va", 55), ("fl2va", 25), ("ref2va", 12), ("fail", 4), ("invalid", 4))
+
+
+@dataclass
+class SoakConfig:
+    requests: int = 200
+    seed: int | None = None
+    replicas: int = 2
+    enc_tp: int = 2
+    dif_tp: int = 4
+    #: Seconds over which requests are submitted (and faults injected); default 0.6 s per request.
+    window_s: float | None = None
+    faults: dict[FaultKind, int] = field(
+        default_factory=lambda: {
+            FaultKind.LEADER_KILL: 2,
+            FaultKind.FOLLOWER_KILL: 2,
+            FaultKind.PRODUCER_AFTER_PUBLISH: 2,
+            FaultKind.CONSUMER_MID_READ: 2,
+            FaultKind.REDIS_RESTART: 2,
+            FaultKind.STALL: 2,
+        }
+    )
+    visibility_s: float = 5.0
+    #: How long a fault may wait for its target: a failpoint to be reached, a group to be up again.
+    fault_wait_s: float = 150.0
+    stage_seconds: float = 0.05
+    steps: int = 4
+    drain_s: float = 300.0
+    work_dir: Path | None = None
+    keep_work_dir: bool = False
+
+    @property
+    def window(self) -> float:
+        return self.window_s if self.window_s is not None else 0.6 * self.requests
+
+
+@dataclass
+class SoakResult:
+    config: SoakConfig
+    seed: int
+    audit: audit.Audit
+    faults: Any
+    restarts: dict[str, int]
+    seconds: float
+    work_dir: Path
+
+
+def pipeline_toml(cfg: SoakConfig) -> str:
+    """The soak's deployment: short visibility and leases, so faults resolve within the run."""
+    v = cfg.visibility_s
+    return f"""
+output_dir = "out"
+
+[[stages]]
+name = "encoder"
+model = "stageferry.chaos.model:factory"
+tp = {cfg.enc_tp}
+device = "cpu"
+
+[[stages]]
+name = "diffusion"
+model = "stageferry.chaos.model:factory"
+tp = {cfg.dif_tp}
+device = "cpu"
+
+[data_plane]
+connector = "nixl"
+cpu_pool_bytes = {200 << 20}
+gpu_pool_bytes = 0
+agent_heartbeat_s = 0.5
+agent_ttl_s = 3.0
+
+[timeouts]
+visibility = {v}
+claim_renew_every = {max(0.5, v / 5)}
+handshake = 5.0
+claim = 8.0
+transfer = 10.0
+lease = 15.0
+pool_wait = 10.0
+resend = 3.0
+redis_unreachable = 90.0
+
+[limits]
+max_deliveries = 6
+max_recomputes = 4
+"""
+
+
+def job_for(kind: str, i: int, steps: int) -> dict[str, Any]:
+    """A job of ``kind`` (media as paths to the bundled samples, which the encoder checks)."""
+    base: dict[str, Any] = {
+        "prompt": f"soak job {i}",
+        "width": 320,
+        "height": 192,
+        "seed": i,
+        "num_inference_steps": steps,
+    }
+    if kind == "fl2va":
+        base.update(task="fl2va", media={"first_frame": {"path": str(SAMPLES / "first_frame.png")},
+                                         "last_frame": {"path": str(SAMPLES / "last_frame.png")}})  # fmt: skip
+    elif kind == "ref2va":
+        base.update(task="ref2va", media={"reference_audio": {"path": str(SAMPLES / "reference_audio.wav")}})
+    elif kind == "fail":
+        base.update(prompt=f"fail job {i}")
+    return base
+
+
+async def _submit_all(cfg: SoakConfig, cluster: Cluster, rng: random.Random, started: float) -> dict[str, str]:
+    """Submit at a steady pace; Redis may be down for a moment (a fault): retry the same id."""
+    expected: dict[str, str] = {}
+    kinds = [k for k, _ in MIX]
+    weights = [w for _, w in MIX]
+    pipeline = PipelineConfig.load(cluster.pipeline_file)
+    async with Client(cluster.url, prefix=cluster.prefix, pipeline=pipeline) as client:
+        for i in range(cfg.requests):
+            delay = started + i * cfg.window / cfg.requests - time.monotonic()
+            if delay > 0:
+                await anyio.sleep(delay)
+            kind = rng.choices(kinds, weights)[0]
+            rid = f"soak-{i:04d}-{kind}"
+            for attempt in range(60):
+                try:
+                    if kind == "invalid":  # a raw entry, as a non-Python client could send: rejected
+                        await _submit_raw(cluster, rid)
+                    else:
+                        await client.submit(job_for(kind, i, cfg.steps), request_id=rid)
+                    break
+                except ControlPlaneError as exc:
+                    log.warning("chaos.submit_retry", request_id=rid, attempt=attempt, error=exc.message)
+                    await anyio.sleep(0.5)
+            else:
+                raise RuntimeError(f"could not submit {rid}: Redis stayed away")
+            expected[rid] = {"fail": "failed", "invalid": "rejected"}.get(kind, "done")
+    return expected
+
+
+async def _submit_raw(cluster: Cluster, rid: str) -> None:
+    def add() -> None:
+        client = cluster.client()
+        try:
+            keys = cluster.keys
+            if client.exists(keys.request(rid)):
+                return
+            client.hset(keys.request(rid), mapping={"state": "queued"})
+            client.xadd(keys.stage_stream("encoder"), {"request_id": rid, "job": '{"prompt": "x", "width": 100000}'})
+        except sync_redis.RedisError as exc:
+            raise ControlPlaneError(f"redis: {exc}") from exc
+        finally:
+            client.close()
+
+    await anyio.to_thread.run_sync(add)
+
+
+async def _keep_alive(cluster: Cluster, stop: anyio.Event) -> None:
+    while not stop.is_set():
+        await anyio.to_thread.run_sync(cluster.revive)
+        await anyio.sleep(0.5)
+
+
+def _states(cluster: Cluster, rids: list[str]) -> Counter[str]:
+    client = cluster.client()
+    try:
+        with client.pipeline(transaction=False) as pipe:
+            for rid in rids:
+                pipe.hget(cluster.keys.request(rid), "state")
+            states = pipe.execute()
+    finally:
+        client.close()
+    return Counter((s or b"missing").decode() for s in states)
+
+
+async def _drain(cfg: SoakConfig, cluster: Cluster, rids: list[str]) -> None:
+    """Until every request is terminal, or ``drain_s`` passes (the audit then reports the rest)."""
+    deadline = time.monotonic() + cfg.drain_s
+    while time.monotonic() < deadline:
+        try:
+            states = await anyio.to_thread.run_sync(_states, cluster, rids)
+        except sync_redis.RedisError:
+            await anyio.sleep(1)
+            continue
+        if sum(states[s] for s in ("done", "failed", "rejected", "cancelled")) == len(rids):
+            return
+        await anyio.sleep(1)
+
+
+async def _settle(cluster: Cluster, baseline: dict[str, dict[str, float]], bound_s: float) -> None:
+    """Wait (bounded) until leases have run out and every live leader is back at its baseline."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        now = await anyio.to_thread.run_sync(_resources, cluster)
+        if all(now[r] is not None and all(now[r].get(w) == baseline.get(r, {}).get(w) for w in audit.AT_REST)  # type: ignore[union-attr]
+               for r in now):  # fmt: skip
+            return
+        await anyio.sleep(1)
+
+
+def _resources(cluster: Cluster) -> dict[str, dict[str, float] | None]:
+    return {r.consumer: audit.scrape_resources(r.metrics_port) for r in cluster.replicas}
+
+
+async def run_soak(cfg: SoakConfig) -> SoakResult:
+    seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(1 << 31)
+    work_dir = cfg.work_dir or Path(tempfile.mkdtemp(prefix="stageferry-soak-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    pipeline_file = work_dir / "pipeline.toml"
+    pipeline_file.write_text(pipeline_toml(cfg))
+    replicas = [
+        (stage, f"{tag}{chr(ord('a') + i)}", tp)
+        for stage, tag, tp in (("encoder", "e", cfg.enc_tp), ("diffusion", "d", cfg.dif_tp))
+        for i in range(cfg.replicas)
+    ]
+    cluster = Cluster(
+        work_dir, prefix=f"soak-{uuid.uuid4().hex[:8]}", pipeline_file=pipeline_file, replicas=replicas,
+        stage_seconds=cfg.stage_seconds,
+    )  # fmt: skip
+    plan = FaultPlan.draw(seed, cfg.faults, window_s=cfg.window * 0.85)
+    injector = Injector(cluster, plan, stall_s=cfg.visibility_s * 1.6 + 1, failpoint_wait_s=cfg.fault_wait_s)
+    await cluster.redis.start()
+    t0 = time.monotonic()
+    try:
+        cluster.start_all()
+        await anyio.to_thread.run_sync(cluster.wait_live)
+        baseline = {k: v for k, v in (await anyio.to_thread.run_sync(_resources, cluster)).items() if v is not None}
+        started = time.monotonic()
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_keep_alive, cluster, stop)
+            async with anyio.create_task_group() as load:  # faults land while jobs flow
+                load.start_soon(injector.run, started)
+                expected = await _submit_all(cfg, cluster, random.Random(seed), started)
+            await _drain(cfg, cluster, list(expected))
+            tg.cancel_scope.cancel()
+        injector.resume_all()
+        await anyio.to_thread.run_sync(cluster.revive)
+        await anyio.to_thread.run_sync(cluster.wait_live)
+        await _settle(cluster, baseline, bound_s=60.0)
+        result = await anyio.to_thread.run_sync(_audit, cfg, cluster, expected, baseline)
+        restarts = {r.consumer: r.restarts for r in cluster.replicas}
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(cluster.stop_all)
+            await cluster.redis.stop()
+    if not cfg.keep_work_dir and cfg.work_dir is None and result.ok:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return SoakResult(cfg, seed, result, injector.log, restarts, time.monotonic() - t0, work_dir)
+
+
+def _audit(
+    cfg: SoakConfig, cluster: Cluster, expected: dict[str, str], baseline: dict[str, dict[str, float]]
+) -> audit.Audit:
+    client = cluster.client()
+    stages = ("encoder", "diffusion")
+    keys: Keys = cluster.keys
+    try:
+        events, reasons = audit.log_tallies(cluster.log_dir)
+        return audit.Audit(
+            outcomes=audit.outcomes(client, keys, expected, stages),
+            streams=audit.stream_state(client, keys, stages),
+            dead_letters=audit.dead_letters(client, keys, stages),
+            resend_backlog=audit.resend_backlog(client, keys),
+            untimed_keys=audit.untimed_keys(client, keys, stages),
+            resources=_resources(cluster),
+            baseline=baseline,
+            final_runs=audit.final_runs(cluster.record_file),
+            log_events=events,
+            fallback_reasons=reasons,
+        )
+    finally:
+        client.close()
+
+
+def render(result: SoakResult) -> str:
+    """The summary table (plain text, stable layout)."""
+    a = result.audit
+    cfg = result.config
+    outs = a.outcomes
+    rows: list[tuple[str, str]] = []
+
+    def row(name: str, value: object) -> None:
+        rows.append((name, str(value)))
+
+    row("seed", result.seed)
+    row(
+        "deployment",
+        f"encoder TP{cfg.enc_tp} x{cfg.replicas}, diffusion TP{cfg.dif_tp} x{cfg.replicas}, CPU, AOF Redis",
+    )
+    row("requests", len(outs))
+    mix = Counter(o.request_id.rsplit("-", 1)[1] for o in outs)
+    row("  by kind", ", ".join(f"{k} {mix[k]}" for k, _ in MIX if mix[k]))
+    row("faults injected", sum(result.faults.injected.values()))
+    for kind in FaultKind:
+        missed = result.faults.missed[kind.value]
+        row(f"  {kind.value}", f"{result.faults.injected[kind.value]}" + (f"  (missed {missed})" if missed else ""))
+    row("replica restarts", sum(result.restarts.values()))
+    row("done", a.count(lambda o: o.state == "done"))
+    failed = Counter(o.code or "?" for o in outs if o.state == "failed")
+    row("failed", sum(failed.values()))
+    for code, n in sorted(failed.items()):
+        scripted = sum(1 for o in outs if o.state == "failed" and o.code == code and o.expected == "failed")
+        row(f"  {code}", f"{n}" + (f"  ({scripted} scripted 'fail' jobs)" if scripted else ""))
+    row("rejected", a.count(lambda o: o.state == "rejected"))
+    row("recomputed (requests)", a.count(lambda o: o.attempt > 0))
+    row("recomputes (events)", a.log_events["recompute"])
+    row("inline fallbacks", a.log_events["inline_fallback"])
+    for reason, n in sorted(a.fallback_reasons.items()):
+        row(f"  {reason}", n)
+    row("done via inline fallback", a.count(lambda o: o.state == "done" and o.fallback))
+    row("fallbacks above the inline cap", a.log_events["fallback_too_large"])
+    row("reclaimed entries", a.log_events["reclaimed"])
+    row("final-stage runs beyond one", sum(max(0, n - 1) for n in a.final_runs.values()))
+    row("late results discarded", a.log_events["done_duplicate"] + a.log_events["handoff_lost"])
+    row("lost", a.lost)
+    row("duplicated", a.duplicated)
+    row("stuck", a.stuck)
+    row("wrong results / corrupted", f"{a.wrong_results} / {a.corrupted}")
+    row("unexpected outcomes", a.unexpected)
+    for stage, info in a.streams.items():
+        row(f"stream {stage}", f"length {info['length']}, pending {info['pending']}, dlq {info['dlq']}")
+    for stage, reasons in a.dead_letters.items():
+        for reason, n in reasons.items():
+            row(f"  dlq {stage}", f"{n} x {reason}")
+    row("resend backlog (dead producers)", a.resend_backlog)
+    row("keys without TTL (leaks)", len(a.untimed_keys))
+    for key in a.untimed_keys[:10]:
+        row("  key", key)
+    leaks = a.resource_leaks()
+    row("live leaders at baseline", f"{len(a.resources) - len({x.split(':')[0] for x in leaks})}/{len(a.resources)}")
+    for leak in leaks:
+        row("  leak", leak)
+    for replica, now in sorted(a.resources.items()):
+        if now is not None:
+            row(f"  {replica}", ", ".join(f"{k}={int(now.get(k, 0))}" for k in ("leases", "pool_slots_in_use",
+                "open_handles", "registrations", "registered_bytes", "remote_agents")))  # fmt: skip
+    row("wall seconds", f"{result.seconds:.0f}")
+    row("verdict", "PASS" if a.ok else "FAIL")
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    bar = "-" * max(len(line) for line in lines)
+    return "\n".join(["fault timeline:", *result.faults.lines, "", bar, *lines, bar])
