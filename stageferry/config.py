@@ -13,7 +13,7 @@ import enum
 import socket
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -43,13 +43,119 @@ class MetadataMode(enum.StrEnum):
     DIRECT = "direct"  #: carried in the envelope as well
 
 
+MAX_GROUP_RANKS = 64
+#: The model of an aggregated stage: it runs its ``parts`` one after the other in one group.
+AGGREGATED_MODEL = "stageferry.stages.aggregated:factory"
+_GroupDim = Annotated[int, Field(ge=1, le=MAX_GROUP_RANKS)]
+
+
+class LayoutForm(enum.StrEnum):
+    """How a stage group's ranks are arranged: rows (the model's sharding group) × columns."""
+
+    TP_SP = "tp_sp"  #: tensor parallel (rows) × sequence parallel (Ulysses, columns)
+    HSDP = "hsdp"  #: HSDP: shard groups (rows) × replicate groups (columns)
+
+
+class GroupLayout(Strict):
+    """A stage group's parallel layout: ``{tp = 2, sp = 2}`` or ``{shard = 2, replicate = 2}``.
+
+    Exactly one form; a missing size of that form is 1.  Ranks are numbered row-major: the row size
+    (``tp`` or ``shard``) is the fastest-varying coordinate, so a TP (or shard) group is a run of
+    consecutive ranks and rank 0 — the leader — sits at coordinates (0, 0)."""
+
+    tp: _GroupDim | None = None
+    sp: _GroupDim | None = None
+    shard: _GroupDim | None = None
+    replicate: _GroupDim | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self) -> GroupLayout:
+        tp_sp = self.tp is not None or self.sp is not None
+        hsdp = self.shard is not None or self.replicate is not None
+        if tp_sp == hsdp:
+            raise ValueError("a layout is either {tp, sp} or {shard, replicate}: exactly one of the two forms")
+        if self.world_size > MAX_GROUP_RANKS:
+            raise ValueError(f"a stage group has at most {MAX_GROUP_RANKS} ranks, this layout has {self.world_size}")
+        return self
+
+    @property
+    def form(self) -> LayoutForm:
+        return LayoutForm.HSDP if self.shard is not None or self.replicate is not None else LayoutForm.TP_SP
+
+    @property
+    def dims(self) -> tuple[str, str]:
+        """The names of the row and column dimensions: ``("tp", "sp")`` or ``("shard", "replicate")``."""
+        return ("shard", "replicate") if self.form is LayoutForm.HSDP else ("tp", "sp")
+
+    @property
+    def row_size(self) -> int:
+        """Ranks per row: the TP (or shard) group size."""
+        return (self.shard if self.form is LayoutForm.HSDP else self.tp) or 1
+
+    @property
+    def rows(self) -> int:
+        """Number of rows: the SP (or replicate) group size."""
+        return (self.replicate if self.form is LayoutForm.HSDP else self.sp) or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.row_size * self.rows
+
+    def describe(self) -> str:
+        row, col = self.dims
+        return f"{row}{self.row_size}x{col}{self.rows}"
+
+
 class StageConfig(Strict):
-    """One stage of the pipeline."""
+    """One stage of the pipeline.
+
+    The group's size and shape come from ``layout``; ``tp = N`` alone is the 1-D layout ``{tp = N}``
+    (and ``tp`` is kept equal to the layout's TP size, 1 for HSDP).  ``parts`` is set on an aggregated
+    stage only: the stages whose models it runs in process, each on the first ranks of the group."""
 
     name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
     model: Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")] = "stageferry.stages.passthrough:factory"
-    tp: Annotated[int, Field(ge=1, le=64)] = 1
+    tp: _GroupDim = 1
+    layout: GroupLayout = GroupLayout(tp=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    parts: Annotated[tuple[StageConfig, ...], Field(max_length=16)] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layout_from_tp(cls, data: Any) -> Any:
+        """``tp`` alone means a 1-D TP layout; ``tp`` next to a layout must agree with it."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        layout = data.get("layout")
+        if layout is None:
+            data["layout"] = {"tp": data.get("tp", 1)}
+            return data
+        layout = GroupLayout.model_validate(layout)
+        layout_tp = layout.row_size if layout.form is LayoutForm.TP_SP else 1
+        if "tp" in data and data["tp"] != layout_tp:
+            raise ValueError(f"tp = {data['tp']} disagrees with layout {layout.describe()}: give one or the other")
+        data["tp"] = layout_tp
+        return data
+
+    @model_validator(mode="after")
+    def _parts_fit(self) -> StageConfig:
+        names = [p.name for p in self.parts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"part names must be unique, got {names}")
+        for part in self.parts:
+            if part.parts:
+                raise ValueError(f"part {part.name!r} of stage {self.name!r} has parts of its own")
+            if part.world_size > self.world_size:
+                raise ValueError(
+                    f"part {part.name!r} needs {part.world_size} ranks, stage {self.name!r} has {self.world_size}"
+                )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the stage group (the product of the layout's sizes)."""
+        return self.layout.world_size
 
 
 class DataPlaneConfig(Strict):
@@ -105,18 +211,69 @@ class Retention(Strict):
     stream_maxlen: Annotated[int, Field(ge=100, le=100_000_000)] = 1_000_000
 
 
-class PipelineConfig(Strict):
-    """A deployment: stages in order (the first reads client jobs, the last stores results)."""
+class Mode(enum.StrEnum):
+    """How the stages are served."""
 
-    stages: Annotated[tuple[StageConfig, ...], Field(min_length=1, max_length=16)] = (
-        StageConfig(name="encoder", model="stageferry.stages.reference.encoder:factory", tp=2),
-        StageConfig(name="diffusion", model="stageferry.stages.reference.diffusion:factory", tp=4),
-    )
+    DISAGGREGATED = "disaggregated"  #: one service (group) per stage; payloads cross over the data plane
+    AGGREGATED = "aggregated"  #: one service whose one group runs every stage's model, payloads in process
+
+
+class AggregatedConfig(Strict):
+    """The one stage of an aggregated pipeline (``mode = "aggregated"``)."""
+
+    name: Annotated[str | None, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")] = None  #: default: the first stage's
+    layout: GroupLayout | None = None  #: default: the layout of the stage with the most ranks
+    device: Literal["auto", "cpu", "cuda"] | None = None  #: default: the first stage's
+
+
+DEFAULT_STAGES = (
+    StageConfig(name="encoder", model="stageferry.stages.reference.encoder:factory", tp=2),
+    StageConfig(name="diffusion", model="stageferry.stages.reference.diffusion:factory", tp=4),
+)
+
+
+class PipelineConfig(Strict):
+    """A deployment: stages in order (the first reads client jobs, the last stores results).
+
+    With ``mode = "aggregated"`` the declared stages become the ``parts`` of one served stage (named
+    after the first, so clients and the raw protocol submit exactly as before); ``stages`` then holds
+    that one stage, and :meth:`disaggregated` gives back the declared ones."""
+
+    mode: Mode = Mode.DISAGGREGATED
+    aggregated: AggregatedConfig = AggregatedConfig()
+    stages: Annotated[tuple[StageConfig, ...], Field(min_length=1, max_length=16)] = DEFAULT_STAGES
     data_plane: DataPlaneConfig = DataPlaneConfig()
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
     retention: Retention = Retention()
     output_dir: str = "out"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aggregate(cls, data: Any) -> Any:
+        """In aggregated mode, fold the declared stages into one stage that runs them as its parts."""
+        if not isinstance(data, dict) or data.get("mode") != Mode.AGGREGATED.value:
+            return data
+        stages = [StageConfig.model_validate(s) for s in data.get("stages", DEFAULT_STAGES)]
+        if len(stages) == 1 and stages[0].parts:
+            return data  # already folded (a dumped config loaded again)
+        agg = AggregatedConfig.model_validate(data.get("aggregated", {}))
+        layout = agg.layout or max(stages, key=lambda s: s.world_size).layout
+        merged = StageConfig(
+            name=agg.name or stages[0].name,
+            model=AGGREGATED_MODEL,
+            layout=layout,
+            device=agg.device or stages[0].device,
+            parts=tuple(stages),
+        )
+        return {**data, "stages": (merged,)}
+
+    def disaggregated(self) -> PipelineConfig:
+        """The pipeline as declared: an aggregated stage's parts as stages of their own.  Their model
+        factories see this, so a model that asks "am I the last stage?" gets the same answer."""
+        if self.mode is Mode.DISAGGREGATED:
+            return self
+        return self.model_copy(update={"mode": Mode.DISAGGREGATED, "stages": self.stages[0].parts})
 
     @model_validator(mode="after")
     def _unique_stage_names(self) -> PipelineConfig:

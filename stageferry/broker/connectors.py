@@ -46,6 +46,8 @@ async def build_connectors(
     """Connectors for ``stage``: none on the input of the first stage, none on the output of the last."""
     has_input = pipeline.previous_stage(stage.name) is not None
     has_output = pipeline.next_stage(stage.name) is not None
+    if not (has_input or has_output):  # a one-stage (e.g. aggregated) pipeline moves no payload
+        return StageConnectors(input=None, output=None)
     cuda = device if device.type == "cuda" else None
     dp = pipeline.data_plane
     connector: Connector

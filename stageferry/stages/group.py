@@ -1,11 +1,11 @@
-"""Stage groups: N tensor-parallel ranks, one leader.
+"""Stage groups: N ranks in a layout (TP, TP × SP, HSDP shard × replicate), one leader.
 
-``stageferry serve <stage> --tp N`` starts a *supervisor* that launches N rank processes (or, under
+``stageferry serve <stage>`` starts a *supervisor* that launches the layout's rank processes (or, under
 torchrun, each process is one rank already).  Rank 0 is the leader: the only rank that talks to Redis
 and to the data plane.  It reads an entry, fetches the payload once, and fans the job, its media and the
-payload out to the followers (:class:`GroupCompute`, over :mod:`stageferry.stages.group_channel`); every
-rank then runs the model.  A miss is fanned out too (``fail``), so followers never wait for a payload
-that will not come.
+payload out to the followers (:class:`GroupCompute`, over :mod:`stageferry.stages.group_channel`, along
+the layout's rows and then columns, :mod:`stageferry.stages.grid`); every rank then runs the model.  A
+miss is fanned out too (``fail``), so followers never wait for a payload that will not come.
 
 Health: the supervisor watches its ranks — if any rank dies, it stops the others and exits non-zero
 (the un-acked entry is then reclaimed by another replica); rank processes die with their supervisor
@@ -35,11 +35,12 @@ import torch.distributed as dist
 
 from stageferry.broker import metrics
 from stageferry.broker.payload_codec import pack_into, plan_payload, unpack
-from stageferry.config import PipelineConfig, StageConfig
+from stageferry.config import GroupLayout, PipelineConfig, StageConfig
 from stageferry.embedded_redis import free_port
 from stageferry.errors import GroupBrokenError, StageFailedError, StageferryError, error_from_code
 from stageferry.logs import bound_request
 from stageferry.schemas import DeviceKind, JobRequest, Manifest
+from stageferry.stages.grid import build_channel
 from stageferry.stages.group_channel import GroupChannel, MessageKind
 from stageferry.stages.model import StageContext, StageModel
 from stageferry.stages.worker import ProgressSink, WorkItem
@@ -61,18 +62,24 @@ def rank_device(stage: StageConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_group(rank: int, world_size: int, device: torch.device) -> GroupChannel:
-    """Join the torch.distributed group (env:// rendezvous); gloo for headers and CPU tensors, NCCL
-    for CUDA tensors when the ranks have GPUs."""
+def init_group(rank: int, layout: GroupLayout, device: torch.device) -> GroupChannel:
+    """Join the torch.distributed group (env:// rendezvous) and build the layout's subgroups
+    (:mod:`stageferry.stages.grid`); gloo for headers and CPU tensors, NCCL for CUDA tensors when the
+    ranks have GPUs."""
+    world_size = layout.world_size
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT, device_id=device)
-        cpu_group = dist.new_group(backend="gloo", timeout=_COLLECTIVE_TIMEOUT)
-        device_group = dist.group.WORLD
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT)
-        cpu_group = device_group = dist.group.WORLD
-    return GroupChannel(rank=rank, world_size=world_size, device=device, cpu_group=cpu_group, device_group=device_group)
+    channel = build_channel(layout, rank, device)
+    assert channel is not None  # every rank of the world is in its stage's layout
+    return channel
+
+
+def cpu_threads(ranks: int) -> int:
+    """Torch threads for one of ``ranks`` CPU ranks sharing this host (oversubscription slows them all)."""
+    return max(1, (os.cpu_count() or 1) // ranks)
 
 
 def rank_context(
@@ -87,17 +94,35 @@ def rank_context(
 ) -> StageContext:
     return StageContext(
         stage=stage.name,
-        rank=channel.rank,
-        world_size=channel.world_size,
         device=channel.device,
         request_id=request_id,
         key=key,
         output_dir=Path(pipeline.output_dir),
         report_progress=progress.report if progress is not None else (lambda step, total: None),
         is_cancelled=(lambda: progress.cancelled) if progress is not None else (lambda: False),
-        process_group=channel.device_group,
         media=media,
+        **placement(channel),
     )
+
+
+def placement(channel: GroupChannel) -> dict[str, Any]:
+    """The :class:`StageContext` fields that place a rank in its group: rank, size and process groups."""
+    groups = channel.model_groups
+    return {
+        "rank": channel.rank,
+        "world_size": channel.world_size,
+        "process_group": groups.process_group,
+        "groups": dict(groups.groups),
+        "coords": dict(groups.coords),
+        "tp_rank": groups.tp_rank if groups.tp_size else channel.rank,
+        "tp_size": groups.tp_size or channel.world_size,
+    }
+
+
+def report_counts(channel: GroupChannel) -> tuple[list[list[int]], list[list[int]]]:
+    """Every rank's ``[puts, gets]`` and ``[jobs, fails, payload bytes]`` (collective: all ranks call it)."""
+    calls = channel.gather_counts(list(connector_calls()))
+    return calls, channel.gather_counts(channel.receipts())
 
 
 def connector_calls() -> tuple[int, int]:
@@ -118,6 +143,7 @@ class GroupCompute:
         self.pipeline = pipeline
         self.channel = channel
         self.rank_calls: list[list[int]] = []
+        self.rank_receipts: list[list[int]] = []
         self._lock = threading.Lock()  # one message at a time on the channel
         self._last_sent = time.monotonic()
         self.broken = False
@@ -179,12 +205,13 @@ class GroupCompute:
             await anyio.to_thread.run_sync(self._send, MessageKind.NOOP, {})
 
     async def close(self) -> None:
-        """Release the followers; every rank then reports its connector calls (``rank_calls``)."""
+        """Release the followers; every rank then reports its connector calls (``rank_calls``) and the
+        messages it sent or received (``rank_receipts``: jobs, fails, payload bytes)."""
 
         def stop() -> None:
             self._send(MessageKind.STOP, {})
             with self._collectives():
-                self.rank_calls = self.channel.gather_counts(list(connector_calls()))
+                self.rank_calls, self.rank_receipts = report_counts(self.channel)
 
         if not self.broken:
             await anyio.to_thread.run_sync(stop)
@@ -213,9 +240,14 @@ def _packed(item: WorkItem) -> tuple[Manifest | None, dict[DeviceKind, torch.Ten
         return None, None
     if item.manifest is not None and item.regions is not None:
         return item.manifest, dict(item.regions)
-    plan = plan_payload(item.payload)
+    return pack_payload(item.payload)
+
+
+def pack_payload(payload: Any) -> tuple[Manifest, dict[DeviceKind, torch.Tensor]]:
+    """Pack ``payload`` into fresh region buffers (one per memory kind), as a connector would."""
+    plan = plan_payload(payload)
     buffers = {
-        r.device: torch.empty(r.nbytes, dtype=torch.uint8, device=_device_of(item.payload, r.device))
+        r.device: torch.empty(r.nbytes, dtype=torch.uint8, device=_device_of(payload, r.device))
         for r in plan.manifest.regions
     }
     pack_into(plan, buffers)
@@ -245,8 +277,18 @@ def follow(model: StageModel, stage: StageConfig, pipeline: PipelineConfig, chan
         header = message.header
         if message.kind is MessageKind.STOP:
             puts, gets = connector_calls()
-            channel.gather_counts([puts, gets])
-            log.info("group.follower_stopping", stage=stage.name, rank=channel.rank, puts=puts, gets=gets)
+            report_counts(channel)
+            jobs, fails, nbytes = channel.receipts()
+            log.info(
+                "group.follower_stopping",
+                stage=stage.name,
+                rank=channel.rank,
+                puts=puts,
+                gets=gets,
+                jobs=jobs,
+                fails=fails,
+                bytes=nbytes,
+            )
             return
         if message.kind is MessageKind.NOOP:
             continue
@@ -296,25 +338,26 @@ def die_with_parent(*, follower: bool) -> None:
         pass
 
 
-def supervise(stage: str, tp: int, *, env: dict[str, str]) -> int:
-    """Start ``tp`` rank processes of ``stage`` and watch them; returns the group's exit code."""
+def supervise(stage: str, world_size: int, *, env: dict[str, str], args: tuple[str, ...] = ()) -> int:
+    """Start ``world_size`` rank processes of ``stage`` (each ``serve stage *args``) and watch them;
+    returns the group's exit code."""
     port = free_port()
     base = dict(
         os.environ,
         **env,
-        WORLD_SIZE=str(tp),
+        WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         STAGEFERRY_GROUP_CHILD="1",
     )
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "stageferry", "serve", stage, "--tp", str(tp)],
+            [sys.executable, "-m", "stageferry", "serve", stage, *args],
             env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
         )
-        for rank in range(tp)
+        for rank in range(world_size)
     ]
-    log.info("group.started", stage=stage, tp=tp, pids=[p.pid for p in procs])
+    log.info("group.started", stage=stage, tp=world_size, ranks=world_size, pids=[p.pid for p in procs])
     draining = False
 
     def drain(signum: int, _frame: Any) -> None:

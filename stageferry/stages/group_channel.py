@@ -13,13 +13,21 @@ ranks have GPUs).  Message kinds:
 
 After a job every rank contributes to one all-reduce of a failure flag, so a model error on any rank
 fails the request on the leader instead of leaving the group out of step.
+
+**Routes.** A 1-D group broadcasts each piece once, over the whole group.  A grid (TP × SP, HSDP shard ×
+replicate; :mod:`stageferry.stages.grid`) gives every rank a *route*: the broadcasts it takes part in,
+in order — the leader's row first, then each row member down its column.  Every piece of every message
+follows the same route, so each rank receives each message exactly once, from exactly one sender, and
+relays it on (from the buffer it just received into) when it is a row member.  Each rank counts the
+messages it sent or received (:meth:`GroupChannel.receipts`), so tests can check that.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -50,20 +58,63 @@ class Message:
     manifest: Manifest | None
 
 
-class GroupChannel:
-    """The collectives of one stage group, as seen from one rank."""
+@dataclass(frozen=True, slots=True)
+class Hop:
+    """One broadcast on a rank's route: from global rank ``src`` over a gloo group (headers, CPU
+    regions) and its device twin (CUDA regions; the same group on CPU-only ranks)."""
 
-    def __init__(self, *, rank: int, world_size: int, device: torch.device, cpu_group: Any, device_group: Any):
+    src: int
+    cpu_group: Any
+    device_group: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ModelGroups:
+    """The process groups a model computes over, from this rank: ``process_group`` is the TP group (the
+    HSDP shard group), ``groups`` names every dimension's group (``tp``/``sp`` or ``shard``/``replicate``,
+    and ``world``; ``None`` for a dimension of size 1) and ``coords`` this rank's index along each."""
+
+    process_group: Any = None
+    groups: Mapping[str, Any] = field(default_factory=dict)
+    coords: Mapping[str, int] = field(default_factory=dict)
+    tp_rank: int = -1  #: this rank's index in ``process_group`` (-1: the channel's rank)
+    tp_size: int = 0  #: ``process_group``'s size (0: the channel's world size)
+
+
+class GroupChannel:
+    """The collectives of one stage group, as seen from one rank.
+
+    ``cpu_group``/``device_group`` span the whole group (failure flags, counters); messages travel along
+    ``route`` (by default one broadcast from rank 0 over the whole group)."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        cpu_group: Any,
+        device_group: Any,
+        route: Sequence[Hop] | None = None,
+        model_groups: ModelGroups | None = None,
+    ):
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.cpu_group = cpu_group
         self.device_group = device_group
+        self.route = tuple(route) if route is not None else (Hop(0, cpu_group, device_group),)
+        self.model_groups = model_groups or ModelGroups(process_group=device_group, groups={"world": device_group})
+        self._counts: collections.Counter[str] = collections.Counter()
 
     @classmethod
     def solo(cls, device: torch.device) -> GroupChannel:
         """A group of one rank: every message and collective is a no-op."""
         return cls(rank=0, world_size=1, device=device, cpu_group=None, device_group=None)
+
+    def receipts(self) -> list[int]:
+        """``[jobs, fails, payload bytes]`` this rank sent (the leader) or received (a follower)."""
+        return [self._counts[MessageKind.JOB.value], self._counts[MessageKind.FAIL.value], self._counts["bytes"]]
 
     # ------------------------------------------------------------------ leader
 
@@ -79,6 +130,7 @@ class GroupChannel:
         """Broadcast one message from the leader (rank 0)."""
         if self.world_size == 1:
             return
+        self._count(kind, manifest)
         media = dict(media or {})
         body = dict(header or {})
         body["kind"] = kind.value
@@ -110,6 +162,7 @@ class GroupChannel:
             validate_manifest(manifest, max_payload_bytes=1 << 40)
             for region in manifest.regions:
                 buffers[region.device] = self._receive_region(region.nbytes, region.device)
+        self._count(kind, manifest)
         return Message(kind=kind, header=body, media=media, buffers=buffers, manifest=manifest)
 
     # ------------------------------------------------------------------ every rank
@@ -133,11 +186,21 @@ class GroupChannel:
 
     # ------------------------------------------------------------------ internals
 
+    def _count(self, kind: MessageKind, manifest: Manifest | None) -> None:
+        self._counts[kind.value] += 1
+        if manifest is not None:
+            self._counts["bytes"] += manifest.total_bytes
+
+    def _propagate(self, buf: torch.Tensor, kind: DeviceKind = DeviceKind.CPU) -> None:
+        """Move ``buf`` along this rank's route: after it, ``buf`` holds what the leader sent."""
+        for hop in self.route:
+            dist.broadcast(buf, src=hop.src, group=hop.device_group if kind is DeviceKind.CUDA else hop.cpu_group)
+
     def _broadcast_bytes(self, data: bytes | None, *, expect: int | None = None) -> bytes:
         """Length, then bytes, from rank 0 over the gloo group; returns what rank 0 sent."""
         length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
         if expect is None:
-            dist.broadcast(length, src=0, group=self.cpu_group)
+            self._propagate(length)
         else:
             length[0] = expect
         n = int(length.item())
@@ -149,20 +212,17 @@ class GroupChannel:
             buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         else:
             buf = torch.empty(n, dtype=torch.uint8)
-        dist.broadcast(buf, src=0, group=self.cpu_group)
+        self._propagate(buf)
         return data if data is not None else buf.numpy().tobytes()
-
-    def _group_for(self, kind: DeviceKind) -> Any:
-        return self.device_group if kind is DeviceKind.CUDA else self.cpu_group
 
     def _broadcast_region(self, buf: torch.Tensor, kind: DeviceKind) -> None:
         if kind is DeviceKind.CUDA and buf.device != self.device:
             buf = buf.to(self.device)
-        dist.broadcast(buf.contiguous(), src=0, group=self._group_for(kind))
+        self._propagate(buf.contiguous(), kind)
 
     def _receive_region(self, nbytes: int, kind: DeviceKind) -> torch.Tensor:
         device = self.device if kind is DeviceKind.CUDA else torch.device("cpu")
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if nbytes:
-            dist.broadcast(buf, src=0, group=self._group_for(kind))
+            self._propagate(buf, kind)
         return buf

@@ -11,7 +11,7 @@ used; followers compute their shard and return whatever they like.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +38,19 @@ class StageContext:
     is_cancelled: Callable[[], bool] = lambda: False
     process_group: Any = None
     media: dict[str, bytes] = field(default_factory=dict)
+    #: Every dimension's group of the stage's layout (``tp``/``sp`` or ``shard``/``replicate``, and
+    #: ``world``; ``None`` for a dimension of size 1) and this rank's index along each.  ``process_group``
+    #: is the TP group (the HSDP shard group); ``tp_rank``/``tp_size`` are this rank's place in it (they
+    #: default to ``rank``/``world_size``, which is what they are in a 1-D TP group).
+    groups: Mapping[str, Any] = field(default_factory=dict)
+    coords: Mapping[str, int] = field(default_factory=dict)
+    tp_rank: int = -1
+    tp_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tp_size == 0:
+            object.__setattr__(self, "tp_rank", self.rank)
+            object.__setattr__(self, "tp_size", self.world_size)
 
 
 @dataclass(frozen=True, slots=True)

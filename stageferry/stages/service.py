@@ -1,9 +1,10 @@
-"""``stageferry serve <stage>``: one replica of a stage — a single process, or a TP group of ranks.
+"""``stageferry serve <stage>``: one replica of a stage — a single process, or a group of ranks in the
+stage's layout (TP, TP × SP, HSDP; an aggregated stage is such a group too).
 
 A replica runs until SIGTERM/SIGINT (it then drains: finishes the entry in hand and exits 0), or until
 Redis has been unreachable for longer than ``timeouts.redis_unreachable`` (it then exits non-zero so that
-a supervisor restarts it; it never hangs silently).  With ``tp > 1`` the process becomes the group's
-supervisor (:func:`stageferry.stages.group.supervise`); under torchrun (``WORLD_SIZE`` set) each process
+a supervisor restarts it; it never hangs silently).  With more than one rank the process becomes the
+group's supervisor (:func:`stageferry.stages.group.supervise`); under torchrun (``WORLD_SIZE`` set) each process
 is one rank.
 """
 
@@ -20,10 +21,18 @@ import torch
 from stageferry.broker.connectors import build_connectors
 from stageferry.broker.keys import Keys
 from stageferry.broker.redis_conn import open_client, wait_until_reachable
-from stageferry.config import PipelineConfig, Settings, StageConfig
+from stageferry.config import GroupLayout, PipelineConfig, Settings, StageConfig
 from stageferry.errors import ConfigError
 from stageferry.logs import EventSink, configure_logging
-from stageferry.stages.group import GroupCompute, die_with_parent, follow, init_group, rank_device, supervise
+from stageferry.stages.group import (
+    GroupCompute,
+    cpu_threads,
+    die_with_parent,
+    follow,
+    init_group,
+    rank_device,
+    supervise,
+)
 from stageferry.stages.group_channel import GroupChannel
 from stageferry.stages.model import load_model
 from stageferry.stages.worker import StageWorker
@@ -34,17 +43,19 @@ log = structlog.get_logger(__name__)
 def run_service(settings: Settings, pipeline: PipelineConfig, stage_name: str, *, tp: int | None = None) -> int:
     """The ``serve`` command: returns the process exit code."""
     stage = pipeline.stage(stage_name)
-    if tp is not None and tp != stage.tp:
-        stage = stage.model_copy(update={"tp": tp})
+    if tp is not None and stage.layout != GroupLayout(tp=tp):  # --tp N: the 1-D layout {tp = N}
+        stage = StageConfig.model_validate({**stage.model_dump(exclude={"layout", "tp"}), "tp": tp})
     if settings.redis_url is None:
         raise ConfigError("no Redis configured: set STAGEFERRY_REDIS_URL (or use `stageferry up`)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        if world != stage.tp:
-            raise ConfigError(f"WORLD_SIZE={world} but stage {stage.name} has tp={stage.tp}")
+        if world != stage.world_size:
+            raise ConfigError(
+                f"WORLD_SIZE={world} but stage {stage.name} has {stage.world_size} ranks ({stage.layout.describe()})"
+            )
         rank = int(os.environ["RANK"])
         return _run_rank(settings, pipeline, stage, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
-    if stage.tp > 1:
+    if stage.world_size > 1:
         configure_logging(fmt=settings.log_format, level=settings.log_level, service=f"{stage.name}-group")
         child_env = {
             "STAGEFERRY_REDIS_URL": settings.redis_url,
@@ -52,7 +63,7 @@ def run_service(settings: Settings, pipeline: PipelineConfig, stage_name: str, *
             "STAGEFERRY_REPLICA": settings.replica,
             **({"STAGEFERRY_PIPELINE": str(settings.pipeline)} if settings.pipeline else {}),
         }
-        return supervise(stage.name, stage.tp, env=child_env)
+        return supervise(stage.name, stage.world_size, env=child_env, args=("--tp", str(tp)) if tp else ())
     configure_logging(fmt=settings.log_format, level=settings.log_level, service=stage.name)
     device = rank_device(stage, 0)
     compute = GroupCompute(load_model(stage, pipeline), stage, pipeline, GroupChannel.solo(device))
@@ -66,10 +77,10 @@ def _run_rank(settings: Settings, pipeline: PipelineConfig, stage: StageConfig, 
     configure_logging(fmt=settings.log_format, level=settings.log_level, service=f"{stage.name}-rank{rank}")
     device = rank_device(stage, local_rank)
     if device.type == "cpu":  # ranks share the host's cores; oversubscribed threads only slow every rank
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // stage.tp))
+        torch.set_num_threads(cpu_threads(stage.world_size))
     code = 1
     try:
-        channel = init_group(rank, stage.tp, device)
+        channel = init_group(rank, stage.layout, device)
         model = load_model(stage, pipeline)
         if rank == 0:
             anyio.run(serve_leader, settings, pipeline, stage, GroupCompute(model, stage, pipeline, channel))
@@ -129,7 +140,13 @@ async def serve_leader(settings: Settings, pipeline: PipelineConfig, stage: Stag
     finally:
         with anyio.CancelScope(shield=True):
             await compute.close()
-            log.info("group.stopped", stage=stage.name, rank_calls=compute.rank_calls)
+            log.info(
+                "group.stopped",
+                stage=stage.name,
+                layout=stage.layout.describe(),
+                rank_calls=compute.rank_calls,
+                rank_receipts=compute.rank_receipts,
+            )
 
 
 async def _drain_on_signal(worker: StageWorker) -> None:

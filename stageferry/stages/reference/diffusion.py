@@ -81,9 +81,9 @@ class ReferenceDiffusion:
 
     def nets(self, ctx: StageContext, hidden: int) -> _Nets:
         """This rank's shard, built on first use: the factory does not know the rank."""
-        key = (ctx.rank, ctx.world_size, str(ctx.device), id(ctx.process_group), hidden)
+        key = (ctx.tp_rank, ctx.tp_size, str(ctx.device), id(ctx.process_group), hidden)
         if key not in self._nets:
-            self._nets[key] = _Nets(self.cfg, TP(ctx.process_group, ctx.rank, ctx.world_size, ctx.device), hidden)
+            self._nets[key] = _Nets(self.cfg, TP(ctx.process_group, ctx.tp_rank, ctx.tp_size, ctx.device), hidden)
         return self._nets[key]
 
     def __call__(self, job: JobRequest, payload: Any | None, ctx: StageContext) -> FinalOutput | None:

@@ -65,9 +65,9 @@ class ReferenceEncoder:
 
     def nets(self, ctx: StageContext) -> _Nets:
         """This rank's shard, built on first use: the factory does not know the rank."""
-        key = (ctx.rank, ctx.world_size, str(ctx.device), id(ctx.process_group))
+        key = (ctx.tp_rank, ctx.tp_size, str(ctx.device), id(ctx.process_group))
         if key not in self._nets:
-            self._nets[key] = _Nets(self.cfg, TP(ctx.process_group, ctx.rank, ctx.world_size, ctx.device))
+            self._nets[key] = _Nets(self.cfg, TP(ctx.process_group, ctx.tp_rank, ctx.tp_size, ctx.device))
         return self._nets[key]
 
     def __call__(self, job: JobRequest, payload: Any | None, ctx: StageContext) -> dict[str, Any]:
