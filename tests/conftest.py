@@ -27,6 +27,11 @@ def prefix(redis_url: str) -> Iterator[str]:
     """A key prefix of this test's own; every key under it is deleted at the end."""
     name = f"t-{uuid.uuid4().hex[:12]}"
     yield name
+    delete_prefix(redis_url, name)
+
+
+def delete_prefix(redis_url: str, name: str) -> None:
+    """Delete every key under ``name:`` (a test's own prefix)."""
     client = sync_redis.Redis.from_url(redis_url)
     try:
         keys = list(client.scan_iter(match=f"{name}:*", count=1000))

@@ -1,0 +1,117 @@
+"""The ASGI app: one :class:`~stageferry.client.Client` (one Redis pool) for the app's lifetime, the routes,
+metrics middleware, and the handlers that turn every error into a JSON body — never an HTML page or a
+bare 500 for input the client got wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from stageferry.client import DEFAULT_REDIS_URL, Client
+from stageferry.config import PipelineConfig, Settings
+from stageferry.errors import StageferryError
+from stageferry.gateway.errors import ApiError, field_error
+from stageferry.gateway.metrics import MetricsMiddleware
+from stageferry.gateway.routes import error_response, router
+from stageferry.gateway.service import VideoService
+from stageferry.launcher import FRESH_HEARTBEAT_S
+from stageferry.logs import EventSink
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """What one gateway serves: a deployment (Redis, prefix, pipeline) and its HTTP-side settings."""
+
+    redis_url: str = DEFAULT_REDIS_URL
+    prefix: str = "sf"
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    #: ``model`` in answers when the request named none.
+    model_name: str = "stageferry"
+    #: Longest a synchronous request waits; ``None`` is the pipeline's request deadline.
+    sync_timeout_s: float | None = None
+    #: A stage counts as live when a worker's heartbeat is at most this old.
+    health_fresh_s: float = FRESH_HEARTBEAT_S
+    #: Run the process's :class:`~stageferry.logs.EventSink` (one per process: off when embedding the app
+    #: next to another sink).
+    trace_events: bool = True
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **overrides: object) -> GatewayConfig:
+        """The configured deployment (``STAGEFERRY_REDIS_URL``/``PREFIX``/``PIPELINE``), plus overrides."""
+        base = cls(
+            redis_url=settings.redis_url or DEFAULT_REDIS_URL,
+            prefix=settings.prefix,
+            pipeline=settings.load_pipeline(),
+        )
+        return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """The gateway app for ``config``; Redis is connected lazily on first use, closed at shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with (
+            Client(config.redis_url, prefix=config.prefix, pipeline=config.pipeline) as client,
+            anyio.create_task_group() as tg,
+        ):
+            if config.trace_events:  # the gateway's events (submitted, timed out, ...) join each request's trace
+                await tg.start(EventSink(client.store).run)
+            app.state.videos = VideoService(client, model_name=config.model_name)
+            app.state.sync_timeout_s = config.sync_timeout_s or config.pipeline.timeouts.request
+            app.state.health_fresh_s = config.health_fresh_s
+            log.info("gateway.started", prefix=config.prefix, stages=[s.name for s in config.pipeline.stages])
+            yield
+            log.info("gateway.stopped")
+            tg.cancel_scope.cancel()
+
+    app = FastAPI(
+        title="stageferry gateway",
+        summary="vLLM-Omni compatible /v1/videos API in front of a stageferry pipeline",
+        version="1",
+        lifespan=lifespan,
+    )
+    app.include_router(router)
+    app.add_middleware(MetricsMiddleware)
+    _install_error_handlers(app)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StageferryError)
+    async def stageferry_error(_request: Request, exc: StageferryError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            field_error(".".join(str(p) for p in e.get("loc", ())[1:]) or "request", str(e.get("msg", "")), e["type"])
+            for e in exc.errors()[:20]
+        ]
+        return error_response(ApiError(400, "invalid_form", "invalid request parameters", field_errors=errors))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(ApiError(exc.status_code, code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("gateway.internal_error", error=type(exc).__name__)
+        return error_response(ApiError(500, "internal", f"internal error: {type(exc).__name__}"))

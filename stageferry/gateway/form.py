@@ -1,0 +1,310 @@
+"""vLLM-Omni's video form → a stageferry job: field names, conversions, media slots, and clear refusals.
+
+vLLM-Omni (``POST /v1/videos`` and ``/v1/videos/sync``) takes multipart fields named after OpenAI's
+videos API plus diffusion extensions; MiniMax-H3 style models add ``extra_params`` (JSON) with
+``task``, ``duration``, ``aspect_ratio`` and ``audio_flow_shift``.  This module maps each onto a
+:class:`~stageferry.schemas.JobRequest` field and records where every job field came from, so that a
+field error names the field *as the client sent it* (``extra_params.audio_flow_shift``, ``seconds``).
+
+Anything with no equivalent here — an unknown field or ``extra_params`` key, a Wan2.2-only knob such as
+``guidance_scale_2``, a LoRA given by path — is a 400 naming it, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from stageferry.gateway.errors import field_error, invalid, invalid_fields
+from stageferry.gateway.uploads import ParsedForm, UploadedFile
+from stageferry.schemas import MediaInputs
+from stageferry.schemas.validation import field_errors
+
+#: Text fields whose value may carry a whole upload as a data URL.
+DATA_URL_FIELDS = ("image_reference", "audio_reference")
+#: vLLM-Omni fields with no equivalent in this pipeline: refused by name rather than ignored.
+UNSUPPORTED_FIELDS = frozenset({
+    "guidance_scale_2", "boundary_ratio", "true_cfg_scale", "enable_frame_interpolation", "frame_interpolation_exp",
+    "frame_interpolation_scale", "frame_interpolation_model_path", "generate_sound", "sound_duration", "video_params",
+})  # fmt: skip
+#: Keys of ``extra_params`` and the job field each one sets.
+EXTRA_PARAMS = {
+    "task": "task",
+    "duration": "duration",
+    "aspect_ratio": "aspect_ratio",
+    "audio_flow_shift": "audio_flow_shift",
+    "num_frames": "num_frames",
+    "negative_prompt": "negative_prompt",
+    "guidance_scale": "guidance",
+    "lora": "lora",
+}
+#: Named aspect ratios → the default size used when the request gives no width/height (multiples of 16).
+ASPECT_SIZES = {"16:9": (1344, 768), "9:16": (768, 1344), "1:1": (1024, 1024), "4:3": (1152, 864), "3:4": (864, 1152)}
+#: How far width/height may be from a stated aspect ratio (1344×768 is 1.6 % off 16:9).
+ASPECT_TOLERANCE = 0.06
+#: Upload fields: stageferry's own media names, then vLLM-Omni's.
+MEDIA_FIELDS = (*MediaInputs.model_fields, "input_reference", "last_image", "input_references")
+
+
+class VideoForm(BaseModel):
+    """The text fields of ``POST /v1/videos[/sync]`` (multipart; files are listed in the OpenAPI schema)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: str = Field(description="What to generate.")
+    model: str | None = Field(None, description="Echoed back; the deployment decides the model.")
+    user: str | None = Field(None, description="Caller's identifier (accepted, not used).")
+    negative_prompt: str | None = None
+    seconds: Annotated[float, Field(gt=0)] | None = Field(None, description="Duration; same as extra_params.duration.")
+    size: Annotated[str, Field(pattern=r"^\d+x\d+$")] | None = Field(None, description="WIDTHxHEIGHT.")
+    width: int | None = None
+    height: int | None = None
+    fps: int | None = None
+    num_frames: int | None = None
+    num_inference_steps: int | None = None
+    seed: int | None = None
+    flow_shift: float | None = None
+    guidance_scale: float | None = Field(None, description="Maps to the job's guidance.")
+    aspect_ratio: str | None = Field(None, description="e.g. 16:9; also accepted in extra_params.")
+    lora: str | None = Field(None, description='A configured adapter: a name, or JSON {"name": ...}.')
+    extra_params: str | None = Field(
+        None, description="JSON object: task, duration, aspect_ratio, audio_flow_shift, num_frames, negative_prompt."
+    )
+    image_reference: str | None = Field(None, description='JSON {"image_url": "data:image/png;base64,..."}.')
+    audio_reference: str | None = Field(None, description='JSON {"audio_url": "data:audio/wav;base64,..."}.')
+
+
+def openapi_request_body() -> dict[str, Any]:
+    """The multipart request body for the OpenAPI document: the text fields plus the upload fields."""
+    schema = VideoForm.model_json_schema()
+    for name in MEDIA_FIELDS:
+        file_schema = {"type": "string", "format": "binary"}
+        schema["properties"][name] = (
+            {"type": "array", "items": file_schema} if name == "input_references" else dict(file_schema)
+        )
+    return {"content": {"multipart/form-data": {"schema": schema}}, "required": True}
+
+
+@dataclass(slots=True)
+class MappedJob:
+    """The job data, the media bytes by slot, and where each job field came from in the form."""
+
+    job: dict[str, Any]
+    uploads: dict[str, bytes]
+    origin: dict[str, str] = field(default_factory=dict)
+    model: str | None = None
+
+
+class _Builder:
+    """Collects job fields from several sources; one field set twice to different values is an error."""
+
+    def __init__(self) -> None:
+        self.job: dict[str, Any] = {}
+        self.origin: dict[str, str] = {}
+        self.uploads: dict[str, bytes] = {}
+        self.errors: list[dict[str, Any]] = []
+
+    def put(self, job_field: str, value: Any, source: str) -> None:
+        if value is None:
+            return
+        if job_field in self.job and self.job[job_field] != value:
+            first = self.origin[job_field]
+            self.errors.append(field_error(source, f"conflicts with {first} ({self.job[job_field]!r})", "conflict"))
+            return
+        self.job[job_field] = value
+        self.origin.setdefault(job_field, source)
+
+    def media(self, slot: str, data: bytes, source: str) -> None:
+        if slot in self.uploads:
+            message = f"a second {slot} (the first came from {self.origin['media.' + slot]})"
+            self.errors.append(field_error(source, message, "duplicate_media"))
+            return
+        self.uploads[slot] = data
+        self.origin["media." + slot] = source
+
+
+def map_form(form: ParsedForm) -> MappedJob:
+    """The job for a parsed form; :class:`ApiError` (400) naming every field that cannot be mapped."""
+    unknown = [name for name in form.fields if name not in VideoForm.model_fields]
+    errors = [
+        field_error(n, "not supported by this deployment", "unsupported")
+        if n in UNSUPPORTED_FIELDS
+        else field_error(n, "unknown field", "unknown_field")
+        for n in unknown
+    ]
+    errors += [field_error(f.field, "unknown upload field", "unknown_field") for f in form.files
+               if f.field not in MEDIA_FIELDS]  # fmt: skip
+    if errors:
+        raise invalid_fields(errors)
+    try:
+        parsed = VideoForm.model_validate(form.fields)
+    except ValidationError as exc:
+        raise invalid_fields(field_errors(exc)) from exc
+
+    b = _Builder()
+    for name in ("prompt", "negative_prompt", "width", "height", "fps", "num_frames", "num_inference_steps", "seed",
+                 "flow_shift"):  # fmt: skip
+        b.put(name, getattr(parsed, name), name)
+    b.put("guidance", parsed.guidance_scale, "guidance_scale")
+    b.put("duration", parsed.seconds, "seconds")
+    if parsed.size is not None:
+        width, height = (int(v) for v in parsed.size.split("x"))
+        b.put("width", width, "size")
+        b.put("height", height, "size")
+    if parsed.lora is not None:
+        b.put("lora", _lora_name(parsed.lora, "lora"), "lora")
+    aspect: tuple[str, str] | None = (parsed.aspect_ratio, "aspect_ratio") if parsed.aspect_ratio else None
+    for key, value in _extra_params(parsed.extra_params).items():
+        source = f"extra_params.{key}"
+        if key == "aspect_ratio":
+            if aspect is not None and aspect[0] != value:
+                b.errors.append(field_error(source, f"conflicts with {aspect[1]} ({aspect[0]!r})", "conflict"))
+            aspect = (str(value), source)
+        elif key == "lora":
+            b.put("lora", _lora_name(value, source), source)
+        else:
+            b.put(EXTRA_PARAMS[key], value.lower() if key == "task" and isinstance(value, str) else value, source)
+    if aspect is not None:
+        _apply_aspect(b, *aspect)
+    _map_media(b, form, parsed)
+    if b.errors:
+        raise invalid_fields(b.errors)
+    return MappedJob(job=b.job, uploads=b.uploads, origin=b.origin, model=parsed.model)
+
+
+def _extra_params(raw: str | None) -> dict[str, Any]:
+    if raw is None or not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise invalid("extra_params", "not valid JSON", "json_invalid") from None
+    if not isinstance(value, dict):
+        raise invalid("extra_params", "must be a JSON object", "dict_type")
+    unknown = [k for k in value if k not in EXTRA_PARAMS]
+    if unknown:
+        allowed = ", ".join(EXTRA_PARAMS)
+        raise invalid_fields([field_error(f"extra_params.{k}", f"unknown key (known: {allowed})", "unknown_field")
+                              for k in unknown])  # fmt: skip
+    return value
+
+
+def _lora_name(raw: Any, source: str) -> str:
+    """An adapter name from ``"name"``, ``{"name": ...}`` (vLLM-Omni's aliases too); paths are refused."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw) if raw.lstrip().startswith("{") else raw
+        except ValueError:
+            raise invalid(source, "not valid JSON", "json_invalid") from None
+    if isinstance(raw, str):
+        return raw
+    if not isinstance(raw, dict):
+        raise invalid(source, "give an adapter name or a JSON object with 'name'", "lora_type")
+    names = [raw[k] for k in ("name", "lora_name", "adapter") if k in raw]
+    for key in raw:
+        if key in ("path", "lora_path", "local_path", "int_id", "lora_int_id"):
+            raise invalid(f"{source}.{key}", "only configured adapters, by name, can be used", "unsupported")
+        if key in ("scale", "lora_scale") and raw[key] != 1 and raw[key] != 1.0:
+            raise invalid(f"{source}.{key}", "adapter scales other than 1.0 are not supported", "unsupported")
+        if key not in ("name", "lora_name", "adapter", "scale", "lora_scale"):
+            raise invalid(f"{source}.{key}", "unknown key", "unknown_field")
+    if len(names) != 1 or not isinstance(names[0], str):
+        raise invalid(source, "give exactly one adapter name", "lora_type")
+    return names[0]
+
+
+def _apply_aspect(b: _Builder, ratio: str, source: str) -> None:
+    """A named ratio sets the size when none is given, and must agree with the size when one is."""
+    match = re.fullmatch(r"\s*(\d{1,3})\s*:\s*(\d{1,3})\s*", ratio)
+    if match is None or int(match[1]) == 0 or int(match[2]) == 0:
+        b.errors.append(field_error(source, "must look like 16:9", "aspect_ratio"))
+        return
+    wanted = int(match[1]) / int(match[2])
+    width, height = b.job.get("width"), b.job.get("height")
+    if width is None and height is None:
+        if ratio.strip() not in ASPECT_SIZES:
+            known = ", ".join(ASPECT_SIZES)
+            b.errors.append(field_error(source, f"without width/height, use one of {known}", "aspect_ratio"))
+            return
+        w, h = ASPECT_SIZES[ratio.strip()]
+        b.put("width", w, source)
+        b.put("height", h, source)
+    elif (
+        isinstance(width, int)
+        and isinstance(height, int)
+        and height > 0
+        and abs(width / height - wanted) / wanted > ASPECT_TOLERANCE
+    ):
+        b.errors.append(field_error(source, f"{ratio} does not match width×height {width}×{height}", "aspect_ratio"))
+
+
+def _map_media(b: _Builder, form: ParsedForm, parsed: VideoForm) -> None:
+    """Uploads (and data URLs) → media slots, following the task as vLLM-Omni's H3 server does."""
+    task = str(b.job.get("task", "t2va")).lower()
+    for up in form.files:
+        if up.field in MediaInputs.model_fields:
+            b.media(up.field, up.data, up.field)
+        elif up.field == "last_image":
+            b.media("last_frame", up.data, up.field)
+        elif task == "ref2va":
+            _reference_media(b, up, up.field)
+        elif up.field == "input_reference" or "first_frame" not in b.uploads:
+            b.media("first_frame", up.data, up.field)
+        else:
+            b.media("last_frame", up.data, up.field)
+    if parsed.image_reference is not None:
+        data = _data_url(parsed.image_reference, "image_reference", "image_url")
+        if task == "ref2va":
+            _reference_media(b, UploadedFile("image_reference", "", "image/*", data), "image_reference")
+        else:
+            b.media("first_frame", data, "image_reference")
+    if parsed.audio_reference is not None:
+        b.media("reference_audio", _data_url(parsed.audio_reference, "audio_reference", "audio_url"), "audio_reference")
+
+
+def _reference_media(b: _Builder, up: UploadedFile, source: str) -> None:
+    kind = media_kind(up.content_type, up.data)
+    if kind == "audio":
+        b.media("reference_audio", up.data, source)
+    elif kind == "image":
+        b.errors.append(field_error(source, "ref2va takes a reference video and/or audio, not an image", "bad_media"))
+    else:
+        b.media("reference_video", up.data, source)
+
+
+def media_kind(content_type: str, data: bytes) -> str:
+    """``image``, ``audio`` or ``video``: from the part's type, else from the first bytes."""
+    major = content_type.split("/", 1)[0]
+    if major in ("image", "audio", "video"):
+        return major
+    head = data[:16]
+    if head.startswith((b"\x89PNG", b"\xff\xd8\xff", b"GIF8")) or head[8:12] == b"WEBP":
+        return "image"
+    if head[8:12] == b"WAVE" or head.startswith((b"ID3", b"fLaC", b"OggS", b"\xff\xfb", b"\xff\xf3")):
+        return "audio"
+    return "video"
+
+
+def _data_url(raw: str, source: str, key: str) -> bytes:
+    """The bytes of ``{"<key>": "data:...;base64,..."}``; remote URLs are refused (the gateway fetches nothing)."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw  # a bare URL is accepted too
+    url = value.get(key) if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise invalid(source, f"give JSON {{{key!r}: 'data:...;base64,...'}}", "reference_type")
+    match = re.fullmatch(r"data:[\w.+/-]*(?:;[\w=.-]+)*;base64,(.*)", url.strip(), flags=re.DOTALL)
+    if match is None:
+        message = "only base64 data URLs are accepted (upload the file instead)"
+        raise invalid(f"{source}.{key}", message, "reference_url")
+    try:
+        return base64.b64decode(match[1], validate=True)
+    except (binascii.Error, ValueError):
+        raise invalid(f"{source}.{key}", "not valid base64", "reference_url") from None

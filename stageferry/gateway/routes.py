@@ -1,0 +1,220 @@
+"""The HTTP routes: vLLM-Omni's ``/v1/videos`` family, health and metrics.
+
+Every route is thin: read the form (:mod:`.uploads`), map it (:mod:`.form`), call the service
+(:mod:`.service`), shape the answer (:mod:`.objects`).  Errors leave as :class:`~.errors.ApiError` and
+are rendered by the app's handlers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio
+import structlog
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.requests import ClientDisconnect
+
+from stageferry.errors import DeadlineExceededError, StageferryError
+from stageferry.gateway.errors import ApiError, from_exception, from_status_error, invalid
+from stageferry.gateway.form import DATA_URL_FIELDS, MEDIA_FIELDS, MappedJob, map_form, openapi_request_body
+from stageferry.gateway.health import check_health
+from stageferry.gateway.metrics import JOBS, UPLOAD_BYTES
+from stageferry.gateway.objects import Health, VideoDeleted, VideoObject
+from stageferry.gateway.service import VideoService
+from stageferry.gateway.uploads import body_cap, read_form
+from stageferry.schemas import MediaInputs, RequestState, RequestStatus
+
+log = structlog.get_logger(__name__)
+router = APIRouter()
+
+#: Header with which a client asks for a shorter synchronous wait than the gateway's default.
+TIMEOUT_HEADER = "X-Stageferry-Timeout"
+
+_ERROR = {"description": "OpenAI-style error object; `param` and `field_errors` name the fields at fault."}
+_FORM = {"requestBody": openapi_request_body()}
+
+
+def _service(request: Request) -> VideoService:
+    service: VideoService = request.app.state.videos
+    return service
+
+
+async def _read_job(request: Request, service: VideoService) -> MappedJob:
+    """The multipart body, streamed under the upload caps, mapped onto a job."""
+    limit = service.client.pipeline.limits.max_upload_bytes
+    try:
+        form = await read_form(
+            request.headers,
+            request.stream(),
+            max_file_bytes=limit,
+            max_body_bytes=body_cap(limit, len(MediaInputs.model_fields)),
+            large_text_fields=DATA_URL_FIELDS,
+        )
+    except ClientDisconnect:
+        raise ApiError(400, "invalid_form", "the client went away before sending the whole form") from None
+    for upload in form.files:
+        UPLOAD_BYTES.labels(upload.field if upload.field in MEDIA_FIELDS else "other").inc(len(upload.data))
+    return map_form(form)
+
+
+def _sync_timeout(request: Request, header: str | None) -> float:
+    """The gateway's synchronous wait, or the client's shorter one from :data:`TIMEOUT_HEADER`."""
+    default: float = request.app.state.sync_timeout_s
+    if header is None:
+        return default
+    try:
+        asked = float(header)
+    except ValueError:
+        asked = math.nan
+    if not math.isfinite(asked) or asked <= 0:
+        raise invalid(TIMEOUT_HEADER, "must be a positive number of seconds", "timeout")
+    return min(asked, default)
+
+
+async def _wait_for_result(request: Request, service: VideoService, rid: str, timeout: float) -> RequestStatus | None:
+    """Block until the request ends; ``None`` when the client went away first (the job is then cancelled).
+
+    A request that does not end within ``timeout`` is cancelled and answered 504.
+    """
+    outcome: list[RequestStatus | StageferryError] = []
+    disconnected = False
+
+    async with anyio.create_task_group() as tg:
+
+        async def wait() -> None:
+            try:
+                outcome.append(await service.client.wait(rid, timeout=timeout))
+            except StageferryError as exc:
+                outcome.append(exc)
+            tg.cancel_scope.cancel()
+
+        async def watch_disconnect() -> None:
+            nonlocal disconnected
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            disconnected = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(wait)
+        tg.start_soon(watch_disconnect)
+
+    if disconnected and not outcome:
+        await service.client.cancel(rid)
+        JOBS.labels("sync", "disconnected").inc()
+        log.info("gateway.client_gone", request_id=rid)
+        return None
+    result = outcome[0]
+    if isinstance(result, DeadlineExceededError):
+        await service.client.cancel(rid)
+        JOBS.labels("sync", "timeout").inc()
+        message = f"no result within {timeout:g}s; request {rid} was cancelled"
+        raise ApiError(504, "deadline_exceeded", message, headers={"X-Request-Id": rid})
+    if isinstance(result, StageferryError):
+        raise from_exception(result)
+    return result
+
+
+@router.post(
+    "/v1/videos/sync",
+    openapi_extra=_FORM,
+    responses={200: {"content": {"video/mp4": {}}, "description": "The MP4."}, 400: _ERROR, 413: _ERROR, 504: _ERROR},
+    response_class=Response,
+    summary="Generate a video and wait for it; the MP4 in the body",
+)
+async def create_video_sync(
+    request: Request, timeout_header: Annotated[str | None, Header(alias=TIMEOUT_HEADER)] = None
+) -> Response:
+    service = _service(request)
+    timeout = _sync_timeout(request, timeout_header)
+    mapped = await _read_job(request, service)
+    started = time.perf_counter()
+    rid = await service.submit(mapped)
+    log.info("gateway.submitted", request_id=rid, endpoint="sync")
+    status = await _wait_for_result(request, service, rid, timeout)
+    if status is None:
+        return Response(status_code=499)
+    if status.state is not RequestState.DONE:
+        JOBS.labels("sync", status.state.value).inc()
+        error = from_status_error(status.error, origin=mapped.origin)
+        error.headers["X-Request-Id"] = rid
+        raise error
+    content = await service.content(status)
+    JOBS.labels("sync", "done").inc()
+    headers = {
+        "X-Request-Id": rid,
+        "X-Model": mapped.model or service.model_name,
+        "X-Inference-Time-S": f"{time.perf_counter() - started:.3f}",
+        "X-Stage-Durations": json.dumps({t.stage: round(t.seconds, 3) for t in status.timings}, separators=(",", ":")),
+    }
+    if isinstance(content, Path):
+        return FileResponse(content, media_type="video/mp4", headers=headers)
+    return Response(content, media_type="video/mp4", headers=headers)
+
+
+@router.post(
+    "/v1/videos",
+    openapi_extra=_FORM,
+    responses={400: _ERROR, 413: _ERROR},
+    summary="Create a video job; poll GET /v1/videos/{video_id}",
+)
+async def create_video(request: Request) -> VideoObject:
+    service = _service(request)
+    mapped = await _read_job(request, service)
+    rid = await service.submit(mapped)
+    log.info("gateway.submitted", request_id=rid, endpoint="async")
+    JOBS.labels("async", "submitted").inc()
+    return await service.describe(rid)
+
+
+@router.get("/v1/videos/{video_id}", responses={404: _ERROR}, summary="A video job's status and progress")
+async def retrieve_video(request: Request, video_id: str) -> VideoObject:
+    return await _service(request).describe(video_id)
+
+
+@router.get(
+    "/v1/videos/{video_id}/content",
+    response_class=Response,
+    responses={200: {"content": {"video/mp4": {}}}, 404: _ERROR, 409: _ERROR, 422: _ERROR},
+    summary="Download a finished video",
+)
+async def download_video(request: Request, video_id: str, variant: Annotated[str, Query()] = "video") -> Response:
+    if variant != "video":
+        raise invalid("variant", "only the 'video' variant is produced", "unsupported")
+    service = _service(request)
+    content = await service.content(await service.status(video_id))
+    if isinstance(content, Path):
+        return FileResponse(content, media_type="video/mp4", filename=f"{video_id}.mp4")
+    return Response(content, media_type="video/mp4")
+
+
+@router.delete("/v1/videos/{video_id}", responses={404: _ERROR}, summary="Cancel a job, or delete its output")
+async def delete_video(request: Request, video_id: str) -> VideoDeleted:
+    return await _service(request).delete(video_id)
+
+
+@router.get(
+    "/health",
+    responses={503: {"model": Health, "description": "Redis or a stage is down."}},
+    summary="200 when Redis answers and every stage has a live worker",
+)
+async def health(request: Request) -> JSONResponse:
+    report = await check_health(_service(request).client, fresh_s=request.app.state.health_fresh_s)
+    return JSONResponse(report.model_dump(), status_code=200 if report.status == "ok" else 503)
+
+
+@router.get("/metrics", response_class=Response, summary="Prometheus metrics of this process")
+async def metrics() -> Response:
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+def error_response(exc: ApiError | StageferryError) -> JSONResponse:
+    """The JSON answer for an error raised by a route (stageferry errors are mapped on the way)."""
+    api = exc if isinstance(exc, ApiError) else from_exception(exc)
+    body: dict[str, Any] = api.body()
+    return JSONResponse(body, status_code=api.status, headers=api.headers)

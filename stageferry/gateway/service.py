@@ -1,0 +1,119 @@
+"""The gateway's operations on the pipeline, through one :class:`~stageferry.client.Client`.
+
+Routes stay thin: they parse HTTP and call these.  Validation is the project's own — the schema
+(:func:`~stageferry.client.validate_job`) and the deployment limits
+(:func:`~stageferry.schemas.validation.check_job_limits`, the same check the first stage runs) — so a bad
+step count or LoRA is a 400 before anything is enqueued.  Media are checked by the first stage; a
+synchronous request whose job that stage rejects gets the same 400 with the same field names.
+
+Besides the request's own keys, the gateway keeps one small JSON record per job it accepted, at
+``<p>:req:<id>:video`` (model, prompt, size, seconds, created_at; same TTL as the request), so that a
+video object can echo what was asked for.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import anyio
+
+from stageferry.broker.redis_conn import translated
+from stageferry.client import Client, validate_job, with_upload_refs
+from stageferry.errors import StageferryError
+from stageferry.gateway.errors import ApiError, from_exception, from_status_error
+from stageferry.gateway.form import MappedJob
+from stageferry.gateway.objects import VideoDeleted, VideoMeta, VideoObject, video_object
+from stageferry.schemas import RequestState, RequestStatus
+from stageferry.schemas.job import REQUEST_ID_PATTERN
+from stageferry.schemas.validation import check_job_limits
+
+
+class VideoService:
+    """Submit, wait for, describe, fetch and delete video jobs of one deployment."""
+
+    def __init__(self, client: Client, *, model_name: str) -> None:
+        self.client = client
+        self.model_name = model_name
+        self.stages = [s.name for s in client.pipeline.stages]
+
+    def meta_key(self, request_id: str) -> str:
+        return self.client.keys.video_meta(request_id)
+
+    async def submit(self, mapped: MappedJob) -> str:
+        """Check the job as the first stage would, enqueue it with its media; the request id."""
+        limits = self.client.pipeline.limits
+        keys = self.client.keys
+        try:
+            refs = {name: keys.upload("precheck", name) for name in mapped.uploads}
+            checked = validate_job(with_upload_refs(mapped.job, refs))
+            check_job_limits(
+                checked,
+                max_steps=limits.max_steps,
+                max_prompt_chars=limits.max_prompt_chars,
+                lora_adapters=limits.lora_adapters,
+                upload_prefix=keys.upload_prefix(),
+            )
+            rid = await self.client.submit(mapped.job, uploads=mapped.uploads)
+        except StageferryError as exc:
+            raise from_exception(exc, origin=mapped.origin) from exc
+        meta = VideoMeta(
+            model=mapped.model or self.model_name,
+            prompt=checked.prompt,
+            size=f"{checked.width}x{checked.height}",
+            seconds=f"{checked.frame_count / checked.fps:g}",
+            origin=mapped.origin,
+        )
+        with translated():
+            await self.client.redis.set(
+                self.meta_key(rid), meta.model_dump_json(), ex=self.client.pipeline.retention.request_ttl_s
+            )
+        return rid
+
+    async def status(self, request_id: str) -> RequestStatus:
+        """The request's status; 404 when unknown, expired or not a request id at all."""
+        status = await self.client.status(request_id) if re.fullmatch(REQUEST_ID_PATTERN, request_id) else None
+        if status is None:
+            raise ApiError(404, "not_found", f"no video {request_id!r} (unknown or expired)")
+        return status
+
+    async def describe(self, request_id: str) -> VideoObject:
+        status = await self.status(request_id)
+        with translated():
+            raw = await self.client.redis.get(self.meta_key(request_id))
+        meta = VideoMeta.model_validate_json(raw) if raw else None
+        return video_object(
+            status,
+            meta,
+            stages=self.stages,
+            default_model=self.model_name,
+            ttl_s=self.client.pipeline.retention.request_ttl_s,
+        )
+
+    async def content(self, status: RequestStatus) -> bytes | Path:
+        """The MP4 of a finished request: its bytes from Redis, or the file when it was too large for Redis
+        and this host can see it.  409 while running, 422 when it failed, 404 when deleted or gone."""
+        if not status.state.terminal:
+            raise ApiError(409, "not_ready", f"video {status.request_id} is still {status.state.value}")
+        if status.state is not RequestState.DONE:
+            error = from_status_error(status.error)
+            raise ApiError(422, "generation_failed", f"video generation ended {status.state.value}: {error.message}")
+        data = await self.client.result_bytes(status.request_id)
+        if data:
+            return data
+        result = status.result
+        if result is not None and result.redis_key is None:  # never stored in Redis: the file, if visible here
+            location = Path(result.location)
+            if location.is_absolute() and await anyio.Path(location).is_file():
+                return location
+        raise ApiError(404, "not_found", f"the output of {status.request_id} is not available (deleted or expired)")
+
+    async def delete(self, request_id: str) -> VideoDeleted:
+        """Cancel a job still in flight; for a finished one drop its stored output (the status stays)."""
+        status = await self.status(request_id)
+        if not status.state.terminal:
+            await self.client.cancel(request_id)
+        else:
+            with translated():
+                await self.client.redis.delete(self.client.keys.result(request_id), self.meta_key(request_id))
+        return VideoDeleted(id=request_id, deleted=True)

@@ -1,0 +1,100 @@
+"""A real deployment for the gateway tests: reference encoder and (slow-on-request) diffusion stage
+processes on the test Redis, and the gateway served by uvicorn on a free port in a background thread.
+
+Both are module-scoped: starting stage processes costs seconds on a small machine, so every test in
+``test_gateway.py`` shares one deployment under its own key prefix (deleted at the end).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from stageferry.config import PipelineConfig
+from stageferry.gateway import GatewayConfig, create_app
+from tests.conftest import delete_prefix
+from tests.procs import Services, write_pipeline
+
+#: Small enough that an oversized upload is cheap to send; the bundled samples fit.
+MAX_UPLOAD_BYTES = 256 * 1024
+LORA = "style-a"
+MAX_STEPS = 20
+
+
+@dataclass
+class Deployment:
+    services: Services
+    pipeline: PipelineConfig
+    base_url: str
+    prefix: str
+    redis_url: str
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def module_prefix(redis_url: str) -> Iterator[str]:
+    name = f"t-gw-{uuid.uuid4().hex[:10]}"
+    yield name
+    delete_prefix(redis_url, name)
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> str:
+    """The test Redis, for module-scoped fixtures (the root conftest's is per test)."""
+    return os.environ.get("STAGEFERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory, redis_url: str, module_prefix: str) -> Iterator[Deployment]:
+    tmp: Path = tmp_path_factory.mktemp("gateway")
+    path = write_pipeline(
+        tmp / "pipeline.toml",
+        [
+            {"name": "encoder", "model": "stageferry.stages.reference.encoder:factory", "tp": 1},
+            {"name": "diffusion", "model": "tests.gateway.models:diffusion", "tp": 1},
+        ],
+        limits={"max_steps": MAX_STEPS, "lora_adapters": [LORA], "max_upload_bytes": MAX_UPLOAD_BYTES},
+        timeouts={"claim_renew_every": 0.5},
+    )
+    path.write_text(f'output_dir = "{tmp / "out"}"\n' + path.read_text())
+    pipeline = PipelineConfig.load(path)
+    with Services(tmp, redis_url=redis_url, prefix=module_prefix, pipeline=path, extra_env={}) as services:
+        services.start("encoder", "a")
+        services.start("diffusion", "a")
+        port = _free_port()
+        config = GatewayConfig(redis_url=redis_url, prefix=module_prefix, pipeline=pipeline, model_name="test-model")
+        server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, name="gateway", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 120
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.05)
+        services.wait_live("encoder", "encoder-a", timeout=180)
+        services.wait_live("diffusion", "diffusion-a", timeout=180)
+        try:
+            yield Deployment(services, pipeline, f"http://127.0.0.1:{port}", module_prefix, redis_url)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def http(deployment: Deployment) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=deployment.base_url, timeout=120) as client:
+        yield client

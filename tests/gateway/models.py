@@ -1,0 +1,35 @@
+"""The reference diffusion model, made slow on request: a prompt ``sleep:<seconds> ...`` waits that long
+(in 0.1 s steps, reporting progress and stopping early when cancelled) before the real model runs.
+
+Timeouts and cancellation need a job that is still running when the client gives up; everything else
+runs the reference model unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from stageferry.config import PipelineConfig, StageConfig
+from stageferry.schemas import JobRequest
+from stageferry.stages.model import FinalOutput, StageContext, StageModel
+from stageferry.stages.reference import diffusion as reference_diffusion
+
+
+class SlowOnRequest:
+    def __init__(self, inner: StageModel) -> None:
+        self.inner = inner
+
+    def __call__(self, job: JobRequest, payload: Any | None, ctx: StageContext) -> Any:
+        if job.prompt.startswith("sleep:"):
+            steps = max(1, int(float(job.prompt.split(":", 1)[1].split()[0]) / 0.1))
+            for step in range(1, steps + 1):
+                if ctx.is_cancelled():
+                    return FinalOutput(info={"stopped": "cancelled"})
+                time.sleep(0.1)
+                ctx.report_progress(step, steps)
+        return self.inner(job, payload, ctx)
+
+
+def diffusion(*, stage: StageConfig, pipeline: PipelineConfig) -> SlowOnRequest:
+    return SlowOnRequest(reference_diffusion.factory(stage=stage, pipeline=pipeline))

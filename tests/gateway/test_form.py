@@ -1,0 +1,132 @@
+"""Form → job mapping and the streaming form reader, without a deployment (pure functions, no I/O)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+
+import stageferry.gateway
+from stageferry.cli import sample_media
+from stageferry.gateway.errors import ApiError
+from stageferry.gateway.form import map_form
+from stageferry.gateway.uploads import ParsedForm, UploadedFile, read_form
+from stageferry.schemas import Task
+
+SAMPLES = sample_media(Task.FL2VA) | sample_media(Task.REF2VA)
+
+
+def test_public_names() -> None:
+    assert stageferry.gateway.__all__ == ["GatewayConfig", "create_app", "serve"]
+
+
+def test_vllm_omni_names_map_onto_the_job() -> None:
+    extra = {"task": "T2VA", "audio_flow_shift": 2.5, "aspect_ratio": "16:9"}
+    fields = {"prompt": "p", "size": "512x288", "seconds": "4", "guidance_scale": "4.5", "fps": "16",
+              "lora": '{"lora_name": "style-a", "scale": 1.0}', "model": "MiniMax-H3",
+              "extra_params": json.dumps(extra)}  # fmt: skip
+    mapped = map_form(ParsedForm(fields=fields))
+    assert mapped.job == {"prompt": "p", "fps": 16, "guidance": 4.5, "duration": 4.0, "width": 512, "height": 288,
+                          "lora": "style-a", "task": "t2va", "audio_flow_shift": 2.5}  # fmt: skip
+    assert mapped.origin["guidance"] == "guidance_scale" and mapped.origin["width"] == "size"
+    assert mapped.origin["audio_flow_shift"] == "extra_params.audio_flow_shift" and mapped.model == "MiniMax-H3"
+
+
+def test_aspect_ratio_alone_chooses_a_size() -> None:
+    job = map_form(ParsedForm(fields={"prompt": "p", "aspect_ratio": "9:16"})).job
+    assert (job["width"], job["height"]) == (768, 1344)
+
+
+def test_references_go_to_their_slots() -> None:
+    video, audio = SAMPLES["reference_video"].read_bytes(), SAMPLES["reference_audio"].read_bytes()
+    files = [UploadedFile("input_references", "v", "application/octet-stream", video),  # kind sniffed
+             UploadedFile("input_references", "a", "application/octet-stream", audio)]  # fmt: skip
+    mapped = map_form(ParsedForm({"prompt": "p", "extra_params": '{"task": "ref2va"}'}, files))
+    assert mapped.uploads == {"reference_video": video, "reference_audio": audio}
+
+    first, last = SAMPLES["first_frame"].read_bytes(), SAMPLES["last_frame"].read_bytes()
+    files = [UploadedFile("input_references", "a", "image/png", first),
+             UploadedFile("input_references", "b", "image/png", last)]  # fmt: skip
+    mapped = map_form(ParsedForm({"prompt": "p", "extra_params": '{"task": "fl2va"}'}, files))
+    assert mapped.uploads == {"first_frame": first, "last_frame": last}
+    assert mapped.origin["media.first_frame"] == "input_references"
+
+    url = "data:image/png;base64," + base64.b64encode(first).decode()
+    fields = {"prompt": "p", "extra_params": '{"task": "fl2va"}', "image_reference": json.dumps({"image_url": url})}
+    assert map_form(ParsedForm(fields, [UploadedFile("last_image", "b", "image/png", last)])).uploads == {
+        "first_frame": first,
+        "last_frame": last,
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "files", "field"),
+    [
+        ({"image_reference": '{"image_url": "https://example.invalid/a.png"}'}, [], "image_reference.image_url"),
+        ({"extra_params": '{"task": "ref2va"}'}, [UploadedFile("input_reference", "a", "image/png", b"")],
+         "input_reference"),
+        ({}, [UploadedFile("thumbnail", "a", "image/png", b"")], "thumbnail"),
+        ({"lora": '{"name": "a", "scale": 0.5}'}, [], "lora.scale"),
+        ({"aspect_ratio": "7:5"}, [], "aspect_ratio"),
+        ({"extra_params": "[1, 2]"}, [], "extra_params"),
+    ],
+)  # fmt: skip
+def test_what_cannot_be_mapped_is_named(fields: dict[str, str], files: list[UploadedFile], field: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        map_form(ParsedForm({"prompt": "p", **fields}, files))
+    assert caught.value.status == 400 and caught.value.body()["error"]["param"] == field
+
+
+async def _chunks(body: bytes, size: int = 1000) -> AsyncIterator[bytes]:
+    for start in range(0, len(body), size):
+        yield body[start : start + size]
+
+
+def _multipart(*parts: tuple[str, str | None, bytes]) -> bytes:
+    out = b""
+    for name, filename, data in parts:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        out += f"--xx\r\nContent-Disposition: {disposition}\r\n\r\n".encode() + data + b"\r\n"
+    return out + b"--xx--\r\n"
+
+
+HEADERS = {"content-type": "multipart/form-data; boundary=xx"}
+
+
+@pytest.mark.anyio
+async def test_form_reader_caps_each_upload_while_streaming() -> None:
+    body = _multipart(("prompt", None, b"p"), ("first_frame", "a.png", b"x" * 5000))
+    seen: list[int] = []
+
+    async def counted() -> AsyncIterator[bytes]:
+        async for chunk in _chunks(body):
+            seen.append(len(chunk))
+            yield chunk
+
+    with pytest.raises(ApiError) as caught:
+        await read_form(HEADERS, counted(), max_file_bytes=2048, max_body_bytes=1 << 20)
+    assert caught.value.status == 413 and caught.value.body()["error"]["param"] == "first_frame"
+    assert sum(seen) < len(body)  # refused before the body was read whole
+
+    form = await read_form(HEADERS, _chunks(body), max_file_bytes=8192, max_body_bytes=1 << 20)
+    assert form.fields == {"prompt": "p"} and [(f.field, len(f.data)) for f in form.files] == [("first_frame", 5000)]
+
+
+@pytest.mark.anyio
+async def test_form_reader_refusals() -> None:
+    twice = _multipart(("prompt", None, b"a"), ("prompt", None, b"b"))
+    with pytest.raises(ApiError) as caught:
+        await read_form(HEADERS, _chunks(twice), max_file_bytes=1024, max_body_bytes=1 << 20)
+    assert caught.value.status == 400 and caught.value.body()["error"]["param"] == "prompt"
+    with pytest.raises(ApiError) as caught:
+        await read_form({"content-type": "application/json"}, _chunks(b"{}"), max_file_bytes=1024, max_body_bytes=99)
+    assert caught.value.status == 415
+    with pytest.raises(ApiError) as caught:
+        headers = {**HEADERS, "content-length": "100000"}
+        await read_form(headers, _chunks(twice), max_file_bytes=1024, max_body_bytes=99)
+    assert caught.value.status == 413 and caught.value.body()["error"]["param"] == "body"
+    with pytest.raises(ApiError) as caught:
+        await read_form(HEADERS, _chunks(b"--xx\r\ngarbage"), max_file_bytes=1024, max_body_bytes=1 << 20)
+    assert caught.value.status == 400
