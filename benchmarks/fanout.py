@@ -86,7 +86,10 @@ def run_broadcast(args: argparse.Namespace) -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     ctx = mp.get_context("spawn")
     results: dict[tuple[int, int], list[float]] = {}
-    for world in [int(w) for w in args.ranks.split(",")]:
+    worlds = [int(w) for w in args.ranks.split(",")]
+    if args.backend == "nccl":  # one GPU per rank: a world larger than the GPUs here would never form
+        worlds = [w for w in worlds if w <= torch.cuda.device_count()]
+    for world in worlds:
         if world == 1:
             for size in sizes:
                 results[(1, size)] = [0.0]
@@ -104,7 +107,6 @@ def run_broadcast(args: argparse.Namespace) -> None:
             results[(w, size)] = times
         for p in procs:
             p.join(60)
-    worlds = [int(w) for w in args.ranks.split(",")]
     print(
         f"\n### Fan-out: leader → {args.backend} broadcast of the payload region "
         f"(median / p99 ms, {args.iters} rounds; world 1 needs no broadcast)\n"

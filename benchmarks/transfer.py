@@ -1,23 +1,30 @@
-"""A payload hop on one CPU host: NIXL (DRAM -> DRAM over UCX) against inline through Redis Streams.
+"""A payload hop between two processes: NIXL against inline through Redis Streams, side by side.
 
-    python benchmarks/cpu_transfer.py                         # 4 KiB .. 256 MiB and the three task payloads
-    python benchmarks/cpu_transfer.py --iters 50 --sizes 359024,65536
-    python benchmarks/cpu_transfer.py | tee benchmarks/results/cpu_transfer.txt
+    python benchmarks/transfer.py                              # CPU: 4 KiB .. 256 MiB + the task payloads
+    python benchmarks/transfer.py --device cuda --sizes ...    # GPU 0 -> GPU 1 (VRAM over NIXL vs via host + Redis)
+    python benchmarks/transfer.py --tp 4                       # the consumer is a TP4 group: hop to every rank
+    python benchmarks/transfer.py --json out.json              # raw series for benchmarks/chart.py
 
-Two processes, wired like the tests: a producer process (this script with ``--role producer``) holding a
-real :class:`NixlConnector`, and the consumer (this process) with its own.  Every iteration is lock-step:
-the consumer asks for one payload, the producer puts it and XADDs the envelope to a stream, the consumer
-XREADs it and fetches the payload (``get``) until it holds the tensors.  Per size and iteration the three
-paths run side by side (interleaved): NIXL, inline through Redis, and a plain torch memcpy of the same
-bytes in this process.
+Two processes wired like two stage leaders: a producer (this script with ``--role producer``) holding a
+real :class:`NixlConnector`, and the consumer (this process) with its own.  Every hop is lock-step: the
+consumer asks for one payload, the producer puts it and XADDs the envelope, the consumer XREADs it and
+fetches the payload (``get``) until it holds the tensors.  Per size and iteration the paths run
+interleaved: NIXL, inline through Redis, and the hardware baseline — a torch memcpy of the same bytes
+(CPU) or a torch peer copy GPU 0 → GPU 1 (``--device cuda``).
 
-* NIXL: ``NixlConnector.put`` (inline_max_bytes=0, so even 4 KiB goes over NIXL), the reference in the
-  entry, ``NixlConnector.get``.
-* inline: ``InlineConnector.encode``, the blob in the same entry, ``InlineConnector.get`` (decode).
+* NIXL: ``NixlConnector.put`` (inline_max_bytes=0: even 4 KiB goes over NIXL), the reference in the
+  entry, ``NixlConnector.get``.  On GPUs the payload lives in VRAM on both sides.
+* inline: ``InlineConnector.encode`` (device → host on GPUs), the blob in the same entry, ``decode``
+  (host → device on GPUs).
 
-Timestamps are ``time.monotonic_ns()`` (CLOCK_MONOTONIC, one clock for every process on the host):
-``t0`` put/encode starts, ``t1`` put/encode returned (XADD starts), ``t2`` XREAD returned the entry in the
-consumer, ``t3`` the consumer holds the payload.  get = t3 - t2, delivery = t3 - t1, hop = t3 - t0.
+Timestamps are ``time.monotonic_ns()`` (one clock for every process on the host): ``t0`` put starts,
+``t1`` put returned (XADD starts), ``t2`` XREAD returned the entry, ``t3`` the consumer leader holds the
+payload, ``t4`` every rank of its TP group holds it (``--tp``).  get = t3 − t2, delivery = t3 − t1,
+hop = t3 − t0, hop to all ranks = t4 − t0.
+
+Section 4 (scaling) sends bursts of K payloads at once: K puts back to back (a full pool makes a put wait:
+back-pressure), K gets in flight together; it prints hop latency, how long puts waited, peak pool
+occupancy and both processes' resident memory against K.
 """
 
 from __future__ import annotations
@@ -25,9 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -38,10 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import anyio  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 import torch  # noqa: E402
+from bench_stats import TASK_BYTES, TASK_OF_SIZE, cell, human, machine_facts, median, pct, rss_mib, verdict  # noqa: E402
 
 from stageferry.broker.inline import InlineConnector  # noqa: E402
 from stageferry.broker.keys import Keys  # noqa: E402
 from stageferry.broker.nixl_connector import NixlConnector  # noqa: E402
+from stageferry.broker.payload_codec import pack_into, plan_payload  # noqa: E402
 from stageferry.broker.redis_conn import connect  # noqa: E402
 from stageferry.config import DataPlaneConfig, Timeouts  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402
@@ -49,34 +58,61 @@ from stageferry.schemas import InlinePayload, NixlPayload, PayloadRef  # noqa: E
 from stageferry.testing import TASKS, sized_payload, tensor_bytes  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
-DEFAULT_SIZES = sorted([4 * KiB * 4**i for i in range(9)] + [nbytes for _, nbytes in TASKS.values()])  # 4 KiB..256 MiB
-TASK_OF_SIZE = {nbytes: name for name, (_, nbytes) in TASKS.items()}
+DEFAULT_SIZES = sorted([4 * KiB * 4**i for i in range(9)] + list(TASK_BYTES.values()))  # 4 KiB..256 MiB
 WARMUP = 3
 INLINE_CAP = 1 << 30
-HOP_TARGET_MS = 2.0  # T2VA hop, p50
-RATIO_TARGET = 20.0  # Ref2VA: inline through Redis / NIXL
+HOP_TARGET_MS = 2.0  # T2VA hop, p50, CPU loopback
+RATIO_TARGET = 20.0  # Ref2VA: inline through Redis / NIXL, CPU
 
 
-def payload_for(nbytes: int) -> Any:
-    """The task payload of that size, else one uint8 tensor of exactly ``nbytes``."""
+def payload_for(nbytes: int, device: torch.device) -> Any:
+    """The task payload of that size, else one uint8 tensor of exactly ``nbytes``; on ``device``."""
     task = TASK_OF_SIZE.get(nbytes)
-    return TASKS[task][0]() if task else sized_payload(nbytes)
+    payload = TASKS[task][0]() if task else sized_payload(nbytes)
+    return on_device(payload, device)
 
 
-def data_plane(pool_bytes: int) -> DataPlaneConfig:
-    return DataPlaneConfig(inline_max_bytes=0, cpu_pool_bytes=pool_bytes, inline_fallback_max_bytes=256 * MiB)
+def on_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: on_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(on_device(v, device) for v in obj)
+    return obj
 
 
-def connector(redis: Any, prefix: str, stage: str, pool_bytes: int) -> NixlConnector:
+def devices(kind: str) -> tuple[torch.device, torch.device]:
+    """(producer, consumer) devices: GPU 0 → GPU 1 when there are two, else both on GPU 0."""
+    if kind == "cpu":
+        return torch.device("cpu"), torch.device("cpu")
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise SystemExit("--device cuda: no GPU here")
+    return torch.device("cuda", 0), torch.device("cuda", min(1, n - 1))
+
+
+def connector(redis: Any, prefix: str, stage: str, pool_bytes: int, device: torch.device) -> NixlConnector:
+    on_gpu = device.type == "cuda"
+    config = DataPlaneConfig(
+        inline_max_bytes=0,
+        cpu_pool_bytes=pool_bytes if not on_gpu else 64 * MiB,
+        gpu_pool_bytes=pool_bytes if on_gpu else 0,
+        inline_fallback_max_bytes=256 * MiB,
+        max_payload_bytes=INLINE_CAP,
+    )
     conn = NixlConnector(
         redis=redis,
         keys=Keys(prefix),
         stage=stage,
         replica="bench",
-        config=data_plane(pool_bytes),
-        timeouts=Timeouts(pool_wait=60.0),
+        config=config,
+        timeouts=Timeouts(pool_wait=120.0, lease=600.0, claim=600.0),
+        cuda_device=device if on_gpu else None,
     )
-    conn.inline = InlineConnector(max_bytes=INLINE_CAP, max_payload_bytes=INLINE_CAP, cuda_device=None)
+    conn.inline = InlineConnector(
+        max_bytes=INLINE_CAP, max_payload_bytes=INLINE_CAP, cuda_device=device if on_gpu else None
+    )
     return conn
 
 
@@ -85,19 +121,48 @@ def bench_client(url: str) -> Any:
     return aioredis.from_url(url, decode_responses=False, socket_timeout=300)
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # -- producer process --------------------------------------------------------------------------------------
 
 
 async def producer(args: argparse.Namespace) -> None:
+    device, _ = devices(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     redis, bench = connect(args.redis_url), bench_client(args.redis_url)
-    conn = connector(redis, args.prefix, "bench-producer", args.pool_bytes)
+    conn = connector(redis, args.prefix, "bench-producer", args.pool_bytes, device)
     conn.open()
-    assert conn.agent is not None, f"producer has no NIXL agent: {conn.unavailable_reason}"
+    assert conn.agent is not None and conn.pools is not None, f"producer has no NIXL agent: {conn.unavailable_reason}"
     payloads: dict[int, Any] = {}
     cmd_key, env_key = f"{args.prefix}:bench:cmd", f"{args.prefix}:bench:env"
+
+    async def send(op: str, nbytes: int, i: int) -> None:
+        if nbytes not in payloads:
+            payloads.clear()  # one size at a time: keep memory flat
+            payloads[nbytes] = payload_for(nbytes, device)
+            sync(device)
+        payload = payloads[nbytes]
+        t0 = time.monotonic_ns()
+        out = await conn.put(f"bench-{i}", payload) if op != "inline" else await conn.inline.encode(payload)
+        t1 = time.monotonic_ns()
+        fields: dict[str, Any] = {
+            "ref": out.ref.model_dump_json(),
+            "t0": t0,
+            "t1": t1,
+            "registrations": conn.agent.registrations,  # type: ignore[union-attr]
+            "slots": conn.pools.slots_in_use,  # type: ignore[union-attr]
+        }
+        if out.blob is not None:
+            fields["blob"] = out.blob
+        await bench.xadd(env_key, fields)
+
     async with anyio.create_task_group() as tg:
         await tg.start(conn.run)
-        await bench.rpush(f"{args.prefix}:bench:ready", b"1")
+        await bench.rpush(f"{args.prefix}:bench:ready", json.dumps({"pid": os.getpid()}))
         while True:
             item = await bench.blpop([cmd_key], timeout=1)
             if item is None:
@@ -105,57 +170,98 @@ async def producer(args: argparse.Namespace) -> None:
             cmd = json.loads(item[1])
             if cmd["op"] == "stop":
                 break
-            nbytes = cmd["nbytes"]
-            if nbytes not in payloads:
-                payloads.clear()  # one size at a time: keep memory flat
-                payloads[nbytes] = payload_for(nbytes)
-            payload = payloads[nbytes]
-            t0 = time.monotonic_ns()
-            if cmd["op"] == "nixl":
-                out = await conn.put(f"bench-{cmd['i']}", payload)
-            else:
-                out = await conn.inline.encode(payload)
-            t1 = time.monotonic_ns()
-            fields: dict[str, Any] = {
-                "ref": out.ref.model_dump_json(),
-                "t0": t0,
-                "t1": t1,
-                "registrations": conn.agent.registrations,
-            }
-            if out.blob is not None:
-                fields["blob"] = out.blob
-            await bench.xadd(env_key, fields)
+            for j in range(cmd.get("k", 1)):  # a burst: K puts back to back
+                await send(cmd["op"], cmd["nbytes"], cmd["i"] + j)
         tg.cancel_scope.cancel()
     await conn.aclose()
     await redis.aclose()
     await bench.aclose()
 
 
+# -- the consumer's TP followers (--tp) --------------------------------------------------------------------
+
+
+def follower_main(rank: int, world: int, port: int) -> None:
+    """A follower rank: receive every payload the leader fans out, then meet at the barrier."""
+    import torch.distributed as dist
+
+    from stageferry.stages.group_channel import GroupChannel, MessageKind
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    channel = GroupChannel(
+        rank=rank, world_size=world, device=torch.device("cpu"), cpu_group=dist.group.WORLD, device_group=None
+    )
+    while channel.receive().kind is not MessageKind.STOP:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+class FanOut:
+    """The consumer leader's TP group (gloo, CPU): broadcast what the leader holds, wait for every rank."""
+
+    def __init__(self, world: int) -> None:
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        from stageferry.embedded_redis import free_port
+        from stageferry.stages.group_channel import GroupChannel
+
+        self.world = world
+        self.dist = dist
+        self.lock = threading.Lock()  # one broadcast at a time: concurrent gets (section 4) share the group
+        self.procs: list[Any] = []
+        if world == 1:
+            self.channel = None
+            return
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=follower_main, args=(r, world, port)) for r in range(1, world)]
+        for p in self.procs:
+            p.start()
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=0, world_size=world)
+        self.channel = GroupChannel(
+            rank=0, world_size=world, device=torch.device("cpu"), cpu_group=dist.group.WORLD, device_group=None
+        )
+
+    def send(self, incoming: Any) -> None:
+        """Fan the payload out from its landing buffers (a NIXL slot) or packed once (inline)."""
+        from stageferry.stages.group_channel import MessageKind
+
+        if self.channel is None:
+            return
+        manifest, regions = incoming.manifest, incoming.regions
+        if manifest is None or regions is None:
+            plan = plan_payload(incoming.payload)
+            regions = {r.device: torch.empty(r.nbytes, dtype=torch.uint8) for r in plan.manifest.regions}
+            pack_into(plan, regions)
+            manifest = plan.manifest
+        regions = {k: v.cpu() for k, v in regions.items()}  # gloo: the CPU fan-out this benchmark measures
+        with self.lock:
+            self.channel.send(MessageKind.JOB, {}, manifest=manifest, buffers=regions)
+            self.dist.barrier()
+
+    def close(self) -> None:
+        from stageferry.stages.group_channel import MessageKind
+
+        if self.channel is not None:
+            self.channel.send(MessageKind.STOP, {})
+            self.dist.destroy_process_group()
+        for p in self.procs:
+            p.join(30)
+
+
 # -- consumer (this process) -------------------------------------------------------------------------------
 
 
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
-
-
-def fmt(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} / {pct(values, 99):.3f}"
-
-
-def human(n: int) -> str:
-    if n in TASK_OF_SIZE:
-        return f"{n:,} ({TASK_OF_SIZE[n]})"
-    for unit, size in (("MiB", MiB), ("KiB", KiB)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n:,}"
-
-
 class Consumer:
-    def __init__(self, redis: Any, conn: NixlConnector, prefix: str) -> None:
+    def __init__(self, redis: Any, conn: NixlConnector, prefix: str, device: torch.device, fanout: FanOut) -> None:
         self.redis = redis
         self.conn = conn
+        self.device = device
+        self.fanout = fanout
         self.cmd_key, self.env_key = f"{prefix}:bench:cmd", f"{prefix}:bench:env"
         self.last = "0-0"
         self.producer_registrations: list[int] = []
@@ -163,35 +269,74 @@ class Consumer:
 
         self.refs: TypeAdapter[PayloadRef] = TypeAdapter(PayloadRef)
 
-    async def hop(self, op: str, nbytes: int, i: int) -> dict[str, float]:
-        """One lock-step hop; milliseconds of put, get, delivery and hop."""
-        await self.redis.rpush(self.cmd_key, json.dumps({"op": op, "nbytes": nbytes, "i": i}))
+    async def _next(self) -> tuple[int, dict[bytes, bytes]]:
         reply = None
         while not reply:
             reply = await self.redis.xread({self.env_key: self.last}, block=1000, count=1)
         t2 = time.monotonic_ns()
         (_, [(eid, fields)]) = reply[0]
         self.last = eid
+        await self.redis.xdel(self.env_key, eid)
+        return t2, fields
+
+    async def _fetch(self, op: str, fields: dict[bytes, bytes], t2: int, key: str) -> dict[str, float]:
         ref = self.refs.validate_json(fields[b"ref"])
         blob = fields.get(b"blob")
-        if op == "nixl":
-            assert isinstance(ref, NixlPayload), ref
-            ctx = self.conn.get(ref, blob, key=f"bench-{i}")
-        else:
+        if op == "inline":
             assert isinstance(ref, InlinePayload), ref
-            ctx = self.conn.inline.get(ref, blob, key=f"bench-{i}")
+            ctx = self.conn.inline.get(ref, blob, key=key)
+        else:
+            assert isinstance(ref, NixlPayload), ref
+            ctx = self.conn.get(ref, blob, key=key)
         async with ctx as incoming:
+            sync(self.device)  # on GPUs the inline path's host → device copy must be done to count
             t3 = time.monotonic_ns()
             assert tensor_bytes(incoming.payload) <= incoming.nbytes
-        await self.redis.xdel(self.env_key, eid)
+            held = self.conn.pools.slots_in_use  # type: ignore[union-attr]
+            if self.fanout.world > 1:
+                await anyio.to_thread.run_sync(self.fanout.send, incoming)
+            t4 = time.monotonic_ns()
         self.producer_registrations.append(int(fields[b"registrations"]))
         t0, t1 = int(fields[b"t0"]), int(fields[b"t1"])
-        return {"put": (t1 - t0) / 1e6, "get": (t3 - t2) / 1e6, "delivery": (t3 - t1) / 1e6, "hop": (t3 - t0) / 1e6}
+        return {
+            "put": (t1 - t0) / 1e6,
+            "get": (t3 - t2) / 1e6,
+            "delivery": (t3 - t1) / 1e6,
+            "hop": (t3 - t0) / 1e6,
+            "all_ranks": (t4 - t0) / 1e6,
+            "producer_slots": float(fields[b"slots"]),
+            "consumer_slots": float(held),
+        }
+
+    async def hop(self, op: str, nbytes: int, i: int) -> dict[str, float]:
+        """One lock-step hop; milliseconds of put, get, delivery, hop and hop to all ranks."""
+        await self.redis.rpush(self.cmd_key, json.dumps({"op": op, "nbytes": nbytes, "i": i}))
+        t2, fields = await self._next()
+        return await self._fetch(op, fields, t2, f"bench-{i}")
+
+    async def burst(self, nbytes: int, k: int, i0: int) -> dict[str, list[float]]:
+        """K NIXL payloads in flight at once: every get starts as soon as its envelope arrives."""
+        await self.redis.rpush(self.cmd_key, json.dumps({"op": "nixl", "nbytes": nbytes, "i": i0, "k": k}))
+        out: dict[str, list[float]] = {}
+
+        async def one(fields: dict[bytes, bytes], t2: int, j: int) -> None:
+            row = await self._fetch("nixl", fields, t2, f"bench-{i0 + j}")
+            for name, value in row.items():
+                out.setdefault(name, []).append(value)
+
+        async with anyio.create_task_group() as tg:
+            for j in range(k):
+                t2, fields = await self._next()
+                tg.start_soon(one, fields, t2, j)
+        return out
 
 
-def memcpy_ms(src: torch.Tensor, dst: torch.Tensor) -> float:
+def baseline_ms(src: torch.Tensor, dst: torch.Tensor) -> float:
+    """memcpy (CPU) or peer copy (GPU 0 → GPU 1) of the same bytes, synchronised."""
+    sync(src.device)
     t0 = time.perf_counter_ns()
     dst.copy_(src)
+    sync(dst.device)
     return (time.perf_counter_ns() - t0) / 1e6
 
 
@@ -200,56 +345,71 @@ def pool_bytes_for(sizes: list[int]) -> int:
 
 
 def start_producer(args: argparse.Namespace, prefix: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, __file__, "--role", "producer", "--prefix", prefix]
+    cmd = [sys.executable, __file__, "--role", "producer", "--prefix", prefix, "--device", args.device]
     cmd += ["--redis-url", args.redis_url, "--pool-bytes", str(pool_bytes_for(args.sizes))]
     return subprocess.Popen(cmd)
 
 
-async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.Popen[bytes]) -> int:
+async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    src_dev, device = devices(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     pool_bytes = pool_bytes_for(args.sizes)
     redis, bench = connect(args.redis_url), bench_client(args.redis_url)
-    conn = connector(redis, prefix, "bench-consumer", pool_bytes)
+    conn = connector(redis, prefix, "bench-consumer", pool_bytes, device)
     await anyio.to_thread.run_sync(conn.open)
-    assert conn.agent is not None, f"consumer has no NIXL agent: {conn.unavailable_reason}"
-    results: dict[int, dict[str, dict[str, list[float]]]] = {}
-    registrations: tuple[int, int] = (0, 0)
+    assert conn.agent is not None and conn.pools is not None, f"consumer has no NIXL agent: {conn.unavailable_reason}"
+    fanout = await anyio.to_thread.run_sync(FanOut, args.tp)
+    results: dict[str, Any] = {"transfer": {}, "scaling": {}}
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(conn.run)
             with anyio.fail_after(60):
-                await bench.blpop([f"{prefix}:bench:ready"], timeout=60)
-            c = Consumer(bench, conn, prefix)
-            # Warm-up: connection set-up to the peer, allocator and code paths; not counted.
-            for nbytes in args.sizes[:1]:
-                for i in range(WARMUP):
-                    await c.hop("nixl", nbytes, i)
-                    await c.hop("inline", nbytes, i)
+                _, ready = await bench.blpop([f"{prefix}:bench:ready"], timeout=60)
+            producer_pid = json.loads(ready)["pid"]
+            c = Consumer(bench, conn, prefix, device, fanout)
+            for i in range(WARMUP):  # connection set-up to the peer, allocator and code paths; not counted
+                await c.hop("nixl", args.sizes[0], i)
+                await c.hop("inline", args.sizes[0], i)
             regs_before = conn.agent.registrations
             c.producer_registrations.clear()
-            gets_before = conn.counters.reads
+            reads_before = conn.counters.reads
             for nbytes in args.sizes:
-                src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-                dst = torch.empty_like(src)
+                src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=src_dev)
+                dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 for i in range(WARMUP):
                     await c.hop("nixl", nbytes, i)
                     await c.hop("inline", nbytes, i)
-                    memcpy_ms(src, dst)
-                row: dict[str, dict[str, list[float]]] = {"nixl": {}, "inline": {}, "memcpy": {"copy": []}}
+                    baseline_ms(src, dst)
+                row: dict[str, dict[str, list[float]]] = {"nixl": {}, "inline": {}, "baseline": {"copy": []}}
                 for i in range(args.iters):  # side by side: one of each per iteration
                     for op in ("nixl", "inline"):
                         for k, v in (await c.hop(op, nbytes, i)).items():
                             row[op].setdefault(k, []).append(v)
-                    row["memcpy"]["copy"].append(memcpy_ms(src, dst))
-                results[nbytes] = row
+                    row["baseline"]["copy"].append(baseline_ms(src, dst))
+                results["transfer"][nbytes] = row
                 del src, dst
                 print(f"# measured {human(nbytes)}", file=sys.stderr, flush=True)
-            regs_after = conn.agent.registrations
-            requests = conn.counters.reads - gets_before
-            registrations = (regs_after - regs_before, requests)
-            prod_regs = c.producer_registrations
+            results["registrations"] = {
+                "consumer_added": conn.agent.registrations - regs_before,
+                "requests": conn.counters.reads - reads_before,
+                "producer": sorted(set(c.producer_registrations)),
+            }
+            for nbytes in args.scaling_sizes:
+                for k in args.inflight:
+                    rounds: dict[str, list[float]] = {}
+                    for r in range(args.scaling_rounds):
+                        for name, values in (await c.burst(nbytes, k, 1000 * r)).items():
+                            rounds.setdefault(name, []).extend(values)
+                    rounds["rss_producer_mib"] = [rss_mib(producer_pid)]
+                    rounds["rss_consumer_mib"] = [rss_mib(os.getpid())]
+                    results["scaling"].setdefault(nbytes, {})[k] = rounds
+                    print(f"# scaling {human(nbytes)} K={k}", file=sys.stderr, flush=True)
+            results["pool_slots"] = {n: pool_bytes // _slot_bytes(n) for n in args.scaling_sizes}
             await bench.rpush(f"{prefix}:bench:cmd", json.dumps({"op": "stop"}))
             tg.cancel_scope.cancel()
     finally:
+        await anyio.to_thread.run_sync(fanout.close)
         await conn.aclose()
         await anyio.to_thread.run_sync(lambda: proc.wait(timeout=30))
         keys = [k async for k in redis.scan_iter(match=f"{prefix}:*")]
@@ -257,109 +417,149 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
             await redis.delete(*keys)
         await redis.aclose()
         await bench.aclose()
-    return report(args, results, registrations, prod_regs)
+    return results
 
 
-def report(
-    args: argparse.Namespace,
-    results: dict[int, dict[str, dict[str, list[float]]]],
-    registrations: tuple[int, int],
-    prod_regs: list[int],
-) -> int:
+def _slot_bytes(nbytes: int) -> int:
+    """Pool bytes one payload of this size takes (its packed regions, aligned), for the slot count."""
+    return max(1, plan_payload(payload_for(nbytes, torch.device("cpu"))).manifest.total_bytes)
+
+
+# -- report ------------------------------------------------------------------------------------------------
+
+
+def report(args: argparse.Namespace, results: dict[str, Any]) -> bool:
+    gpu = args.device == "cuda"
+    base_name = "torch peer copy GPU0→GPU1" if gpu else "torch memcpy"
+    print(f"machine: {machine_facts()}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, iters={args.iters}, warm-up {WARMUP}")
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"{os.cpu_count()} CPUs; load average at the end {load} (other work on the host skews every column)")
+    print(f"payload memory: {'VRAM (GPU 0 → GPU 1)' if gpu else 'DRAM'}; consumer TP{args.tp} (gloo fan-out)")
     print("times in ms, median / p99 of one run; NIXL with inline_max_bytes=0 (every size goes over NIXL)\n")
-    print("## 1. Transfer")
-    print()
+    print("## 1. Transfer\n")
     print(
         "| bytes | NIXL put | NIXL get (ref received → held) | NIXL delivery (XADD → held) "
-        "| inline encode | inline delivery (XADD → XREAD → decoded) | torch memcpy "
-        "| inline/NIXL delivery | NIXL get/memcpy | NIXL get GB/s |"
+        f"| inline encode | inline delivery (XADD → XREAD → decoded) | {base_name} "
+        f"| inline/NIXL delivery | NIXL get/{'peer copy' if gpu else 'memcpy'} | NIXL get GB/s |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for nbytes, row in results.items():
-        n, il, mc = row["nixl"], row["inline"], row["memcpy"]["copy"]
-        ratio = statistics.median(il["delivery"]) / statistics.median(n["delivery"])
-        vs_copy = statistics.median(n["get"]) / statistics.median(mc)
-        gbs = nbytes / statistics.median(n["get"]) / 1e6
+    transfer = results["transfer"]
+    for nbytes, row in transfer.items():
+        n, il, bc = row["nixl"], row["inline"], row["baseline"]["copy"]
+        ratio = median(il["delivery"]) / median(n["delivery"])
+        vs_copy = median(n["get"]) / median(bc)
+        gbs = nbytes / median(n["get"]) / 1e6
         print(
-            f"| {human(nbytes)} | {fmt(n['put'])} | {fmt(n['get'])} | {fmt(n['delivery'])} | {fmt(il['put'])} "
-            f"| {fmt(il['delivery'])} | {fmt(mc)} | {ratio:.1f}× | {vs_copy:.1f}× | {gbs:.2f} |"
+            f"| {human(nbytes)} | {cell(n['put'])} | {cell(n['get'])} | {cell(n['delivery'])} | {cell(il['put'])} "
+            f"| {cell(il['delivery'])} | {cell(bc)} | {ratio:.1f}× | {vs_copy:.1f}× | {gbs:.2f} |"
         )
     ok = True
-    ref2va = TASKS["Ref2VA"][1]
-    if ref2va in results:
-        row = results[ref2va]
-        hop_ratio = statistics.median(row["inline"]["hop"]) / statistics.median(row["nixl"]["hop"])
-        del_ratio = statistics.median(row["inline"]["delivery"]) / statistics.median(row["nixl"]["delivery"])
+    ref2va = TASK_BYTES["Ref2VA"]
+    if ref2va in transfer:
+        row = transfer[ref2va]
+        hop_ratio = median(row["inline"]["hop"]) / median(row["nixl"]["hop"])
+        del_ratio = median(row["inline"]["delivery"]) / median(row["nixl"]["delivery"])
         holds = hop_ratio >= RATIO_TARGET
-        ok &= holds
+        if not gpu:
+            ok &= holds
         print(
-            f"\nRef2VA payload over NIXL ≥ {RATIO_TARGET:.0f}× faster than through Redis inline: "
-            f"{'HOLDS' if holds else 'DOES NOT HOLD'} — put start → held (p50) {hop_ratio:.1f}× "
-            f"(delivery only, XADD → held: {del_ratio:.1f}×)"
+            f"\nRef2VA payload over NIXL ≥ {RATIO_TARGET:.0f}× faster than through Redis inline"
+            f"{' (target set for CPU)' if gpu else ''}: {verdict(holds)} — put start → held (p50) "
+            f"{hop_ratio:.1f}× (delivery only, XADD → held: {del_ratio:.1f}×)"
         )
-    print("\n## 2. Hop latency (producer's put start → consumer holds the tensors)\n")
-    print("| task | bytes | NIXL p50 | NIXL p99 | inline p50 | inline p99 | inline/NIXL p50 |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, (_, nbytes) in TASKS.items():
-        if nbytes not in results:
+    all_ranks = args.tp > 1
+    print(
+        "\n## 2. Hop latency (producer's put start → consumer leader holds the tensors"
+        f"{'; → all TP ranks hold them' if all_ranks else ''})\n"
+    )
+    cols = "| task | bytes | NIXL p50 | NIXL p99 | inline p50 | inline p99 | inline/NIXL p50 |"
+    if all_ranks:
+        cols += f" NIXL → all TP{args.tp} ranks p50 / p99 | inline → all ranks p50 / p99 |"
+    print(cols)
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if all_ranks else ""))
+    for name, nbytes in TASK_BYTES.items():
+        if nbytes not in transfer:
             continue
-        n, il = results[nbytes]["nixl"]["hop"], results[nbytes]["inline"]["hop"]
-        print(
-            f"| {name} | {nbytes:,} | {statistics.median(n):.3f} | {pct(n, 99):.3f} | {statistics.median(il):.3f} "
-            f"| {pct(il, 99):.3f} | {statistics.median(il) / statistics.median(n):.1f}× |"
+        row = transfer[nbytes]
+        n, il = row["nixl"]["hop"], row["inline"]["hop"]
+        line = (
+            f"| {name} | {nbytes:,} | {median(n):.3f} | {pct(n, 99):.3f} | {median(il):.3f} "
+            f"| {pct(il, 99):.3f} | {median(il) / median(n):.1f}× |"
         )
-    t2va = TASKS["T2VA"][1]
-    if t2va in results:
-        p50 = statistics.median(results[t2va]["nixl"]["hop"])
+        if all_ranks:
+            line += f" {cell(row['nixl']['all_ranks'])} | {cell(row['inline']['all_ranks'])} |"
+        print(line)
+    t2va = TASK_BYTES["T2VA"]
+    if t2va in transfer:
+        p50 = median(transfer[t2va]["nixl"]["hop"])
         holds = p50 <= HOP_TARGET_MS
-        ok &= holds
+        if not gpu:
+            ok &= holds
         print(
-            f"\nadded hop latency for a T2VA payload ≤ {HOP_TARGET_MS:g} ms p50: "
-            f"{'HOLDS' if holds else 'DOES NOT HOLD'} ({p50:.3f} ms over NIXL, including the envelope's XADD/XREAD)"
+            f"\nadded hop latency for a T2VA payload ≤ {HOP_TARGET_MS:g} ms p50: {verdict(holds)} "
+            f"({p50:.3f} ms over NIXL, put start → held, including the envelope's XADD/XREAD)"
         )
-    added, requests = registrations
+    regs = results["registrations"]
     print("\n## 3. Memory registrations per request after warm-up\n")
     print(
-        f"consumer: {added} new registrations over {requests} NIXL requests "
-        f"({added / max(requests, 1):.3f} per request); producer: registrations "
-        f"{min(prod_regs, default=-1)}..{max(prod_regs, default=-1)} over the same requests"
+        f"consumer: {regs['consumer_added']} new registrations over {regs['requests']} NIXL requests; "
+        f"producer: registration count {regs['producer']} over the same requests"
     )
-    assert added == 0, "the consumer registered memory per request"
-    assert len(set(prod_regs)) == 1, "the producer registered memory per request"
-    print("registrations per request after warm-up: 0 (asserted)")
-    return 0 if ok else 1
+    counted_ok = regs["consumer_added"] == 0 and len(regs["producer"]) == 1
+    ok &= counted_ok
+    print(f"no memory registration per request after warm-up: {verdict(counted_ok)} (counted)")
+    if results["scaling"]:
+        print(
+            "\n## 4. Scaling with requests in flight (bursts of K NIXL payloads; pool = "
+            f"{human(pool_bytes_for(args.sizes))} per side)\n"
+        )
+        print(
+            "| payload | K in flight | pool slots | hop p50 / p99 | put p50 / p99 (waits when the pool is full) "
+            "| peak slots producer / consumer | RSS producer / consumer MiB |"
+        )
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for nbytes, by_k in results["scaling"].items():
+            for k, r in by_k.items():
+                print(
+                    f"| {human(nbytes)} | {k} | {results['pool_slots'][nbytes]} | {cell(r['hop'])} | {cell(r['put'])} "
+                    f"| {max(r['producer_slots']):.0f} / {max(r['consumer_slots']):.0f} "
+                    f"| {r['rss_producer_mib'][0]:.0f} / {r['rss_consumer_mib'][0]:.0f} |"
+                )
+    return ok
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sizes = lambda s: sorted({int(x) for x in s.split(",") if x})  # noqa: E731
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument(
-        "--sizes",
-        type=lambda s: sorted({int(x) for x in s.split(",")}),
-        default=DEFAULT_SIZES,
-        help="comma-separated byte counts (task payload sizes use the task payloads)",
-    )
+    parser.add_argument("--sizes", type=sizes, default=DEFAULT_SIZES, help="byte counts; task sizes use task payloads")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--tp", type=int, default=1, help="consumer TP size (gloo fan-out from the leader)")
+    parser.add_argument("--inflight", type=sizes, default=[1, 2, 4, 8, 16], help="burst sizes for section 4")
+    parser.add_argument("--scaling-sizes", type=sizes, default=[TASK_BYTES["FL2VA"], TASK_BYTES["Ref2VA"]])
+    parser.add_argument("--scaling-rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write the raw series here (for benchmarks/chart.py)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--role", choices=["consumer", "producer"], default="consumer", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     parser.add_argument("--pool-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(1)  # two processes on a 2-core host, as in the tests; memcpy gets one thread too
-    configure_logging(fmt="json", level="info", service=f"bench-{args.role}")  # as deployed; to stderr
+    torch.set_num_threads(1)  # each process one thread, as a leader's data-plane work is; memcpy gets one too
+    configure_logging(fmt="json", level="warning", service=f"bench-{args.role}")  # as deployed; to stderr
     if args.role == "producer":
         anyio.run(producer, args)
         return 0
-    print(f"$ .venv/bin/python {' '.join(sys.argv)}\n")
+    print(f"$ python {' '.join(sys.argv)}\n")
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     proc = start_producer(args, prefix)
     try:
-        return anyio.run(consumer_main, args, prefix, proc)
+        results = anyio.run(consumer_main, args, prefix, proc)
     finally:
         if proc.poll() is None:
             proc.kill()
+    ok = report(args, results)
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **results}))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,101 @@
+"""Where a small payload's hop goes: each step of NixlConnector.put/get timed on its own, in one process.
+
+    python benchmarks/hop_breakdown.py                   # T2VA-sized payload, 400 hops
+    python benchmarks/hop_breakdown.py --bytes 4096 --progress-delay-us 0
+
+A diagnostic, not a comparison: producer and consumer connectors live in one process (two NIXL agents,
+CMA between them), and the consumer's get is unrolled into its steps — validation, peer lookup, the
+claim (one Redis ``SET NX``), slot acquisition, the READ, unpacking, releasing — through the connector's
+own internals, so the numbers say which step to work on.  Medians after 50 warm-up hops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import anyio  # noqa: E402
+import torch  # noqa: E402
+from transfer import connector, payload_for  # noqa: E402
+
+from stageferry.broker.nixl_agent import NixlAgent  # noqa: E402
+from stageferry.broker.payload_codec import plan_payload, unpack, validate_manifest, validate_remote_regions  # noqa: E402
+from stageferry.broker.redis_conn import connect  # noqa: E402
+from stageferry.logs import configure_logging  # noqa: E402
+
+WARMUP = 50
+
+
+async def run(args: argparse.Namespace) -> dict[str, list[float]]:
+    prefix = f"breakdown-{uuid.uuid4().hex[:6]}"
+    cpu = torch.device("cpu")
+    producer = connector(connect(args.redis_url), prefix, "p", 64 << 20, cpu)
+    consumer = connector(connect(args.redis_url), prefix, "c", 64 << 20, cpu)
+    for conn in (producer, consumer):
+        conn.agent = NixlAgent(conn.name, progress_delay_us=args.progress_delay_us)
+        await anyio.to_thread.run_sync(conn.open)
+    payload = payload_for(args.bytes, cpu)
+    steps: dict[str, list[float]] = {}
+
+    def timed(name: str, started: float) -> float:
+        now = time.perf_counter()
+        steps.setdefault(name, []).append((now - started) * 1e3)
+        return now
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(producer.run)
+        await tg.start(consumer.run)
+        for i in range(args.hops + WARMUP):
+            t = time.perf_counter()
+            plan_payload(payload)
+            t = timed("plan (part of put)", t)
+            ref = (await producer.put(f"k{i}", payload)).ref
+            t = begin = timed("put", t)
+            validate_manifest(ref.manifest, max_payload_bytes=1 << 30)
+            t = timed("validate manifest", t)
+            peer = await consumer._ensure_peer(ref)  # type: ignore[arg-type]
+            validate_remote_regions(ref.manifest, ref.regions, peer.arenas)  # type: ignore[union-attr]
+            t = timed("peer + descriptor checks", t)
+            await consumer._claim(ref)  # type: ignore[arg-type]
+            t = timed("claim (SET NX)", t)
+            slots = await consumer.pools.acquire_regions(ref.manifest, timeout=5)  # type: ignore[union-attr]
+            t = timed("acquire slot", t)
+            await consumer._read(ref, peer, slots)  # type: ignore[arg-type]
+            t = timed("READ (post → DONE)", t)
+            unpack(ref.manifest, {k: s.view for k, s in slots.items()}, copy=False)
+            t = timed("unpack", t)
+            consumer.pools.release_all(slots)  # type: ignore[union-attr]
+            t = timed("release slot", t)
+            timed("get total", begin)
+        tg.cancel_scope.cancel()
+    await producer.aclose()
+    await consumer.aclose()
+    return {name: values[WARMUP:] for name, values in steps.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bytes", type=int, default=359_024)
+    parser.add_argument("--hops", type=int, default=400)
+    parser.add_argument("--progress-delay-us", type=int, default=1000)
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    configure_logging(fmt="json", level="warning", service="bench-breakdown")
+    steps = anyio.run(run, args)
+    print(f"$ python {' '.join(sys.argv)}\n")
+    print(f"| step ({args.bytes:,} bytes, progress delay {args.progress_delay_us} µs) | p50 ms | p99 ms |")
+    print("| --- | ---: | ---: |")
+    for name, values in steps.items():
+        ordered = sorted(values)
+        print(f"| {name} | {statistics.median(values):.3f} | {ordered[int(0.99 * (len(ordered) - 1))]:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Requests per second through a two-stage pipeline of null models: only the control and data planes work.
+
+    python benchmarks/throughput.py                # T2VA and Ref2VA payloads, 1 and 2 replicas, NIXL vs inline
+    python benchmarks/throughput.py --tasks T2VA --replicas 1 --requests 50
+
+Real services, as deployed: per configuration a private key prefix, ``stageferry serve`` processes for an
+``encoder`` and a ``diffusion`` stage (``--replicas`` of each, TP1, ``benchmarks/null_model.py``), and a
+client that submits ``--requests`` jobs at once and waits for all of them.  The edge between the stages is
+NIXL or inline (the ``connector`` of the pipeline config; inline carries every payload in the stream
+entry), side by side in the same run.  Printed: requests/s (first submit → last done), per-request
+latency p50/p99 (submit → done), and the payload hop (the diffusion leader's get) p50/p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import anyio  # noqa: E402
+from bench_stats import TASK_BYTES, cell, machine_facts, median  # noqa: E402
+
+from stageferry.client import Client  # noqa: E402
+from stageferry.launcher import ServiceGroup, wait_for_workers  # noqa: E402
+from stageferry.schemas import RequestState  # noqa: E402
+
+STAGES = ("encoder", "diffusion")
+
+
+def pipeline_toml(connector: str, payload_bytes: int) -> str:
+    stages = "".join(
+        f'[[stages]]\nname = "{name}"\nmodel = "benchmarks.null_model:factory"\ntp = 1\ndevice = "cpu"\n\n'
+        for name in STAGES
+    )
+    pool = max(256 << 20, 8 * payload_bytes)
+    return (
+        f'[data_plane]\nconnector = "{connector}"\ninline_max_bytes = 65536\n'
+        f"inline_fallback_max_bytes = {128 << 20}\ncpu_pool_bytes = {pool}\n\n"
+        f"[limits]\nmax_entry_bytes = {256 << 20}\n\n{stages}"
+    )
+
+
+async def run_config(
+    url: str, task: str, connector: str, replicas: int, requests: int, workdir: Path
+) -> dict[str, Any]:
+    prefix = f"tput-{uuid.uuid4().hex[:8]}"
+    pipeline = workdir / f"{prefix}.toml"
+    pipeline.write_text(pipeline_toml(connector, TASK_BYTES[task]))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "STAGEFERRY_REDIS_URL": url,
+        "STAGEFERRY_PREFIX": prefix,
+        "STAGEFERRY_PIPELINE": str(pipeline),
+        "STAGEFERRY_LOG_FORMAT": "json",
+        "STAGEFERRY_LOG_LEVEL": "warning",
+        "STAGEFERRY_BENCH_TASK": task,
+        "OMP_NUM_THREADS": "1",
+    }
+    services = ServiceGroup(env, workdir / prefix)
+    from stageferry.config import PipelineConfig
+
+    config = PipelineConfig.load(pipeline)
+    try:
+        for stage in STAGES:
+            for r in range(replicas):
+                await services.start(
+                    f"{stage}-{r}",
+                    ["env", f"STAGEFERRY_REPLICA={stage}{r}", sys.executable, "-m", "stageferry", "serve", stage],
+                )
+        async with Client(url, prefix=prefix, pipeline=config) as client:
+            await wait_for_workers(client.redis, client.keys, list(STAGES), timeout=120)
+            await anyio.sleep(1.0 * replicas)  # let every replica join its consumer group
+            job = {"task": "t2va", "prompt": "throughput", "num_inference_steps": 1}
+            for i in range(3):  # warm-up: NIXL handshakes, code paths
+                await client.wait(await client.submit({**job, "seed": i}), timeout=120)
+            submitted: dict[str, float] = {}
+            done: dict[str, float] = {}
+            hops: list[float] = []
+            failed = 0
+            started = time.perf_counter()
+            for i in range(requests):
+                rid = await client.submit({**job, "seed": 1000 + i})
+                submitted[rid] = time.perf_counter()
+
+            async def wait_one(rid: str) -> None:
+                nonlocal failed
+                status = await client.wait(rid, timeout=600)
+                done[rid] = time.perf_counter()
+                if status.state is not RequestState.DONE:
+                    failed += 1
+                    return
+                hops.extend(t.transfer_seconds * 1e3 for t in status.timings if t.stage == "diffusion")
+
+            async with anyio.create_task_group() as tg:
+                for rid in submitted:
+                    tg.start_soon(wait_one, rid)
+            wall = max(done.values()) - started
+            latencies = [(done[r] - submitted[r]) * 1e3 for r in submitted]
+    finally:
+        await services.stop()
+    return {
+        "rps": requests / wall,
+        "latency": latencies,
+        "hop": hops or [0.0],
+        "failed": failed,
+        "wall": wall,
+    }
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="sf-tput-") as tmp:
+        rows = []
+        for task in args.tasks:
+            for replicas in args.replicas:
+                for connector in ("nixl", "inline"):
+                    r = await run_config(args.redis_url, task, connector, replicas, args.requests, Path(tmp))
+                    rows.append((task, replicas, connector, r))
+                    print(f"# {task} x{replicas} {connector}: {r['rps']:.1f} req/s", file=sys.stderr, flush=True)
+    print(f"machine: {machine_facts()}")
+    print(f"{args.requests} requests submitted at once per configuration; times in ms, median / p99\n")
+    print("## Throughput: encoder → diffusion, null models (payload only), TP1 services\n")
+    print("| payload | replicas per stage | edge | requests/s | latency submit → done | payload hop (get) | failed |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    for task, replicas, connector, r in rows:
+        print(
+            f"| {task} ({TASK_BYTES[task]:,} B) | {replicas} | {connector} | {r['rps']:.1f} | {cell(r['latency'], 1)} "
+            f"| {cell(r['hop'], 2)} | {r['failed']} |"
+        )
+    print()
+    for task in args.tasks:
+        for replicas in args.replicas:
+            by = {c: r for t, n, c, r in rows if t == task and n == replicas}
+            rps = by["nixl"]["rps"] / by["inline"]["rps"]
+            latency = median(by["inline"]["latency"]) / median(by["nixl"]["latency"])
+            print(
+                f"{task}, {replicas} replica(s): requests/s NIXL/inline {rps:.2f}×, latency inline/NIXL {latency:.2f}×"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", type=lambda s: s.split(","), default=["T2VA", "Ref2VA"])
+    parser.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    args = parser.parse_args()
+    print(f"$ python {' '.join(sys.argv)}\n")
+    anyio.run(main_async, args)
+
+
+if __name__ == "__main__":
+    main()
