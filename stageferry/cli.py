@@ -289,6 +289,29 @@ def trace(ctx: typer.Context, request_id: str) -> None:
 
 @app.command()
 @_expected_errors
+def health(
+    ctx: typer.Context,
+    stage: Annotated[
+        str | None, typer.Option("--stage", help="Also require this replica's worker heartbeat for STAGE.")
+    ] = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for Redis.")] = 5.0,
+) -> None:
+    """Container health check: exit 0 when Redis answers and, with --stage, this replica's heartbeat is fresh.
+
+    The replica is STAGEFERRY_REPLICA (the hostname by default), as for `serve`.
+    """
+    settings = _settings(ctx)
+    from stageferry.health import check_health
+
+    problem = anyio.run(functools.partial(check_health, settings, stage=stage, timeout=timeout))
+    if problem is not None:
+        typer.echo(f"unhealthy: {problem}", err=True)
+        raise typer.Exit(1)
+    typer.echo("ok")
+
+
+@app.command()
+@_expected_errors
 def serve(
     ctx: typer.Context,
     stage: str,
@@ -346,6 +369,56 @@ def up(
         )
     )  # fmt: skip
     raise typer.Exit(code)
+
+
+@app.command()
+@_expected_errors
+def gateway(
+    ctx: typer.Context,
+    host: Annotated[str, typer.Option("--host", help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 8091,
+    sync_timeout: Annotated[
+        float | None, typer.Option("--sync-timeout", help="Seconds /v1/videos/sync waits (default: timeouts.request).")
+    ] = None,
+    model_name: Annotated[str, typer.Option("--model-name", help="`model` in answers.")] = "stageferry",
+) -> None:
+    """Serve the vLLM-Omni compatible HTTP API (/v1/videos, /v1/videos/sync, /health, /metrics)."""
+    settings = _settings(ctx)
+    configure_logging(fmt=settings.log_format, level=settings.log_level, service="gateway")
+    from stageferry.gateway import GatewayConfig, serve
+
+    config = GatewayConfig.from_settings(settings, sync_timeout_s=sync_timeout, model_name=model_name)
+    serve(config, host=host, port=port, log_level=settings.log_level)
+
+
+@app.command()
+@_expected_errors
+def chaos(
+    requests: Annotated[int, typer.Option("--requests", min=1, help="Jobs to submit (mixed tasks).")] = 200,
+    seed: Annotated[int | None, typer.Option("--seed", help="Fault plan and job mix (random if unset).")] = None,
+    replicas: Annotated[int, typer.Option("--replicas", min=1, help="Replicas per stage.")] = 2,
+    enc_tp: Annotated[int, typer.Option("--enc-tp", min=1)] = 2,
+    dif_tp: Annotated[int, typer.Option("--dif-tp", min=1)] = 4,
+    window: Annotated[float | None, typer.Option("--window", help="Seconds to submit over (0.6 s/job).")] = None,
+    faults: Annotated[int | None, typer.Option("--faults", min=0, help="Faults of each kind (default 2).")] = None,
+    work_dir: Annotated[Path | None, typer.Option("--work-dir", help="Logs and Redis data (kept).")] = None,
+) -> None:
+    """Fault-injection soak: the pipeline on a private AOF Redis under random SIGKILLs, Redis restarts
+    and stalls; prints the summary table and exits 1 if anything was lost, duplicated or stuck."""
+    from stageferry.chaos.faults import FaultKind
+    from stageferry.chaos.soak import SoakConfig, render, run_soak
+
+    configure_logging(fmt="auto", level="warning", service="chaos")
+    cfg = SoakConfig(requests=requests, seed=seed, replicas=replicas, enc_tp=enc_tp, dif_tp=dif_tp, window_s=window)
+    if faults is not None:
+        cfg.faults = {kind: faults for kind in FaultKind}
+    cfg.work_dir = work_dir
+    typer.echo(f"chaos soak: {requests} requests, seed {cfg.seed if seed is not None else '(drawn)'}", err=True)
+    result = anyio.run(run_soak, cfg)
+    typer.echo(render(result))
+    if not result.audit.ok:
+        typer.echo(f"soak FAILED; logs in {result.work_dir}", err=True)
+        raise typer.Exit(1)
 
 
 def main() -> None:
