@@ -62,7 +62,7 @@ class DiffusionConfig:
     dit: DiTConfig
     max_reference_frames: int = 4  #: reference video latent frames used as context
     max_reference_audio: int = 64  #: reference audio tokens used as context (average-pooled)
-    crf: int = 23
+    qp: int = 23
     preset: str = "veryfast"
 
 
@@ -140,7 +140,7 @@ class ReferenceDiffusion:
             job.fps,
             gen.audio,
             audio.SAMPLE_RATE,
-            crf=self.cfg.crf,
+            qp=self.cfg.qp,
             preset=self.cfg.preset,
         )
         timings = {**gen.timings, "mp4_s": round(time.perf_counter() - started, 3)}
@@ -160,7 +160,7 @@ class ReferenceDiffusion:
 
 
 def _digest(t: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes: exact comparisons of outputs (the MP4 encoder adds its own noise)."""
+    """sha256 of a tensor's bytes: exact comparisons of what the model produced, before encoding."""
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
@@ -216,7 +216,7 @@ def factory(
     seed: int = 0,
     max_reference_frames: int = 4,
     max_reference_audio: int = 64,
-    crf: int = 23,
+    qp: int = 23,
     preset: str = "veryfast",
 ) -> ReferenceDiffusion:
     """The reference diffusion model; ``dim``/``heads``/``layers`` size the transformer."""
@@ -232,7 +232,7 @@ def factory(
             ),
             max_reference_frames=max_reference_frames,
             max_reference_audio=max_reference_audio,
-            crf=crf,
+            qp=qp,
             preset=preset,
         )
     )

@@ -44,10 +44,14 @@ def write_mp4(
     audio: torch.Tensor | None = None,
     sample_rate: int = 32_000,
     *,
-    crf: int = 23,
+    qp: int = 23,
     preset: str = "veryfast",
 ) -> Path:
-    """Frames [F, H, W, 3] uint8 and stereo audio [2, S] float in [-1, 1] → ``path`` (mp4)."""
+    """Frames [F, H, W, 3] uint8 and stereo audio [2, S] float in [-1, 1] → ``path`` (mp4).
+
+    libx264 runs at a constant quantiser (``qp``), not CRF: CRF's rate control (float maths, mb-tree)
+    gave different bitstreams for the same frames from one process to another, so the same job could
+    not produce the same MP4 twice; with a constant quantiser the decoded frames are reproducible."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
@@ -59,7 +63,7 @@ def write_mp4(
             video.width, video.height, video.pix_fmt = width, height, "yuv420p"
             video.time_base = Fraction(1, fps)
             if encoder == "libx264":
-                video.options = {"crf": str(crf), "preset": preset}
+                video.options = {"qp": str(qp), "preset": preset}
             sound = None
             if audio is not None:
                 sound = cast(AudioStream, container.add_stream(AUDIO_CODEC, rate=sample_rate, layout="stereo"))
