@@ -27,6 +27,7 @@ from stageferry.broker.payload_codec import (
 )
 from stageferry.errors import ManifestError
 from stageferry.schemas.payload import DeviceKind, DType, Manifest, MemKind, RemoteRegion
+from stageferry.testing import tensors_of
 
 CAP = 1 << 20
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -127,22 +128,12 @@ def test_hostile_manifests_are_rejected_or_stay_inside_their_regions(raw: dict[s
     backing = torch.full((size + 2 * guard,), 0xA5, dtype=torch.uint8)
     slot = backing[guard : guard + size]
     payload = unpack(manifest, {DeviceKind.CPU: slot}, copy=False) if manifest.regions else None
-    for leaf in _tensors(payload):
+    for leaf in tensors_of(payload):
         if leaf.numel():
             start = leaf.data_ptr()
             end = start + leaf.numel() * leaf.element_size()
             assert slot.data_ptr() <= start and end <= slot.data_ptr() + size
     assert bool((backing[:guard] == 0xA5).all()) and bool((backing[guard + size :] == 0xA5).all())
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, list | tuple):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 GOOD_PAYLOAD = {"text": torch.arange(48, dtype=torch.float32).view(4, 12), "ids": torch.arange(5), "n": 2}
