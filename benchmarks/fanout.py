@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from stageferry.broker.payload_codec import plan_payload
+from stageferry.broker.data.payload_codec import plan_payload
 from stageferry.embedded_redis import free_port
 from stageferry.schemas import DeviceKind
 from stageferry.stages.group_channel import GroupChannel, MessageKind
@@ -126,7 +126,7 @@ def run_broadcast(args: argparse.Namespace) -> None:
 
 
 def _producer(conn: Any, sizes: list[int]) -> None:
-    from stageferry.broker.nixl_agent import NixlAgent
+    from stageferry.broker.data.nixl_agent import NixlAgent
 
     torch.cuda.set_device(0)
     agent = NixlAgent("bench-producer")
@@ -139,7 +139,7 @@ def _producer(conn: Any, sizes: list[int]) -> None:
 
 
 def _consumer_rank(rank: int, port: int, sizes: list[int], iters: int, conn: Any, out: Any) -> None:
-    from stageferry.broker.nixl_agent import NixlAgent, XferState
+    from stageferry.broker.data.nixl_agent import NixlAgent, XferState
     from stageferry.schemas import MemKind
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -85,8 +85,8 @@ def stats(ns: list[int], n: int) -> tuple[float, float, float]:
 
 
 def load_agent_module() -> Any:
-    """stageferry.broker.nixl_agent (imported in the child processes, after their environment is set)."""
-    import stageferry.broker.nixl_agent as mod
+    """stageferry.broker.data.nixl_agent (imported in the child processes, after their environment is set)."""
+    import stageferry.broker.data.nixl_agent as mod
 
     return mod
 

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from bench_stats import TASK_BYTES, machine_facts, median, pct, verdict  # noqa: E402
 from transfer import Consumer, FanOut, bench_client, connector  # noqa: E402
 
-from stageferry.broker.redis_conn import connect  # noqa: E402
+from stageferry.broker.control.redis_conn import connect  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402
 
 HOL_TARGET = 2.0  # control p99 with NIXL bulk flowing / idle p99

@@ -24,9 +24,9 @@ import anyio  # noqa: E402
 import torch  # noqa: E402
 from transfer import connector, payload_for  # noqa: E402
 
-from stageferry.broker.nixl_agent import NixlAgent  # noqa: E402
-from stageferry.broker.payload_codec import plan_payload, unpack, validate_manifest, validate_remote_regions  # noqa: E402
-from stageferry.broker.redis_conn import connect  # noqa: E402
+from stageferry.broker.control.redis_conn import connect  # noqa: E402
+from stageferry.broker.data.nixl_agent import NixlAgent  # noqa: E402
+from stageferry.broker.data.payload_codec import plan_payload, unpack, validate_manifest, validate_remote_regions  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402
 
 WARMUP = 50

@@ -47,11 +47,11 @@ import redis.asyncio as aioredis  # noqa: E402
 import torch  # noqa: E402
 from bench_stats import TASK_BYTES, TASK_OF_SIZE, cell, human, machine_facts, median, pct, rss_mib, verdict  # noqa: E402
 
-from stageferry.broker.inline import InlineConnector  # noqa: E402
-from stageferry.broker.keys import Keys  # noqa: E402
-from stageferry.broker.nixl_connector import NixlConnector  # noqa: E402
-from stageferry.broker.payload_codec import pack_into, plan_payload  # noqa: E402
-from stageferry.broker.redis_conn import connect  # noqa: E402
+from stageferry.broker.control.keys import Keys  # noqa: E402
+from stageferry.broker.control.redis_conn import connect  # noqa: E402
+from stageferry.broker.data.inline import InlineConnector  # noqa: E402
+from stageferry.broker.data.nixl_connector import NixlConnector  # noqa: E402
+from stageferry.broker.data.payload_codec import pack_into, plan_payload  # noqa: E402
 from stageferry.config import DataPlaneConfig, Timeouts  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402
 from stageferry.schemas import InlinePayload, NixlPayload, PayloadRef  # noqa: E402

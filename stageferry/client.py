@@ -19,9 +19,9 @@ import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from pydantic import ValidationError
 
-from stageferry.broker.keys import Keys
-from stageferry.broker.redis_conn import BLOCK_MS, connect, translated
-from stageferry.broker.requests import RequestStore
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import BLOCK_MS, connect, translated
+from stageferry.broker.control.requests import RequestStore
 from stageferry.config import PipelineConfig, Settings
 from stageferry.errors import JobValidationError
 from stageferry.schemas import JobRequest, MediaInputs, RequestStatus

@@ -12,8 +12,8 @@ import time
 
 import anyio
 
-from stageferry.broker.keys import Keys
-from stageferry.broker.redis_conn import open_client, translated
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import open_client, translated
 from stageferry.config import Settings
 from stageferry.errors import ControlPlaneError
 from stageferry.launcher import FRESH_HEARTBEAT_S, live_replicas

@@ -23,8 +23,8 @@ import redis.asyncio as aioredis
 from anyio.abc import Process
 from rich.console import Console
 
-from stageferry.broker.keys import Keys
-from stageferry.broker.redis_conn import translated
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import translated
 from stageferry.client import Client, validate_job, with_upload_refs
 from stageferry.config import Settings
 from stageferry.console import follow, render_status

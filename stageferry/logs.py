@@ -31,7 +31,7 @@ from anyio.abc import TaskStatus
 from stageferry.errors import ConfigError, StageferryError
 
 if TYPE_CHECKING:
-    from stageferry.broker.requests import RequestStore
+    from stageferry.broker.control.requests import RequestStore
 
 LogFormat = Literal["auto", "json", "console"]
 

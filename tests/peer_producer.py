@@ -16,9 +16,9 @@ import os
 import anyio
 import torch
 
-from stageferry.broker.keys import Keys
-from stageferry.broker.nixl_connector import NixlConnector
-from stageferry.broker.redis_conn import open_client
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import open_client
+from stageferry.broker.data.nixl_connector import NixlConnector
 from stageferry.config import DataPlaneConfig, MetadataMode, Timeouts
 from stageferry.errors import DataPlaneError
 from stageferry.testing import TASKS, sized_payload

@@ -11,9 +11,9 @@ import signal
 import anyio
 from pydantic import TypeAdapter
 
-from stageferry.broker.keys import Keys
-from stageferry.broker.nixl_connector import RELEASE_TAG, NixlConnector, mem_kind_of
-from stageferry.broker.redis_conn import open_client
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import open_client
+from stageferry.broker.data.nixl_connector import RELEASE_TAG, NixlConnector, mem_kind_of
 from stageferry.config import DataPlaneConfig, Timeouts
 from stageferry.schemas import NixlPayload, PayloadRef
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import redis as sync_redis
 
-from stageferry.broker.keys import Keys
+from stageferry.broker.control.keys import Keys
 from stageferry.client import SyncClient
 from stageferry.config import PipelineConfig
 

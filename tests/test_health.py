@@ -8,7 +8,7 @@ import pytest
 import redis as sync_redis
 from typer.testing import CliRunner
 
-from stageferry.broker.keys import Keys
+from stageferry.broker.control.keys import Keys
 from stageferry.cli import app
 
 runner = CliRunner()

@@ -11,8 +11,8 @@ import anyio
 import pytest
 from typer.testing import CliRunner
 
-from stageferry.broker.keys import Keys
-from stageferry.broker.redis_conn import open_client
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import open_client
 from stageferry.cli import app
 from stageferry.errors import StageFailedError
 from stageferry.launcher import ServiceGroup, live_replicas, wait_for_workers

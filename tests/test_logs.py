@@ -9,9 +9,9 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from stageferry.broker.keys import Keys
-from stageferry.broker.redis_conn import open_client
-from stageferry.broker.requests import RequestStore
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import open_client
+from stageferry.broker.control.requests import RequestStore
 from stageferry.errors import ConfigError
 from stageferry.logs import EventSink, _EventQueue, bound_request, configure_logging
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import redis as sync_redis
 
-from stageferry.broker.keys import Keys
+from stageferry.broker.control.keys import Keys
 from stageferry.schemas import RequestStatus
 
 _RESOURCE_LINE = re.compile(r'^stageferry_dataplane_resources\{what="(\w+)"\} ([0-9.e+-]+)$', re.M)

@@ -20,10 +20,10 @@ from pathlib import Path
 import redis as sync_redis
 import structlog
 
-from stageferry.broker.keys import Keys
-from stageferry.chaos.failpoints import ENV as FAILPOINTS_ENV
+from stageferry.broker.control.keys import Keys
 from stageferry.chaos.model import RECORD_ENV, STAGE_SECONDS_ENV
 from stageferry.embedded_redis import EmbeddedRedis, free_port
+from stageferry.failpoints import ENV as FAILPOINTS_ENV
 
 log = structlog.get_logger(__name__)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import anyio
 import structlog
 
-from stageferry.chaos import failpoints
+from stageferry import failpoints
 from stageferry.chaos.cluster import Cluster, Replica, signal_pid
 
 log = structlog.get_logger(__name__)

@@ -24,7 +24,7 @@ import anyio
 import redis as sync_redis
 import structlog
 
-from stageferry.broker.keys import Keys
+from stageferry.broker.control.keys import Keys
 from stageferry.chaos import audit
 from stageferry.chaos.cluster import Cluster
 from stageferry.chaos.faults import FaultKind, FaultPlan, Injector

@@ -12,7 +12,7 @@ import time
 
 import anyio
 
-from stageferry.broker.redis_conn import translated
+from stageferry.broker.control.redis_conn import translated
 from stageferry.client import Client
 from stageferry.errors import ControlPlaneError
 from stageferry.gateway.objects import Health

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import anyio
 
-from stageferry.broker.redis_conn import translated
+from stageferry.broker.control.redis_conn import translated
 from stageferry.client import Client, validate_job, with_upload_refs
 from stageferry.errors import StageferryError
 from stageferry.gateway.errors import ApiError, from_exception, from_status_error

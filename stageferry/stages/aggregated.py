@@ -32,7 +32,7 @@ from typing import Any
 import structlog
 import torch
 
-from stageferry.broker.payload_codec import unpack
+from stageferry.broker.data.payload_codec import unpack
 from stageferry.config import GroupLayout, Mode, PipelineConfig, StageConfig
 from stageferry.errors import ConfigError, StageFailedError
 from stageferry.schemas import JobRequest

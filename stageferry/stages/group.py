@@ -33,8 +33,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from stageferry.broker import metrics
-from stageferry.broker.payload_codec import pack_into, plan_payload, unpack
+from stageferry.broker.data import metrics
+from stageferry.broker.data.payload_codec import pack_into, plan_payload, unpack
 from stageferry.config import GroupLayout, PipelineConfig, StageConfig
 from stageferry.embedded_redis import free_port
 from stageferry.errors import GroupBrokenError, StageFailedError, StageferryError, error_from_code

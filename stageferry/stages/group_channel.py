@@ -34,7 +34,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from stageferry.broker.payload_codec import validate_manifest
+from stageferry.broker.data.payload_codec import validate_manifest
 from stageferry.schemas import DeviceKind, Manifest
 
 MAX_HEADER_BYTES = 64 << 20

@@ -16,7 +16,7 @@ import av
 import redis.asyncio as aioredis
 from PIL import Image, UnidentifiedImageError
 
-from stageferry.broker.redis_conn import translated
+from stageferry.broker.control.redis_conn import translated
 from stageferry.errors import JobValidationError
 from stageferry.schemas import JobRequest, MediaRef
 

@@ -18,9 +18,9 @@ import anyio
 import structlog
 import torch
 
-from stageferry.broker.connectors import build_connectors
-from stageferry.broker.keys import Keys
-from stageferry.broker.redis_conn import open_client, wait_until_reachable
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import open_client, wait_until_reachable
+from stageferry.broker.data.connectors import build_connectors
 from stageferry.config import GroupLayout, PipelineConfig, Settings, StageConfig
 from stageferry.errors import ConfigError
 from stageferry.logs import EventSink, configure_logging

@@ -30,13 +30,12 @@ import anyio
 import redis.asyncio as aioredis
 import structlog
 
-from stageferry.broker import metrics
-from stageferry.broker.connector import Connector, Incoming, holding
-from stageferry.broker.keys import Keys
-from stageferry.broker.redis_conn import is_connection_error, translated
-from stageferry.broker.requests import RequestStore
-from stageferry.broker.streams import Entry, StageStream
-from stageferry.chaos.failpoints import PRODUCER_PUBLISHED, failpoint
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import is_connection_error, translated
+from stageferry.broker.control.requests import RequestStore
+from stageferry.broker.control.streams import Entry, StageStream
+from stageferry.broker.data import metrics
+from stageferry.broker.data.connector import Connector, Incoming, holding
 from stageferry.config import PipelineConfig, StageConfig
 from stageferry.errors import (
     ControlPlaneError,
@@ -49,6 +48,7 @@ from stageferry.errors import (
     StageFailedError,
     StageferryError,
 )
+from stageferry.failpoints import PRODUCER_PUBLISHED, failpoint
 from stageferry.logs import bound_request
 from stageferry.schemas import (
     DeviceKind,

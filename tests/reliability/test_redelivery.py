@@ -15,7 +15,7 @@ import anyio
 import pytest
 import redis as sync_redis
 
-from stageferry.broker.keys import Keys
+from stageferry.broker.control.keys import Keys
 from stageferry.config import Timeouts
 from stageferry.errors import PayloadUnavailableError
 from stageferry.schemas import NixlPayload, Transport

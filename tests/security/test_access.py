@@ -14,7 +14,7 @@ import anyio
 import pytest
 import redis as sync_redis
 
-from stageferry.broker.redis_conn import check_url, translated
+from stageferry.broker.control.redis_conn import check_url, translated
 from stageferry.client import Client, SyncClient
 from stageferry.config import PipelineConfig
 from stageferry.errors import AccessDeniedError, ConfigError, ControlPlaneError

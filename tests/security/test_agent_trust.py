@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from stageferry.broker.payload_codec import plan_payload
+from stageferry.broker.data.payload_codec import plan_payload
 from stageferry.errors import EnvelopeError, PayloadUnavailableError
 from stageferry.schemas import Envelope, JobRequest, NixlPayload, request_key
 from stageferry.schemas.validation import parse_envelope

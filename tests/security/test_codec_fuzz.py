@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from stageferry.broker.payload_codec import (
+from stageferry.broker.data.payload_codec import (
     ITEMSIZE,
     decode_inline,
     encode_inline,

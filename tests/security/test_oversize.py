@@ -9,9 +9,9 @@ import anyio
 import pytest
 import redis as sync_redis
 
-from stageferry.broker.keys import Keys
-from stageferry.broker.redis_conn import open_client
-from stageferry.broker.streams import StageStream
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import open_client
+from stageferry.broker.control.streams import StageStream
 from stageferry.client import Client
 from stageferry.config import Limits, PipelineConfig
 from stageferry.errors import JobValidationError

@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stageferry.broker.payload_codec import encode_inline
+from stageferry.broker.data.payload_codec import encode_inline
 from stageferry.schemas import Envelope, InlinePayload, JobRequest, RequestState, request_key
 from tests.procs import ROOT, Services, write_pipeline
 from tests.security.tripwire import tripwire_env

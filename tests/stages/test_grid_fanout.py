@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from stageferry.broker.inline import InlineConnector
+from stageferry.broker.data.inline import InlineConnector
 from stageferry.config import GroupLayout, PipelineConfig, StageConfig
 from stageferry.embedded_redis import free_port
 from stageferry.errors import PayloadUnavailableError

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from PIL import Image
 
-from stageferry.broker.payload_codec import decode_inline, encode_inline
+from stageferry.broker.data.payload_codec import decode_inline, encode_inline
 from stageferry.config import PipelineConfig
 from stageferry.errors import CancelledRequestError, EnvelopeError, JobValidationError
 from stageferry.schemas import JobRequest

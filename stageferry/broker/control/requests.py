@@ -16,9 +16,9 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 
-from stageferry.broker.keys import Keys
-from stageferry.broker.redis_conn import BLOCK_MS, translated
-from stageferry.broker.streams import WAKE_LUA
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import BLOCK_MS, translated
+from stageferry.broker.control.streams import WAKE_LUA
 from stageferry.errors import DeadlineExceededError, QueueFullError
 from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestState, RequestStatus
 

@@ -8,10 +8,10 @@ import anyio
 import redis.asyncio as aioredis
 import torch
 
-from stageferry.broker.connector import Connector
-from stageferry.broker.inline import InlineConnector
-from stageferry.broker.keys import Keys
-from stageferry.broker.nixl_connector import NixlConnector
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.data.connector import Connector
+from stageferry.broker.data.inline import InlineConnector
+from stageferry.broker.data.nixl_connector import NixlConnector
 from stageferry.config import ConnectorKind, PipelineConfig, StageConfig
 
 

@@ -14,7 +14,7 @@ import anyio
 import pytest
 import redis as sync_redis
 
-from stageferry.broker.keys import Keys
+from stageferry.broker.control.keys import Keys
 from stageferry.client import Client
 from stageferry.config import PipelineConfig
 from stageferry.embedded_redis import EmbeddedRedis

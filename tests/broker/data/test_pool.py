@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stageferry.broker.payload_codec import pack_into, plan_payload, unpack, validate_remote_regions
-from stageferry.broker.pool import ArenaAllocator, MemoryPool, PoolSet, Slot
+from stageferry.broker.data.payload_codec import pack_into, plan_payload, unpack, validate_remote_regions
+from stageferry.broker.data.pool import ArenaAllocator, MemoryPool, PoolSet, Slot
 from stageferry.config import DataPlaneConfig, MiB
 from stageferry.errors import ManifestError, NixlUnavailableError, PoolExhaustedError
 from stageferry.schemas.payload import DeviceKind, Manifest, MemKind, RegionSpec
@@ -334,7 +334,7 @@ async def test_thousand_cycles_leave_nothing_behind() -> None:
 
 @pytest.mark.anyio
 async def test_real_nixl_agent_registers_each_pool_once() -> None:
-    from stageferry.broker.nixl_agent import NixlAgent
+    from stageferry.broker.data.nixl_agent import NixlAgent
 
     try:
         agent = NixlAgent("pool-test")

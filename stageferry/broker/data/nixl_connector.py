@@ -38,21 +38,20 @@ import redis.asyncio as aioredis
 import structlog
 import torch
 
-from stageferry.broker import metrics
-from stageferry.broker.connector import Connector, Incoming, Outgoing, Payload
-from stageferry.broker.inline import THREAD_ABOVE, InlineConnector
-from stageferry.broker.keys import Keys
-from stageferry.broker.nixl_agent import NixlAgent, XferState
-from stageferry.broker.payload_codec import (
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.data import metrics
+from stageferry.broker.data.connector import Connector, Incoming, Outgoing, Payload
+from stageferry.broker.data.inline import THREAD_ABOVE, InlineConnector
+from stageferry.broker.data.nixl_agent import NixlAgent, XferState
+from stageferry.broker.data.payload_codec import (
     pack_into,
     plan_payload,
     unpack,
     validate_manifest,
     validate_remote_regions,
 )
-from stageferry.broker.pool import PoolSet, Slot
-from stageferry.broker.redis_conn import translated
-from stageferry.chaos.failpoints import CONSUMER_READ_POSTED, failpoint
+from stageferry.broker.data.pool import PoolSet, Slot
 from stageferry.config import DataPlaneConfig, MetadataMode, Timeouts
 from stageferry.errors import (
     ControlPlaneError,
@@ -64,6 +63,7 @@ from stageferry.errors import (
     PoolExhaustedError,
     TransferError,
 )
+from stageferry.failpoints import CONSUMER_READ_POSTED, failpoint
 from stageferry.schemas import (
     DeviceKind,
     InlinePayload,

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import structlog
 
-from stageferry.broker.keys import Keys
-from stageferry.broker.redis_conn import BLOCK_MS, translated
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import BLOCK_MS, translated
 from stageferry.errors import ControlPlaneError
 
 log = structlog.get_logger(__name__)

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from stageferry.broker import nixl_agent as na
-from stageferry.broker.nixl_agent import MemKind, NixlAgent, XferState
+from stageferry.broker.data import nixl_agent as na
+from stageferry.broker.data.nixl_agent import MemKind, NixlAgent, XferState
 from stageferry.errors import NixlUnavailableError, PeerDisconnectedError, TransferError
 
 pytest.importorskip("nixl")

@@ -22,7 +22,7 @@ import anyio
 import structlog
 import torch
 
-from stageferry.broker.metrics import POOL_BYTES_IN_USE
+from stageferry.broker.data.metrics import POOL_BYTES_IN_USE
 from stageferry.config import DataPlaneConfig
 from stageferry.errors import ManifestError, PoolExhaustedError
 from stageferry.schemas.payload import MEM_KIND_OF, DeviceKind, Manifest, RemoteRegion
@@ -101,7 +101,7 @@ class ArenaAllocator:
 
 
 class Registrar(Protocol):
-    """Registers memory for remote access once; :class:`stageferry.broker.nixl_agent.NixlAgent` is one."""
+    """Registers memory for remote access once; :class:`stageferry.broker.data.nixl_agent.NixlAgent` is one."""
 
     def register(self, tensor: torch.Tensor) -> object:
         """Register a contiguous tensor; the returned handle is what :meth:`deregister` takes."""

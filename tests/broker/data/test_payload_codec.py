@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from stageferry.broker.payload_codec import (
+from stageferry.broker.data.payload_codec import (
     TORCH_DTYPE,
     decode_inline,
     encode_inline,

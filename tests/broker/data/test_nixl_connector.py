@@ -24,10 +24,10 @@ import redis as sync_redis
 import torch
 from pydantic import TypeAdapter
 
-from stageferry.broker import metrics
-from stageferry.broker.keys import Keys
-from stageferry.broker.nixl_connector import NixlConnector
-from stageferry.broker.redis_conn import connect
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import connect
+from stageferry.broker.data import metrics
+from stageferry.broker.data.nixl_connector import NixlConnector
 from stageferry.config import DataPlaneConfig, Timeouts
 from stageferry.errors import ManifestError, PayloadUnavailableError
 from stageferry.schemas import InlinePayload, NixlPayload, PayloadRef, Transport
