@@ -26,13 +26,25 @@ a request's failed/rejected status shows, so that clients branch on codes, never
     ├── StageFailedError             a stage's model raised; the request fails with the cause
     ├── GroupBrokenError             a rank of the stage group is gone: the replica stops, the entry is
     │                                reclaimed elsewhere (never a request failure)
+    ├── DeadLetteredError            an entry delivered too often: the stage keeps dying on it
     ├── DeadlineExceededError        the request's deadline passed
-    └── CancelledRequestError        the client cancelled the request
+    └── CancelledRequestError        the client cancelled the request (or gave up waiting, and cancelled it)
+
+What an error does to a request is decided in one place, :data:`OUTCOMES`: error class → the request
+state it ends in and what happens to its stream entry.  The stage worker maps every error it meets
+through :func:`outcome_of` (its only boundary), and the gateway's HTTP statuses key off the same classes
+(``gateway/errors.py``), so a new error needs one class here and, where its default is wrong, one row.
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar
+
+from stageferry.schemas.status import RequestState
 
 
 class StageferryError(Exception):
@@ -138,22 +150,88 @@ class GroupBrokenError(StageferryError):
     code = "group_broken"
 
 
+class DeadLetteredError(StageferryError):
+    """The entry was delivered more than ``limits.max_deliveries`` times: whatever runs it keeps dying."""
+
+    code = "dead_lettered"
+
+
 class DeadlineExceededError(StageferryError):
     code = "deadline_exceeded"
 
 
 class CancelledRequestError(StageferryError):
+    """The client cancelled the request; a model raises it to stop between steps (see the sampler)."""
+
     code = "cancelled"
 
 
 def error_from_code(code: str, message: str, details: dict[str, Any] | None = None) -> StageferryError:
     """Rebuild a typed error from its code (a follower raising the leader's error, for instance)."""
-    classes: list[type[StageferryError]] = [StageferryError]
-    i = 0
-    while i < len(classes):
-        classes += classes[i].__subclasses__()
-        i += 1
-    cls = next((c for c in classes if c.code == code), StageferryError)
+    cls = error_class(code)
     error = cls.__new__(cls)
     StageferryError.__init__(error, message, **(details or {}))
     return error
+
+
+def field_error(field: str, message: str, kind: str) -> dict[str, Any]:
+    """One entry of a rejection's ``field_errors``: ``{"field": "a.b", "message": ..., "type": ...}``.
+
+    The one builder of that shape (schemas, client, CLI, stages and the gateway all use it), so that every
+    client sees the same three keys whichever boundary refused its input."""
+    return {"field": field, "message": message, "type": kind}
+
+
+class EntryAction(enum.StrEnum):
+    """What the stage worker does with the stream entry once an error decided the request's outcome."""
+
+    ACK = "ack"  #: acknowledge and delete it: the request has its outcome
+    DEAD_LETTER = "dead_letter"  #: move it to the stage's dead-letter stream, with the error code
+    RECOMPUTE = "recompute"  #: hand the request back upstream (its payload is gone); failed past the limit
+    KEEP = "keep"  #: leave it pending, write nothing: the replica stops and another one reclaims it
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A request's end as decided by an error class."""
+
+    state: RequestState | None  #: the terminal state written (``None`` with :attr:`EntryAction.KEEP`)
+    entry: EntryAction
+    label: str  #: the ``outcome`` label of ``stageferry_entries_total``
+
+
+#: Error class → outcome; a class not listed takes its nearest listed base's (the root: ``failed``).
+OUTCOMES: Mapping[type[StageferryError], Outcome] = MappingProxyType(
+    {
+        StageferryError: Outcome(RequestState.FAILED, EntryAction.ACK, "failed"),
+        RejectedError: Outcome(RequestState.REJECTED, EntryAction.ACK, "rejected"),
+        EnvelopeError: Outcome(RequestState.REJECTED, EntryAction.DEAD_LETTER, "rejected"),
+        ManifestError: Outcome(RequestState.REJECTED, EntryAction.DEAD_LETTER, "rejected"),
+        DataPlaneError: Outcome(RequestState.FAILED, EntryAction.RECOMPUTE, "recomputed"),
+        GroupBrokenError: Outcome(None, EntryAction.KEEP, "group_broken"),
+        DeadLetteredError: Outcome(RequestState.FAILED, EntryAction.DEAD_LETTER, "dead_lettered"),
+        DeadlineExceededError: Outcome(RequestState.FAILED, EntryAction.ACK, "deadline_exceeded"),
+        CancelledRequestError: Outcome(RequestState.CANCELLED, EntryAction.ACK, "cancelled"),
+    }
+)
+
+
+def outcome_of(error: StageferryError | type[StageferryError]) -> Outcome:
+    """The outcome of ``error`` (an instance or a class): its own row, else its nearest base's."""
+    cls = error if isinstance(error, type) else type(error)
+    return next(OUTCOMES[c] for c in cls.__mro__ if c in OUTCOMES)
+
+
+def error_classes() -> list[type[StageferryError]]:
+    """Every error class, the root first (subclasses defined elsewhere included)."""
+    classes: list[type[StageferryError]] = [StageferryError]
+    i = 0
+    while i < len(classes):
+        classes += [c for c in classes[i].__subclasses__() if c not in classes]
+        i += 1
+    return classes
+
+
+def error_class(code: str) -> type[StageferryError]:
+    """The class whose ``code`` this is (the root for an unknown code): statuses carry codes, not classes."""
+    return next((c for c in error_classes() if c.code == code), StageferryError)

@@ -3,35 +3,44 @@
 Every error body has OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``, as vLLM-Omni
 answers too), plus ``field_errors`` — ``[{"field", "message", "type"}]`` — whenever the request itself
 is at fault, so that a client always learns *which* field to fix.  Status codes follow the stageferry
-error ``code`` (see :data:`STATUS_BY_CODE`); anything unknown is a 500, but invalid input never is.
+error class (see :data:`STATUS_BY_CLASS`, keyed on the classes of ``stageferry/errors.py`` like the
+request-state table); the gateway's own answers (``invalid_form``, ``not_found``, ``not_ready``,
+``upload_too_large``, ``unsupported_media_type``, ``generation_failed``) are built with their status
+where they arise.  Anything unknown is a 500, but invalid input never is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
-from stageferry.errors import JobValidationError, StageferryError
+from stageferry.errors import (
+    AccessDeniedError,
+    CancelledRequestError,
+    ControlPlaneError,
+    DeadlineExceededError,
+    JobValidationError,
+    RejectedError,
+    StageferryError,
+    error_class,
+    field_error,
+)
 from stageferry.schemas import ErrorInfo
 
-#: HTTP status for each stageferry error code; codes not listed are server errors (500).
-STATUS_BY_CODE: Mapping[str, int] = {
-    "invalid_job": 400,
-    "rejected": 400,
-    "invalid_envelope": 400,
-    "invalid_manifest": 400,
-    "invalid_form": 400,
-    "not_found": 404,
-    "not_ready": 409,
-    "cancelled": 409,
-    "upload_too_large": 413,
-    "unsupported_media_type": 415,
-    "generation_failed": 422,
-    "queue_full": 503,
-    "control_plane": 503,
-    "unhealthy": 503,
-    "deadline_exceeded": 504,
-}
+#: HTTP status for each stageferry error class; a class not listed takes its nearest listed base's, and
+#: what has none is a server error (500).  Codes in a request's status are looked up by their class
+#: (:func:`stageferry.errors.error_class`), so the state table and this one name the same classes.
+STATUS_BY_CLASS: Mapping[type[StageferryError], int] = MappingProxyType(
+    {
+        StageferryError: 500,
+        RejectedError: 400,  # invalid_job, invalid_envelope, invalid_manifest
+        CancelledRequestError: 409,
+        ControlPlaneError: 503,  # queue_full too
+        AccessDeniedError: 500,  # our own credentials: not the client's to retry
+        DeadlineExceededError: 504,
+    }
+)
 
 
 class ApiError(Exception):
@@ -63,10 +72,6 @@ class ApiError(Exception):
         return {"error": error}
 
 
-def field_error(field: str, message: str, kind: str) -> dict[str, Any]:
-    return {"field": field, "message": message, "type": kind}
-
-
 def invalid(field: str, message: str, kind: str = "invalid_value") -> ApiError:
     """A 400 naming one form field."""
     return ApiError(400, "invalid_form", f"{field}: {message}", field_errors=[field_error(field, message, kind)])
@@ -78,16 +83,21 @@ def invalid_fields(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     return ApiError(400, "invalid_form", f"invalid request: {summary}", field_errors=errors)
 
 
-def status_for(code: str) -> int:
-    return STATUS_BY_CODE.get(code, 500)
+def status_for(error: StageferryError | type[StageferryError] | str) -> int:
+    """The HTTP status of an error, its class, or the code a request's status carries."""
+    if isinstance(error, str):
+        error = error_class(error)
+    cls = error if isinstance(error, type) else type(error)
+    return next(STATUS_BY_CLASS[c] for c in cls.__mro__ if c in STATUS_BY_CLASS)
 
 
 def from_exception(exc: StageferryError, *, origin: Mapping[str, str] | None = None) -> ApiError:
     """A typed stageferry error as an answer; job field names are renamed to the form's (``origin``)."""
     errors = exc.field_errors if isinstance(exc, JobValidationError) else exc.details.get("field_errors", [])
     errors = rename_fields(errors or [], origin or {})
-    headers = {"Retry-After": "5"} if status_for(exc.code) == 503 else None
-    return ApiError(status_for(exc.code), exc.code, exc.message, field_errors=errors, headers=headers)
+    status = status_for(exc)
+    headers = {"Retry-After": "5"} if status == 503 else None
+    return ApiError(status, exc.code, exc.message, field_errors=errors, headers=headers)
 
 
 def from_status_error(error: ErrorInfo | None, *, origin: Mapping[str, str] | None = None) -> ApiError:

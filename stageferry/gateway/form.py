@@ -21,7 +21,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from stageferry.gateway.errors import field_error, invalid, invalid_fields
+from stageferry.errors import field_error
+from stageferry.gateway.errors import invalid, invalid_fields
 from stageferry.gateway.uploads import ParsedForm, UploadedFile
 from stageferry.schemas import MediaInputs
 from stageferry.schemas.validation import field_errors

@@ -113,8 +113,9 @@ async def _wait_for_result(request: Request, service: VideoService, rid: str, ti
     if isinstance(result, DeadlineExceededError):
         await service.client.cancel(rid)
         JOBS.labels("sync", "timeout").inc()
-        message = f"no result within {timeout:g}s; request {rid} was cancelled"
-        raise ApiError(504, "deadline_exceeded", message, headers={"X-Request-Id": rid})
+        error = from_exception(DeadlineExceededError(f"no result within {timeout:g}s; request {rid} was cancelled"))
+        error.headers["X-Request-Id"] = rid
+        raise error
     if isinstance(result, StageferryError):
         raise from_exception(result)
     return result

@@ -20,7 +20,8 @@ import python_multipart
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 
-from stageferry.gateway.errors import ApiError, field_error
+from stageferry.errors import field_error
+from stageferry.gateway.errors import ApiError
 
 #: A text part larger than this is refused (prompts are at most 8 KiB; extra_params is small JSON).
 MAX_TEXT_BYTES = 64 * 1024

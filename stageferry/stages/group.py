@@ -37,7 +37,13 @@ from stageferry.broker.data import metrics
 from stageferry.broker.data.payload_codec import pack_into, plan_payload, unpack
 from stageferry.config import GroupLayout, PipelineConfig, StageConfig
 from stageferry.embedded_redis import free_port
-from stageferry.errors import GroupBrokenError, StageFailedError, StageferryError, error_from_code
+from stageferry.errors import (
+    CancelledRequestError,
+    GroupBrokenError,
+    StageFailedError,
+    StageferryError,
+    error_from_code,
+)
 from stageferry.logs import bound_request
 from stageferry.schemas import DeviceKind, JobRequest, Manifest
 from stageferry.stages.grid import build_channel
@@ -305,6 +311,9 @@ def follow(model: StageModel, stage: StageConfig, pipeline: PipelineConfig, chan
                     stage, pipeline, channel, request_id=request_id, key=str(header.get("key")), media=message.media
                 )
                 model(job, payload, ctx)
+            except CancelledRequestError as exc:  # every rank stops together (the sampler agrees per step)
+                log.info("group.follower_cancelled", error=exc.message, **exc.details)
+                failed = True
             except Exception:
                 log.exception("group.follower_model_failed")
                 failed = True

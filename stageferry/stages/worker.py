@@ -13,12 +13,17 @@ One :class:`StageWorker` per stage group, running on the leader (rank 0).  For e
 
 A payload that can no longer be fetched sends the request back to the previous stage to be computed
 again, up to ``limits.max_recomputes``.
+
+Steps 1-2 are :mod:`stageferry.stages.admission`, step 4 :mod:`stageferry.stages.handoff`.  Whatever
+goes wrong is raised as a typed error and meets one boundary, :meth:`StageWorker.process`, which ends
+the request through the outcome table (:mod:`stageferry.stages.outcomes`, ``errors.OUTCOMES``): a
+cancel — seen between entries, at a stage boundary, or by the model between two of its steps — ends
+``cancelled``, whichever of them saw it.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import random
 import re
 import time
@@ -31,47 +36,36 @@ import redis.asyncio as aioredis
 import structlog
 
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import is_connection_error, translated
+from stageferry.broker.control.liveness import Heartbeat
+from stageferry.broker.control.redis_conn import is_connection_error
 from stageferry.broker.control.requests import RequestStore
 from stageferry.broker.control.streams import Entry, StageStream
 from stageferry.broker.data import metrics
 from stageferry.broker.data.connector import Connector, Incoming, holding
 from stageferry.config import PipelineConfig, StageConfig
 from stageferry.errors import (
+    CancelledRequestError,
     ControlPlaneError,
     DataPlaneError,
     EnvelopeError,
     GroupBrokenError,
     ManifestError,
-    PayloadUnavailableError,
-    RejectedError,
     StageFailedError,
     StageferryError,
 )
-from stageferry.failpoints import PRODUCER_PUBLISHED, failpoint
 from stageferry.logs import bound_request
-from stageferry.schemas import (
-    DeviceKind,
-    Envelope,
-    ErrorInfo,
-    JobRequest,
-    Manifest,
-    NoPayload,
-    OutputInfo,
-    Progress,
-    RequestState,
-    RequestStatus,
-    StageTiming,
-    Transport,
-    request_key,
-)
+from stageferry.schemas import DeviceKind, Envelope, JobRequest, Manifest, Progress, StageTiming, Transport
 from stageferry.schemas.job import REQUEST_ID_PATTERN
-from stageferry.schemas.validation import check_job_limits, parse_envelope, parse_job
-from stageferry.stages.media import load_media
-from stageferry.stages.model import FinalOutput
+from stageferry.stages.admission import Admission
+from stageferry.stages.handoff import HandOn
+from stageferry.stages.outcomes import Outcomes
 
 log = structlog.get_logger(__name__)
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+#: How often the leader looks at the cancel flag (and publishes progress) while the model runs.
+WATCH_EVERY_S = 0.1
+#: How often, at most, a running request's progress is written to its record.
+PUBLISH_EVERY_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +98,9 @@ class Compute(Protocol):
 
 
 class ProgressSink:
-    """Collects step progress from the model thread; the worker publishes the latest every so often."""
+    """Between the model thread and the worker: the model reports steps and reads ``cancelled``; the
+    worker publishes the latest step and sets ``cancelled`` as soon as it sees the client's flag, so a
+    model that checks it per step (``StageContext.is_cancelled``) stops within one step."""
 
     def __init__(self) -> None:
         self.latest: tuple[int, int] | None = None
@@ -137,21 +133,39 @@ class StageWorker:
         self.compute = compute
         self.input_connector = input_connector
         self.output_connector = output_connector
-        self.index = pipeline.index_of(stage.name)
         self.next_stage = pipeline.next_stage(stage.name)
-        self.previous_stage = pipeline.previous_stage(stage.name)
         timeouts = pipeline.timeouts
+        self.heartbeat = Heartbeat(redis, keys, stage.name, replica)
         self.stream = StageStream(
             redis,
             keys,
             stage.name,
-            f"{stage.name}-{replica}",
+            self.heartbeat.id,
             visibility_ms=int(timeouts.visibility * 1000),
             dlq_maxlen=pipeline.retention.dlq_maxlen,
             max_entry_bytes=pipeline.limits.max_entry_bytes,
         )
         self.store = RequestStore(
             redis, keys, ttl_s=pipeline.retention.request_ttl_s, events_maxlen=pipeline.retention.events_maxlen
+        )
+        self.outcomes = Outcomes(stage=stage.name, stream=self.stream, store=self.store)
+        self.admission = Admission(
+            redis=redis,
+            keys=keys,
+            pipeline=pipeline,
+            stage=stage,
+            stream=self.stream,
+            store=self.store,
+            input_connector=input_connector,
+        )
+        self.hand = HandOn(
+            redis=redis,
+            keys=keys,
+            pipeline=pipeline,
+            stage=stage,
+            stream=self.stream,
+            outcomes=self.outcomes,
+            output_connector=output_connector,
         )
         self._stopping = False
         self.processed = 0
@@ -167,7 +181,7 @@ class StageWorker:
         longer than ``timeouts.redis_unreachable`` (so a supervisor restarts the process)."""
         await self._with_redis_retry(self.stream.ensure_group)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._heartbeat)
+            tg.start_soon(self.heartbeat.run)
             task_status.started()
             log.info("worker.started", stage=self.stage.name, consumer=self.stream.consumer)
             while not self._stopping:
@@ -177,7 +191,7 @@ class StageWorker:
                 if not entries:
                     await self.compute.idle()
             tg.cancel_scope.cancel()
-        await self._deregister()
+        await self.heartbeat.withdraw()
         log.info("worker.stopped", stage=self.stage.name, processed=self.processed)
 
     async def _with_redis_retry(self, op: Callable[[], Awaitable[Any]]) -> Any:
@@ -201,100 +215,57 @@ class StageWorker:
                 if self._stopping and first_failure and now - first_failure > 5:
                     raise
 
-    async def _heartbeat(self) -> None:
-        """Advertise this replica as live (health checks and ``stageferry up`` read it)."""
-        key = self.keys.workers(self.stage.name)
-        while True:
-            try:
-                with translated():
-                    await self.redis.hset(key, self.stream.consumer, str(time.time()))
-                    await self.redis.expire(key, 3600)
-            except ControlPlaneError as exc:
-                log.warning("worker.heartbeat_failed", error=exc.message)
-            await anyio.sleep(2.0)
-
-    async def _deregister(self) -> None:
-        with anyio.move_on_after(2, shield=True):
-            try:
-                with translated():
-                    await self.redis.hdel(self.keys.workers(self.stage.name), self.stream.consumer)
-            except ControlPlaneError:
-                pass
-
     # ---------------------------------------------------------------- one entry
 
     async def process(self, entry: Entry) -> None:
-        """Handle one entry to a definite outcome; Redis connection errors propagate (entry stays pending)."""
+        """Handle one entry to a definite outcome; Redis connection errors propagate (entry stays pending).
+
+        The one boundary where an error becomes a request state: everything below raises typed errors,
+        and :meth:`Outcomes.settle` ends the request as the outcome table says."""
         try:
             rid = entry.text("request_id") or ""
         except UnicodeDecodeError:
             rid = ""
         if not _REQUEST_ID.match(rid):
-            metrics.ENTRIES.labels(self.stage.name, "dead_lettered").inc()
-            await self.stream.dead_letter(entry, reason="missing or invalid request_id", error_code="invalid_envelope")
+            await self.outcomes.settle(entry, None, EnvelopeError("missing or invalid request_id"))
             return
         with bound_request(rid, stage=self.stage.name, rank=0):
+            envelope: Envelope | None = None
             try:
-                await self._process(entry, rid)
+                self.admission.check_deliveries(entry)
+                envelope = self.admission.parse(entry, rid)
+                with structlog.contextvars.bound_contextvars(key=envelope.key, attempt=envelope.attempt):
+                    await self._run(entry, envelope)
             except GroupBrokenError:
                 raise  # leave the entry pending: the replica stops and another one reclaims it
-            except ControlPlaneError as exc:
-                if is_connection_error(exc):
-                    raise
-                log.exception("worker.control_plane_error", entry=entry.id)
-                await self._fail(entry, rid, exc)
+            except StageferryError as exc:
+                if isinstance(exc, ControlPlaneError):
+                    if is_connection_error(exc):
+                        raise
+                    log.exception("worker.control_plane_error", entry=entry.id)
+                await self.outcomes.settle(entry, rid, exc, envelope=envelope, recompute=self.hand.recompute)
             except Exception as exc:  # a bug must not take the worker down nor lose the request
                 log.exception("worker.internal_error", entry=entry.id)
-                await self._fail(entry, rid, StageFailedError(f"internal error: {type(exc).__name__}: {exc}"))
+                error = StageFailedError(f"internal error: {type(exc).__name__}: {exc}")
+                await self.outcomes.settle(entry, rid, error, envelope=envelope)
         self.processed += 1
 
-    async def _process(self, entry: Entry, rid: str) -> None:
-        limits = self.pipeline.limits
-        if entry.deliveries > limits.max_deliveries:
-            reason = f"delivered {entry.deliveries} times (limit {limits.max_deliveries}); the stage keeps dying on it"
-            await self._finish(rid, RequestState.FAILED, error=ErrorInfo(code="dead_lettered", message=reason))
-            metrics.ENTRIES.labels(self.stage.name, "dead_lettered").inc()
-            await self.stream.dead_letter(entry, reason=reason, error_code="dead_lettered")
-            return
-        try:
-            envelope = self._parse(entry, rid)
-        except RejectedError as exc:
-            await self._reject(entry, rid, exc)
-            return
-        with structlog.contextvars.bound_contextvars(key=envelope.key, attempt=envelope.attempt):
-            await self._run(entry, rid, envelope)
-
-    async def _run(self, entry: Entry, rid: str, envelope: Envelope) -> None:
+    async def _run(self, entry: Entry, envelope: Envelope) -> None:
         """Everything after parsing: skip what is settled, fetch, compute, hand on."""
-        if await self._already_settled(entry, envelope):
+        if await self.admission.settled(entry, envelope):
             return
-        try:
-            media = await self._load_media(envelope)
-        except RejectedError as exc:
-            await self._reject(entry, rid, exc)
-            return
-        await self._set_running(envelope, None)
+        media = await self.admission.load_media(envelope)
+        await self.outcomes.running(envelope, None)
         started = time.perf_counter()
+        progress = ProgressSink()
         try:
             async with self._fetch(envelope, entry) as incoming:
-                progress = ProgressSink()
                 output = await self._compute_holding_claim(entry, envelope, incoming, progress, media)
-        except ManifestError as exc:
-            await self.compute.abort(rid, envelope.key, exc)
-            await self._reject(entry, rid, exc)
-            return
-        except DataPlaneError as exc:  # the payload is gone or cannot be fetched: compute it again upstream
-            await self.compute.abort(rid, envelope.key, exc)
-            await self._recompute(entry, envelope, exc)
-            return
-        except GroupBrokenError:
+        except (DataPlaneError, ManifestError) as exc:  # the leader's miss: the other ranks must hear it too
+            await self.compute.abort(envelope.request_id, envelope.key, exc)
             raise
-        except StageferryError as exc:
-            await self._fail(entry, rid, exc)
-            return
-        if progress.cancelled or await self.store.is_cancelled(rid):
-            await self._cancelled(entry, rid)
-            return
+        if progress.cancelled or await self.store.is_cancelled(envelope.request_id):
+            raise CancelledRequestError("cancelled by the client")
         timing = StageTiming(
             stage=self.stage.name,
             seconds=time.perf_counter() - started,
@@ -304,97 +275,14 @@ class StageWorker:
         )
         metrics.STAGE_SECONDS.labels(self.stage.name).observe(timing.seconds)
         if self.next_stage is None:
-            await self._store_result(entry, envelope, output, timing)
+            await self.hand.store_result(entry, envelope, output, timing)
         else:
-            await self._hand_on(entry, envelope, output, timing)
-
-    def _parse(self, entry: Entry, rid: str) -> Envelope:
-        """The entry as an envelope: clients send a bare ``job`` to the first stage, stages send envelopes."""
-        limit = self.pipeline.limits.max_entry_bytes
-        if entry.too_large is not None:  # measured inside Redis; its bytes were never read
-            raise EnvelopeError("entry too large", bytes=entry.too_large, limit=limit)
-        if sum(len(v) for v in entry.fields.values()) > limit:
-            raise EnvelopeError("entry too large", limit=limit)
-        if "envelope" in entry.fields:
-            envelope = parse_envelope(entry.fields["envelope"])
-            if envelope.request_id != rid or envelope.to_stage != self.stage.name:
-                raise EnvelopeError("envelope does not match its entry", request_id=rid, to_stage=envelope.to_stage)
-            if envelope.payload.kind != "none" and envelope.from_stage != getattr(self.previous_stage, "name", None):
-                raise EnvelopeError("a payload may only come from the previous stage", from_stage=envelope.from_stage)
-        elif "job" in entry.fields and self.index == 0:
-            job = parse_job(entry.fields["job"])
-            envelope = Envelope(
-                request_id=rid,
-                key=request_key(rid, -1),
-                from_stage="client",
-                to_stage=self.stage.name,
-                job=job,
-                deadline=time.time() + self.pipeline.timeouts.request,
-            )
-        else:
-            raise EnvelopeError("entry has neither a job nor an envelope field", fields=sorted(entry.fields)[:10])
-        check_job_limits(
-            envelope.job,
-            max_steps=self.pipeline.limits.max_steps,
-            max_prompt_chars=self.pipeline.limits.max_prompt_chars,
-            lora_adapters=self.pipeline.limits.lora_adapters,
-            upload_prefix=self.keys.upload_prefix(),
-        )
-        return envelope
-
-    async def _already_settled(self, entry: Entry, envelope: Envelope) -> bool:
-        """Ack and skip entries whose request is finished, cancelled, expired or a duplicate run."""
-        rid = envelope.request_id
-        status = await self.store.get(rid)
-        if status is not None and status.state.terminal:
-            log.info("worker.skip_terminal", entry=entry.id, state=status.state.value)
-            await self._release_input(envelope)
-            await self.stream.ack(entry.id)
-            return True
-        if await self.store.is_cancelled(rid):
-            await self._release_input(envelope)
-            await self._cancelled(entry, rid)
-            return True
-        if envelope.deadline is not None and time.time() > envelope.deadline:
-            await self._release_input(envelope)
-            error = ErrorInfo(code="deadline_exceeded", message="the request's deadline passed")
-            await self._finish(rid, RequestState.FAILED, error=error)
-            await self.stream.ack(entry.id)
-            return True
-        owner_key = self.keys.run_owner(rid, self.stage.name, envelope.attempt)
-        with translated():
-            claimed = await self.redis.set(owner_key, entry.id, nx=True, ex=self.pipeline.retention.request_ttl_s)
-            owner = None if claimed else await self.redis.get(owner_key)
-        if not claimed and owner is not None and owner.decode() != entry.id:
-            log.info("worker.skip_duplicate", entry=entry.id, owner=owner.decode())
-            metrics.ENTRIES.labels(self.stage.name, "duplicate").inc()
-            await self.stream.ack(entry.id)
-            return True
-        return False
-
-    async def _release_input(self, envelope: Envelope) -> None:
-        """A skipped envelope's payload is not needed: let the producer free it now."""
-        if self.input_connector is not None:
-            await self.input_connector.discard(envelope.payload)
+            await self.hand.hand_on(entry, envelope, output, timing)
 
     def _fetch(self, envelope: Envelope, entry: Entry) -> Any:
         if envelope.payload.kind == "none" or self.input_connector is None:
             return holding(Incoming(payload=None, transport=Transport.NONE, nbytes=0, seconds=0.0))
         return self.input_connector.get(envelope.payload, entry.fields.get("blob"), key=envelope.key)
-
-    async def _load_media(self, envelope: Envelope) -> dict[str, bytes]:
-        """The first stage reads and checks the job's media (bad media is a rejection, not a failure)."""
-        if self.index != 0:
-            return {}
-        limits = self.pipeline.limits
-        loaded = await load_media(
-            envelope.job,
-            redis=self.redis,
-            upload_prefix=self.keys.upload_prefix(),
-            max_bytes=limits.max_upload_bytes,
-            min_audio_s=limits.min_reference_audio_s,
-        )
-        return loaded.items
 
     async def _compute_holding_claim(
         self, entry: Entry, envelope: Envelope, incoming: Incoming, progress: ProgressSink, media: dict[str, bytes]
@@ -427,175 +315,29 @@ class StageWorker:
         return result[0]
 
     async def _keep_claim(self, entry: Entry, envelope: Envelope, progress: ProgressSink) -> None:
-        """Renew the entry's claim and publish progress while the model runs.  Redis trouble here is
-        logged and retried on the next round: it must not fail a job that is computing fine."""
+        """While the model runs: watch the cancel flag (every :data:`WATCH_EVERY_S`, so a model that
+        checks ``is_cancelled`` per step stops within one step), publish progress (at most every
+        :data:`PUBLISH_EVERY_S`) and renew the entry's claim.  Redis trouble here is logged and retried on
+        the next round: it must not fail a job that is computing fine."""
         every = self.pipeline.timeouts.claim_renew_every
         published: tuple[int, int] | None = None
         next_renew = time.monotonic() + every
+        next_publish = time.monotonic() + PUBLISH_EVERY_S
         while True:
-            await anyio.sleep(0.25)
+            await anyio.sleep(WATCH_EVERY_S)
             try:
-                if progress.latest != published and progress.latest is not None:
+                if not progress.cancelled and await self.store.is_cancelled(envelope.request_id):
+                    progress.cancelled = True
+                    log.info("worker.cancel_seen", entry=entry.id, step=progress.latest)
+                now = time.monotonic()
+                if now >= next_publish and progress.latest is not None and progress.latest != published:
                     step, total = progress.latest
-                    await self._set_running(envelope, Progress(stage=self.stage.name, step=step, total=total))
+                    await self.outcomes.running(envelope, Progress(stage=self.stage.name, step=step, total=total))
                     published = (step, total)
-                if time.monotonic() >= next_renew:
+                    next_publish = now + PUBLISH_EVERY_S
+                if now >= next_renew:
                     if not await self.stream.renew(entry.id):
                         log.warning("worker.claim_lost", entry=entry.id)
-                    progress.cancelled = await self.store.is_cancelled(envelope.request_id)
-                    next_renew = time.monotonic() + every
+                    next_renew = now + every
             except ControlPlaneError as exc:
                 log.warning("worker.renew_failed", entry=entry.id, error=exc.message)
-
-    # ---------------------------------------------------------------- outcomes
-
-    async def _hand_on(self, entry: Entry, envelope: Envelope, output: Any, timing: StageTiming) -> None:
-        assert self.next_stage is not None and self.output_connector is not None
-        key = request_key(envelope.request_id, self.index)
-        try:
-            outgoing = await self.output_connector.put(key, output, force_inline=envelope.trace.force_inline)
-        except DataPlaneError as exc:  # could not publish it here: compute again, maybe on another replica
-            await self._recompute(entry, envelope, exc, target=self.stage)
-            return
-        log.info(
-            "payload.put",
-            key=key,
-            transport=outgoing.transport.value,
-            bytes=outgoing.nbytes,
-            seconds=round(outgoing.seconds, 6),
-            fallback=outgoing.fallback_reason,
-            to_stage=self.next_stage.name,
-        )
-        trace = envelope.trace.model_copy(
-            update={"hop_started_at": time.time(), "timings": [*envelope.trace.timings, timing], "force_inline": False}
-        )
-        nxt = Envelope(
-            request_id=envelope.request_id,
-            key=key,
-            from_stage=self.stage.name,
-            to_stage=self.next_stage.name,
-            job=envelope.job,
-            payload=outgoing.ref,
-            attempt=envelope.attempt,
-            deadline=envelope.deadline,
-            trace=trace,
-        )
-        fields: dict[str, bytes | str] = {"request_id": envelope.request_id, "envelope": nxt.model_dump_json()}
-        if outgoing.blob is not None:
-            fields["blob"] = outgoing.blob
-        if not await self.stream.hand_off(entry.id, self.next_stage.name, fields):
-            log.warning("worker.handoff_lost", entry=entry.id)
-            self.output_connector.abandon(outgoing)
-            return
-        if outgoing.transport is Transport.NIXL:
-            failpoint(PRODUCER_PUBLISHED)  # fault injection: the payload is out, only our pool holds it
-        await self._set_status(
-            envelope.request_id,
-            RequestState.QUEUED,
-            stage=self.next_stage.name,
-            attempt=envelope.attempt,
-            timings=trace.timings,
-        )
-        metrics.ENTRIES.labels(self.stage.name, "handed_on").inc()
-
-    async def _store_result(self, entry: Entry, envelope: Envelope, output: Any, timing: StageTiming) -> None:
-        rid = envelope.request_id
-        if not isinstance(output, FinalOutput):
-            output = FinalOutput(info={"output_type": type(output).__name__})
-        info = await self._persist_output(rid, output)
-        written = await self._finish(
-            rid, RequestState.DONE, result=info, timings=[*envelope.trace.timings, timing], attempt=envelope.attempt
-        )
-        await self.stream.ack(entry.id)
-        log.info("request.done" if written else "request.done_duplicate", bytes=info.bytes, location=info.location)
-        metrics.ENTRIES.labels(self.stage.name, "done").inc()
-
-    async def _persist_output(self, rid: str, output: FinalOutput) -> OutputInfo:
-        data = output.data
-        if data is None and output.path is not None:
-            data = await anyio.Path(output.path).read_bytes()
-        data = data or b""
-        digest = hashlib.sha256(data).hexdigest()
-        redis_key = None
-        if len(data) <= self.pipeline.retention.result_inline_max_bytes:
-            redis_key = self.keys.result(rid)
-            with translated():
-                await self.redis.set(redis_key, data, ex=self.pipeline.retention.request_ttl_s, nx=True)
-        location = str(await anyio.Path(output.path).resolve()) if output.path is not None else f"redis:{redis_key}"
-        return OutputInfo(
-            location=location, redis_key=redis_key, bytes=len(data), sha256=digest, media=output.media, data=output.info
-        )
-
-    async def _recompute(
-        self, entry: Entry, envelope: Envelope, exc: DataPlaneError, *, target: StageConfig | None = None
-    ) -> None:
-        """Send the request back to be computed again — by default to the previous stage, whose payload
-        is gone — up to ``limits.max_recomputes``; then it fails with the data-plane error."""
-        rid = envelope.request_id
-        recomputes = envelope.trace.recomputes + 1
-        target = target or self.previous_stage
-        if target is None or recomputes > self.pipeline.limits.max_recomputes:
-            await self._fail(entry, rid, exc)
-            return
-        metrics.RECOMPUTES.labels(exc.code).inc()
-        log.warning(
-            "request.recompute", reason=exc.code, error=exc.message, recomputes=recomputes, to_stage=target.name
-        )
-        trace = envelope.trace.model_copy(
-            update={"recomputes": recomputes, "force_inline": not isinstance(exc, PayloadUnavailableError)}
-        )
-        back = Envelope(
-            request_id=rid,
-            key=request_key(rid, self.index),
-            from_stage=self.stage.name,
-            to_stage=target.name,
-            job=envelope.job,
-            payload=NoPayload(),
-            attempt=envelope.attempt + 1,
-            deadline=envelope.deadline,
-            trace=trace,
-        )
-        fields = {"request_id": rid, "envelope": back.model_dump_json()}
-        if await self.stream.hand_off(entry.id, target.name, fields):
-            await self._set_status(rid, RequestState.QUEUED, stage=target.name, attempt=back.attempt)
-            metrics.ENTRIES.labels(self.stage.name, "recomputed").inc()
-
-    async def _reject(self, entry: Entry, rid: str, exc: RejectedError) -> None:
-        log.warning("request.rejected", code=exc.code, error=exc.message)
-        await self._finish(rid, RequestState.REJECTED, error=ErrorInfo(**exc.to_dict()))
-        metrics.ENTRIES.labels(self.stage.name, "rejected").inc()
-        if isinstance(exc, EnvelopeError | ManifestError):
-            await self.stream.dead_letter(entry, reason=exc.message, error_code=exc.code)
-        else:
-            await self.stream.ack(entry.id)
-
-    async def _fail(self, entry: Entry, rid: str, exc: StageferryError) -> None:
-        log.error("request.failed", code=exc.code, error=exc.message)
-        await self._finish(rid, RequestState.FAILED, error=ErrorInfo(**exc.to_dict()))
-        metrics.ENTRIES.labels(self.stage.name, "failed").inc()
-        await self.stream.ack(entry.id)
-
-    async def _cancelled(self, entry: Entry, rid: str) -> None:
-        log.info("request.cancelled")
-        error = ErrorInfo(code="cancelled", message="cancelled by the client")
-        await self._finish(rid, RequestState.CANCELLED, error=error)
-        metrics.ENTRIES.labels(self.stage.name, "cancelled").inc()
-        await self.stream.ack(entry.id)
-
-    async def _set_running(self, envelope: Envelope, progress: Progress | None) -> None:
-        await self._set_status(
-            envelope.request_id,
-            RequestState.RUNNING,
-            stage=self.stage.name,
-            progress=progress,
-            attempt=envelope.attempt,
-            timings=envelope.trace.timings,
-        )
-
-    async def _finish(self, rid: str, state: RequestState, **fields: Any) -> bool:
-        """Write a terminal status (once: a second writer finds it terminal and changes nothing)."""
-        return await self._set_status(rid, state, stage=self.stage.name, **fields)
-
-    async def _set_status(self, rid: str, state: RequestState, **fields: Any) -> bool:
-        status = RequestStatus(request_id=rid, state=state, **fields)
-        return await self.store.set_status(status)

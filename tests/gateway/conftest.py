@@ -28,7 +28,7 @@ from tests.procs import Services, write_pipeline
 #: Small enough that an oversized upload is cheap to send; the bundled samples fit.
 MAX_UPLOAD_BYTES = 256 * 1024
 LORA = "style-a"
-MAX_STEPS = 20
+MAX_STEPS = 150  #: high enough that a job of the real sampler outlives a short sync timeout
 
 
 @dataclass

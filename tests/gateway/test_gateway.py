@@ -27,8 +27,9 @@ import httpx
 import pytest
 import redis as sync_redis
 
+from stageferry.broker.control.keys import Keys
 from stageferry.cli import sample_media
-from stageferry.schemas import Task
+from stageferry.schemas import RequestState, RequestStatus, Task
 from tests.gateway.conftest import LORA, MAX_STEPS, MAX_UPLOAD_BYTES, Deployment, _free_port
 from tests.procs import wait_for
 
@@ -188,6 +189,28 @@ def test_sync_timeout_is_504_and_cancels(http: httpx.Client) -> None:
     vid = response.headers["x-request-id"]
     ended = wait_video(http, vid, lambda v: v["status"] == "failed")
     assert ended["stageferry_state"] == "cancelled"
+
+
+def test_sync_timeout_while_the_sampler_denoises_is_504_and_cancelled(
+    deployment: Deployment, http: httpx.Client
+) -> None:
+    """The real reference sampler (no sleep): the timeout's cancel stops it between two steps."""
+    response = http.post(
+        "/v1/videos/sync",
+        data=form(prompt="a real and slow cat", num_inference_steps=str(MAX_STEPS)),
+        headers={"X-Stageferry-Timeout": "5"},
+    )
+    assert_error(response, 504, "deadline_exceeded")
+    vid = response.headers["x-request-id"]
+    ended = wait_video(http, vid, lambda v: v["status"] == "failed")
+    assert ended["stageferry_state"] == "cancelled" and ended["error"]["code"] == "cancelled"
+    redis = sync_redis.Redis.from_url(deployment.redis_url)
+    try:
+        status = RequestStatus.model_validate_json(redis.hget(Keys(deployment.prefix).request(vid), "status") or b"")
+    finally:
+        redis.close()
+    assert status.state is RequestState.CANCELLED and status.stage == "diffusion"
+    assert status.error is not None and 1 <= status.error.details["step"] < MAX_STEPS  # stopped mid-denoise
 
 
 INVALID = [

@@ -16,6 +16,7 @@ by at most 1 level (mean 0.000), audio by at most 5e-6 — the bounds leave room
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import socket
@@ -329,6 +330,20 @@ def test_cancel_stops_denoising(tmp_path: Path) -> None:
     j = job("t2va")
     with pytest.raises(CancelledRequestError):
         dif.generate(j, enc(j, None, ctx), ctx)
+
+
+def test_cancel_stops_within_one_step(tmp_path: Path) -> None:
+    """The flag turns on while step 3 runs: step 3 is the last one, and the error says so."""
+    enc = encoder.factory(stage=PIPE.stages[0], pipeline=PIPE, hidden=256)
+    dif = diffusion.factory(stage=PIPE.stages[1], pipeline=PIPE, **SMALL)
+    steps: list[int] = []
+    ctx = context(tmp_path, report_progress=lambda s, t: steps.append(s), is_cancelled=lambda: len(steps) >= 3)
+    j = job("t2va", num_inference_steps=12)
+    payload = enc(j, None, dataclasses.replace(ctx, is_cancelled=lambda: False))
+    steps.clear()
+    with pytest.raises(CancelledRequestError) as err:
+        dif.generate(j, payload, ctx)
+    assert steps == [1, 2, 3] and err.value.details["step"] == 3
 
 
 def test_bad_media_is_a_rejection(tmp_path: Path) -> None:

@@ -1,0 +1,151 @@
+"""Entry admission: what a stage checks before it spends anything on an entry.
+
+In order, for every entry the worker reads:
+
+1. the entry as an envelope (:meth:`Admission.parse`): clients send a bare ``job`` to the first stage,
+   stages send envelopes; anything else, or anything too large, is a typed rejection — and the job is
+   held to the deployment's limits (step cap, prompt length, LoRA adapters, upload prefix);
+2. whether it must run at all (:meth:`Admission.settled`): a request already terminal or a duplicate
+   run is acknowledged and skipped; a cancelled one or one past its deadline raises
+   :class:`CancelledRequestError` / :class:`DeadlineExceededError` (the outcome table decides the rest);
+   the run-owner key binds one stream entry to each request, stage and attempt;
+3. the first stage's media (:meth:`Admission.load_media`): bad media is a rejection, not a failure.
+
+Every refusal is raised as a typed error; none is written here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+import structlog
+
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.control.requests import RequestStore
+from stageferry.broker.control.streams import Entry, StageStream
+from stageferry.broker.data import metrics
+from stageferry.broker.data.connector import Connector
+from stageferry.config import PipelineConfig, StageConfig
+from stageferry.errors import CancelledRequestError, DeadLetteredError, DeadlineExceededError, EnvelopeError
+from stageferry.schemas import Envelope, request_key
+from stageferry.schemas.validation import check_job_limits, parse_envelope, parse_job
+from stageferry.stages.media import load_media
+
+log = structlog.get_logger(__name__)
+
+
+class Admission:
+    """One stage's entry checks (the leader's; see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        redis: aioredis.Redis,
+        keys: Keys,
+        pipeline: PipelineConfig,
+        stage: StageConfig,
+        stream: StageStream,
+        store: RequestStore,
+        input_connector: Connector | None,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.pipeline = pipeline
+        self.stage = stage
+        self.stream = stream
+        self.store = store
+        self.input_connector = input_connector
+        self.index = pipeline.index_of(stage.name)
+        self.previous_stage = pipeline.previous_stage(stage.name)
+
+    def check_deliveries(self, entry: Entry) -> None:
+        """:class:`DeadLetteredError` for an entry delivered more often than ``limits.max_deliveries``."""
+        limit = self.pipeline.limits.max_deliveries
+        if entry.deliveries > limit:
+            raise DeadLetteredError(
+                f"delivered {entry.deliveries} times (limit {limit}); the stage keeps dying on it",
+                deliveries=entry.deliveries,
+            )
+
+    def parse(self, entry: Entry, rid: str) -> Envelope:
+        """The entry as an envelope: clients send a bare ``job`` to the first stage, stages send envelopes."""
+        limit = self.pipeline.limits.max_entry_bytes
+        if entry.too_large is not None:  # measured inside Redis; its bytes were never read
+            raise EnvelopeError("entry too large", bytes=entry.too_large, limit=limit)
+        if sum(len(v) for v in entry.fields.values()) > limit:
+            raise EnvelopeError("entry too large", limit=limit)
+        if "envelope" in entry.fields:
+            envelope = parse_envelope(entry.fields["envelope"])
+            if envelope.request_id != rid or envelope.to_stage != self.stage.name:
+                raise EnvelopeError("envelope does not match its entry", request_id=rid, to_stage=envelope.to_stage)
+            if envelope.payload.kind != "none" and envelope.from_stage != getattr(self.previous_stage, "name", None):
+                raise EnvelopeError("a payload may only come from the previous stage", from_stage=envelope.from_stage)
+        elif "job" in entry.fields and self.index == 0:
+            job = parse_job(entry.fields["job"])
+            envelope = Envelope(
+                request_id=rid,
+                key=request_key(rid, -1),
+                from_stage="client",
+                to_stage=self.stage.name,
+                job=job,
+                deadline=time.time() + self.pipeline.timeouts.request,
+            )
+        else:
+            raise EnvelopeError("entry has neither a job nor an envelope field", fields=sorted(entry.fields)[:10])
+        limits = self.pipeline.limits
+        check_job_limits(
+            envelope.job,
+            max_steps=limits.max_steps,
+            max_prompt_chars=limits.max_prompt_chars,
+            lora_adapters=limits.lora_adapters,
+            upload_prefix=self.keys.upload_prefix(),
+        )
+        return envelope
+
+    async def settled(self, entry: Entry, envelope: Envelope) -> bool:
+        """True (entry acknowledged) for a request that is finished or a duplicate run; raises for a
+        cancelled or expired one.  The input payload of an entry that will not run is released."""
+        rid = envelope.request_id
+        status = await self.store.get(rid)
+        if status is not None and status.state.terminal:
+            log.info("worker.skip_terminal", entry=entry.id, state=status.state.value)
+            await self.release_input(envelope)
+            await self.stream.ack(entry.id)
+            return True
+        if await self.store.is_cancelled(rid):
+            await self.release_input(envelope)
+            raise CancelledRequestError("cancelled by the client")
+        if envelope.deadline is not None and time.time() > envelope.deadline:
+            await self.release_input(envelope)
+            raise DeadlineExceededError("the request's deadline passed")
+        owner_key = self.keys.run_owner(rid, self.stage.name, envelope.attempt)
+        with translated():
+            claimed = await self.redis.set(owner_key, entry.id, nx=True, ex=self.pipeline.retention.request_ttl_s)
+            owner = None if claimed else await self.redis.get(owner_key)
+        if not claimed and owner is not None and owner.decode() != entry.id:
+            log.info("worker.skip_duplicate", entry=entry.id, owner=owner.decode())
+            metrics.ENTRIES.labels(self.stage.name, "duplicate").inc()
+            await self.stream.ack(entry.id)
+            return True
+        return False
+
+    async def release_input(self, envelope: Envelope) -> None:
+        """A skipped envelope's payload is not needed: let the producer free it now."""
+        if self.input_connector is not None:
+            await self.input_connector.discard(envelope.payload)
+
+    async def load_media(self, envelope: Envelope) -> dict[str, bytes]:
+        """The first stage reads and checks the job's media (bad media is a rejection, not a failure)."""
+        if self.index != 0:
+            return {}
+        limits = self.pipeline.limits
+        loaded = await load_media(
+            envelope.job,
+            redis=self.redis,
+            upload_prefix=self.keys.upload_prefix(),
+            max_bytes=limits.max_upload_bytes,
+            min_audio_s=limits.min_reference_audio_s,
+        )
+        return loaded.items

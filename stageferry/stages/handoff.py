@@ -1,0 +1,174 @@
+"""Where a computed request goes next: on to the next stage, into the result store, or back upstream.
+
+* :meth:`HandOn.hand_on` puts the output through the output connector (producer side) and hands the
+  envelope on in one ownership-checked Lua script (:meth:`StageStream.hand_off`), then marks the
+  request ``queued`` on the next stage;
+* :meth:`HandOn.store_result` (last stage) stores the result and writes ``done`` once;
+* :meth:`HandOn.recompute` sends a request whose payload is gone back to be computed again — by default
+  to the previous stage — up to ``limits.max_recomputes``; past that it declines and the request fails
+  (the outcome table's ``recompute`` row, :mod:`stageferry.stages.outcomes`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+import structlog
+
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.control.streams import Entry, StageStream
+from stageferry.broker.data import metrics
+from stageferry.broker.data.connector import Connector
+from stageferry.config import PipelineConfig, StageConfig
+from stageferry.errors import DataPlaneError, PayloadUnavailableError
+from stageferry.failpoints import PRODUCER_PUBLISHED, failpoint
+from stageferry.schemas import Envelope, NoPayload, OutputInfo, RequestState, StageTiming, Transport, request_key
+from stageferry.stages.model import FinalOutput
+from stageferry.stages.outcomes import Outcomes
+
+log = structlog.get_logger(__name__)
+
+
+class HandOn:
+    """One stage's way out for a request (the leader's; see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        redis: aioredis.Redis,
+        keys: Keys,
+        pipeline: PipelineConfig,
+        stage: StageConfig,
+        stream: StageStream,
+        outcomes: Outcomes,
+        output_connector: Connector | None,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.pipeline = pipeline
+        self.stage = stage
+        self.stream = stream
+        self.outcomes = outcomes
+        self.output_connector = output_connector
+        self.index = pipeline.index_of(stage.name)
+        self.next_stage = pipeline.next_stage(stage.name)
+        self.previous_stage = pipeline.previous_stage(stage.name)
+
+    async def hand_on(self, entry: Entry, envelope: Envelope, output: Any, timing: StageTiming) -> None:
+        """Publish ``output`` and hand the request to the next stage.  A put that fails here computes the
+        request again on this stage (maybe on another replica), or fails it past the recompute limit."""
+        assert self.next_stage is not None and self.output_connector is not None
+        key = request_key(envelope.request_id, self.index)
+        try:
+            outgoing = await self.output_connector.put(key, output, force_inline=envelope.trace.force_inline)
+        except DataPlaneError as exc:  # could not publish it here: compute again, maybe on another replica
+            if not await self.recompute(entry, envelope, exc, target=self.stage):
+                await self.outcomes.settle(entry, envelope.request_id, exc)
+            return
+        log.info(
+            "payload.put",
+            key=key,
+            transport=outgoing.transport.value,
+            bytes=outgoing.nbytes,
+            seconds=round(outgoing.seconds, 6),
+            fallback=outgoing.fallback_reason,
+            to_stage=self.next_stage.name,
+        )
+        trace = envelope.trace.model_copy(
+            update={"hop_started_at": time.time(), "timings": [*envelope.trace.timings, timing], "force_inline": False}
+        )
+        nxt = Envelope(
+            request_id=envelope.request_id,
+            key=key,
+            from_stage=self.stage.name,
+            to_stage=self.next_stage.name,
+            job=envelope.job,
+            payload=outgoing.ref,
+            attempt=envelope.attempt,
+            deadline=envelope.deadline,
+            trace=trace,
+        )
+        fields: dict[str, bytes | str] = {"request_id": envelope.request_id, "envelope": nxt.model_dump_json()}
+        if outgoing.blob is not None:
+            fields["blob"] = outgoing.blob
+        if not await self.stream.hand_off(entry.id, self.next_stage.name, fields):
+            log.warning("worker.handoff_lost", entry=entry.id)
+            self.output_connector.abandon(outgoing)
+            return
+        if outgoing.transport is Transport.NIXL:
+            failpoint(PRODUCER_PUBLISHED)  # fault injection: the payload is out, only our pool holds it
+        await self.outcomes.set_status(
+            envelope.request_id,
+            RequestState.QUEUED,
+            stage=self.next_stage.name,
+            attempt=envelope.attempt,
+            timings=trace.timings,
+        )
+        metrics.ENTRIES.labels(self.stage.name, "handed_on").inc()
+
+    async def store_result(self, entry: Entry, envelope: Envelope, output: Any, timing: StageTiming) -> None:
+        rid = envelope.request_id
+        if not isinstance(output, FinalOutput):
+            output = FinalOutput(info={"output_type": type(output).__name__})
+        info = await self._persist_output(rid, output)
+        written = await self.outcomes.finish(
+            rid, RequestState.DONE, result=info, timings=[*envelope.trace.timings, timing], attempt=envelope.attempt
+        )
+        await self.stream.ack(entry.id)
+        log.info("request.done" if written else "request.done_duplicate", bytes=info.bytes, location=info.location)
+        metrics.ENTRIES.labels(self.stage.name, "done").inc()
+
+    async def _persist_output(self, rid: str, output: FinalOutput) -> OutputInfo:
+        data = output.data
+        if data is None and output.path is not None:
+            data = await anyio.Path(output.path).read_bytes()
+        data = data or b""
+        digest = hashlib.sha256(data).hexdigest()
+        redis_key = None
+        if len(data) <= self.pipeline.retention.result_inline_max_bytes:
+            redis_key = self.keys.result(rid)
+            with translated():
+                await self.redis.set(redis_key, data, ex=self.pipeline.retention.request_ttl_s, nx=True)
+        location = str(await anyio.Path(output.path).resolve()) if output.path is not None else f"redis:{redis_key}"
+        return OutputInfo(
+            location=location, redis_key=redis_key, bytes=len(data), sha256=digest, media=output.media, data=output.info
+        )
+
+    async def recompute(
+        self, entry: Entry, envelope: Envelope, exc: DataPlaneError, *, target: StageConfig | None = None
+    ) -> bool:
+        """Send the request back to be computed again — by default to the previous stage, whose payload
+        is gone.  False (nothing done) when there is no such stage or past ``limits.max_recomputes``."""
+        rid = envelope.request_id
+        recomputes = envelope.trace.recomputes + 1
+        target = target or self.previous_stage
+        if target is None or recomputes > self.pipeline.limits.max_recomputes:
+            return False
+        metrics.RECOMPUTES.labels(exc.code).inc()
+        log.warning(
+            "request.recompute", reason=exc.code, error=exc.message, recomputes=recomputes, to_stage=target.name
+        )
+        trace = envelope.trace.model_copy(
+            update={"recomputes": recomputes, "force_inline": not isinstance(exc, PayloadUnavailableError)}
+        )
+        back = Envelope(
+            request_id=rid,
+            key=request_key(rid, self.index),
+            from_stage=self.stage.name,
+            to_stage=target.name,
+            job=envelope.job,
+            payload=NoPayload(),
+            attempt=envelope.attempt + 1,
+            deadline=envelope.deadline,
+            trace=trace,
+        )
+        fields = {"request_id": rid, "envelope": back.model_dump_json()}
+        if await self.stream.hand_off(entry.id, target.name, fields):
+            await self.outcomes.set_status(rid, RequestState.QUEUED, stage=target.name, attempt=back.attempt)
+            metrics.ENTRIES.labels(self.stage.name, "recomputed").inc()
+        return True
