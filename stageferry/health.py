@@ -1,22 +1,20 @@
 """``stageferry health``: the container health check.
 
-A stage replica is healthy when Redis answers and its own worker heartbeat (``<p>:stage:<stage>:workers``,
-field ``<stage>-<replica>``) is fresh: a live process whose leader has stopped beating (hung, or stuck waiting
+A stage replica is healthy when Redis answers and its own worker heartbeat is fresh
+(:mod:`stageferry.broker.control.liveness`): a live process whose leader has stopped beating (hung, or stuck waiting
 for Redis) is reported unhealthy, so an orchestrator can restart it and ``depends_on: service_healthy``
 starts dependants only once the stage really consumes.
 """
 
 from __future__ import annotations
 
-import time
-
 import anyio
 
 from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.liveness import is_live, replica_id
 from stageferry.broker.control.redis_conn import open_client, translated
 from stageferry.config import Settings
 from stageferry.errors import ControlPlaneError
-from stageferry.launcher import FRESH_HEARTBEAT_S, live_replicas
 
 
 async def check_health(settings: Settings, *, stage: str | None, timeout: float) -> str | None:
@@ -27,16 +25,16 @@ async def check_health(settings: Settings, *, stage: str | None, timeout: float)
             async with open_client(url) as redis:
                 with translated():
                     await redis.ping()
-                    if stage is None:
-                        return None
-                    beats = await redis.hgetall(Keys(settings.prefix).workers(stage))
+                if stage is None:
+                    return None
+                live = await is_live(redis, Keys(settings.prefix), stage, settings.replica)
     except TimeoutError:
         return f"redis did not answer within {timeout:g}s"
     except ControlPlaneError as exc:
         return exc.message
-    consumer = f"{stage}-{settings.replica}"  # the worker's consumer name (StageWorker), its heartbeat field
-    if consumer not in live_replicas(beats, now=time.time(), fresh_s=FRESH_HEARTBEAT_S):
-        return f"no fresh heartbeat from {consumer!r} (replica {settings.replica!r} of stage {stage!r})"
+    if not live:
+        name = replica_id(stage, settings.replica)
+        return f"no fresh heartbeat from {name!r} (replica {settings.replica!r} of stage {stage!r})"
     return None
 
 

@@ -24,29 +24,13 @@ from anyio.abc import Process
 from rich.console import Console
 
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.control.liveness import live_by_stage
 from stageferry.client import Client, validate_job, with_upload_refs
 from stageferry.config import Settings
 from stageferry.console import follow, render_status
 from stageferry.embedded_redis import EmbeddedRedis
 from stageferry.errors import StageFailedError
 from stageferry.schemas import RequestState
-
-#: A worker counts as live when its heartbeat is at most this old.
-FRESH_HEARTBEAT_S = 10.0
-
-
-def live_replicas(heartbeats: Mapping[bytes | str, bytes | str], *, now: float, fresh_s: float) -> list[str]:
-    """Replicas in a ``workers`` hash whose heartbeat (unix seconds) is newer than ``fresh_s``."""
-    live = []
-    for name, value in heartbeats.items():
-        try:
-            beat = float(value)
-        except ValueError:
-            continue
-        if now - beat <= fresh_s:
-            live.append(name.decode() if isinstance(name, bytes) else name)
-    return live
 
 
 class ServiceGroup:
@@ -120,14 +104,9 @@ def _signal_group(proc: Process, signum: signal.Signals) -> None:
 async def wait_for_workers(redis: aioredis.Redis, keys: Keys, stages: Sequence[str], *, timeout: float) -> None:
     """Return once every stage has a live worker; :class:`StageFailedError` naming those without."""
     deadline = time.monotonic() + timeout
-    missing = list(stages)
     while True:
-        with translated():
-            hashes = [await redis.hgetall(keys.workers(stage)) for stage in stages]  # type: ignore[misc]
-        now = time.time()
-        missing = [
-            s for s, h in zip(stages, hashes, strict=True) if not live_replicas(h, now=now, fresh_s=FRESH_HEARTBEAT_S)
-        ]
+        live = await live_by_stage(redis, keys, stages)
+        missing = [s for s in stages if not live[s]]
         if not missing:
             return
         if time.monotonic() >= deadline:
@@ -205,4 +184,4 @@ async def run_up(
     return exit_code
 
 
-__all__ = ["FRESH_HEARTBEAT_S", "ServiceGroup", "live_replicas", "run_up", "wait_for_workers"]
+__all__ = ["ServiceGroup", "run_up", "wait_for_workers"]

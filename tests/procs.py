@@ -14,6 +14,7 @@ from typing import Any
 import redis as sync_redis
 
 from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.liveness import is_fresh
 from stageferry.client import SyncClient
 from stageferry.config import PipelineConfig
 
@@ -98,7 +99,7 @@ class Services:
         client = sync_redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if client.hget(self.keys.workers(stage), consumer):
+            if is_fresh(client.hget(self.keys.workers(stage), consumer)):
                 return
             time.sleep(0.1)
         raise TimeoutError(f"{consumer} of {stage} never came up; logs in {self.tmp_path}")

@@ -21,6 +21,7 @@ import redis as sync_redis
 import structlog
 
 from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.liveness import is_fresh, replica_id
 from stageferry.chaos.model import RECORD_ENV, STAGE_SECONDS_ENV
 from stageferry.embedded_redis import EmbeddedRedis, free_port
 from stageferry.failpoints import ENV as FAILPOINTS_ENV
@@ -42,7 +43,7 @@ class Replica:
 
     @property
     def consumer(self) -> str:
-        return f"{self.stage}-{self.name}"
+        return replica_id(self.stage, self.name)
 
     @property
     def alive(self) -> bool:
@@ -152,7 +153,7 @@ class Cluster:
             beat = client.hget(self.keys.workers(replica.stage), replica.consumer)
         except sync_redis.RedisError:
             return False
-        return beat is not None and time.time() - float(beat) < 10
+        return is_fresh(beat)
 
     def revive(self) -> list[Replica]:
         """Restart every replica that exited (the orchestrator's job); the ones restarted."""

@@ -17,14 +17,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from stageferry.broker.control.liveness import FRESH_S
 from stageferry.client import DEFAULT_REDIS_URL, Client
 from stageferry.config import PipelineConfig, Settings
-from stageferry.errors import StageferryError
-from stageferry.gateway.errors import ApiError, field_error
+from stageferry.errors import StageferryError, field_error
+from stageferry.gateway.errors import ApiError
 from stageferry.gateway.metrics import MetricsMiddleware
 from stageferry.gateway.routes import error_response, router
 from stageferry.gateway.service import VideoService
-from stageferry.launcher import FRESH_HEARTBEAT_S
 from stageferry.logs import EventSink
 
 log = structlog.get_logger(__name__)
@@ -42,7 +42,7 @@ class GatewayConfig:
     #: Longest a synchronous request waits; ``None`` is the pipeline's request deadline.
     sync_timeout_s: float | None = None
     #: A stage counts as live when a worker's heartbeat is at most this old.
-    health_fresh_s: float = FRESH_HEARTBEAT_S
+    health_fresh_s: float = FRESH_S
     #: Run the process's :class:`~stageferry.logs.EventSink` (one per process: off when embedding the app
     #: next to another sink).
     trace_events: bool = True

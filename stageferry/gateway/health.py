@@ -1,28 +1,25 @@
 """Health: Redis answers, and every stage of the pipeline has a worker with a fresh heartbeat.
 
-Stage workers write ``<p>:stage:<stage>:workers`` (replica → unix time) every 2 s and remove their entry
-when they drain; the launcher waits on the same hash, with the same freshness rule
-(:func:`stageferry.launcher.live_replicas`).  A stage whose workers were killed outright drops out once
-its last heartbeat is older than the freshness bound.
+Liveness is :mod:`stageferry.broker.control.liveness`'s, the rule ``stageferry up`` and ``stageferry
+health`` use too: a stage whose workers were killed outright drops out once its last heartbeat is older
+than the freshness bound, a drained one at once.
 """
 
 from __future__ import annotations
 
-import time
-
 import anyio
 
+from stageferry.broker.control.liveness import FRESH_S, live_by_stage
 from stageferry.broker.control.redis_conn import translated
 from stageferry.client import Client
 from stageferry.errors import ControlPlaneError
 from stageferry.gateway.objects import Health
-from stageferry.launcher import FRESH_HEARTBEAT_S, live_replicas
 
 #: A health check never waits longer than this on Redis.
 HEALTH_TIMEOUT_S = 2.0
 
 
-async def check_health(client: Client, *, fresh_s: float = FRESH_HEARTBEAT_S) -> Health:
+async def check_health(client: Client, *, fresh_s: float = FRESH_S) -> Health:
     """The deployment's health as seen from here (never raises: trouble is a problem in the answer)."""
     stages = [s.name for s in client.pipeline.stages]
     live: dict[str, list[str]] = {}
@@ -32,13 +29,8 @@ async def check_health(client: Client, *, fresh_s: float = FRESH_HEARTBEAT_S) ->
         try:
             with translated():
                 await client.redis.ping()
-                redis_ok = True
-                async with client.redis.pipeline(transaction=False) as pipe:
-                    for stage in stages:
-                        pipe.hgetall(client.keys.workers(stage))
-                    hashes = await pipe.execute()
-            now = time.time()
-            live = {s: sorted(live_replicas(h, now=now, fresh_s=fresh_s)) for s, h in zip(stages, hashes, strict=True)}
+            redis_ok = True
+            live = await live_by_stage(client.redis, client.keys, stages, fresh_s=fresh_s)
         except ControlPlaneError as exc:
             problems.append(f"redis: {exc.message}")
     if scope.cancelled_caught:
