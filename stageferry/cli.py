@@ -25,7 +25,7 @@ from rich.console import Console
 from stageferry.client import Client
 from stageferry.config import Settings
 from stageferry.console import error_line, follow, render_status
-from stageferry.errors import ConfigError, JobValidationError, StageferryError
+from stageferry.errors import ConfigError, JobValidationError, StageferryError, field_error
 from stageferry.logs import configure_logging
 from stageferry.schemas import JobRequest, MediaInputs, RequestState, RequestStatus, Task
 from stageferry.trace import format_trace
@@ -158,13 +158,9 @@ def read_job_json(source: str | None) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"cannot read {source}: {exc.strerror}") from exc
     except ValueError as exc:
-        raise JobValidationError(
-            f"malformed JSON in {source}", [{"field": "job", "message": str(exc), "type": "json_invalid"}]
-        ) from exc
+        raise JobValidationError(f"malformed JSON in {source}", [field_error("job", str(exc), "json_invalid")]) from exc
     if not isinstance(data, dict):
-        raise JobValidationError(
-            "the job must be a JSON object", [{"field": "job", "message": "not an object", "type": "dict_type"}]
-        )
+        raise JobValidationError("the job must be a JSON object", [field_error("job", "not an object", "dict_type")])
     return data
 
 

@@ -23,7 +23,7 @@ from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, connect, translated
 from stageferry.broker.control.requests import RequestStore
 from stageferry.config import PipelineConfig, Settings
-from stageferry.errors import JobValidationError
+from stageferry.errors import JobValidationError, field_error
 from stageferry.schemas import JobRequest, MediaInputs, RequestStatus
 from stageferry.schemas.job import REQUEST_ID_PATTERN
 from stageferry.schemas.validation import field_errors
@@ -117,7 +117,7 @@ class Client:
         if not re.fullmatch(REQUEST_ID_PATTERN, rid):
             raise JobValidationError(
                 f"invalid request id {rid!r}",
-                [{"field": "request_id", "message": f"must match {REQUEST_ID_PATTERN}", "type": "pattern"}],
+                [field_error("request_id", f"must match {REQUEST_ID_PATTERN}", "pattern")],
             )
         data = job.model_dump(mode="json") if isinstance(job, JobRequest) else dict(job)
         blobs = await self._read_uploads(uploads or {})
@@ -142,7 +142,7 @@ class Client:
             if name not in MediaInputs.model_fields:
                 raise JobValidationError(
                     f"unknown media input {name!r}",
-                    [{"field": field, "message": "no such media input", "type": "unknown_media"}],
+                    [field_error(field, "no such media input", "unknown_media")],
                 )
             try:
                 if isinstance(source, bytes):
@@ -154,12 +154,12 @@ class Client:
             except OSError as exc:
                 raise JobValidationError(
                     f"cannot read upload {source!s}: {exc.strerror}",
-                    [{"field": field, "message": str(exc), "type": "unreadable_upload"}],
+                    [field_error(field, str(exc), "unreadable_upload")],
                 ) from exc
             if size > limit:
                 raise JobValidationError(
                     f"upload {name} is {size} bytes, above the limit of {limit}",
-                    [{"field": field, "message": f"larger than {limit} bytes", "type": "upload_too_large"}],
+                    [field_error(field, f"larger than {limit} bytes", "upload_too_large")],
                 )
             blobs[name] = blob
         return blobs

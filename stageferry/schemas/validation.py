@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from stageferry.errors import EnvelopeError, JobValidationError
+from stageferry.errors import EnvelopeError, JobValidationError, field_error
 from stageferry.schemas.envelope import Envelope
 from stageferry.schemas.job import JobRequest
 
@@ -23,7 +23,7 @@ def field_errors(exc: ValidationError) -> list[dict[str, Any]]:
     for err in exc.errors(include_input=False, include_url=False)[:_MAX_FIELD_ERRORS]:
         ctx = err.get("ctx") or {}
         field = ".".join(str(p) for p in err.get("loc", ())) or str(ctx.get("field", "__root__"))
-        out.append({"field": field, "message": str(err.get("msg", ""))[:300], "type": err.get("type", "")})
+        out.append(field_error(field, str(err.get("msg", ""))[:300], str(err.get("type", ""))))
     return out
 
 
@@ -61,20 +61,18 @@ def check_job_limits(
     """Deployment checks beyond the schema; raises :class:`JobValidationError` with every failure."""
     errors: list[dict[str, Any]] = []
     if job.num_inference_steps > max_steps:
-        errors.append(_err("num_inference_steps", f"must be at most {max_steps}", "less_than_equal"))
+        errors.append(field_error("num_inference_steps", f"must be at most {max_steps}", "less_than_equal"))
     if len(job.prompt) > max_prompt_chars:
-        errors.append(_err("prompt", f"at most {max_prompt_chars} characters", "string_too_long"))
+        errors.append(field_error("prompt", f"at most {max_prompt_chars} characters", "string_too_long"))
     if job.lora is not None and job.lora not in lora_adapters:
         errors.append(
-            _err("lora", f"unknown adapter {job.lora!r}; configured: {list(lora_adapters)}", "unknown_adapter")
+            field_error("lora", f"unknown adapter {job.lora!r}; configured: {list(lora_adapters)}", "unknown_adapter")
         )
     for name in type(job.media).model_fields:
         ref = getattr(job.media, name)
         if ref is not None and ref.upload_key is not None and not ref.upload_key.startswith(upload_prefix):
-            errors.append(_err(f"media.{name}.upload_key", f"must start with {upload_prefix!r}", "bad_upload_key"))
+            errors.append(
+                field_error(f"media.{name}.upload_key", f"must start with {upload_prefix!r}", "bad_upload_key")
+            )
     if errors:
         raise JobValidationError(f"invalid job: {errors[0]['field']}: {errors[0]['message']}", errors)
-
-
-def _err(field: str, message: str, kind: str) -> dict[str, Any]:
-    return {"field": field, "message": message, "type": kind}

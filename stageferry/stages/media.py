@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from PIL import Image, UnidentifiedImageError
 
 from stageferry.broker.control.redis_conn import translated
-from stageferry.errors import JobValidationError
+from stageferry.errors import JobValidationError, field_error
 from stageferry.schemas import JobRequest, MediaRef
 
 #: Decoding stops after this much audio/video: enough to check, bounded work for hostile files.
@@ -127,4 +127,4 @@ def probe_audio_seconds(data: bytes, field: str) -> float:
 
 
 def _invalid(field: str, message: str, kind: str) -> JobValidationError:
-    return JobValidationError(f"invalid job: {field}: {message}", [{"field": field, "message": message, "type": kind}])
+    return JobValidationError(f"invalid job: {field}: {message}", [field_error(field, message, kind)])

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from stageferry.errors import JobValidationError
+from stageferry.errors import JobValidationError, field_error
 from stageferry.stages.reference.audio import SAMPLE_RATE
 
 
@@ -87,9 +87,7 @@ def load_audio(data: bytes, *, max_seconds: float, field: str) -> torch.Tensor:
 
 def bad_media(field: str, message: str) -> JobValidationError:
     """The rejection for media that does not decode: the same shape ``stages/media.py`` gives."""
-    return JobValidationError(
-        f"invalid job: {field}: {message}", [{"field": field, "message": message, "type": "bad_media"}]
-    )
+    return JobValidationError(f"invalid job: {field}: {message}", [field_error(field, message, "bad_media")])
 
 
 def _fit(img: Image.Image, width: int, height: int) -> torch.Tensor:
