@@ -16,7 +16,6 @@ pool slots and bytes, open transfer handles, registered memory) against its own 
 from __future__ import annotations
 
 import json
-import re
 import urllib.request
 from collections import Counter
 from collections.abc import Iterable
@@ -25,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import redis as sync_redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from stageferry.broker.control.keys import Keys
 from stageferry.schemas import RequestStatus
 
-_RESOURCE_LINE = re.compile(r'^stageferry_dataplane_resources\{what="(\w+)"\} ([0-9.e+-]+)$', re.M)
+_RESOURCES = "stageferry_dataplane_resources"
 #: Resources that must be back exactly where they started once a leader is idle.
 AT_REST = ("leases", "pool_slots_in_use", "pool_bytes_in_use", "open_handles", "registrations", "registered_bytes")
 
@@ -41,7 +41,18 @@ def scrape_resources(port: int, timeout: float = 5.0) -> dict[str, float] | None
             text = reply.read().decode()
     except OSError:
         return None
-    return {m.group(1): float(m.group(2)) for m in _RESOURCE_LINE.finditer(text)}
+    return resources_in(text)
+
+
+def resources_in(text: str) -> dict[str, float]:
+    """``what`` → value of every ``stageferry_dataplane_resources`` sample in a Prometheus text exposition."""
+    return {
+        sample.labels["what"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == _RESOURCES
+        for sample in family.samples
+        if sample.name == _RESOURCES and "what" in sample.labels
+    }
 
 
 @dataclass

@@ -1,0 +1,48 @@
+"""The soak audit's metrics scrape: a real exposition (prometheus_client's own writer and HTTP server)
+read back with prometheus_client's parser."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+from stageferry.chaos.audit import resources_in, scrape_resources
+from stageferry.embedded_redis import free_port
+
+RESOURCES = {"leases": 0.0, "pool_bytes_in_use": 3.5e9, "registrations": 2.0, "open_handles": 1.0}
+
+
+class _Probe:
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("stageferry_dataplane_resources", "Live data-plane resources", labels=["what"])
+        for what, value in RESOURCES.items():
+            family.add_metric([what], value)
+        yield family
+
+
+def registry() -> CollectorRegistry:
+    reg = CollectorRegistry()
+    reg.register(_Probe())  # type: ignore[arg-type]
+    other = Counter("stageferry_entries", "noise", ["stage", "outcome"], registry=reg)
+    other.labels("diffusion", 'what="leases"').inc(7)  # a look-alike label value in another family
+    return reg
+
+
+def test_resources_are_read_from_a_served_exposition() -> None:
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry())
+    try:
+        assert scrape_resources(port) == RESOURCES
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+
+
+def test_nothing_listening_is_none_and_other_families_are_ignored() -> None:
+    assert scrape_resources(free_port(), timeout=1) is None
+    assert resources_in('# TYPE x gauge\nx{what="leases"} 4\n') == {}
