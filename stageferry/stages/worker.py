@@ -24,7 +24,6 @@ cancel — seen between entries, at a stage boundary, or by the model between tw
 from __future__ import annotations
 
 import functools
-import random
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -37,7 +36,7 @@ import structlog
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import Heartbeat
-from stageferry.broker.control.redis_conn import is_connection_error
+from stageferry.broker.control.redis_conn import is_connection_error, reconnecting
 from stageferry.broker.control.requests import RequestStore
 from stageferry.broker.control.streams import Entry, StageStream
 from stageferry.broker.data import metrics
@@ -195,25 +194,20 @@ class StageWorker:
         log.info("worker.stopped", stage=self.stage.name, processed=self.processed)
 
     async def _with_redis_retry(self, op: Callable[[], Awaitable[Any]]) -> Any:
-        """Run ``op``, retrying connection failures with jittered backoff up to the unreachable bound."""
-        first_failure: float | None = None
-        delay = 0.1
-        while True:
-            try:
-                return await op()
-            except ControlPlaneError as exc:
-                if not is_connection_error(exc):
-                    raise
-                now = time.monotonic()
-                first_failure = first_failure or now
-                if now - first_failure > self.pipeline.timeouts.redis_unreachable:
-                    log.error("worker.redis_gone", seconds=round(now - first_failure, 1), error=exc.message)
-                    raise
-                log.warning("worker.redis_retry", error=exc.message, retry_in=round(delay, 2))
-                await anyio.sleep(delay)
-                delay = min(5.0, delay * 2) * (0.5 + random.random())
-                if self._stopping and first_failure and now - first_failure > 5:
-                    raise
+        """Run ``op``, riding out Redis outages up to ``timeouts.redis_unreachable`` (5 s once draining)."""
+        within = self.pipeline.timeouts.redis_unreachable
+        started = time.monotonic()
+        try:
+            async for attempt in reconnecting(
+                within=within, event="worker.redis_retry", initial=0.1, cap=5.0, abandon=lambda: self._stopping
+            ):
+                with attempt:
+                    return await op()
+        except ControlPlaneError as exc:
+            if is_connection_error(exc):
+                log.error("worker.redis_gone", seconds=round(time.monotonic() - started, 1), error=exc.message)
+            raise
+        raise AssertionError("unreachable: tenacity re-raises the last error")  # pragma: no cover
 
     # ---------------------------------------------------------------- one entry
 

@@ -9,22 +9,24 @@ ride in the URL's query, so one ``STAGEFERRY_REDIS_URL`` configures every proces
 The URL is checked before any I/O: an unknown query parameter, a TLS option on a plain ``redis://`` URL
 or a certificate file that does not exist is a :class:`ConfigError` at start-up, not a TypeError at the
 first command.  Commands are retried by redis-py with exponential backoff and jitter on connection and
-timeout errors; what still fails leaves here as :class:`ControlPlaneError` — or :class:`AccessDeniedError`
-when Redis refuses the credentials or an ACL forbids a command, which no retry can heal.
+timeout errors (a few times, within seconds); longer outages are ridden out by :func:`reconnecting`,
+the one retry loop on top of that.  What still fails leaves here as :class:`ControlPlaneError` — or
+:class:`AccessDeniedError` when Redis refuses the credentials or an ACL forbids a command, which no retry
+can heal.
 """
 
 from __future__ import annotations
 
 import contextlib
-import random
-import time
-from collections.abc import AsyncIterator, Iterator
+import functools
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import anyio
 import redis.asyncio as aioredis
 import structlog
+import tenacity
 from redis import exceptions as redis_errors
 from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.asyncio.retry import Retry
@@ -37,6 +39,8 @@ log = structlog.get_logger(__name__)
 #: Longest a single blocking read waits; sockets time out a little after it.
 BLOCK_MS = 1000
 _SOCKET_TIMEOUT_S = BLOCK_MS / 1000 + 10
+#: A retry loop asked to ``abandon`` (a draining worker) still tries this long before giving up.
+_ABANDON_AFTER_S = 5.0
 
 
 #: TLS options that redis-py takes from a ``rediss://`` URL's query (certificate files are checked).
@@ -97,25 +101,57 @@ def translated() -> Iterator[None]:
         raise ControlPlaneError(f"redis: {exc}", redis_error=type(exc).__name__) from exc
 
 
+def reconnecting(
+    *, within: float, event: str, initial: float = 0.05, cap: float = 2.0, abandon: Callable[[], bool] | None = None
+) -> tenacity.AsyncRetrying:
+    """The one retry policy for Redis outages that outlast redis-py's own retries (see :func:`connect`).
+
+    Retries only connection failures (:func:`is_connection_error`) — with exponential backoff and full
+    jitter, from ``initial`` up to ``cap`` seconds — until ``within`` seconds have passed since the first
+    attempt (or ``abandon()`` says stop, checked after 5 s of failures); then the last error is raised as
+    itself.  Each retry is logged as ``event`` with the attempt, the error and the wait::
+
+        async for attempt in reconnecting(within=60, event="worker.redis_retry"):
+            with attempt:
+                await op()
+    """
+    stop: tenacity.stop.stop_base = tenacity.stop_after_delay(within)
+    if abandon is not None:
+        stop = stop | _Abandon(abandon)
+    return tenacity.AsyncRetrying(
+        retry=tenacity.retry_if_exception(lambda exc: isinstance(exc, ControlPlaneError) and is_connection_error(exc)),
+        stop=stop,
+        wait=tenacity.wait_random_exponential(multiplier=initial, max=cap),
+        sleep=anyio.sleep,
+        before_sleep=functools.partial(_log_retry, event),
+        reraise=True,
+    )
+
+
+class _Abandon(tenacity.stop.stop_base):
+    """Stop once ``abandon()`` holds and the failures have lasted :data:`_ABANDON_AFTER_S`."""
+
+    def __init__(self, abandon: Callable[[], bool]) -> None:
+        self._abandon = abandon
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        return self._abandon() and (retry_state.seconds_since_start or 0.0) > _ABANDON_AFTER_S
+
+
+def _log_retry(event: str, state: tenacity.RetryCallState) -> None:
+    error = state.outcome.exception() if state.outcome is not None else None
+    wait = state.next_action.sleep if state.next_action is not None else 0.0
+    message = error.message if isinstance(error, ControlPlaneError) else repr(error)
+    log.warning(event, attempt=state.attempt_number, error=message, retry_in=round(wait, 3))
+
+
 async def wait_until_reachable(client: aioredis.Redis, *, timeout: float) -> None:
-    """Ping until Redis answers, with jittered backoff; :class:`ControlPlaneError` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            with translated():
-                await client.ping()
-            if attempt > 1:
-                log.info("redis.reachable", attempts=attempt)
-            return
-        except ControlPlaneError as exc:
-            if not is_connection_error(exc) or time.monotonic() >= deadline:
-                raise
-            log.warning("redis.unreachable", attempt=attempt, error=exc.message, retry_in=round(delay, 3))
-            await anyio.sleep(delay)
-            delay = min(2.0, delay * 2) * (0.5 + random.random())
+    """Ping until Redis answers (:func:`reconnecting`); :class:`ControlPlaneError` after ``timeout``."""
+    async for attempt in reconnecting(within=timeout, event="redis.unreachable"):
+        with attempt, translated():
+            await client.ping()
+    if attempt.retry_state.attempt_number > 1:
+        log.info("redis.reachable", attempts=attempt.retry_state.attempt_number)
 
 
 @contextlib.asynccontextmanager
