@@ -65,10 +65,14 @@ class Outcomes:
         outcome = outcome_of(error)
         if outcome.entry is EntryAction.KEEP:
             raise error
-        if outcome.entry is EntryAction.RECOMPUTE:
-            assert isinstance(error, DataPlaneError)
-            if envelope is not None and recompute is not None and await recompute(entry, envelope, error):
-                return
+        if (
+            outcome.entry is EntryAction.RECOMPUTE
+            and isinstance(error, DataPlaneError)
+            and envelope is not None
+            and recompute is not None
+            and await recompute(entry, envelope, error)
+        ):
+            return
         if rid is not None and outcome.state is not None:
             level, event = _LOGGED.get(outcome.state, ("error", "request.failed"))
             getattr(log, level)(event, code=error.code, error=error.message)
