@@ -126,7 +126,7 @@ def run_broadcast(args: argparse.Namespace) -> None:
 
 
 def _producer(conn: Any, sizes: list[int]) -> None:
-    from stageferry.broker.data.nixl_agent import NixlAgent
+    from stageferry.broker.data.nixl.agent import NixlAgent
 
     torch.cuda.set_device(0)
     agent = NixlAgent("bench-producer")
@@ -139,7 +139,7 @@ def _producer(conn: Any, sizes: list[int]) -> None:
 
 
 def _consumer_rank(rank: int, port: int, sizes: list[int], iters: int, conn: Any, out: Any) -> None:
-    from stageferry.broker.data.nixl_agent import NixlAgent, XferState
+    from stageferry.broker.data.nixl.agent import NixlAgent, XferState
     from stageferry.schemas import MemKind
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

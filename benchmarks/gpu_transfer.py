@@ -85,8 +85,9 @@ def stats(ns: list[int], n: int) -> tuple[float, float, float]:
 
 
 def load_agent_module() -> Any:
-    """stageferry.broker.data.nixl_agent (imported in the child processes, after their environment is set)."""
-    import stageferry.broker.data.nixl_agent as mod
+    """benchmarks/nixl_bench_agent.py, stageferry's NixlAgent with prepared lists, reposts and WRITE
+    (imported in the child processes, after their environment is set)."""
+    import nixl_bench_agent as mod
 
     return mod
 
@@ -107,7 +108,7 @@ def _setup(env: dict[str, str], cpu: bool, device: int) -> tuple[Any, Any]:
 
 def producer(ctl: Connection, peer: Connection, env: dict[str, str], cpu: bool, nbytes: int, share: bool) -> None:
     torch, dev = _setup(env, cpu, 0)
-    NixlAgent = load_agent_module().NixlAgent
+    NixlAgent = load_agent_module().BenchAgent
 
     agent = NixlAgent(f"bench-producer-{os.getpid()}")
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -158,7 +159,7 @@ def consumer(
 ) -> None:
     torch, dev = _setup(env, cpu, 1)
     na = load_agent_module()
-    MemKind, NixlAgent, XferState = na.MemKind, na.NixlAgent, na.XferState
+    MemKind, NixlAgent, XferState = na.MemKind, na.BenchAgent, na.XferState
 
     kind = MemKind.DRAM if cpu else MemKind.VRAM
     t0 = time.perf_counter()

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from transfer import connector, payload_for  # noqa: E402
 
 from stageferry.broker.control.redis_conn import connect  # noqa: E402
-from stageferry.broker.data.nixl_agent import NixlAgent  # noqa: E402
+from stageferry.broker.data.nixl.agent import NixlAgent  # noqa: E402
 from stageferry.broker.data.payload_codec import plan_payload, unpack, validate_manifest, validate_remote_regions  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402
 
@@ -59,14 +59,14 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
             t = begin = timed("put", t)
             validate_manifest(ref.manifest, max_payload_bytes=1 << 30)
             t = timed("validate manifest", t)
-            peer = await consumer._ensure_peer(ref)  # type: ignore[arg-type]
+            peer = await consumer.peers.ensure(ref)  # type: ignore[arg-type]
             validate_remote_regions(ref.manifest, ref.regions, peer.arenas)  # type: ignore[union-attr]
             t = timed("peer + descriptor checks", t)
-            await consumer._claim(ref)  # type: ignore[arg-type]
+            await consumer.consumer.claim(ref)  # type: ignore[arg-type]
             t = timed("claim (SET NX)", t)
             slots = await consumer.pools.acquire_regions(ref.manifest, timeout=5)  # type: ignore[union-attr]
             t = timed("acquire slot", t)
-            await consumer._read(ref, peer, slots)  # type: ignore[arg-type]
+            await consumer.consumer.read(ref, peer, slots)  # type: ignore[arg-type]
             t = timed("READ (post → DONE)", t)
             unpack(ref.manifest, {k: s.view for k, s in slots.items()}, copy=False)
             t = timed("unpack", t)

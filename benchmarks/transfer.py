@@ -50,7 +50,7 @@ from bench_stats import TASK_BYTES, TASK_OF_SIZE, cell, human, machine_facts, me
 from stageferry.broker.control.keys import Keys  # noqa: E402
 from stageferry.broker.control.redis_conn import connect  # noqa: E402
 from stageferry.broker.data.inline import InlineConnector  # noqa: E402
-from stageferry.broker.data.nixl_connector import NixlConnector  # noqa: E402
+from stageferry.broker.data.nixl.connector import NixlConnector  # noqa: E402
 from stageferry.broker.data.payload_codec import pack_into, plan_payload  # noqa: E402
 from stageferry.config import DataPlaneConfig, Timeouts  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402

@@ -1,7 +1,7 @@
 """Every error stageferry raises, under one root.
 
 Errors of the libraries underneath (redis-py, nixl, pydantic) are translated into the most specific
-class here at exactly one boundary each (``broker/control/redis_conn.py``, ``broker/data/nixl_agent.py``,
+class here at exactly one boundary each (``broker/control/redis_conn.py``, ``broker/data/nixl/agent.py``,
 ``schemas``), keeping the original as ``__cause__``.  Each class carries a stable ``code``, which is what
 a request's failed/rejected status shows, so that clients branch on codes, never on message text::
 

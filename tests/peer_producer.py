@@ -18,7 +18,7 @@ import torch
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
-from stageferry.broker.data.nixl_connector import NixlConnector
+from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.config import DataPlaneConfig, MetadataMode, Timeouts
 from stageferry.errors import DataPlaneError
 from stageferry.testing import TASKS, sized_payload

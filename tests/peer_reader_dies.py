@@ -13,9 +13,11 @@ from pydantic import TypeAdapter
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
-from stageferry.broker.data.nixl_connector import RELEASE_TAG, NixlConnector, mem_kind_of
+from stageferry.broker.data.nixl.connector import NixlConnector
+from stageferry.broker.data.nixl.consumer import mem_kind_of
 from stageferry.config import DataPlaneConfig, Timeouts
 from stageferry.schemas import NixlPayload, PayloadRef
+from stageferry.schemas.nixl import RELEASE_TAG
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -32,8 +34,8 @@ async def main(args: argparse.Namespace) -> None:
         item = json.loads((await redis.blpop([f"{args.prefix}:test:refs"], timeout=60))[1])
         ref = TypeAdapter(PayloadRef).validate_json(item["ref"])
         assert isinstance(ref, NixlPayload)
-        peer = await conn._ensure_peer(ref)
-        await conn._claim(ref)
+        peer = await conn.peers.ensure(ref)
+        await conn.consumer.claim(ref)
         if args.die_after == "claim":
             os.kill(os.getpid(), signal.SIGKILL)  # claimed, READ not yet posted
         slots = await conn.pools.acquire_regions(ref.manifest, timeout=5)  # type: ignore[union-attr]

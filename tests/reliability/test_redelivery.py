@@ -19,7 +19,7 @@ from stageferry.broker.control.keys import Keys
 from stageferry.config import Timeouts
 from stageferry.errors import PayloadUnavailableError
 from stageferry.schemas import NixlPayload, Transport
-from tests.broker.data.test_nixl_connector import consumer, ref_of, start_producer  # noqa: F401 - a fixture
+from tests.broker.data.nixl.test_connector import consumer, ref_of, start_producer  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 

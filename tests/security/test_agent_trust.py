@@ -12,7 +12,7 @@ from stageferry.broker.data.payload_codec import plan_payload
 from stageferry.errors import EnvelopeError, PayloadUnavailableError
 from stageferry.schemas import Envelope, JobRequest, NixlPayload, request_key
 from stageferry.schemas.validation import parse_envelope
-from tests.broker.data.test_nixl_connector import consumer, ref_of, start_producer  # noqa: F401 - fixture
+from tests.broker.data.nixl.test_connector import consumer, ref_of, start_producer  # noqa: F401 - fixture
 from tests.security.test_codec_fuzz import GOOD_PAYLOAD
 
 JOB = JobRequest.model_validate({"prompt": "a cat", "width": 320, "height": 192})

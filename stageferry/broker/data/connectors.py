@@ -11,7 +11,7 @@ import torch
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.data.connector import Connector
 from stageferry.broker.data.inline import InlineConnector
-from stageferry.broker.data.nixl_connector import NixlConnector
+from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.config import ConnectorKind, PipelineConfig, StageConfig
 
 

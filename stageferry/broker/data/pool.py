@@ -101,7 +101,7 @@ class ArenaAllocator:
 
 
 class Registrar(Protocol):
-    """Registers memory for remote access once; :class:`stageferry.broker.data.nixl_agent.NixlAgent` is one."""
+    """Registers memory for remote access once; :class:`stageferry.broker.data.nixl.agent.NixlAgent` is one."""
 
     def register(self, tensor: torch.Tensor) -> object:
         """Register a contiguous tensor; the returned handle is what :meth:`deregister` takes."""

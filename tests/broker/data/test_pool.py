@@ -334,7 +334,7 @@ async def test_thousand_cycles_leave_nothing_behind() -> None:
 
 @pytest.mark.anyio
 async def test_real_nixl_agent_registers_each_pool_once() -> None:
-    from stageferry.broker.data.nixl_agent import NixlAgent
+    from stageferry.broker.data.nixl.agent import NixlAgent
 
     try:
         agent = NixlAgent("pool-test")

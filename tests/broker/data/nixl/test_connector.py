@@ -27,7 +27,7 @@ from pydantic import TypeAdapter
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import connect
 from stageferry.broker.data import metrics
-from stageferry.broker.data.nixl_connector import NixlConnector
+from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.config import DataPlaneConfig, Timeouts
 from stageferry.errors import ManifestError, PayloadUnavailableError
 from stageferry.schemas import InlinePayload, NixlPayload, PayloadRef, Transport

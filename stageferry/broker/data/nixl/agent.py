@@ -3,6 +3,13 @@
 Everything NIXL-specific lives here: lazy import, agent creation, memory registration, remote agents,
 READ transfers, notifications and clean-up.  Every nixl exception is translated into a
 :mod:`stageferry.errors` class (original kept as ``__cause__``), so no other module imports nixl.
+Only what the data plane uses is here: the benchmarks extend it with prepared descriptor lists, reposts,
+WRITE and warm-up (``benchmarks/nixl_bench_agent.py``); UCX's log is read by
+:mod:`stageferry.broker.data.nixl.ucx_log`.
+
+Who calls: the connector's endpoint creates one agent per leader process at start-up
+(:mod:`stageferry.broker.data.nixl.connector`), the pools register their arenas once, the consumer
+posts and polls READs, the producer drains notifications.
 
 Regions travel on the wire as plain ``(address, length, device_id)`` ints; NIXL descriptor objects are
 rebuilt locally (their own serialisation is pickle and must not cross a trust boundary).
@@ -18,12 +25,7 @@ once :meth:`NixlAgent.poll` says DONE the bytes are in place for any stream.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import enum
-import os
-import re
-import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -33,6 +35,7 @@ from typing import Any
 import structlog
 import torch
 
+from stageferry.broker.data.nixl.ucx_log import UcxLogTail, configure_environment, parse_ucx_log
 from stageferry.errors import NixlUnavailableError, PeerDisconnectedError, TransferError
 from stageferry.schemas.payload import MemKind
 
@@ -59,21 +62,7 @@ def _import_nixl() -> tuple[Any, Any]:
     global _nixl_api, _nixl_bind, _ucx_log_path
     if _nixl_api is not None:
         return _nixl_api, _nixl_bind
-    # Known UCX registration-cache leak; must be in the environment before libucs loads.
-    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
-    # On by default so that every consumer can log the transport actually used with each peer (a silent
-    # fall to TCP is the most common NIXL performance problem); UCX prints its tables once per endpoint
-    # configuration, into a per-process file.  Set UCX_PROTO_INFO=n to turn it off.
-    os.environ.setdefault("UCX_PROTO_INFO", "y")
-    proto_info = os.environ.get("UCX_PROTO_INFO", "n").lower()
-    info_level = os.environ.get("UCX_LOG_LEVEL", "").lower() in {"info", "debug", "trace"}
-    if (proto_info not in {"", "n", "no", "0", "off"} or info_level) and "UCX_LOG_FILE" not in os.environ:
-        # Send UCX's diagnostics to a file we can parse for transport_info().
-        # %p: UCX puts the pid in, so child processes inheriting the variable get files of their own.
-        os.environ["UCX_LOG_FILE"] = str(Path(tempfile.gettempdir()) / "stageferry-ucx-%p.log")
-    if "UCX_LOG_FILE" in os.environ:
-        raw = os.environ["UCX_LOG_FILE"].replace("%p", str(os.getpid())).replace("%h", socket.gethostname())
-        _ucx_log_path = Path(raw)
+    _ucx_log_path = configure_environment()
     try:
         import nixl  # noqa: F401  (selects the CUDA-matching backend package)
         from nixl import _api, _bindings
@@ -121,7 +110,7 @@ def _progress_thread_delay(api: Any, delay_us: int) -> Iterator[None]:
             bind.nixlAgent = real
 
 
-def _is_nixl_error(exc: BaseException) -> bool:
+def is_nixl_error(exc: BaseException) -> bool:
     return type(exc).__module__.endswith("_bindings") and type(exc).__name__.startswith("nixl")
 
 
@@ -134,7 +123,7 @@ def _translate(exc: Exception, what: str, **details: Any) -> Exception:
 
 
 class XferHandle:
-    """Opaque handle for one READ; reposting after DONE reuses it (see :meth:`NixlAgent.repost`)."""
+    """Opaque handle for one posted transfer; the caller polls it, then releases it."""
 
     __slots__ = ("_h", "nbytes", "posted_ns", "released", "remote")
 
@@ -143,19 +132,6 @@ class XferHandle:
         self.remote = remote
         self.nbytes = nbytes
         self.posted_ns = 0
-        self.released = False
-
-
-class PreparedList:
-    """Opaque handle for a prepared descriptor list (local, or one remote agent's)."""
-
-    __slots__ = ("_h", "count", "kind", "released", "remote")
-
-    def __init__(self, h: Any, remote: str | None, kind: MemKind, count: int) -> None:
-        self._h = h
-        self.remote = remote
-        self.kind = kind
-        self.count = count
         self.released = False
 
 
@@ -194,10 +170,9 @@ class NixlAgent:
         self._remotes: set[str] = set()
         self._dead: set[str] = set()  # remotes that reported a disconnect: must be removed before re-adding
         self._handles: dict[int, XferHandle] = {}
-        self._prepped: dict[int, PreparedList] = {}
         self._transport: dict[str, str] = {}
         self._transport_tries: dict[str, int] = {}
-        self._log_offset = 0
+        self._ucx_log = UcxLogTail(_ucx_log_path) if _ucx_log_path is not None else None
         log.info("nixl.agent.created", agent=name, backends=list(backends), seconds=round(time.perf_counter() - t0, 4))
 
     # -- identity and memory ---------------------------------------------------------------------------
@@ -213,7 +188,7 @@ class NixlAgent:
         try:
             descs = self._agent.register_memory(tensor)
         except Exception as exc:
-            if not _is_nixl_error(exc):
+            if not is_nixl_error(exc):
                 raise
             raise _translate(exc, "register", agent=self.name) from exc
         reg = _Registration(descs, tensor.numel() * tensor.element_size())
@@ -235,7 +210,7 @@ class NixlAgent:
         try:
             self._agent.deregister_memory(reg.descs)
         except Exception as exc:
-            if not _is_nixl_error(exc):
+            if not is_nixl_error(exc):
                 raise
             raise _translate(exc, "deregister", agent=self.name) from exc
 
@@ -256,7 +231,7 @@ class NixlAgent:
         try:
             raw = self._agent.add_remote_agent(metadata)
         except Exception as exc:
-            if not _is_nixl_error(exc):
+            if not is_nixl_error(exc):
                 raise
             if type(exc).__name__ == "nixlNotAllowedError" and self._dead:
                 # Same name, new connection info: a restarted peer. Drop the dead entries and retry once.
@@ -277,11 +252,9 @@ class NixlAgent:
         return name
 
     def remove_remote(self, name: str) -> None:
-        """Forget a peer (idempotent); its prepared lists and open transfers go first, as NIXL requires."""
+        """Forget a peer (idempotent); its open transfers go first, as NIXL requires."""
         for h in [h for h in self._handles.values() if h.remote == name]:
             self.release(h)
-        for p in [p for p in self._prepped.values() if p.remote == name]:
-            self.release_prepared(p)
         self._dead.discard(name)
         self._transport.pop(name, None)
         self._transport_tries.pop(name, None)
@@ -291,22 +264,13 @@ class NixlAgent:
         try:
             self._agent.remove_remote_agent(name)
         except Exception as exc:
-            if not _is_nixl_error(exc):
+            if not is_nixl_error(exc):
                 raise
             log.warning("nixl.remote.remove_failed", agent=self.name, remote=name, error=str(exc))
         log.info("nixl.remote.removed", agent=self.name, remote=name)
 
     def remotes(self) -> frozenset[str]:
         return frozenset(self._remotes)
-
-    def warm_up(self, remote_name: str) -> None:
-        """Open the connection now: the first transfer to a new peer otherwise pays 1.5-5 ms for it."""
-        try:
-            self._agent.make_connection(remote_name)
-        except Exception as exc:
-            if not _is_nixl_error(exc):
-                raise
-            raise self._fail(exc, "warm_up", remote_name) from exc
 
     # -- transfers -------------------------------------------------------------------------------------
 
@@ -322,67 +286,19 @@ class NixlAgent:
         """Post a READ (remote -> local); ``notif`` reaches the remote side when it completes."""
         return self._start("READ", local, local_kind, remote, remote_kind, remote_name, notif)
 
-    def start_write(
-        self,
-        local: Sequence[Region],
-        local_kind: MemKind,
-        remote: Sequence[Region],
-        remote_kind: MemKind,
-        remote_name: str,
-        notif: bytes,
-    ) -> object:
-        """Post a WRITE (local -> remote, a push); same contract as :meth:`start_read`."""
-        return self._start("WRITE", local, local_kind, remote, remote_kind, remote_name, notif)
-
-    def prepare_local(self, regions: Sequence[Region], kind: MemKind) -> PreparedList:
-        """Prepare local regions once (e.g. one per pool block) for :meth:`start_read_indexed`."""
-        return self._prepare("NIXL_INIT_AGENT", None, regions, kind)
-
-    def prepare_remote(self, remote_name: str, regions: Sequence[Region], kind: MemKind) -> PreparedList:
-        """Prepare a peer's regions once; validation then happens here instead of on every READ."""
-        return self._prepare(remote_name, remote_name, regions, kind)
-
-    def start_read_indexed(
-        self,
-        local: PreparedList,
-        local_idx: Sequence[int],
-        remote: PreparedList,
-        remote_idx: Sequence[int],
-        notif: bytes,
-    ) -> object:
-        """Post a READ of prepared remote entries into prepared local entries (contiguous ones merge)."""
-        if remote.remote is None or local.remote is not None:
-            raise ValueError("need a local prepared list and a remote one")
-        if local.released or remote.released:
-            raise ValueError("prepared list already released")
-        try:
-            h = self._agent.make_prepped_xfer("READ", local._h, list(local_idx), remote._h, list(remote_idx), notif)
-        except Exception as exc:
-            if not _is_nixl_error(exc):
-                raise
-            raise self._fail(exc, "start_read_indexed", remote.remote) from exc
-        return self._post(XferHandle(h, remote.remote, -1), notif)
-
-    def repost(self, handle: object, notif: bytes) -> None:
-        """Post a finished READ again with a new ``notif``: the cheapest way to repeat the same copy."""
-        xh = self._own(handle)
-        if xh.released:
-            raise ValueError("transfer handle already released")
-        self._post(xh, notif)
-
     def poll(self, handle: object) -> XferState:
         """PROC or DONE; a failed transfer raises (TransferError / PeerDisconnectedError), never ERR."""
         xh = self._own(handle)
         try:
             state = self._agent.check_xfer_state(xh._h)
         except Exception as exc:
-            if not _is_nixl_error(exc):
+            if not is_nixl_error(exc):
                 raise
             raise self._fail(exc, "poll", xh.remote) from exc
         if state == "PROC":
             return XferState.PROC
         if state == "DONE":
-            if xh.remote not in self._transport and _ucx_log_path is not None:
+            if xh.remote not in self._transport and self._ucx_log is not None:
                 self._learn_transport(xh.remote)  # at most a few cheap looks per peer
             return XferState.DONE
         raise TransferError("READ reported ERR", agent=self.name, remote=xh.remote)
@@ -397,29 +313,17 @@ class NixlAgent:
         try:
             self._agent.release_xfer_handle(xh._h)
         except Exception as exc:
-            if not _is_nixl_error(exc):
+            if not is_nixl_error(exc):
                 raise
             # nixl keeps the handle on its leak list and frees it when the agent goes.
             log.warning("nixl.xfer.release_failed", agent=self.name, remote=xh.remote, error=str(exc))
-
-    def release_prepared(self, prepared: PreparedList) -> None:
-        if prepared.released:
-            return
-        prepared.released = True
-        self._prepped.pop(id(prepared), None)
-        try:
-            prepared._h.release()
-        except Exception as exc:
-            if not _is_nixl_error(exc):
-                raise
-            log.warning("nixl.dlist.release_failed", agent=self.name, remote=prepared.remote, error=str(exc))
 
     def drain_notifs(self) -> dict[str, list[bytes]]:
         """All notifications received since the last call; the ONLY place notifs are consumed."""
         try:
             got = self._agent.get_new_notifs()
         except Exception as exc:
-            if not _is_nixl_error(exc):
+            if not is_nixl_error(exc):
                 raise
             raise _translate(exc, "drain_notifs", agent=self.name) from exc
         return {(k.decode() if isinstance(k, bytes) else k): list(v) for k, v in got.items()}
@@ -433,11 +337,9 @@ class NixlAgent:
         return sum(reg.nbytes for reg in self._regs.values())
 
     def close(self) -> None:
-        """Clean-up in NIXL's order: transfer handles, prepared lists, remote agents, registrations."""
+        """Clean-up in NIXL's order: transfer handles, remote agents, registrations."""
         for h in list(self._handles.values()):
             self.release(h)
-        for p in list(self._prepped.values()):
-            self.release_prepared(p)
         for r in list(self._remotes):
             self.remove_remote(r)
         for key in list(self._regs):
@@ -500,7 +402,7 @@ class NixlAgent:
             rd = self._agent.get_xfer_descs(list(remote), remote_kind.value)
             h = self._agent.initialize_xfer(op, ld, rd, remote_name, notif)
         except Exception as exc:
-            if not _is_nixl_error(exc):
+            if not is_nixl_error(exc):
                 raise
             raise self._fail(exc, f"start_{op.lower()}", remote_name) from exc
         return self._post(XferHandle(h, remote_name, nbytes), notif)
@@ -512,7 +414,7 @@ class NixlAgent:
             state = self._agent.transfer(xh._h, notif)
         except Exception as exc:
             self.release(xh)
-            if not _is_nixl_error(exc):
+            if not is_nixl_error(exc):
                 raise
             raise self._fail(exc, "post", xh.remote) from exc
         if state == "ERR":
@@ -520,35 +422,16 @@ class NixlAgent:
             raise TransferError("posting the READ failed", agent=self.name, remote=xh.remote)
         return xh
 
-    def _prepare(self, agent_name: str, remote: str | None, regions: Sequence[Region], kind: MemKind) -> PreparedList:
-        if not regions:
-            raise ValueError("nothing to prepare")
-        try:
-            h = self._agent.prep_xfer_dlist(agent_name, list(regions), kind.value)
-        except Exception as exc:
-            if not _is_nixl_error(exc):
-                raise
-            raise self._fail(exc, "prepare", remote or self.name) from exc
-        p = PreparedList(h, remote, kind, len(regions))
-        self._prepped[id(p)] = p
-        return p
-
     def _learn_transport(self, remote: str) -> None:
         """Parse what UCX logged since the last look; attribute the data-path tables to ``remote``."""
-        path = _ucx_log_path
         tries = self._transport_tries.get(remote, 0)
-        if path is None or tries >= 3:
+        if self._ucx_log is None or tries >= 3:
             return
         self._transport_tries[remote] = tries + 1
-        _flush_c_stdio()  # UCX writes its log through a fully buffered FILE*
-        try:
-            with path.open("r", errors="replace") as f:
-                f.seek(self._log_offset)
-                text = f.read()
-                self._log_offset = f.tell()
-        except OSError:
+        text = self._ucx_log.read_new()
+        if text is None:
             return
-        found = _parse_ucx_log(text)
+        found = parse_ucx_log(text)
         if found:
             info = "; ".join(found)
         else:
@@ -558,54 +441,3 @@ class NixlAgent:
             info = earlier[-1].removesuffix(" (shared)") + " (shared)"
         self._transport[remote] = info
         log.info("nixl.transport", agent=self.name, remote=remote, transport=info)
-
-
-def _flush_c_stdio() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).fflush(None)  # fflush(NULL): every C stdio output stream of this process
-
-
-_LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s+\[[^\]]*\]\s*")
-_LANES = re.compile(r"UCX\s+INFO\s+(\S+ (?:self|intra-node|inter-node) cfg#\d+ .*\(.*)$")
-
-
-def _parse_ucx_log(text: str) -> list[str]:
-    """Data-path ('remote memory ...') protocol tables, else INFO lane summaries, as short strings."""
-    tables: list[str] = []
-    lanes: list[str] = []
-    title: list[str] = []
-    rows: list[list[str]] = []
-    in_rows = False
-
-    def finish() -> None:
-        if in_rows and any("remote memory" in t for t in title):
-            parts = [f"{r[-3]} {r[-2]} {r[-1]}".strip() for r in rows]
-            tables.append(f"{' '.join(title)}: {', '.join(parts)}")
-
-    for line in text.splitlines():
-        m = _LANES.search(line)
-        if m:
-            lanes.append(" ".join(m.group(1).split()))
-            continue
-        s = _LOG_PREFIX.sub("", line).strip()
-        if not s.startswith("|"):
-            continue
-        cells = [c.strip() for c in s.strip("|").split("|")]
-        if len(cells) == 1:  # a title line: starts a new table when rows were being read
-            if in_rows:
-                finish()
-                in_rows, title, rows = False, [], []
-            title.append(cells[0])
-        elif "Range" in cells and "Config" in cells:
-            in_rows = True
-        elif in_rows and len(cells) >= 3:
-            if not cells[-3] and rows:  # continuation of a multi-line config cell
-                rows[-1][-1] += " " + cells[-1]
-            else:
-                rows.append(cells)
-    finish()
-    # Loopback ("self") configurations are the agent talking to itself; READ tables are our data path.
-    tables = list(dict.fromkeys(t for t in tables if " self cfg#" not in t))
-    lanes = list(dict.fromkeys(t for t in lanes if " self cfg#" not in t))
-    reads = [t for t in tables if "remote memory read" in t]
-    return reads or tables or lanes

@@ -1,0 +1,196 @@
+"""The NIXL connector: payloads wait in the producer's registered pool; the consumer READs them.
+
+One :class:`NixlConnector` per leader process (one agent, one pool set) serves both edges of a stage:
+it is the consumer of the input edge and the producer of the output edge.  It composes four parts that
+share one :class:`~stageferry.broker.data.nixl.endpoint.Endpoint`:
+
+* :mod:`~stageferry.broker.data.nixl.producer` — put into a leased pool slot, release notifications,
+  the resend service;
+* :mod:`~stageferry.broker.data.nixl.consumer` — claim, READ, unpack, ask for a resend;
+* :mod:`~stageferry.broker.data.nixl.leases` — the lease table, expiry, settling, claim-key marks;
+* :mod:`~stageferry.broker.data.nixl.peers` — this agent's record, the peer cache and handshake.
+
+Lifecycle (the stage service calls these; see :mod:`stageferry.broker.data.connectors`):
+:meth:`NixlConnector.open` once at start-up, in a worker thread (creates the agent, registers the
+pools; if NIXL cannot be loaded the connector works inline only and says why once), then
+``await tg.start(connector.run)`` for the background loops, :meth:`NixlConnector.put` /
+:meth:`NixlConnector.get` per request, :meth:`NixlConnector.aclose` at shutdown after the loops are
+cancelled.  The memory contract of put and get is :class:`~stageferry.broker.data.connector.Connector`'s.
+
+Threading: the NIXL agent is not thread-safe; every agent call happens on the event-loop thread (each
+is a short, non-blocking call), memory copies run in worker threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import uuid
+
+import anyio
+import redis.asyncio as aioredis
+import structlog
+import torch
+
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.data import metrics
+from stageferry.broker.data.connector import Connector, Incoming, Outgoing, Payload
+from stageferry.broker.data.inline import InlineConnector
+from stageferry.broker.data.nixl.agent import NixlAgent
+from stageferry.broker.data.nixl.consumer import Consumer
+from stageferry.broker.data.nixl.endpoint import Counters, Endpoint
+from stageferry.broker.data.nixl.leases import LeaseTable
+from stageferry.broker.data.nixl.peers import Peers
+from stageferry.broker.data.nixl.producer import Producer
+from stageferry.broker.data.pool import PoolSet
+from stageferry.config import DataPlaneConfig, Timeouts
+from stageferry.errors import DataPlaneError
+from stageferry.schemas import PayloadRef
+
+log = structlog.get_logger(__name__)
+
+
+class NixlConnector(Connector):
+    """Both sides of the NIXL data plane for one leader process (one agent, one pool set)."""
+
+    def __init__(
+        self,
+        *,
+        redis: aioredis.Redis,
+        keys: Keys,
+        stage: str,
+        replica: str,
+        config: DataPlaneConfig,
+        timeouts: Timeouts,
+        cuda_device: torch.device | None = None,
+        agent: NixlAgent | None = None,
+    ) -> None:
+        incarnation = uuid.uuid4().hex[:16]
+        self.endpoint = Endpoint(
+            redis=redis,
+            keys=keys,
+            stage=stage,
+            name=f"{stage}-{replica}-{incarnation[:8]}",
+            incarnation=incarnation,
+            seal_key=secrets.token_bytes(32),
+            config=config,
+            timeouts=timeouts,
+            inline=InlineConnector(
+                max_bytes=config.inline_fallback_max_bytes,
+                max_payload_bytes=config.max_payload_bytes,
+                cuda_device=cuda_device,
+            ),
+            cuda_device=cuda_device,
+            agent=agent,
+        )
+        self.leases = LeaseTable(self.endpoint)
+        self.peers = Peers(self.endpoint)
+        self.producer = Producer(self.endpoint, self.leases)
+        self.consumer = Consumer(self.endpoint, self.peers)
+
+    # ------------------------------------------------------------------ what callers read
+
+    @property
+    def name(self) -> str:
+        return self.endpoint.name
+
+    @property
+    def incarnation(self) -> str:
+        return self.endpoint.incarnation
+
+    @property
+    def agent(self) -> NixlAgent | None:
+        return self.endpoint.agent
+
+    @agent.setter
+    def agent(self, agent: NixlAgent | None) -> None:
+        """Before :meth:`open`: use this agent instead of creating one (benchmarks tune theirs)."""
+        self.endpoint.agent = agent
+
+    @property
+    def pools(self) -> PoolSet | None:
+        return self.endpoint.pools
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why this connector is inline only (``None`` while NIXL works)."""
+        return self.endpoint.unavailable_reason
+
+    @property
+    def counters(self) -> Counters:
+        return self.endpoint.counters
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def open(self) -> None:
+        """Create the agent and register the pools once (at start-up, not per request).
+
+        If NIXL cannot be loaded the connector still works, inline only, and says why once."""
+        ep = self.endpoint
+        try:
+            if ep.agent is None:
+                ep.agent = NixlAgent(ep.name, backends=ep.config.nixl_backends)
+            ep.pools = PoolSet.from_config(ep.config, registrar=ep.agent, cuda_device=ep.cuda_device)
+            metrics.watch_resources(self.resources)
+        except DataPlaneError as exc:
+            ep.agent, ep.pools = None, None
+            ep.unavailable_reason = exc.code
+            metrics.HANDSHAKE_FAILURES.labels("agent_unavailable").inc()
+            log.error("nixl.unavailable", error=exc.message, fallback="inline")
+
+    def resources(self) -> dict[str, float]:
+        """What this process holds right now; at rest: no leases, no slots, one registration per pool."""
+        agent, pools = self.endpoint.agent, self.endpoint.pools
+        return {
+            "leases": len(self.leases),
+            "pool_slots_in_use": pools.slots_in_use if pools else 0,
+            "pool_bytes_in_use": pools.bytes_in_use if pools else 0,
+            "pools": len(pools.pools) if pools else 0,
+            "registrations": agent.registrations if agent else 0,
+            "registered_bytes": agent.registered_bytes if agent else 0,
+            "open_handles": agent.open_handles() if agent else 0,
+            "remote_agents": len(agent.remotes()) if agent else 0,
+        }
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Background duties: agent record heartbeat, notifications, lease expiry, resend requests, and
+        forgetting peers that went away.  Started once the record is published."""
+        if self.endpoint.agent is None:
+            task_status.started()
+            return
+        await self.peers.publish_record()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.peers.run_heartbeat)
+            tg.start_soon(self.producer.run_notifications)
+            tg.start_soon(self.leases.run_expiry)
+            tg.start_soon(self.producer.run_resends)
+            tg.start_soon(self.peers.run_sweep)
+            task_status.started()
+
+    async def aclose(self) -> None:
+        """Drop the agent record, free every lease, release remotes and pools (NIXL's clean-up order)."""
+        ep = self.endpoint
+        if ep.agent is None:
+            return
+        await self.peers.withdraw_record()
+        self.leases.free_all(reason="shutdown")
+        for remote in list(ep.agent.remotes()):
+            ep.agent.remove_remote(remote)
+        if ep.pools is not None:
+            ep.pools.close()
+        ep.agent.close()
+        ep.agent = None
+
+    # ------------------------------------------------------------------ the Connector contract
+
+    async def put(self, key: str, payload: Payload, *, force_inline: bool = False) -> Outgoing:
+        return await self.producer.put(key, payload, force_inline=force_inline)
+
+    def get(self, ref: PayloadRef, blob: bytes | None, *, key: str) -> contextlib.AbstractAsyncContextManager[Incoming]:
+        return self.consumer.get(ref, blob, key=key)
+
+    def abandon(self, outgoing: Outgoing) -> None:
+        self.producer.abandon(outgoing)
+
+    async def discard(self, ref: PayloadRef) -> None:
+        await self.consumer.discard(ref)

@@ -1,0 +1,234 @@
+"""Consumer side of the NIXL data plane: claim a payload, READ it into our own pool, unpack it.
+
+Who calls what, and when (the consumer leader only):
+
+* ``async with consumer.get(ref, blob, key=...) as incoming`` — once per envelope.  In order: validate
+  the manifest; make sure the producer's agent is loaded (:mod:`stageferry.broker.data.nixl.peers`);
+  check the descriptors lie in the producer's arenas and carry its seal; claim the lease
+  (:func:`stageferry.broker.data.nixl.leases.claim`); take slots of our own pool; READ every region (the
+  last READ carries the release notification that frees the producer's slot); unpack as zero-copy views.
+  Inside the block ``incoming.payload`` and ``incoming.regions`` are views of our pool slots; on exit the
+  slots go back to the pool (after a CUDA synchronize, so queued kernels finish first).  Nothing may
+  keep a view past the block.
+* On handshake or transfer failure the producer is asked to resend inline (:meth:`Consumer.resend_inline`,
+  up to ``inline_fallback_max_bytes``); if it cannot, :class:`PayloadUnavailableError` sends the request
+  back to be recomputed.  Descriptors that fail validation raise :class:`ManifestError` before any
+  native call.
+* :meth:`Consumer.discard` — the request was settled meanwhile: tell the producer to drop the payload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import structlog
+import torch
+
+from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.data import metrics
+from stageferry.broker.data.connector import Incoming
+from stageferry.broker.data.nixl.agent import XferState
+from stageferry.broker.data.nixl.endpoint import Endpoint
+from stageferry.broker.data.nixl.leases import claim
+from stageferry.broker.data.nixl.peers import Peer, Peers
+from stageferry.broker.data.payload_codec import unpack, validate_manifest, validate_remote_regions
+from stageferry.broker.data.pool import Slot
+from stageferry.errors import (
+    ControlPlaneError,
+    HandshakeError,
+    ManifestError,
+    PayloadUnavailableError,
+    PoolExhaustedError,
+    TransferError,
+)
+from stageferry.failpoints import CONSUMER_READ_POSTED, failpoint
+from stageferry.schemas import DeviceKind, InlinePayload, MemKind, NixlPayload, PayloadRef, Transport
+from stageferry.schemas.nixl import RELEASE_TAG, lease_seal
+
+log = structlog.get_logger(__name__)
+
+
+def mem_kind_of(device: DeviceKind) -> MemKind:
+    return MemKind.VRAM if device is DeviceKind.CUDA else MemKind.DRAM
+
+
+class Consumer:
+    """The get side of one leader's connector."""
+
+    def __init__(self, endpoint: Endpoint, peers: Peers) -> None:
+        self._ep = endpoint
+        self._peers = peers
+        self._transport_logged: set[str] = set()
+
+    @contextlib.asynccontextmanager
+    async def get(self, ref: PayloadRef, blob: bytes | None, *, key: str) -> AsyncIterator[Incoming]:
+        """See the module docstring."""
+        slots: dict[DeviceKind, Slot] = {}
+        try:
+            incoming, slots = await self._fetch(ref, blob, key)
+            self._count_get(incoming)
+            yield incoming
+        finally:
+            pools = self._ep.pools
+            if slots and pools is not None:
+                if DeviceKind.CUDA in slots:  # kernels queued on the payload must finish before reuse
+                    await anyio.to_thread.run_sync(torch.cuda.synchronize, slots[DeviceKind.CUDA].view.device)
+                pools.release_all(slots)
+
+    async def claim(self, ref: NixlPayload) -> None:
+        """Claim ``ref``'s lease (see :func:`stageferry.broker.data.nixl.leases.claim`)."""
+        await claim(self._ep, ref)
+
+    async def discard(self, ref: PayloadRef) -> None:
+        """Tell the producer that a payload will never be read (the request was settled meanwhile)."""
+        if isinstance(ref, NixlPayload):
+            with contextlib.suppress(ControlPlaneError), translated():
+                await self._ask_producer(ref, "drop")
+
+    async def _fetch(self, ref: PayloadRef, blob: bytes | None, key: str) -> tuple[Incoming, dict[DeviceKind, Slot]]:
+        """The payload and the local slots it lives in (empty when it came inline)."""
+        ep = self._ep
+        if isinstance(ref, InlinePayload):
+            return await ep.inline.decode(ref, blob), {}
+        if not isinstance(ref, NixlPayload):
+            raise ManifestError(f"cannot fetch a {ref.kind!r} payload", kind=ref.kind)
+        validate_manifest(ref.manifest, max_payload_bytes=ep.config.max_payload_bytes)
+        if ep.agent is None or ep.pools is None:
+            return await self.resend_inline(ref, reason=ep.unavailable_reason or "nixl_unavailable"), {}
+        pools = ep.pools
+        started = time.perf_counter()
+        try:
+            peer = await self._peers.ensure(ref)
+        except HandshakeError as exc:
+            metrics.HANDSHAKE_FAILURES.labels(exc.code).inc()
+            log.warning("nixl.handshake_failed", key=key, error=exc.message)
+            return await self.resend_inline(ref, reason="handshake_failed"), {}
+        except TimeoutError:
+            metrics.HANDSHAKE_FAILURES.labels("timeout").inc()
+            return await self.resend_inline(ref, reason="handshake_timeout"), {}
+        validate_remote_regions(ref.manifest, ref.regions, peer.arenas)
+        if not hmac.compare_digest(ref.seal, lease_seal(peer.seal_key, ref.agent, ref.token, ref.regions)):
+            # In the producer's pool but not what it leased under this token: another request's slot.
+            raise ManifestError("descriptors are not the ones the producer leased", agent=ref.agent, token=ref.token)
+        await self.claim(ref)
+        try:
+            slots = await pools.acquire_regions(ref.manifest, timeout=ep.timeouts.pool_wait)
+        except PoolExhaustedError:
+            return await self.resend_inline(ref, reason="pool_exhausted"), {}
+        try:
+            await self.read(ref, peer, slots)
+            payload = unpack(ref.manifest, {kind: slot.view for kind, slot in slots.items()}, copy=False)
+        except TransferError as exc:
+            metrics.TRANSFER_FAILURES.labels(exc.code).inc()
+            log.warning("nixl.read_failed", key=key, error=exc.message, peer=peer.name)
+            # Drop the peer on any failure, a timeout too, and before the slots go back to the pool: its
+            # endpoint may be broken (a cut link) and must not deliver late bytes into a reused slot; the
+            # next payload from it re-adds it from fresh metadata.
+            self._peers.forget(peer.name)
+            pools.release_all(slots)
+            return await self.resend_inline(ref, reason="transfer_failed"), {}
+        except BaseException:
+            pools.release_all(slots)
+            raise
+        seconds = time.perf_counter() - started
+        regions = {kind: slot.view for kind, slot in slots.items()}  # a TP group fans these out as they are
+        incoming = Incoming(
+            payload=payload,
+            transport=Transport.NIXL,
+            nbytes=ref.manifest.total_bytes,
+            seconds=seconds,
+            manifest=ref.manifest,
+            regions=regions,
+        )
+        return incoming, slots
+
+    def _count_get(self, incoming: Incoming) -> None:
+        """Count a get; inline gets are counted by the inline connector's metrics already."""
+        self._ep.counters.gets += 1
+        if incoming.transport is Transport.NIXL:
+            metrics.GETS.labels(Transport.NIXL.value).inc()
+            metrics.BYTES.labels("get", Transport.NIXL.value).inc(incoming.nbytes)
+            metrics.TRANSFER_SECONDS.labels(Transport.NIXL.value, "get").observe(incoming.seconds)
+
+    async def read(self, ref: NixlPayload, peer: Peer, slots: dict[DeviceKind, Slot]) -> None:
+        """READ every non-empty region of ``ref`` into ``slots`` (ours, already taken); the last READ
+        carries the release notification.  Raises :class:`TransferError` (the caller drops the peer)."""
+        agent = self._ep.agent
+        assert agent is not None
+        pairs = [(spec, remote) for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True) if spec.nbytes]
+        deadline = time.monotonic() + self._ep.timeouts.transfer
+        for i, (spec, remote) in enumerate(pairs):
+            local = slots[spec.device]
+            notif = RELEASE_TAG + ref.token.encode() if i == len(pairs) - 1 else b""
+            handle = agent.start_read(
+                [(local.address, spec.nbytes, local.device_id)],
+                mem_kind_of(spec.device),
+                [(remote.address, remote.length, remote.device_id)],
+                remote.mem_kind,
+                peer.name,
+                notif,
+            )
+            failpoint(CONSUMER_READ_POSTED)  # fault injection: die with the READ in flight
+            try:
+                await self._wait_done(handle, deadline)
+            finally:
+                agent.release(handle)
+        self._ep.counters.reads += 1
+        if peer.name not in self._transport_logged:
+            self._transport_logged.add(peer.name)
+            transport = agent.transport_info(peer.name)
+            vram = any(r.mem_kind is MemKind.VRAM for r in ref.regions)
+            level = "warning" if vram and transport and "tcp" in transport.lower() else "info"
+            getattr(log, level)(
+                "nixl.transport", peer=peer.name, transport=transport or "unknown (set UCX_PROTO_INFO=y)"
+            )
+        if not pairs:  # zero-size payload: nothing to READ, release the producer explicitly
+            await self.discard(ref)
+
+    async def _wait_done(self, handle: object, deadline: float) -> None:
+        """Poll to completion: spin (yielding) briefly for small payloads, then sleep-poll."""
+        agent = self._ep.agent
+        assert agent is not None
+        spins = 0
+        while agent.poll(handle) is not XferState.DONE:
+            if time.monotonic() > deadline:
+                raise TransferError("READ timed out", seconds=self._ep.timeouts.transfer)
+            spins += 1
+            await anyio.sleep(0 if spins < 200 else 0.0005)
+
+    async def resend_inline(self, ref: NixlPayload, *, reason: str) -> Incoming:
+        """Ask the producer to send the payload inline; it is gone if nobody answers in time."""
+        ep = self._ep
+        started = time.perf_counter()
+        reply_key = ep.keys.resend_reply(ref.token)
+        with translated():
+            await self._ask_producer(ref, "resend")
+            reply = await ep.redis.blpop([reply_key], timeout=ep.timeouts.resend)
+        if not reply or reply[1][:1] != b"\x01":
+            raise PayloadUnavailableError("producer could not resend the payload", reason=reason, agent=ref.agent)
+        metrics.FALLBACKS.labels(reason).inc()
+        ep.counters.fallback(reason)
+        log.warning("payload.inline_fallback", reason=reason, side="consumer")
+        inline_ref = InlinePayload(manifest=ref.manifest, blob_bytes=len(reply[1]) - 1, fallback_reason=reason)
+        incoming = await ep.inline.decode(inline_ref, reply[1][1:])
+        return Incoming(
+            payload=incoming.payload,
+            transport=Transport.INLINE,
+            nbytes=incoming.nbytes,
+            seconds=time.perf_counter() - started,
+            fallback_reason=reason,
+        )
+
+    async def _ask_producer(self, ref: NixlPayload, action: str) -> None:
+        """Post a resend/drop request; the stream expires once no lease could still need it, so a
+        producer that died leaves nothing behind in Redis."""
+        ep = self._ep
+        stream = ep.keys.resend(ref.agent)
+        async with ep.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(stream, {"token": ref.token, "action": action})
+            pipe.expire(stream, int(ep.timeouts.lease + ep.timeouts.resend) + 60)
+            await pipe.execute()

@@ -1,0 +1,205 @@
+"""Producer side of the NIXL data plane: put a payload into a leased pool slot, and let it go again.
+
+Who calls what, and when (the producer leader only):
+
+* :meth:`Producer.put` — once per hop, after the model returned the payload.  Small payloads, and any
+  that cannot take the NIXL path (NIXL unavailable, pool exhausted, forced), go inline.  Otherwise the
+  payload is packed into one slot per memory kind and put under a lease
+  (:mod:`stageferry.broker.data.nixl.leases`); the returned :class:`Outgoing` holds the envelope's
+  :class:`~stageferry.schemas.NixlPayload`.  From then on the slots belong to the lease: the caller hands
+  the envelope on (the consumer's READ, resend request or drop frees them; so does the lease running out
+  unclaimed), or calls :meth:`Producer.abandon` if the hand-off did not happen.
+* :meth:`Producer.run_notifications` and :meth:`Producer.run_resends` — background loops started by the
+  connector: the first is the one consumer of NIXL notifications in the process (a READ's release
+  notification settles its lease), the second answers consumers that could not READ (the bytes inline,
+  or a refusal), then settles the lease.
+
+The steps of a put are separate methods (:meth:`Producer.acquire`, :meth:`Producer.lease`) so that a
+model can one day write its output straight into a leased slot instead of being packed into one.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import time
+
+import anyio
+import structlog
+
+from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.data import metrics
+from stageferry.broker.data.connector import Outgoing, Payload
+from stageferry.broker.data.inline import THREAD_ABOVE
+from stageferry.broker.data.nixl.endpoint import Endpoint
+from stageferry.broker.data.nixl.leases import Lease, LeaseTable
+from stageferry.broker.data.payload_codec import pack_into, plan_payload
+from stageferry.broker.data.pool import Slot
+from stageferry.errors import (
+    ControlPlaneError,
+    ManifestError,
+    PayloadTooLargeError,
+    PayloadUnavailableError,
+    PoolExhaustedError,
+)
+from stageferry.schemas import DeviceKind, Manifest, NixlPayload, Transport
+from stageferry.schemas.nixl import RELEASE_TAG, lease_seal
+
+log = structlog.get_logger(__name__)
+
+_NOTIF_POLL_S = 0.002
+
+
+class Producer:
+    """The put side of one leader's connector; leases are kept in the shared :class:`LeaseTable`."""
+
+    def __init__(self, endpoint: Endpoint, leases: LeaseTable) -> None:
+        self._ep = endpoint
+        self._leases = leases
+
+    async def put(self, key: str, payload: Payload, *, force_inline: bool = False) -> Outgoing:
+        """See the module docstring; raises :class:`PayloadTooLargeError` above ``max_payload_bytes`` and
+        :class:`PayloadUnavailableError` when only NIXL could carry it and NIXL is not usable."""
+        ep = self._ep
+        started = time.perf_counter()
+        plan = plan_payload(payload)
+        manifest = plan.manifest
+        total = manifest.total_bytes
+        if total > ep.config.max_payload_bytes:
+            raise PayloadTooLargeError(
+                "payload above max_payload_bytes", bytes=total, limit=ep.config.max_payload_bytes
+            )
+        if total <= ep.config.inline_max_bytes:
+            return await ep.inline.encode(payload)
+        reason = "forced" if force_inline else ep.unavailable_reason
+        slots: dict[DeviceKind, Slot] = {}
+        if reason is None:
+            try:
+                slots = await self.acquire(manifest)
+            except PoolExhaustedError:
+                reason = "pool_exhausted"
+            except ManifestError:
+                reason = "no_pool_for_device"
+        if reason is not None:
+            return await self._inline_fallback(payload, reason)
+        try:
+            buffers = {kind: slot.view for kind, slot in slots.items()}
+            if total < THREAD_ABOVE:  # a thread hop costs more than copying this much here
+                pack_into(plan, buffers)
+            else:
+                await anyio.to_thread.run_sync(pack_into, plan, buffers)
+        except BaseException:
+            ep.pools.release_all(slots)  # type: ignore[union-attr]
+            raise
+        ref = self.lease(key, manifest, slots)
+        seconds = time.perf_counter() - started
+        ep.counters.puts += 1
+        metrics.PUTS.labels(Transport.NIXL.value).inc()
+        metrics.BYTES.labels("put", Transport.NIXL.value).inc(total)
+        metrics.TRANSFER_SECONDS.labels(Transport.NIXL.value, "put").observe(seconds)
+        ep.publish_pool_usage()
+        return Outgoing(ref=ref, blob=None, transport=Transport.NIXL, nbytes=total, seconds=seconds)
+
+    async def acquire(self, manifest: Manifest) -> dict[DeviceKind, Slot]:
+        """One pool slot per region of ``manifest``, waiting up to ``pool_wait`` (back-pressure).
+
+        The caller owns the slots until it passes them to :meth:`lease` (or releases them to the pool)."""
+        assert self._ep.pools is not None
+        return await self._ep.pools.acquire_regions(manifest, timeout=self._ep.timeouts.pool_wait)
+
+    def lease(self, key: str, manifest: Manifest, slots: dict[DeviceKind, Slot]) -> NixlPayload:
+        """Put filled ``slots`` under a lease and describe them for the envelope (sealed regions, expiry).
+
+        The lease table owns the slots afterwards."""
+        ep = self._ep
+        assert ep.agent is not None
+        held: Lease = self._leases.hold(key, manifest, slots)
+        regions = [slots[r.device].remote_region() for r in manifest.regions]
+        metadata = base64.b64encode(ep.agent.metadata()).decode() if ep.direct else None
+        return NixlPayload(
+            manifest=manifest,
+            agent=ep.name,
+            incarnation=ep.incarnation,
+            token=held.token,
+            regions=regions,
+            lease_expires_at=held.expires_at,
+            agent_metadata_b64=metadata,
+            seal=lease_seal(ep.seal_key, ep.name, held.token, regions),
+        )
+
+    def abandon(self, outgoing: Outgoing) -> None:
+        """The envelope for ``outgoing`` was never handed on: its lease is freed by the expiry loop."""
+        if isinstance(outgoing.ref, NixlPayload):
+            self._leases.abandon(outgoing.ref.token)
+
+    async def _inline_fallback(self, payload: Payload, reason: str) -> Outgoing:
+        """Inline up to the fallback cap; above it NIXL was needed and is not there."""
+        try:
+            outgoing = await self._ep.inline.encode(payload, fallback_reason=reason)
+        except PayloadTooLargeError as exc:
+            log.warning("payload.inline_fallback_too_large", reason=reason, details=exc.details)
+            raise PayloadUnavailableError(
+                f"payload too large for inline fallback ({reason})", reason=reason, **exc.details
+            ) from exc
+        self._ep.counters.fallback(reason)  # counted once it happened
+        log.warning("payload.inline_fallback", reason=reason)
+        return outgoing
+
+    # ------------------------------------------------------------------ background loops
+
+    async def run_notifications(self) -> None:
+        """The one consumer of NIXL notifications in this process; runs until cancelled."""
+        agent = self._ep.agent
+        assert agent is not None
+        while True:
+            await anyio.sleep(_NOTIF_POLL_S if len(self._leases) else 0.05)
+            for _remote, messages in agent.drain_notifs().items():
+                for message in messages:
+                    if message.startswith(RELEASE_TAG):
+                        token = message[len(RELEASE_TAG) :].decode(errors="replace")
+                        await self._leases.settle(token, reason="read_done")
+
+    async def run_resends(self) -> None:
+        """Answer consumers that could not READ: send the bytes inline (or refuse), then free the slot."""
+        ep = self._ep
+        stream = ep.keys.resend(ep.name)
+        last = "$"
+        while True:
+            try:
+                with translated():
+                    reply = await ep.redis.xread({stream: last}, block=1000, count=16)
+            except ControlPlaneError as exc:
+                log.warning("nixl.resend_read_failed", error=exc.message)
+                await anyio.sleep(0.5)
+                continue
+            for _s, entries in reply or []:
+                for eid, fields in entries:
+                    last = eid.decode()
+                    await self._answer_resend(fields)
+            with contextlib.suppress(ControlPlaneError), translated():
+                if reply:
+                    await ep.redis.xtrim(stream, minid=last)
+
+    async def _answer_resend(self, fields: dict[bytes, bytes]) -> None:
+        token = fields.get(b"token", b"").decode(errors="replace")
+        action = fields.get(b"action", b"resend")
+        lease = self._leases.get(token)
+        if action != b"resend" or lease is None:
+            await self._leases.settle(token, reason="dropped_by_consumer")
+            if action == b"resend":
+                await self._reply(token, b"")
+            return
+        blob = b""
+        if lease.nbytes <= self._ep.config.inline_fallback_max_bytes:
+            blob = await anyio.to_thread.run_sync(lease.concat)
+        await self._reply(token, blob)
+        await self._leases.settle(token, reason="resent_inline")
+
+    async def _reply(self, token: str, blob: bytes) -> None:
+        ep = self._ep
+        key = ep.keys.resend_reply(token)
+        with contextlib.suppress(ControlPlaneError), translated():
+            async with ep.redis.pipeline(transaction=True) as pipe:
+                pipe.rpush(key, b"\x01" + blob if blob else b"\x00")
+                pipe.expire(key, int(ep.timeouts.resend) + 5)
+                await pipe.execute()

@@ -1,0 +1,113 @@
+"""What UCX says about the transport it picked, read back from its own log.
+
+Silently falling back to TCP is the most common NIXL performance complaint, and neither NIXL's API nor
+its telemetry names the UCX transport.  UCX prints it, though: with ``UCX_PROTO_INFO=y`` it writes one
+protocol table per endpoint configuration (``remote memory read by ucp_get* ... zero-copy cma/memory``),
+with ``UCX_LOG_LEVEL=info`` a lane summary.  This module points UCX's log at a per-process file before the
+library loads (:func:`configure_environment`), reads what was appended since the last look
+(:class:`UcxLogTail`) and condenses the tables into short strings (:func:`parse_ucx_log`).
+
+Who calls: :mod:`stageferry.broker.data.nixl.agent` only — ``configure_environment`` once, before
+``import nixl``; a tail per agent, read at a peer's first completed READ.  Nothing here touches NIXL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import socket
+import tempfile
+from pathlib import Path
+
+_OFF = {"", "n", "no", "0", "off"}
+_LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s+\[[^\]]*\]\s*")
+_LANES = re.compile(r"UCX\s+INFO\s+(\S+ (?:self|intra-node|inter-node) cfg#\d+ .*\(.*)$")
+
+
+def configure_environment() -> Path | None:
+    """Set UCX's environment before its library loads; returns the log file UCX will write, if any.
+
+    Sets ``UCX_RCACHE_MAX_UNRELEASED`` (a known registration-cache leak) and, unless told otherwise,
+    ``UCX_PROTO_INFO=y`` with ``UCX_LOG_FILE`` pointing at ``$TMP/stageferry-ucx-%p.log`` (UCX replaces
+    ``%p`` with the pid, so child processes inheriting the variable get files of their own).  Set
+    ``UCX_PROTO_INFO=n`` to turn it off; a ``UCX_LOG_FILE`` given by the operator is kept and read.
+    """
+    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+    os.environ.setdefault("UCX_PROTO_INFO", "y")
+    proto_info = os.environ.get("UCX_PROTO_INFO", "n").lower()
+    info_level = os.environ.get("UCX_LOG_LEVEL", "").lower() in {"info", "debug", "trace"}
+    if (proto_info not in _OFF or info_level) and "UCX_LOG_FILE" not in os.environ:
+        os.environ["UCX_LOG_FILE"] = str(Path(tempfile.gettempdir()) / "stageferry-ucx-%p.log")
+    if "UCX_LOG_FILE" not in os.environ:
+        return None
+    raw = os.environ["UCX_LOG_FILE"].replace("%p", str(os.getpid())).replace("%h", socket.gethostname())
+    return Path(raw)
+
+
+class UcxLogTail:
+    """Reads what UCX appended to its log since the previous read (one per agent; not thread-safe)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def read_new(self) -> str | None:
+        """The text appended since the last call; None if the file cannot be read (yet)."""
+        _flush_c_stdio()  # UCX writes its log through a fully buffered FILE*
+        try:
+            with self.path.open("r", errors="replace") as f:
+                f.seek(self._offset)
+                text = f.read()
+                self._offset = f.tell()
+        except OSError:
+            return None
+        return text
+
+
+def _flush_c_stdio() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).fflush(None)  # fflush(NULL): every C stdio output stream of this process
+
+
+def parse_ucx_log(text: str) -> list[str]:
+    """Data-path ('remote memory ...') protocol tables, else INFO lane summaries, as short strings."""
+    tables: list[str] = []
+    lanes: list[str] = []
+    title: list[str] = []
+    rows: list[list[str]] = []
+    in_rows = False
+
+    def finish() -> None:
+        if in_rows and any("remote memory" in t for t in title):
+            parts = [f"{r[-3]} {r[-2]} {r[-1]}".strip() for r in rows]
+            tables.append(f"{' '.join(title)}: {', '.join(parts)}")
+
+    for line in text.splitlines():
+        m = _LANES.search(line)
+        if m:
+            lanes.append(" ".join(m.group(1).split()))
+            continue
+        s = _LOG_PREFIX.sub("", line).strip()
+        if not s.startswith("|"):
+            continue
+        cells = [c.strip() for c in s.strip("|").split("|")]
+        if len(cells) == 1:  # a title line: starts a new table when rows were being read
+            if in_rows:
+                finish()
+                in_rows, title, rows = False, [], []
+            title.append(cells[0])
+        elif "Range" in cells and "Config" in cells:
+            in_rows = True
+        elif in_rows and len(cells) >= 3:
+            if not cells[-3] and rows:  # continuation of a multi-line config cell
+                rows[-1][-1] += " " + cells[-1]
+            else:
+                rows.append(cells)
+    finish()
+    # Loopback ("self") configurations are the agent talking to itself; READ tables are our data path.
+    tables = list(dict.fromkeys(t for t in tables if " self cfg#" not in t))
+    lanes = list(dict.fromkeys(t for t in lanes if " self cfg#" not in t))
+    reads = [t for t in tables if "remote memory read" in t]
+    return reads or tables or lanes

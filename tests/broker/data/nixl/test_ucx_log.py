@@ -1,0 +1,46 @@
+"""The UCX log reader: protocol tables and lane summaries condensed into one line each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from stageferry.broker.data.nixl.ucx_log import UcxLogTail, parse_ucx_log
+
+
+def test_parse_ucx_proto_info() -> None:
+    log: list[Any] = [
+        "[1.1] [h:1 :0]   +--------+-------------+------------+",
+        "[1.1] [h:1 :0]   | c intra-node cfg#1                |",
+        "[1.1] [h:1 :0]   | active message by ucp_am_send* from host memory |",
+        "[1.1] [h:1 :0]   | Range  | Description | Config     |",
+        "[1.1] [h:1 :0]   | 0..inf | zero-copy   | tcp/lo     |",
+        "[1.2] [h:1 :0]   +--------+-------------+------------+",
+        "[1.2] [h:1 :0]   | c intra-node cfg#1                |",
+        "[1.2] [h:1 :0]   | remote memory read by ucp_get* from cuda/GPU0 |",
+        "[1.2] [h:1 :0]   +--------+-------------+------------+",
+        "[1.2] [h:1 :0]   | Range  | Description | Config     |",
+        "[1.2] [h:1 :0]   +--------+-------------+------------+",
+        "[1.2] [h:1 :0]   | 0..inf | zero-copy   | cuda_ipc/cuda |",
+        "[1.2] [h:1 :0]   +--------+-------------+------------+",
+    ]
+    assert parse_ucx_log("\n".join(log)) == [
+        "c intra-node cfg#1 remote memory read by ucp_get* from cuda/GPU0: 0..inf zero-copy cuda_ipc/cuda"
+    ]
+    lanes = (
+        "[1.3] [h:1 :0]  ucp_worker.c:1997 UCX  INFO    c self cfg#0 rma_am(tcp/lo)  am(tcp/lo)\n"
+        "[1.3] [h:1 :0]  ucp_worker.c:1997 UCX  INFO    c intra-node cfg#1 rma_am(tcp/lo)  am(tcp/lo cma/memory)"
+    )
+    assert parse_ucx_log(lanes) == ["c intra-node cfg#1 rma_am(tcp/lo) am(tcp/lo cma/memory)"]
+
+
+def test_the_tail_reads_only_what_was_appended(tmp_path: Path) -> None:
+    path = tmp_path / "ucx.log"
+    tail = UcxLogTail(path)
+    assert tail.read_new() is None  # not written yet
+    path.write_text("first\n")
+    assert tail.read_new() == "first\n"
+    assert tail.read_new() == ""
+    with path.open("a") as f:
+        f.write("second\n")
+    assert tail.read_new() == "second\n"
