@@ -1,0 +1,159 @@
+"""Planning a payload: walk its structure once, lay its tensors out in regions, describe it in a manifest.
+
+Producer side.  :func:`plan_payload` turns a nested structure of tensors and plain values into a
+:class:`PackPlan` (the manifest plus the source tensors in manifest order); the caller then takes one
+buffer per region (a pool slot, or part of an inline blob) and fills it with
+:func:`stageferry.broker.data.payload_codec.pack_into`.  Every emitted manifest has passed the same
+checks a consumer applies (:mod:`.payload_validation`), so a producer never sends what will be rejected.
+Nothing is copied here; the plan holds references to the caller's tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stageferry.broker.data.payload_validation import (
+    DTYPE_OF,
+    ITEMSIZE,
+    MANIFEST_ALIGNMENT,
+    MAX_INT,
+    MAX_STRING_CHARS,
+    check_structure,
+    fail,
+)
+from stageferry.schemas.payload import (
+    MAX_NDIM,
+    MAX_TENSORS,
+    MAX_TREE_DEPTH,
+    DeviceKind,
+    DType,
+    Manifest,
+    RegionSpec,
+    TensorSpec,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PackPlan:
+    """A payload's manifest plus the source tensors (manifest order) that :func:`pack_into` copies."""
+
+    manifest: Manifest
+    tensors: tuple[torch.Tensor, ...]
+
+
+def _round_up(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+# -- producer side: structure -> plan -------------------------------------------------------------------
+
+
+def _plain(value: Any, path: str) -> str | int | float | bool | None:
+    """The JSON-safe form of a plain value, or a ManifestError saying why it cannot travel."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if abs(value) > MAX_INT:
+            fail("integer value outside int64", path=path)
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            fail("non-finite float value (JSON cannot carry it)", path=path)
+        return float(value)
+    if isinstance(value, str):
+        return _plain_str(value, path)
+    fail("unsupported value type in payload", path=path, type=type(value).__name__)
+
+
+def _plain_str(value: str, path: str) -> str:
+    if len(value) > MAX_STRING_CHARS:
+        fail("string too long", path=path, chars=len(value), limit=MAX_STRING_CHARS)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        fail("string is not valid UTF-8 (lone surrogate)", path=path)
+    return str.__str__(value)
+
+
+def _device_kind(t: torch.Tensor, path: str) -> DeviceKind:
+    if t.device.type == "cpu":
+        return DeviceKind.CPU
+    if t.device.type == "cuda":
+        return DeviceKind.CUDA
+    fail("tensor on an unsupported device", path=path, device=str(t.device))
+
+
+class _Flattener:
+    """Walks a payload once, collecting tensors and building the typed-node tree."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.kinds: list[DeviceKind] = []
+        self.dtypes: list[DType] = []
+
+    def node(self, obj: Any, depth: int, path: str) -> dict[str, Any]:
+        if isinstance(obj, torch.Tensor):
+            return {"t": self._tensor(obj, path)}
+        if isinstance(obj, dict | list | tuple) and depth >= MAX_TREE_DEPTH:
+            fail("payload nested too deeply", path=path, limit=MAX_TREE_DEPTH)
+        if isinstance(obj, dict):
+            items = []
+            for k, v in obj.items():
+                if not isinstance(k, str):
+                    fail("dict keys must be str", path=path, key_type=type(k).__name__)
+                items.append([_plain_str(k, path), self.node(v, depth + 1, f"{path}.{k}")])
+            return {"d": items}
+        if isinstance(obj, list | tuple):
+            tag = "l" if isinstance(obj, list) else "u"
+            return {tag: [self.node(v, depth + 1, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        return {"v": _plain(obj, path)}
+
+    def _tensor(self, t: torch.Tensor, path: str) -> int:
+        if t.layout != torch.strided:
+            fail("only strided (dense) tensors can travel", path=path, layout=str(t.layout))
+        dtype = DTYPE_OF.get(t.dtype)
+        if dtype is None:
+            fail("unsupported tensor dtype", path=path, dtype=str(t.dtype), supported=[d.value for d in DType])
+        if t.dim() > MAX_NDIM:
+            fail("tensor has too many dimensions", path=path, ndim=t.dim(), limit=MAX_NDIM)
+        if len(self.tensors) >= MAX_TENSORS:
+            fail("too many tensors in payload", limit=MAX_TENSORS)
+        self.kinds.append(_device_kind(t, path))
+        self.dtypes.append(dtype)
+        self.tensors.append(t.detach())
+        return len(self.tensors) - 1
+
+
+def plan_payload(payload: Any, *, alignment: int = MANIFEST_ALIGNMENT) -> PackPlan:
+    """Flatten ``payload`` into a manifest, copying no bytes; ManifestError if it cannot travel.
+
+    Regions are ordered CPU, CUDA (only kinds present); offsets are multiples of ``alignment`` (a multiple
+    of 64) and each region's size is rounded up to it, so regions concatenated inline stay aligned.
+    Zero-size tensors get offset 0 and nbytes 0.  The plan keeps references to the source tensors.
+    """
+    if alignment <= 0 or alignment % MANIFEST_ALIGNMENT:
+        raise ValueError(f"alignment must be a positive multiple of {MANIFEST_ALIGNMENT}, got {alignment}")
+    flat = _Flattener()
+    tree = flat.node(payload, 0, "$")
+    kinds = [k for k in DeviceKind if k in flat.kinds]
+    region_of = {k: i for i, k in enumerate(kinds)}
+    cursor = dict.fromkeys(kinds, 0)
+    specs = []
+    for t, kind, dtype in zip(flat.tensors, flat.kinds, flat.dtypes, strict=True):
+        nbytes = t.numel() * ITEMSIZE[dtype]
+        offset = cursor[kind] if nbytes else 0
+        if nbytes:
+            cursor[kind] = _round_up(offset + nbytes, alignment)
+        specs.append(
+            TensorSpec(
+                dtype=dtype, shape=list(t.shape), device=kind, region=region_of[kind], offset=offset, nbytes=nbytes
+            )
+        )
+    regions = [RegionSpec(device=k, nbytes=cursor[k]) for k in kinds]
+    manifest = Manifest(tree=tree, tensors=specs, regions=regions)
+    check_structure(manifest)  # never emit what a consumer would reject
+    return PackPlan(manifest=manifest, tensors=tuple(flat.tensors))
