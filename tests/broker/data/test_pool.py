@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,6 +21,13 @@ from stageferry.errors import ManifestError, NixlUnavailableError, PoolExhausted
 from stageferry.schemas.payload import DeviceKind, Manifest, MemKind, RegionSpec
 
 CPU = torch.device("cpu")
+
+
+async def until(condition: Callable[[], bool], *, timeout: float = 10) -> None:
+    """Let the other tasks run until ``condition`` (the pool's own state) holds; fail after ``timeout``."""
+    with anyio.fail_after(timeout):
+        while not condition():
+            await anyio.lowlevel.checkpoint()
 
 
 class CountingRegistrar:
@@ -145,8 +154,8 @@ async def test_back_pressure_waits_then_succeeds() -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(waiter)
-        await anyio.sleep(0.05)
-        assert pool.waiting == 1 and not got
+        await until(lambda: pool.waiting == 1)  # parked: nothing to take yet
+        assert not got
         started = time.monotonic()
         pool.release(first)
     assert got and got[0].nbytes == 1024 and time.monotonic() - started < 1
@@ -203,12 +212,12 @@ async def test_waiters_are_served_in_order() -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(take, "big", 3072)
-        await anyio.sleep(0.01)
+        await until(lambda: pool.waiting == 1)
         tg.start_soon(take, "small", 256)
-        await anyio.sleep(0.01)
+        await until(lambda: pool.waiting == 2)
         pool.release(held[0])  # room for "small", but "big" is first in line
-        await anyio.sleep(0.05)
-        assert order == []
+        await anyio.wait_all_tasks_blocked()  # both ran as far as they can: parked again
+        assert order == [] and pool.waiting == 2
         for slot in held[1:]:
             pool.release(slot)
     assert order == ["big", "small"] and pool.slots_in_use == 0
@@ -242,7 +251,7 @@ async def test_close_fails_waiters_and_later_acquires() -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(waiter)
-        await anyio.sleep(0.02)
+        await until(lambda: pool.waiting == 1)
         pool.close()
     assert len(errors) == 1 and "closed" in str(errors[0])
     with pytest.raises(PoolExhaustedError, match="closed"):
