@@ -17,6 +17,7 @@ a request's failed/rejected status shows, so that clients branch on codes, never
     ├── DataPlaneError               moving payload bytes failed (may fall back or recompute)
     │   ├── NixlUnavailableError     NIXL could not be loaded or no agent could be made
     │   ├── HandshakeError           the producer's agent metadata is missing, stale or untrusted
+    │   │   └── ProtocolMismatchError  the peer speaks another NIXL side-channel protocol version
     │   ├── ClaimError               the payload could not be claimed (lease expired, already taken)
     │   ├── PayloadUnavailableError  the producer's copy is gone: recompute upstream
     │   ├── TransferError            a READ failed or timed out
@@ -112,6 +113,13 @@ class NixlUnavailableError(DataPlaneError):
 
 class HandshakeError(DataPlaneError):
     code = "handshake_failed"
+
+
+class ProtocolMismatchError(HandshakeError):
+    """The peer's agent record or request is of another side-channel protocol version
+    (:data:`stageferry.schemas.nixl.NIXL_PROTOCOL_VERSION`): refused before any native call."""
+
+    code = "protocol_mismatch"
 
 
 class ClaimError(DataPlaneError):

@@ -17,7 +17,7 @@ from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.broker.data.nixl.consumer import mem_kind_of
 from stageferry.config import DataPlaneConfig, Timeouts
 from stageferry.schemas import NixlPayload, PayloadRef
-from stageferry.schemas.nixl import RELEASE_TAG
+from stageferry.schemas.nixl import release_notification
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -47,7 +47,7 @@ async def main(args: argparse.Namespace) -> None:
             [(remote.address, remote.length, remote.device_id)],
             remote.mem_kind,
             peer.name,
-            RELEASE_TAG + ref.token.encode(),
+            release_notification(ref.token),
         )
         os.kill(os.getpid(), signal.SIGKILL)  # mid-READ: posted, not completed, nothing cleaned up
 

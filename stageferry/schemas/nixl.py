@@ -1,30 +1,112 @@
 """The NIXL side channel: what producer and consumer agents exchange besides the envelope.
 
-* the agent record (a Redis hash under ``<prefix>:nixl:agent:<name>``): metadata, arenas, seal key;
-* the lease seal: the producer's HMAC over agent, token and regions;
-* the release notification sent with the last READ: ``sf-release:<token>``.
+Four formats, one protocol version (:data:`NIXL_PROTOCOL_VERSION`) that both sides check:
+
+* :class:`AgentRecord` — the producer's Redis hash ``<prefix>:nixl:agent:<name>``: its NIXL metadata,
+  the arenas a READ may touch, the key that seals its leases.  A consumer reads it before loading the
+  agent and refuses a record of another protocol (:class:`~stageferry.errors.ProtocolMismatchError`)
+  before any native call, the way vLLM's NIXL connector checks its peers at handshake.
+* :func:`lease_seal` — the producer's HMAC over agent, token and regions, carried in the envelope's
+  :class:`~stageferry.schemas.NixlPayload` and checked against the record's key before any READ.
+* :class:`ResendRequest` and the reply bytes (:func:`encode_resend_reply` / :func:`decode_resend_reply`)
+  — a consumer that could not READ asks the producer (stream ``<prefix>:nixl:resend:<agent>``) to send
+  the payload inline, or to drop it; the producer answers on ``<prefix>:nixl:reply:<token>``.
+* the release notification (:func:`release_notification` / :func:`released_token`) — sent with the
+  consumer's last READ; the producer frees the lease's slots when it arrives.
+
+Everything is validated on read (bounded sizes, exact patterns); nothing is unpickled.
+
+Protocol version history:
+  0 — (implicit) records and resend requests without a ``protocol`` field: refused.
+  1 — first versioned form: the record and resend requests carry ``protocol``; reply ``\\x01`` + the
+      payload's regions concatenated, or ``\\x00`` for a refusal; notification ``sf-release:<token>``.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import json
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any
 
-from stageferry.errors import HandshakeError
-from stageferry.schemas.payload import RemoteRegion
+from pydantic import Field, ValidationError
+
+from stageferry.errors import HandshakeError, ProtocolMismatchError
+from stageferry.schemas.job import Frozen
+from stageferry.schemas.payload import AgentName, Incarnation, LeaseToken, RemoteRegion
+
+NIXL_PROTOCOL_VERSION = 1
+MAX_METADATA_BYTES = 1 << 20
+"""NIXL agent metadata is a few hundred bytes to a few KB; anything near this is not metadata."""
+MAX_ARENAS = 8
+SEAL_KEY_BYTES = 32
 
 RELEASE_TAG = b"sf-release:"
+_TOKEN = re.compile(rb"[A-Za-z0-9._:-]{8,128}")
 
 
-def parse_arenas(raw: bytes) -> tuple[RemoteRegion, ...]:
-    try:
-        items = json.loads(raw)
-        if not isinstance(items, list) or len(items) > 8:
-            raise ValueError("arenas must be a short list")
-        return tuple(RemoteRegion.model_validate(item) for item in items)
-    except ValueError as exc:
-        raise HandshakeError(f"agent record has invalid arenas: {exc}") from exc
+class AgentRecord(Frozen):
+    """A producer agent's record, as published in Redis (a hash of byte strings)."""
+
+    protocol: Annotated[int, Field(ge=0)] = NIXL_PROTOCOL_VERSION
+    name: AgentName
+    stage: Annotated[str, Field(min_length=1, max_length=64)]
+    incarnation: Incarnation
+    metadata: Annotated[bytes, Field(min_length=1, max_length=MAX_METADATA_BYTES)]
+    arenas: Annotated[list[RemoteRegion], Field(max_length=MAX_ARENAS)]
+    seal_key: Annotated[bytes, Field(min_length=SEAL_KEY_BYTES, max_length=SEAL_KEY_BYTES)]
+    started_at: float
+
+    def to_redis(self) -> dict[str, str | bytes]:
+        """The hash fields to ``HSET`` (metadata raw, arenas as JSON, the seal key in hex)."""
+        return {
+            "protocol": str(self.protocol),
+            "name": self.name,
+            "stage": self.stage,
+            "incarnation": self.incarnation,
+            "metadata": self.metadata,
+            "arenas": json.dumps([a.model_dump(mode="json") for a in self.arenas]),
+            "seal_key": self.seal_key.hex(),
+            "started_at": repr(self.started_at),
+        }
+
+    @classmethod
+    def from_redis(cls, raw: Mapping[bytes, bytes]) -> AgentRecord:
+        """Parse and validate a record read with ``HGETALL``.
+
+        The protocol is checked first, before any other field is looked at: a peer of another version
+        raises :class:`ProtocolMismatchError`; a malformed record :class:`HandshakeError`."""
+        check_protocol(raw.get(b"protocol"), what="agent record", agent=_shown(raw.get(b"name", b"")))
+        try:
+            arenas = json.loads(raw.get(b"arenas", b"[]"))
+            return cls(
+                protocol=NIXL_PROTOCOL_VERSION,
+                name=_text(raw[b"name"]),
+                stage=_text(raw[b"stage"]),
+                incarnation=_text(raw[b"incarnation"]),
+                metadata=raw[b"metadata"],
+                arenas=arenas,
+                seal_key=bytes.fromhex(_text(raw[b"seal_key"])),
+                started_at=float(raw[b"started_at"]),
+            )
+        except (KeyError, ValueError, ValidationError) as exc:  # JSON, hex, UTF-8 and float errors are ValueErrors
+            raise HandshakeError(f"agent record is malformed: {_brief(exc)}") from exc
+
+
+def check_protocol(raw: bytes | None, *, what: str, **details: Any) -> None:
+    """Raise :class:`ProtocolMismatchError` unless ``raw`` is this side's protocol version."""
+    if raw == str(NIXL_PROTOCOL_VERSION).encode():
+        return
+    peer = "none" if raw is None else _shown(raw)[:16]
+    raise ProtocolMismatchError(
+        f"{what} speaks NIXL side-channel protocol {peer}, this process speaks {NIXL_PROTOCOL_VERSION}",
+        peer_protocol=peer,
+        protocol=NIXL_PROTOCOL_VERSION,
+        **details,
+    )
 
 
 def lease_seal(key: bytes, agent: str, token: str, regions: list[RemoteRegion]) -> str:
@@ -37,3 +119,71 @@ def lease_seal(key: bytes, agent: str, token: str, regions: list[RemoteRegion]) 
         [agent, token, [[r.address, r.length, r.device_id, r.mem_kind.value] for r in regions]], separators=(",", ":")
     )
     return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+
+
+class ResendAction(enum.StrEnum):
+    """What a consumer asks of the producer of a payload it will not READ."""
+
+    RESEND = "resend"
+    """Send the payload inline (the consumer's READ or handshake failed), then free the slot."""
+    DROP = "drop"
+    """Free the slot: the payload will never be read (its request was settled meanwhile)."""
+
+
+class ResendRequest(Frozen):
+    """One entry of the producer's resend stream."""
+
+    protocol: Annotated[int, Field(ge=0)] = NIXL_PROTOCOL_VERSION
+    token: LeaseToken
+    action: ResendAction
+
+    def to_fields(self) -> dict[str, str]:
+        return {"protocol": str(self.protocol), "token": self.token, "action": self.action.value}
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[bytes, bytes]) -> ResendRequest:
+        """Parse a stream entry: :class:`ProtocolMismatchError` for another version (checked first),
+        :class:`HandshakeError` for anything malformed."""
+        check_protocol(fields.get(b"protocol"), what="resend request")
+        try:
+            return cls(token=_text(fields[b"token"]), action=_text(fields[b"action"]))  # type: ignore[arg-type]
+        except (KeyError, ValueError, ValidationError) as exc:
+            raise HandshakeError(f"resend request is malformed: {_brief(exc)}") from exc
+
+
+def encode_resend_reply(blob: bytes | None) -> bytes:
+    """The reply to a resend request: the payload's regions concatenated, or ``None`` for a refusal."""
+    return b"\x00" if blob is None else b"\x01" + blob
+
+
+def decode_resend_reply(raw: bytes | None) -> bytes | None:
+    """The inline bytes of a reply, or ``None`` if the producer refused (or answered nothing usable)."""
+    if not raw or raw[:1] != b"\x01":
+        return None
+    return raw[1:]
+
+
+def release_notification(token: str) -> bytes:
+    """The notification a consumer's last READ carries; NIXL delivers it to the producer."""
+    return RELEASE_TAG + token.encode()
+
+
+def released_token(message: bytes) -> str | None:
+    """The token a release notification names; ``None`` for any other or malformed message."""
+    if not message.startswith(RELEASE_TAG):
+        return None
+    token = message[len(RELEASE_TAG) :]
+    return token.decode() if _TOKEN.fullmatch(token) else None
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8")  # a UnicodeDecodeError is a ValueError: malformed
+
+
+def _shown(raw: bytes) -> str:
+    """Peer-written bytes, safe to put in a message or log."""
+    return raw[:256].decode("utf-8", errors="replace")
+
+
+def _brief(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"

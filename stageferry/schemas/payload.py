@@ -60,6 +60,11 @@ class MemKind(enum.StrEnum):
 MEM_KIND_OF = {DeviceKind.CPU: MemKind.DRAM, DeviceKind.CUDA: MemKind.VRAM}
 
 NonNegInt = Annotated[int, Field(ge=0, le=MAX_REGION_BYTES)]
+AgentName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+$")]
+"""A NIXL agent's name: ``<stage>-<replica>-<incarnation[:8]>``."""
+Incarnation = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9-]+$")]
+LeaseToken = Annotated[str, Field(min_length=8, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
+"""Names one lease of a producer: ``<hop key>.<random>``."""
 
 
 class TensorSpec(Frozen):
@@ -122,9 +127,9 @@ class NixlPayload(Frozen):
 
     kind: Literal["nixl"] = "nixl"
     manifest: Manifest
-    agent: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+$")]
-    incarnation: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9-]+$")]
-    token: Annotated[str, Field(min_length=8, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
+    agent: AgentName
+    incarnation: Incarnation
+    token: LeaseToken
     regions: Annotated[list[RemoteRegion], Field(max_length=len(DeviceKind))]
     lease_expires_at: float
     agent_metadata_b64: Annotated[str, Field(max_length=1_048_576)] | None = None

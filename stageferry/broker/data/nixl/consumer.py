@@ -43,11 +43,18 @@ from stageferry.errors import (
     ManifestError,
     PayloadUnavailableError,
     PoolExhaustedError,
+    ProtocolMismatchError,
     TransferError,
 )
 from stageferry.failpoints import CONSUMER_READ_POSTED, failpoint
 from stageferry.schemas import DeviceKind, InlinePayload, MemKind, NixlPayload, PayloadRef, Transport
-from stageferry.schemas.nixl import RELEASE_TAG, lease_seal
+from stageferry.schemas.nixl import (
+    ResendAction,
+    ResendRequest,
+    decode_resend_reply,
+    lease_seal,
+    release_notification,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -87,7 +94,7 @@ class Consumer:
         """Tell the producer that a payload will never be read (the request was settled meanwhile)."""
         if isinstance(ref, NixlPayload):
             with contextlib.suppress(ControlPlaneError), translated():
-                await self._ask_producer(ref, "drop")
+                await self._ask_producer(ref, ResendAction.DROP)
 
     async def _fetch(self, ref: PayloadRef, blob: bytes | None, key: str) -> tuple[Incoming, dict[DeviceKind, Slot]]:
         """The payload and the local slots it lives in (empty when it came inline)."""
@@ -103,6 +110,12 @@ class Consumer:
         started = time.perf_counter()
         try:
             peer = await self._peers.ensure(ref)
+        except ProtocolMismatchError as exc:
+            # Its resend service speaks another protocol too: no inline resend from it.  Raised on, the
+            # request is computed again upstream and sent inline (which needs no side channel).
+            metrics.HANDSHAKE_FAILURES.labels(exc.code).inc()
+            log.error("nixl.protocol_mismatch", key=key, error=exc.message, **exc.details)
+            raise
         except HandshakeError as exc:
             metrics.HANDSHAKE_FAILURES.labels(exc.code).inc()
             log.warning("nixl.handshake_failed", key=key, error=exc.message)
@@ -163,7 +176,7 @@ class Consumer:
         deadline = time.monotonic() + self._ep.timeouts.transfer
         for i, (spec, remote) in enumerate(pairs):
             local = slots[spec.device]
-            notif = RELEASE_TAG + ref.token.encode() if i == len(pairs) - 1 else b""
+            notif = release_notification(ref.token) if i == len(pairs) - 1 else b""
             handle = agent.start_read(
                 [(local.address, spec.nbytes, local.device_id)],
                 mem_kind_of(spec.device),
@@ -206,15 +219,16 @@ class Consumer:
         started = time.perf_counter()
         reply_key = ep.keys.resend_reply(ref.token)
         with translated():
-            await self._ask_producer(ref, "resend")
+            await self._ask_producer(ref, ResendAction.RESEND)
             reply = await ep.redis.blpop([reply_key], timeout=ep.timeouts.resend)
-        if not reply or reply[1][:1] != b"\x01":
+        blob = decode_resend_reply(reply[1] if reply else None)
+        if blob is None:
             raise PayloadUnavailableError("producer could not resend the payload", reason=reason, agent=ref.agent)
         metrics.FALLBACKS.labels(reason).inc()
         ep.counters.fallback(reason)
         log.warning("payload.inline_fallback", reason=reason, side="consumer")
-        inline_ref = InlinePayload(manifest=ref.manifest, blob_bytes=len(reply[1]) - 1, fallback_reason=reason)
-        incoming = await ep.inline.decode(inline_ref, reply[1][1:])
+        inline_ref = InlinePayload(manifest=ref.manifest, blob_bytes=len(blob), fallback_reason=reason)
+        incoming = await ep.inline.decode(inline_ref, blob)
         return Incoming(
             payload=incoming.payload,
             transport=Transport.INLINE,
@@ -223,12 +237,12 @@ class Consumer:
             fallback_reason=reason,
         )
 
-    async def _ask_producer(self, ref: NixlPayload, action: str) -> None:
+    async def _ask_producer(self, ref: NixlPayload, action: ResendAction) -> None:
         """Post a resend/drop request; the stream expires once no lease could still need it, so a
         producer that died leaves nothing behind in Redis."""
         ep = self._ep
         stream = ep.keys.resend(ref.agent)
         async with ep.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(stream, {"token": ref.token, "action": action})
+            pipe.xadd(stream, ResendRequest(token=ref.token, action=action).to_fields())  # type: ignore[arg-type]
             pipe.expire(stream, int(ep.timeouts.lease + ep.timeouts.resend) + 60)
             await pipe.execute()

@@ -1,9 +1,10 @@
 """Agents and their records: this process's own record in Redis, and the producers it has loaded.
 
-Own record (producer side): :meth:`Peers.publish_record` writes ``<prefix>:nixl:agent:<name>`` (metadata,
-arenas, seal key) at start, :meth:`Peers.run_heartbeat` keeps it alive (and writes it again when Redis
-lost it), :meth:`Peers.withdraw_record` deletes it at shutdown.  A record that expires means the
-producer is gone; its payloads are then recomputed.
+Own record (producer side): :meth:`Peers.publish_record` writes ``<prefix>:nixl:agent:<name>`` (an
+:class:`~stageferry.schemas.nixl.AgentRecord`: protocol version, metadata, arenas, seal key) at start,
+:meth:`Peers.run_heartbeat` keeps it alive (and writes it again when Redis lost it),
+:meth:`Peers.withdraw_record` deletes it at shutdown.  A record that expires means the producer is gone;
+its payloads are then recomputed.
 
 Peer cache (consumer side): :meth:`Peers.ensure` loads a producer's agent once per *incarnation* (a
 restarted producer keeps its replica name but gets a new incarnation, so it is re-added from fresh
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import time
 from dataclasses import dataclass
 
@@ -31,7 +31,7 @@ from stageferry.broker.control.redis_conn import translated
 from stageferry.broker.data.nixl.endpoint import Endpoint
 from stageferry.errors import ControlPlaneError, DataPlaneError, HandshakeError, ManifestError, PayloadUnavailableError
 from stageferry.schemas import NixlPayload, RemoteRegion
-from stageferry.schemas.nixl import parse_arenas
+from stageferry.schemas.nixl import AgentRecord
 
 log = structlog.get_logger(__name__)
 
@@ -67,19 +67,19 @@ class Peers:
         """Write this agent's record (raises :class:`ControlPlaneError` if Redis is away)."""
         ep = self._ep
         assert ep.agent is not None and ep.pools is not None
-        record = {
-            "name": ep.name,
-            "stage": ep.stage,
-            "incarnation": ep.incarnation,
-            "metadata": ep.agent.metadata(),
-            "arenas": json.dumps([a.model_dump(mode="json") for a in ep.pools.arenas()]),
-            "seal_key": ep.seal_key.hex(),
-            "started_at": str(time.time()),
-        }
+        record = AgentRecord(
+            name=ep.name,
+            stage=ep.stage,
+            incarnation=ep.incarnation,
+            metadata=ep.agent.metadata(),
+            arenas=ep.pools.arenas(),
+            seal_key=ep.seal_key,
+            started_at=time.time(),
+        )
         key = ep.keys.agent(ep.name)
         with translated():
             async with ep.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(key, mapping=record)
+                pipe.hset(key, mapping=record.to_redis())  # type: ignore[arg-type]
                 pipe.pexpire(key, int(ep.config.agent_ttl_s * 1000))
                 await pipe.execute()
 
@@ -108,8 +108,9 @@ class Peers:
 
         A name that does not carry its incarnation, or envelope metadata that differs from the agent's
         record, is a hostile or corrupted descriptor (:class:`ManifestError`); a well-formed agent
-        without a record has gone away (:class:`PayloadUnavailableError`: recompute); metadata NIXL
-        cannot load is a :class:`HandshakeError`; a slow Redis a ``TimeoutError``."""
+        without a record has gone away (:class:`PayloadUnavailableError`: recompute); a record of another
+        protocol version raises :class:`ProtocolMismatchError` before anything is loaded; a malformed
+        record or metadata NIXL cannot load is a :class:`HandshakeError`; a slow Redis a ``TimeoutError``."""
         if not ref.agent.endswith(f"-{ref.incarnation[:8]}"):
             raise ManifestError("agent name does not match its incarnation", agent=ref.agent)
         claimed = None if ref.agent_metadata_b64 is None else _b64(ref.agent_metadata_b64)
@@ -151,28 +152,27 @@ class Peers:
         if ref.agent in self._peers:
             self.forget(ref.agent)
         with anyio.fail_after(ep.timeouts.handshake):
-            record = await self._record(ref.agent)
-        if record is None:
+            raw = await self._record(ref.agent)
+        if raw is None:
             raise PayloadUnavailableError("producer agent is gone", agent=ref.agent)
-        if record.get(b"name") != ref.agent.encode() or record.get(b"incarnation") != ref.incarnation.encode():
+        record = AgentRecord.from_redis(raw)  # the protocol version first, then every field
+        if record.name != ref.agent or record.incarnation != ref.incarnation:
             raise ManifestError("agent record does not match the envelope", agent=ref.agent)
-        metadata = record[b"metadata"]
-        arenas = parse_arenas(record.get(b"arenas", b"[]"))
-        try:
-            seal_key = bytes.fromhex(record.get(b"seal_key", b"").decode())
-        except ValueError:
-            seal_key = b""
-        if len(seal_key) != 32:
-            raise ManifestError("agent record has no valid seal key", agent=ref.agent)
         assert ep.agent is not None
         try:
-            name = ep.agent.add_remote(metadata)
+            name = ep.agent.add_remote(record.metadata)
         except DataPlaneError as exc:
             raise HandshakeError(f"cannot load agent {ref.agent}: {exc.message}", agent=ref.agent) from exc
         if name != ref.agent:
             ep.agent.remove_remote(name)
             raise HandshakeError("agent metadata names another agent", agent=ref.agent, metadata_name=name)
-        peer = Peer(name=name, incarnation=ref.incarnation, arenas=arenas, metadata=metadata, seal_key=seal_key)
+        peer = Peer(
+            name=name,
+            incarnation=ref.incarnation,
+            arenas=tuple(record.arenas),
+            metadata=record.metadata,
+            seal_key=record.seal_key,
+        )
         self._peers[name] = peer
         return peer
 

@@ -37,13 +37,20 @@ from stageferry.broker.data.payload_codec import pack_into, plan_payload
 from stageferry.broker.data.pool import Slot
 from stageferry.errors import (
     ControlPlaneError,
+    HandshakeError,
     ManifestError,
     PayloadTooLargeError,
     PayloadUnavailableError,
     PoolExhaustedError,
 )
 from stageferry.schemas import DeviceKind, Manifest, NixlPayload, Transport
-from stageferry.schemas.nixl import RELEASE_TAG, lease_seal
+from stageferry.schemas.nixl import (
+    ResendAction,
+    ResendRequest,
+    encode_resend_reply,
+    lease_seal,
+    released_token,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -155,8 +162,8 @@ class Producer:
             await anyio.sleep(_NOTIF_POLL_S if len(self._leases) else 0.05)
             for _remote, messages in agent.drain_notifs().items():
                 for message in messages:
-                    if message.startswith(RELEASE_TAG):
-                        token = message[len(RELEASE_TAG) :].decode(errors="replace")
+                    token = released_token(message)
+                    if token is not None:
                         await self._leases.settle(token, reason="read_done")
 
     async def run_resends(self) -> None:
@@ -181,25 +188,32 @@ class Producer:
                     await ep.redis.xtrim(stream, minid=last)
 
     async def _answer_resend(self, fields: dict[bytes, bytes]) -> None:
-        token = fields.get(b"token", b"").decode(errors="replace")
-        action = fields.get(b"action", b"resend")
-        lease = self._leases.get(token)
-        if action != b"resend" or lease is None:
-            await self._leases.settle(token, reason="dropped_by_consumer")
-            if action == b"resend":
-                await self._reply(token, b"")
+        """Serve one request; a malformed one or one of another protocol version is logged and skipped
+        (its lease, if any, runs out on its own)."""
+        try:
+            request = ResendRequest.from_fields(fields)
+        except HandshakeError as exc:  # ProtocolMismatchError included
+            log.warning("nixl.resend_request_refused", code=exc.code, error=exc.message)
             return
-        blob = b""
+        token = request.token
+        lease = self._leases.get(token)
+        if request.action is ResendAction.DROP or lease is None:
+            await self._leases.settle(token, reason="dropped_by_consumer")
+            if request.action is ResendAction.RESEND:
+                await self._reply(token, None)
+            return
+        blob = None
         if lease.nbytes <= self._ep.config.inline_fallback_max_bytes:
             blob = await anyio.to_thread.run_sync(lease.concat)
         await self._reply(token, blob)
         await self._leases.settle(token, reason="resent_inline")
 
-    async def _reply(self, token: str, blob: bytes) -> None:
+    async def _reply(self, token: str, blob: bytes | None) -> None:
+        """Answer a resend request: the payload's bytes, or ``None`` for a refusal."""
         ep = self._ep
         key = ep.keys.resend_reply(token)
         with contextlib.suppress(ControlPlaneError), translated():
             async with ep.redis.pipeline(transaction=True) as pipe:
-                pipe.rpush(key, b"\x01" + blob if blob else b"\x00")
+                pipe.rpush(key, encode_resend_reply(blob))
                 pipe.expire(key, int(ep.timeouts.resend) + 5)
                 await pipe.execute()
