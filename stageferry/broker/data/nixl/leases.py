@@ -116,13 +116,17 @@ class LeaseTable:
         ones whose claim key could not be marked yet.  Runs until cancelled."""
         while True:
             await anyio.sleep(_LEASE_SCAN_S)
-            now = time.time()
-            for token, lease in list(self._leases.items()):
-                if lease.settled is not None:
-                    if await self._mark_gone(lease, b"released", overwrite=True):
-                        self.free(token, reason=lease.settled)
-                elif lease.expires_at <= now and await self._mark_gone(lease, b"expired", overwrite=False):
-                    self.free(token, reason="lease_expired")
+            await self.scan()
+
+    async def scan(self) -> None:
+        """One pass of the expiry loop over every lease."""
+        now = time.time()
+        for token, lease in list(self._leases.items()):
+            if lease.settled is not None:
+                if await self._mark_gone(lease, b"released", overwrite=True):
+                    self.free(token, reason=lease.settled)
+            elif lease.expires_at <= now and await self._mark_gone(lease, b"expired", overwrite=False):
+                self.free(token, reason="lease_expired")
 
     def free(self, token: str, *, reason: str) -> bool:
         """Give the lease's slots back to the pool now, without touching its claim key."""
