@@ -1,0 +1,61 @@
+"""Payload planning: what may travel, how it is laid out, and what is refused before any byte is packed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from stageferry.broker.data.payload_codec import unpack
+from stageferry.broker.data.payload_plan import plan_payload
+from stageferry.errors import ManifestError
+from stageferry.schemas.payload import (
+    MAX_TREE_DEPTH,
+)
+from stageferry.testing import assert_same
+
+CUDA = torch.cuda.is_available()
+
+
+def test_alignment_option() -> None:
+    plan = plan_payload([torch.ones(3), torch.ones(5)], alignment=256)
+    assert [t.offset for t in plan.manifest.tensors] == [0, 256]
+    with pytest.raises(ValueError):
+        plan_payload([], alignment=48)
+
+
+@pytest.mark.parametrize(
+    "payload, match",
+    [
+        ({"c": torch.ones(2, dtype=torch.complex64)}, "dtype"),
+        ({"u": torch.ones(2, dtype=torch.uint16)}, "dtype"),
+        ({"b": b"raw bytes"}, "unsupported value type"),
+        ({"o": object()}, "unsupported value type"),
+        ({1: torch.ones(1)}, "keys must be str"),
+        ({"n": float("nan")}, "non-finite"),
+        ({"i": 2**64}, "int64"),
+        ({"s": "x" * 5000}, "too long"),
+        ({"s": torch.ones(4).to_sparse()}, "strided"),
+    ],
+    ids=["complex", "uint16", "bytes", "object", "int_key", "nan", "big_int", "long_str", "sparse"],
+)
+def test_plan_rejects_what_cannot_travel(payload: Any, match: str) -> None:
+    with pytest.raises(ManifestError, match=match):
+        plan_payload(payload)
+
+
+def test_plan_rejects_deep_and_cyclic_payloads() -> None:
+    deep: Any = 1
+    for _ in range(MAX_TREE_DEPTH + 1):
+        deep = [deep]
+    with pytest.raises(ManifestError, match="deeply"):
+        plan_payload(deep)
+    ok: Any = 1
+    for _ in range(MAX_TREE_DEPTH):
+        ok = [ok]
+    assert_same(unpack(plan_payload(ok).manifest, {}, copy=False), ok)
+    cyclic: list[Any] = []
+    cyclic.append(cyclic)
+    with pytest.raises(ManifestError):
+        plan_payload(cyclic)
