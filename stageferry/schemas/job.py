@@ -8,17 +8,45 @@ Bounds here are the hard, schema-level ones that any deployment shares; deployme
 from __future__ import annotations
 
 import enum
+import re
 from typing import Annotated, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+#: The one request-id rule.  No ``:`` (the key separator), no glob characters (``*?[]\\``, ACL key
+#: patterns), no whitespace: so a request's keys (see ``broker/control/keys.py``) can never alias another
+#: request's, nor match a pattern meant for someone else.  Check with :func:`is_request_id` (a full match;
+#: Python's ``$`` would also accept a trailing newline).
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+#: A tenant's name.  A tenant's request ids are ``<tenant>.<rest>``; a name has no ``.`` so that one
+#: tenant's prefix is never a prefix of another's (``acme.`` vs ``acmecorp.``).
+TENANT_PATTERN = r"^[a-z][a-z0-9]{0,31}$"
+TENANT_SEPARATOR = "."
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 MAX_PROMPT_CHARS = 8192
 SIZE_MULTIPLE = 16
 
 RequestId = Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+_TENANT = re.compile(TENANT_PATTERN)
+
+
+def is_request_id(value: object) -> bool:
+    """True if ``value`` is a string that satisfies the request-id rule (the whole string)."""
+    return isinstance(value, str) and _REQUEST_ID.fullmatch(value) is not None
+
+
+def is_tenant(value: object) -> bool:
+    """True if ``value`` is a valid tenant name."""
+    return isinstance(value, str) and _TENANT.fullmatch(value) is not None
+
+
+def tenant_of(request_id: str) -> str | None:
+    """The tenant an id names by its prefix (``acme.job-1`` → ``acme``), or None.  Whether that tenant
+    exists is the deployment's business (``[security] tenants``)."""
+    head, sep, _rest = request_id.partition(TENANT_SEPARATOR)
+    return head if sep and is_tenant(head) else None
 
 
 def _field_error(field: str, message: str) -> PydanticCustomError:

@@ -327,7 +327,7 @@ def test_gateway_command_serves_the_configured_deployment(deployment: Deployment
         created = httpx.post(f"http://127.0.0.1:{port}/v1/videos", data=form(), timeout=60)
         assert created.status_code == 200, created.text
         redis = sync_redis.Redis.from_url(deployment.redis_url)
-        events = f"{deployment.prefix}:req:{created.json()['id']}:events"
+        events = Keys(deployment.prefix).events(created.json()["id"])
 
         def traced() -> bool:  # the gateway's own events join the request's trace
             rows = redis.xrange(events)
@@ -350,9 +350,10 @@ def test_client_going_away_cancels_its_sync_job(deployment: Deployment, http: ht
     redis = sync_redis.Redis.from_url(deployment.redis_url)
 
     def submitted() -> str | None:
-        for key in redis.scan_iter(match=f"{deployment.prefix}:req:*:video", count=1000):
+        meta_prefix = Keys(deployment.prefix).video_meta("")
+        for key in redis.scan_iter(match=f"{meta_prefix}*", count=1000):
             if json.loads(redis.get(key) or b"{}").get("prompt") == prompt:
-                return str(key.decode().split(":req:", 1)[1].removesuffix(":video"))
+                return key.decode().removeprefix(meta_prefix)
         return None
 
     host, port = deployment.base_url.removeprefix("http://").split(":")

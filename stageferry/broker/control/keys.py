@@ -1,22 +1,24 @@
 """Every Redis key stageferry uses, in one place, all under one prefix (so an ACL user can be held to it).
 
-========================================  =====================================================
-key                                       what it holds
-========================================  =====================================================
-``<p>:stage:<stage>:in``                  stream: the stage's input entries (consumer group ``<stage>``)
-``<p>:stage:<stage>:dlq``                 stream: entries given up on, with the reason
-``<p>:stage:<stage>:workers``             hash: replica → last heartbeat (unix seconds)
-``<p>:req:<id>``                          hash: ``state`` and ``status`` (JSON RequestStatus)
-``<p>:req:<id>:events``                   stream: the request's trace (log events, status changes)
-``<p>:req:<id>:run:<stage>:<attempt>``    string: the entry id that owns this run (dedup of resubmits)
-``<p>:req:<id>:cancel``                   string: set when the client cancels
-``<p>:req:<id>:result``                   string: the result bytes (e.g. the MP4), with a TTL
-``<p>:upload:<id>:<name>``                string: media bytes uploaded by a client, with a TTL
-``<p>:nixl:agent:<name>``                 hash: NIXL agent record (metadata, incarnation, arenas), TTL heartbeat
-``<p>:nixl:claim:<token>``                string: who claimed a payload (or ``expired``), with a TTL
-``<p>:nixl:resend:<agent>``               stream: consumers asking a producer to resend a payload inline
-``<p>:nixl:reply:<token>``                list: the inline bytes of a resend
-========================================  =====================================================
+A request's keys live in *distinct namespaces* (``req:``, ``req-events:``, ``req-result:``, ...), each
+followed by the bare request id.  Request ids cannot contain ``:`` nor glob characters
+(:data:`~stageferry.schemas.job.REQUEST_ID_PATTERN`), so no id can name another request's key — the old
+``<victim>:cancel`` id that cancelled its victim is impossible — and an ACL key pattern such as
+``~sf:req-cancel:acme.*`` reaches exactly one tenant's cancel flags and nothing else.
+
+Written by stages only: ``<p>:req:<id>`` (hash: ``state``, ``status`` JSON), ``<p>:req-events:<id>`` (the
+trace stream), ``<p>:req-result:<id>`` (result bytes, TTL), ``<p>:req-run:<id>:<stage>:<attempt>`` (the entry
+that owns a run), ``<p>:refused:<entry>`` and ``<p>:refused:<tenant>.<entry>`` (why the first stage refused a
+client's entry), the dead-letter streams ``<p>:stage:<stage>:dlq``, heartbeats ``<p>:stage:<stage>:workers``
+and the NIXL keys ``<p>:nixl:agent:<name>``, ``<p>:nixl:claim:<token>``, ``<p>:nixl:resend:<agent>``,
+``<p>:nixl:reply:<token>``; by the gateway: ``<p>:req-video:<id>``.
+
+Written by clients: ``<p>:req-cancel:<id>`` (cancel flag), ``<p>:req-submitted:<id>`` ("submitted, not yet
+picked up" marker, TTL), ``<p>:upload:<id>:<name>`` (media bytes, TTL), entries on the first stage's stream
+``<p>:stage:<first>:in`` (single-tenant) or on a tenant's intake ``<p>:stage:<first>:intake:<tenant>``, and
+pushes to the wake list ``<p>:stage:<stage>:wake`` that idle readers block on (stages push it too).
+
+``stageferry.acl`` turns this table into Redis ACL users; ``docs/security.md`` explains the model.
 """
 
 from __future__ import annotations
@@ -33,6 +35,15 @@ class Keys:
     def stage_stream(self, stage: str) -> str:
         return f"{self.prefix}:stage:{stage}:in"
 
+    def intake(self, stage: str, tenant: str) -> str:
+        """A tenant's own submission stream to the first stage: only that tenant's ACL user may XADD to it,
+        so the stage knows which tenant sent an entry from the stream it came from."""
+        return f"{self.prefix}:stage:{stage}:intake:{tenant}"
+
+    def submission_stream(self, stage: str, tenant: str | None) -> str:
+        """Where a client of ``tenant`` (None: single-tenant) submits to the first stage ``stage``."""
+        return self.stage_stream(stage) if tenant is None else self.intake(stage, tenant)
+
     def dead_letter(self, stage: str) -> str:
         return f"{self.prefix}:stage:{stage}:dlq"
 
@@ -47,26 +58,35 @@ class Keys:
         return f"{self.prefix}:req:{request_id}"
 
     def events(self, request_id: str) -> str:
-        return f"{self.prefix}:req:{request_id}:events"
+        return f"{self.prefix}:req-events:{request_id}"
 
     def run_owner(self, request_id: str, stage: str, attempt: int) -> str:
-        return f"{self.prefix}:req:{request_id}:run:{stage}:{attempt}"
+        return f"{self.prefix}:req-run:{request_id}:{stage}:{attempt}"
 
     def cancel(self, request_id: str) -> str:
-        return f"{self.prefix}:req:{request_id}:cancel"
+        return f"{self.prefix}:req-cancel:{request_id}"
+
+    def submitted(self, request_id: str) -> str:
+        """Set by a client in the same MULTI as its XADD: the request exists before a stage picks it up."""
+        return f"{self.prefix}:req-submitted:{request_id}"
 
     def result(self, request_id: str) -> str:
-        return f"{self.prefix}:req:{request_id}:result"
+        return f"{self.prefix}:req-result:{request_id}"
 
     def video_meta(self, request_id: str) -> str:
         """The HTTP gateway's record of a video job (model, prompt, size, seconds), as its API reports it."""
-        return f"{self.prefix}:req:{request_id}:video"
+        return f"{self.prefix}:req-video:{request_id}"
 
     def upload(self, request_id: str, name: str) -> str:
         return f"{self.prefix}:upload:{request_id}:{name}"
 
     def upload_prefix(self) -> str:
         return f"{self.prefix}:upload:"
+
+    def refused(self, entry_id: str, tenant: str | None = None) -> str:
+        """Why the first stage refused the client entry ``entry_id`` (the id XADD returned)."""
+        tag = entry_id if tenant is None else f"{tenant}.{entry_id}"
+        return f"{self.prefix}:refused:{tag}"
 
     def agent(self, name: str) -> str:
         return f"{self.prefix}:nixl:agent:{name}"
