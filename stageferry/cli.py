@@ -22,12 +22,14 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
+from stageferry.acl import acl_file
 from stageferry.client import Client
 from stageferry.config import Settings
 from stageferry.console import error_line, follow, render_status
 from stageferry.errors import ConfigError, JobValidationError, StageferryError, field_error
 from stageferry.logs import configure_logging
 from stageferry.schemas import JobRequest, MediaInputs, RequestState, RequestStatus, Task
+from stageferry.schemas.job import REQUEST_ID_PATTERN, TENANT_PATTERN, TENANT_SEPARATOR
 from stageferry.trace import format_trace
 
 app = typer.Typer(
@@ -268,8 +270,44 @@ def cancel(ctx: typer.Context, request_id: str) -> None:
 
 @app.command()
 def schema() -> None:
-    """Print the JSON Schema of a job request (what the job field of a raw XADD must satisfy)."""
-    typer.echo(json.dumps(JobRequest.model_json_schema(), indent=2))
+    """Print the JSON Schema of a job request (what the job field of a raw XADD must satisfy); its
+    ``x-stageferry-entry`` member gives the rule for the entry's ``request_id`` and tenant prefixes."""
+    typer.echo(json.dumps(job_schema(), indent=2))
+
+
+def job_schema() -> dict[str, Any]:
+    """The job's JSON Schema, plus (as an extension member) the rules for the rest of a raw entry."""
+    out = JobRequest.model_json_schema()
+    out["x-stageferry-entry"] = {
+        "request_id": {
+            "type": "string",
+            "pattern": REQUEST_ID_PATTERN,
+            "description": "letters, digits, '_', '.', '-'; no ':'; 1-128 characters, starting alphanumeric",
+        },
+        "tenant": {
+            "type": "string",
+            "pattern": TENANT_PATTERN,
+            "description": f"a tenant's request ids are '<tenant>{TENANT_SEPARATOR}<rest>'",
+        },
+        "refusal": "HGETALL <prefix>:refused:<entry id> (tenant: <prefix>:refused:<tenant>.<entry id>)",
+    }
+    return out
+
+
+@app.command()
+@_expected_errors
+def acl(
+    ctx: typer.Context,
+    tenant: Annotated[
+        list[str] | None, typer.Option("--tenant", help="A tenant (repeatable); default: the pipeline's.")
+    ] = None,
+) -> None:
+    """Print the Redis ACL users for this deployment (redis.conf syntax; passwords CHANGE-ME): the
+    services' user and least-privilege client users, one per tenant."""
+    settings = _settings(ctx)
+    pipeline = settings.load_pipeline()
+    tenants = tenant if tenant else list(pipeline.security.tenants)
+    typer.echo(acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants), nl=False)
 
 
 @app.command()

@@ -7,7 +7,6 @@ here and one enqueued with a raw ``XADD`` are the same to the stages.
 
 from __future__ import annotations
 
-import re
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import AbstractContextManager
@@ -21,11 +20,19 @@ from pydantic import ValidationError
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, connect, translated
+from stageferry.broker.control.refusals import Refusal, Refusals
 from stageferry.broker.control.requests import RequestStore
 from stageferry.config import PipelineConfig, Settings
-from stageferry.errors import JobValidationError, field_error
-from stageferry.schemas import JobRequest, MediaInputs, RequestStatus
-from stageferry.schemas.job import REQUEST_ID_PATTERN
+from stageferry.errors import ConfigError, JobValidationError, RequestLostError, field_error
+from stageferry.schemas import JobRequest, MediaInputs, RequestState, RequestStatus
+from stageferry.schemas.job import (
+    REQUEST_ID_PATTERN,
+    TENANT_PATTERN,
+    TENANT_SEPARATOR,
+    is_request_id,
+    is_tenant,
+    tenant_of,
+)
 from stageferry.schemas.validation import field_errors
 from stageferry.trace import TraceEvent, parse_events, parse_row
 
@@ -36,9 +43,24 @@ T = TypeVar("T")
 #: XREAD's reply, as redis-py returns it with ``decode_responses=False``.
 
 
-def new_request_id() -> str:
-    """A fresh request id, e.g. ``video_sync-9e35132f9fa268e8``."""
-    return f"video_sync-{uuid.uuid4().hex[:16]}"
+def new_request_id(tenant: str | None = None) -> str:
+    """A fresh request id, e.g. ``video_sync-9e35132f9fa268e8`` (``acme.video_sync-…`` for tenant acme)."""
+    rid = f"video_sync-{uuid.uuid4().hex[:16]}"
+    return rid if tenant is None else f"{tenant}{TENANT_SEPARATOR}{rid}"
+
+
+def check_request_id(rid: str, tenant: str | None = None) -> None:
+    """:class:`JobValidationError` unless ``rid`` satisfies the id rule (and is ``tenant``'s, if given)."""
+    if not is_request_id(rid):
+        raise JobValidationError(
+            f"invalid request id {rid[:160]!r}",
+            [field_error("request_id", f"must match {REQUEST_ID_PATTERN}", "pattern")],
+        )
+    if tenant is not None and tenant_of(rid) != tenant:
+        raise JobValidationError(
+            f"request id {rid!r} is not tenant {tenant!r}'s",
+            [field_error("request_id", f"must start with {tenant}{TENANT_SEPARATOR}", "tenant")],
+        )
 
 
 def validate_job(data: Mapping[str, Any]) -> JobRequest:
@@ -74,20 +96,32 @@ def with_upload_refs(data: Mapping[str, Any], upload_keys: Mapping[str, str]) ->
 class Client:
     """Async client for one deployment (Redis URL, key prefix, pipeline)."""
 
-    def __init__(self, url: str, *, prefix: str = "sf", pipeline: PipelineConfig | None = None) -> None:
+    def __init__(
+        self, url: str, *, prefix: str = "sf", pipeline: PipelineConfig | None = None, tenant: str | None = None
+    ) -> None:
+        if tenant is not None and not is_tenant(tenant):
+            raise ConfigError(f"invalid tenant name {tenant!r}: must match {TENANT_PATTERN}")
         self.url = url
         self.keys = Keys(prefix)
         self.pipeline = pipeline or PipelineConfig()
+        self.tenant = tenant
         self.redis = connect(url)
         retention = self.pipeline.retention
         self.store = RequestStore(
             self.redis, self.keys, ttl_s=retention.request_ttl_s, events_maxlen=retention.events_maxlen
         )
+        self.refusals = Refusals(self.redis, self.keys, ttl_s=retention.request_ttl_s)
+        self._entries: dict[str, str] = {}  # request id → the stream entry this client added for it
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Client:
-        """A client for the configured deployment (``STAGEFERRY_REDIS_URL``/``PREFIX``/``PIPELINE``)."""
-        return cls(settings.redis_url or DEFAULT_REDIS_URL, prefix=settings.prefix, pipeline=settings.load_pipeline())
+        """A client for the configured deployment (``STAGEFERRY_REDIS_URL``/``PREFIX``/``PIPELINE``/``TENANT``)."""
+        return cls(
+            settings.redis_url or DEFAULT_REDIS_URL,
+            prefix=settings.prefix,
+            pipeline=settings.load_pipeline(),
+            tenant=settings.tenant,
+        )
 
     async def __aenter__(self) -> Client:
         return self
@@ -109,29 +143,28 @@ class Client:
         uploads: Mapping[str, bytes | Path] | None = None,
         upload_ttl_s: int = 3600,
     ) -> str:
-        """Validate, upload media, enqueue on the first stage; the request id.
+        """Validate, upload media, enqueue on the first stage (this client's tenant's intake); the request id.
 
         Submitting an id that is already known enqueues nothing (and uploads nothing) and returns it.
+        A tenant's ids start with ``<tenant>.``; a fresh id gets that prefix, a given one must have it.
         """
-        rid = request_id or new_request_id()
-        if not re.fullmatch(REQUEST_ID_PATTERN, rid):
-            raise JobValidationError(
-                f"invalid request id {rid!r}",
-                [field_error("request_id", f"must match {REQUEST_ID_PATTERN}", "pattern")],
-            )
+        rid = request_id or new_request_id(self.tenant)
+        check_request_id(rid, self.tenant)
         data = job.model_dump(mode="json") if isinstance(job, JobRequest) else dict(job)
         blobs = await self._read_uploads(uploads or {})
         checked = validate_job(with_upload_refs(data, {name: self.keys.upload(rid, name) for name in blobs}))
-        if await self.store.get(rid) is not None:
-            return rid
-        if blobs:
-            with translated():
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for name, blob in blobs.items():
-                        pipe.set(self.keys.upload(rid, name), blob, ex=upload_ttl_s)
-                    await pipe.execute()
         first = self.pipeline.stages[0].name
-        await self.store.submit(rid, checked, first, stream_maxlen=self.pipeline.retention.stream_maxlen)
+        entry = await self.store.submit(
+            rid,
+            checked,
+            first,
+            stream_maxlen=self.pipeline.retention.stream_maxlen,
+            tenant=self.tenant,
+            uploads={self.keys.upload(rid, name): blob for name, blob in blobs.items()},
+            upload_ttl_s=upload_ttl_s,
+        )
+        if entry is not None:
+            self._entries[rid] = entry
         return rid
 
     async def _read_uploads(self, uploads: Mapping[str, bytes | Path]) -> dict[str, bytes]:
@@ -165,11 +198,33 @@ class Client:
         return blobs
 
     async def wait(self, request_id: str, *, timeout: float | None = None) -> RequestStatus:
-        """Block until the request is terminal (:class:`DeadlineExceededError` after ``timeout``)."""
-        return await self.store.wait(request_id, timeout=timeout)
+        """Block until the request is terminal (:class:`DeadlineExceededError` after ``timeout``;
+        :class:`RequestLostError` if Redis lost it, or the refusal's error if the first stage refused the
+        entry this client submitted)."""
+
+        async def raise_if_refused() -> None:
+            refusal = await self.refusal_of(request_id)
+            if refusal is not None:
+                raise refusal.error()
+
+        check = raise_if_refused if request_id in self._entries else None
+        try:
+            return await self.store.wait(request_id, timeout=timeout, on_quiet=check)
+        except RequestLostError:
+            await raise_if_refused()
+            raise
 
     async def status(self, request_id: str) -> RequestStatus | None:
-        return await self.store.get(request_id)
+        """The request's status; ``queued`` at the first stage while only its "submitted" marker exists."""
+        status = await self.store.get(request_id)
+        if status is None and await self.store.known(request_id):
+            return RequestStatus(request_id=request_id, state=RequestState.QUEUED, stage=self.pipeline.stages[0].name)
+        return status
+
+    async def refusal_of(self, request_id: str) -> Refusal | None:
+        """Why the first stage refused the entry that this client submitted for ``request_id``, if it did."""
+        entry = self._entries.get(request_id)
+        return None if entry is None else await self.refusals.get(entry, self.tenant)
 
     async def cancel(self, request_id: str) -> bool:
         """Ask the stages to stop the request at their next boundary; False if unknown or finished."""
@@ -211,14 +266,28 @@ class Client:
 class SyncClient:
     """Blocking facade over :class:`Client`: one event loop in a background thread, one call at a time."""
 
-    def __init__(self, url: str, *, prefix: str = "sf", pipeline: PipelineConfig | None = None) -> None:
+    def __init__(
+        self, url: str, *, prefix: str = "sf", pipeline: PipelineConfig | None = None, tenant: str | None = None
+    ) -> None:
         self._portal_cm: AbstractContextManager[BlockingPortal] | None = start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
-        self._client: Client = self._portal.call(lambda: Client(url, prefix=prefix, pipeline=pipeline))
+        try:
+            self._client: Client = self._portal.call(
+                lambda: Client(url, prefix=prefix, pipeline=pipeline, tenant=tenant)
+            )
+        except BaseException:
+            cm, self._portal_cm = self._portal_cm, None
+            cm.__exit__(None, None, None)
+            raise
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SyncClient:
-        return cls(settings.redis_url or DEFAULT_REDIS_URL, prefix=settings.prefix, pipeline=settings.load_pipeline())
+        return cls(
+            settings.redis_url or DEFAULT_REDIS_URL,
+            prefix=settings.prefix,
+            pipeline=settings.load_pipeline(),
+            tenant=settings.tenant,
+        )
 
     def _call(self, fn: Callable[[], Coroutine[Any, Any, T]]) -> T:
         return self._portal.call(fn)
@@ -272,6 +341,7 @@ __all__ = [
     "DEFAULT_REDIS_URL",
     "Client",
     "SyncClient",
+    "check_request_id",
     "new_request_id",
     "validate_job",
     "with_upload_refs",

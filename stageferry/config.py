@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from stageferry.errors import ConfigError
+from stageferry.schemas.job import TENANT_PATTERN
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -211,6 +212,21 @@ class Retention(Strict):
     stream_maxlen: Annotated[int, Field(ge=100, le=100_000_000)] = 1_000_000
 
 
+class Security(Strict):
+    """Tenants: each has its own intake stream to the first stage (``<p>:stage:<first>:intake:<tenant>``),
+    which only its ACL user may write, and its own request ids (``<tenant>.<rest>``), which only it may
+    read or cancel.  With tenants configured, the first stage takes client jobs only from intakes, each
+    only for its tenant's ids (see ``docs/security.md``; ``stageferry acl`` prints the ACL users)."""
+
+    tenants: Annotated[tuple[Annotated[str, Field(pattern=TENANT_PATTERN)], ...], Field(max_length=256)] = ()
+
+    @model_validator(mode="after")
+    def _unique(self) -> Security:
+        if len(set(self.tenants)) != len(self.tenants):
+            raise ValueError("tenant names must be unique")
+        return self
+
+
 class Mode(enum.StrEnum):
     """How the stages are served."""
 
@@ -246,6 +262,7 @@ class PipelineConfig(Strict):
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
     retention: Retention = Retention()
+    security: Security = Security()
     output_dir: str = "out"
 
     @model_validator(mode="before")
@@ -325,6 +342,8 @@ class Settings(BaseSettings):
         default_factory=lambda: socket.gethostname()[:48] or "replica"
     )
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    tenant: Annotated[str | None, Field(pattern=TENANT_PATTERN)] = None
+    """The tenant a client process submits as (``STAGEFERRY_TENANT``); None: single-tenant."""
 
     def load_pipeline(self) -> PipelineConfig:
         return PipelineConfig.load(self.pipeline)

@@ -10,7 +10,11 @@ a request's failed/rejected status shows, so that clients branch on codes, never
     ├── RejectedError                the request itself is invalid: never retried
     │   ├── JobValidationError       job fields out of range, unknown task/LoRA, bad media
     │   ├── EnvelopeError            a stage-to-stage entry that does not parse
-    │   └── ManifestError            manifest/descriptors that fail validation before any native call
+    │   ├── ManifestError            manifest/descriptors that fail validation before any native call
+    │   └── SubmissionRefusedError   a client entry refused before it names a request (bad id, wrong
+    │       │                        tenant): told only through the entry's refusal record
+    │       ├── InvalidRequestIdError  the id breaks the request-id rule
+    │       └── TenantMismatchError  the id is not the submitting tenant's
     ├── ControlPlaneError            Redis unreachable, timed out, protocol trouble
     │   ├── QueueFullError           the first stage's stream is at its bound (back-pressure)
     │   └── AccessDeniedError        Redis refused our credentials or an ACL forbids a command/key
@@ -29,6 +33,7 @@ a request's failed/rejected status shows, so that clients branch on codes, never
     │                                reclaimed elsewhere (never a request failure)
     ├── DeadLetteredError            an entry delivered too often: the stage keeps dying on it
     ├── DeadlineExceededError        the request's deadline passed
+    ├── RequestLostError             the request's record vanished (a Redis without persistence restarted)
     └── CancelledRequestError        the client cancelled the request (or gave up waiting, and cancelled it)
 
 What an error does to a request is decided in one place, :data:`OUTCOMES`: error class → the request
@@ -87,6 +92,21 @@ class EnvelopeError(RejectedError):
 
 class ManifestError(RejectedError):
     code = "invalid_manifest"
+
+
+class SubmissionRefusedError(RejectedError):
+    """A client's entry that the first stage refused *before* trusting its request id: nothing is written
+    under that id (it may be someone else's); the refusal is recorded under the entry's stream id."""
+
+    code = "submission_refused"
+
+
+class InvalidRequestIdError(SubmissionRefusedError):
+    code = "invalid_request_id"
+
+
+class TenantMismatchError(SubmissionRefusedError):
+    code = "tenant_mismatch"
 
 
 class ControlPlaneError(StageferryError):
@@ -168,6 +188,12 @@ class DeadlineExceededError(StageferryError):
     code = "deadline_exceeded"
 
 
+class RequestLostError(StageferryError):
+    """A waited-on request's record (and its submission marker) disappeared: Redis lost it."""
+
+    code = "request_lost"
+
+
 class CancelledRequestError(StageferryError):
     """The client cancelled the request; a model raises it to stop between steps (see the sampler)."""
 
@@ -203,7 +229,7 @@ class EntryAction(enum.StrEnum):
 class Outcome:
     """A request's end as decided by an error class."""
 
-    state: RequestState | None  #: the terminal state written (``None`` with :attr:`EntryAction.KEEP`)
+    state: RequestState | None  #: the terminal state written (``None``: nothing is written, see KEEP and refusals)
     entry: EntryAction
     label: str  #: the ``outcome`` label of ``stageferry_entries_total``
 
@@ -215,6 +241,7 @@ OUTCOMES: Mapping[type[StageferryError], Outcome] = MappingProxyType(
         RejectedError: Outcome(RequestState.REJECTED, EntryAction.ACK, "rejected"),
         EnvelopeError: Outcome(RequestState.REJECTED, EntryAction.DEAD_LETTER, "rejected"),
         ManifestError: Outcome(RequestState.REJECTED, EntryAction.DEAD_LETTER, "rejected"),
+        SubmissionRefusedError: Outcome(None, EntryAction.DEAD_LETTER, "refused"),
         DataPlaneError: Outcome(RequestState.FAILED, EntryAction.RECOMPUTE, "recomputed"),
         GroupBrokenError: Outcome(None, EntryAction.KEEP, "group_broken"),
         DeadLetteredError: Outcome(RequestState.FAILED, EntryAction.DEAD_LETTER, "dead_lettered"),

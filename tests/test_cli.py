@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis as sync_redis
 from typer.testing import CliRunner
 
+from stageferry.broker.control.keys import Keys
 from stageferry.cli import app, build_job
 from stageferry.schemas import RequestState, RequestStatus, StageTiming, Transport
 from stageferry.trace import format_trace, hops, parse_events
@@ -48,9 +50,11 @@ def test_submit_from_json_on_stdin_with_env_settings(redis_url: str, prefix: str
     result = runner.invoke(app, ["submit", "--json", "-", "--seed", "7"], input=job, env=env)
     assert result.exit_code == 0, result.output
     rid = result.stdout.strip()
-    result = runner.invoke(app, ["trace", rid], env=env)
+    result = runner.invoke(app, ["status", rid], env=env)
     assert result.exit_code == 0
-    assert "status.queued" in result.stdout and "hops (between status changes):" in result.stdout
+    assert RequestStatus.model_validate_json(result.stdout).state is RequestState.QUEUED
+    rows = sync_redis.Redis.from_url(redis_url).xrange(Keys(prefix).stage_stream("encoder"))
+    assert [json.loads(f[b"job"])["seed"] for _, f in rows] == [7]
 
 
 def test_invalid_job_is_one_line_without_traceback(redis_url: str, prefix: str) -> None:

@@ -2,6 +2,10 @@
 
 In order, for every entry the worker reads:
 
+0. whether its request id may be trusted at all (:meth:`Admission.refusal`): an id that breaks the id
+   rule, or — at the first stage of a deployment with tenants — a job that does not come through its
+   tenant's intake stream, is refused *without a request id*, so that nothing is written under an id
+   that may be someone else's (the outcome settles it with a refusal record keyed by the entry id);
 1. the entry as an envelope (:meth:`Admission.parse`): clients send a bare ``job`` to the first stage,
    stages send envelopes; anything else, or anything too large, is a typed rejection — and the job is
    held to the deployment's limits (step cap, prompt length, LoRA adapters, upload prefix);
@@ -28,8 +32,17 @@ from stageferry.broker.control.streams import Entry, StageStream
 from stageferry.broker.data import metrics
 from stageferry.broker.data.connector import Connector
 from stageferry.config import PipelineConfig, StageConfig
-from stageferry.errors import CancelledRequestError, DeadLetteredError, DeadlineExceededError, EnvelopeError
+from stageferry.errors import (
+    CancelledRequestError,
+    DeadLetteredError,
+    DeadlineExceededError,
+    EnvelopeError,
+    InvalidRequestIdError,
+    SubmissionRefusedError,
+    TenantMismatchError,
+)
 from stageferry.schemas import Envelope, request_key
+from stageferry.schemas.job import REQUEST_ID_PATTERN, is_request_id, tenant_of
 from stageferry.schemas.validation import check_job_limits, parse_envelope, parse_job
 from stageferry.stages.media import load_media
 
@@ -59,6 +72,31 @@ class Admission:
         self.input_connector = input_connector
         self.index = pipeline.index_of(stage.name)
         self.previous_stage = pipeline.previous_stage(stage.name)
+
+    def refusal(self, entry: Entry) -> SubmissionRefusedError | None:
+        """Why ``entry`` must be refused before anything is written under its request id, or None.
+
+        The id must satisfy the id rule (so that its keys cannot alias another request's).  At the first
+        stage with tenants, a client job must come through a tenant's intake stream — only that tenant's
+        ACL user can write it — and name one of that tenant's ids; an intake carries jobs only, and the
+        stage's own stream (stages only, then) takes no jobs."""
+        raw = entry.fields.get("request_id")
+        try:
+            rid = None if raw is None else raw.decode("utf-8", errors="strict")
+        except UnicodeDecodeError:
+            rid = None
+        if rid is None or not is_request_id(rid):
+            return InvalidRequestIdError(f"missing or invalid request_id: must match {REQUEST_ID_PATTERN}")
+        if self.index != 0:
+            return None
+        if entry.tenant is not None:
+            if "job" not in entry.fields or "envelope" in entry.fields:
+                return SubmissionRefusedError("a tenant's intake takes client jobs only (a job field)")
+            if tenant_of(rid) != entry.tenant:
+                return TenantMismatchError(f"request ids from tenant {entry.tenant!r} must start with {entry.tenant}.")
+        elif self.pipeline.security.tenants and "envelope" not in entry.fields:
+            return TenantMismatchError("this deployment has tenants: submit through your tenant's intake stream")
+        return None
 
     def check_deliveries(self, entry: Entry) -> None:
         """:class:`DeadLetteredError` for an entry delivered more often than ``limits.max_deliveries``."""
@@ -100,7 +138,7 @@ class Admission:
             max_steps=limits.max_steps,
             max_prompt_chars=limits.max_prompt_chars,
             lora_adapters=limits.lora_adapters,
-            upload_prefix=self.keys.upload_prefix(),
+            upload_prefix=self.keys.upload(rid, ""),  # a request reads only its own uploads (tenants!)
         )
         return envelope
 
@@ -144,7 +182,7 @@ class Admission:
         loaded = await load_media(
             envelope.job,
             redis=self.redis,
-            upload_prefix=self.keys.upload_prefix(),
+            upload_prefix=self.keys.upload(envelope.request_id, ""),
             max_bytes=limits.max_upload_bytes,
             min_audio_s=limits.min_reference_audio_s,
         )

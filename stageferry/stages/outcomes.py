@@ -8,21 +8,38 @@ error's code, then acknowledge or dead-letter the entry, or hand the request bac
 nothing else decides a request's state from an error.  Later fixes (poison entries, request records)
 add a class and, if its default is wrong, a row; they do not add branches here.
 
-Status writes for the normal path (``running``, ``queued`` on the next stage, ``done``) live here too,
-so that every write of a request record by a stage goes through :meth:`Outcomes.set_status`.
+Status writes for the normal path (``queued`` when the first stage takes a client's entry, ``running``,
+``queued`` on the next stage, ``done``) live here too, so that every write of a request record by a stage
+goes through :meth:`Outcomes.set_status`.
+
+Nothing a client writes may stop a stage: when the terminal status itself cannot be written (the
+request's key is of another type, its status no longer parses), the entry is dead-lettered with both
+reasons logged; when even the dead-letter stream refuses it, it is acknowledged (logged) rather than
+delivered again and again.  An entry refused without a request id (:class:`SubmissionRefusedError`) gets
+a refusal record under its entry id instead (:mod:`stageferry.broker.control.refusals`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
 
-from stageferry.broker.control.requests import RequestStore
+from stageferry.broker.control.redis_conn import is_transient_error
+from stageferry.broker.control.refusals import Refusals
+from stageferry.broker.control.requests import RequestStore, WriteMode
 from stageferry.broker.control.streams import Entry, StageStream
 from stageferry.broker.data import metrics
-from stageferry.errors import DataPlaneError, EntryAction, StageferryError, outcome_of
+from stageferry.errors import (
+    ControlPlaneError,
+    DataPlaneError,
+    EntryAction,
+    StageferryError,
+    SubmissionRefusedError,
+    outcome_of,
+)
 from stageferry.schemas import Envelope, ErrorInfo, Progress, RequestState, RequestStatus
 
 log = structlog.get_logger(__name__)
@@ -41,10 +58,13 @@ Recompute = Callable[[Entry, Envelope, DataPlaneError], Awaitable[bool]]
 class Outcomes:
     """Writes a stage's request states and disposes of its entries, as the outcome table says."""
 
-    def __init__(self, *, stage: str, stream: StageStream, store: RequestStore) -> None:
+    def __init__(
+        self, *, stage: str, stream: StageStream, store: RequestStore, refusals: Refusals | None = None
+    ) -> None:
         self.stage = stage
         self.stream = stream
         self.store = store
+        self.refusals = refusals  #: the first stage's: where clients learn why an entry was refused
 
     async def settle(
         self,
@@ -73,21 +93,73 @@ class Outcomes:
             and await recompute(entry, envelope, error)
         ):
             return
+        if rid is None and isinstance(error, SubmissionRefusedError):
+            await self._record_refusal(entry, error)
         if rid is not None and outcome.state is not None:
             level, event = _LOGGED.get(outcome.state, ("error", "request.failed"))
             getattr(log, level)(event, code=error.code, error=error.message)
-            await self.finish(rid, outcome.state, error=ErrorInfo(**error.to_dict()))
+            try:
+                await self.finish(rid, outcome.state, error=ErrorInfo(**error.to_dict()))
+            except Exception as write_error:  # what a client wrote under its id must not stop the stage
+                if isinstance(write_error, ControlPlaneError) and is_transient_error(write_error):
+                    raise
+                log.error("worker.status_write_failed", entry=entry.id, cause=error.code, error=str(write_error))
+                metrics.ENTRIES.labels(self.stage, "dead_lettered").inc()
+                reason = f"{error.code}: {error.message}; and its status could not be written: {write_error}"
+                await self._dead_letter(entry, reason=reason, error_code=error.code)
+                return
         label = outcome.label if rid is not None else "dead_lettered"
         metrics.ENTRIES.labels(self.stage, label if outcome.entry is not EntryAction.RECOMPUTE else "failed").inc()
         if outcome.entry is EntryAction.DEAD_LETTER:
-            await self.stream.dead_letter(entry, reason=error.message, error_code=error.code)
+            await self._dead_letter(entry, reason=error.message, error_code=error.code)
         else:
             await self.stream.ack(entry.id)
 
+    async def _dead_letter(self, entry: Entry, *, reason: str, error_code: str) -> None:
+        """Dead-letter ``entry``; if the dead-letter stream refuses it, acknowledge it anyway (logged)."""
+        try:
+            await self.stream.dead_letter(entry, reason=reason, error_code=error_code)
+        except ControlPlaneError as exc:
+            if is_transient_error(exc):
+                raise
+            log.error("worker.dead_letter_failed", entry=entry.id, error=exc.message, reason=reason)
+            await self.stream.ack(entry.id)
+
+    async def _record_refusal(self, entry: Entry, error: SubmissionRefusedError) -> None:
+        """Tell a client why its entry was refused, under the entry's id (first stage only)."""
+        if self.refusals is None:
+            return
+        try:
+            await self.refusals.record(
+                entry.id,
+                tenant=entry.tenant,
+                stream=entry.stream,
+                error=error,
+                request_id=entry.fields.get("request_id"),
+            )
+        except ControlPlaneError as exc:
+            if is_transient_error(exc):
+                raise
+            log.error("worker.refusal_write_failed", entry=entry.id, error=exc.message)
+
+    async def submitted(self, entry: Entry, envelope: Envelope) -> None:
+        """Start a client's request's record (if it has none): ``queued`` at this stage as of its XADD (the
+        entry id's milliseconds), so that a trace shows the time it waited.  Clients cannot write records
+        (their ACL user may not), so the first stage writes it when it takes the entry."""
+        try:
+            submitted_at = min(int(entry.id.split("-", 1)[0]) / 1000, time.time())
+        except ValueError:
+            submitted_at = time.time()
+        await self.set_status(
+            envelope.request_id, RequestState.QUEUED, mode="create", stage=self.stage, updated_at=submitted_at
+        )
+
     async def running(self, envelope: Envelope, progress: Progress | None) -> None:
+        """Only over an existing record: a request lost with Redis must not come back as running."""
         await self.set_status(
             envelope.request_id,
             RequestState.RUNNING,
+            mode="update",
             stage=self.stage,
             progress=progress,
             attempt=envelope.attempt,
@@ -98,6 +170,6 @@ class Outcomes:
         """Write a terminal status (once: a second writer finds it terminal and changes nothing)."""
         return await self.set_status(rid, state, stage=self.stage, **fields)
 
-    async def set_status(self, rid: str, state: RequestState, **fields: Any) -> bool:
+    async def set_status(self, rid: str, state: RequestState, *, mode: WriteMode = "any", **fields: Any) -> bool:
         status = RequestStatus(request_id=rid, state=state, **fields)
-        return await self.store.set_status(status)
+        return await self.store.set_status(status, mode=mode)

@@ -24,7 +24,6 @@ cancel — seen between entries, at a stage boundary, or by the model between tw
 from __future__ import annotations
 
 import functools
-import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -36,7 +35,8 @@ import structlog
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import Heartbeat
-from stageferry.broker.control.redis_conn import is_connection_error, reconnecting
+from stageferry.broker.control.redis_conn import is_connection_error, is_transient_error, reconnecting
+from stageferry.broker.control.refusals import Refusals
 from stageferry.broker.control.requests import RequestStore
 from stageferry.broker.control.streams import Entry, StageStream
 from stageferry.broker.data import metrics
@@ -46,7 +46,6 @@ from stageferry.errors import (
     CancelledRequestError,
     ControlPlaneError,
     DataPlaneError,
-    EnvelopeError,
     GroupBrokenError,
     ManifestError,
     StageFailedError,
@@ -54,13 +53,11 @@ from stageferry.errors import (
 )
 from stageferry.logs import bound_request
 from stageferry.schemas import DeviceKind, Envelope, JobRequest, Manifest, Progress, StageTiming, Transport
-from stageferry.schemas.job import REQUEST_ID_PATTERN
 from stageferry.stages.admission import Admission
 from stageferry.stages.handoff import HandOn
 from stageferry.stages.outcomes import Outcomes
 
 log = structlog.get_logger(__name__)
-_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 #: How often the leader looks at the cancel flag (and publishes progress) while the model runs.
 WATCH_EVERY_S = 0.1
 #: How often, at most, a running request's progress is written to its record.
@@ -143,11 +140,14 @@ class StageWorker:
             visibility_ms=int(timeouts.visibility * 1000),
             dlq_maxlen=pipeline.retention.dlq_maxlen,
             max_entry_bytes=pipeline.limits.max_entry_bytes,
+            tenants=pipeline.security.tenants if pipeline.index_of(stage.name) == 0 else (),
         )
         self.store = RequestStore(
             redis, keys, ttl_s=pipeline.retention.request_ttl_s, events_maxlen=pipeline.retention.events_maxlen
         )
-        self.outcomes = Outcomes(stage=stage.name, stream=self.stream, store=self.store)
+        first = pipeline.index_of(stage.name) == 0  # only the first stage takes clients' entries
+        refusals = Refusals(redis, keys, ttl_s=pipeline.retention.request_ttl_s) if first else None
+        self.outcomes = Outcomes(stage=stage.name, stream=self.stream, store=self.store, refusals=refusals)
         self.admission = Admission(
             redis=redis,
             keys=keys,
@@ -212,17 +212,17 @@ class StageWorker:
     # ---------------------------------------------------------------- one entry
 
     async def process(self, entry: Entry) -> None:
-        """Handle one entry to a definite outcome; Redis connection errors propagate (entry stays pending).
+        """Handle one entry to a definite outcome; transient Redis errors (connection, BUSY) propagate (the
+        entry stays pending).
 
         The one boundary where an error becomes a request state: everything below raises typed errors,
-        and :meth:`Outcomes.settle` ends the request as the outcome table says."""
-        try:
-            rid = entry.text("request_id") or ""
-        except UnicodeDecodeError:
-            rid = ""
-        if not _REQUEST_ID.match(rid):
-            await self.outcomes.settle(entry, None, EnvelopeError("missing or invalid request_id"))
+        and :meth:`Outcomes.settle` ends the request as the outcome table says.  An entry refused at
+        admission (its id breaks the rule, or is another tenant's) is settled without a request id."""
+        refusal = self.admission.refusal(entry)
+        if refusal is not None:  # nothing may be written under its id: it may be someone else's
+            await self.outcomes.settle(entry, None, refusal)
             return
+        rid = entry.text("request_id") or ""
         with bound_request(rid, stage=self.stage.name, rank=0):
             envelope: Envelope | None = None
             try:
@@ -234,7 +234,7 @@ class StageWorker:
                 raise  # leave the entry pending: the replica stops and another one reclaims it
             except StageferryError as exc:
                 if isinstance(exc, ControlPlaneError):
-                    if is_connection_error(exc):
+                    if is_transient_error(exc):  # connection trouble, BUSY, LOADING: the entry stays pending
                         raise
                     log.exception("worker.control_plane_error", entry=entry.id)
                 await self.outcomes.settle(entry, rid, exc, envelope=envelope, recompute=self.hand.recompute)
@@ -248,6 +248,8 @@ class StageWorker:
         """Everything after parsing: skip what is settled, fetch, compute, hand on."""
         if await self.admission.settled(entry, envelope):
             return
+        if envelope.from_stage == "client":
+            await self.outcomes.submitted(entry, envelope)
         media = await self.admission.load_media(envelope)
         await self.outcomes.running(envelope, None)
         started = time.perf_counter()

@@ -88,6 +88,23 @@ def is_connection_error(exc: BaseException) -> bool:
     return isinstance(cause, redis_errors.ConnectionError | redis_errors.TimeoutError | OSError)
 
 
+#: Replies that mean "Redis is up but cannot serve this right now": waited out, never a request failure.
+#: BUSY: a script runs past lua-time-limit; LOADING: a restart is reading its dataset; MASTERDOWN,
+#: TRYAGAIN: a replica or cluster in transition.
+_TRANSIENT_REPLIES = ("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN")
+
+
+def is_transient_error(exc: BaseException) -> bool:
+    """True for failures worth waiting out with backoff: connection trouble, or a transient reply."""
+    if is_connection_error(exc):
+        return True
+    cause = exc.__cause__ if isinstance(exc, ControlPlaneError) else exc
+    if not isinstance(cause, redis_errors.RedisError) or isinstance(cause, redis_errors.NoPermissionError):
+        return False
+    text = str(cause).lstrip()  # a script's error reply quotes the command's: "... BUSY Redis is busy"
+    return any(text.startswith(word) or f" {word} " in text for word in _TRANSIENT_REPLIES)
+
+
 @contextlib.contextmanager
 def translated() -> Iterator[None]:
     """Translate redis-py errors raised inside the block into :class:`ControlPlaneError`."""
@@ -106,9 +123,10 @@ def reconnecting(
 ) -> tenacity.AsyncRetrying:
     """The one retry policy for Redis outages that outlast redis-py's own retries (see :func:`connect`).
 
-    Retries only connection failures (:func:`is_connection_error`) — with exponential backoff and full
-    jitter, from ``initial`` up to ``cap`` seconds — until ``within`` seconds have passed since the first
-    attempt (or ``abandon()`` says stop, checked after 5 s of failures); then the last error is raised as
+    Retries only transient failures (:func:`is_transient_error`: connection trouble, ``BUSY``, ``LOADING``,
+    ...) — with exponential backoff and full jitter, from ``initial`` up to ``cap`` seconds — until
+    ``within`` seconds have passed since the first attempt (or ``abandon()`` says stop, checked after 5 s
+    of failures); then the last error is raised as
     itself.  Each retry is logged as ``event`` with the attempt, the error and the wait::
 
         async for attempt in reconnecting(within=60, event="worker.redis_retry"):
@@ -119,7 +137,7 @@ def reconnecting(
     if abandon is not None:
         stop = stop | _Abandon(abandon)
     return tenacity.AsyncRetrying(
-        retry=tenacity.retry_if_exception(lambda exc: isinstance(exc, ControlPlaneError) and is_connection_error(exc)),
+        retry=tenacity.retry_if_exception(lambda exc: isinstance(exc, ControlPlaneError) and is_transient_error(exc)),
         stop=stop,
         wait=tenacity.wait_random_exponential(multiplier=initial, max=cap),
         sleep=anyio.sleep,

@@ -1,62 +1,52 @@
 """Request records in Redis: submit once, status transitions, terminal results written once, waiting.
 
 A request's record is the hash ``<p>:req:<id>`` (``state`` and ``status`` JSON); every status change is
-also appended to ``<p>:req:<id>:events``, so a waiter blocks on that stream (XREAD BLOCK) instead of
-polling.  All transitions run as Lua scripts, so that a terminal state is written exactly once even
-when two replicas race after a crash.
+also appended to ``<p>:req-events:<id>``, so a waiter blocks on that stream (XREAD BLOCK) instead of
+polling.  Stages write records, in Lua scripts, so that a terminal state is written exactly once even
+when two replicas race after a crash.  Clients run no scripts (their ACL user may not): a submission is
+one MULTI, and until the first stage picks it up the request is known by its "submitted" marker.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
 import structlog
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, translated
-from stageferry.broker.control.streams import WAKE_LUA
-from stageferry.errors import DeadlineExceededError, QueueFullError
-from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestState, RequestStatus
+from stageferry.errors import DeadlineExceededError, QueueFullError, RequestLostError
+from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestStatus
 
 log = structlog.get_logger(__name__)
 
+#: How a status write treats a missing record (see :meth:`RequestStore.set_status`).
+WriteMode = Literal["any", "create", "update"]
+
+#: How long a waiter gives an id that it never saw (neither a record nor a "submitted" marker) before
+#: calling it lost: a raw client's XADD carries no marker, and is known only once a first stage (maybe
+#: still starting) takes it.  An id seen and then gone is lost at once.
+UNKNOWN_GRACE_S = 30.0
 _TERMINAL_NAMES = frozenset(state.value for state in TERMINAL_STATES)
 _TERMINAL_LUA = "local t = {done=true, failed=true, rejected=true, cancelled=true}\n"
 
-# KEYS: request hash, events stream. ARGV: state, status json, ttl, events maxlen.
-# Returns 1 if written, 0 if the request is already terminal.
+# KEYS: request hash, events stream. ARGV: state, status json, ttl, events maxlen, mode ('any', 'create':
+# only if there is no record, 'update': only if there is one).
+# Returns 1 if written, 0 if the request is already terminal (or the mode forbids it).
 _SET_STATUS = (
     _TERMINAL_LUA
     + """
 local cur = redis.call('HGET', KEYS[1], 'state')
 if cur and t[cur] then return 0 end
+if (ARGV[5] == 'create' and cur) or (ARGV[5] == 'update' and not cur) then return 0 end
 redis.call('HSET', KEYS[1], 'state', ARGV[1], 'status', ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'kind', 'status', 'state', ARGV[1], 'status', ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
-return 1
-"""
-)
-
-# KEYS: request hash, events stream, first stage stream, its wake list.
-# ARGV: status json, ttl, events maxlen, request id, job json, stream max length.
-# Returns 1 if submitted, 0 if the id is already known, -1 if the stage stream is full.
-_SUBMIT = (
-    """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-if redis.call('XLEN', KEYS[3]) >= tonumber(ARGV[6]) then return -1 end
-redis.call('HSET', KEYS[1], 'state', 'queued', 'status', ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'kind', 'status', 'state', 'queued', 'status', ARGV[1])
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-redis.call('XADD', KEYS[3], '*', 'request_id', ARGV[4], 'job', ARGV[5])
-"""
-    + WAKE_LUA
-    + """
 return 1
 """
 )
@@ -71,31 +61,58 @@ class RequestStore:
         self._ttl = ttl_s
         self._maxlen = events_maxlen
         self._set_status = redis.register_script(_SET_STATUS)
-        self._submit = redis.register_script(_SUBMIT)
 
-    async def submit(self, request_id: str, job: JobRequest, first_stage: str, *, stream_maxlen: int) -> bool:
-        """Enqueue a job once: False if ``request_id`` was already submitted (nothing is enqueued)."""
-        status = RequestStatus(request_id=request_id, state=RequestState.QUEUED, stage=first_stage)
-        keys = [
-            self._keys.request(request_id),
-            self._keys.events(request_id),
-            self._keys.stage_stream(first_stage),
-            self._keys.wake(first_stage),
-        ]
-        args = [status.model_dump_json(), self._ttl, self._maxlen, request_id, job.model_dump_json(), stream_maxlen]
+    async def submit(
+        self,
+        request_id: str,
+        job: JobRequest,
+        first_stage: str,
+        *,
+        stream_maxlen: int,
+        tenant: str | None = None,
+        uploads: Mapping[str, bytes] | None = None,
+        upload_ttl_s: int = 3600,
+    ) -> str | None:
+        """Enqueue a job once, without scripts (a client's ACL user may not run any): the stream entry id,
+        or None if ``request_id`` is already known (nothing is enqueued, nothing uploaded).
+
+        One MULTI writes the uploads, the "submitted" marker (``SET NX``), the entry on the first stage's
+        stream (``tenant``'s intake when given) and the stage's wake-up.  Which submission of an id wins
+        is decided by the first stage (duplicates are acknowledged there), not by this client: two
+        clients racing on one id both enqueue, and the stage runs it once.
+        :class:`QueueFullError` when the stream is at ``stream_maxlen`` (checked just before)."""
+        if await self.known(request_id):
+            return None
+        stream = self._keys.submission_stream(first_stage, tenant)
         with translated():
-            result = int(await self._submit(keys=keys, args=args))
-        if result < 0:
-            raise QueueFullError("the first stage's queue is full; retry later", stage=first_stage)
-        return result == 1
+            if await self._redis.xlen(stream) >= stream_maxlen:
+                raise QueueFullError("the first stage's queue is full; retry later", stage=first_stage)
+            async with self._redis.pipeline(transaction=True) as pipe:
+                for key, blob in (uploads or {}).items():
+                    pipe.set(key, blob, ex=upload_ttl_s)
+                pipe.set(self._keys.submitted(request_id), first_stage, nx=True, ex=self._ttl)
+                pipe.xadd(stream, {"request_id": request_id, "job": job.model_dump_json()})
+                pipe.lpush(self._keys.wake(first_stage), b"1")
+                pipe.ltrim(self._keys.wake(first_stage), 0, 15)
+                replies = await pipe.execute()
+        entry = replies[-3]
+        return entry.decode() if isinstance(entry, bytes) else str(entry)
 
-    async def set_status(self, status: RequestStatus) -> bool:
-        """Write a status unless the request is already terminal; True if written."""
+    async def known(self, request_id: str) -> bool:
+        """True if the request has a record, or a client marked it submitted (not yet picked up)."""
+        with translated():
+            return bool(await self._redis.exists(self._keys.request(request_id), self._keys.submitted(request_id)))
+
+    async def set_status(self, status: RequestStatus, *, mode: WriteMode = "any") -> bool:
+        """Write a status unless the request is already terminal; True if written.  ``mode`` "create"
+        writes only a first record; "update" only over an existing one — a progress or hand-on write after
+        Redis lost the record must not bring back a request whose entry is gone (it would look running
+        for ever; lost, its waiters are told instead)."""
         rid = status.request_id
         with translated():
             written = await self._set_status(
                 keys=[self._keys.request(rid), self._keys.events(rid)],
-                args=[status.state.value, status.model_dump_json(), self._ttl, self._maxlen],
+                args=[status.state.value, status.model_dump_json(), self._ttl, self._maxlen, mode],
             )
         return bool(written)
 
@@ -107,7 +124,9 @@ class RequestStore:
     async def request_cancel(self, request_id: str) -> bool:
         """Flag the request; stages stop it at their next boundary. False if it is unknown or finished."""
         status = await self.get(request_id)
-        if status is None or status.state.terminal:
+        if status is None and not await self.known(request_id):
+            return False  # unknown (a submitted one not yet picked up is known by its marker)
+        if status is not None and status.state.terminal:
             return False
         with translated():
             await self._redis.set(self._keys.cancel(request_id), b"1", ex=self._ttl)
@@ -134,11 +153,20 @@ class RequestStore:
         return [(eid.decode(), _decode_event(fields)) for eid, fields in rows]
 
     async def follow(
-        self, request_id: str, *, timeout: float | None = None
+        self,
+        request_id: str,
+        *,
+        timeout: float | None = None,
+        on_quiet: Callable[[], Awaitable[None]] | None = None,
     ) -> AsyncIterator[tuple[str, dict[str, str]]]:
         """Yield the request's events (entry id, fields) as they arrive, from the first, by blocking reads;
-        stop after a terminal status.  :class:`DeadlineExceededError` if not terminal within ``timeout``."""
+        stop after a terminal status.  :class:`DeadlineExceededError` if not terminal within ``timeout``;
+        :class:`RequestLostError` if its record and marker vanish (after being seen), or stay unknown for
+        :data:`UNKNOWN_GRACE_S` (a raw client's entry that no stage picked up, or an id never submitted).
+        ``on_quiet`` runs after each quiet read (a caller's own check, e.g. for its entry's refusal)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        unknown_since = time.monotonic()
+        seen = False
         last_id = "0-0"
         key = self._keys.events(request_id)
         while True:
@@ -152,6 +180,7 @@ class RequestStore:
                 reply = await self._redis.xread({key: last_id}, block=block, count=100)
             for _stream, rows in reply or []:
                 for raw_id, raw_fields in rows:
+                    seen = True
                     last_id = raw_id.decode()
                     fields = {k.decode(): v.decode(errors="replace") for k, v in raw_fields.items()}
                     yield last_id, fields
@@ -161,16 +190,35 @@ class RequestStore:
                 current = await self.get(request_id)
                 if current is not None and current.state.terminal:
                     return
+                if current is not None or await self.known(request_id):
+                    seen, unknown_since = True, time.monotonic()
+                elif seen or time.monotonic() - unknown_since >= UNKNOWN_GRACE_S:
+                    raise _lost(request_id)
+                if on_quiet is not None:
+                    await on_quiet()
 
-    async def wait(self, request_id: str, *, timeout: float | None = None) -> RequestStatus:
+    async def wait(
+        self,
+        request_id: str,
+        *,
+        timeout: float | None = None,
+        on_quiet: Callable[[], Awaitable[None]] | None = None,
+    ) -> RequestStatus:
         """Block (XREAD BLOCK on the events stream, no polling) until the request is terminal."""
         status = await self.get(request_id)
         if status is None or not status.state.terminal:
-            async for _event in self.follow(request_id, timeout=timeout):
+            async for _event in self.follow(request_id, timeout=timeout, on_quiet=on_quiet):
                 pass
             status = await self.get(request_id)
-        assert status is not None
+        if status is None:  # its terminal event came, then the record went (expired, or Redis lost it)
+            raise _lost(request_id)
         return status
+
+
+def _lost(request_id: str) -> RequestLostError:
+    return RequestLostError(
+        "the request is unknown, or was lost (did Redis restart without persistence?)", request_id=request_id
+    )
 
 
 def _decode_event(fields: dict[bytes, bytes]) -> dict[str, Any]:

@@ -19,8 +19,9 @@ someone else (the raw protocol) is picked up within :data:`WAKE_POLL_S`, the BLP
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
@@ -77,38 +78,42 @@ return 1
 """
 )
 
-# KEYS: stream. ARGV: group, consumer, count, max entry bytes, start ('>' new, '0' own pending, or
-# 'claim' to XAUTOCLAIM entries idle at least ARGV[6] ms).  Returns {id, fields, size}: size is 0 for an
-# entry returned whole; an oversized one keeps only a short request_id, the rest never leaves Redis.
+# KEYS: the streams, in order (the stage's own, then tenants' intakes). ARGV: group, consumer, count, max
+# entry bytes, start ('>' new, '0' own pending, or 'claim' to XAUTOCLAIM entries idle at least ARGV[6] ms).
+# Returns {id, fields, size, stream index}: size is 0 for an entry returned whole; an oversized one keeps
+# only a short request_id, the rest never leaves Redis.  Stops at ``count`` entries across the streams.
 _READ_CAPPED = """
-local entries
-if ARGV[5] == 'claim' then
-  entries = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[6], '0-0', 'COUNT', ARGV[3])[2]
-else
-  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], ARGV[5])
-  if not reply then return {} end
-  entries = reply[1][2]
-end
 local cap = tonumber(ARGV[4])
+local want = tonumber(ARGV[3])
 local out = {}
-for _, e in ipairs(entries) do
-  local fields = e[2]
-  local size = 0
-  if type(fields) ~= 'table' then
-    fields = {}
+for k = 1, #KEYS do
+  local entries
+  if ARGV[5] == 'claim' then
+    entries = redis.call('XAUTOCLAIM', KEYS[k], ARGV[1], ARGV[2], ARGV[6], '0-0', 'COUNT', want - #out)[2]
   else
-    for i = 1, #fields do size = size + #fields[i] end
-    if size > cap then
-      local rid = ''
-      for i = 1, #fields - 1, 2 do
-        if fields[i] == 'request_id' and #fields[i + 1] <= 128 then rid = fields[i + 1] end
-      end
-      fields = {'request_id', rid}
-    else
-      size = 0
-    end
+    local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want - #out, 'STREAMS', KEYS[k], ARGV[5])
+    entries = reply and reply[1][2] or {}
   end
-  out[#out + 1] = {e[1], fields, size}
+  for _, e in ipairs(entries) do
+    local fields = e[2]
+    local size = 0
+    if type(fields) ~= 'table' then
+      fields = {}
+    else
+      for i = 1, #fields do size = size + #fields[i] end
+      if size > cap then
+        local rid = ''
+        for i = 1, #fields - 1, 2 do
+          if fields[i] == 'request_id' and #fields[i + 1] <= 128 then rid = fields[i + 1] end
+        end
+        fields = {'request_id', rid}
+      else
+        size = 0
+      end
+    end
+    out[#out + 1] = {e[1], fields, size, k}
+  end
+  if #out >= want then break end
 end
 return out
 """
@@ -127,6 +132,10 @@ class Entry:
     deliveries: int
     too_large: int | None = None
     """The entry's size when it is above the cap: then ``fields`` holds only its ``request_id``."""
+    stream: str = ""
+    """The stream it came from (the stage's own, or a tenant's intake)."""
+    tenant: str | None = None
+    """The tenant whose intake stream it came from (only that tenant's ACL user can write there)."""
 
     def text(self, name: str) -> str | None:
         raw = self.fields.get(name)
@@ -146,6 +155,7 @@ class StageStream:
         visibility_ms: int,
         dlq_maxlen: int = 100_000,
         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
+        tenants: Sequence[str] = (),
     ) -> None:
         self._redis = redis
         self._keys = keys
@@ -153,6 +163,10 @@ class StageStream:
         self.group = stage
         self.consumer = consumer
         self.key = keys.stage_stream(stage)
+        #: Streams read, in order: the stage's own, then each tenant's intake (first stage only).
+        self.streams: tuple[str, ...] = (self.key, *(keys.intake(stage, t) for t in tenants))
+        self._tenants: tuple[str | None, ...] = (None, *tenants)
+        self._source: dict[str, str] = {}  # entry id → its stream, for the entries in hand
         self._visibility_ms = visibility_ms
         self._dlq_maxlen = dlq_maxlen
         self._handoff = redis.register_script(_HANDOFF)
@@ -162,14 +176,34 @@ class StageStream:
         self._max_entry_bytes = max_entry_bytes
 
     async def ensure_group(self) -> None:
-        """Create the stream and group if missing (also after a Redis restart that lost them)."""
+        """Create the streams and group if missing (also after a Redis restart that lost them)."""
+        for key in self.streams:
+            try:
+                with translated():
+                    await self._redis.xgroup_create(key, self.group, id="0", mkstream=True)
+                log.info("stream.group_created", stream=key, group=self.group)
+            except ControlPlaneError as exc:  # BUSYGROUP: it exists already
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    def _key_of(self, entry_id: str) -> str:
+        return self._source.get(entry_id, self.key)
+
+    def _settled(self, entry_id: str) -> None:
+        self._source.pop(entry_id, None)
+
+    async def _owned_call(self, script: Any, keys: list[str], args: list[Any]) -> bool:
+        """Run an ownership-checked script; a stream or group lost with Redis (NOGROUP) means the entry is
+        gone too: re-create the group and report "not owned" instead of failing the worker."""
         try:
             with translated():
-                await self._redis.xgroup_create(self.key, self.group, id="0", mkstream=True)
-            log.info("stream.group_created", stream=self.key, group=self.group)
-        except ControlPlaneError as exc:  # BUSYGROUP: it exists already
-            if "BUSYGROUP" not in str(exc):
+                return bool(await script(keys=keys, args=args))
+        except ControlPlaneError as exc:
+            if not _group_lost(exc):
                 raise
+            log.warning("stream.group_lost", stream=keys[0], error=exc.message)
+            await self.ensure_group()
+            return False
 
     async def read(self, count: int = 1, *, block_ms: int = BLOCK_MS) -> list[Entry]:
         """Entries to work on: first this consumer's own un-acked ones (after a restart), then entries
@@ -197,47 +231,57 @@ class StageStream:
     async def _reclaim(self, count: int) -> list[Entry]:
         entries = await self._read_via_script("claim", count)
         for entry in entries:
-            log.warning("stream.reclaimed", stream=self.key, entry=entry.id, deliveries=entry.deliveries)
+            log.warning("stream.reclaimed", stream=entry.stream, entry=entry.id, deliveries=entry.deliveries)
         return entries
 
     async def _read_via_script(self, start: str, count: int) -> list[Entry]:
         args = [self.group, self.consumer, count, self._max_entry_bytes, start, self._visibility_ms]
         try:
             with translated():
-                rows = await self._read_capped(keys=[self.key], args=args)
+                rows = await self._read_capped(keys=list(self.streams), args=args)
         except ControlPlaneError as exc:
             if _group_lost(exc):
                 await self.ensure_group()
                 return []
             raise
         # Entries deleted while pending come back with no fields: drop them from the PEL.
-        live = [(eid.decode(), fields, int(size)) for eid, fields, size in rows if fields]
-        for eid, fields, _ in rows:
+        live = [(eid.decode(), fields, int(size), int(k) - 1) for eid, fields, size, k in rows if fields]
+        for eid, fields, _, k in rows:
             if not fields:
-                await self._drop_dangling(eid.decode())
+                await self._drop_dangling(self.streams[int(k) - 1], eid.decode())
         if not live:
             return []
-        counts = await self._delivery_counts([eid for eid, _, _ in live])
-        return [
-            Entry(eid, _decode_pairs(fields), counts.get(eid, 1), too_large=size or None) for eid, fields, size in live
-        ]
+        counts = await self._delivery_counts([(self.streams[k], eid) for eid, _, _, k in live])
+        entries = []
+        for eid, fields, size, k in live:
+            self._source[eid] = self.streams[k]
+            entries.append(
+                Entry(
+                    eid,
+                    _decode_pairs(fields),
+                    counts.get(eid, 1),
+                    too_large=size or None,
+                    stream=self.streams[k],
+                    tenant=self._tenants[k],
+                )
+            )
+        return entries
 
-    async def _delivery_counts(self, ids: list[str]) -> dict[str, int]:
+    async def _delivery_counts(self, ids: list[tuple[str, str]]) -> dict[str, int]:
         with translated():
             async with self._redis.pipeline(transaction=False) as pipe:
-                for eid in ids:
-                    pipe.xpending_range(self.key, self.group, min=eid, max=eid, count=1)
+                for key, eid in ids:
+                    pipe.xpending_range(key, self.group, min=eid, max=eid, count=1)
                 replies = await pipe.execute()
         return {r[0]["message_id"].decode(): int(r[0]["times_delivered"]) for r in replies if r}
 
-    async def _drop_dangling(self, entry_id: str) -> None:
+    async def _drop_dangling(self, key: str, entry_id: str) -> None:
         with translated():
-            await self._redis.xack(self.key, self.group, entry_id)
+            await self._redis.xack(key, self.group, entry_id)
 
     async def renew(self, entry_id: str) -> bool:
-        """Keep a long job's entry from being reclaimed; False if another replica took it."""
-        with translated():
-            return bool(await self._renew(keys=[self.key], args=[self.group, self.consumer, entry_id]))
+        """Keep a long job's entry from being reclaimed; False if another replica took it (or Redis lost it)."""
+        return await self._owned_call(self._renew, [self._key_of(entry_id)], [self.group, self.consumer, entry_id])
 
     async def hand_off(self, entry_id: str, next_stage: str, fields: Mapping[str, bytes | str]) -> bool:
         """Atomically XADD ``fields`` to ``next_stage``'s stream and ack+delete this entry.
@@ -246,17 +290,16 @@ class StageStream:
         flat: list[bytes | str] = []
         for name, value in fields.items():
             flat += [name, value]
-        with translated():
-            done = await self._handoff(
-                keys=[self.key, self._keys.stage_stream(next_stage), self._keys.wake(next_stage)],
-                args=[self.group, self.consumer, entry_id, *flat],
-            )
-        return bool(done)
+        keys = [self._key_of(entry_id), self._keys.stage_stream(next_stage), self._keys.wake(next_stage)]
+        done = await self._owned_call(self._handoff, keys, [self.group, self.consumer, entry_id, *flat])
+        self._settled(entry_id)
+        return done
 
     async def ack(self, entry_id: str) -> bool:
         """Ack and delete an entry this consumer owns (its result is stored, or it was refused)."""
-        with translated():
-            return bool(await self._ack(keys=[self.key], args=[self.group, self.consumer, entry_id]))
+        done = await self._owned_call(self._ack, [self._key_of(entry_id)], [self.group, self.consumer, entry_id])
+        self._settled(entry_id)
+        return done
 
     async def dead_letter(self, entry: Entry, *, reason: str, error_code: str) -> bool:
         """Move an entry to the stage's dead-letter stream with the reason, then ack it."""
@@ -273,7 +316,7 @@ class StageStream:
             await self._redis.xadd(
                 self._keys.dead_letter(self.stage), fields, maxlen=self._dlq_maxlen, approximate=True
             )
-        log.warning("stream.dead_lettered", stream=self.key, entry=entry.id, reason=reason, code=error_code)
+        log.warning("stream.dead_lettered", stream=entry.stream, entry=entry.id, reason=reason, code=error_code)
         return await self.ack(entry.id)
 
     async def pending_count(self) -> int:

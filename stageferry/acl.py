@@ -1,0 +1,94 @@
+"""Redis ACL users for a deployment: the services' user, and least-privilege client users (per tenant).
+
+Clients are untrusted, so a client user gets, for its own request ids only, exactly the pairs of
+command and key it needs — each pair in its own ACL *selector* (Redis >= 7.0), because a user's
+commands and key patterns otherwise combine freely (``+set`` for cancels plus write access to the
+stream key would let ``SET`` replace the stream).  Read (``%R~``) and write (``%W~``) are separate:
+
+* read ``<p>:req:ID`` and ``<p>:req-submitted:ID`` (``HGET HGETALL EXISTS``): status, "submitted" marker;
+* read ``<p>:req-events:ID`` (``XREAD XRANGE XLEN``): wait, trace;
+* read ``<p>:req-result:ID`` (``GET STRLEN GETRANGE``): the result bytes;
+* write ``<p>:req-cancel:ID``, ``<p>:upload:ID:*``, ``<p>:req-submitted:ID`` (``SET``): cancel, media, marker;
+* write the submission stream (``XADD``), read its length (``XLEN``, back-pressure);
+* write the first stage's wake list (``LPUSH LTRIM``);
+* read ``<p>:refused:<entry>`` (``HGETALL``): why an entry was refused;
+
+where ``ID`` is ``*`` for the single-tenant client and ``<tenant>.*`` for a tenant's; plus ``HELLO AUTH
+PING SELECT MULTI EXEC DISCARD``.  Nothing else: no scripts (``EVAL``/``EVALSHA``/``FUNCTION``/
+``SCRIPT``: a slow script answers ``BUSY`` to everyone), no ``DEL``/``EXPIRE``, no writes to
+statuses, events or results (only stages write those), no read of any stream a prompt sits in, no
+``KEYS``/``SCAN``.  The submission stream is the first stage's own stream for a single-tenant deployment,
+and ``<p>:stage:<first>:intake:<tenant>`` for a tenant (see :class:`~stageferry.config.Security`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from stageferry.broker.control.keys import Keys
+from stageferry.errors import ConfigError
+from stageferry.schemas.job import TENANT_SEPARATOR, is_tenant
+
+#: Every command the stage services send, directly or from their Lua scripts (taken from MONITOR during
+#: full pipeline runs and from reading ``broker/``).
+STAGE_COMMANDS = (
+    "hello", "auth", "ping", "select", "multi", "exec", "discard", "evalsha", "script|load", "exists", "get",
+    "set", "strlen", "del", "expire", "pexpire", "hget", "hset", "hdel", "hgetall", "rpush", "lpush", "ltrim",
+    "blpop", "xadd", "xack", "xdel", "xclaim", "xautoclaim", "xgroup|create", "xlen", "xpending", "xrange",
+    "xread", "xreadgroup",
+)  # fmt: skip
+_CONNECTION = "+hello +auth +ping +select +multi +exec +discard"
+
+
+def stage_user(prefix: str, *, name: str = "stageferry", password: str = ">CHANGE-ME") -> str:
+    """The services' user (stages, gateway, trusted tools): every key under ``prefix``, our commands only."""
+    commands = " ".join(f"+{c}" for c in STAGE_COMMANDS)
+    return f"user {name} on {password} resetkeys ~{prefix}:* resetchannels -@all {commands}"
+
+
+def client_user(
+    prefix: str,
+    first_stage: str,
+    *,
+    tenant: str | None = None,
+    name: str | None = None,
+    password: str = ">CHANGE-ME",
+) -> str:
+    """A client's user: its own requests only (all untenanted ids, or ``tenant``'s ``<tenant>.*``)."""
+    if tenant is not None and not is_tenant(tenant):
+        raise ConfigError(f"invalid tenant name {tenant!r}")
+    keys = Keys(prefix)
+    ids = "*" if tenant is None else f"{tenant}{TENANT_SEPARATOR}*"
+    stream = keys.submission_stream(first_stage, tenant)
+    refused = keys.refused("[0-9]*") if tenant is None else keys.refused("*", tenant)
+    selectors = [
+        f"%R~{keys.request(ids)} %R~{keys.submitted(ids)} +hget +hgetall +exists",
+        f"%R~{keys.events(ids)} +xread +xrange +xlen",
+        f"%R~{keys.result(ids)} +get +strlen +getrange",
+        f"%W~{keys.cancel(ids)} %W~{keys.upload(ids, '*')} %W~{keys.submitted(ids)} +set",
+        f"%W~{stream} +xadd",
+        f"%R~{stream} +xlen",
+        f"%W~{keys.wake(first_stage)} +lpush +ltrim",
+        f"%R~{refused} +hgetall",
+    ]
+    user = name or ("sfclient" if tenant is None else f"sfclient-{tenant}")
+    body = " ".join(f"({s})" for s in selectors)
+    return f"user {user} on {password} resetkeys resetchannels -@all {_CONNECTION} {body}"
+
+
+def acl_file(
+    prefix: str, first_stage: str, *, tenants: Sequence[str] = (), passwords: dict[str, str] | None = None
+) -> str:
+    """A whole ACL file: the default user off, the services' user, and one client user per tenant (or the
+    single-tenant client user when there are none).  ``passwords`` maps user → ``>password``/``#sha256``."""
+    pw = passwords or {}
+    lines = ["user default off", stage_user(prefix, password=pw.get("stageferry", ">CHANGE-ME"))]
+    if not tenants:
+        lines.append(client_user(prefix, first_stage, password=pw.get("sfclient", ">CHANGE-ME")))
+    for tenant in tenants:
+        name = f"sfclient-{tenant}"
+        lines.append(client_user(prefix, first_stage, tenant=tenant, password=pw.get(name, ">CHANGE-ME")))
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["STAGE_COMMANDS", "acl_file", "client_user", "stage_user"]
