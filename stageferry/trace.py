@@ -1,4 +1,4 @@
-"""A request's trace: the rows of ``<p>:req:<id>:events`` turned into time-ordered events and a table.
+"""A request's trace: the rows of ``<p>:req-events:<id>`` turned into time-ordered events and a table.
 
 Two kinds of rows land in that stream: ``status`` rows (written with every status change, fields
 ``state`` and ``status``) and ``log`` rows (structured log events forwarded by each service's

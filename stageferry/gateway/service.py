@@ -7,7 +7,7 @@ step count or LoRA is a 400 before anything is enqueued.  Media are checked by t
 synchronous request whose job that stage rejects gets the same 400 with the same field names.
 
 Besides the request's own keys, the gateway keeps one small JSON record per job it accepted, at
-``<p>:req:<id>:video`` (model, prompt, size, seconds, created_at; same TTL as the request), so that a
+``<p>:req-video:<id>`` (model, prompt, size, seconds, created_at; same TTL as the request), so that a
 video object can echo what was asked for.
 """
 
