@@ -68,6 +68,18 @@ def test_invalid_job_is_one_line_without_traceback(redis_url: str, prefix: str) 
     assert "Traceback" not in result.output
 
 
+def test_an_id_that_would_alias_another_requests_keys_is_refused(redis_url: str, prefix: str) -> None:
+    victim = invoke(redis_url, prefix, "submit", "--prompt", "x", "--width", "320", "--height", "192").stdout.strip()
+    for bad in (f"{victim}:cancel", f"{victim}:events", "a b*c?[d]", "x" * 5000):
+        result = invoke(redis_url, prefix, "submit", "--prompt", "x", "--request-id", bad)
+        assert result.exit_code == 1 and result.stderr.startswith("error [invalid_job]: request_id: must match"), bad
+    assert not sync_redis.Redis.from_url(redis_url).exists(Keys(prefix).cancel(victim))
+    acl = runner.invoke(app, ["--prefix", prefix, "acl", "--tenant", "acme"])
+    client_line = acl.stdout.splitlines()[-1]
+    assert acl.exit_code == 0 and client_line.startswith("user sfclient-acme on ")
+    assert f"%R~{prefix}:req:acme.* " in client_line and "+eval" not in client_line
+
+
 def test_unknown_request(redis_url: str, prefix: str) -> None:
     for command in ("status", "trace", "cancel"):
         result = invoke(redis_url, prefix, command, "nope")

@@ -23,7 +23,7 @@ from stageferry.client import SyncClient
 from stageferry.config import PipelineConfig
 from stageferry.errors import JobValidationError, TenantMismatchError
 from stageferry.schemas import RequestState
-from tests.procs import Services, wait_for, write_pipeline
+from tests.procs import ROOT, Services, wait_for, write_pipeline
 from tests.security.servers import PrivateRedis
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,6 +38,7 @@ PASSWORDS = {
     "sfclient-globex": ">globex-pw",
 }
 KEYS = Keys(PREFIX)
+SAMPLES = ROOT / "stageferry" / "samples"
 
 
 def url(port: int, user: str) -> str:
@@ -179,9 +180,20 @@ def test_a_tenant_cannot_submit_for_another_tenant(tenants: tuple[PrivateRedis, 
     dead = admin.xrange(KEYS.dead_letter("encoder"))
     assert {f[b"request_id"].decode() for _, f in dead} == set(cases)
 
+    # A tenant's job may name only its own request's uploads: another tenant's media stay unread.
+    globex.set(KEYS.upload("globex.private", "first_frame"), (SAMPLES / "first_frame.png").read_bytes(), ex=600)
+    steal = {**JOB, "task": "fl2va"}
+    steal["media"] = {
+        "first_frame": {"upload_key": KEYS.upload("globex.private", "first_frame")},
+        "last_frame": {"upload_key": KEYS.upload("globex.private", "first_frame")},
+    }
+    acme.xadd(intake, {"request_id": "acme.steal-media", "job": json.dumps(steal)})
     with SyncClient(
         url(server.port, "sfclient-acme"), prefix=PREFIX, pipeline=PipelineConfig.load(svc.pipeline), tenant="acme"
     ) as client:
+        status = client.wait("acme.steal-media", timeout=120)
+        assert status.state is RequestState.REJECTED and status.error is not None, status
+        assert {e["type"] for e in status.error.details["field_errors"]} == {"bad_upload_key"}, status.error
         good = client.submit(JOB)
         assert client.wait(good, timeout=120).state is RequestState.DONE, svc.logs()
     assert all(p.poll() is None for p in svc.procs), "refusals never stop a stage"
