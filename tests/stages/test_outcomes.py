@@ -11,6 +11,7 @@ from structlog.testing import capture_logs
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
+from stageferry.broker.control.refusals import Refusals
 from stageferry.broker.control.requests import RequestStore
 from stageferry.broker.control.streams import Entry, StageStream
 from stageferry.errors import (
@@ -19,6 +20,7 @@ from stageferry.errors import (
     DeadLetteredError,
     EnvelopeError,
     GroupBrokenError,
+    InvalidRequestIdError,
     JobValidationError,
     PayloadUnavailableError,
     StageFailedError,
@@ -119,3 +121,29 @@ async def test_an_entry_without_a_request_is_only_dead_lettered(stage: Stage) ->
     await stage.outcomes.settle(entry, None, EnvelopeError("missing or invalid request_id"))
     assert [f[b"error_code"] for f in await stage.dead_letters()] == [b"invalid_envelope"]
     assert await stage.stream.pending_count() == 0
+
+
+@pytest.mark.parametrize("error", [StageFailedError("the model raised"), DeadLetteredError("delivered 9 times")])
+async def test_a_status_that_cannot_be_written_dead_letters_the_entry(stage: Stage, error: StageferryError) -> None:
+    """A request key of another type (what a client's ``SET`` made of it) makes the status write fail: the
+    entry is dead-lettered with both reasons and nothing escapes to stop the stage."""
+    await stage.redis.set(stage.keys.request("req-poison"), "x")
+    entry = await stage.entry("req-poison")
+    with capture_logs() as logs:
+        await stage.outcomes.settle(entry, "req-poison", error)
+    [dead] = await stage.dead_letters()
+    assert dead[b"error_code"] == error.code.encode() and b"could not be written" in dead[b"reason"]
+    assert await stage.stream.pending_count() == 0
+    assert any(e["event"] == "worker.status_write_failed" for e in logs)
+
+
+async def test_a_refused_entry_gets_a_refusal_record_under_its_entry_id(stage: Stage) -> None:
+    refusals = Refusals(stage.redis, stage.keys, ttl_s=600)
+    outcomes = Outcomes(stage="diffusion", stream=stage.stream, store=stage.store, refusals=refusals)
+    entry = await stage.entry("victim:cancel")
+    await outcomes.settle(entry, None, InvalidRequestIdError("missing or invalid request_id"))
+    refusal = await refusals.get(entry.id)
+    assert refusal is not None and refusal.code == "invalid_request_id" and refusal.request_id == "victim:cancel"
+    assert isinstance(refusal.error(), InvalidRequestIdError)
+    assert not await stage.redis.exists(stage.keys.request("victim"), stage.keys.cancel("victim"))
+    assert [f[b"error_code"] for f in await stage.dead_letters()] == [b"invalid_request_id"]
