@@ -32,6 +32,17 @@ if ! redis_answers; then
   redis_answers || { echo "test: redis-server did not answer" >&2; exit 1; }
 fi
 
+# The console's browser test drives Debian's chromium (Playwright's own browser downloads are not used).
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "test: installing chromium" >&2
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
+      || echo "test: chromium could not be installed; the console's browser test will skip" >&2
+  else
+    echo "test: no chromium and no way to install it; the console's browser test will skip" >&2
+  fi
+fi
+
 .venv/bin/ruff check stageferry tests benchmarks
 .venv/bin/mypy stageferry
 exec .venv/bin/pytest -q "$@"

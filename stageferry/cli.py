@@ -415,13 +415,20 @@ def gateway(
         float | None, typer.Option("--sync-timeout", help="Seconds /v1/videos/sync waits (default: timeouts.request).")
     ] = None,
     model_name: Annotated[str, typer.Option("--model-name", help="`model` in answers.")] = "stageferry",
+    metrics_url: Annotated[
+        list[str] | None,
+        typer.Option("--metrics-url", help="A stage's /metrics URL for the console's counters (repeatable)."),
+    ] = None,
 ) -> None:
-    """Serve the vLLM-Omni compatible HTTP API (/v1/videos, /v1/videos/sync, /health, /metrics)."""
+    """Serve the vLLM-Omni compatible HTTP API (/v1/videos, /v1/videos/sync, /health, /metrics) and the web
+    console at /.  Set STAGEFERRY_GATEWAY_TOKEN to require a bearer token."""
     settings = _settings(ctx)
     configure_logging(fmt=settings.log_format, level=settings.log_level, service="gateway")
     from stageferry.gateway import GatewayConfig, serve
 
-    config = GatewayConfig.from_settings(settings, sync_timeout_s=sync_timeout, model_name=model_name)
+    config = GatewayConfig.from_settings(
+        settings, sync_timeout_s=sync_timeout, model_name=model_name, metrics_urls=tuple(metrics_url or ())
+    )
     serve(config, host=host, port=port, log_level=settings.log_level)
 
 

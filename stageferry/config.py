@@ -344,6 +344,8 @@ class Settings(BaseSettings):
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
     tenant: Annotated[str | None, Field(pattern=TENANT_PATTERN)] = None
     """The tenant a client process submits as (``STAGEFERRY_TENANT``); None: single-tenant."""
+    #: The HTTP gateway's bearer token (``STAGEFERRY_GATEWAY_TOKEN``); unset: no token needed.
+    gateway_token: Annotated[str, Field(min_length=8, max_length=512)] | None = None
 
     def load_pipeline(self) -> PipelineConfig:
         return PipelineConfig.load(self.pipeline)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import structlog
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -21,7 +21,10 @@ from stageferry.broker.control.liveness import FRESH_S
 from stageferry.client import DEFAULT_REDIS_URL, Client
 from stageferry.config import PipelineConfig, Settings
 from stageferry.errors import StageferryError, field_error
+from stageferry.gateway.auth import require_token
+from stageferry.gateway.console import install_console
 from stageferry.gateway.errors import ApiError
+from stageferry.gateway.events_sse import MAX_EVENT_STREAMS
 from stageferry.gateway.metrics import MetricsMiddleware
 from stageferry.gateway.routes import error_response, router
 from stageferry.gateway.service import VideoService
@@ -46,6 +49,12 @@ class GatewayConfig:
     #: Run the process's :class:`~stageferry.logs.EventSink` (one per process: off when embedding the app
     #: next to another sink).
     trace_events: bool = True
+    #: When set, API calls need ``Authorization: Bearer <token>`` (:mod:`.auth`); the console asks for it.
+    api_token: str | None = None
+    #: Server-sent event streams served at once (each holds a blocking Redis read).
+    event_streams: int = MAX_EVENT_STREAMS
+    #: Stage ``/metrics`` URLs whose counters the console shows next to the gateway's own.
+    metrics_urls: tuple[str, ...] = ()
 
     @classmethod
     def from_settings(cls, settings: Settings, **overrides: object) -> GatewayConfig:
@@ -54,6 +63,7 @@ class GatewayConfig:
             redis_url=settings.redis_url or DEFAULT_REDIS_URL,
             prefix=settings.prefix,
             pipeline=settings.load_pipeline(),
+            api_token=settings.gateway_token,
         )
         return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
@@ -83,7 +93,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
         version="1",
         lifespan=lifespan,
     )
-    app.include_router(router)
+    app.include_router(router, dependencies=[Depends(require_token)])
+    install_console(
+        app, api_token=config.api_token, max_event_streams=config.event_streams, metrics_urls=config.metrics_urls
+    )
     app.add_middleware(MetricsMiddleware)
     _install_error_handlers(app)
     return app

@@ -21,6 +21,7 @@ import anyio
 from stageferry.broker.control.redis_conn import translated
 from stageferry.client import Client, validate_job, with_upload_refs
 from stageferry.errors import StageferryError
+from stageferry.gateway import recent
 from stageferry.gateway.errors import ApiError, from_exception, from_status_error
 from stageferry.gateway.form import MappedJob
 from stageferry.gateway.objects import VideoDeleted, VideoMeta, VideoObject, video_object
@@ -68,6 +69,7 @@ class VideoService:
             await self.client.redis.set(
                 self.meta_key(rid), meta.model_dump_json(), ex=self.client.pipeline.retention.request_ttl_s
             )
+        await recent.record(self.client, rid)  # the console's list of recent requests
         return rid
 
     async def status(self, request_id: str) -> RequestStatus:

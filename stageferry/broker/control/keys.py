@@ -11,7 +11,8 @@ trace stream), ``<p>:req-result:<id>`` (result bytes, TTL), ``<p>:req-run:<id>:<
 that owns a run), ``<p>:refused:<entry>`` and ``<p>:refused:<tenant>.<entry>`` (why the first stage refused a
 client's entry), the dead-letter streams ``<p>:stage:<stage>:dlq``, heartbeats ``<p>:stage:<stage>:workers``
 and the NIXL keys ``<p>:nixl:agent:<name>``, ``<p>:nixl:claim:<token>``, ``<p>:nixl:resend:<agent>``,
-``<p>:nixl:reply:<token>``; by the gateway: ``<p>:req-video:<id>``.
+``<p>:nixl:reply:<token>``; by the gateway: ``<p>:req-video:<id>`` and ``<p>:gateway:recent`` (a capped stream of the
+job ids it accepted, for the web console).
 
 Written by clients: ``<p>:req-cancel:<id>`` (cancel flag), ``<p>:req-submitted:<id>`` ("submitted, not yet
 picked up" marker, TTL), ``<p>:upload:<id>:<name>`` (media bytes, TTL), entries on the first stage's stream
@@ -76,6 +77,10 @@ class Keys:
     def video_meta(self, request_id: str) -> str:
         """The HTTP gateway's record of a video job (model, prompt, size, seconds), as its API reports it."""
         return f"{self.prefix}:req-video:{request_id}"
+
+    def recent_videos(self) -> str:
+        """The gateways' capped list of the jobs they accepted, newest last, for the web console."""
+        return f"{self.prefix}:gateway:recent"
 
     def upload(self, request_id: str, name: str) -> str:
         return f"{self.prefix}:upload:{request_id}:{name}"
