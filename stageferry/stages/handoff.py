@@ -23,7 +23,7 @@ from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import translated
 from stageferry.broker.control.streams import Entry, StageStream
 from stageferry.broker.data import metrics
-from stageferry.broker.data.connector import Connector
+from stageferry.broker.data.connector import Connector, Outgoing
 from stageferry.config import PipelineConfig, StageConfig
 from stageferry.errors import DataPlaneError, PayloadUnavailableError
 from stageferry.failpoints import PRODUCER_PUBLISHED, failpoint
@@ -78,6 +78,7 @@ class HandOn:
             seconds=round(outgoing.seconds, 6),
             fallback=outgoing.fallback_reason,
             to_stage=self.next_stage.name,
+            memory=_memory_kinds(outgoing),  # where the payload's regions live (the console's trace shows it)
         )
         trace = envelope.trace.model_copy(
             update={"hop_started_at": time.time(), "timings": [*envelope.trace.timings, timing], "force_inline": False}
@@ -172,3 +173,9 @@ class HandOn:
             await self.outcomes.set_status(rid, RequestState.QUEUED, stage=target.name, attempt=back.attempt)
             metrics.ENTRIES.labels(self.stage.name, "recomputed").inc()
         return True
+
+
+def _memory_kinds(outgoing: Outgoing) -> list[str]:
+    """The device kinds of a payload's regions (``cpu``, ``cuda``); none for a payload-less hand-over."""
+    manifest = getattr(outgoing.ref, "manifest", None)
+    return [] if manifest is None else [region.device.value for region in manifest.regions]

@@ -192,6 +192,7 @@ def test_trace_is_a_timeline(http: httpx.Client) -> None:
     assert states[0] == "queued" and states[-1] == "done" and "running" in states
     puts = [e for e in trace["events"] if e["event"] == "payload.put"]
     assert puts and puts[0]["bytes"] > 0 and puts[0]["transport"] in ("inline", "nixl")
+    assert puts[0]["memory"] == "cpu" and trace["memory_kinds"] == ["cpu"]  # a CPU-only deployment
     assert http.get("/v1/videos/unknown-id/trace").status_code == 404
 
 

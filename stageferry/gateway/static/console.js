@@ -268,7 +268,7 @@ async function refreshRecent() {
   try {
     const report = await Api.json("/console/api/requests?limit=15");
     table($("recent"), ["id", "state", "stage", "%", "prompt"], report.requests.map((r) => [
-      el("a", { href: "#" + r.id, onclick: (e) => { e.preventDefault(); openRequest(r.id); } }, r.id.slice(0, 12)),
+      el("a", { href: "#" + r.id, onclick: (e) => { e.preventDefault(); openRequest(r.id); } }, r.id),
       badge(r.state), r.stage, String(r.progress), r.error_code ? r.error_code : (r.prompt || "").slice(0, 60),
     ]));
   } catch (_) { /* shown by the health pill / token dialog */ }
