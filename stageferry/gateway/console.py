@@ -109,12 +109,7 @@ async def recent_requests(request: Request, limit: Annotated[int, Query(ge=1, le
 
 @router.get("/console/api/stages", summary="Replicas, heartbeats, placement, queues and pools of each stage")
 async def stages(request: Request) -> StagesReport:
-    scraped = await counters.collect(request.app.state.metrics_urls)
-    return await stage_report(
-        _service(request).client,
-        fresh_s=request.app.state.health_fresh_s,
-        pool_in_use=scraped.counters.get("stageferry_pool_bytes_in_use"),
-    )
+    return await stage_report(_service(request).client, fresh_s=request.app.state.health_fresh_s)
 
 
 @router.get("/console/api/counters", summary="Puts, gets, bytes, fallbacks, failures, outcomes")

@@ -5,7 +5,7 @@ Everything comes from Redis and the pipeline config, in one pipelined round trip
 group's pending count (entries handed out, not yet acknowledged), the dead-letter stream's length.
 Placement is the configured one: each rank of a group uses GPU ``rank`` modulo its host's GPU count
 (``stages/group.py``), which the gateway cannot see, so the device is named as configured.  Pool sizes
-are the data plane's configured capacities; bytes in use come from the scraped pool gauge.
+are the data plane's configured capacities (bytes in use are a per-process gauge, in the counters).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _int_or_none(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-async def stage_report(client: Client, *, fresh_s: float, pool_in_use: dict[str, float] | None = None) -> StagesReport:
+async def stage_report(client: Client, *, fresh_s: float) -> StagesReport:
     """Each stage's state (never raises: Redis trouble is a problem in the answer)."""
     pipeline = client.pipeline
     keys = client.keys
@@ -76,11 +76,9 @@ async def stage_report(client: Client, *, fresh_s: float, pool_in_use: dict[str,
             )
         if redis_ok and not any(r.live for r in replicas):
             problems.append(f"stage {stage.name}: no live worker")
-        pools = [Pool(kind="cpu", capacity_bytes=data_plane.cpu_pool_bytes, in_use_bytes=_use(pool_in_use, "cpu"))]
+        pools = [Pool(kind="cpu", capacity_bytes=data_plane.cpu_pool_bytes)]
         if stage.device != "cpu" and data_plane.gpu_pool_bytes:
-            pools.append(
-                Pool(kind="cuda", capacity_bytes=data_plane.gpu_pool_bytes, in_use_bytes=_use(pool_in_use, "cuda"))
-            )
+            pools.append(Pool(kind="cuda", capacity_bytes=data_plane.gpu_pool_bytes))
         stages.append(
             StageHealth(
                 name=stage.name,
@@ -95,10 +93,6 @@ async def stage_report(client: Client, *, fresh_s: float, pool_in_use: dict[str,
             )
         )
     return StagesReport(redis=redis_ok, stages=stages, problems=problems)
-
-
-def _use(in_use: dict[str, float] | None, kind: str) -> float | None:
-    return None if in_use is None else in_use.get(f"kind={kind}")
 
 
 def _text(value: object) -> str:

@@ -128,11 +128,11 @@ class RankPlacement(_Answer):
 
 
 class Pool(_Answer):
-    """A registered memory pool of the stage's data plane: configured size, and bytes held where known."""
+    """A registered memory pool of the stage's data plane, as configured (bytes in use are a per-process
+    gauge: the counters show it, by source)."""
 
     kind: str
     capacity_bytes: int
-    in_use_bytes: float | None = Field(None, description="From the scraped pool gauge, summed over processes.")
 
 
 class StageHealth(_Answer):

@@ -120,6 +120,9 @@ def test_submit_watch_play_and_trace(browser: Browser, deployment: ConsoleDeploy
     expect(page.locator("#recent")).to_contain_text(vid, timeout=30_000)
     expect(page.locator("#stages .dot.live")).to_have_count(2)
     expect(page.locator("#counters")).to_contain_text("payload_puts", timeout=30_000)
+    # the panels refresh on their own: the finished job leaves the diffusion queue and is counted done
+    expect(page.locator("#stages")).not_to_contain_text("in flight 1", timeout=30_000)
+    expect(page.locator("#counters")).to_contain_text("outcome=done,stage=diffusion", timeout=30_000)
     page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(shots / "console.png"), full_page=True)
     assert errors == []

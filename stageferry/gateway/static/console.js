@@ -207,7 +207,7 @@ async function openRequest(id) {
   } catch (e) {
     logFrame({ kind: "log", event: "status unavailable: " + e.message, timestamp: Date.now() / 1000 });
   }
-  refreshRecent();
+  refreshPanels();
 }
 
 async function showVideo(id) {
@@ -288,8 +288,7 @@ async function refreshStages() {
         el("span", { class: "dot " + (r.live ? "live" : "dead") }), `${r.id} · beat ${fmtS(r.heartbeat_age_s)} ago`))
         : el("li", { class: "muted" }, "no replicas")),
       el("p", { class: "muted" }, "ranks → devices: " + s.ranks.map((r) => `${r.rank}→${r.device}`).join(", ")),
-      el("p", { class: "muted" }, "pools: " + s.pools.map((p) =>
-        `${p.kind} ${fmtBytes(p.capacity_bytes)}${p.in_use_bytes === null ? "" : " (" + fmtBytes(p.in_use_bytes) + " in use)"}`).join(", ")),
+      el("p", { class: "muted" }, "pools: " + s.pools.map((p) => `${p.kind} ${fmtBytes(p.capacity_bytes)}`).join(", ")),
     )));
   } catch (_) {
     $("health").textContent = "unreachable";
