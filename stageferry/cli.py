@@ -8,6 +8,7 @@ exit 1; stdout carries only results (request ids, JSON, tables), so that scripts
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import importlib.resources
 import json
@@ -268,11 +269,41 @@ def cancel(ctx: typer.Context, request_id: str) -> None:
     raise typer.Exit(1)
 
 
+class SchemaName(enum.StrEnum):
+    JOB = "job"
+    PAYLOAD = "payload"
+
+
+class SchemaFormat(enum.StrEnum):
+    JSON = "json"
+    MARKDOWN = "markdown"
+
+
 @app.command()
-def schema() -> None:
-    """Print the JSON Schema of a job request (what the job field of a raw XADD must satisfy); its
-    ``x-stageferry-entry`` member gives the rule for the entry's ``request_id`` and tenant prefixes."""
-    typer.echo(json.dumps(job_schema(), indent=2))
+def schema(
+    name: Annotated[
+        SchemaName,
+        typer.Argument(
+            help="job: a job request (the job field of a raw XADD); payload: the encoder → diffusion payload contract."
+        ),
+    ] = SchemaName.JOB,
+    fmt: Annotated[SchemaFormat, typer.Option("--format", help="payload only: json, or the docs' markdown tables.")] = (
+        SchemaFormat.JSON
+    ),
+) -> None:
+    """Print a wire format: the JSON Schema of a job request (what the job field of a raw XADD must
+    satisfy; its ``x-stageferry-entry`` member gives the rule for the entry's ``request_id`` and tenant
+    prefixes), or the conditioning payload contract."""
+    if name is SchemaName.JOB:
+        typer.echo(json.dumps(job_schema(), indent=2))
+        return
+    from stageferry.schemas.payload_contract import CONDITIONING
+    from stageferry.schemas.payload_contract_doc import contract_json, contract_markdown
+
+    if fmt is SchemaFormat.MARKDOWN:
+        typer.echo(contract_markdown(CONDITIONING), nl=False)
+    else:
+        typer.echo(json.dumps(contract_json(CONDITIONING), indent=2))
 
 
 def job_schema() -> dict[str, Any]:

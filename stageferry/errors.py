@@ -11,6 +11,7 @@ a request's failed/rejected status shows, so that clients branch on codes, never
     │   ├── JobValidationError       job fields out of range, unknown task/LoRA, bad media
     │   ├── EnvelopeError            a stage-to-stage entry that does not parse
     │   ├── ManifestError            manifest/descriptors that fail validation before any native call
+    │   ├── PayloadContractError     a payload that breaks its consumer's input contract (names the entry)
     │   └── SubmissionRefusedError   a client entry refused before it names a request (bad id, wrong
     │       │                        tenant): told only through the entry's refusal record
     │       ├── InvalidRequestIdError  the id breaks the request-id rule
@@ -92,6 +93,29 @@ class EnvelopeError(RejectedError):
 
 class ManifestError(RejectedError):
     code = "invalid_manifest"
+
+
+class PayloadContractError(RejectedError):
+    """A payload that does not follow the consumer stage's input contract (``schemas/payload_contract``).
+
+    Raised by the consumer leader before the payload is fanned out (and by a model that reads its input
+    through the contract), so that a producer's mistake ends ``rejected`` naming the entry — never
+    ``failed`` deep inside a model.  ``details["field_errors"]`` holds ``{"field", "message", "type"}``
+    per violation, like :class:`JobValidationError`'s."""
+
+    code = "payload_contract"
+
+    @classmethod
+    def of(cls, errors: list[tuple[str, str, str]], **details: Any) -> PayloadContractError:
+        """One error from ``(entry, message, type)`` triples; the message is the first one's line."""
+        field_errors = [{"field": f, "message": m, "type": t} for f, m, t in errors]
+        first = field_errors[0] if field_errors else {"field": "payload", "message": "breaks the contract"}
+        more = f" (+{len(field_errors) - 1} more)" if len(field_errors) > 1 else ""
+        return cls(f"{first['field']}: {first['message']}{more}", field_errors=field_errors, **details)
+
+    @property
+    def field_errors(self) -> list[dict[str, Any]]:
+        return list(self.details.get("field_errors", []))
 
 
 class SubmissionRefusedError(RejectedError):

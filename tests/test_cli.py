@@ -33,6 +33,19 @@ def test_schema_is_json_schema_with_prompt() -> None:
     assert schema["additionalProperties"] is False
 
 
+def test_schema_payload_prints_the_contract_as_json_and_as_the_docs_tables() -> None:
+    from stageferry.schemas.payload_contract import CONDITIONING
+    from stageferry.schemas.payload_contract_doc import contract_json, contract_markdown
+
+    result = runner.invoke(app, ["schema", "payload"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == contract_json(CONDITIONING)
+    result = runner.invoke(app, ["schema", "payload", "--format", "markdown"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == contract_markdown(CONDITIONING)
+    assert "| `text.hidden_states` | bfloat16, float16, float32 | `[n, hidden]` | always |" in result.stdout
+
+
 def test_submit_then_status(redis_url: str, prefix: str) -> None:
     result = invoke(redis_url, prefix, "submit", "--prompt", "a boat", "--width", "320", "--height", "192",
                     "--steps", "4", "--request-id", "cli-1")  # fmt: skip

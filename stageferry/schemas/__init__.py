@@ -1,4 +1,9 @@
-"""Wire formats, defined once: every other module imports them from here."""
+"""Wire formats, defined once: every other module imports them from here.
+
+The conditioning payload contract and its layout (``payload_contract``, ``payload_layout``) describe
+tensors and need torch: import them from their modules, so that a client importing the schemas does not
+load torch.
+"""
 
 from stageferry.schemas.envelope import ENVELOPE_VERSION, Envelope, TraceContext, request_key
 from stageferry.schemas.job import JobRequest, MediaInputs, MediaRef, Task

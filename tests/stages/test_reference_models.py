@@ -35,11 +35,11 @@ from PIL import Image
 
 from stageferry.broker.data.payload_codec import decode_inline, encode_inline
 from stageferry.config import PipelineConfig
-from stageferry.errors import CancelledRequestError, EnvelopeError, JobValidationError
+from stageferry.errors import CancelledRequestError, JobValidationError, PayloadContractError
 from stageferry.schemas import JobRequest
+from stageferry.schemas.payload_layout import LAYOUT_VERSION, Layout
 from stageferry.stages.model import FinalOutput, StageContext
 from stageferry.stages.reference import diffusion, encoder
-from stageferry.stages.reference.layout import LAYOUT_VERSION, Layout
 from stageferry.stages.reference.mp4 import probe_mp4
 from stageferry.testing import assert_same, tensor_bytes, tensors_of
 
@@ -364,19 +364,19 @@ def test_layout_round_trip_and_checks(tmp_path: Path) -> None:
     assert Layout.from_tensor(layout.to_tensor()) == layout
     bumped = layout.to_tensor()
     bumped[0] = LAYOUT_VERSION + 1
-    with pytest.raises(EnvelopeError, match="version"):
+    with pytest.raises(PayloadContractError, match="layout: version"):
         Layout.from_tensor(bumped)
     bad = layout.to_tensor()
     bad[6] += 1  # latent frames that do not follow from the frame count
-    with pytest.raises(EnvelopeError):
+    with pytest.raises(PayloadContractError, match="layout: inconsistent"):
         Layout.from_tensor(bad)
     enc = encoder.factory(stage=PIPE.stages[0], pipeline=PIPE, hidden=64)
     dif = diffusion.factory(stage=PIPE.stages[1], pipeline=PIPE, **SMALL)
     ctx = context(tmp_path)
     payload = enc(job("t2va"), None, ctx)
-    with pytest.raises(EnvelopeError, match="does not match the job"):
+    with pytest.raises(PayloadContractError, match="layout: does not match the job"):
         dif.generate(job("t2va", width=192), payload, ctx)
-    with pytest.raises(EnvelopeError):
+    with pytest.raises(PayloadContractError, match="audio_style: expected rank 2, got 1"):
         dif.generate(job("t2va"), {**payload, "audio_style": torch.zeros(3)}, ctx)
 
 

@@ -7,7 +7,8 @@ decoding a reference's latents gives back audio of about the same loudness and s
 
 Decoding inverts the mix and the compression, spreads each band's energy over its FFT bins, gives each
 channel its own deterministic random phase (so left and right are decorrelated) and overlap-adds with
-the inverse STFT to exactly the requested number of samples, soft-clipped to [-1, 1].
+the inverse STFT to exactly the requested number of samples, soft-clipped to [-1, 1].  Rate, hop and
+bands are the payload contract's (``schemas/payload_layout.py``).
 """
 
 from __future__ import annotations
@@ -15,25 +16,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from stageferry.schemas.payload_layout import AUDIO_BANDS as BANDS
+from stageferry.schemas.payload_layout import AUDIO_HOP as HOP
+from stageferry.schemas.payload_layout import AUDIO_SAMPLE_RATE as SAMPLE_RATE
 from stageferry.stages.reference.tp import full_weight, layer_seed
 
-SAMPLE_RATE = 32_000
-HOP = 640
 N_FFT = 2 * HOP
-BANDS = 64
 _LOG_GAIN = 10.0
 _LOG_MEAN = 1.5  #: latents are (log-band energy − mean) / std; a zero latent is a quiet noise floor
 _LOG_STD = 2.0
-
-
-def latent_count(samples: int) -> int:
-    """Latent frames for ``samples`` samples (centred STFT frames)."""
-    return samples // HOP + 1
-
-
-def samples_for(frames: int, fps: int) -> int:
-    """Samples of audio that last exactly as long as ``frames`` video frames at ``fps``."""
-    return round(frames * SAMPLE_RATE / fps)
 
 
 def _filterbank() -> torch.Tensor:

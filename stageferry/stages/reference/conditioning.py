@@ -15,15 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from stageferry.schemas import JobRequest, Task
-from stageferry.stages.reference import vae
-from stageferry.stages.reference.layout import Layout
+from stageferry.schemas.payload_layout import Layout, latent_index
 
 
 def pins(job: JobRequest, layout: Layout, visual: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     """fl2va: (latent frame, clean latent [16, h, w]) for the first and last frame; else none."""
     if job.task is not Task.FL2VA:
         return []
-    return [(vae.latent_index(f), visual[i, :, 0].float()) for i, f in enumerate(layout.keyframes)]
+    return [(latent_index(f), visual[i, :, 0].float()) for i, f in enumerate(layout.keyframes)]
 
 
 def video_prior(job: JobRequest, layout: Layout, visual: torch.Tensor) -> torch.Tensor:

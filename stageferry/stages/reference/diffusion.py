@@ -1,10 +1,14 @@
 """The reference diffusion stage: conditioning payload → MP4 (H.264 + AAC), tensor-parallel.
 
 Plug in with ``model = "stageferry.stages.reference.diffusion:factory"``.  Called on every rank with
-the same job and payload (see ``encoder.py`` for its keys), it:
+the same job and payload, it:
 
-1. checks the payload (layout version, layout = the job's, tensor shapes) — a mismatch is an
-   ``EnvelopeError`` (rejected), raised alike on every rank;
+1. reads the payload through its declared ``input_contract``, the conditioning contract
+   (:data:`stageferry.schemas.payload_contract.CONDITIONING`).  The stage's leader has checked the
+   payload against it in full before the fan-out (a violation ends the request ``rejected`` there);
+   here only the structure is read again, alike on every rank.  The text hidden size is free: the
+   transformer's text projection is built for the width it is given (deterministic weights per width),
+   so a plug-in text encoder of 384 or 1024 features works as the reference's 5120 does;
 2. draws the initial noise from a CPU generator seeded by ``job.seed`` (the same on every rank), then
    runs ``num_inference_steps`` flow-matching Euler steps from t = 1 to 0 over joint video + audio
    latents, video and audio on their own shifted schedules (``flow_shift`` / ``audio_flow_shift``),
@@ -19,6 +23,7 @@ the same job and payload (see ``encoder.py`` for its keys), it:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
@@ -28,13 +33,14 @@ from typing import Any
 import torch
 
 from stageferry.config import PipelineConfig, StageConfig
-from stageferry.errors import EnvelopeError
-from stageferry.schemas import JobRequest, Task
+from stageferry.schemas import JobRequest
+from stageferry.schemas.payload_contract import CONDITIONING, PayloadContract
+from stageferry.schemas.payload_contract import Conditioning as Inputs
+from stageferry.schemas.payload_layout import Layout
 from stageferry.stages.model import FinalOutput, StageContext
-from stageferry.stages.reference import audio, conditioning, vae
+from stageferry.stages.reference import audio, conditioning
 from stageferry.stages.reference.audio import AudioCodec
 from stageferry.stages.reference.dit import DiT, DiTConfig
-from stageferry.stages.reference.layout import Layout
 from stageferry.stages.reference.mp4 import probe_mp4, write_mp4
 from stageferry.stages.reference.sampler import Conditioning, sample
 from stageferry.stages.reference.text_encoder import ROLE_NEGATIVE
@@ -42,8 +48,6 @@ from stageferry.stages.reference.tp import TP
 from stageferry.stages.reference.vae import VideoVAE
 
 MODEL_NAME = "stageferry.reference.diffusion/1"
-MAX_HIDDEN = 65_536  #: text hidden width accepted from a payload (it sizes a weight)
-MAX_TEXT_TOKENS = 16_384
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,9 @@ class _Nets:
 
 
 class ReferenceDiffusion:
+    #: What this stage reads: its leader checks every payload against it before the fan-out.
+    input_contract: PayloadContract = CONDITIONING
+
     def __init__(self, cfg: DiffusionConfig) -> None:
         self.cfg = cfg
         self._nets: dict[tuple[int, int, str, int, int], _Nets] = {}
@@ -92,8 +99,9 @@ class ReferenceDiffusion:
 
     def generate(self, job: JobRequest, payload: Any | None, ctx: StageContext) -> Generated:
         """Denoise and decode (every rank, in step): the same result on every rank of the group."""
-        layout, inputs = _check_payload(job, payload, ctx.device)
-        nets = self.nets(ctx, int(inputs["text"]["hidden_states"].shape[1]))
+        inputs = _on(self.input_contract.read(job, payload), ctx.device)
+        layout = inputs.layout
+        nets = self.nets(ctx, int(inputs.hidden_states.shape[1]))
         started = time.perf_counter()
         with torch.inference_mode():
             cond = self._conditioning(job, layout, inputs, nets.dit)
@@ -107,9 +115,9 @@ class ReferenceDiffusion:
         timings = {"denoise_s": round(denoised - started, 3), "decode_s": round(done - denoised, 3)}
         return Generated(frames, wave, xv.cpu(), xa.cpu(), timings)
 
-    def _conditioning(self, job: JobRequest, layout: Layout, inputs: dict[str, Any], dit: DiT) -> Conditioning:
-        visual, ref_audio, style = inputs["visual_latents"], inputs["audio_latents"], inputs["audio_style"]
-        hidden, roles = inputs["text"]["hidden_states"], inputs["text"]["role_ids"]
+    def _conditioning(self, job: JobRequest, layout: Layout, inputs: Inputs, dit: DiT) -> Conditioning:
+        visual, ref_audio, style = inputs.visual_latents, inputs.audio_latents, inputs.audio_style
+        hidden, roles = inputs.hidden_states, inputs.role_ids
         refs = dit.reference_tokens(
             conditioning.reference_video(job, visual, self.cfg.max_reference_frames),
             conditioning.reference_audio(ref_audio, self.cfg.max_reference_audio),
@@ -164,44 +172,16 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
-def _check_payload(job: JobRequest, payload: Any, device: torch.device) -> tuple[Layout, dict[str, Any]]:
-    """The payload's layout (which must be the job's) and its tensors, shape-checked, on ``device``."""
-    if not isinstance(payload, dict) or not isinstance(payload.get("text"), dict):
-        raise EnvelopeError("diffusion payload must be a dict with a 'text' dict")
-    layout = Layout.from_tensor(payload.get("layout"))
-    if layout != Layout.for_job(job):
-        raise EnvelopeError("payload layout does not match the job", layout=layout.plain())
-    hidden = _tensor(payload["text"], "hidden_states", 2)
-    roles = _tensor(payload["text"], "role_ids", 1, torch.int64)
-    visual = _tensor(payload, "visual_latents", 5)
-    ref_audio = _tensor(payload, "audio_latents", 3)
-    style = _tensor(payload, "audio_style", 2)
-    lat = (vae.CHANNELS, layout.latent_height, layout.latent_width)
-    if (
-        hidden.shape[0] != roles.shape[0]
-        or not 0 < hidden.shape[0] <= MAX_TEXT_TOKENS
-        or not 0 < hidden.shape[1] <= MAX_HIDDEN
-        or not bool(((roles >= 0) & (roles <= ROLE_NEGATIVE)).all())
-        or (visual.shape[1], visual.shape[3], visual.shape[4]) != lat
-        or visual.shape[0] > 2
-        or ref_audio.shape[:2] != (1, audio.BANDS)
-        or tuple(style.shape) != (1, audio.BANDS)
-    ):
-        raise EnvelopeError("diffusion payload tensors have unexpected shapes")
-    if job.task is Task.FL2VA and (visual.shape[0] != 2 or visual.shape[2] != 1):
-        raise EnvelopeError("fl2va payload needs first and last frame latents [2, 16, 1, h, w]")
-    text = {"hidden_states": hidden.to(device), "role_ids": roles.to(device)}
-    tensors = {"visual_latents": visual, "audio_latents": ref_audio, "audio_style": style}
-    return layout, {"text": text, **{k: v.to(device, torch.float32) for k, v in tensors.items()}}
-
-
-def _tensor(obj: dict[str, Any], name: str, dims: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    t = obj.get(name)
-    if not isinstance(t, torch.Tensor) or t.dim() != dims or (dtype is not None and t.dtype != dtype):
-        raise EnvelopeError(f"diffusion payload: {name!r} must be a {dims}-d tensor", field=name)
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        raise EnvelopeError(f"diffusion payload: {name!r} has non-finite values", field=name)
-    return t
+def _on(inputs: Inputs, device: torch.device) -> Inputs:
+    """The payload's tensors on ``device``: text as sent (bf16 stays bf16), latents as fp32."""
+    return dataclasses.replace(
+        inputs,
+        hidden_states=inputs.hidden_states.to(device),
+        role_ids=inputs.role_ids.to(device),
+        visual_latents=inputs.visual_latents.to(device, torch.float32),
+        audio_latents=inputs.audio_latents.to(device, torch.float32),
+        audio_style=inputs.audio_style.to(device, torch.float32),
+    )
 
 
 def factory(

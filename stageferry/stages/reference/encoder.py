@@ -1,7 +1,8 @@
 """The reference encoder stage: job (+ media) → conditioning payload, tensor-parallel over the group.
 
 Plug in with ``model = "stageferry.stages.reference.encoder:factory"``.  The payload (only rank 0's is
-used; every rank computes the same one)::
+used; every rank computes the same one) follows the conditioning contract
+(:data:`stageferry.schemas.payload_contract.CONDITIONING`, built with ``build_payload``)::
 
     {"task": "t2va" | "fl2va" | "ref2va",
      "text": {"hidden_states": bf16 [n, hidden], "role_ids": int64 [n]},
@@ -9,7 +10,7 @@ used; every rank computes the same one)::
                                                    # ref2va: k = 1 (reference video) or 0 (audio only)
      "audio_latents": fp32 [1, 64, m],             # reference audio (ref2va); m = 0 otherwise
      "audio_style": fp32 [1, 64],                  # mean of the audio latents, zeros without reference
-     "layout": int64 [11 + keyframes],             # see layout.py
+     "layout": int64 [11 + keyframes],             # see schemas/payload_layout.py
      "meta": {...plain values...}, "seed": int}
 
 For t2va with a 33-byte prompt and ``hidden=5120`` that is 35×5120×2 + 35×8 + 11×8 + 64×4 = 359,024
@@ -26,10 +27,11 @@ import torch
 
 from stageferry.config import PipelineConfig, StageConfig
 from stageferry.schemas import JobRequest, Task
+from stageferry.schemas.payload_contract import build_payload
+from stageferry.schemas.payload_layout import Layout
 from stageferry.stages.model import StageContext
 from stageferry.stages.reference import audio, vae
 from stageferry.stages.reference.audio import AudioCodec
-from stageferry.stages.reference.layout import Layout
 from stageferry.stages.reference.media_input import bad_media, load_audio, load_image, load_video
 from stageferry.stages.reference.text_encoder import ROLE_NEGATIVE, TextEncoder, TextEncoderConfig
 from stageferry.stages.reference.tp import TP
@@ -81,23 +83,21 @@ class ReferenceEncoder:
             audio_latents = self._audio(job, nets, ctx.media)
             ctx.report_progress(3, 3)
         style = audio_latents.mean(dim=2) if audio_latents.shape[2] else torch.zeros(1, audio.BANDS)
-        return {
-            "task": job.task.value,
-            "text": {"hidden_states": hidden.cpu(), "role_ids": roles.cpu()},
-            "visual_latents": visual.cpu(),
-            "audio_latents": audio_latents.cpu(),
-            "audio_style": style.to(torch.float32).cpu(),
-            "layout": layout.to_tensor(),
-            "meta": {
-                **layout.plain(),
+        return build_payload(
+            job,
+            hidden.cpu(),
+            roles.cpu(),
+            visual_latents=visual.cpu(),
+            audio_latents=audio_latents.cpu(),
+            audio_style=style.to(torch.float32).cpu(),
+            meta={
                 "encoder": ENCODER_NAME,
                 "hidden": int(hidden.shape[1]),
                 "text_tokens": int((roles != ROLE_NEGATIVE).sum()),
                 "negative_tokens": int((roles == ROLE_NEGATIVE).sum()),
                 "reference_latent_frames": int(visual.shape[2]) if job.task is Task.REF2VA and visual.shape[0] else 0,
             },
-            "seed": job.seed,
-        }
+        )
 
     def _visual(self, job: JobRequest, layout: Layout, nets: _Nets, media: dict[str, bytes]) -> torch.Tensor:
         if job.task is Task.FL2VA:

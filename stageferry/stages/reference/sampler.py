@@ -21,9 +21,9 @@ import torch
 
 from stageferry.errors import CancelledRequestError
 from stageferry.schemas import JobRequest
+from stageferry.schemas.payload_layout import Layout
 from stageferry.stages.reference import audio
 from stageferry.stages.reference.dit import Context, DiT, patchify, unpatchify
-from stageferry.stages.reference.layout import Layout
 from stageferry.stages.reference.tp import TP
 
 GUIDANCE_RESCALE = 0.7

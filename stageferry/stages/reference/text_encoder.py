@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stageferry.schemas.payload_contract import ROLE_NEGATIVE, ROLE_SPECIAL, ROLE_TEXT
 from stageferry.stages.reference.tp import (
     TP,
     ColumnParallelLinear,
@@ -32,9 +33,6 @@ from stageferry.stages.reference.tp import (
 BOS = 256
 EOS = 257
 VOCAB = 258
-ROLE_SPECIAL = 0
-ROLE_TEXT = 1
-ROLE_NEGATIVE = 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,35 +11,23 @@ channels bilinearly and adds a small texture from the feature channels through t
 convolutions.  Because the colour path is an (approximate) inverse, a decoded first/last-frame latent
 looks like a blurred version of the image it came from.
 
-Weights are drawn from fixed seeds; the module is replicated (not sharded) on every rank.
+Weights are drawn from fixed seeds; the module is replicated (not sharded) on every rank.  The geometry
+(channels, compression, frame grouping) is the payload contract's (``schemas/payload_layout.py``).
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from stageferry.schemas.payload_layout import LATENT_CHANNELS as CHANNELS
+from stageferry.schemas.payload_layout import SPATIAL, TEMPORAL
 from stageferry.stages.reference.tp import full_weight
 
-SPATIAL = 8
-TEMPORAL = 4
-CHANNELS = 16
 _COLOUR = 3
 _COLOUR_GAIN = 2.0
 _TEXTURE = 0.15
-
-
-def latent_frames(frames: int) -> int:
-    """Latent frames for ``frames`` video frames: frame 0 alone, then groups of 4."""
-    return 1 + math.ceil(max(0, frames - 1) / TEMPORAL)
-
-
-def latent_index(frame: int) -> int:
-    """The latent frame that frame ``frame`` belongs to."""
-    return 0 if frame == 0 else (frame - 1) // TEMPORAL + 1
 
 
 def _mix(seed: int) -> torch.Tensor:
