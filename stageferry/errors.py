@@ -108,7 +108,7 @@ class PayloadContractError(RejectedError):
     @classmethod
     def of(cls, errors: list[tuple[str, str, str]], **details: Any) -> PayloadContractError:
         """One error from ``(entry, message, type)`` triples; the message is the first one's line."""
-        field_errors = [{"field": f, "message": m, "type": t} for f, m, t in errors]
+        field_errors = [field_error(f, m, t) for f, m, t in errors]
         first = field_errors[0] if field_errors else {"field": "payload", "message": "breaks the contract"}
         more = f" (+{len(field_errors) - 1} more)" if len(field_errors) > 1 else ""
         return cls(f"{first['field']}: {first['message']}{more}", field_errors=field_errors, **details)
@@ -265,6 +265,7 @@ OUTCOMES: Mapping[type[StageferryError], Outcome] = MappingProxyType(
         RejectedError: Outcome(RequestState.REJECTED, EntryAction.ACK, "rejected"),
         EnvelopeError: Outcome(RequestState.REJECTED, EntryAction.DEAD_LETTER, "rejected"),
         ManifestError: Outcome(RequestState.REJECTED, EntryAction.DEAD_LETTER, "rejected"),
+        PayloadContractError: Outcome(RequestState.REJECTED, EntryAction.DEAD_LETTER, "rejected"),
         SubmissionRefusedError: Outcome(None, EntryAction.DEAD_LETTER, "refused"),
         DataPlaneError: Outcome(RequestState.FAILED, EntryAction.RECOMPUTE, "recomputed"),
         GroupBrokenError: Outcome(None, EntryAction.KEEP, "group_broken"),

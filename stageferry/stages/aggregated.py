@@ -10,7 +10,8 @@ the largest part's layout by default (TP4), and every rank runs, per request:
    TP size; running it on a TP2 subgroup, with the same threads per rank, gives the same bits);
 2. one all-reduce of a failure flag over the whole group, so a part that fails on any rank fails the
    request on the leader (with the leader's typed error) instead of leaving ranks waiting;
-3. the hand-over: the part's rank 0 (the group leader) packs its output into local memory and
+3. the hand-over: the part's rank 0 (the group leader) checks its output against the next part's
+   declared input contract (as a consumer leader does before its fan-out), packs it into local memory and
    broadcasts the regions to the other ranks, exactly as a consumer leader fans out a payload it got
    over NIXL; every rank — the leader too — computes on views of the same packed bytes.  No connector,
    no Redis entry, no NIXL transfer: the leader's connector counters stay at zero.
@@ -36,10 +37,11 @@ from stageferry.broker.data.payload_codec import unpack
 from stageferry.config import GroupLayout, Mode, PipelineConfig, StageConfig
 from stageferry.errors import ConfigError, StageFailedError
 from stageferry.schemas import JobRequest
+from stageferry.schemas.payload_contract import PayloadContract
 from stageferry.stages.grid import build_channel
 from stageferry.stages.group import cpu_threads, pack_payload, placement
 from stageferry.stages.group_channel import GroupChannel, MessageKind
-from stageferry.stages.model import FinalOutput, StageContext, StageModel, load_model
+from stageferry.stages.model import FinalOutput, StageContext, StageModel, input_contract_of, load_model
 
 log = structlog.get_logger(__name__)
 
@@ -68,6 +70,9 @@ class Aggregated:
         declared = pipeline.model_copy(update={"mode": Mode.DISAGGREGATED, "stages": stage.parts})
         self.stage = stage
         self.models = [load_model(part, declared) for part in stage.parts]
+        self.contracts = [input_contract_of(model) for model in self.models]
+        #: The first part's: the stage's worker checks incoming payloads against it.
+        self.input_contract: PayloadContract | None = self.contracts[0]
         self._group: _Group | None = None
 
     def group(self, ctx: StageContext) -> _Group:
@@ -91,7 +96,8 @@ class Aggregated:
         for i, part in enumerate(group.parts):
             last = i + 1 == len(group.parts)
             started = time.perf_counter()
-            output, packed, error = self._run_part(part, job, payload, ctx, pack=not last)
+            contract = None if last else self.contracts[i + 1]
+            output, packed, error = self._run_part(part, job, payload, ctx, pack=not last, contract=contract)
             if group.world.any_failed(error is not None):
                 if error is not None:
                     raise error
@@ -108,15 +114,25 @@ class Aggregated:
         return output
 
     def _run_part(
-        self, part: _Part, job: JobRequest, payload: Any, ctx: StageContext, *, pack: bool
+        self,
+        part: _Part,
+        job: JobRequest,
+        payload: Any,
+        ctx: StageContext,
+        *,
+        pack: bool,
+        contract: PayloadContract | None = None,
     ) -> tuple[Any, Any, Exception | None]:
-        """Run one part on this rank (if it is one of the part's) and, on the leader, pack its output."""
+        """Run one part on this rank (if it is one of the part's) and, on the leader, check its output
+        against the next part's ``contract`` and pack it."""
         if part.channel is None:
             return None, None, None
         try:
             with _threads(ctx.device, part.stage.world_size):
                 part_ctx = dataclasses.replace(ctx, stage=part.stage.name, **placement(part.channel))
                 output = part.model(job, payload, part_ctx)
+            if contract is not None and ctx.rank == 0:
+                contract.check(job, output)
             packed = pack_payload(output) if pack and ctx.rank == 0 and output is not None else None
             return output, packed, None
         except Exception as exc:  # agreed on by the whole group before anyone moves on

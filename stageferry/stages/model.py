@@ -6,6 +6,13 @@ thread (never on the event loop), with the validated job and the payload the pre
 (``None`` for the first stage).  It returns the next stage's payload — a nested structure of tensors
 and plain values — or, on the last stage, a :class:`FinalOutput`.  Only the leader's return value is
 used; followers compute their shard and return whatever they like.
+
+A model may declare what it reads with an ``input_contract`` attribute (a
+:class:`~stageferry.schemas.PayloadContract`, e.g. ``CONDITIONING`` for a diffusion model).  The stage's
+leader then checks every payload against it before the fan-out, and a violation ends the request
+``rejected`` with one field error per entry; the model reads its inputs with ``contract.read``.  A
+model that raises a :class:`~stageferry.errors.RejectedError` itself (bad media, a payload it refuses)
+ends the request ``rejected`` too; any other exception ends it ``failed``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 from stageferry.config import PipelineConfig, StageConfig
 from stageferry.errors import ConfigError
 from stageferry.schemas import JobRequest
+from stageferry.schemas.payload_contract import PayloadContract
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +76,16 @@ class StageModel(Protocol):
 
 
 ModelFactory = Callable[..., StageModel]
+
+
+def input_contract_of(model: Any) -> PayloadContract | None:
+    """The contract a model declares for its input payload (``model.input_contract``), if any."""
+    contract = getattr(model, "input_contract", None)
+    if contract is not None and not isinstance(contract, PayloadContract):
+        raise ConfigError(
+            f"input_contract of {type(model).__name__} must be a PayloadContract, got {type(contract).__name__}"
+        )
+    return contract
 
 
 def load_model(stage: StageConfig, pipeline: PipelineConfig) -> StageModel:

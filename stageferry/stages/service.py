@@ -34,7 +34,7 @@ from stageferry.stages.group import (
     supervise,
 )
 from stageferry.stages.group_channel import GroupChannel
-from stageferry.stages.model import load_model
+from stageferry.stages.model import input_contract_of, load_model
 from stageferry.stages.worker import StageWorker
 
 log = structlog.get_logger(__name__)
@@ -126,6 +126,7 @@ async def serve_leader(settings: Settings, pipeline: PipelineConfig, stage: Stag
                 compute=compute,
                 input_connector=connectors.input,
                 output_connector=connectors.output,
+                input_contract=input_contract_of(compute.model),
             )
             try:
                 async with anyio.create_task_group() as tg:

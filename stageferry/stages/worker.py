@@ -6,8 +6,10 @@ One :class:`StageWorker` per stage group, running on the leader (rank 0).  For e
    malformed job, envelope or manifest ends ``rejected`` with field errors (never an internal error);
 2. skips what must not run again — a terminal request, a cancelled one, a duplicate submission (the
    run-owner key binds one stream entry to each request, stage and attempt);
-3. fetches the input payload through the input connector (consumer side), runs the model through the
-   group's :class:`Compute` while renewing its claim on the entry, and
+3. fetches the input payload through the input connector (consumer side), checks it against the model's
+   declared input contract (once, here on the leader, before the fan-out: a violation is ``rejected``
+   naming the entry), runs the model through the group's :class:`Compute` while renewing its claim on
+   the entry, and
 4. puts the output through the output connector (producer side) and hands the envelope on in one
    ownership-checked Lua script — or, on the last stage, stores the result and writes ``done`` once.
 
@@ -48,11 +50,13 @@ from stageferry.errors import (
     DataPlaneError,
     GroupBrokenError,
     ManifestError,
+    PayloadContractError,
     StageFailedError,
     StageferryError,
 )
 from stageferry.logs import bound_request
 from stageferry.schemas import DeviceKind, Envelope, JobRequest, Manifest, Progress, StageTiming, Transport
+from stageferry.schemas.payload_contract import PayloadContract
 from stageferry.stages.admission import Admission
 from stageferry.stages.handoff import HandOn
 from stageferry.stages.outcomes import Outcomes
@@ -120,6 +124,7 @@ class StageWorker:
         compute: Compute,
         input_connector: Connector | None,
         output_connector: Connector | None,
+        input_contract: PayloadContract | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -129,6 +134,8 @@ class StageWorker:
         self.compute = compute
         self.input_connector = input_connector
         self.output_connector = output_connector
+        self.input_contract = input_contract
+        self.previous_stage = pipeline.previous_stage(stage.name)
         self.next_stage = pipeline.next_stage(stage.name)
         timeouts = pipeline.timeouts
         self.heartbeat = Heartbeat(redis, keys, stage.name, replica)
@@ -256,8 +263,10 @@ class StageWorker:
         progress = ProgressSink()
         try:
             async with self._fetch(envelope, entry) as incoming:
+                await self._check_input(envelope.job, incoming.payload)
                 output = await self._compute_holding_claim(entry, envelope, incoming, progress, media)
-        except (DataPlaneError, ManifestError) as exc:  # the leader's miss: the other ranks must hear it too
+        except (DataPlaneError, ManifestError, PayloadContractError) as exc:
+            # the leader's miss, or its refusal before the fan-out: the other ranks must hear it too
             await self.compute.abort(envelope.request_id, envelope.key, exc)
             raise
         if progress.cancelled or await self.store.is_cancelled(envelope.request_id):
@@ -274,6 +283,16 @@ class StageWorker:
             await self.hand.store_result(entry, envelope, output, timing)
         else:
             await self.hand.hand_on(entry, envelope, output, timing)
+
+    async def _check_input(self, job: JobRequest, payload: Any) -> None:
+        """Check the payload against the model's declared input contract — once, on the leader, before
+        the fan-out — so that a producer's mistake ends ``rejected`` naming the entry instead of
+        ``failed`` deep inside a model on every rank.  The scan runs off the event loop."""
+        if self.input_contract is None or self.previous_stage is None:
+            return
+        started = time.perf_counter()
+        await anyio.to_thread.run_sync(functools.partial(self.input_contract.check, job, payload))
+        log.debug("payload.checked", contract=self.input_contract.id, seconds=round(time.perf_counter() - started, 6))
 
     def _fetch(self, envelope: Envelope, entry: Entry) -> Any:
         if envelope.payload.kind == "none" or self.input_connector is None:
