@@ -95,6 +95,15 @@ def _set(path: str, value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
 
 
 NAN = float("nan")
+
+
+def _with(t: torch.Tensor, values: list[float]) -> torch.Tensor:
+    """``t`` with its first values replaced (the rest stays finite)."""
+    out = t.clone()
+    out.view(-1)[: len(values)] = torch.tensor(values, dtype=t.dtype)
+    return out
+
+
 VIOLATIONS = [
     ("text.hidden_states", _set("text.hidden_states", lambda t: t[None]), "expected rank 2, got 3"),
     (
@@ -103,6 +112,8 @@ VIOLATIONS = [
         "expected dtype bfloat16, float16 or float32",
     ),
     ("text.hidden_states", _set("text.hidden_states", lambda t: t.float().fill_(NAN)), "non-finite"),
+    ("text.hidden_states", _set("text.hidden_states", lambda t: _with(t, [float("inf"), -float("inf")])), "non-finite"),
+    ("text.hidden_states", _set("text.hidden_states", lambda t: _with(t, [-float("inf")])), "non-finite"),
     ("text.hidden_states", _set("text.hidden_states", None), "missing (required)"),
     ("text.hidden_states", _set("text.hidden_states", [[0.0]]), "expected a tensor, got list"),
     (
@@ -183,6 +194,14 @@ def test_the_free_sizes_have_bounds() -> None:
     assert err.field_errors[0]["message"] == f"dimension 1 (hidden) must be in 1..{MAX_HIDDEN} for this job, got 65537"
     empty = build_payload(j, torch.zeros(0, 8), torch.zeros(0, dtype=torch.int64))
     assert "dimension 0 (n) must be in 1..16384" in refused(j, empty).field_errors[0]["message"]
+
+
+def test_large_finite_values_are_finite() -> None:
+    """The finiteness scan sums in float64: the largest half/bfloat16/float32 values do not overflow it."""
+    j = job()
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        big = torch.full((16_384, 64), torch.finfo(dtype).max, dtype=dtype)
+        CONDITIONING.check(j, build_payload(j, big, torch.ones(16_384, dtype=torch.int64)))
 
 
 def test_read_fills_absent_optional_entries_and_keeps_extras() -> None:
