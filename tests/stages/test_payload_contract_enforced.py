@@ -122,9 +122,11 @@ def fields_of(status: RequestStatus) -> list[str]:
     return [e["field"] for e in status.error.details["field_errors"]]
 
 
-def test_a_payload_that_breaks_the_contract_is_rejected_before_the_fanout(deployment: Deployment) -> None:
+@pytest.mark.parametrize("transport", ["inline", "nixl"])
+def test_a_payload_breaking_the_contract_is_rejected_before_the_fanout(deployment: Deployment, transport: str) -> None:
     dep = deployment
-    rid = dep.client.submit({**JOB, "prompt": "rank3 a paper boat"})
+    prompt = "rank3 a paper boat" if transport == "inline" else "wide rank3 a paper boat in the rain, at night"
+    rid = dep.client.submit({**JOB, "prompt": prompt})
     status = dep.wait(rid)
     assert status.state is RequestState.REJECTED, status
     assert status.error is not None and status.error.code == "payload_contract"
@@ -132,6 +134,7 @@ def test_a_payload_that_breaks_the_contract_is_rejected_before_the_fanout(deploy
     assert status.error.details["contract"] == "stageferry.conditioning/1"
     # refused by the leader before the fan-out: no rank ran the model, the follower was told
     mine = dep.events(rid)
+    assert [e["transport"] for e in mine if e.get("event") == "payload.put"] == [transport], mine
     assert not any(e.get("event") == "group.fanout" for e in mine), mine
     assert any(e.get("event") == "group.request_failed" and e.get("code") == "payload_contract" for e in mine), mine
     # and the entry is kept for inspection
