@@ -230,7 +230,7 @@ class PayloadContract:
         bound: dict[str, tuple[int, str]] = {}
         for entry in self.tensors:
             if any(e[0] == entry.name for e in errors):
-                continue  # the layout, already refused while parsing it
+                continue  # already refused (the layout, while parsing it)
             value = _lookup(payload, text, entry.name)
             if value is None:
                 if job.task in entry.required:
@@ -282,8 +282,8 @@ def _lookup(payload: Mapping[str, Any], text: Mapping[str, Any], name: str) -> A
 
 
 def _layout(job: JobRequest, value: Any, errors: list[tuple[str, str, str]]) -> Layout:
-    """The payload's layout if it parses and is the job's; else an error (the job's layout is then used
-    to check the other entries' shapes, so that their errors are reported too)."""
+    """The job's layout, which the other entries are checked against (so that their errors are reported
+    too); the payload's own ``layout`` is parsed and compared with it, any difference appended."""
     expected = Layout.for_job(job)
     if value is None:
         return expected  # reported as missing by the entry loop

@@ -8,11 +8,12 @@ and plain values — or, on the last stage, a :class:`FinalOutput`.  Only the le
 used; followers compute their shard and return whatever they like.
 
 A model may declare what it reads with an ``input_contract`` attribute (a
-:class:`~stageferry.schemas.PayloadContract`, e.g. ``CONDITIONING`` for a diffusion model).  The stage's
-leader then checks every payload against it before the fan-out, and a violation ends the request
-``rejected`` with one field error per entry; the model reads its inputs with ``contract.read``.  A
-model that raises a :class:`~stageferry.errors.RejectedError` itself (bad media, a payload it refuses)
-ends the request ``rejected`` too; any other exception ends it ``failed``.
+:class:`~stageferry.schemas.payload_contract.PayloadContract`, e.g. ``CONDITIONING`` for a diffusion
+model).  The stage's leader then checks every payload against it before the fan-out, and a violation
+ends the request ``rejected`` with one field error per entry; the model reads its inputs with
+``contract.read``.  What a model raises itself ends the request as ``errors.OUTCOMES`` says (a
+:class:`~stageferry.errors.RejectedError` — bad media, a job it refuses — ``rejected``; an untyped
+exception ``failed``).
 """
 
 from __future__ import annotations
