@@ -27,7 +27,9 @@ GiB = 1024 * MiB
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Base of the pipeline file's sections; each field's docstring is its documentation (docs/configuration.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class ConnectorKind(enum.StrEnum):
@@ -115,10 +117,15 @@ class StageConfig(Strict):
     stage only: the stages whose models it runs in process, each on the first ranks of the group."""
 
     name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
+    """The stage's name: its stream is `<p>:stage:<name>:in`, its consumer group `<name>`."""
     model: Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")] = "stageferry.stages.passthrough:factory"
+    """`module:factory` of the stage's model, called once per rank (see docs/layouts.md)."""
     tp: _GroupDim = 1
+    """Tensor-parallel size of the stage group (the 1-D layout `{tp = N}`)."""
     layout: GroupLayout = GroupLayout(tp=1)
+    """`{tp, sp}` (TP × Ulysses SP) or `{shard, replicate}` (HSDP); ranks = the product, at most 64."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: the GPU of the local rank if there is one, else CPU."""
     parts: Annotated[tuple[StageConfig, ...], Field(max_length=16)] = ()
 
     @model_validator(mode="before")
@@ -163,53 +170,86 @@ class DataPlaneConfig(Strict):
     """Connector choice, thresholds and pool sizes."""
 
     connector: ConnectorKind = ConnectorKind.NIXL
+    """nixl: bulk bytes over NIXL (inline when small or on failure); inline: always in the stream entry."""
     metadata_mode: MetadataMode = MetadataMode.QUERIED
+    """queried: agent metadata from Redis; direct: also carried in the envelope (checked against Redis)."""
     inline_max_bytes: Annotated[int, Field(ge=0, le=64 * MiB)] = 64 * KiB
+    """Payloads up to this size ride inline in the stream entry."""
     inline_fallback_max_bytes: Annotated[int, Field(ge=0, le=256 * MiB)] = 16 * MiB
+    """Cap of the inline fallback when NIXL fails; above it the request is recomputed upstream."""
     cpu_pool_bytes: Annotated[int, Field(ge=MiB, le=64 * GiB)] = 256 * MiB
+    """The producer leader's registered DRAM pool."""
     gpu_pool_bytes: Annotated[int, Field(ge=0, le=64 * GiB)] = 512 * MiB
+    """The producer leader's registered VRAM pool (GPU stages)."""
     max_payload_bytes: Annotated[int, Field(ge=KiB, le=16 * GiB)] = 1 * GiB
+    """Largest payload a stage may hand on."""
     nixl_backends: tuple[Annotated[str, Field(pattern=r"^[A-Z_0-9]{1,32}$")], ...] = ("UCX",)
+    """NIXL backends of each agent."""
     agent_heartbeat_s: Annotated[float, Field(gt=0, le=60)] = 2.0
+    """Seconds between refreshes of the agent record in Redis."""
     agent_ttl_s: Annotated[float, Field(gt=0, le=600)] = 6.0
+    """TTL of the agent record: a producer silent this long is gone."""
 
 
 class Timeouts(Strict):
     """Every wait has a bound; values in seconds."""
 
     visibility: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    """An entry idle this long is reclaimed by another replica."""
     claim_renew_every: Annotated[float, Field(gt=0, le=600)] = 5.0
+    """Long jobs renew their claim on the entry this often."""
     handshake: Annotated[float, Field(gt=0, le=120)] = 5.0
+    """Loading the producer's agent metadata."""
     claim: Annotated[float, Field(gt=0, le=600)] = 30.0
+    """A consumer's claim on a payload lives this long (it expires if the consumer dies)."""
     transfer: Annotated[float, Field(gt=0, le=600)] = 30.0
+    """One NIXL READ."""
     lease: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    """An unclaimed payload is freed after this."""
     pool_wait: Annotated[float, Field(ge=0, le=600)] = 10.0
+    """Back-pressure: how long a put waits for a free pool slot."""
     resend: Annotated[float, Field(gt=0, le=120)] = 5.0
+    """Waiting for a producer's inline resend."""
     redis_unreachable: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    """A worker exits non-zero after Redis has been gone this long."""
     request: Annotated[float, Field(gt=0, le=86_400)] = 3600.0
+    """A request's deadline; also the default wait of the gateway's sync endpoint."""
 
 
 class Limits(Strict):
     """Deployment limits checked on every job, beyond the schema's hard bounds."""
 
     max_steps: Annotated[int, Field(ge=1, le=200)] = 100
+    """Most `num_inference_steps` a job may ask for."""
     max_prompt_chars: Annotated[int, Field(ge=1, le=8192)] = 4096
+    """Longest prompt (and negative prompt) in characters."""
     max_upload_bytes: Annotated[int, Field(ge=KiB, le=1 * GiB)] = 64 * MiB
+    """Largest media upload."""
     max_entry_bytes: Annotated[int, Field(ge=KiB, le=512 * MiB)] = 32 * MiB
+    """A stream entry above this is refused inside Redis, without being read."""
     min_reference_audio_s: Annotated[float, Field(ge=0, le=60)] = 1.0
+    """Shortest reference audio the encoder takes."""
     max_deliveries: Annotated[int, Field(ge=1, le=100)] = 5
+    """Then the entry goes to the dead-letter stream."""
     max_recomputes: Annotated[int, Field(ge=0, le=20)] = 3
+    """A lost payload is recomputed upstream at most this often."""
     lora_adapters: tuple[Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")], ...] = ()
+    """Names a job's `lora` may use."""
 
 
 class Retention(Strict):
     """How long per-request keys live, and how long streams may grow."""
 
     request_ttl_s: Annotated[int, Field(ge=60, le=30 * 86_400)] = 86_400
+    """How long a request's keys (status, events, result) live."""
     result_inline_max_bytes: Annotated[int, Field(ge=0, le=512 * MiB)] = 64 * MiB
+    """Results up to this size are also stored in Redis (`<p>:req-result:<id>`)."""
     events_maxlen: Annotated[int, Field(ge=10, le=100_000)] = 2000
+    """Most events kept per request trace."""
     dlq_maxlen: Annotated[int, Field(ge=10, le=10_000_000)] = 100_000
+    """Most entries kept per dead-letter stream."""
     stream_maxlen: Annotated[int, Field(ge=100, le=100_000_000)] = 1_000_000
+    """Admission control: submit fails with `queue_full` beyond this many queued entries."""
 
 
 class Security(Strict):
@@ -219,6 +259,7 @@ class Security(Strict):
     only for its tenant's ids (see ``docs/security.md``; ``stageferry acl`` prints the ACL users)."""
 
     tenants: Annotated[tuple[Annotated[str, Field(pattern=TENANT_PATTERN)], ...], Field(max_length=256)] = ()
+    """Tenant names (each with its own intake stream, request-id prefix `<tenant>.` and ACL user)."""
 
     @model_validator(mode="after")
     def _unique(self) -> Security:
@@ -237,9 +278,12 @@ class Mode(enum.StrEnum):
 class AggregatedConfig(Strict):
     """The one stage of an aggregated pipeline (``mode = "aggregated"``)."""
 
-    name: Annotated[str | None, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")] = None  #: default: the first stage's
-    layout: GroupLayout | None = None  #: default: the layout of the stage with the most ranks
-    device: Literal["auto", "cpu", "cuda"] | None = None  #: default: the first stage's
+    name: Annotated[str | None, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")] = None
+    """The one stage's name; default: the first stage's, so clients submit as before."""
+    layout: GroupLayout | None = None
+    """Default: the layout of the stage with the most ranks."""
+    device: Literal["auto", "cpu", "cuda"] | None = None
+    """Default: the first stage's."""
 
 
 DEFAULT_STAGES = (
@@ -256,6 +300,7 @@ class PipelineConfig(Strict):
     that one stage, and :meth:`disaggregated` gives back the declared ones."""
 
     mode: Mode = Mode.DISAGGREGATED
+    """disaggregated: one service per stage; aggregated: one service runs every stage's model (docs/layouts.md)."""
     aggregated: AggregatedConfig = AggregatedConfig()
     stages: Annotated[tuple[StageConfig, ...], Field(min_length=1, max_length=16)] = DEFAULT_STAGES
     data_plane: DataPlaneConfig = DataPlaneConfig()
@@ -264,6 +309,7 @@ class PipelineConfig(Strict):
     retention: Retention = Retention()
     security: Security = Security()
     output_dir: str = "out"
+    """Where the last stage writes results (MP4s); relative paths are resolved against the working directory."""
 
     @model_validator(mode="before")
     @classmethod
@@ -331,17 +377,25 @@ class PipelineConfig(Strict):
 class Settings(BaseSettings):
     """Per-process settings (``STAGEFERRY_*``)."""
 
-    model_config = SettingsConfigDict(env_prefix="STAGEFERRY_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="STAGEFERRY_", extra="ignore", use_attribute_docstrings=True)
 
     redis_url: str | None = None
+    """`redis://` or `rediss://` URL (see docs/security.md for TLS and ACL users). Client commands fall back
+    to redis://127.0.0.1:6379/0; `up` starts a private server; `serve` requires it."""
     prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.{}-]{1,64}$")] = "sf"
+    """Key prefix: every key lives under `<prefix>:`."""
     pipeline: Path | None = None
+    """Pipeline TOML file; unset means the built-in default (docs/configuration.md)."""
     log_format: Literal["auto", "json", "console"] = "auto"
+    """json lines, console, or auto (console on a TTY)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level logged."""
     replica: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")] = Field(
         default_factory=lambda: socket.gethostname()[:48] or "replica"
     )
+    """This replica's consumer name, stable across restarts (un-acked entries are re-read first)."""
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """Prometheus metrics port (0: off)."""
     tenant: Annotated[str | None, Field(pattern=TENANT_PATTERN)] = None
     """The tenant a client process submits as (``STAGEFERRY_TENANT``); None: single-tenant."""
     #: The HTTP gateway's bearer token (``STAGEFERRY_GATEWAY_TOKEN``); unset: no token needed.

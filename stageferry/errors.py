@@ -224,6 +224,19 @@ class CancelledRequestError(StageferryError):
     code = "cancelled"
 
 
+def leaf_errors(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside ``exc``, task-group nesting (``ExceptionGroup``) flattened away."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in leaf_errors(sub)]
+    return [exc]
+
+
+def expected_error(exc: BaseException) -> StageferryError | None:
+    """The :class:`StageferryError` that ``exc`` is or that a task group wrapped it in (the first, when
+    several tasks failed at once), else None: what a boundary reports as one line instead of a traceback."""
+    return next((leaf for leaf in leaf_errors(exc) if isinstance(leaf, StageferryError)), None)
+
+
 def error_from_code(code: str, message: str, details: dict[str, Any] | None = None) -> StageferryError:
     """Rebuild a typed error from its code (a follower raising the leader's error, for instance)."""
     cls = error_class(code)

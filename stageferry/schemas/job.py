@@ -64,7 +64,7 @@ class Task(enum.StrEnum):
 class Frozen(BaseModel):
     """Base of every wire model: unknown fields are an error, values are immutable."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=65_536)
+    model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=65_536, use_attribute_docstrings=True)
 
 
 class MediaRef(Frozen):
@@ -97,20 +97,35 @@ class JobRequest(Frozen):
     """One generation job. Every field is bounded; see ``stageferry schema`` for the JSON Schema."""
 
     task: Task = Task.T2VA
+    """t2va: text → video + audio; fl2va: first/last frame; ref2va: reference video and/or audio."""
     prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
+    """What to generate (the deployment may allow fewer characters: `limits.max_prompt_chars`)."""
     negative_prompt: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] = ""
+    """What to steer away from."""
     width: Annotated[int, Field(ge=64, le=2048)] = 1344
+    """Frame width in pixels, a multiple of 16; aspect ratio at most 4:1."""
     height: Annotated[int, Field(ge=64, le=2048)] = 768
+    """Frame height in pixels, a multiple of 16."""
     fps: Annotated[int, Field(ge=1, le=60)] = 24
+    """Frames per second of the output."""
     duration: Annotated[float, Field(gt=0.0, le=30.0)] | None = None
+    """Seconds of video (default 2 s); not together with `num_frames`."""
     num_frames: Annotated[int, Field(ge=1, le=1024)] | None = None
+    """Frames to generate, instead of `duration`."""
     num_inference_steps: Annotated[int, Field(ge=1, le=200)] = 8
+    """Diffusion steps (the deployment may allow fewer: `limits.max_steps`)."""
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
+    """The same seed gives the same output."""
     flow_shift: Annotated[float, Field(ge=0.1, le=32.0)] = 5.0
+    """Flow-matching time shift of the video sampler."""
     audio_flow_shift: Annotated[float, Field(ge=0.1, le=32.0)] = 3.0
+    """Flow-matching time shift of the audio sampler."""
     guidance: Annotated[float, Field(ge=0.0, le=30.0)] = 5.0
+    """Classifier-free guidance scale."""
     lora: Annotated[str, Field(pattern=ADAPTER_NAME_PATTERN)] | None = None
+    """A LoRA adapter by name, one of the deployment's `limits.lora_adapters`."""
     media: MediaInputs = MediaInputs()
+    """Media inputs: fl2va needs first_frame and last_frame, ref2va reference_video and/or reference_audio."""
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

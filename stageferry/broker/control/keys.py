@@ -20,6 +20,9 @@ picked up" marker, TTL), ``<p>:upload:<id>:<name>`` (media bytes, TTL), entries 
 pushes to the wake list ``<p>:stage:<stage>:wake`` that idle readers block on (stages push it too).
 
 ``stageferry.acl`` turns this table into Redis ACL users; ``docs/security.md`` explains the model.
+
+:data:`KEY_DOCS` says what each key holds; ``scripts/gen_docs.py`` turns it, with each method's name
+pattern, into the key table of ``docs/protocol.md`` (a test fails when the committed table drifts).
 """
 
 from __future__ import annotations
@@ -104,3 +107,30 @@ class Keys:
 
     def resend_reply(self, token: str) -> str:
         return f"{self.prefix}:nixl:reply:{token}"
+
+
+#: What each key of :class:`Keys` holds, by method name: the source of the key table in the docs.
+KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, not a key
+    "stage_stream": "stream: the stage's input entries (consumer group `<stage>`)",
+    "intake": "stream: a tenant's own submission stream to the first stage (only that tenant's ACL user may XADD)",
+    "submission_stream": None,
+    "wake": "list: pushed after each XADD by stageferry's writers; idle workers BLPOP it (at most 16 items)",
+    "dead_letter": "stream: entries given up on, with the reason",
+    "workers": "hash: replica → last heartbeat (unix seconds)",
+    "request": "hash: `state` and `status` (JSON RequestStatus)",
+    "events": "stream: the request's trace (log events, status changes)",
+    "run_owner": "string: the entry id that owns this run (dedup of resubmits)",
+    "cancel": "string: set when the client cancels",
+    "submitted": "string: set by a client with its XADD (the request exists before a stage picks it up), TTL",
+    "result": "string: the result bytes (e.g. the MP4), with a TTL",
+    "video_meta": "string (JSON): the HTTP gateway's record of a video job (model, prompt, size, seconds), "
+    "with the request's TTL",
+    "upload": "string: media bytes uploaded by a client, with a TTL",
+    "upload_prefix": "the prefix of every upload key (what a job's `upload_key` must start with)",
+    "refused": "hash: why the first stage refused a client's entry, by the id XADD returned "
+    "(`<p>:refused:<tenant>.<entry_id>` for a tenant)",
+    "agent": "hash: NIXL agent record (metadata, incarnation, arenas), TTL heartbeat",
+    "claim": "string: who claimed a payload (or `expired` / `released`), with a TTL",
+    "resend": "stream: consumers asking a producer to resend a payload inline",
+    "resend_reply": "list: the inline bytes of a resend",
+}
