@@ -20,25 +20,51 @@ from typing import Annotated, Any, ParamSpec, TypeVar
 
 import anyio
 import typer
+import typer.core
 from pydantic import ValidationError
 from rich.console import Console
 
 from stageferry.acl import acl_file
-from stageferry.client import Client
+from stageferry.client import DEFAULT_REDIS_URL, Client
 from stageferry.config import Settings
 from stageferry.console import error_line, follow, render_status
-from stageferry.errors import ConfigError, JobValidationError, StageferryError, field_error
+from stageferry.docgen import allowed
+from stageferry.errors import (
+    ConfigError,
+    ControlPlaneError,
+    JobValidationError,
+    expected_error,
+    field_error,
+    leaf_errors,
+)
 from stageferry.logs import configure_logging
 from stageferry.schemas import JobRequest, MediaInputs, RequestState, RequestStatus, Task
 from stageferry.schemas.job import REQUEST_ID_PATTERN, TENANT_PATTERN, TENANT_SEPARATOR
-from stageferry.trace import format_trace
+from stageferry.trace import TraceEvent, format_trace, load_saved_trace, saved_trace_path
 
-app = typer.Typer(
+
+class _Command(typer.core.TyperCommand):
+    """Usage lines name arguments plainly (``REQUEST_ID``), not in typer's braces (``{REQUEST_ID}``)."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = super().collect_usage_pieces(ctx)
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
+
+
+class _App(typer.Typer):
+    """Every command, whoever adds it, gets :class:`_Command`."""
+
+    def command(self, *args: Any, cls: type[typer.core.TyperCommand] | None = None, **kwargs: Any) -> Any:
+        return super().command(*args, cls=cls or _Command, **kwargs)
+
+
+app = _App(
     name="stageferry",
     help="Disaggregated multimodal generation: Redis Streams control plane, NIXL data plane.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,  # plain help: flags show no `<bool>` value, defaults and ranges in brackets
 )
 stderr = Console(stderr=True)
 
@@ -56,10 +82,31 @@ class _Overrides:
 @app.callback()
 def _global_options(
     ctx: typer.Context,
-    redis_url: Annotated[str | None, typer.Option("--redis-url", help="Redis URL (env STAGEFERRY_REDIS_URL).")] = None,
-    prefix: Annotated[str | None, typer.Option("--prefix", help="Key prefix (env STAGEFERRY_PREFIX).")] = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            "--redis-url",
+            metavar="URL",
+            help=f"Redis URL, redis:// or rediss:// (env STAGEFERRY_REDIS_URL). Default: {DEFAULT_REDIS_URL} for"
+            " client commands; `up` starts a private server; `serve` and `gateway` need one.",
+        ),
+    ] = None,
+    prefix: Annotated[
+        str | None,
+        typer.Option(
+            "--prefix",
+            metavar="P",
+            help="Key prefix (env STAGEFERRY_PREFIX). Default: sf. Allowed: 1-64 of A-Z a-z 0-9 _ . { } -.",
+        ),
+    ] = None,
     pipeline: Annotated[
-        Path | None, typer.Option("--pipeline", help="Pipeline TOML file (env STAGEFERRY_PIPELINE).")
+        Path | None,
+        typer.Option(
+            "--pipeline",
+            metavar="FILE",
+            help="Pipeline TOML file (env STAGEFERRY_PIPELINE). Default: the"
+            " built-in encoder TP2 -> diffusion TP4 (docs/configuration.md).",
+        ),
     ] = None,
 ) -> None:
     ctx.obj = _Overrides(redis_url, prefix, pipeline)
@@ -82,14 +129,39 @@ def _expected_errors(fn: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
-        except StageferryError as exc:
-            typer.echo(error_line(exc), err=True)
-            raise typer.Exit(1) from None
-        except KeyboardInterrupt:
-            typer.echo("interrupted", err=True)
-            raise typer.Exit(130) from None
+        except (typer.Exit, typer.Abort):
+            raise
+        except BaseException as exc:
+            leaves = leaf_errors(exc)  # a task group wraps what its tasks raised
+            if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
+                typer.echo("interrupted", err=True)
+                raise typer.Exit(130) from None
+            if (error := expected_error(exc)) is not None:
+                typer.echo(error_line(error), err=True)
+                raise typer.Exit(1) from None
+            if (missing := _missing_extra(leaves)) is not None:
+                typer.echo(missing, err=True)
+                raise typer.Exit(1) from None
+            raise
 
     return wrapper
+
+
+#: Top-level modules of the optional extras, and the extra that brings each.
+_EXTRA_OF = {
+    "torch": "stage", "nixl": "stage", "av": "stage", "numpy": "stage", "PIL": "stage",
+    "prometheus_client": "stage", "fastapi": "gateway", "uvicorn": "gateway", "multipart": "gateway",
+    "python_multipart": "gateway", "starlette": "gateway",
+}  # fmt: skip
+
+
+def _missing_extra(leaves: list[BaseException]) -> str | None:
+    """One line naming the extra to install, when a command needs a module that is not installed."""
+    for leaf in leaves:
+        if isinstance(leaf, ModuleNotFoundError) and (root := (leaf.name or "").split(".")[0]) in _EXTRA_OF:
+            extra = _EXTRA_OF[root]
+            return f"error [missing_extra]: this command needs {root}: pip install 'stageferry[{extra}]'"
+    return None
 
 
 def _with_client(ctx: typer.Context, action: Callable[[Client], Awaitable[R]]) -> R:
@@ -110,23 +182,52 @@ def _print_status(status: RequestStatus) -> None:
 
 # -- job options, shared by `submit` and `up` -------------------------------------------------------------
 
-TaskOpt = Annotated[Task | None, typer.Option("--task", help="t2va, fl2va or ref2va.")]
-PromptOpt = Annotated[str | None, typer.Option("--prompt")]
-WidthOpt = Annotated[int | None, typer.Option("--width")]
-HeightOpt = Annotated[int | None, typer.Option("--height")]
-FpsOpt = Annotated[int | None, typer.Option("--fps")]
-DurationOpt = Annotated[float | None, typer.Option("--duration", help="Seconds of video.")]
-StepsOpt = Annotated[int | None, typer.Option("--steps", help="num_inference_steps.")]
-SeedOpt = Annotated[int | None, typer.Option("--seed")]
-FlowShiftOpt = Annotated[float | None, typer.Option("--flow-shift")]
-AudioFlowShiftOpt = Annotated[float | None, typer.Option("--audio-flow-shift")]
-GuidanceOpt = Annotated[float | None, typer.Option("--guidance")]
-LoraOpt = Annotated[str | None, typer.Option("--lora", help="A configured LoRA adapter name.")]
-_MEDIA_HELP = "A path the encoder stage can read, or upload:LOCAL_FILE to upload the bytes."
-FirstFrameOpt = Annotated[str | None, typer.Option("--first-frame", help=_MEDIA_HELP)]
-LastFrameOpt = Annotated[str | None, typer.Option("--last-frame", help=_MEDIA_HELP)]
-RefVideoOpt = Annotated[str | None, typer.Option("--reference-video", help=_MEDIA_HELP)]
-RefAudioOpt = Annotated[str | None, typer.Option("--reference-audio", help=_MEDIA_HELP)]
+_JOB_SCHEMA = JobRequest.model_json_schema()
+
+
+def _job_help(field: str, what: str | None = None) -> str:
+    """An option's help from the job schema: what it means, the schema's default and range."""
+    prop = _JOB_SCHEMA["properties"][field]
+    text = what or prop.get("description", "")
+    default = prop.get("default")
+    if default is not None:
+        text += f" Job default: {default}."
+    if allowed_range := allowed(_JOB_SCHEMA, field):
+        text += f" Allowed: {allowed_range}."
+    return text.strip()
+
+
+TaskOpt = Annotated[Task | None, typer.Option("--task", help=_job_help("task"))]
+PromptOpt = Annotated[str | None, typer.Option("--prompt", metavar="TEXT", help=_job_help("prompt"))]
+WidthOpt = Annotated[int | None, typer.Option("--width", metavar="PX", help=_job_help("width"))]
+HeightOpt = Annotated[int | None, typer.Option("--height", metavar="PX", help=_job_help("height"))]
+FpsOpt = Annotated[int | None, typer.Option("--fps", help=_job_help("fps"))]
+DurationOpt = Annotated[float | None, typer.Option("--duration", metavar="SECONDS", help=_job_help("duration"))]
+StepsOpt = Annotated[
+    int | None, typer.Option("--steps", help="num_inference_steps: " + _job_help("num_inference_steps"))
+]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help=_job_help("seed"))]
+FlowShiftOpt = Annotated[float | None, typer.Option("--flow-shift", help=_job_help("flow_shift"))]
+AudioFlowShiftOpt = Annotated[float | None, typer.Option("--audio-flow-shift", help=_job_help("audio_flow_shift"))]
+GuidanceOpt = Annotated[float | None, typer.Option("--guidance", help=_job_help("guidance"))]
+LoraOpt = Annotated[str | None, typer.Option("--lora", metavar="NAME", help=_job_help("lora"))]
+_MEDIA_HELP = "A path the encoder stage can read, or upload:LOCAL_FILE to upload the bytes (fl2va: {})."
+FirstFrameOpt = Annotated[
+    str | None, typer.Option("--first-frame", metavar="PATH", help=_MEDIA_HELP.format("required, an image"))
+]
+LastFrameOpt = Annotated[
+    str | None, typer.Option("--last-frame", metavar="PATH", help=_MEDIA_HELP.format("required, an image"))
+]
+_REF_HELP = "A path the encoder stage can read, or upload:LOCAL_FILE to upload the bytes (ref2va: {} or both)."
+RefVideoOpt = Annotated[
+    str | None, typer.Option("--reference-video", metavar="PATH", help=_REF_HELP.format("this, --reference-audio"))
+]
+RefAudioOpt = Annotated[
+    str | None, typer.Option("--reference-audio", metavar="PATH", help=_REF_HELP.format("this, --reference-video"))
+]
+RequestIdArg = Annotated[
+    str, typer.Argument(metavar="REQUEST_ID", help="The id `submit` printed (or X-Request-Id from the gateway).")
+]
 
 UPLOAD_SCHEME = "upload:"
 
@@ -203,10 +304,26 @@ def submit(
     last_frame: LastFrameOpt = None,
     reference_video: RefVideoOpt = None,
     reference_audio: RefAudioOpt = None,
-    json_source: Annotated[str | None, typer.Option("--json", help="Job JSON file, or - for stdin.")] = None,
-    request_id: Annotated[str | None, typer.Option("--request-id")] = None,
+    json_source: Annotated[
+        str | None,
+        typer.Option(
+            "--json", metavar="FILE", help="Job JSON file, or - for stdin; options given as well override it."
+        ),
+    ] = None,
+    request_id: Annotated[
+        str | None,
+        typer.Option(
+            "--request-id",
+            metavar="ID",
+            help="Your own request id (a resubmitted id runs once). Default: "
+            "generated. Allowed: 1-128 of A-Z a-z 0-9 . _ - (first alphanumeric; no colon).",
+        ),
+    ] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Follow progress, then print the result.")] = False,
-    timeout: Annotated[float | None, typer.Option("--timeout", help="With --wait: seconds.")] = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option("--timeout", metavar="SECONDS", help="With --wait: give up after this. Default: no limit."),
+    ] = None,
 ) -> None:
     """Submit a job; prints its request id (with --wait: follows it and prints the final status)."""
     fields = {
@@ -235,7 +352,7 @@ def submit(
 
 @app.command()
 @_expected_errors
-def status(ctx: typer.Context, request_id: str) -> None:
+def status(ctx: typer.Context, request_id: RequestIdArg) -> None:
     """Print a request's status as JSON."""
     found = _with_client(ctx, lambda c: c.status(request_id))
     if found is None:
@@ -248,8 +365,10 @@ def status(ctx: typer.Context, request_id: str) -> None:
 @_expected_errors
 def wait_cmd(
     ctx: typer.Context,
-    request_id: str,
-    timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds.")] = None,
+    request_id: RequestIdArg,
+    timeout: Annotated[
+        float | None, typer.Option("--timeout", metavar="SECONDS", help="Give up after this. Default: no limit.")
+    ] = None,
 ) -> None:
     """Block until the request ends; print its status (exit 1 unless it is done)."""
     final = _with_client(ctx, lambda c: c.wait(request_id, timeout=timeout))
@@ -260,7 +379,7 @@ def wait_cmd(
 
 @app.command()
 @_expected_errors
-def cancel(ctx: typer.Context, request_id: str) -> None:
+def cancel(ctx: typer.Context, request_id: RequestIdArg) -> None:
     """Cancel a request: it stops at the next stage boundary and ends as cancelled."""
     if _with_client(ctx, lambda c: c.cancel(request_id)):
         typer.echo(f"cancel requested for {request_id}")
@@ -343,13 +462,54 @@ def acl(
 
 @app.command()
 @_expected_errors
-def trace(ctx: typer.Context, request_id: str) -> None:
-    """Print a request's events across all services in time order, with per-hop timings and transports."""
-    events = _with_client(ctx, lambda c: c.trace(request_id))
-    if not events:
-        typer.echo(f"error [not_found]: no events for {request_id!r} (unknown or expired)", err=True)
-        raise typer.Exit(1)
-    typer.echo(format_trace(events))
+def trace(
+    ctx: typer.Context,
+    request_id: RequestIdArg,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html", metavar="FILE", help="Also draw the request as a timeline into FILE (self-contained HTML)."
+        ),
+    ] = None,
+) -> None:
+    """Print a request's events across all services in time order, with per-hop timings and transports.
+
+    Looks in Redis, and in the trace `stageferry up` saved beside its outputs (<output_dir>/REQUEST_ID.trace.json)."""
+    events = _find_trace(ctx, request_id)
+    table = format_trace(events)
+    typer.echo(table)
+    if html is not None:
+        from stageferry.trace_html import render_html
+
+        try:
+            html.write_text(render_html(events, request_id=request_id, table=table))
+        except OSError as exc:
+            raise ConfigError(f"cannot write {html}: {exc.strerror}") from exc
+        typer.echo(f"timeline: {html}", err=True)
+
+
+def _find_trace(ctx: typer.Context, request_id: str) -> list[TraceEvent]:
+    """The trace from Redis or from the file ``up`` saved; a not_found line saying where it looked.
+
+    With no Redis configured the saved file comes first: ``up``'s private Redis is gone, and the default
+    one may not run at all."""
+    settings = _settings(ctx)
+    saved = saved_trace_path(Path(settings.load_pipeline().output_dir).resolve(), request_id)
+    from_file = load_saved_trace(saved) if saved is not None else None
+    if from_file and settings.redis_url is None:
+        return from_file
+    url = settings.redis_url or DEFAULT_REDIS_URL
+    try:
+        events = _with_client(ctx, lambda c: c.trace(request_id))
+    except ControlPlaneError:
+        if from_file:
+            return from_file
+        raise
+    if events or from_file:
+        return events or from_file or []
+    looked = f"Redis {url} (prefix {settings.prefix!r})" + (f" and {saved}" if saved is not None else "")
+    typer.echo(f"error [not_found]: no events for {request_id!r} in {looked}", err=True)
+    raise typer.Exit(1)
 
 
 @app.command()
@@ -359,7 +519,7 @@ def health(
     stage: Annotated[
         str | None, typer.Option("--stage", help="Also require this replica's worker heartbeat for STAGE.")
     ] = None,
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for Redis.")] = 5.0,
+    timeout: Annotated[float, typer.Option("--timeout", metavar="SECONDS", help="Wait this long for Redis.")] = 5.0,
 ) -> None:
     """Container health check: exit 0 when Redis answers and, with --stage, this replica's heartbeat is fresh.
 
@@ -379,8 +539,12 @@ def health(
 @_expected_errors
 def serve(
     ctx: typer.Context,
-    stage: str,
-    tp: Annotated[int | None, typer.Option("--tp", min=1, help="Override the stage's TP size.")] = None,
+    stage: Annotated[
+        str, typer.Argument(metavar="STAGE", help="A stage of the pipeline file (default: encoder, diffusion).")
+    ],
+    tp: Annotated[
+        int | None, typer.Option("--tp", min=1, max=64, help="Run the stage as TP N instead of its layout in the file.")
+    ] = None,
 ) -> None:
     """Run one replica of a stage service until SIGTERM/SIGINT."""
     settings = _settings(ctx)
@@ -408,9 +572,15 @@ def up(
     reference_video: RefVideoOpt = None,
     reference_audio: RefAudioOpt = None,
     serve_forever: Annotated[bool, typer.Option("--serve", help="Keep running after the job, until Ctrl-C.")] = False,
-    startup_timeout: Annotated[float, typer.Option("--startup-timeout", help="Seconds for services.")] = 120.0,
-    timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds for the job.")] = 600.0,
-    log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Service logs (default <output_dir>/logs).")] = None,
+    startup_timeout: Annotated[
+        float, typer.Option("--startup-timeout", metavar="SECONDS", help="Wait this long for every stage's heartbeat.")
+    ] = 120.0,
+    timeout: Annotated[
+        float | None, typer.Option("--timeout", metavar="SECONDS", help="Wait this long for the job to end.")
+    ] = 600.0,
+    log_dir: Annotated[
+        Path | None, typer.Option("--log-dir", metavar="DIR", help="Service logs. Default: <output_dir>/logs.")
+    ] = None,
 ) -> None:
     """Run the whole pipeline here (a private Redis if none is configured) and one job through it."""
     settings = _settings(ctx)
@@ -441,7 +611,7 @@ def up(
 def gateway(
     ctx: typer.Context,
     host: Annotated[str, typer.Option("--host", help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 8091,
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="TCP port to listen on.")] = 8091,
     sync_timeout: Annotated[
         float | None, typer.Option("--sync-timeout", help="Seconds /v1/videos/sync waits (default: timeouts.request).")
     ] = None,
@@ -469,8 +639,8 @@ def chaos(
     requests: Annotated[int, typer.Option("--requests", min=1, help="Jobs to submit (mixed tasks).")] = 200,
     seed: Annotated[int | None, typer.Option("--seed", help="Fault plan and job mix (random if unset).")] = None,
     replicas: Annotated[int, typer.Option("--replicas", min=1, help="Replicas per stage.")] = 2,
-    enc_tp: Annotated[int, typer.Option("--enc-tp", min=1)] = 2,
-    dif_tp: Annotated[int, typer.Option("--dif-tp", min=1)] = 4,
+    enc_tp: Annotated[int, typer.Option("--enc-tp", min=1, max=64, help="TP size of each encoder replica.")] = 2,
+    dif_tp: Annotated[int, typer.Option("--dif-tp", min=1, max=64, help="TP size of each diffusion replica.")] = 4,
     window: Annotated[float | None, typer.Option("--window", help="Seconds to submit over (0.6 s/job).")] = None,
     faults: Annotated[int | None, typer.Option("--faults", min=0, help="Faults of each kind (default 2).")] = None,
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="Logs and Redis data (kept).")] = None,

@@ -10,6 +10,7 @@ stops everything in order: services (SIGTERM, SIGKILL after a bound), then Redis
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -25,12 +26,14 @@ from rich.console import Console
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import live_by_stage
+from stageferry.broker.control.redis_conn import translated
 from stageferry.client import Client, validate_job, with_upload_refs
 from stageferry.config import Settings
 from stageferry.console import follow, render_status
 from stageferry.embedded_redis import EmbeddedRedis
-from stageferry.errors import StageFailedError
+from stageferry.errors import StageFailedError, StageferryError
 from stageferry.schemas import RequestState
+from stageferry.trace import save_trace, saved_trace_path
 
 
 class ServiceGroup:
@@ -79,7 +82,9 @@ class ServiceGroup:
             on_exit.cancel()
 
     async def stop(self) -> None:
-        """SIGTERM every service's process group, wait, SIGKILL what is left; shielded."""
+        """SIGTERM every service's process group, wait, SIGKILL what is left; shielded; idempotent."""
+        if self._stopping:
+            return
         self._stopping = True
         with anyio.CancelScope(shield=True):
             for proc in self._procs.values():
@@ -94,6 +99,22 @@ class ServiceGroup:
                 await proc.aclose()
             for log_file in self._logs:
                 log_file.close()
+
+
+async def _save_trace(client: Client, request_id: str, output_dir: Path, url: str, console: Console) -> None:
+    """Keep the request's trace beside the outputs: a private Redis is gone once ``up`` returns, and
+    ``stageferry trace`` finds the file there."""
+    path = saved_trace_path(output_dir, request_id)
+    if path is None:
+        return
+    try:
+        with anyio.fail_after(10):
+            rows = await client.store.events(request_id)
+        await anyio.to_thread.run_sync(functools.partial(save_trace, path, request_id, rows, source=url))
+    except (StageferryError, OSError, TimeoutError) as exc:
+        console.print(f"trace not saved: {exc}")
+        return
+    console.print(f"trace: stageferry trace {request_id}  (saved in {path})")
 
 
 def _signal_group(proc: Process, signum: signal.Signals) -> None:
@@ -128,7 +149,10 @@ async def run_up(
     """Run the pipeline and one job; the exit status (0 done, 1 not done, 130 interrupted)."""
     pipeline = settings.load_pipeline()
     validate_job(with_upload_refs(job, {name: "precheck" for name in uploads}))
+    output_dir = Path(await anyio.Path(pipeline.output_dir).resolve())  # the services run here too: the same dir
+    console.print(f"outputs: {output_dir}")
     exit_code = 1
+    request_id: str | None = None
     async with contextlib.AsyncExitStack() as stack:
         url = settings.redis_url
         if url is None:
@@ -144,9 +168,11 @@ async def run_up(
         }
         if settings.pipeline is not None:
             env["STAGEFERRY_PIPELINE"] = str(settings.pipeline)  # made absolute by the caller
-        services = ServiceGroup(env, log_dir or Path(pipeline.output_dir) / "logs")
-        stack.push_async_callback(services.stop)
         client = await stack.enter_async_context(Client(url, prefix=settings.prefix, pipeline=pipeline))
+        with translated():  # an unreachable Redis is one line before any service starts
+            await client.redis.ping()
+        services = ServiceGroup(env, log_dir or output_dir / "logs")
+        stack.push_async_callback(services.stop)
         interrupted = False
         async with anyio.create_task_group() as tg:
 
@@ -176,6 +202,9 @@ async def run_up(
                 console.print(f"serving at {url} with prefix {settings.prefix!r}; Ctrl-C to stop")
                 await anyio.sleep_forever()
             tg.cancel_scope.cancel()
+        await services.stop()  # their last events reach the trace before it is saved
+        if request_id is not None:
+            await _save_trace(client, request_id, output_dir, url, console)
         if services.failure is not None:
             raise services.failure
         if interrupted:

@@ -6,17 +6,26 @@ Two kinds of rows land in that stream: ``status`` rows (written with every statu
 services only need to log them: ``timestamp`` (ISO), ``service``, ``stage``, ``rank``, ``event``,
 ``transport``, ``bytes`` (or ``payload_bytes``/``nbytes``) and ``seconds`` (or ``elapsed_s``,
 ``duration_s``, ``transfer_seconds``).
+
+A trace can also be saved to a file beside the outputs (:func:`save_trace`): ``stageferry up`` does so
+before its private Redis goes away, and ``stageferry trace`` reads it back (:func:`load_saved_trace`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from stageferry.schemas import RequestStatus, Transport
+from stageferry.schemas.job import REQUEST_ID_PATTERN
+
+#: Version of the saved-trace file (``<output_dir>/<request id>.trace.json``).
+SAVED_TRACE_VERSION = 1
 
 _BYTES_KEYS = ("bytes", "payload_bytes", "nbytes")
 _SECONDS_KEYS = ("seconds", "elapsed_s", "duration_s", "transfer_seconds")
@@ -157,37 +166,100 @@ def hops(events: list[TraceEvent]) -> list[Hop]:
     return out
 
 
+def short_transport(transport: str | None) -> str | None:
+    """A transport as a few words: UCX's long description (``<agent> intra-node cfg#1 … cma/memory``)
+    becomes its locality and its last field (``intra-node cma/memory``); short names stay as they are."""
+    if transport is None:
+        return None
+    words = transport.split()
+    if len(words) <= 2:
+        return transport
+    locality = next((w for w in words if w.endswith("-node")), "")
+    return f"{locality} {words[-1]}".strip()
+
+
+_COLUMNS = ("t+s", "Δs", "service", "stage", "rank", "event", "transport", "bytes", "seconds")
+_RIGHT = {"t+s", "Δs", "rank", "bytes", "seconds"}
+
+
 def format_trace(events: list[TraceEvent]) -> str:
-    """A table of the events (offset, time since the previous event, transport, …) and the hops."""
+    """A table of the events (offset, time since the previous event, transport, …) and the hops.
+
+    Columns are as wide as their widest cell, so service names and transports are never cut."""
     if not events:
         return "(no events)"
     t0 = events[0].timestamp
-    header = (
-        f"{'t+s':>9} {'Δs':>8}  {'service':<12} {'stage':<10} {'rank':>4}  {'event':<28} "
-        f"{'transport':<10} {'bytes':>11} {'seconds':>9}  detail"
-    )
-    lines = [f"{len(events)} events over {events[-1].timestamp - t0:.3f} s", header]
+    rows: list[tuple[list[str], str]] = []
     prev = t0
     for ev in events:
-        lines.append(
-            f"{ev.timestamp - t0:9.3f} {ev.timestamp - prev:8.3f}  {_cell(ev.service):<12} "
-            f"{_cell(ev.stage):<10} {_cell(ev.rank):>4}  {ev.event:<28} {_cell(ev.transport, 10):<10} "
-            f"{_cell(ev.bytes):>11} {_cell(None if ev.seconds is None else f'{ev.seconds:.3f}'):>9}  "
-            f"{ev.detail}".rstrip()
-        )
+        cells = [
+            f"{ev.timestamp - t0:.3f}", f"{ev.timestamp - prev:.3f}", _cell(ev.service), _cell(ev.stage),
+            _cell(ev.rank), ev.event, _cell(short_transport(ev.transport)), _cell(ev.bytes),
+            _cell(None if ev.seconds is None else f"{ev.seconds:.3f}"),
+        ]  # fmt: skip
+        rows.append((cells, ev.detail))
         prev = ev.timestamp
+    widths = [max(len(name), *(len(cells[i]) for cells, _ in rows)) for i, name in enumerate(_COLUMNS)]
+
+    def line(cells: list[str], detail: str) -> str:
+        padded = [c.rjust(w) if n in _RIGHT else c.ljust(w) for c, w, n in zip(cells, widths, _COLUMNS, strict=True)]
+        return ("  ".join(padded) + "  " + detail).rstrip()
+
+    lines = [f"{len(events)} events over {events[-1].timestamp - t0:.3f} s", line(list(_COLUMNS), "detail")]
+    lines += [line(cells, detail) for cells, detail in rows]
     lines.append("")
     lines.append("hops (between status changes):")
+    stage_w = max(len(_cell(hop.stage)) for hop in hops(events))
     for hop in hops(events):
         took = "…" if hop.seconds is None else f"{hop.seconds:.3f} s"
-        via = f"  via {', '.join(hop.transports)}" if hop.transports else ""
-        lines.append(f"  {hop.state:<10} {_cell(hop.stage):<10} {took:>10}{via}")
+        via = f"  via {', '.join(sorted({short_transport(t) or t for t in hop.transports}))}" if hop.transports else ""
+        lines.append(f"  {hop.state:<10} {_cell(hop.stage):<{stage_w}} {took:>10}{via}")
     return "\n".join(lines)
 
 
-def _cell(value: object, width: int = 0) -> str:
-    text = "-" if value is None else str(value)
-    return text if not width or len(text) <= width else text[: width - 1] + "…"
+def saved_trace_path(output_dir: str | Path, request_id: str) -> Path | None:
+    """Where ``request_id``'s trace is saved under ``output_dir``; None for an id that is no file name."""
+    if not re.match(REQUEST_ID_PATTERN, request_id):
+        return None
+    return Path(output_dir) / f"{request_id}.trace.json"
+
+
+def save_trace(path: Path, request_id: str, rows: Iterable[tuple[str, Mapping[str, Any]]], *, source: str) -> None:
+    """Write a request's events rows (as :meth:`RequestStore.events` returns them) to ``path``."""
+    body = {
+        "version": SAVED_TRACE_VERSION,
+        "request_id": request_id,
+        "source": source,
+        "rows": [[entry_id, dict(fields)] for entry_id, fields in rows],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body, default=str))
+    tmp.replace(path)
+
+
+def load_saved_trace(path: Path) -> list[TraceEvent] | None:
+    """The events of a saved trace; None when there is no such file or it is not one of ours."""
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if (
+        not isinstance(body, dict)
+        or body.get("version") != SAVED_TRACE_VERSION
+        or not isinstance(body.get("rows"), list)
+    ):
+        return None
+    rows = [
+        (str(row[0]), row[1])
+        for row in body["rows"]
+        if isinstance(row, list) and len(row) == 2 and isinstance(row[1], dict)
+    ]
+    return parse_events(rows)
+
+
+def _cell(value: object) -> str:
+    return "-" if value is None else str(value)
 
 
 def _json_object(value: Any) -> dict[str, Any]:
@@ -251,4 +323,16 @@ def _entry_seq(entry_id: str) -> tuple[int, int]:
         return 0, 0
 
 
-__all__ = ["Hop", "TraceEvent", "format_trace", "hops", "parse_events", "parse_row"]
+__all__ = [
+    "SAVED_TRACE_VERSION",
+    "Hop",
+    "TraceEvent",
+    "format_trace",
+    "hops",
+    "load_saved_trace",
+    "parse_events",
+    "parse_row",
+    "save_trace",
+    "saved_trace_path",
+    "short_transport",
+]

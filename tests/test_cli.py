@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -10,12 +13,15 @@ from typing import Any
 
 import pytest
 import redis as sync_redis
+import typer.main
 from typer.testing import CliRunner
 
 from stageferry.broker.control.keys import Keys
 from stageferry.cli import app, build_job
 from stageferry.schemas import RequestState, RequestStatus, StageTiming, Transport
-from stageferry.trace import format_trace, hops, parse_events
+from stageferry.trace import format_trace, hops, parse_events, save_trace
+
+ROOT = Path(__file__).resolve().parent.parent
 
 runner = CliRunner()
 
@@ -226,3 +232,116 @@ def test_parse_row_accepts_raw_xread_strings() -> None:
     assert event.bytes == 12 and event.timestamp == pytest.approx(t, abs=1e-3)
     undated = parse_events([("1700000000123-0", {"kind": "log", "event": "{}"})])[0]
     assert undated.timestamp == pytest.approx(1_700_000_000.123)
+
+
+def test_trace_table_columns_fit_long_services_and_transports() -> None:
+    rows = sample_rows()
+    rows.append(("1700000000100-0", log_row(1_700_000_000.8, "nixl.transport", service="diffusion-rank0",
+                 stage="diffusion", rank=0, transport="diffusion-vm-1 intra-node cfg#1 remote memory read by "
+                 "ucp_get*(multi) into host memory from host: 0..inf zero-copy cma/memory")))  # fmt: skip
+    lines = format_trace(parse_events(rows)).splitlines()
+    line = next(ln for ln in lines if "nixl.transport" in ln)
+    assert "diffusion-rank0 " in line and "intra-node cma/memory" in line and "…" not in line
+    header = lines[1]
+    assert line.index("intra-node") == header.index("transport")  # the column is as wide as its widest cell
+
+
+# -- expected failures: one or two lines, a non-zero exit, never a traceback ----------------------------------
+
+UNREACHABLE = "redis://127.0.0.1:1/0"
+
+
+def run_cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """The real console entry point in a fresh process, with no STAGEFERRY_* from the caller's environment."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("STAGEFERRY_")} | {"PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "stageferry", *args], cwd=cwd, env={**base, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def test_up_with_unreachable_redis_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    result = run_cli("--redis-url", UNREACHABLE, "up", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "ExceptionGroup" not in result.stderr
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error [")]
+    assert len(errors) == 1 and errors[0].startswith("error [control_plane]: redis: ConnectionError")
+    assert len(result.stderr.strip().splitlines()) <= 2, result.stderr  # "outputs: …" and the error
+    assert "services:" not in result.stderr and not (tmp_path / "out" / "logs").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("status", "x"), ("wait", "x", "--timeout", "1"), ("cancel", "x"), ("submit", "--prompt", "a boat"),
+     ("health",), ("trace", "x")],
+)  # fmt: skip
+def test_client_commands_with_unreachable_redis_are_one_line(args: tuple[str, ...], tmp_path: Path) -> None:
+    result = invoke(UNREACHABLE, "sf", *args)
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert 1 <= len(lines) <= 2 and "Traceback" not in result.output, result.output
+    assert lines[0].startswith(("error [control_plane]", "unhealthy: ")), lines
+
+
+def test_a_missing_extra_is_named_in_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "blocker"
+    (blocker / "uvicorn").mkdir(parents=True)
+    (blocker / "uvicorn" / "__init__.py").write_text("raise ModuleNotFoundError('no uvicorn', name='uvicorn')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(blocker), str(ROOT)])}
+    result = run_cli("--redis-url", UNREACHABLE, "gateway", cwd=tmp_path, env=env)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error [missing_extra]: this command needs uvicorn: pip install 'stageferry[gateway]'"
+    ]
+
+
+# -- trace after `up`: the saved trace, the HTML timeline, and where an unknown id was looked for ------------
+
+
+def test_trace_reads_the_trace_up_saved_without_flags_and_draws_it(tmp_path: Path) -> None:
+    save_trace(tmp_path / "out" / "r.trace.json", "r", sample_rows(), source="redis://127.0.0.1:9/0")
+    page = tmp_path / "r.html"
+    # No --redis-url and nothing on 6379's side is needed: up's private Redis is gone, the file is there.
+    result = run_cli("trace", "r", "--html", str(page), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "payload.put" in result.stdout and "hops (between status changes):" in result.stdout
+    text = page.read_text()
+    assert "stage encoder" in text and "stage diffusion" in text and "hop encoder → diffusion" in text
+    assert "nixl · 359,024 B" in text and "<svg" in text
+    assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
+
+
+def test_trace_of_an_unknown_id_says_where_it_looked(redis_url: str, prefix: str, tmp_path: Path) -> None:
+    result = run_cli("--redis-url", redis_url, "--prefix", prefix, "trace", "nope", cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"error [not_found]: no events for 'nope' in Redis {redis_url} (prefix {prefix!r}) "
+        f"and {tmp_path / 'out' / 'nope.trace.json'}"
+    )
+
+
+# -- help ----------------------------------------------------------------------------------------------------
+
+
+def _commands() -> dict[str, Any]:
+    group = typer.main.get_command(app)
+    return dict(group.commands)  # type: ignore[attr-defined]
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    for name, command in _commands().items():
+        for param in command.params:
+            if param.param_type_name == "option" and param.name != "help":
+                assert (param.help or "").strip(), f"{name} {param.opts[0]} has no help"
+
+
+def test_help_shows_ranges_defaults_and_plain_usage() -> None:
+    for name in _commands():
+        text = runner.invoke(app, [name, "--help"], env={"COLUMNS": "200"}).stdout
+        assert "<bool>" not in text, name
+    status_help = runner.invoke(app, ["status", "--help"]).stdout
+    assert "Usage: stageferry status [OPTIONS] REQUEST_ID" in status_help
+    submit_help = runner.invoke(app, ["submit", "--help"], env={"COLUMNS": "200"}).stdout
+    assert "Job default: 8. Allowed: 1–200." in submit_help  # --steps, from the job schema
+    main_help = runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).stdout
+    assert "redis://127.0.0.1:6379/0" in main_help
