@@ -14,14 +14,17 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
+import json
 import logging
 import os
 import sys
 import threading
 from collections import deque
 from collections.abc import Iterator, MutableMapping
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
@@ -41,12 +44,22 @@ QUEUE_MAX_EVENTS = 10_000
 log = structlog.get_logger(__name__)
 
 
-def configure_logging(*, fmt: LogFormat = "auto", level: str = "info", service: str) -> None:
-    """Configure structlog for this process; ``fmt="auto"`` is console on a TTY, JSON lines otherwise."""
+def configure_logging(
+    *, fmt: LogFormat = "auto", level: str = "info", service: str, capture_native: bool = False
+) -> None:
+    """Configure structlog for this process; ``fmt="auto"`` is console on a TTY, JSON lines otherwise.
+
+    Libraries' own Python logging (NIXL, redis-py, asyncio) and warnings are routed through the same
+    chain, so a service's log is one format.  ``capture_native`` (services writing JSON) also wraps what
+    native code writes to fds 1 and 2 (UCX, NIXL's C++ side, stray prints) into JSON lines; see
+    :func:`capture_native_output`."""
     level_no = logging.getLevelNamesMapping().get(level.upper())
     if level_no is None:
         raise ConfigError(f"unknown log level {level!r}", level=level)
     use_console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+    stream: Any = sys.stderr
+    if capture_native and not use_console:
+        stream = capture_native_output(service)
 
     def add_service(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         event.setdefault("service", service)
@@ -68,9 +81,116 @@ def configure_logging(*, fmt: LogFormat = "auto", level: str = "info", service: 
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),  # one write() per line: no interleaving
+        logger_factory=structlog.WriteLoggerFactory(file=stream),  # one write() per line: no interleaving
         cache_logger_on_first_use=False,
     )
+    root = logging.getLogger()
+    root.handlers[:] = [h for h in root.handlers if not isinstance(h, _ToStructlog)] + [_ToStructlog()]
+    root.setLevel(max(level_no, logging.INFO))  # libraries' debug chatter stays out even at debug
+    logging.captureWarnings(True)
+    adopt_library_logger("nixl")
+
+
+class _ToStructlog(logging.Handler):
+    """A stdlib handler that re-emits each record as a structlog event (``library.log``), so that
+    libraries' lines get the same format, context and sink as ours."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            fields: dict[str, Any] = {"logger": record.name, "message": record.getMessage()}
+            if record.exc_info:
+                fields["exc_info"] = record.exc_info
+            structlog.get_logger(record.name).log(record.levelno, "library.log", **fields)
+        except Exception:
+            self.handleError(record)
+
+
+def adopt_library_logger(name: str) -> None:
+    """Route logger ``name`` through the root handler: drop the handlers a library installed for itself
+    (NIXL prints ``... NIXL INFO _api.py:405 ...`` to stdout) and let its records propagate.  Called
+    again after the library is imported, since that is when it installs them."""
+    logger = logging.getLogger(name)
+    logger.handlers[:] = []
+    logger.propagate = True
+
+
+class _NativeOutput:
+    """fds 1 and 2 turned into a pipe whose lines come out on the real stderr as JSON lines.
+
+    Native code (UCX's warnings, NIXL's C++ logging, a progress bar) writes to the fds directly,
+    below anything Python can configure.  Lines that already are JSON objects pass unchanged;
+    every other line becomes ``{"event": "native.output", "line": ...}``.  structlog itself writes to
+    a duplicate of the real stderr, so our own lines never wait on the pipe and are never lost when a
+    rank leaves with ``os._exit``."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+        self.real_fd = os.dup(2)
+        self.stream = os.fdopen(os.dup(self.real_fd), "w", buffering=1, encoding="utf-8", errors="replace")
+        read_fd, write_fd = os.pipe()
+        os.dup2(write_fd, 1)
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        self._reader = threading.Thread(target=self._pump, args=(read_fd,), name="native-output", daemon=True)
+        self._reader.start()
+
+    def _pump(self, read_fd: int) -> None:
+        with os.fdopen(read_fd, "rb") as pipe:
+            for raw in pipe:
+                self._forward(raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+
+    def _forward(self, line: str) -> None:
+        if not line.strip():
+            return
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                json.loads(line)
+            except ValueError:
+                pass
+            else:
+                os.write(self.real_fd, (line + "\n").encode())
+                return
+        lowered = line.lower()
+        level = "error" if " error" in lowered or "fatal" in lowered else "warning" if " warn" in lowered else "info"
+        event = {
+            "event": "native.output",
+            "line": line.replace("\r", " ")[-4000:],
+            "level": level,
+            "service": self.service,
+            "pid": os.getpid(),
+            "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+        }
+        os.write(self.real_fd, (json.dumps(event) + "\n").encode())
+
+    def flush(self, timeout: float = 1.0) -> None:
+        """Let lines already in the pipe come out (before ``os._exit``): point fds 1 and 2 back at the real
+        stderr, which closes the pipe's last writer, and wait for the reader to drain it."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(self.real_fd, 1)
+        os.dup2(self.real_fd, 2)
+        self._reader.join(timeout)
+
+
+_native: _NativeOutput | None = None
+
+
+def capture_native_output(service: str) -> Any:
+    """Start wrapping fds 1 and 2 (once per process); the stream structlog should write to.
+
+    Also keeps progress bars out of service logs: ``TQDM_DISABLE`` for libraries that use tqdm."""
+    global _native
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    if _native is None:
+        _native = _NativeOutput(service)
+        atexit.register(_native.flush)
+    return _native.stream
+
+
+def flush_native_output() -> None:
+    """Drain captured native output; call before ``os._exit`` (a no-op when nothing is captured)."""
+    if _native is not None:
+        _native.flush()
 
 
 @contextlib.contextmanager
@@ -211,4 +331,13 @@ def _unregister(sink: EventSink) -> None:
             _active_sink = None
 
 
-__all__ = ["EventSink", "LogFormat", "bound_request", "configure_logging", "forward_to_sink"]
+__all__ = [
+    "EventSink",
+    "LogFormat",
+    "adopt_library_logger",
+    "bound_request",
+    "capture_native_output",
+    "configure_logging",
+    "flush_native_output",
+    "forward_to_sink",
+]

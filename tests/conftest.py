@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Iterator
@@ -47,3 +48,6 @@ def _reset_structlog() -> Iterator[None]:
     yield
     structlog.reset_defaults()
     structlog.contextvars.clear_contextvars()
+    root = logging.getLogger()  # configure_logging routes the standard library's logging through structlog
+    root.handlers[:] = [h for h in root.handlers if type(h).__name__ != "_ToStructlog"]
+    logging.captureWarnings(False)

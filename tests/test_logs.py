@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import anyio
 import pytest
@@ -54,6 +59,56 @@ def test_json_lines_with_service_pid_and_utc_time(capsys: pytest.CaptureFixture[
     assert event["service"] == "encoder" and isinstance(event["pid"], int)
     assert event["level"] == "info"
     assert event["timestamp"].endswith("Z")
+
+
+def test_library_loggers_and_warnings_become_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    nixl = logging.getLogger("nixl")  # as nixl sets itself up on import: its own stdout handler, no propagation
+    nixl.addHandler(logging.StreamHandler(sys.stdout))
+    nixl.propagate = False
+    configure_logging(fmt="json", level="info", service="diffusion-rank0")
+    logging.getLogger("nixl.api").info("Backend UCX was instantiated")
+    logging.getLogger("some.library").debug("chatter below our level")
+    logging.warning("a root warning")
+    out = capsys.readouterr()
+    assert out.out == ""
+    events = [json.loads(line) for line in out.err.strip().splitlines()]
+    assert [(e["event"], e["logger"], e["message"], e["level"]) for e in events] == [
+        ("library.log", "nixl.api", "Backend UCX was instantiated", "info"),
+        ("library.log", "root", "a root warning", "warning"),
+    ]
+    assert all(e["service"] == "diffusion-rank0" for e in events)
+
+
+NATIVE_SCRIPT = textwrap.dedent(
+    """
+    import logging, os, sys, warnings
+    import structlog
+    from stageferry.logs import configure_logging, flush_native_output
+    configure_logging(fmt="json", level="info", service="encoder-rank0", capture_native=True)
+    os.write(2, b"[1700000000.1] ucp_worker.c:1 UCX  WARN  a native warning\\n")
+    os.write(1, b"50%|#####     | 5/10\\r100%|##########| 10/10\\n")
+    print("a stray print")
+    warnings.warn("careful")
+    logging.getLogger("nixl").info("Initialized NIXL agent: x")
+    structlog.get_logger().info("ours", n=1)
+    flush_native_output()
+    os._exit(0)
+    """
+)
+
+
+def test_native_output_of_a_service_is_wrapped_into_json(tmp_path: Path) -> None:
+    log_file = tmp_path / "service.log"
+    with log_file.open("wb") as out:  # as `up` runs a service: stdout and stderr into one file
+        subprocess.run([sys.executable, "-c", NATIVE_SCRIPT], stdout=out, stderr=out, check=True, timeout=60)
+    events = [json.loads(line) for line in log_file.read_text().splitlines()]  # every line parses
+    native = [e["line"] for e in events if e["event"] == "native.output"]
+    assert any("UCX  WARN  a native warning" in line for line in native)
+    assert any("10/10" in line for line in native) and "a stray print" in native
+    assert next(e for e in events if "UCX  WARN" in e.get("line", ""))["level"] == "warning"
+    library = {e["message"] for e in events if e["event"] == "library.log"}
+    assert "Initialized NIXL agent: x" in library and any("careful" in m for m in library)
+    assert any(e["event"] == "ours" and e["service"] == "encoder-rank0" for e in events)
 
 
 def test_console_format(capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,17 +18,18 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stageferry.broker.control.liveness import FRESH_S
-from stageferry.client import DEFAULT_REDIS_URL, Client
+from stageferry.client import DEFAULT_REDIS_URL, Client, new_request_id
 from stageferry.config import PipelineConfig, Settings
 from stageferry.errors import StageferryError, field_error
 from stageferry.gateway.auth import require_token
 from stageferry.gateway.console import install_console
-from stageferry.gateway.errors import ApiError
+from stageferry.gateway.errors import ApiError, from_exception
 from stageferry.gateway.events_sse import MAX_EVENT_STREAMS
 from stageferry.gateway.metrics import MetricsMiddleware
 from stageferry.gateway.routes import error_response, router
 from stageferry.gateway.service import VideoService
 from stageferry.logs import EventSink
+from stageferry.schemas.envelope import request_key
 
 log = structlog.get_logger(__name__)
 
@@ -102,27 +103,41 @@ def create_app(config: GatewayConfig) -> FastAPI:
     return app
 
 
+def _refused(request: Request, exc: ApiError | StageferryError) -> JSONResponse:
+    """The answer for an error; a 4xx refusal is logged under a request key of its own (the one the job
+    would have had), which the answer's ``X-Request-Id`` names, so a client's report finds the log line.
+    The id is not a ``request_id`` field: a refused request gets no trace in Redis."""
+    api = exc if isinstance(exc, ApiError) else from_exception(exc)
+    if 400 <= api.status < 500:
+        rid = api.headers.get("X-Request-Id") or new_request_id()
+        api.headers["X-Request-Id"] = rid
+        first = api.field_errors[0].get("field") if api.field_errors else None
+        log.info("gateway.refused", key=request_key(rid, -1), status=api.status, code=api.code,
+                 method=request.method, path=request.url.path, field=first)  # fmt: skip
+    return error_response(api)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _refused(request, exc)
 
     @app.exception_handler(StageferryError)
-    async def stageferry_error(_request: Request, exc: StageferryError) -> JSONResponse:
-        return error_response(exc)
+    async def stageferry_error(request: Request, exc: StageferryError) -> JSONResponse:
+        return _refused(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [
             field_error(".".join(str(p) for p in e.get("loc", ())[1:]) or "request", str(e.get("msg", "")), e["type"])
             for e in exc.errors()[:20]
         ]
-        return error_response(ApiError(400, "invalid_form", "invalid request parameters", field_errors=errors))
+        return _refused(request, ApiError(400, "invalid_form", "invalid request parameters", field_errors=errors))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(ApiError(exc.status_code, code, str(exc.detail)))
+        return _refused(request, ApiError(exc.status_code, code, str(exc.detail)))
 
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, exc: Exception) -> JSONResponse:

@@ -2,22 +2,44 @@
 
 from __future__ import annotations
 
+import signal
+from types import FrameType
+
 import uvicorn
 
 from stageferry.gateway.app import GatewayConfig, create_app
 
 
-def serve(config: GatewayConfig, *, host: str = "127.0.0.1", port: int = 8091, log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn drains in-flight requests, then the lifespan closes Redis).
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM is a normal end.
 
-    uvicorn's own access log is off (the metrics middleware counts every request).  After draining,
-    uvicorn re-raises the signal it caught, so the exit status is that of SIGTERM/SIGINT.
+    uvicorn drains on SIGTERM and then raises the signal again, so the process dies of it (exit 143,
+    which ``docker compose stop`` reports as a failure).  A stop is what an orchestrator asks for: after
+    the drain the gateway exits 0.  SIGINT keeps uvicorn's behaviour (a Ctrl-C is an interruption)."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        captured = getattr(self, "_captured_signals", None)
+        if sig == signal.SIGTERM and isinstance(captured, list) and sig in captured:
+            captured.remove(sig)
+
+
+def serve(config: GatewayConfig, *, host: str = "127.0.0.1", port: int = 8091, log_level: str = "info") -> None:
+    """Serve until SIGTERM (drain, exit 0) or SIGINT (drain, then the interruption).
+
+    uvicorn's own access log is off (the metrics middleware counts every request) and so is its logging
+    configuration: its loggers propagate to the root handler that :func:`stageferry.logs.configure_logging`
+    installed, so the gateway's log is JSON lines like every service's.
     """
-    uvicorn.run(
-        create_app(config),
-        host=host,
-        port=port,
-        log_level="warning" if log_level == "info" else log_level,
-        access_log=False,
-        lifespan="on",
+    server = _Server(
+        uvicorn.Config(
+            create_app(config),
+            host=host,
+            port=port,
+            log_level="warning" if log_level == "info" else log_level,
+            access_log=False,
+            lifespan="on",
+            log_config=None,
+        )
     )
+    server.run()

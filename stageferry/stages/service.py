@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import Any
 
 import anyio
 import structlog
@@ -23,7 +24,7 @@ from stageferry.broker.control.redis_conn import open_client, wait_until_reachab
 from stageferry.broker.data.connectors import build_connectors
 from stageferry.config import GroupLayout, PipelineConfig, Settings, StageConfig
 from stageferry.errors import ConfigError
-from stageferry.logs import EventSink, configure_logging
+from stageferry.logs import EventSink, configure_logging, flush_native_output
 from stageferry.stages.group import (
     GroupCompute,
     cpu_threads,
@@ -56,7 +57,9 @@ def run_service(settings: Settings, pipeline: PipelineConfig, stage_name: str, *
         rank = int(os.environ["RANK"])
         return _run_rank(settings, pipeline, stage, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
     if stage.world_size > 1:
-        configure_logging(fmt=settings.log_format, level=settings.log_level, service=f"{stage.name}-group")
+        configure_logging(
+            fmt=settings.log_format, level=settings.log_level, service=f"{stage.name}-group", capture_native=True
+        )
         child_env = {
             "STAGEFERRY_REDIS_URL": settings.redis_url,
             "STAGEFERRY_PREFIX": settings.prefix,
@@ -64,17 +67,21 @@ def run_service(settings: Settings, pipeline: PipelineConfig, stage_name: str, *
             **({"STAGEFERRY_PIPELINE": str(settings.pipeline)} if settings.pipeline else {}),
         }
         return supervise(stage.name, stage.world_size, env=child_env, args=("--tp", str(tp)) if tp else ())
-    configure_logging(fmt=settings.log_format, level=settings.log_level, service=stage.name)
+    configure_logging(fmt=settings.log_format, level=settings.log_level, service=stage.name, capture_native=True)
+    stop = StopRequest.install()
     device = rank_device(stage, 0)
     compute = GroupCompute(load_model(stage, pipeline), stage, pipeline, GroupChannel.solo(device))
-    anyio.run(serve_leader, settings, pipeline, stage, compute)
+    anyio.run(serve_leader, settings, pipeline, stage, compute, stop)
     return 0
 
 
 def _run_rank(settings: Settings, pipeline: PipelineConfig, stage: StageConfig, *, rank: int, local_rank: int) -> int:
     if os.environ.get("STAGEFERRY_GROUP_CHILD"):
         die_with_parent(follower=rank != 0)
-    configure_logging(fmt=settings.log_format, level=settings.log_level, service=f"{stage.name}-rank{rank}")
+    configure_logging(
+        fmt=settings.log_format, level=settings.log_level, service=f"{stage.name}-rank{rank}", capture_native=True
+    )
+    stop = StopRequest.install() if rank == 0 else None  # followers ignore signals (die_with_parent)
     device = rank_device(stage, local_rank)
     if device.type == "cpu":  # ranks share the host's cores; oversubscribed threads only slow every rank
         torch.set_num_threads(cpu_threads(stage.world_size))
@@ -83,7 +90,8 @@ def _run_rank(settings: Settings, pipeline: PipelineConfig, stage: StageConfig, 
         channel = init_group(rank, stage.layout, device)
         model = load_model(stage, pipeline)
         if rank == 0:
-            anyio.run(serve_leader, settings, pipeline, stage, GroupCompute(model, stage, pipeline, channel))
+            compute = GroupCompute(model, stage, pipeline, channel)
+            anyio.run(serve_leader, settings, pipeline, stage, compute, stop or StopRequest.install())
         else:
             follow(model, stage, pipeline, channel)
         code = 0
@@ -92,15 +100,74 @@ def _run_rank(settings: Settings, pipeline: PipelineConfig, stage: StageConfig, 
     finally:
         # Our own resources (NIXL agent, pools, Redis) are closed by now.  Skip torch.distributed's and
         # UCX's C++ teardown, which can abort (SIGABRT) once a peer rank has already gone.
+        flush_native_output()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
 
 
-async def serve_leader(settings: Settings, pipeline: PipelineConfig, stage: StageConfig, compute: GroupCompute) -> None:
+class StopRequest:
+    """SIGTERM/SIGINT over the leader's whole life, installed before anything slow starts.
+
+    A plain handler that only records the signal (and tells the worker, once there is one, to drain), so
+    that a stop during start-up — the group forming, the model loading, Redis unreachable — ends the
+    service cleanly instead of killing the leader with -15 and leaving its followers in a broken
+    collective.  Later signals are absorbed: a group's supervisor forwards the one its terminal already
+    sent, and the entry in hand still finishes."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._worker: StageWorker | None = None
+
+    @classmethod
+    def install(cls) -> StopRequest:
+        stop = cls()
+        signal.signal(signal.SIGTERM, stop._received)
+        signal.signal(signal.SIGINT, stop._received)
+        return stop
+
+    def _received(self, signum: int, _frame: object) -> None:
+        self.signal = self.signal or signal.Signals(signum).name
+        if self._worker is not None:
+            self._worker.stop()  # sets a flag: safe inside a signal handler
+
+    def attach(self, worker: StageWorker) -> None:
+        """From now on a stop drains ``worker`` (at once if one came during start-up)."""
+        self._worker = worker
+        if self.signal is not None:
+            worker.stop()
+
+    async def wait(self) -> str:
+        """Return the signal's name once one has come (polled: nothing async runs in the handler)."""
+        while self.signal is None:  # noqa: ASYNC110 - set in a signal handler, which must not touch the loop
+            await anyio.sleep(0.1)
+        return self.signal
+
+    async def cancel_on_stop(self, scope: anyio.CancelScope) -> None:
+        await self.wait()
+        scope.cancel()
+
+
+async def _reachable_unless_stopped(redis: Any, pipeline: PipelineConfig, stop: StopRequest) -> bool:
+    """Wait for Redis (up to ``timeouts.redis_unreachable``); False when a stop came first."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stop.cancel_on_stop, tg.cancel_scope)
+        await wait_until_reachable(redis, timeout=pipeline.timeouts.redis_unreachable)
+        tg.cancel_scope.cancel()
+    return stop.signal is None
+
+
+async def serve_leader(
+    settings: Settings,
+    pipeline: PipelineConfig,
+    stage: StageConfig,
+    compute: GroupCompute,
+    stop: StopRequest | None = None,
+) -> None:
     """The leader: Redis, connectors, the worker loop; the only rank that touches the control and data
     planes.  On exit it releases its followers."""
     assert settings.redis_url is not None
+    stop = stop or StopRequest.install()
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
@@ -108,7 +175,9 @@ async def serve_leader(settings: Settings, pipeline: PipelineConfig, stage: Stag
     keys = Keys(settings.prefix)
     try:
         async with open_client(settings.redis_url) as redis:
-            await wait_until_reachable(redis, timeout=pipeline.timeouts.redis_unreachable)
+            if not await _reachable_unless_stopped(redis, pipeline, stop):
+                log.info("service.stopped_before_start", stage=stage.name, signal=stop.signal)
+                return
             connectors = await build_connectors(
                 pipeline=pipeline,
                 stage=stage,
@@ -131,7 +200,8 @@ async def serve_leader(settings: Settings, pipeline: PipelineConfig, stage: Stag
             try:
                 async with anyio.create_task_group() as tg:
                     await tg.start(EventSink(worker.store).run)
-                    tg.start_soon(_drain_on_signal, worker)
+                    stop.attach(worker)
+                    tg.start_soon(_log_draining, stop)
                     await connectors.start(tg)
                     await worker.run()
                     tg.cancel_scope.cancel()
@@ -150,10 +220,5 @@ async def serve_leader(settings: Settings, pipeline: PipelineConfig, stage: Stag
             )
 
 
-async def _drain_on_signal(worker: StageWorker) -> None:
-    """First SIGTERM/SIGINT: drain.  Later ones are absorbed (a group's supervisor forwards the signal
-    its terminal already sent): the entry in hand still finishes."""
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            log.info("service.draining", signal=signal.Signals(signum).name)
-            worker.stop()
+async def _log_draining(stop: StopRequest) -> None:
+    log.info("service.draining", signal=await stop.wait())

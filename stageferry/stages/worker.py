@@ -53,9 +53,10 @@ from stageferry.errors import (
     PayloadContractError,
     StageFailedError,
     StageferryError,
+    expected_error,
 )
 from stageferry.logs import bound_request
-from stageferry.schemas import DeviceKind, Envelope, JobRequest, Manifest, Progress, StageTiming, Transport
+from stageferry.schemas import DeviceKind, Envelope, JobRequest, Manifest, Progress, StageTiming, Transport, request_key
 from stageferry.schemas.payload_contract import PayloadContract
 from stageferry.stages.admission import Admission
 from stageferry.stages.handoff import HandOn
@@ -184,7 +185,21 @@ class StageWorker:
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Process entries until :meth:`stop`; raises :class:`ControlPlaneError` if Redis stays away
-        longer than ``timeouts.redis_unreachable`` (so a supervisor restarts the process)."""
+        longer than ``timeouts.redis_unreachable`` (so a supervisor restarts the process).  Asked to stop
+        while Redis is away, it gives up after a few seconds and returns: un-acked entries stay pending
+        in Redis for another replica, so that is still a clean drain."""
+        try:
+            await self._serve(task_status)
+        except Exception as exc:
+            error = expected_error(exc)
+            if not (self._stopping and isinstance(error, ControlPlaneError) and is_connection_error(error)):
+                raise
+            log.warning("worker.stopped_without_redis", stage=self.stage.name, error=error.message)
+            return
+        await self.heartbeat.withdraw()
+        log.info("worker.stopped", stage=self.stage.name, processed=self.processed)
+
+    async def _serve(self, task_status: anyio.abc.TaskStatus[None]) -> None:
         await self._with_redis_retry(self.stream.ensure_group)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.heartbeat.run)
@@ -197,8 +212,6 @@ class StageWorker:
                 if not entries:
                     await self.compute.idle()
             tg.cancel_scope.cancel()
-        await self.heartbeat.withdraw()
-        log.info("worker.stopped", stage=self.stage.name, processed=self.processed)
 
     async def _with_redis_retry(self, op: Callable[[], Awaitable[Any]]) -> Any:
         """Run ``op``, riding out Redis outages up to ``timeouts.redis_unreachable`` (5 s once draining)."""
@@ -230,7 +243,11 @@ class StageWorker:
             await self.outcomes.settle(entry, None, refusal)
             return
         rid = entry.text("request_id") or ""
-        with bound_request(rid, stage=self.stage.name, rank=0):
+        # The key the entry carries (``<id>_<from stage>_0``), bound before parsing: a rejection or a dead
+        # letter of an entry that does not parse still names it in the logs.
+        with bound_request(
+            rid, key=request_key(rid, self.pipeline.index_of(self.stage.name) - 1), stage=self.stage.name, rank=0
+        ):
             envelope: Envelope | None = None
             try:
                 self.admission.check_deliveries(entry)

@@ -37,6 +37,7 @@ import torch
 
 from stageferry.broker.data.nixl.ucx_log import UcxLogTail, configure_environment, parse_ucx_log
 from stageferry.errors import NixlUnavailableError, PeerDisconnectedError, TransferError
+from stageferry.logs import adopt_library_logger
 from stageferry.schemas.payload import MemKind
 
 log = structlog.get_logger(__name__)
@@ -68,6 +69,7 @@ def _import_nixl() -> tuple[Any, Any]:
         from nixl import _api, _bindings
     except Exception as exc:  # ImportError, OSError from missing shared libraries, ...
         raise NixlUnavailableError(f"cannot import nixl: {exc}") from exc
+    adopt_library_logger("nixl")  # nixl gave itself a stdout handler on import: its lines go through ours
     _nixl_api, _nixl_bind = _api, _bindings
     return _api, _bindings
 

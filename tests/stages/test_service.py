@@ -1,0 +1,90 @@
+"""``stageferry serve`` as a real process group: a stop while Redis is unreachable is a clean drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis as sync_redis
+
+from stageferry.schemas import RequestState
+from tests.procs import ROOT, Services, wait_for, write_pipeline
+
+
+def wait_for_line(log: Path, needle: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and needle in log.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{needle!r} not in {log} after {timeout}s:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+@pytest.mark.slow
+def test_sigterm_while_redis_is_unreachable_drains_and_exits_zero(tmp_path: Path) -> None:
+    pipeline = write_pipeline(
+        tmp_path / "p.toml",
+        [{"name": "encoder", "model": "stageferry.stages.passthrough:factory", "tp": 2, "device": "cpu"}],
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STAGEFERRY_")}
+    env |= {
+        "PYTHONPATH": str(ROOT),
+        "STAGEFERRY_REDIS_URL": "redis://127.0.0.1:1/0",
+        "STAGEFERRY_PIPELINE": str(pipeline),
+        "STAGEFERRY_LOG_FORMAT": "json",
+        "STAGEFERRY_REPLICA": "r1",
+    }
+    log = tmp_path / "encoder.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "stageferry", "serve", "encoder"], stdout=out, stderr=out,
+                                env=env, cwd=tmp_path, start_new_session=True)  # fmt: skip
+        try:
+            wait_for_line(log, '"redis.unreachable"', timeout=120)  # the leader is up, Redis is not
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-3000:]
+    events = [json.loads(line) for line in text.splitlines()]  # every line is JSON
+    names = {e["event"] for e in events}
+    assert "service.stopped_before_start" in names and "group.stopped" in names
+    assert "group.rank_failed" not in names and "Traceback" not in text
+
+
+@pytest.mark.slow
+def test_rejections_and_dead_letters_name_the_request_key(tmp_path: Path, redis_url: str, prefix: str) -> None:
+    pipeline = write_pipeline(
+        tmp_path / "p.toml",
+        [{"name": "encoder", "model": "stageferry.stages.passthrough:factory", "tp": 1, "device": "cpu"}],
+        limits={"max_deliveries": 1},
+    )
+    with Services(tmp_path, redis_url=redis_url, prefix=prefix, pipeline=pipeline, extra_env={}) as services:
+        services.start("encoder", "r1")
+        services.wait_live("encoder", "encoder-r1")
+        redis = sync_redis.Redis.from_url(redis_url)
+        stream = services.keys.stage_stream("encoder")
+        redis.xadd(stream, {"request_id": "bad-json", "job": "{not json"})
+        redis.xadd(stream, {"request_id": "bad-field", "job": json.dumps({"prompt": "x", "width": 1})})
+        redis.xadd(stream, {"request_id": "bad-entry", "junk": "neither a job nor an envelope"})
+        redis.close()
+        client = services.client()
+        for rid in ("bad-json", "bad-field", "bad-entry"):
+            assert client.wait(rid, timeout=60).state is RequestState.REJECTED
+        log = next(tmp_path.glob("encoder-r1-*.log"))
+        wait_for(lambda: '"stream.dead_lettered"' in log.read_text(), 30, "the dead letter logged")
+        events = [json.loads(line) for line in log.read_text().splitlines()]
+    rejected = {e["request_id"]: e for e in events if e["event"] == "request.rejected"}
+    assert rejected["bad-json"]["key"] == "bad-json_-1_0" and rejected["bad-json"]["code"] == "invalid_job"
+    assert rejected["bad-field"]["key"] == "bad-field_-1_0"
+    assert rejected["bad-entry"]["code"] == "invalid_envelope"
+    (dead,) = [e for e in events if e["event"] == "stream.dead_lettered"]
+    assert dead["key"] == "bad-entry_-1_0" and dead["request_id"] == "bad-entry"
