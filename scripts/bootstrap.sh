@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (Python 3.11+) and installs stageferry with its dev extras; idempotent and quick when
+# Creates .venv (Python 3.11+) and installs stageferry with every extra (all: stages, gateway) and dev; idempotent and quick when
 # nothing changed (a stamp holds the hash of pyproject.toml).  torch is installed first, pinned, so that
 # pip takes the CPU build from this machine's disk instead of downloading a multi-GB CUDA build.
 set -euo pipefail
@@ -34,11 +34,16 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && "$VENV/bin/python" -c '
   exit 0
 fi
 
-pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+# pip's own lines (Collecting …, Installing collected packages …) are the progress: a cold install takes
+# a minute or two, which should not look like a hang.  They go to stderr, prefixed, one per line.
+pip=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off)
+progress() { sed -u 's/^/bootstrap: pip: /' >&2; }
+started=$SECONDS
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
   echo "bootstrap: installing $TORCH_PIN" >&2
-  "${pip[@]}" "$TORCH_PIN"
+  "${pip[@]}" "$TORCH_PIN" 2>&1 | progress
 fi
-echo "bootstrap: installing stageferry[dev]" >&2
-"${pip[@]}" -e '.[dev]'
+echo "bootstrap: installing stageferry[all,dev] (client, CLI, stages, gateway, test tools)" >&2
+"${pip[@]}" -e '.[all,dev]' 2>&1 | grep -v '^Requirement already satisfied' | progress
 echo "$want" > "$STAMP"
+echo "bootstrap: done in $((SECONDS - started)) s" >&2
