@@ -53,17 +53,22 @@ class RequestProgress:
             return
         step: int | None = None
         total: int | None = None
+        stage = self._stage
         status = event.status
         if status is not None:
             self._state = status.state.value
-            self._stage = status.stage or self._stage
+            stage = status.stage or stage
             if status.progress is not None:
+                stage = status.progress.stage or stage
                 step, total = status.progress.step, status.progress.total
         elif "step" in event.raw and "total" in event.raw:
-            self._stage = event.stage or self._stage
+            stage = event.stage or stage
             step, total = int(event.raw["step"]), int(event.raw["total"])
+        if stage != self._stage:  # a new stage starts from an empty bar: no step of the previous one lingers
+            self._stage = stage
+            self._progress.update(self._task, completed=0, total=None, step="")
         if step is not None and total:
-            self._progress.update(self._task, completed=step, total=total, step=f"step {step}/{total}")
+            self._progress.update(self._task, completed=step, total=total, step=f"{stage} step {step}/{total}")
         if status is not None and status.state is RequestState.DONE:
             self._progress.update(self._task, completed=1, total=1)
         self._progress.update(self._task, description=self._description())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -54,12 +55,26 @@ async def test_service_group_stops_children_and_reports_early_exits(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_up_runs_one_job_end_to_end(tmp_path: Path) -> None:
+def test_up_runs_one_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # outputs land under the working directory: never in the repository
     result = CliRunner().invoke(
         app,
-        ["--prefix", "t-up", "up", "--log-dir", str(tmp_path), "--startup-timeout", "60", "--timeout", "60"],
+        ["--prefix", "t-up", "up", "--startup-timeout", "90", "--timeout", "120"],
         env={"STAGEFERRY_REDIS_URL": None, "STAGEFERRY_PIPELINE": None},
     )
-    assert result.exit_code == 0, result.output + "".join(p.read_text()[-2000:] for p in tmp_path.glob("*.log"))
+    logs = tmp_path / "out" / "logs"
+    assert result.exit_code == 0, result.output + "".join(p.read_text()[-2000:] for p in logs.glob("*.log"))
     assert ": done" in result.stdout
     assert "encoder" in result.stdout and "diffusion" in result.stdout
+    assert result.stderr.count("outputs: ") == 1 and f"outputs: {tmp_path / 'out'}" in result.stderr
+    # Service logs are JSON lines only (NIXL's own lines included), and name the request key.
+    for log in logs.glob("*.log"):
+        for line in log.read_text().splitlines():
+            json.loads(line)
+    # The trace outlives up's private Redis: `trace` finds it with no flags.
+    (mp4,) = (tmp_path / "out").glob("*.mp4")
+    request_id = mp4.stem
+    assert (tmp_path / "out" / f"{request_id}.trace.json").is_file()
+    traced = CliRunner().invoke(app, ["trace", request_id], env={"STAGEFERRY_REDIS_URL": None})
+    assert traced.exit_code == 0, traced.output
+    assert "payload.put" in traced.stdout and "status.done" in traced.stdout
