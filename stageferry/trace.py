@@ -140,6 +140,16 @@ def hops(events: list[TraceEvent]) -> list[Hop]:
             continue
         if changes and (changes[-1].event, changes[-1].stage) == (ev.event, ev.stage):
             continue
+        if (
+            changes
+            and ev.event == "status.queued"
+            and (changes[-1].event, changes[-1].stage)
+            == (
+                "status.running",
+                ev.stage,
+            )
+        ):
+            continue  # the hand-off's "queued" landed after the next stage already took the entry: no queue time
         changes.append(ev)
     final = next((ev.status for ev in reversed(events) if ev.status is not None), None)
     timings = final.timings if final is not None else []

@@ -47,6 +47,8 @@ def _esc(text: object) -> str:
 
 
 def _fmt_s(seconds: float) -> str:
+    if seconds == 0:
+        return "0 s"
     return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
@@ -132,10 +134,15 @@ def render_html(events: Sequence[TraceEvent], *, request_id: str, table: str) ->
         svg.append(f'<text x="6" y="{y + 19}" fill="#222">{_esc(lane)}</text>')
         for bar in (b for b in bars if b.lane == lane):
             left, width = x(bar.start), max(x(bar.end) - x(bar.start), 2.0)
+            # A label goes inside its bar when it fits, else after a short bar with room to its right;
+            # otherwise only the hover title carries it (no labels drawn over each other).
+            label_w = 6.2 * len(bar.label)
+            text_x = left + 3 if label_w <= width - 4 else left + width + 3
+            fits = label_w <= width - 4 or (bar.lane != "request" and text_x + label_w <= _LABEL_W + _PLOT_W + 20)
+            label = f'<text x="{text_x:.1f}" y="{y + 19}" fill="#000">{_esc(bar.label)}</text>' if fits else ""
             svg.append(
                 f'<g><title>{_esc(bar.title)}</title><rect x="{left:.1f}" y="{y + 4}" width="{width:.1f}" '
-                f'height="{_LANE_H - 10}" rx="3" fill="{bar.colour}" opacity="0.85"/>'
-                f'<text x="{left + 3:.1f}" y="{y + 19}" fill="#000">{_esc(bar.label)}</text></g>'
+                f'height="{_LANE_H - 10}" rx="3" fill="{bar.colour}" opacity="0.85"/>{label}</g>'
             )
         for t, mark_lane, title in marks:
             if mark_lane == lane:

@@ -345,3 +345,20 @@ def test_help_shows_ranges_defaults_and_plain_usage() -> None:
     assert "Job default: 8. Allowed: 1–200." in submit_help  # --steps, from the job schema
     main_help = runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).stdout
     assert "redis://127.0.0.1:6379/0" in main_help
+
+
+def test_hops_ignore_a_hand_off_queued_that_lands_after_the_next_stage_started() -> None:
+    t = 1_700_000_000.0
+    rows = [
+        status_row(t, RequestState.RUNNING, "encoder"),
+        status_row(t + 0.5, RequestState.RUNNING, "diffusion"),
+        status_row(t + 0.5001, RequestState.QUEUED, "diffusion"),  # written by the encoder, a moment late
+        status_row(t + 2.0, RequestState.DONE, "diffusion"),
+    ]
+    found = hops(parse_events([(f"{1_700_000_000_000 + i}-0", r) for i, r in enumerate(rows)]))
+    assert [(h.state, h.stage) for h in found] == [
+        ("running", "encoder"),
+        ("running", "diffusion"),
+        ("done", "diffusion"),
+    ]
+    assert found[1].seconds == pytest.approx(1.5)
