@@ -7,6 +7,7 @@ from types import FrameType
 
 import uvicorn
 
+from stageferry.errors import ConfigError
 from stageferry.gateway.app import GatewayConfig, create_app
 
 
@@ -42,4 +43,10 @@ def serve(config: GatewayConfig, *, host: str = "127.0.0.1", port: int = 8091, l
             log_config=None,
         )
     )
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits when it cannot bind: one typed line, not a stray exit status
+        if server.started:
+            raise
+    if not server.started:
+        raise ConfigError(f"the gateway could not start on {host}:{port} (the log line above says why)")
