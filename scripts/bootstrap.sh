@@ -44,6 +44,6 @@ if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
   "${pip[@]}" "$TORCH_PIN" 2>&1 | progress
 fi
 echo "bootstrap: installing stageferry[all,dev] (client, CLI, stages, gateway, test tools)" >&2
-"${pip[@]}" -e '.[all,dev]' 2>&1 | grep -v '^Requirement already satisfied' | progress
+"${pip[@]}" -e '.[all,dev]' 2>&1 | { grep -v '^Requirement already satisfied' || true; } | progress
 echo "$want" > "$STAMP"
 echo "bootstrap: done in $((SECONDS - started)) s" >&2
