@@ -398,8 +398,8 @@ class Settings(BaseSettings):
     """Prometheus metrics port (0: off)."""
     tenant: Annotated[str | None, Field(pattern=TENANT_PATTERN)] = None
     """The tenant a client process submits as (``STAGEFERRY_TENANT``); None: single-tenant."""
-    #: The HTTP gateway's bearer token (``STAGEFERRY_GATEWAY_TOKEN``); unset: no token needed.
     gateway_token: Annotated[str, Field(min_length=8, max_length=512)] | None = None
+    """The HTTP gateway's bearer token (``STAGEFERRY_GATEWAY_TOKEN``); unset: no token needed."""
 
     def load_pipeline(self) -> PipelineConfig:
         return PipelineConfig.load(self.pipeline)
