@@ -535,6 +535,12 @@ def health(
     typer.echo("ok")
 
 
+DevicesOpt = Annotated[
+    str | None,
+    typer.Option("--devices", help="GPU indices for the ranks, e.g. 2,3,4,5 or 2-5 (overrides the stage's devices)."),
+]
+
+
 @app.command()
 @_expected_errors
 def serve(
@@ -545,14 +551,43 @@ def serve(
     tp: Annotated[
         int | None, typer.Option("--tp", min=1, max=64, help="Run the stage as TP N instead of its layout in the file.")
     ] = None,
+    devices: DevicesOpt = None,
 ) -> None:
     """Run one replica of a stage service until SIGTERM/SIGINT."""
     settings = _settings(ctx)
-    pipeline = settings.load_pipeline()
+    from stageferry.stages.placement import host_gpus, parse_devices, pipeline_for_host
+
+    gpus = host_gpus()
+    pipeline = pipeline_for_host(settings.pipeline, gpus)
     pipeline.stage(stage)  # an unknown stage is a config error before anything starts
     from stageferry.stages.service import run_service
 
-    raise typer.Exit(run_service(settings, pipeline, stage, tp=tp))
+    gpu_list = parse_devices(devices) if devices is not None else None
+    raise typer.Exit(run_service(settings, pipeline, stage, tp=tp, devices=gpu_list, gpus=gpus))
+
+
+@app.command("plan")
+@_expected_errors
+def plan_cmd(
+    ctx: typer.Context,
+    gpus: Annotated[
+        int | None, typer.Option("--gpus", min=0, max=1024, help="Plan for this many GPUs (default: this host's).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Print where `up` and `serve` would run every rank of every stage, without starting anything:
+    devices, process groups and pools.  A layout this host cannot run exits 1 with the reason."""
+    settings = _settings(ctx)
+    from stageferry.stages.placement import host_gpus, pipeline_for_host, plan
+
+    count = host_gpus() if gpus is None else gpus
+    pipeline = pipeline_for_host(settings.pipeline, count)
+    the_plan = plan(pipeline, count)
+    source = str(settings.pipeline) if settings.pipeline is not None else f"built-in default for {count} GPUs"
+    if as_json:
+        typer.echo(json.dumps({"pipeline": source, **the_plan.to_json()}, indent=2))
+    else:
+        typer.echo(f"pipeline: {source}\n{the_plan.render()}")
 
 
 @app.command()

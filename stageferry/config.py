@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from stageferry.errors import ConfigError
@@ -47,9 +47,12 @@ class MetadataMode(enum.StrEnum):
 
 
 MAX_GROUP_RANKS = 64
+#: The highest GPU index a ``devices`` list may name (as the host numbers its GPUs).
+MAX_GPU_INDEX = 1023
 #: The model of an aggregated stage: it runs its ``parts`` one after the other in one group.
 AGGREGATED_MODEL = "stageferry.stages.aggregated:factory"
 _GroupDim = Annotated[int, Field(ge=1, le=MAX_GROUP_RANKS)]
+_Devices = Annotated[tuple[StrictInt, ...], Field(min_length=1, max_length=MAX_GROUP_RANKS)]  # checked per stage
 
 
 class LayoutForm(enum.StrEnum):
@@ -114,7 +117,12 @@ class StageConfig(Strict):
 
     The group's size and shape come from ``layout``; ``tp = N`` alone is the 1-D layout ``{tp = N}``
     (and ``tp`` is kept equal to the layout's TP size, 1 for HSDP).  ``parts`` is set on an aggregated
-    stage only: the stages whose models it runs in process, each on the first ranks of the group."""
+    stage only: the stages whose models it runs in process, each on the first ranks of the group.
+
+    ``devices`` pins the group to GPUs: rank i runs on GPU ``devices[i]`` (indices as the host numbers
+    them), one distinct GPU per rank, since two ranks of one NCCL group cannot share a GPU.  Without it
+    the placement planner (:mod:`stageferry.stages.placement`) picks them; whether the host has those
+    GPUs is checked there, when the host is known."""
 
     name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
     """The stage's name: its stream is `<p>:stage:<name>:in`, its consumer group `<name>`."""
@@ -125,7 +133,9 @@ class StageConfig(Strict):
     layout: GroupLayout = GroupLayout(tp=1)
     """`{tp, sp}` (TP × Ulysses SP) or `{shard, replicate}` (HSDP); ranks = the product, at most 64."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """auto: the GPU of the local rank if there is one, else CPU."""
+    """auto: GPUs when the host has them (placed by the planner), else CPU."""
+    devices: _Devices | None = None
+    """GPU indices, one per rank: rank i on GPU ``devices[i]`` (default: placed by the planner)."""
     parts: Annotated[tuple[StageConfig, ...], Field(max_length=16)] = ()
 
     @model_validator(mode="before")
@@ -147,6 +157,29 @@ class StageConfig(Strict):
         return data
 
     @model_validator(mode="after")
+    def _devices_fit(self) -> StageConfig:
+        """One distinct GPU per rank, and GPUs only for a stage that may use them."""
+        if self.devices is None:
+            return self
+        where = f"stage {self.name!r}: devices = {list(self.devices)}"
+        if self.device == "cpu":
+            raise ValueError(f'{where} but device = "cpu": drop one of the two')
+        bad = [d for d in self.devices if not 0 <= d <= MAX_GPU_INDEX]
+        if bad:
+            raise ValueError(f"{where}: GPU index {bad[0]} is out of range (0..{MAX_GPU_INDEX})")
+        if len(self.devices) != self.world_size:
+            raise ValueError(
+                f"{where} names {len(self.devices)} GPUs but its layout {self.layout.describe()} has "
+                f"{self.world_size} ranks: list exactly one GPU per rank"
+            )
+        repeated = sorted({d for d in self.devices if self.devices.count(d) > 1})
+        if repeated:
+            raise ValueError(
+                f"{where} names GPU {repeated[0]} more than once: two ranks of one NCCL group cannot share a GPU"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _parts_fit(self) -> StageConfig:
         names = [p.name for p in self.parts]
         if len(set(names)) != len(names):
@@ -154,6 +187,11 @@ class StageConfig(Strict):
         for part in self.parts:
             if part.parts:
                 raise ValueError(f"part {part.name!r} of stage {self.name!r} has parts of its own")
+            if part.devices is not None:
+                raise ValueError(
+                    f"part {part.name!r} of stage {self.name!r} has devices: an aggregated stage's GPUs are "
+                    "set once, under [aggregated]"
+                )
             if part.world_size > self.world_size:
                 raise ValueError(
                     f"part {part.name!r} needs {part.world_size} ranks, stage {self.name!r} has {self.world_size}"
@@ -284,6 +322,8 @@ class AggregatedConfig(Strict):
     """Default: the layout of the stage with the most ranks."""
     device: Literal["auto", "cpu", "cuda"] | None = None
     """Default: the first stage's."""
+    devices: _Devices | None = None
+    """Default: placed by the planner (see :mod:`stageferry.stages.placement`)."""
 
 
 DEFAULT_STAGES = (
@@ -327,6 +367,7 @@ class PipelineConfig(Strict):
             model=AGGREGATED_MODEL,
             layout=layout,
             device=agg.device or stages[0].device,
+            devices=agg.devices,
             parts=tuple(stages),
         )
         return {**data, "stages": (merged,)}

@@ -28,11 +28,12 @@ from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import live_by_stage
 from stageferry.broker.control.redis_conn import translated
 from stageferry.client import Client, validate_job, with_upload_refs
-from stageferry.config import Settings
+from stageferry.config import DEFAULT_STAGES, Settings
 from stageferry.console import follow, render_status
 from stageferry.embedded_redis import EmbeddedRedis
 from stageferry.errors import StageFailedError, StageferryError
 from stageferry.schemas import RequestState
+from stageferry.stages.placement import REFERENCE_GPUS, host_gpus, pipeline_for_host, plan
 from stageferry.trace import save_trace, saved_trace_path
 
 
@@ -146,9 +147,20 @@ async def run_up(
     log_dir: Path | None,
     console: Console,
 ) -> int:
-    """Run the pipeline and one job; the exit status (0 done, 1 not done, 130 interrupted)."""
-    pipeline = settings.load_pipeline()
+    """Run the pipeline and one job; the exit status (0 done, 1 not done, 130 interrupted).
+
+    The placement is planned (and a layout this host cannot run refused) before anything starts; each
+    ``serve`` child plans the same from the same file and GPU count."""
+    gpus = host_gpus()
+    pipeline = pipeline_for_host(settings.pipeline, gpus)
+    the_plan = plan(pipeline, gpus)
     validate_job(with_upload_refs(job, {name: "precheck" for name in uploads}))
+    if settings.pipeline is None and gpus and pipeline.stages != DEFAULT_STAGES:
+        console.print(
+            f"pipeline: built-in default fitted to {gpus} GPU{'s' if gpus > 1 else ''} "
+            f"(the reference TP2 → TP4 needs {REFERENCE_GPUS}; give --pipeline to choose)"
+        )
+    console.print(f"placement: {the_plan.summary()}")
     output_dir = Path(await anyio.Path(pipeline.output_dir).resolve())  # the services run here too: the same dir
     console.print(f"outputs: {output_dir}")
     exit_code = 1

@@ -49,6 +49,7 @@ from stageferry.schemas import DeviceKind, JobRequest, Manifest
 from stageferry.stages.grid import build_channel
 from stageferry.stages.group_channel import GroupChannel, MessageKind
 from stageferry.stages.model import StageContext, StageModel
+from stageferry.stages.placement import StagePlacement
 from stageferry.stages.worker import ProgressSink, WorkItem
 
 log = structlog.get_logger(__name__)
@@ -59,13 +60,10 @@ _COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 _PR_SET_PDEATHSIG = 1
 
 
-def rank_device(stage: StageConfig, local_rank: int) -> torch.device:
-    """Each rank's GPU from its local rank; CPU for every rank when there is no GPU (or device=cpu)."""
-    if stage.device != "cpu" and torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    if stage.device == "cuda":
-        raise StageFailedError("stage asks for CUDA but this host has no GPU", stage=stage.name)
-    return torch.device("cpu")
+def rank_device(placement: StagePlacement, rank: int) -> torch.device:
+    """The device the plan gives this rank (:mod:`stageferry.stages.placement`): never the GPU of
+    another rank of the same group."""
+    return torch.device(placement.ranks[rank].device)
 
 
 def init_group(rank: int, layout: GroupLayout, device: torch.device) -> GroupChannel:

@@ -22,7 +22,7 @@ import torch
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client, wait_until_reachable
 from stageferry.broker.data.connectors import build_connectors
-from stageferry.config import GroupLayout, PipelineConfig, Settings, StageConfig
+from stageferry.config import PipelineConfig, Settings, StageConfig
 from stageferry.errors import ConfigError
 from stageferry.logs import EventSink, configure_logging, flush_native_output
 from stageferry.stages.group import (
@@ -36,53 +36,88 @@ from stageferry.stages.group import (
 )
 from stageferry.stages.group_channel import GroupChannel
 from stageferry.stages.model import input_contract_of, load_model
+from stageferry.stages.placement import Plan, StagePlacement, host_gpus, plan, with_overrides
 from stageferry.stages.worker import StageWorker
 
 log = structlog.get_logger(__name__)
 
 
-def run_service(settings: Settings, pipeline: PipelineConfig, stage_name: str, *, tp: int | None = None) -> int:
-    """The ``serve`` command: returns the process exit code."""
+def run_service(
+    settings: Settings,
+    pipeline: PipelineConfig,
+    stage_name: str,
+    *,
+    tp: int | None = None,
+    devices: tuple[int, ...] | None = None,
+    gpus: int | None = None,
+) -> int:
+    """The ``serve`` command: returns the process exit code.  ``tp``/``devices`` override the stage's
+    (``--tp``/``--devices``); ``gpus`` is the host's GPU count (default: the GPUs this process sees).
+
+    The placement is planned here, in the supervisor and again in every rank (the same pure function of
+    the same inputs, so they agree): a layout the host cannot run is refused before any rank starts."""
+    pipeline = with_overrides(pipeline, stage_name, tp=tp, devices=devices)
     stage = pipeline.stage(stage_name)
-    if tp is not None and stage.layout != GroupLayout(tp=tp):  # --tp N: the 1-D layout {tp = N}
-        stage = StageConfig.model_validate({**stage.model_dump(exclude={"layout", "tp"}), "tp": tp})
     if settings.redis_url is None:
         raise ConfigError("no Redis configured: set STAGEFERRY_REDIS_URL (or use `stageferry up`)")
+    the_plan = plan(pipeline, host_gpus() if gpus is None else gpus)
+    placement = the_plan.stage(stage.name)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         if world != stage.world_size:
             raise ConfigError(
                 f"WORLD_SIZE={world} but stage {stage.name} has {stage.world_size} ranks ({stage.layout.describe()})"
             )
-        rank = int(os.environ["RANK"])
-        return _run_rank(settings, pipeline, stage, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
+        return _run_rank(settings, pipeline, stage, placement, rank=int(os.environ["RANK"]))
     if stage.world_size > 1:
         configure_logging(
             fmt=settings.log_format, level=settings.log_level, service=f"{stage.name}-group", capture_native=True
         )
+        _log_placement(the_plan, placement)
         child_env = {
             "STAGEFERRY_REDIS_URL": settings.redis_url,
             "STAGEFERRY_PREFIX": settings.prefix,
             "STAGEFERRY_REPLICA": settings.replica,
             **({"STAGEFERRY_PIPELINE": str(settings.pipeline)} if settings.pipeline else {}),
         }
-        return supervise(stage.name, stage.world_size, env=child_env, args=("--tp", str(tp)) if tp else ())
+        args = (*(("--tp", str(tp)) if tp else ()), *(("--devices", ",".join(map(str, devices))) if devices else ()))
+        return supervise(stage.name, stage.world_size, env=child_env, args=args)
     configure_logging(fmt=settings.log_format, level=settings.log_level, service=stage.name, capture_native=True)
+    _log_placement(the_plan, placement)
     stop = StopRequest.install()
-    device = rank_device(stage, 0)
+    device = rank_device(placement, 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     compute = GroupCompute(load_model(stage, pipeline), stage, pipeline, GroupChannel.solo(device))
     anyio.run(serve_leader, settings, pipeline, stage, compute, stop)
     return 0
 
 
-def _run_rank(settings: Settings, pipeline: PipelineConfig, stage: StageConfig, *, rank: int, local_rank: int) -> int:
+def _log_placement(the_plan: Plan, placement: StagePlacement) -> None:
+    """Where this stage's ranks run, and (a warning) which GPUs it shares with other stages."""
+    log.info(
+        "placement.stage",
+        stage=placement.name,
+        layout=placement.layout,
+        devices=list(placement.devices),
+        placed_by=placement.placed_by.value,
+        gpus=the_plan.gpus,
+    )
+    mine = {gpu: ranks for gpu, ranks in the_plan.shared.items() if gpu in placement.gpus}
+    if mine:
+        log.warning("placement.shared", stage=placement.name, gpus={str(g): list(r) for g, r in mine.items()})
+
+
+def _run_rank(
+    settings: Settings, pipeline: PipelineConfig, stage: StageConfig, placement: StagePlacement, *, rank: int
+) -> int:
     if os.environ.get("STAGEFERRY_GROUP_CHILD"):
         die_with_parent(follower=rank != 0)
     configure_logging(
         fmt=settings.log_format, level=settings.log_level, service=f"{stage.name}-rank{rank}", capture_native=True
     )
     stop = StopRequest.install() if rank == 0 else None  # followers ignore signals (die_with_parent)
-    device = rank_device(stage, local_rank)
+    device = rank_device(placement, rank)
     if device.type == "cpu":  # ranks share the host's cores; oversubscribed threads only slow every rank
         torch.set_num_threads(cpu_threads(stage.world_size))
     code = 1
