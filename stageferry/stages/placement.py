@@ -19,6 +19,10 @@ The rule, stage by stage:
    * a group with more ranks than the host has GPUs is refused before any process starts, in one line
      naming the stage and the fix.
 
+``up`` and ``plan`` refuse the whole pipeline when one stage is refused (every stage runs here);
+``serve <stage>`` only its own stage: in a deployment over several hosts a stage that cannot run on this
+host runs on another, and is simply not placed here.
+
 Whatever the rule, one group never has two ranks on one GPU: NCCL refuses that ("Duplicate GPU
 detected"), and that crash, on every host with fewer GPUs than the default's six, is why this exists.
 
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +110,12 @@ class Plan:
     gpus: int
     stages: tuple[StagePlacement, ...]
     shared: dict[int, tuple[str, ...]]
+    refused: dict[str, ConfigError] = field(default_factory=dict, compare=False)  #: stages not placed here
 
     def stage(self, name: str) -> StagePlacement:
+        """The stage's placement; its refusal (:class:`ConfigError`) when it cannot run on this host."""
+        if name in self.refused:
+            raise self.refused[name]
         for s in self.stages:
             if s.name == name:
                 return s
@@ -165,17 +173,26 @@ def _compact(devices: Sequence[str]) -> list[str]:
 # ---------------------------------------------------------------------------------------------- planning
 
 
-def plan(pipeline: PipelineConfig, gpus: int) -> Plan:
-    """The placement of ``pipeline`` on a host with ``gpus`` GPUs; :class:`ConfigError` (one line, naming
-    the stage and the fix) for a layout that cannot run there."""
+def plan(pipeline: PipelineConfig, gpus: int, *, strict: bool = True) -> Plan:
+    """The placement of ``pipeline`` on a host with ``gpus`` GPUs.  A stage that cannot run there is
+    refused with a :class:`ConfigError` (one line, naming the stage and the fix): raised at once when
+    ``strict``, else kept in :attr:`Plan.refused` (raised by :meth:`Plan.stage`) and left out of the
+    placement of the others."""
     if gpus < 0:
         raise ConfigError(f"a host has 0 or more GPUs, not {gpus}")
-    stages = pipeline.stages
-    fixed = {s.name: _fixed_devices(s, gpus) for s in stages}
+    refused: dict[str, ConfigError] = {}
+    fixed: dict[str, list[int] | None] = {}
+    for s in pipeline.stages:
+        try:
+            fixed[s.name] = _fixed_devices(s, gpus)
+            if fixed[s.name] is None and s.world_size > gpus:
+                raise _too_few_gpus(s, gpus)
+        except ConfigError as exc:
+            if strict:
+                raise
+            refused[s.name] = exc
+    stages = [s for s in pipeline.stages if s.name not in refused]
     wanted = [s for s in stages if fixed[s.name] is None]
-    for s in wanted:
-        if s.world_size > gpus:
-            raise _too_few_gpus(s, gpus)
     taken = {d for devs in fixed.values() if devs for d in devs}
     free = [g for g in range(gpus) if g not in taken]
     planned: dict[str, list[int]] = {}
@@ -190,7 +207,7 @@ def plan(pipeline: PipelineConfig, gpus: int) -> Plan:
             planned[s.name] = [(at + i) % gpus for i in range(s.world_size)]
             at = (at + s.world_size) % gpus
     placed = []
-    for index, s in enumerate(stages):
+    for s in stages:
         devs = fixed[s.name]
         by = PlacedBy.DEVICES
         if devs is None:
@@ -206,10 +223,10 @@ def plan(pipeline: PipelineConfig, gpus: int) -> Plan:
                 placed_by=by,
                 ranks=ranks,
                 groups=_groups(s, cuda=bool(devs)),
-                pools=_pools(pipeline, index, ranks[0].device, gpus),
+                pools=_pools(pipeline, pipeline.index_of(s.name), ranks[0].device, gpus),
             )
         )
-    return Plan(gpus=gpus, stages=tuple(placed), shared=_shared(placed))
+    return Plan(gpus=gpus, stages=tuple(placed), shared=_shared(placed), refused=refused)
 
 
 def _fixed_devices(stage: StageConfig, gpus: int) -> list[int] | None:

@@ -55,12 +55,13 @@ def run_service(
     (``--tp``/``--devices``); ``gpus`` is the host's GPU count (default: the GPUs this process sees).
 
     The placement is planned here, in the supervisor and again in every rank (the same pure function of
-    the same inputs, so they agree): a layout the host cannot run is refused before any rank starts."""
+    the same inputs, so they agree): a stage this host cannot run is refused before any rank starts."""
     pipeline = with_overrides(pipeline, stage_name, tp=tp, devices=devices)
     stage = pipeline.stage(stage_name)
     if settings.redis_url is None:
         raise ConfigError("no Redis configured: set STAGEFERRY_REDIS_URL (or use `stageferry up`)")
-    the_plan = plan(pipeline, host_gpus() if gpus is None else gpus)
+    # Only this stage must fit here: in a deployment over several hosts the others may run elsewhere.
+    the_plan = plan(pipeline, host_gpus() if gpus is None else gpus, strict=False)
     placement = the_plan.stage(stage.name)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:

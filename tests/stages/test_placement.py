@@ -260,3 +260,14 @@ def test_plan_command_text_and_refusal(tmp_path: Path) -> None:
     refused = runner.invoke(app, ["--pipeline", str(path), "plan", "--gpus", "2", "--json"])
     assert refused.exit_code == 1 and refused.stdout == ""
     assert refused.stderr.count("\n") == 1 and refused.stderr.startswith("error [config]: stage 'diffusion' needs 4")
+
+
+def test_serve_refuses_only_its_own_stage(tmp_path: Path) -> None:
+    """Over several hosts a stage that cannot run here runs elsewhere: ``serve`` plans with strict=False."""
+    p = plan(pipeline(tmp_path, two_stages("tp = 2", "tp = 4")), 2, strict=False)
+    assert list(p.stage("encoder").devices) == ["cuda:0", "cuda:1"]
+    assert [s.name for s in p.stages] == ["encoder"] and set(p.refused) == {"diffusion"}
+    with pytest.raises(ConfigError, match="stage 'diffusion' needs 4 GPUs"):
+        p.stage("diffusion")
+    with pytest.raises(ConfigError, match="stage 'diffusion' needs 4 GPUs"):
+        plan(pipeline(tmp_path, two_stages("tp = 2", "tp = 4")), 2)
