@@ -91,12 +91,14 @@ def render_status(status: RequestStatus) -> str:
         for fe in status.error.details.get("field_errors", []) or []:
             lines.append(f"  {fe.get('field')}: {fe.get('message')}")
     if status.timings:
-        lines.append(f"{'stage':<12} {'seconds':>9}  {'input from':<12} {'via':<10} {'payload':>12} {'transfer s':>10}")
+        lines.append(
+            f"{'stage':<12} {'seconds':>9}  {'input from':<12} {'via':<10} {'payload':>12} {'transfer s':>10}  route"
+        )
         previous = "client"
         for t in status.timings:
             lines.append(
                 f"{t.stage:<12} {t.seconds:>9.3f}  {previous:<12} {t.transport.value:<10} "
-                f"{t.payload_bytes:>12,} {t.transfer_seconds:>10.4f}"
+                f"{t.payload_bytes:>12,} {t.transfer_seconds:>10.4f}" + (f"  {t.route}" if t.route else "")
             )
             previous = t.stage
     return "\n".join(lines)

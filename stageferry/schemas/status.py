@@ -45,13 +45,16 @@ class Progress(Frozen):
 
 
 class StageTiming(Frozen):
-    """How long one stage took for this request, and how its input payload arrived."""
+    """How long one stage took for this request, and how its input payload arrived.  ``route``: per
+    region of the payload, the memory it left and landed in and the transport underneath (e.g.
+    ``"VRAM:0→VRAM:1 cuda_ipc, DRAM→DRAM cma"``), when the connector knows."""
 
     stage: str
     seconds: float
     transport: Transport = Transport.NONE
     payload_bytes: int = 0
     transfer_seconds: float = 0.0
+    route: Annotated[str, Field(max_length=512)] | None = None
 
 
 class ErrorInfo(Frozen):

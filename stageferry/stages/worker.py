@@ -294,6 +294,7 @@ class StageWorker:
             transport=incoming.transport,
             payload_bytes=incoming.nbytes,
             transfer_seconds=incoming.seconds,
+            route=incoming.route[:512] if incoming.route else None,
         )
         metrics.STAGE_SECONDS.labels(self.stage.name).observe(timing.seconds)
         if self.next_stage is None:

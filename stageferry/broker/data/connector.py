@@ -45,7 +45,9 @@ class Incoming:
     """A payload held by the consumer leader, with how it came.
 
     ``manifest`` and ``regions`` are set when the payload's packed bytes are at hand (e.g. the pool
-    slot a NIXL READ landed in), so a stage group can fan them out without packing them again."""
+    slot a NIXL READ landed in), so a stage group can fan them out without packing them again.
+    ``route`` says, per region, which memory it left and landed in and what carried it (for NIXL, the
+    UCX transport: ``"VRAM:0→VRAM:1 cuda_ipc, DRAM→DRAM cma"``), for the hop's line in the status."""
 
     payload: Payload
     transport: Transport
@@ -54,6 +56,7 @@ class Incoming:
     fallback_reason: str | None = None
     manifest: Manifest | None = None
     regions: Mapping[DeviceKind, Any] | None = None
+    route: str | None = None
 
 
 class Connector(abc.ABC):

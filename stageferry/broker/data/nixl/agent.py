@@ -127,12 +127,13 @@ def _translate(exc: Exception, what: str, **details: Any) -> Exception:
 class XferHandle:
     """Opaque handle for one posted transfer; the caller polls it, then releases it."""
 
-    __slots__ = ("_h", "nbytes", "posted_ns", "released", "remote")
+    __slots__ = ("_h", "nbytes", "posted_ns", "released", "remote", "route")
 
-    def __init__(self, h: Any, remote: str, nbytes: int) -> None:
+    def __init__(self, h: Any, remote: str, nbytes: int, route: str = "") -> None:
         self._h = h
         self.remote = remote
         self.nbytes = nbytes
+        self.route = route  #: ``"VRAM<-DRAM"``: local <- remote memory kind
         self.posted_ns = 0
         self.released = False
 
@@ -172,8 +173,8 @@ class NixlAgent:
         self._remotes: set[str] = set()
         self._dead: set[str] = set()  # remotes that reported a disconnect: must be removed before re-adding
         self._handles: dict[int, XferHandle] = {}
-        self._transport: dict[str, str] = {}
-        self._transport_tries: dict[str, int] = {}
+        self._transport: dict[tuple[str, str], str] = {}  # (remote, route) -> what UCX said
+        self._transport_tries: dict[tuple[str, str], int] = {}
         self._ucx_log = UcxLogTail(_ucx_log_path) if _ucx_log_path is not None else None
         log.info("nixl.agent.created", agent=name, backends=list(backends), seconds=round(time.perf_counter() - t0, 4))
 
@@ -258,8 +259,10 @@ class NixlAgent:
         for h in [h for h in self._handles.values() if h.remote == name]:
             self.release(h)
         self._dead.discard(name)
-        self._transport.pop(name, None)
-        self._transport_tries.pop(name, None)
+        for key in [k for k in self._transport if k[0] == name]:
+            del self._transport[key]
+        for key in [k for k in self._transport_tries if k[0] == name]:
+            del self._transport_tries[key]
         if name not in self._remotes:
             return
         self._remotes.discard(name)
@@ -300,8 +303,8 @@ class NixlAgent:
         if state == "PROC":
             return XferState.PROC
         if state == "DONE":
-            if xh.remote not in self._transport and self._ucx_log is not None:
-                self._learn_transport(xh.remote)  # at most a few cheap looks per peer
+            if (xh.remote, xh.route) not in self._transport and self._ucx_log is not None:
+                self._learn_transport((xh.remote, xh.route))  # at most a few cheap looks per peer and route
             return XferState.DONE
         raise TransferError("READ reported ERR", agent=self.name, remote=xh.remote)
 
@@ -350,7 +353,9 @@ class NixlAgent:
 
     # -- diagnostics -----------------------------------------------------------------------------------
 
-    def transport_info(self, remote_name: str) -> str | None:
+    def transport_info(
+        self, remote_name: str, local_kind: MemKind | None = None, remote_kind: MemKind | None = None
+    ) -> str | None:
         """Which UCX transport carried READs to ``remote_name``, when UCX was asked to say so.
 
         Source: the protocol tables UCX prints with ``UCX_PROTO_INFO=y`` (set before the first agent;
@@ -365,8 +370,12 @@ class NixlAgent:
         Learned at a peer's first completed READ.  Seen on 2 x H200 (nixl-cu13 1.5.1, UCX 1.23.0):
         ``remote memory read by ucp_get*(multi) into cuda/GPU1 from cuda/dev[2]: 0..inf zero-copy
         cuda_ipc/cuda``; on CPU: ``... zero-copy cma/memory``.
+        With both memory kinds given: what READs between those kinds used (a mixed payload's DRAM and
+        VRAM regions take different transports); without: the first learned for the peer.
         """
-        return self._transport.get(remote_name)
+        if local_kind is not None and remote_kind is not None:
+            return self._transport.get((remote_name, f"{local_kind.value}<-{remote_kind.value}"))
+        return next((v for (r, _), v in self._transport.items() if r == remote_name), None)
 
     # -- internals -------------------------------------------------------------------------------------
 
@@ -407,7 +416,8 @@ class NixlAgent:
             if not is_nixl_error(exc):
                 raise
             raise self._fail(exc, f"start_{op.lower()}", remote_name) from exc
-        return self._post(XferHandle(h, remote_name, nbytes), notif)
+        route = f"{local_kind.value}<-{remote_kind.value}"
+        return self._post(XferHandle(h, remote_name, nbytes, route), notif)
 
     def _post(self, xh: XferHandle, notif: bytes) -> XferHandle:
         self._handles[id(xh)] = xh
@@ -424,12 +434,13 @@ class NixlAgent:
             raise TransferError("posting the READ failed", agent=self.name, remote=xh.remote)
         return xh
 
-    def _learn_transport(self, remote: str) -> None:
-        """Parse what UCX logged since the last look; attribute the data-path tables to ``remote``."""
-        tries = self._transport_tries.get(remote, 0)
+    def _learn_transport(self, key: tuple[str, str]) -> None:
+        """Parse what UCX logged since the last look; attribute the data-path tables to ``key``
+        (remote agent, route)."""
+        tries = self._transport_tries.get(key, 0)
         if self._ucx_log is None or tries >= 3:
             return
-        self._transport_tries[remote] = tries + 1
+        self._transport_tries[key] = tries + 1
         text = self._ucx_log.read_new()
         if text is None:
             return
@@ -437,9 +448,9 @@ class NixlAgent:
         if found:
             info = "; ".join(found)
         else:
-            earlier = [v for k, v in self._transport.items() if k != remote]
+            earlier = [v for k, v in self._transport.items() if k != key and k[1] == key[1]]
             if not earlier:
                 return
             info = earlier[-1].removesuffix(" (shared)") + " (shared)"
-        self._transport[remote] = info
-        log.info("nixl.transport", agent=self.name, remote=remote, transport=info)
+        self._transport[key] = info
+        log.info("nixl.transport", agent=self.name, remote=key[0], route=key[1], transport=info)

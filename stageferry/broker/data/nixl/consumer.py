@@ -35,6 +35,7 @@ from stageferry.broker.data.nixl.agent import XferState
 from stageferry.broker.data.nixl.endpoint import Endpoint
 from stageferry.broker.data.nixl.leases import claim
 from stageferry.broker.data.nixl.peers import Peer, Peers
+from stageferry.broker.data.nixl.ucx_log import transport_names
 from stageferry.broker.data.payload_codec import unpack, validate_manifest, validate_remote_regions
 from stageferry.broker.data.pool import Slot
 from stageferry.errors import (
@@ -61,6 +62,10 @@ log = structlog.get_logger(__name__)
 
 def mem_kind_of(device: DeviceKind) -> MemKind:
     return MemKind.VRAM if device is DeviceKind.CUDA else MemKind.DRAM
+
+
+def _where(kind: MemKind, device_id: int) -> str:
+    return f"VRAM:{device_id}" if kind is MemKind.VRAM else kind.value
 
 
 class Consumer:
@@ -156,8 +161,23 @@ class Consumer:
             seconds=seconds,
             manifest=ref.manifest,
             regions=regions,
+            route=self._route(ref, peer, slots),
         )
         return incoming, slots
+
+    def _route(self, ref: NixlPayload, peer: Peer, slots: dict[DeviceKind, Slot]) -> str:
+        """Each region's memory on both sides and the UCX transport that READ it (``?`` when UCX did
+        not say): ``VRAM:0→VRAM:1 cuda_ipc, DRAM→DRAM cma``."""
+        agent = self._ep.agent
+        assert agent is not None
+        parts = []
+        for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True):
+            if spec.nbytes:
+                kind, local = mem_kind_of(spec.device), slots[spec.device]
+                names = transport_names(agent.transport_info(peer.name, kind, remote.mem_kind)) or ["?"]
+                where = _where(remote.mem_kind, remote.device_id), _where(kind, local.device_id)
+                parts.append(f"{where[0]}→{where[1]} {'+'.join(names)}")
+        return ", ".join(parts)
 
     def _count_get(self, incoming: Incoming) -> None:
         """Count a get; inline gets are counted by the inline connector's metrics already."""

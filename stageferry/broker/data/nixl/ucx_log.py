@@ -111,3 +111,19 @@ def parse_ucx_log(text: str) -> list[str]:
     lanes = list(dict.fromkeys(t for t in lanes if " self cfg#" not in t))
     reads = [t for t in tables if "remote memory read" in t]
     return reads or tables or lanes
+
+
+def transport_names(info: str | None) -> list[str]:
+    """The UCX transports named in :func:`parse_ucx_log`'s strings (as ``NixlAgent.transport_info``
+    joins them with ``"; "``), in order: ``"... 0..inf zero-copy cuda_ipc/cuda"`` → ``["cuda_ipc"]``;
+    ``[]`` when it names none (lane summaries, None)."""
+    names: list[str] = []
+    for table in (info or "").split("; "):
+        _, sep, ranges = table.removesuffix(" (shared)").rpartition(": ")
+        if not sep:
+            continue
+        for part in ranges.split(", "):
+            last = part.split()[-1] if part.split() else ""
+            if "/" in last:
+                names.append(last.split("/", 1)[0])
+    return list(dict.fromkeys(names))

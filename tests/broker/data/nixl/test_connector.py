@@ -142,6 +142,8 @@ async def test_task_payloads_round_trip_exactly(start_producer: Any, redis_url: 
             async with conn.get(ref, blob, key=item["key"]) as incoming:
                 assert incoming.transport is (Transport.INLINE if small else Transport.NIXL)
                 assert_same(incoming.payload, build(spec, item["seed"]))
+                if not small:  # host memory on both sides, and the UCX transport that carried it
+                    assert incoming.route is not None and incoming.route.startswith("DRAM→DRAM "), incoming.route
         assert conn.pools is not None and conn.pools.slots_in_use == 0
         assert conn.agent is not None and conn.agent.open_handles() == 0
         assert metrics.GETS.labels("nixl")._value.get() - nixl_gets_before == 3  # counted, per transport
@@ -271,6 +273,9 @@ async def test_cuda_leaves_land_on_the_consumer_gpu(start_producer: Any, redis_u
                 assert got["gpu"].device == dst and got["ids"].device == dst and got["empty_gpu"].device == dst
                 assert got["cpu"]["hidden_states"].device.type == "cpu"
                 assert_same(got, build("mixed", item["seed"], "cuda:0"))
+                # each region's memory on both sides, and what UCX used for it: cuda_ipc on one host
+                assert incoming.route is not None and f"VRAM:0→VRAM:{dst.index} cuda_ipc" in incoming.route
+                assert "DRAM→DRAM " in incoming.route, incoming.route
         producer.wait_stats(leases=0, slots_in_use=0)
     producer.stop()
 

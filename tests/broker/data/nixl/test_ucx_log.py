@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stageferry.broker.data.nixl.ucx_log import UcxLogTail, parse_ucx_log
+from stageferry.broker.data.nixl.ucx_log import UcxLogTail, parse_ucx_log, transport_names
 
 
 def test_parse_ucx_proto_info() -> None:
@@ -44,3 +44,20 @@ def test_the_tail_reads_only_what_was_appended(tmp_path: Path) -> None:
     with path.open("a") as f:
         f.write("second\n")
     assert tail.read_new() == "second\n"
+
+
+def test_transport_names_from_proto_info() -> None:
+    """The short names a hop's route shows: the transport of each range, in order, without repeats."""
+    gpu = (
+        "c intra-node cfg#2 remote memory read by ucp_get*(multi) into cuda/GPU1 from cuda/dev[2]: "
+        "0..inf zero-copy cuda_ipc/cuda"
+    )
+    cpu = (
+        "c intra-node cfg#1 remote memory read by ucp_get* from host: "
+        "0..8K copy-in sm/memory, 8K..inf zero-copy cma/memory"
+    )
+    assert transport_names(gpu) == ["cuda_ipc"]
+    assert transport_names(f"{cpu}; {gpu}") == ["sm", "cma", "cuda_ipc"]
+    assert transport_names(gpu + " (shared)") == ["cuda_ipc"]
+    assert transport_names("c intra-node cfg#1 rma_am(tcp/lo) am(tcp/lo cma/memory)") == []
+    assert transport_names(None) == []
