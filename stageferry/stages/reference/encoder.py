@@ -59,7 +59,9 @@ class _Nets:
 
 
 class ReferenceEncoder:
-    """Called on every rank with the same job and media; returns the same payload on every rank."""
+    """Called on every rank with the same job and media; returns the same payload on every rank, its
+    tensors on the rank's device (VRAM on a GPU: the data plane moves them GPU to GPU), except the small
+    ``layout`` descriptor, kept in host memory."""
 
     def __init__(self, cfg: EncoderConfig) -> None:
         self.cfg = cfg
@@ -83,13 +85,14 @@ class ReferenceEncoder:
             audio_latents = self._audio(job, nets, ctx.media)
             ctx.report_progress(3, 3)
         style = audio_latents.mean(dim=2) if audio_latents.shape[2] else torch.zeros(1, audio.BANDS)
+        on = ctx.device  # tensors stay on the rank's device (VRAM on a GPU); the layout is built on the host
         return build_payload(
             job,
-            hidden.cpu(),
-            roles.cpu(),
-            visual_latents=visual.cpu(),
-            audio_latents=audio_latents.cpu(),
-            audio_style=style.to(torch.float32).cpu(),
+            hidden.to(on),
+            roles.to(on),
+            visual_latents=visual.to(on),
+            audio_latents=audio_latents.to(on),
+            audio_style=style.to(on, torch.float32),
             meta={
                 "encoder": ENCODER_NAME,
                 "hidden": int(hidden.shape[1]),
