@@ -118,7 +118,7 @@ def context(tmp: Path, *, rank: int = 0, world: int = 1, group: Any = None, **kw
         stage="test",
         rank=rank,
         world_size=world,
-        device=torch.device("cpu"),
+        device=kw.pop("device", torch.device("cpu")),
         request_id=kw.pop("request_id", "req-1"),
         key="req-1_0_0",
         output_dir=tmp,
@@ -390,3 +390,19 @@ def test_large_jobs_pool_the_attention_keys(tmp_path: Path) -> None:
     a, b = pooled.generate(j, payload, ctx), pooled.generate(j, payload, ctx)
     assert torch.equal(a.frames, b.frames) and a.frames.shape == (9, 64, 128, 3)
     assert not torch.equal(a.frames, dense.generate(j, payload, ctx).frames)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (runs on the device machine)")
+def test_the_encoder_payload_stays_on_its_gpu_and_the_diffusion_stage_takes_it_there(tmp_path: Path) -> None:
+    """Every tensor leaf on the rank's GPU, but the small layout descriptor, read on the host."""
+    gpu = torch.device("cuda", torch.cuda.device_count() - 1)
+    ctx = context(tmp_path, device=gpu)
+    enc = encoder.factory(stage=PIPE.stages[0], pipeline=PIPE, hidden=512)
+    dif = diffusion.factory(stage=PIPE.stages[1], pipeline=PIPE, **SMALL)
+    for task in ("t2va", "fl2va", "ref2va"):
+        payload = enc(job(task), None, ctx)
+        leaves = {**payload["text"], **{k: v for k, v in payload.items() if isinstance(v, torch.Tensor)}}
+        assert {k: v.device for k, v in leaves.items() if k != "layout"} == dict.fromkeys(set(leaves) - {"layout"}, gpu)
+        assert payload["layout"].device.type == "cpu"
+        gen = dif.generate(job(task), payload, ctx)
+        assert gen.frames.shape[0] == 9
