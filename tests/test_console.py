@@ -1,4 +1,5 @@
-"""What the CLI shows while a request runs: the live line names the stage that is working."""
+"""What the CLI shows while a request runs (the live line names the stage that is working) and at its end
+(``render_status``: one line per stage, with the hop's route)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import io
 
 from rich.console import Console
 
-from stageferry.console import RequestProgress
-from stageferry.schemas import Progress, RequestState, RequestStatus
+from stageferry.console import RequestProgress, render_status
+from stageferry.schemas import Progress, RequestState, RequestStatus, StageTiming, Transport
 from stageferry.trace import TraceEvent
 
 
@@ -32,3 +33,25 @@ def test_the_line_names_the_stage_and_a_new_stage_starts_empty() -> None:
         assert "diffusion" in task.description and task.fields["step"] == "" and task.completed == 0
         view.on_event(status_event(3, RequestState.RUNNING, "diffusion", (2, 8)))
         assert task.fields["step"] == "diffusion step 2/8" and task.completed == 2 and task.total == 8
+
+
+def test_each_hop_shows_its_route() -> None:
+    route = "VRAM:0→VRAM:1 cuda_ipc, DRAM→DRAM cma"
+    hop = StageTiming(
+        stage="diffusion",
+        seconds=4.5,
+        transport=Transport.NIXL,
+        payload_bytes=789_504,
+        transfer_seconds=0.0014,
+        route=route,
+    )
+    status = RequestStatus(
+        request_id="video_sync-1", state=RequestState.DONE, timings=[StageTiming(stage="encoder", seconds=0.5), hop]
+    )
+    lines = render_status(status).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("stage"))
+    assert lines[0] == "request video_sync-1: done" and lines[header].endswith("route")
+    enc, dif = lines[header + 1], lines[header + 2]
+    assert enc.split()[:3] == ["encoder", "0.500", "client"] and not enc.endswith("cma")
+    assert dif.split()[:6] == ["diffusion", "4.500", "encoder", "nixl", "789,504", "0.0014"]
+    assert dif.endswith("  " + route)

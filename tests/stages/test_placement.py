@@ -271,3 +271,15 @@ def test_serve_refuses_only_its_own_stage(tmp_path: Path) -> None:
         p.stage("diffusion")
     with pytest.raises(ConfigError, match="stage 'diffusion' needs 4 GPUs"):
         plan(pipeline(tmp_path, two_stages("tp = 2", "tp = 4")), 2)
+
+
+def test_serve_refuses_its_stage_before_starting_anything(tmp_path: Path, redis_url: str) -> None:
+    path = tmp_path / "pipeline.toml"
+    path.write_text(two_stages("tp = 1", "tp = 1\ndevices = [5]"))
+    base = ["--redis-url", redis_url, "--prefix", "never-used", "--pipeline", str(path)]
+    for args in (["serve", "diffusion"], ["serve", "encoder", "--devices", "0"]):
+        result = runner.invoke(app, [*base, *args])
+        assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.stderr
+        stage = args[1]
+        assert result.stderr.startswith(f"error [config]: stage '{stage}': devices = ["), result.stderr
+        assert "this host has no GPU" in result.stderr
