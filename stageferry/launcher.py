@@ -155,12 +155,6 @@ async def run_up(
     pipeline = pipeline_for_host(settings.pipeline, gpus)
     the_plan = plan(pipeline, gpus)
     validate_job(with_upload_refs(job, {name: "precheck" for name in uploads}))
-    if settings.pipeline is None and gpus and pipeline.stages != DEFAULT_STAGES:
-        console.print(
-            f"pipeline: built-in default fitted to {gpus} GPU{'s' if gpus > 1 else ''} "
-            f"(the reference TP2 → TP4 needs {REFERENCE_GPUS}; give --pipeline to choose)"
-        )
-    console.print(f"placement: {the_plan.summary()}")
     output_dir = Path(await anyio.Path(pipeline.output_dir).resolve())  # the services run here too: the same dir
     console.print(f"outputs: {output_dir}")
     exit_code = 1
@@ -183,6 +177,12 @@ async def run_up(
         client = await stack.enter_async_context(Client(url, prefix=settings.prefix, pipeline=pipeline))
         with translated():  # an unreachable Redis is one line before any service starts
             await client.redis.ping()
+        if settings.pipeline is None and gpus and pipeline.stages != DEFAULT_STAGES:
+            console.print(
+                f"pipeline: built-in default fitted to {gpus} GPU{'s' if gpus > 1 else ''} "
+                f"(the reference TP2 → TP4 needs {REFERENCE_GPUS}; give --pipeline to choose)"
+            )
+        console.print(f"placement: {the_plan.summary()}")  # planned (or refused) above, before anything
         services = ServiceGroup(env, log_dir or output_dir / "logs")
         stack.push_async_callback(services.stop)
         interrupted = False
