@@ -104,8 +104,8 @@ def _global_options(
         typer.Option(
             "--pipeline",
             metavar="FILE",
-            help="Pipeline TOML file (env STAGEFERRY_PIPELINE). Default: the"
-            " built-in encoder TP2 -> diffusion TP4 (docs/configuration.md).",
+            help="Pipeline TOML file (env STAGEFERRY_PIPELINE). Default: the built-in encoder TP2 ->"
+            " diffusion TP4, fitted to this host's GPUs by up/serve/plan (docs/placement.md).",
         ),
     ] = None,
 ) -> None:
