@@ -229,22 +229,20 @@ class Limits(Strict):
     — so that one schema-valid job cannot take a stage down.  They are checked where a job enters (the
     Python client, the gateway, the first stage) and again by every stage before it allocates."""
 
-    #: width × height × (generated frames + reference-video frames): what the latents, the transformer's
-    #: tokens and the decoded frames scale with.
     max_pixel_frames: Annotated[int, Field(ge=64 * 64, le=2048 * 2048 * 1800)] = DEFAULT_MAX_PIXEL_FRAMES
-    #: Seconds of generated video and audio (frames / fps): what the audio track and its STFT scale with.
+    """Cost budget: width × height × (frames + reference-video frames) a job may ask for."""
     max_duration_s: Annotated[float, Field(gt=0, le=1024)] = 30.0
-    #: Reference-video frames the encoder decodes and encodes (at the job's fps and size).
+    """Longest generated video and audio in seconds (frames / fps)."""
     max_reference_frames: Annotated[int, Field(ge=1, le=1024)] = 81
-    #: Seconds of reference audio the encoder decodes.
+    """Reference-video frames the encoder decodes (at the job's size and fps)."""
     max_reference_audio_s: Annotated[float, Field(gt=0, le=600)] = 30.0
-    #: Pixels of one decoded media frame (an image, a reference-video frame) at its own resolution.
+    """Seconds of reference audio the encoder decodes."""
     max_media_pixels: Annotated[int, Field(ge=64 * 64, le=1 << 28)] = 4096 * 4096
-    #: Directories a job's ``media.*.path`` may point into; empty (the default): clients cannot name
-    #: local files at all and send media as uploads.
+    """Largest decoded media frame (an image, a reference-video frame) in pixels, at its own size."""
     media_roots: Annotated[tuple[str, ...], Field(max_length=32)] = ()
-    #: A request whose stage process died this many times in a row while holding it is dead-lettered.
+    """Directories a job's `media.*.path` may point into; none: clients send uploads only."""
     max_crashes: Annotated[int, Field(ge=1, le=20)] = 2
+    """A request its stage died with this many times in a row is dead-lettered (`stage_crashed`)."""
     max_steps: Annotated[int, Field(ge=1, le=200)] = 100
     """Most `num_inference_steps` a job may ask for."""
     max_prompt_chars: Annotated[int, Field(ge=1, le=8192)] = 4096

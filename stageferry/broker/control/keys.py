@@ -125,6 +125,7 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "request": "hash: `state` and `status` (JSON RequestStatus)",
     "events": "stream: the request's trace (log events, status changes)",
     "run_owner": "string: the entry id that owns this run (dedup of resubmits)",
+    "crash_mark": "string: deliveries of this entry its stage died with (set before the work, deleted after)",
     "cancel": "string: set when the client cancels",
     "submitted": "string: set by a client with its XADD (the request exists before a stage picks it up), TTL",
     "result": "string: the result bytes (e.g. the MP4), with a TTL",
