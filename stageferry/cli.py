@@ -211,14 +211,20 @@ FlowShiftOpt = Annotated[float | None, typer.Option("--flow-shift", help=_job_he
 AudioFlowShiftOpt = Annotated[float | None, typer.Option("--audio-flow-shift", help=_job_help("audio_flow_shift"))]
 GuidanceOpt = Annotated[float | None, typer.Option("--guidance", help=_job_help("guidance"))]
 LoraOpt = Annotated[str | None, typer.Option("--lora", metavar="NAME", help=_job_help("lora"))]
-_MEDIA_HELP = "A path the encoder stage can read, or upload:LOCAL_FILE to upload the bytes (fl2va: {})."
+_MEDIA_HELP = (
+    "upload:LOCAL_FILE to upload the bytes, or a path the encoder stage reads (only under the deployment's "
+    "limits.media_roots) (fl2va: {})."
+)
 FirstFrameOpt = Annotated[
     str | None, typer.Option("--first-frame", metavar="PATH", help=_MEDIA_HELP.format("required, an image"))
 ]
 LastFrameOpt = Annotated[
     str | None, typer.Option("--last-frame", metavar="PATH", help=_MEDIA_HELP.format("required, an image"))
 ]
-_REF_HELP = "A path the encoder stage can read, or upload:LOCAL_FILE to upload the bytes (ref2va: {} or both)."
+_REF_HELP = (
+    "upload:LOCAL_FILE to upload the bytes, or a path the encoder stage reads (only under the deployment's "
+    "limits.media_roots) (ref2va: {} or both)."
+)
 RefVideoOpt = Annotated[
     str | None, typer.Option("--reference-video", metavar="PATH", help=_REF_HELP.format("this, --reference-audio"))
 ]

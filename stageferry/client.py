@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, connect, translated
 from stageferry.broker.control.refusals import Refusal, Refusals
-from stageferry.broker.control.requests import RequestStore
+from stageferry.broker.control.requests import RequestStore, taken
 from stageferry.config import PipelineConfig, Settings
 from stageferry.errors import ConfigError, JobValidationError, RequestLostError, field_error
 from stageferry.schemas import JobRequest, MediaInputs, RequestState, RequestStatus
@@ -33,7 +33,7 @@ from stageferry.schemas.job import (
     is_tenant,
     tenant_of,
 )
-from stageferry.schemas.validation import field_errors
+from stageferry.schemas.validation import check_job_limits, field_errors
 from stageferry.trace import TraceEvent, parse_events, parse_row
 
 #: Where clients connect when no ``STAGEFERRY_REDIS_URL`` is configured.
@@ -43,9 +43,10 @@ T = TypeVar("T")
 #: XREAD's reply, as redis-py returns it with ``decode_responses=False``.
 
 
-def new_request_id(tenant: str | None = None) -> str:
-    """A fresh request id, e.g. ``video_sync-9e35132f9fa268e8`` (``acme.video_sync-…`` for tenant acme)."""
-    rid = f"video_sync-{uuid.uuid4().hex[:16]}"
+def new_request_id(tenant: str | None = None, *, kind: str = "video_sync") -> str:
+    """A fresh request id, e.g. ``video_sync-9e35132f9fa268e8`` (``acme.video_sync-…`` for tenant acme;
+    ``kind`` ``video`` for the gateway's async jobs)."""
+    rid = f"{kind}-{uuid.uuid4().hex[:16]}"
     return rid if tenant is None else f"{tenant}{TENANT_SEPARATOR}{rid}"
 
 
@@ -145,7 +146,10 @@ class Client:
     ) -> str:
         """Validate, upload media, enqueue on the first stage (this client's tenant's intake); the request id.
 
-        Submitting an id that is already known enqueues nothing (and uploads nothing) and returns it.
+        The job is held to the deployment's limits (its cost budget, media paths) before anything is sent.
+        Submitting an id that is already known enqueues nothing (and uploads nothing) and returns it; an id
+        that a stage has admitted for a *different* job raises :class:`RequestIdTakenError` (one still
+        waiting to be picked up is settled by the first stage: a different job under it is dead-lettered).
         A tenant's ids start with ``<tenant>.``; a fresh id gets that prefix, a given one must have it.
         """
         rid = request_id or new_request_id(self.tenant)
@@ -153,6 +157,10 @@ class Client:
         data = job.model_dump(mode="json") if isinstance(job, JobRequest) else dict(job)
         blobs = await self._read_uploads(uploads or {})
         checked = validate_job(with_upload_refs(data, {name: self.keys.upload(rid, name) for name in blobs}))
+        check_job_limits(checked, self.pipeline.limits, upload_prefix=self.keys.upload(rid, ""))
+        owner = await self.store.owner(rid)
+        if owner is not None and owner != checked.digest():
+            raise taken(rid)
         first = self.pipeline.stages[0].name
         entry = await self.store.submit(
             rid,

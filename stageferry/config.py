@@ -254,9 +254,33 @@ class Timeouts(Strict):
     """A request's deadline; also the default wait of the gateway's sync endpoint."""
 
 
-class Limits(Strict):
-    """Deployment limits checked on every job, beyond the schema's hard bounds."""
+#: The default cost budget: 1344×768 for 10 s at 24 fps (241 frames).  Measured on the reference models
+#: (``benchmarks/job_cost.py``), this is about what one CPU host serves without the OOM killer's help;
+#: deployments with more memory (or GPUs) raise it in ``[limits]``.
+DEFAULT_MAX_PIXEL_FRAMES = 1344 * 768 * 241
 
+
+class Limits(Strict):
+    """Deployment limits checked on every job, beyond the schema's hard bounds.
+
+    The schema bounds each field alone; these bound what a job *costs* — what the models allocate for it
+    — so that one schema-valid job cannot take a stage down.  They are checked where a job enters (the
+    Python client, the gateway, the first stage) and again by every stage before it allocates."""
+
+    max_pixel_frames: Annotated[int, Field(ge=64 * 64, le=2048 * 2048 * 1800)] = DEFAULT_MAX_PIXEL_FRAMES
+    """Cost budget: width × height × (frames + reference-video frames) a job may ask for."""
+    max_duration_s: Annotated[float, Field(gt=0, le=1024)] = 30.0
+    """Longest generated video and audio in seconds (frames / fps)."""
+    max_reference_frames: Annotated[int, Field(ge=1, le=1024)] = 81
+    """Reference-video frames the encoder decodes (at the job's size and fps)."""
+    max_reference_audio_s: Annotated[float, Field(gt=0, le=600)] = 30.0
+    """Seconds of reference audio the encoder decodes."""
+    max_media_pixels: Annotated[int, Field(ge=64 * 64, le=1 << 28)] = 4096 * 4096
+    """Largest decoded media frame (an image, a reference-video frame) in pixels, at its own size."""
+    media_roots: Annotated[tuple[str, ...], Field(max_length=32)] = ()
+    """Directories a job's `media.*.path` may point into; none: clients send uploads only."""
+    max_crashes: Annotated[int, Field(ge=1, le=20)] = 2
+    """A request its stage died with this many times in a row is dead-lettered (`stage_crashed`)."""
     max_steps: Annotated[int, Field(ge=1, le=200)] = 100
     """Most `num_inference_steps` a job may ask for."""
     max_prompt_chars: Annotated[int, Field(ge=1, le=8192)] = 4096
@@ -273,6 +297,14 @@ class Limits(Strict):
     """A lost payload is recomputed upstream at most this often."""
     lora_adapters: tuple[Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")], ...] = ()
     """Names a job's `lora` may use."""
+
+    @model_validator(mode="after")
+    def _absolute_roots(self) -> Limits:
+        """Roots are absolute and normalised (``realpath`` happens when a file is opened)."""
+        for root in self.media_roots:
+            if not root.startswith("/") or "\x00" in root:
+                raise ValueError(f"media_roots must be absolute paths, got {root!r}")
+        return self
 
 
 class Retention(Strict):

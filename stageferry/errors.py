@@ -12,6 +12,7 @@ a request's failed/rejected status shows, so that clients branch on codes, never
     │   ├── EnvelopeError            a stage-to-stage entry that does not parse
     │   ├── ManifestError            manifest/descriptors that fail validation before any native call
     │   ├── PayloadContractError     a payload that breaks its consumer's input contract (names the entry)
+    │   ├── RequestIdTakenError      the request id belongs to a different job: a conflict
     │   └── SubmissionRefusedError   a client entry refused before it names a request (bad id, wrong
     │       │                        tenant): told only through the entry's refusal record
     │       ├── InvalidRequestIdError  the id breaks the request-id rule
@@ -33,6 +34,7 @@ a request's failed/rejected status shows, so that clients branch on codes, never
     ├── GroupBrokenError             a rank of the stage group is gone: the replica stops, the entry is
     │                                reclaimed elsewhere (never a request failure)
     ├── DeadLetteredError            an entry delivered too often: the stage keeps dying on it
+    │   └── StageCrashedError        the stage process died holding it, max_crashes times in a row
     ├── DeadlineExceededError        the request's deadline passed
     ├── RequestLostError             the request's record vanished (a Redis without persistence restarted)
     └── CancelledRequestError        the client cancelled the request (or gave up waiting, and cancelled it)
@@ -133,6 +135,13 @@ class TenantMismatchError(SubmissionRefusedError):
     code = "tenant_mismatch"
 
 
+class RequestIdTakenError(RejectedError):
+    """The id is already the record of a different job.  Its owner's state, result and events stay as
+    they are; the second submitter learns of the conflict (never someone else's result)."""
+
+    code = "request_id_taken"
+
+
 class ControlPlaneError(StageferryError):
     code = "control_plane"
 
@@ -208,6 +217,14 @@ class DeadLetteredError(StageferryError):
     code = "dead_lettered"
 
 
+class StageCrashedError(DeadLetteredError):
+    """The stage's process died while holding this request, ``limits.max_crashes`` times in a row (an
+    out-of-memory kill, a native crash): the entry is dead-lettered so that it cannot take down every
+    replica in turn."""
+
+    code = "stage_crashed"
+
+
 class DeadlineExceededError(StageferryError):
     code = "deadline_exceeded"
 
@@ -245,12 +262,13 @@ def error_from_code(code: str, message: str, details: dict[str, Any] | None = No
     return error
 
 
-def field_error(field: str, message: str, kind: str) -> dict[str, Any]:
+def field_error(field: str, message: str, kind: str, **extra: Any) -> dict[str, Any]:
     """One entry of a rejection's ``field_errors``: ``{"field": "a.b", "message": ..., "type": ...}``.
 
     The one builder of that shape (schemas, client, CLI, stages and the gateway all use it), so that every
-    client sees the same three keys whichever boundary refused its input."""
-    return {"field": field, "message": message, "type": kind}
+    client sees the same three keys whichever boundary refused its input; ``extra`` adds facts a client
+    can act on (an over-budget error's ``limit``: the deployment's value)."""
+    return {"field": field, "message": message, "type": kind, **extra}
 
 
 class EntryAction(enum.StrEnum):
@@ -280,6 +298,7 @@ OUTCOMES: Mapping[type[StageferryError], Outcome] = MappingProxyType(
         ManifestError: Outcome(RequestState.REJECTED, EntryAction.DEAD_LETTER, "rejected"),
         PayloadContractError: Outcome(RequestState.REJECTED, EntryAction.DEAD_LETTER, "rejected"),
         SubmissionRefusedError: Outcome(None, EntryAction.DEAD_LETTER, "refused"),
+        RequestIdTakenError: Outcome(None, EntryAction.DEAD_LETTER, "id_taken"),
         DataPlaneError: Outcome(RequestState.FAILED, EntryAction.RECOMPUTE, "recomputed"),
         GroupBrokenError: Outcome(None, EntryAction.KEEP, "group_broken"),
         DeadLetteredError: Outcome(RequestState.FAILED, EntryAction.DEAD_LETTER, "dead_lettered"),

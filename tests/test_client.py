@@ -12,7 +12,8 @@ import anyio
 import pytest
 
 from stageferry import Client, JobRequest, RequestState, RequestStatus, SyncClient
-from stageferry.errors import DeadlineExceededError, JobValidationError
+from stageferry.config import Limits, PipelineConfig
+from stageferry.errors import DeadlineExceededError, JobValidationError, RequestIdTakenError
 from stageferry.schemas import OutputInfo
 
 pytestmark = pytest.mark.anyio
@@ -42,6 +43,32 @@ async def test_submit_twice_enqueues_once(client: Client) -> None:
     assert json.loads(fields[b"job"])["prompt"] == "a boat"
     status = await client.status("dup-1")
     assert status is not None and status.state is RequestState.QUEUED and status.stage == "encoder"
+
+
+async def test_a_taken_id_with_a_different_job_is_a_conflict(client: Client) -> None:
+    """The second submitter learns that the id is taken; it never gets (or changes) the first job's request."""
+    await client.submit(JOB, request_id="taken-1")
+    await client.store.admit("taken-1", JobRequest.model_validate(JOB).digest())  # as the first stage does
+    with pytest.raises(RequestIdTakenError) as info:
+        await client.submit({**JOB, "prompt": "a different boat"}, request_id="taken-1", uploads={})
+    assert info.value.code == "request_id_taken"
+    assert len(await stream_entries(client)) == 1
+    assert await client.submit(JOB, request_id="taken-1") == "taken-1"  # the same job: idempotent
+
+
+async def test_the_deployment_budget_is_checked_before_anything_is_enqueued(redis_url: str, prefix: str) -> None:
+    pipeline = PipelineConfig(limits=Limits(max_pixel_frames=320 * 192 * 8))
+    async with Client(redis_url, prefix=prefix, pipeline=pipeline) as small:
+        with pytest.raises(JobValidationError) as info:
+            await small.submit({**JOB, "num_frames": 9}, request_id="big-1")
+        [error] = info.value.field_errors
+        assert error["type"] == "over_budget" and "max_pixel_frames = 491520" in error["message"]
+        with pytest.raises(JobValidationError) as info:
+            media = {"first_frame": {"path": "/etc/passwd"}, "last_frame": {"path": "/etc/passwd"}}
+            await small.submit({**JOB, "task": "fl2va", "num_frames": 8, "media": media}, request_id="path-1")
+        assert {e["field"] for e in info.value.field_errors} == {"media.first_frame.path", "media.last_frame.path"}
+        assert await stream_entries(small) == []
+        assert await small.status("big-1") is None
 
 
 async def test_default_request_id(client: Client) -> None:

@@ -122,6 +122,7 @@ redis_unreachable = 90.0
 [limits]
 max_deliveries = 6
 max_recomputes = 4
+media_roots = ["{SAMPLES}"]
 """
 
 

@@ -22,6 +22,7 @@ from stageferry.errors import (
     DeadlineExceededError,
     JobValidationError,
     RejectedError,
+    RequestIdTakenError,
     StageferryError,
     error_class,
     field_error,
@@ -36,6 +37,7 @@ STATUS_BY_CLASS: Mapping[type[StageferryError], int] = MappingProxyType(
         StageferryError: 500,
         RejectedError: 400,  # invalid_job, invalid_envelope, invalid_manifest
         CancelledRequestError: 409,
+        RequestIdTakenError: 409,  # the id is another job's: a conflict, not someone else's video
         ControlPlaneError: 503,  # queue_full too
         AccessDeniedError: 500,  # our own credentials: not the client's to retry
         DeadlineExceededError: 504,

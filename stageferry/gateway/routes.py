@@ -167,7 +167,7 @@ async def create_video_sync(
 async def create_video(request: Request) -> VideoObject:
     service = _service(request)
     mapped = await _read_job(request, service)
-    rid = await service.submit(mapped)
+    rid = await service.submit(mapped, id_kind="video")
     log.info("gateway.submitted", request_id=rid, endpoint="async")
     JOBS.labels("async", "submitted").inc()
     return await service.describe(rid)

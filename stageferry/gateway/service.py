@@ -19,7 +19,7 @@ from pathlib import Path
 import anyio
 
 from stageferry.broker.control.redis_conn import translated
-from stageferry.client import Client, validate_job, with_upload_refs
+from stageferry.client import Client, new_request_id, validate_job, with_upload_refs
 from stageferry.errors import StageferryError
 from stageferry.gateway import recent
 from stageferry.gateway.errors import ApiError, from_exception, from_status_error
@@ -41,21 +41,18 @@ class VideoService:
     def meta_key(self, request_id: str) -> str:
         return self.client.keys.video_meta(request_id)
 
-    async def submit(self, mapped: MappedJob) -> str:
-        """Check the job as the first stage would, enqueue it with its media; the request id."""
+    async def submit(self, mapped: MappedJob, *, id_kind: str = "video_sync") -> str:
+        """Check the job as the first stage would, enqueue it with its media; the request id
+        (``<id_kind>-<hex>``: ``video_sync`` for synchronous requests, ``video`` for async jobs)."""
         limits = self.client.pipeline.limits
         keys = self.client.keys
         try:
             refs = {name: keys.upload("precheck", name) for name in mapped.uploads}
             checked = validate_job(with_upload_refs(mapped.job, refs))
-            check_job_limits(
-                checked,
-                max_steps=limits.max_steps,
-                max_prompt_chars=limits.max_prompt_chars,
-                lora_adapters=limits.lora_adapters,
-                upload_prefix=keys.upload_prefix(),
+            check_job_limits(checked, limits, upload_prefix=keys.upload_prefix())
+            rid = await self.client.submit(
+                mapped.job, request_id=new_request_id(self.client.tenant, kind=id_kind), uploads=mapped.uploads
             )
-            rid = await self.client.submit(mapped.job, uploads=mapped.uploads)
         except StageferryError as exc:
             raise from_exception(exc, origin=mapped.origin) from exc
         meta = VideoMeta(

@@ -7,6 +7,9 @@ Wire format of a stage stream entry (all fields are bytes on the wire):
 * ``envelope`` — JSON :class:`Envelope` (entries written by a stage), plus
 * ``blob`` — only for an inline payload: the payload's regions, concatenated.
 
+No other field is allowed (:data:`ENTRY_FIELDS`): an entry with an unknown field, or with both ``job``
+and ``envelope``, or a ``blob`` beside a ``job``, is refused as ``invalid_envelope`` — never read past.
+
 Schema version history:
   1 — first version.
 """
@@ -23,6 +26,8 @@ from stageferry.schemas.payload import NixlPayload, NoPayload, PayloadRef
 from stageferry.schemas.status import StageTiming
 
 ENVELOPE_VERSION = 1
+#: The fields a stage stream entry may have (see the module docstring).
+ENTRY_FIELDS = frozenset({"request_id", "job", "envelope", "blob"})
 StageName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
 
 

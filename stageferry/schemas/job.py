@@ -2,12 +2,13 @@
 
 Bounds here are the hard, schema-level ones that any deployment shares; deployment-specific checks
 (configured LoRA adapters, the step cap, upload prefix and sizes) live in
-:func:`stageferry.schemas.validation.check_job_against_limits`.
+:func:`stageferry.schemas.validation.check_job_limits`.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import re
 from typing import Annotated, Self
 
@@ -25,6 +26,7 @@ TENANT_PATTERN = r"^[a-z][a-z0-9]{0,31}$"
 TENANT_SEPARATOR = "."
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 MAX_PROMPT_CHARS = 8192
+MAX_FRAMES = 1024  #: frames a job may ask for, however it asks (``num_frames`` or ``duration`` × ``fps``)
 SIZE_MULTIPLE = 16
 
 RequestId = Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
@@ -62,9 +64,12 @@ class Task(enum.StrEnum):
 
 
 class Frozen(BaseModel):
-    """Base of every wire model: unknown fields are an error, values are immutable."""
+    """Base of every wire model: unknown fields are an error, values are immutable, floats are finite
+    (a NaN would slip past every ``ge``/``le`` bound and be reported as if it were out of range)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=65_536, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, str_max_length=65_536, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
 
 class MediaRef(Frozen):
@@ -132,6 +137,9 @@ class JobRequest(Frozen):
         """Cross-field rules; each error names its field (``ctx.field``) for the rejection."""
         if self.duration is not None and self.num_frames is not None:
             raise _field_error("num_frames", "give 'duration' or 'num_frames', not both")
+        if self.frame_count > MAX_FRAMES:
+            message = f"duration × fps = {self.frame_count} frames; at most {MAX_FRAMES} frames"
+            raise _field_error("duration", message)
         for name, value in (("width", self.width), ("height", self.height)):
             if value % SIZE_MULTIPLE:
                 raise _field_error(name, f"{name} must be a multiple of {SIZE_MULTIPLE}, got {value}")
@@ -149,6 +157,10 @@ class JobRequest(Frozen):
                 if getattr(media, name) is not None:
                     raise _field_error(f"media.{name}", "t2va takes no media inputs")
         return self
+
+    def digest(self) -> str:
+        """sha256 of the job's canonical JSON: which job a request id belongs to (its first submission's)."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
 
     @property
     def frame_count(self) -> int:

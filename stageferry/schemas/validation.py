@@ -1,18 +1,24 @@
 """Turning bad input into typed rejections: pydantic errors to field errors, and deployment limits.
 
 The schema's own bounds are the same for every deployment; :func:`check_job_limits` adds what a
-deployment configures (step cap, prompt length, LoRA adapters, where uploads may live).
+deployment configures (its cost budget, step cap, prompt length, LoRA adapters, where uploads and media
+paths may live).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import posixpath
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from stageferry.errors import EnvelopeError, JobValidationError, field_error
-from stageferry.schemas.envelope import Envelope
+from stageferry.schemas.envelope import ENTRY_FIELDS, Envelope
 from stageferry.schemas.job import JobRequest
+
+if TYPE_CHECKING:
+    from stageferry.config import Limits
 
 _MAX_FIELD_ERRORS = 20
 
@@ -50,29 +56,96 @@ def parse_envelope(raw: bytes | str) -> Envelope:
         ) from exc
 
 
-def check_job_limits(
-    job: JobRequest,
-    *,
-    max_steps: int,
-    max_prompt_chars: int,
-    lora_adapters: tuple[str, ...],
-    upload_prefix: str,
-) -> None:
-    """Deployment checks beyond the schema; raises :class:`JobValidationError` with every failure."""
+def check_entry_fields(fields: Mapping[str, bytes]) -> None:
+    """A stage stream entry has only the documented fields (``ENTRY_FIELDS``), one body, and a ``blob``
+    only beside an ``envelope``; anything else is an :class:`EnvelopeError` naming the fields."""
+    unknown = sorted(name[:64] for name in fields if name not in ENTRY_FIELDS)
+    if unknown:
+        raise EnvelopeError("entry has fields the protocol does not define", fields=unknown[:10])
+    if "job" in fields and ("envelope" in fields or "blob" in fields):
+        raise EnvelopeError("an entry carries a job or an envelope (and its blob), not both", fields=sorted(fields))
+
+
+def job_pixel_frames(job: JobRequest, *, reference_frames: int) -> int:
+    """What a job costs in pixel-frames: width × height × (generated frames + reference-video frames).
+
+    ``reference_frames`` is the deployment's cap on reference-video frames; they are decoded at the
+    job's size, so a reference video costs that many frames more."""
+    extra = reference_frames if job.media.reference_video is not None else 0
+    return job.width * job.height * (job.frame_count + extra)
+
+
+def check_job_limits(job: JobRequest, limits: Limits, *, upload_prefix: str) -> None:
+    """Deployment checks beyond the schema; raises :class:`JobValidationError` with every failure.
+
+    Messages quote the deployment's limit (``limits.<name> = <value>``), not the schema's: a client
+    learns what *this* deployment serves."""
     errors: list[dict[str, Any]] = []
-    if job.num_inference_steps > max_steps:
-        errors.append(field_error("num_inference_steps", f"must be at most {max_steps}", "less_than_equal"))
-    if len(job.prompt) > max_prompt_chars:
-        errors.append(field_error("prompt", f"at most {max_prompt_chars} characters", "string_too_long"))
-    if job.lora is not None and job.lora not in lora_adapters:
+    if job.num_inference_steps > limits.max_steps:
+        errors.append(field_error("num_inference_steps", f"must be at most {limits.max_steps}", "less_than_equal"))
+    if len(job.prompt) > limits.max_prompt_chars:
+        errors.append(field_error("prompt", f"at most {limits.max_prompt_chars} characters", "string_too_long"))
+    if job.lora is not None and job.lora not in limits.lora_adapters:
         errors.append(
-            field_error("lora", f"unknown adapter {job.lora!r}; configured: {list(lora_adapters)}", "unknown_adapter")
+            field_error(
+                "lora", f"unknown adapter {job.lora!r}; configured: {list(limits.lora_adapters)}", "unknown_adapter"
+            )
         )
+    errors += _budget_errors(job, limits)
     for name in type(job.media).model_fields:
         ref = getattr(job.media, name)
-        if ref is not None and ref.upload_key is not None and not ref.upload_key.startswith(upload_prefix):
+        if ref is None:
+            continue
+        if ref.upload_key is not None and not ref.upload_key.startswith(upload_prefix):
             errors.append(
                 field_error(f"media.{name}.upload_key", f"must start with {upload_prefix!r}", "bad_upload_key")
             )
+        if ref.path is not None and not path_may_be_allowed(ref.path, limits.media_roots):
+            errors.append(field_error(f"media.{name}.path", path_refusal(limits.media_roots), "path_not_allowed"))
     if errors:
         raise JobValidationError(f"invalid job: {errors[0]['field']}: {errors[0]['message']}", errors)
+
+
+def _budget_errors(job: JobRequest, limits: Limits) -> list[dict[str, Any]]:
+    """The job's cost against the deployment's budget; each error carries the ``limit`` it broke."""
+    errors = []
+    frames_field = "num_frames" if job.num_frames is not None else "duration"
+    pixel_frames = job_pixel_frames(job, reference_frames=limits.max_reference_frames)
+    if pixel_frames > limits.max_pixel_frames:
+        refs = f" + {limits.max_reference_frames} reference frames" if job.media.reference_video is not None else ""
+        message = (
+            f"width × height × frames = {job.width} × {job.height} × ({job.frame_count}{refs}) = {pixel_frames} "
+            f"is above this deployment's limit max_pixel_frames = {limits.max_pixel_frames}"
+        )
+        errors.append(field_error(frames_field, message, "over_budget", limit=limits.max_pixel_frames))
+    seconds = job.frame_count / job.fps
+    if seconds > limits.max_duration_s:
+        message = (
+            f"{job.frame_count} frames at {job.fps} fps last {seconds:g} s, above this deployment's limit "
+            f"max_duration_s = {limits.max_duration_s:g}"
+        )
+        errors.append(field_error(frames_field, message, "over_budget", limit=limits.max_duration_s))
+    return errors
+
+
+def path_may_be_allowed(path: str, roots: tuple[str, ...]) -> bool:
+    """A lexical first look at a client's media path: absolute and under one of ``roots``.
+
+    It opens nothing (the client and gateway may not even see the stage's files); the stage that reads
+    the file resolves it (``realpath``) and checks it again (``stages/media.py``)."""
+    if not roots or not path.startswith("/") or "\x00" in path:
+        return False
+    normal = posixpath.normpath(path)
+    return any(_under(normal, posixpath.normpath(root)) for root in roots)
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def path_refusal(roots: tuple[str, ...]) -> str:
+    """The one message for every refused path: it says nothing about the file (whether it exists, what
+    it is), only what the deployment accepts."""
+    if not roots:
+        return "local paths are not accepted by this deployment; upload the file instead"
+    return "not a readable regular file under this deployment's media_roots"

@@ -7,8 +7,10 @@ In order, for every entry the worker reads:
    tenant's intake stream, is refused *without a request id*, so that nothing is written under an id
    that may be someone else's (the outcome settles it with a refusal record keyed by the entry id);
 1. the entry as an envelope (:meth:`Admission.parse`): clients send a bare ``job`` to the first stage,
-   stages send envelopes; anything else, or anything too large, is a typed rejection — and the job is
-   held to the deployment's limits (step cap, prompt length, LoRA adapters, upload prefix);
+   stages send envelopes; anything else, or anything too large, is a typed rejection; after the entry is
+   admitted (its id is its job's, :mod:`.entry_guard`) the job is held to the deployment's limits
+   (:meth:`Admission.check_limits`: cost budget, step cap, prompt length, LoRA adapters, upload prefix,
+   media paths);
 2. whether it must run at all (:meth:`Admission.settled`): a request already terminal or a duplicate
    run is acknowledged and skipped; a cancelled one or one past its deadline raises
    :class:`CancelledRequestError` / :class:`DeadlineExceededError` (the outcome table decides the rest);
@@ -43,7 +45,7 @@ from stageferry.errors import (
 )
 from stageferry.schemas import Envelope, request_key
 from stageferry.schemas.job import REQUEST_ID_PATTERN, is_request_id, tenant_of
-from stageferry.schemas.validation import check_job_limits, parse_envelope, parse_job
+from stageferry.schemas.validation import check_entry_fields, check_job_limits, parse_envelope, parse_job
 from stageferry.stages.media import load_media
 
 log = structlog.get_logger(__name__)
@@ -114,6 +116,7 @@ class Admission:
             raise EnvelopeError("entry too large", bytes=entry.too_large, limit=limit)
         if sum(len(v) for v in entry.fields.values()) > limit:
             raise EnvelopeError("entry too large", limit=limit)
+        check_entry_fields(entry.fields)
         if "envelope" in entry.fields:
             envelope = parse_envelope(entry.fields["envelope"])
             if envelope.request_id != rid or envelope.to_stage != self.stage.name:
@@ -132,15 +135,13 @@ class Admission:
             )
         else:
             raise EnvelopeError("entry has neither a job nor an envelope field", fields=sorted(entry.fields)[:10])
-        limits = self.pipeline.limits
-        check_job_limits(
-            envelope.job,
-            max_steps=limits.max_steps,
-            max_prompt_chars=limits.max_prompt_chars,
-            lora_adapters=limits.lora_adapters,
-            upload_prefix=self.keys.upload(rid, ""),  # a request reads only its own uploads (tenants!)
-        )
         return envelope
+
+    def check_limits(self, envelope: Envelope) -> None:
+        """The deployment's limits and cost budget (checked again by every stage, after admission, so that
+        an owner's over-budget job ends ``rejected``); a request reads only its own uploads (tenants!)."""
+        upload_prefix = self.keys.upload(envelope.request_id, "")
+        check_job_limits(envelope.job, self.pipeline.limits, upload_prefix=upload_prefix)
 
     async def settled(self, entry: Entry, envelope: Envelope) -> bool:
         """True (entry acknowledged) for a request that is finished or a duplicate run; raises for a
@@ -185,5 +186,7 @@ class Admission:
             upload_prefix=self.keys.upload(envelope.request_id, ""),
             max_bytes=limits.max_upload_bytes,
             min_audio_s=limits.min_reference_audio_s,
+            media_roots=limits.media_roots,
+            max_pixels=limits.max_media_pixels,
         )
         return loaded.items

@@ -2,14 +2,20 @@
 
 The first stage's leader loads and probes every media input before any compute, so that bad media
 ends ``rejected`` with the field named — never an internal error — and an oversized upload or file
-is refused before it is read whole (STRLEN / stat first).
+is refused before it is read whole (STRLEN / fstat first, then a bounded read).
+
+Clients send media as uploads (``<p>:upload:*``).  A local ``path`` is the deployment's choice, not the
+client's: refused unless ``[limits] media_roots`` lists directories, and then only a regular file under
+one of them (:func:`read_local_file`).  Refusals never say whether or what a path is.
 """
 
 from __future__ import annotations
 
 import io
+import os
+import re
+import stat
 from dataclasses import dataclass
-from pathlib import Path
 
 import anyio
 import av
@@ -19,6 +25,7 @@ from PIL import Image, UnidentifiedImageError
 from stageferry.broker.control.redis_conn import translated
 from stageferry.errors import JobValidationError, field_error
 from stageferry.schemas import JobRequest, MediaRef
+from stageferry.schemas.validation import path_may_be_allowed, path_refusal
 
 #: Decoding stops after this much audio/video: enough to check, bounded work for hostile files.
 _MAX_PROBE_SECONDS = 600.0
@@ -32,7 +39,14 @@ class LoadedMedia:
 
 
 async def load_media(
-    job: JobRequest, *, redis: aioredis.Redis, upload_prefix: str, max_bytes: int, min_audio_s: float
+    job: JobRequest,
+    *,
+    redis: aioredis.Redis,
+    upload_prefix: str,
+    max_bytes: int,
+    min_audio_s: float,
+    media_roots: tuple[str, ...] = (),
+    max_pixels: int = 4096 * 4096,
 ) -> LoadedMedia:
     """Read and validate every media input of ``job``; :class:`JobValidationError` names the field."""
     items: dict[str, bytes] = {}
@@ -41,47 +55,94 @@ async def load_media(
         if ref is None:
             continue
         field = f"media.{name}"
-        data = await _read(ref, field, redis=redis, upload_prefix=upload_prefix, max_bytes=max_bytes)
-        await anyio.to_thread.run_sync(_probe, name, field, data, min_audio_s)
+        if ref.upload_key is not None:
+            data = await _read_upload(ref.upload_key, field, redis=redis, upload_prefix=upload_prefix,
+                                      max_bytes=max_bytes)  # fmt: skip
+        else:
+            assert ref.path is not None
+            data = await anyio.to_thread.run_sync(read_local_file, ref.path, f"{field}.path", media_roots, max_bytes)
+        await anyio.to_thread.run_sync(_probe, name, field, data, min_audio_s, max_pixels)
         items[name] = data
     return LoadedMedia(items)
 
 
-async def _read(ref: MediaRef, field: str, *, redis: aioredis.Redis, upload_prefix: str, max_bytes: int) -> bytes:
-    if ref.upload_key is not None:
-        if not ref.upload_key.startswith(upload_prefix):
-            raise _invalid(field, f"upload key must start with {upload_prefix!r}", "bad_upload_key")
-        with translated():
-            size = await redis.strlen(ref.upload_key)
-        if size == 0:
-            raise _invalid(field, "upload not found (expired or never uploaded)", "upload_missing")
-        if size > max_bytes:
-            raise _invalid(field, f"upload is {size} bytes; the limit is {max_bytes}", "too_large")
-        with translated():
-            data = await redis.get(ref.upload_key)
-        return data or b""
-    assert ref.path is not None
-    path = anyio.Path(ref.path)
+async def _read_upload(key: str, field: str, *, redis: aioredis.Redis, upload_prefix: str, max_bytes: int) -> bytes:
+    if not key.startswith(upload_prefix):
+        raise _invalid(field, f"upload key must start with {upload_prefix!r}", "bad_upload_key")
+    with translated():
+        size = await redis.strlen(key)
+    if size == 0:
+        raise _invalid(field, "upload not found (expired or never uploaded)", "upload_missing")
+    if size > max_bytes:
+        raise _invalid(field, f"upload is {size} bytes; the limit is {max_bytes}", "too_large")
+    with translated():
+        data = await redis.get(key)
+    return data or b""
+
+
+def read_local_file(path: str, field: str, roots: tuple[str, ...], max_bytes: int) -> bytes:
+    """The bytes of a client-named local file, if the deployment allows it; at most ``max_bytes``.
+
+    Allowed means: ``roots`` is not empty, the resolved path (``realpath``) stays under a resolved root,
+    the file opens with ``O_NOFOLLOW | O_NONBLOCK`` (a symlink swapped in after resolving is refused; a
+    FIFO does not block the stage) and the *opened* descriptor is a regular file (no FIFO, device or
+    directory, whatever the path said a moment before).  The read is bounded whatever ``st_size`` says.
+    Every refusal has the same message, which tells nothing about the file (existence, kind, content)."""
+    refused = _invalid(field, path_refusal(roots), "path_not_allowed")
+    if not path_may_be_allowed(path, roots):
+        raise refused
+    real = os.path.realpath(path)
+    if not any(_under(real, os.path.realpath(root)) for root in roots):
+        raise refused
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
-        size = (await path.stat()).st_size
-        if size > max_bytes:
-            raise _invalid(field, f"file is {size} bytes; the limit is {max_bytes}", "too_large")
-        return await path.read_bytes()
-    except OSError as exc:
-        raise _invalid(field, f"cannot read {Path(ref.path).name!r}: {exc.strerror}", "unreadable") from exc
+        fd = os.open(real, flags)
+    except OSError:
+        raise refused from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise refused
+        if info.st_size > max_bytes:
+            raise _invalid(field, f"file is {info.st_size} bytes; the limit is {max_bytes}", "too_large")
+        chunks, total = [], 0
+        while total <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError:
+        raise refused from None
+    finally:
+        os.close(fd)
+    if total > max_bytes:  # it grew after fstat
+        raise _invalid(field, f"file is larger than the limit of {max_bytes} bytes", "too_large")
+    return b"".join(chunks)
 
 
-def _probe(name: str, field: str, data: bytes, min_audio_s: float) -> None:
-    """Decode enough of the media to know it is what the field says."""
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _probe(name: str, field: str, data: bytes, min_audio_s: float, max_pixels: int) -> None:
+    """Decode enough of the media to know it is what the field says, and that it fits the budget."""
     if name in ("first_frame", "last_frame"):
-        probe_image(data, field)
+        width, height = probe_image(data, field)
+        _check_pixels(field, width, height, max_pixels)
     elif name == "reference_video":
-        if probe_video_frames(data, field) < 1:
+        if probe_video_frames(data, field, max_pixels=max_pixels) < 1:
             raise _invalid(field, "video has no decodable frames", "bad_media")
     elif name == "reference_audio":
         seconds = probe_audio_seconds(data, field)
         if seconds < min_audio_s:
             raise _invalid(field, f"reference audio is {seconds:.2f} s; at least {min_audio_s} s needed", "too_short")
+
+
+def _check_pixels(field: str, width: int, height: int, max_pixels: int) -> None:
+    if width * height > max_pixels:
+        message = f"{width}×{height} pixels is above this deployment's limit max_media_pixels = {max_pixels}"
+        raise _invalid(field, message, "over_budget")
 
 
 def probe_image(data: bytes, field: str) -> tuple[int, int]:
@@ -90,24 +151,29 @@ def probe_image(data: bytes, field: str) -> tuple[int, int]:
         with Image.open(io.BytesIO(data)) as img:
             img.verify()
             return img.size
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise _invalid(field, f"not a decodable image: {exc}", "bad_media") from exc
+    except UnidentifiedImageError:
+        raise _invalid(field, "not a decodable image (unknown format)", "bad_media") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise _invalid(field, f"not a decodable image: {describe(exc)}", "bad_media") from exc
 
 
-def probe_video_frames(data: bytes, field: str, *, limit: int = 10_000) -> int:
-    """How many video frames decode (bounded)."""
+def probe_video_frames(data: bytes, field: str, *, limit: int = 10_000, max_pixels: int = 1 << 28) -> int:
+    """How many video frames decode (bounded); frames above ``max_pixels`` are refused before decoding."""
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
                 raise _invalid(field, "no video stream", "bad_media")
+            ctx = container.streams.video[0].codec_context
+            _check_pixels(field, int(ctx.width or 0), int(ctx.height or 0), max_pixels)
             count = 0
-            for _frame in container.decode(video=0):
+            for frame in container.decode(video=0):
+                _check_pixels(field, frame.width, frame.height, max_pixels)
                 count += 1
                 if count >= limit:
                     break
             return count
     except av.FFmpegError as exc:
-        raise _invalid(field, f"not a decodable video: {exc}", "bad_media") from exc
+        raise _invalid(field, f"not a decodable video: {describe(exc)}", "bad_media") from exc
 
 
 def probe_audio_seconds(data: bytes, field: str) -> float:
@@ -123,7 +189,17 @@ def probe_audio_seconds(data: bytes, field: str) -> float:
                     break
             return samples
     except av.FFmpegError as exc:
-        raise _invalid(field, f"not decodable audio: {exc}", "bad_media") from exc
+        raise _invalid(field, f"not decodable audio: {describe(exc)}", "bad_media") from exc
+
+
+_REPR = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>|'<none>'|: ?'?<[^>]*>'?$")
+
+
+def describe(exc: BaseException) -> str:
+    """A decoder's error as a client may read it: object reprs (``<_io.BytesIO object at 0x…>``) and
+    stand-in file names removed, bounded."""
+    text = _REPR.sub("", str(exc)).strip(" :")
+    return (text or type(exc).__name__)[:200]
 
 
 def _invalid(field: str, message: str, kind: str) -> JobValidationError:

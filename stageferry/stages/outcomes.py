@@ -59,12 +59,19 @@ class Outcomes:
     """Writes a stage's request states and disposes of its entries, as the outcome table says."""
 
     def __init__(
-        self, *, stage: str, stream: StageStream, store: RequestStore, refusals: Refusals | None = None
+        self,
+        *,
+        stage: str,
+        stream: StageStream,
+        store: RequestStore,
+        refusals: Refusals | None = None,
+        stages: tuple[str, ...] = (),
     ) -> None:
         self.stage = stage
         self.stream = stream
         self.store = store
         self.refusals = refusals  #: the first stage's: where clients learn why an entry was refused
+        self.stages = stages  #: the pipeline's stage names in order: statuses are ordered by stage index
 
     async def settle(
         self,
@@ -171,5 +178,7 @@ class Outcomes:
         return await self.set_status(rid, state, stage=self.stage, **fields)
 
     async def set_status(self, rid: str, state: RequestState, *, mode: WriteMode = "any", **fields: Any) -> bool:
+        """Write a status; a late one (an earlier attempt, stage or state than the record's) is dropped."""
         status = RequestStatus(request_id=rid, state=state, **fields)
-        return await self.store.set_status(status, mode=mode)
+        index = self.stages.index(status.stage) if status.stage in self.stages else 0
+        return await self.store.set_status(status, mode=mode, stage_index=index)

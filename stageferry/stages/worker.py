@@ -51,6 +51,8 @@ from stageferry.errors import (
     GroupBrokenError,
     ManifestError,
     PayloadContractError,
+    RejectedError,
+    RequestIdTakenError,
     StageFailedError,
     StageferryError,
     expected_error,
@@ -59,6 +61,7 @@ from stageferry.logs import bound_request
 from stageferry.schemas import DeviceKind, Envelope, JobRequest, Manifest, Progress, StageTiming, Transport, request_key
 from stageferry.schemas.payload_contract import PayloadContract
 from stageferry.stages.admission import Admission
+from stageferry.stages.entry_guard import EntryGuard
 from stageferry.stages.handoff import HandOn
 from stageferry.stages.outcomes import Outcomes
 
@@ -155,7 +158,21 @@ class StageWorker:
         )
         first = pipeline.index_of(stage.name) == 0  # only the first stage takes clients' entries
         refusals = Refusals(redis, keys, ttl_s=pipeline.retention.request_ttl_s) if first else None
-        self.outcomes = Outcomes(stage=stage.name, stream=self.stream, store=self.store, refusals=refusals)
+        self.outcomes = Outcomes(
+            stage=stage.name,
+            stream=self.stream,
+            store=self.store,
+            refusals=refusals,
+            stages=tuple(s.name for s in pipeline.stages),
+        )
+        self.guard = EntryGuard(
+            redis=redis,
+            keys=keys,
+            store=self.store,
+            stage=stage.name,
+            limits=pipeline.limits,
+            ttl_s=pipeline.retention.request_ttl_s,
+        )
         self.admission = Admission(
             redis=redis,
             keys=keys,
@@ -250,12 +267,21 @@ class StageWorker:
         ):
             envelope: Envelope | None = None
             try:
+                envelope = await self._admitted(entry, rid)
                 self.admission.check_deliveries(entry)
-                envelope = self.admission.parse(entry, rid)
+                await self.guard.check_crashes(entry, rid)
+                self.admission.check_limits(envelope)
                 with structlog.contextvars.bound_contextvars(key=envelope.key, attempt=envelope.attempt):
-                    await self._run(entry, envelope)
+                    async with self.guard.crash_mark(entry, rid):
+                        await self._run(entry, envelope)
             except GroupBrokenError:
                 raise  # leave the entry pending: the replica stops and another one reclaims it
+            except RequestIdTakenError as exc:  # another job's id: nothing of this entry reaches its trace
+                with structlog.contextvars.bound_contextvars(request_id=None):
+                    log.warning(
+                        "request.id_taken", request_key=self.keys.request(rid), entry=entry.id, reason=exc.message
+                    )
+                    await self.outcomes.settle(entry, rid, exc)
             except StageferryError as exc:
                 if isinstance(exc, ControlPlaneError):
                     if is_transient_error(exc):  # connection trouble, BUSY, LOADING: the entry stays pending
@@ -267,6 +293,15 @@ class StageWorker:
                 error = StageFailedError(f"internal error: {type(exc).__name__}: {exc}")
                 await self.outcomes.settle(entry, rid, error, envelope=envelope)
         self.processed += 1
+
+    async def _admitted(self, entry: Entry, rid: str) -> Envelope:
+        """The entry as an envelope whose request id is its job's (:class:`.EntryGuard`)."""
+        try:
+            envelope = self.admission.parse(entry, rid)
+        except RejectedError as exc:
+            raise await self.guard.unparsed(rid, exc) from exc
+        await self.guard.admit(envelope)
+        return envelope
 
     async def _run(self, entry: Entry, envelope: Envelope) -> None:
         """Everything after parsing: skip what is settled, fetch, compute, hand on."""

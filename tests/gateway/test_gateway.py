@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import shutil
 import signal
 import socket
@@ -151,6 +152,7 @@ def test_async_pair_with_uploaded_frames(http: httpx.Client) -> None:
     )
     assert video["size"] == "256x144" and video["seconds"] == "1" and video["created_at"] > 0
     vid = video["id"]
+    assert re.fullmatch(r"video-[0-9a-f]{16}", vid), vid  # an async job's id (sync ones are video_sync-)
     assert http.get(f"/v1/videos/{vid}/content").status_code in (200, 409)  # 409 while it runs
     done = wait_video(http, vid, lambda v: v["status"] not in ("queued", "in_progress"))
     assert done["status"] == "completed" and done["progress"] == 100 and done["error"] is None, done
@@ -233,6 +235,9 @@ INVALID = [
     pytest.param({"width": "512"}, "extra_params.aspect_ratio", "aspect_ratio", id="aspect-ratio-mismatch"),
     pytest.param({"seconds": "3"}, "extra_params.duration", "conflict", id="seconds-vs-duration"),
     pytest.param({"prompt": None}, "prompt", "missing", id="no-prompt"),
+    pytest.param({"flow_shift": "nan"}, "flow_shift", "finite_number", id="flow-shift-nan"),
+    pytest.param({"width": "2048", "height": "1152", "extra_params": {**EXTRA, "duration": 30.0}},
+                 "extra_params.duration", "over_budget", id="over-the-deployment-budget"),
 ]  # fmt: skip
 
 

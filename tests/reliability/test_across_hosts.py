@@ -107,6 +107,7 @@ def test_payloads_cross_between_namespaces_and_a_cut_link_falls_back(
             ],
             data_plane={"connector": "nixl", "cpu_pool_bytes": 64 << 20, "gpu_pool_bytes": 0},
             timeouts={"transfer": 15.0, "resend": 10.0, "handshake": 10.0},
+            limits={"media_roots": [str(SAMPLES)]},  # the job names the bundled samples by path
         )
         # Each host reaches Redis over its own control link, never over the data link.
         for host, stage in ((p, "encoder"), (c, "diffusion")):

@@ -7,11 +7,13 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from stageferry.config import Limits
 from stageferry.errors import EnvelopeError, JobValidationError
 from stageferry.schemas import Envelope, JobRequest, request_key
 from stageferry.schemas.validation import check_job_limits, field_errors, parse_envelope, parse_job
 
 SECRET = "do-not-echo-this-input"
+LIMITS = Limits(max_steps=30, max_prompt_chars=10, lora_adapters=("anime-v1",))
 
 
 def test_parse_job_names_every_bad_field_without_echoing_input() -> None:
@@ -48,14 +50,14 @@ def test_deployment_limits_report_every_failure() -> None:
     job = JobRequest(prompt="y" * 50, num_inference_steps=40, lora="unknown",
                      media={"reference_audio": {"upload_key": "elsewhere:upload:x:a"}}, task="ref2va")  # fmt: skip
     with pytest.raises(JobValidationError) as err:
-        check_job_limits(job, max_steps=30, max_prompt_chars=10, lora_adapters=("anime-v1",), upload_prefix="p:upload:")
+        check_job_limits(job, LIMITS, upload_prefix="p:upload:")
     assert [(e["field"], e["type"]) for e in err.value.field_errors] == [
         ("num_inference_steps", "less_than_equal"),
         ("prompt", "string_too_long"),
         ("lora", "unknown_adapter"),
         ("media.reference_audio.upload_key", "bad_upload_key"),
     ]
-    check_job_limits(JobRequest(prompt="ok"), max_steps=30, max_prompt_chars=10, lora_adapters=(), upload_prefix="p:")
+    check_job_limits(JobRequest(prompt="ok"), LIMITS, upload_prefix="p:")
 
 
 def test_field_errors_of_a_root_validator_name_its_field() -> None:

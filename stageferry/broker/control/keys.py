@@ -8,11 +8,12 @@ followed by the bare request id.  Request ids cannot contain ``:`` nor glob char
 
 Written by stages only: ``<p>:req:<id>`` (hash: ``state``, ``status`` JSON), ``<p>:req-events:<id>`` (the
 trace stream), ``<p>:req-result:<id>`` (result bytes, TTL), ``<p>:req-run:<id>:<stage>:<attempt>`` (the entry
-that owns a run), ``<p>:refused:<entry>`` and ``<p>:refused:<tenant>.<entry>`` (why the first stage refused a
-client's entry), the dead-letter streams ``<p>:stage:<stage>:dlq``, heartbeats ``<p>:stage:<stage>:workers``
-and the NIXL keys ``<p>:nixl:agent:<name>``, ``<p>:nixl:claim:<token>``, ``<p>:nixl:resend:<agent>``,
-``<p>:nixl:reply:<token>``; by the gateway: ``<p>:req-video:<id>`` and ``<p>:gateway:recent`` (a capped stream of the
-job ids it accepted, for the web console).
+that owns a run), ``<p>:req-crash:<id>:<stage>:<entry>`` (deliveries of an entry the stage died with),
+``<p>:refused:<entry>`` and ``<p>:refused:<tenant>.<entry>`` (why the first stage refused a client's entry),
+the dead-letter streams ``<p>:stage:<stage>:dlq``, heartbeats ``<p>:stage:<stage>:workers`` and the NIXL keys
+``<p>:nixl:agent:<name>``, ``<p>:nixl:claim:<token>``, ``<p>:nixl:resend:<agent>``,
+``<p>:nixl:reply:<token>``; by the gateway: ``<p>:req-video:<id>`` and ``<p>:gateway:recent`` (a capped stream
+of the job ids it accepted, for the web console).
 
 Written by clients: ``<p>:req-cancel:<id>`` (cancel flag), ``<p>:req-submitted:<id>`` ("submitted, not yet
 picked up" marker, TTL), ``<p>:upload:<id>:<name>`` (media bytes, TTL), entries on the first stage's stream
@@ -67,6 +68,10 @@ class Keys:
     def run_owner(self, request_id: str, stage: str, attempt: int) -> str:
         return f"{self.prefix}:req-run:{request_id}:{stage}:{attempt}"
 
+    def crash_mark(self, request_id: str, stage: str, entry_id: str) -> str:
+        """Counts deliveries of an entry that ended with the stage process dying (set before, cleared after)."""
+        return f"{self.prefix}:req-crash:{request_id}:{stage}:{entry_id}"
+
     def cancel(self, request_id: str) -> str:
         return f"{self.prefix}:req-cancel:{request_id}"
 
@@ -120,6 +125,7 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "request": "hash: `state` and `status` (JSON RequestStatus)",
     "events": "stream: the request's trace (log events, status changes)",
     "run_owner": "string: the entry id that owns this run (dedup of resubmits)",
+    "crash_mark": "string: deliveries of this entry its stage died with (set before the work, deleted after)",
     "cancel": "string: set when the client cancels",
     "submitted": "string: set by a client with its XADD (the request exists before a stage picks it up), TTL",
     "result": "string: the result bytes (e.g. the MP4), with a TTL",

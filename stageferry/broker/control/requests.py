@@ -9,6 +9,7 @@ one MULTI, and until the first stage picks it up the request is known by its "su
 
 from __future__ import annotations
 
+import enum
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -19,13 +20,13 @@ import structlog
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, translated
-from stageferry.errors import DeadlineExceededError, QueueFullError, RequestLostError
-from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestStatus
+from stageferry.errors import DeadlineExceededError, QueueFullError, RequestIdTakenError, RequestLostError
+from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestState, RequestStatus
 
 log = structlog.get_logger(__name__)
 
 #: How a status write treats a missing record (see :meth:`RequestStore.set_status`).
-WriteMode = Literal["any", "create", "update"]
+WriteMode = Literal["any", "create", "update", "unowned"]
 
 #: How long a waiter gives an id that it never saw (neither a record nor a "submitted" marker) before
 #: calling it lost: a raw client's XADD carries no marker, and is known only once a first stage (maybe
@@ -35,21 +36,79 @@ _TERMINAL_NAMES = frozenset(state.value for state in TERMINAL_STATES)
 _TERMINAL_LUA = "local t = {done=true, failed=true, rejected=true, cancelled=true}\n"
 
 # KEYS: request hash, events stream. ARGV: state, status json, ttl, events maxlen, mode ('any', 'create':
-# only if there is no record, 'update': only if there is one).
-# Returns 1 if written, 0 if the request is already terminal (or the mode forbids it).
+# only if there is no record, 'update': only if there is one, 'unowned': only if no job owns the request),
+# then the status's order (attempt, stage index, state rank, progress step).
+# Returns 1 if written, 0 if the request is already terminal (or the mode forbids it), -1 if the status is
+# older than the stored one: the orders are compared field by field in this script, so a late writer (the
+# previous stage's "queued here" after this stage's "running") never moves a request back.
 _SET_STATUS = (
     _TERMINAL_LUA
     + """
 local cur = redis.call('HGET', KEYS[1], 'state')
 if cur and t[cur] then return 0 end
 if (ARGV[5] == 'create' and cur) or (ARGV[5] == 'update' and not cur) then return 0 end
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 'status', ARGV[2])
+if ARGV[5] == 'unowned' and redis.call('HGET', KEYS[1], 'job_sha') then return 0 end
+if not t[ARGV[1]] then
+  local stored = redis.call('HGET', KEYS[1], 'order')
+  if stored then
+    local i = 0
+    for value in string.gmatch(stored, '%d+') do
+      i = i + 1
+      local a, b = tonumber(ARGV[5 + i]), tonumber(value)
+      if a > b then break end
+      if a < b then return -1 end
+    end
+  end
+end
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 'status', ARGV[2],
+           'order', ARGV[6] .. ' ' .. ARGV[7] .. ' ' .. ARGV[8] .. ' ' .. ARGV[9])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'kind', 'status', 'state', ARGV[1], 'status', ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 1
 """
 )
+
+
+# KEYS: request hash.  ARGV: job digest, ttl.
+# Returns 2 if the record now belongs to this job (the id was new, or its record had no job and had not
+# ended), 1 if it belongs to this same job, -1 if it is taken (by a different job, or ended without one:
+# a refused entry's rejection).
+_ADMIT = (
+    _TERMINAL_LUA
+    + """
+local owner = redis.call('HGET', KEYS[1], 'job_sha')
+if owner then
+  if owner == ARGV[1] then return 1 end
+  return -1
+end
+local state = redis.call('HGET', KEYS[1], 'state')
+if state and t[state] then return -1 end
+redis.call('HSET', KEYS[1], 'job_sha', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 2
+"""
+)
+
+#: Where a state sits in a request's progress through one stage (terminal states are written once anyway).
+#: Scripts use only the commands of the stage ACL user (``stageferry.acl``): HGET, not HMGET.
+STATE_RANK = {RequestState.QUEUED: 0, RequestState.RUNNING: 1}
+
+
+class Admission(enum.Enum):
+    """Whose a request id is, as a stage finds it when an entry arrives (:meth:`RequestStore.admit`)."""
+
+    NEW = 2  #: no job's: the record now belongs to this entry's job
+    SAME_JOB = 1  #: this same job's (its submission, or a duplicate of it)
+    TAKEN = -1  #: a different job's: the entry must not touch the record
+
+
+def taken(request_id: str) -> RequestIdTakenError:
+    """The conflict a second, different submission under a used id gets."""
+    return RequestIdTakenError(
+        f"request id {request_id!r} is already used by a different job; submit under a new id",
+        request_id=request_id,
+    )
 
 
 class RequestStore:
@@ -61,6 +120,7 @@ class RequestStore:
         self._ttl = ttl_s
         self._maxlen = events_maxlen
         self._set_status = redis.register_script(_SET_STATUS)
+        self._admit = redis.register_script(_ADMIT)
 
     async def submit(
         self,
@@ -103,18 +163,37 @@ class RequestStore:
         with translated():
             return bool(await self._redis.exists(self._keys.request(request_id), self._keys.submitted(request_id)))
 
-    async def set_status(self, status: RequestStatus, *, mode: WriteMode = "any") -> bool:
+    async def admit(self, request_id: str, job_digest: str) -> Admission:
+        """Bind ``request_id`` to the job with ``job_digest`` unless it is bound already (one script): a
+        request's record belongs to its first valid submission."""
+        with translated():
+            result = int(await self._admit(keys=[self._keys.request(request_id)], args=[job_digest, self._ttl]))
+        return Admission(result)
+
+    async def owner(self, request_id: str) -> str | None:
+        """The digest of the job ``request_id`` belongs to, once a stage admitted it."""
+        with translated():
+            digest = await self._redis.hget(self._keys.request(request_id), "job_sha")
+        return digest.decode() if isinstance(digest, bytes) else None
+
+    async def set_status(self, status: RequestStatus, *, mode: WriteMode = "any", stage_index: int = 0) -> bool:
         """Write a status unless the request is already terminal; True if written.  ``mode`` "create"
         writes only a first record; "update" only over an existing one — a progress or hand-on write after
         Redis lost the record must not bring back a request whose entry is gone (it would look running
-        for ever; lost, its waiters are told instead)."""
+        for ever; lost, its waiters are told instead); "unowned" only if no job owns the request.
+
+        ``stage_index`` is where ``status.stage`` sits in the pipeline: non-terminal statuses are ordered
+        by attempt, stage index, state (queued < running) and progress step, compared inside the writing
+        script, so a late write never moves a request back."""
         rid = status.request_id
+        step = status.progress.step if status.progress is not None else 0
+        order = [status.attempt, stage_index, STATE_RANK.get(status.state, 2), step]
         with translated():
             written = await self._set_status(
                 keys=[self._keys.request(rid), self._keys.events(rid)],
-                args=[status.state.value, status.model_dump_json(), self._ttl, self._maxlen, mode],
+                args=[status.state.value, status.model_dump_json(), self._ttl, self._maxlen, mode, *order],
             )
-        return bool(written)
+        return int(written) == 1
 
     async def get(self, request_id: str) -> RequestStatus | None:
         with translated():

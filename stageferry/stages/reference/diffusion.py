@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from stageferry.config import PipelineConfig, StageConfig
+from stageferry.errors import JobValidationError, field_error
 from stageferry.schemas import JobRequest
 from stageferry.schemas.payload_contract import CONDITIONING, PayloadContract
 from stageferry.schemas.payload_contract import Conditioning as Inputs
@@ -68,6 +69,7 @@ class DiffusionConfig:
     max_reference_audio: int = 64  #: reference audio tokens used as context (average-pooled)
     qp: int = 23
     preset: str = "veryfast"
+    max_pixel_frames: int = 0  #: the deployment's budget (``limits.max_pixel_frames``); 0: unchecked
 
 
 class _Nets:
@@ -102,6 +104,7 @@ class ReferenceDiffusion:
         inputs = _on(self.input_contract.read(job, payload), ctx.device)
         layout = inputs.layout
         nets = self.nets(ctx, int(inputs.hidden_states.shape[1]))
+        self._check_budget(layout)
         started = time.perf_counter()
         with torch.inference_mode():
             cond = self._conditioning(job, layout, inputs, nets.dit)
@@ -114,6 +117,15 @@ class ReferenceDiffusion:
         done = time.perf_counter()
         timings = {"denoise_s": round(denoised - started, 3), "decode_s": round(done - denoised, 3)}
         return Generated(frames, wave, xv.cpu(), xa.cpu(), timings)
+
+    def _check_budget(self, layout: Layout) -> None:
+        """What this stage allocates (latents, tokens, decoded frames) scales with width × height ×
+        frames: refuse before allocating anything if it is above the deployment's budget."""
+        cost, limit = layout.width * layout.height * layout.frames, self.cfg.max_pixel_frames
+        if limit and cost > limit:
+            message = f"{cost} pixel-frames is above this deployment's limit max_pixel_frames = {limit}"
+            error = field_error("num_frames", message, "over_budget", limit=limit)
+            raise JobValidationError(f"invalid job: {message}", [error])
 
     def _conditioning(self, job: JobRequest, layout: Layout, inputs: Inputs, dit: DiT) -> Conditioning:
         visual, ref_audio, style = inputs.visual_latents, inputs.audio_latents, inputs.audio_style
@@ -214,5 +226,6 @@ def factory(
             max_reference_audio=max_reference_audio,
             qp=qp,
             preset=preset,
+            max_pixel_frames=pipeline.limits.max_pixel_frames,
         )
     )

@@ -153,13 +153,15 @@ def factory(
     max_reference_audio_s: float = 30.0,
     seed: int = 0,
 ) -> ReferenceEncoder:
-    """The reference encoder; ``hidden`` sizes the payload like the real model's (5120)."""
+    """The reference encoder; ``hidden`` sizes the payload like the real model's (5120).  What it decodes
+    from reference media is bounded by the deployment's limits as well (the cost budget counts them)."""
     text = TextEncoderConfig(hidden=hidden, dim=dim, heads=heads, layers=layers, max_tokens=max_tokens, seed=seed)
+    limits = pipeline.limits
     return ReferenceEncoder(
         EncoderConfig(
             text=text,
-            max_reference_frames=max_reference_frames,
-            max_reference_audio_s=max_reference_audio_s,
+            max_reference_frames=min(max_reference_frames, limits.max_reference_frames),
+            max_reference_audio_s=min(max_reference_audio_s, limits.max_reference_audio_s),
             seed=seed,
         )
     )

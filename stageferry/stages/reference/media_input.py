@@ -18,6 +18,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from stageferry.errors import JobValidationError, field_error
+from stageferry.stages.media import describe
 from stageferry.stages.reference.audio import SAMPLE_RATE
 
 
@@ -26,38 +27,46 @@ def load_image(data: bytes, width: int, height: int, *, field: str) -> torch.Ten
     try:
         with Image.open(io.BytesIO(data)) as img:
             return _fit(img, width, height)[None]
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise bad_media(field, f"not a decodable image: {exc}") from exc
+    except UnidentifiedImageError:
+        raise bad_media(field, "not a decodable image (unknown format)") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise bad_media(field, f"not a decodable image: {describe(exc)}") from exc
 
 
 def load_video(data: bytes, width: int, height: int, fps: int, max_frames: int, *, field: str) -> torch.Tensor:
     """A video → up to ``max_frames`` frames [F, 3, H, W] fp32 in [-1, 1], resampled to ``fps``.
 
     Output frame i shows the last decoded frame whose time is at or before i / fps (from the first).
+    Decoding streams: at most one decoded frame is held besides the output, however long the source
+    runs and however many frames it has per output frame.
     """
-    decoded: list[tuple[float, Image.Image]] = []
+    out: list[torch.Tensor] = []
     horizon = max_frames / fps
+    start: float | None = None
+    held: Image.Image | None = None  # the latest decoded frame: what the next output frames show
+    last = 0.0
+    decoded = 0
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
                 raise bad_media(field, "no video stream")
             for frame in container.decode(video=0):
-                t = float(frame.time) if frame.time is not None else len(decoded) / fps
-                decoded.append((t, frame.to_image()))
-                if t - decoded[0][0] >= horizon:
+                t = float(frame.time) if frame.time is not None else decoded / fps
+                start = t if start is None else start
+                rel = t - start
+                while held is not None and len(out) < max_frames and len(out) / fps + 1e-6 < rel:
+                    out.append(_fit(held, width, height))
+                held, last, decoded = frame.to_image(), rel, decoded + 1
+                if rel >= horizon or len(out) >= max_frames:
                     break
     except av.FFmpegError as exc:
-        raise bad_media(field, f"not a decodable video: {exc}") from exc
-    if not decoded:
+        raise bad_media(field, f"not a decodable video: {describe(exc)}") from exc
+    if held is None:
         raise bad_media(field, "video has no decodable frames")
-    start = decoded[0][0]
-    count = min(max_frames, max(1, math.floor((decoded[-1][0] - start) * fps + 1e-6) + 1))
-    out, j = [], 0
-    for i in range(count):
-        while j + 1 < len(decoded) and decoded[j + 1][0] - start <= i / fps + 1e-6:
-            j += 1
-        out.append(_fit(decoded[j][1], width, height))
-    return torch.stack(out)
+    count = min(max_frames, max(1, math.floor(last * fps + 1e-6) + 1))
+    while len(out) < count:
+        out.append(_fit(held, width, height))
+    return torch.stack(out[:count])
 
 
 def load_audio(data: bytes, *, max_seconds: float, field: str) -> torch.Tensor:
@@ -79,7 +88,7 @@ def load_audio(data: bytes, *, max_seconds: float, field: str) -> torch.Tensor:
             for out in resampler.resample(None):
                 chunks.append(out.to_ndarray().reshape(-1))
     except av.FFmpegError as exc:
-        raise bad_media(field, f"not decodable audio: {exc}") from exc
+        raise bad_media(field, f"not decodable audio: {describe(exc)}") from exc
     if not chunks:
         raise bad_media(field, "audio has no decodable samples")
     return torch.from_numpy(np.concatenate(chunks)[:limit].astype(np.float32))

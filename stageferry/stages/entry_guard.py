@@ -1,0 +1,111 @@
+"""Untrusted entries meet a stage: who owns a request id, and entries that keep killing the stage.
+
+A stage stream is written by clients too (the raw protocol), so an entry's request id proves nothing.
+:class:`EntryGuard` runs on the leader before any work on an entry; it raises typed errors, and the
+outcome table (:data:`stageferry.errors.OUTCOMES`) decides the rest:
+
+* **Ownership.**  A request id belongs to its first valid submission: the record ``<p>:req:<id>`` holds
+  the digest of that job (``job_sha``), written by the first stage that admits an entry for it.  A later
+  entry under the same id with a *different* job — or one that does not parse at all — raises
+  :class:`RequestIdTakenError`: dead-lettered, nothing written, so the owner's state, result and events
+  stay as they are.  The same job again is admitted (the run-owner key dedupes it downstream).
+* **Crash marks.**  Before the work on an entry starts, its crash mark
+  ``<p>:req-crash:<id>:<stage>:<entry>`` is incremented; when the work returns or raises, it is deleted.
+  A mark therefore survives only a process that died (out of memory, a native crash) or a group that
+  broke while holding the entry.  An entry found with ``limits.max_crashes`` such marks raises
+  :class:`StageCrashedError`: dead-lettered, the request ``failed``, instead of killing every replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import anyio
+import redis.asyncio as aioredis
+import structlog
+
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.control.requests import Admission, RequestStore
+from stageferry.broker.control.streams import Entry
+from stageferry.config import Limits
+from stageferry.errors import ControlPlaneError, GroupBrokenError, RejectedError, RequestIdTakenError, StageCrashedError
+from stageferry.schemas import Envelope
+
+log = structlog.get_logger(__name__)
+
+# KEYS: crash mark.  ARGV: ttl.  GET and SET only: commands the stage ACL user has (no INCR).
+_MARK = """
+local n = tonumber(redis.call('GET', KEYS[1]) or '0') + 1
+redis.call('SET', KEYS[1], n, 'EX', ARGV[1])
+return n
+"""
+
+
+class EntryGuard:
+    """One stage's ownership and crash checks (leader only; see the module docstring)."""
+
+    def __init__(
+        self, *, redis: aioredis.Redis, keys: Keys, store: RequestStore, stage: str, limits: Limits, ttl_s: int
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.store = store
+        self.stage = stage
+        self.limits = limits
+        self.ttl_s = ttl_s
+        self._mark = redis.register_script(_MARK)
+
+    async def unparsed(self, rid: str, exc: RejectedError) -> RejectedError:
+        """What an entry that does not parse ends as: its own rejection if no job owns ``rid`` (a raw
+        client learns why), else :class:`RequestIdTakenError` (the owner's record is left alone)."""
+        if await self.store.owner(rid) is None:
+            return exc
+        return RequestIdTakenError(f"request id already in use; this entry is invalid: {exc.message}")
+
+    async def admit(self, envelope: Envelope) -> None:
+        """Bind the request id to this entry's job (first valid submission wins), or raise
+        :class:`RequestIdTakenError` when the id already belongs to a different job."""
+        outcome = await self.store.admit(envelope.request_id, envelope.job.digest())
+        if outcome is Admission.TAKEN:
+            raise RequestIdTakenError("request id already in use by a different job")
+
+    async def check_crashes(self, entry: Entry, rid: str) -> None:
+        """:class:`StageCrashedError` when the stage died with this entry ``limits.max_crashes`` times in a
+        row (the mark is cleared: the entry is dead-lettered)."""
+        limit = self.limits.max_crashes
+        key = self.keys.crash_mark(rid, self.stage, entry.id)
+        with translated():
+            crashes = int(await self.redis.get(key) or 0)
+        if crashes < limit:
+            return
+        await self._clear(key, entry)
+        reason = f"the {self.stage} stage died {crashes} times in a row running this request (limit {limit})"
+        raise StageCrashedError(reason, crashes=crashes, limit=limit)
+
+    @contextlib.asynccontextmanager
+    async def crash_mark(self, entry: Entry, rid: str) -> AsyncIterator[None]:
+        """Count this delivery as a crash until the work in the block returns or raises."""
+        key = self.keys.crash_mark(rid, self.stage, entry.id)
+        with translated():
+            await self._mark(keys=[key], args=[self.ttl_s])
+        try:
+            yield
+        except GroupBrokenError:
+            raise  # a rank died, perhaps of this request: the mark stays
+        except Exception:
+            await self._clear(key, entry)
+            raise
+        await self._clear(key, entry)
+
+    async def _clear(self, key: str, entry: Entry) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                with translated():
+                    await self.redis.delete(key)
+            except ControlPlaneError as exc:
+                log.warning("worker.crash_mark_not_cleared", entry=entry.id, error=exc.message)
+
+
+__all__ = ["EntryGuard"]

@@ -1,0 +1,107 @@
+"""Request records against a real Redis: statuses move forward only, and an id belongs to its first job.
+
+The writes are issued out of order on purpose, as a slow replica or a late hand-off would issue them:
+the comparison happens inside the writing script, so whatever arrives late changes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import connect
+from stageferry.broker.control.requests import Admission, RequestStore
+from stageferry.schemas import ErrorInfo, JobRequest, Progress, RequestState, RequestStatus
+
+pytestmark = pytest.mark.anyio
+
+JOB = JobRequest(prompt="a cat", width=320, height=192, num_inference_steps=4)
+OTHER = JobRequest(prompt="a dog", width=320, height=192, num_inference_steps=4)
+
+
+@pytest.fixture
+async def store(redis_url: str, prefix: str) -> AsyncIterator[RequestStore]:
+    redis = connect(redis_url)
+    yield RequestStore(redis, Keys(prefix), ttl_s=600, events_maxlen=100)
+    await redis.aclose()
+
+
+def status(state: RequestState, stage: str, attempt: int = 0, step: int | None = None) -> RequestStatus:
+    progress = None if step is None else Progress(stage=stage, step=step, total=10)
+    return RequestStatus(request_id="r-1", state=state, stage=stage, attempt=attempt, progress=progress)
+
+
+async def states(store: RequestStore) -> list[tuple[str, str | None]]:
+    """The status events written, oldest first: (state, stage)."""
+    out = []
+    for _, fields in await store.events("r-1"):
+        if fields.get("kind") == "status":
+            out.append((fields["state"], fields["status"]["stage"]))
+    return out
+
+
+async def test_a_late_queued_never_moves_a_running_request_back(store: RequestStore) -> None:
+    assert await store.set_status(status(RequestState.QUEUED, "encoder"), stage_index=0)
+    assert await store.set_status(status(RequestState.RUNNING, "encoder"), stage_index=0)
+    # diffusion starts before the encoder's "queued in diffusion" lands
+    assert await store.set_status(status(RequestState.RUNNING, "diffusion"), stage_index=1)
+    assert not await store.set_status(status(RequestState.QUEUED, "diffusion"), stage_index=1)
+    assert not await store.set_status(status(RequestState.RUNNING, "encoder", step=3), stage_index=0)
+    current = await store.get("r-1")
+    assert current is not None and (current.state, current.stage) == (RequestState.RUNNING, "diffusion")
+    assert await states(store) == [("queued", "encoder"), ("running", "encoder"), ("running", "diffusion")]
+
+
+async def test_progress_moves_forward_only(store: RequestStore) -> None:
+    assert await store.set_status(status(RequestState.RUNNING, "diffusion", step=5), stage_index=1)
+    assert not await store.set_status(status(RequestState.RUNNING, "diffusion", step=4), stage_index=1)
+    assert await store.set_status(status(RequestState.RUNNING, "diffusion", step=5), stage_index=1)  # same: kept
+    assert await store.set_status(status(RequestState.RUNNING, "diffusion", step=6), stage_index=1)
+    current = await store.get("r-1")
+    assert current is not None and current.progress is not None and current.progress.step == 6
+
+
+async def test_a_new_attempt_goes_back_to_an_earlier_stage(store: RequestStore) -> None:
+    """A recompute sends the request back upstream with attempt + 1: that is forward, not backward."""
+    assert await store.set_status(status(RequestState.RUNNING, "diffusion", step=2), stage_index=1)
+    assert await store.set_status(status(RequestState.QUEUED, "encoder", attempt=1), stage_index=0)
+    assert not await store.set_status(status(RequestState.RUNNING, "diffusion", step=3), stage_index=1)  # old attempt
+    assert await store.set_status(status(RequestState.RUNNING, "encoder", attempt=1), stage_index=0)
+    current = await store.get("r-1")
+    assert current is not None and (current.stage, current.attempt) == ("encoder", 1)
+
+
+async def test_terminal_is_written_once_and_never_overtaken(store: RequestStore) -> None:
+    done = RequestStatus(request_id="r-1", state=RequestState.DONE, stage="diffusion")
+    assert await store.set_status(done, stage_index=1)
+    failed = RequestStatus(
+        request_id="r-1", state=RequestState.FAILED, stage="encoder", error=ErrorInfo(code="x", message="late")
+    )
+    assert not await store.set_status(failed, stage_index=0)
+    assert not await store.set_status(status(RequestState.RUNNING, "diffusion", attempt=5), stage_index=1)
+    current = await store.get("r-1")
+    assert current is not None and current.state is RequestState.DONE
+
+
+async def test_a_refusal_writes_nothing_over_an_owned_record(store: RequestStore) -> None:
+    rejected = RequestStatus(
+        request_id="r-1", state=RequestState.REJECTED, stage="encoder", error=ErrorInfo(code="invalid_job", message="x")
+    )
+    assert await store.admit("r-1", JOB.digest()) is Admission.NEW
+    assert await store.set_status(status(RequestState.QUEUED, "encoder"), stage_index=0)
+    assert not await store.set_status(rejected, mode="unowned")
+    current = await store.get("r-1")
+    assert current is not None and current.state is RequestState.QUEUED
+    assert await states(store) == [("queued", "encoder")]
+    # nobody's id: the refusal is written, and the id is then taken for good
+    assert await store.set_status(rejected.model_copy(update={"request_id": "r-2"}), mode="unowned")
+    assert await store.admit("r-2", JOB.digest()) is Admission.TAKEN
+
+
+async def test_an_id_belongs_to_its_first_job(store: RequestStore) -> None:
+    assert await store.owner("r-1") is None
+    assert await store.admit("r-1", JOB.digest()) is Admission.NEW
+    assert await store.admit("r-1", JOB.digest()) is Admission.SAME_JOB
+    assert await store.admit("r-1", OTHER.digest()) is Admission.TAKEN
+    assert await store.owner("r-1") == JOB.digest()
