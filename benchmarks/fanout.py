@@ -92,8 +92,8 @@ def _broadcast_rank(rank: int, world: int, port: int, backend: str, sizes: list[
         payload = {"blob": torch.empty(size, dtype=torch.uint8, device=channel.device)}
         plan = plan_payload(payload)
         buffers = {kind: payload["blob"]}
-        times = []
-        for i in range(iters + 2):
+        times, raw = [], []
+        for i in range(iters + 2):  # side by side: a job message, then a bare broadcast of the same bytes
             dist.barrier(group=channel.cpu_group)
             t0 = time.perf_counter()
             if rank == 0:
@@ -104,10 +104,18 @@ def _broadcast_rank(rank: int, world: int, port: int, backend: str, sizes: list[
             if backend == "nccl":
                 torch.cuda.synchronize(channel.device)
             dist.barrier(group=channel.cpu_group)
+            t1 = time.perf_counter()
+            dist.barrier(group=channel.cpu_group)
+            t2 = time.perf_counter()
+            dist.broadcast(payload["blob"], src=0, group=channel.device_group)
+            if backend == "nccl":
+                torch.cuda.synchronize(channel.device)
+            dist.barrier(group=channel.cpu_group)
             if i >= 2:
-                times.append(time.perf_counter() - t0)
+                times.append(t1 - t0)
+                raw.append(time.perf_counter() - t2)
         if rank == 0:
-            out.put((world, size, times))
+            out.put((world, size, times, raw))
             print(f"world {world} size {size:,}: {percentiles(times)[0] * 1e3:.3f} ms", flush=True)
     dist.barrier(group=channel.cpu_group)
     dist.destroy_process_group()
@@ -117,13 +125,14 @@ def run_broadcast(args: argparse.Namespace) -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     ctx = mp.get_context("spawn")
     results: dict[tuple[int, int], list[float]] = {}
+    raws: dict[tuple[int, int], list[float]] = {}
     worlds = [int(w) for w in args.ranks.split(",")]
     if args.backend == "nccl":  # one GPU per rank: a world larger than the GPUs here would never form
         worlds = [w for w in worlds if w <= torch.cuda.device_count()]
     for world in worlds:
         if world == 1:
             for size in sizes:
-                results[(1, size)] = [0.0]
+                results[(1, size)] = raws[(1, size)] = [0.0]
             continue
         out = ctx.Queue()
         port = free_port()
@@ -133,24 +142,30 @@ def run_broadcast(args: argparse.Namespace) -> None:
         ]
         for p in procs:
             p.start()
-        for w, size, times in _collect(out, len(sizes), args.timeout):
+        for w, size, times, raw in _collect(out, len(sizes), args.timeout):
             results[(w, size)] = times
+            raws[(w, size)] = raw
         for p in procs:
             p.join(30)
             if p.is_alive():  # a rank stuck tearing NCCL down must not hold the results back
                 p.terminate()
     print(
-        f"\n### Fan-out: leader → {args.backend} broadcast of the payload region "
-        f"(median / p99 ms, {args.iters} rounds; world 1 needs no broadcast)\n"
+        f"\n### Fan-out: a job message (header + payload region) vs a bare {args.backend} broadcast of the "
+        f"same bytes (median / p99 ms, {args.iters} rounds, side by side; world 1 needs no broadcast)\n"
     )
-    print("| bytes | " + " | ".join(f"TP{w}" for w in worlds) + " |")
-    print("| ---: |" + " ---: |" * len(worlds))
+    multi = [w for w in worlds if w > 1]
+    print("| bytes | " + " | ".join(f"TP{w} job message | TP{w} bare broadcast | ratio" for w in multi) + " |")
+    print("| ---: |" + " ---: | ---: | ---: |" * len(multi))
     for size in sizes:
         cells = []
-        for w in worlds:
+        for w in multi:
             med, p99 = percentiles(results[(w, size)])
+            rmed, rp99 = percentiles(raws[(w, size)])
             gbps = size / med / 1e9 if med else float("inf")
-            cells.append("0" if w == 1 else f"{med * 1e3:.3f} / {p99 * 1e3:.3f} ({gbps:.1f} GB/s)")
+            cells.append(
+                f"{med * 1e3:.3f} / {p99 * 1e3:.3f} ({gbps:.1f} GB/s) | {rmed * 1e3:.3f} / {rp99 * 1e3:.3f} "
+                f"| {med / rmed:.2f}× (+{(med - rmed) * 1e3:.3f} ms)"
+            )
         print(f"| {size:,} | " + " | ".join(cells) + " |")
 
 

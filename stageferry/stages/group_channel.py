@@ -46,6 +46,7 @@ MAX_HEADER_BYTES = 64 << 20
 #: costs no more than the broadcast's fixed latency.
 FRAME_BYTES = 16 << 10
 _LEN = 4  # the frame's length prefix
+MANIFEST_CACHE_SIZE = 64
 
 
 class MessageKind(enum.StrEnum):
@@ -114,6 +115,7 @@ class GroupChannel:
         self.route = tuple(route) if route is not None else (Hop(0, cpu_group, device_group),)
         self.model_groups = model_groups or ModelGroups(process_group=device_group, groups={"world": device_group})
         self._counts: collections.Counter[str] = collections.Counter()
+        self._manifests: collections.OrderedDict[str, Manifest] = collections.OrderedDict()
 
     @classmethod
     def solo(cls, device: torch.device) -> GroupChannel:
@@ -171,8 +173,7 @@ class GroupChannel:
         manifest = None
         buffers: dict[DeviceKind, torch.Tensor] = {}
         if manifest_json is not None:
-            manifest = Manifest.model_validate_json(manifest_json)
-            validate_manifest(manifest, max_payload_bytes=1 << 40)
+            manifest = self._manifest(manifest_json)
             for region in manifest.regions:
                 buffers[region.device] = self._receive_region(region.nbytes, region.device)
         self._count(kind, manifest)
@@ -198,6 +199,20 @@ class GroupChannel:
         return [t.tolist() for t in out]
 
     # ------------------------------------------------------------------ internals
+
+    def _manifest(self, manifest_json: str) -> Manifest:
+        """The leader's manifest, parsed and checked once per payload shape: a stage's jobs repeat a few
+        shapes, and parsing plus checking a T2VA manifest took longer than NCCL's broadcast of its bytes."""
+        manifest = self._manifests.get(manifest_json)
+        if manifest is None:
+            manifest = Manifest.model_validate_json(manifest_json)
+            validate_manifest(manifest, max_payload_bytes=1 << 40)
+            self._manifests[manifest_json] = manifest
+            if len(self._manifests) > MANIFEST_CACHE_SIZE:
+                self._manifests.popitem(last=False)
+        else:
+            self._manifests.move_to_end(manifest_json)
+        return manifest
 
     def _count(self, kind: MessageKind, manifest: Manifest | None) -> None:
         self._counts[kind.value] += 1
