@@ -13,6 +13,9 @@ Two measurements, each printed as a markdown table of medians and p99 (one run, 
   python benchmarks/fanout.py --ranks 1,2,4                        # CPU, gloo
   python benchmarks/fanout.py --backend nccl --ranks 2             # 2 GPUs
   python benchmarks/fanout.py --mode nixl-fanout                   # 2 GPUs, NIXL + NCCL
+
+Runs from a checkout (the repo root goes on ``sys.path``).  A rank that fails sends its traceback to
+the parent, which prints it and exits non-zero instead of waiting for results that will never come.
 """
 
 from __future__ import annotations
@@ -20,17 +23,22 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+import traceback
+from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stageferry.broker.data.payload_codec import plan_payload
-from stageferry.embedded_redis import free_port
-from stageferry.schemas import DeviceKind
-from stageferry.stages.group_channel import GroupChannel, MessageKind
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from stageferry.broker.data.payload_codec import plan_payload  # noqa: E402
+from stageferry.embedded_redis import free_port  # noqa: E402
+from stageferry.schemas import DeviceKind  # noqa: E402
+from stageferry.stages.group_channel import GroupChannel, MessageKind  # noqa: E402
 
 TASK_SIZES = [359_024, 11_158_136, 64_963_792]
 
@@ -56,6 +64,27 @@ def _init(rank: int, world: int, port: int, backend: str) -> GroupChannel:
     )
 
 
+def _reporting(target: Any, rank: int, *args: Any) -> None:
+    """Run a rank's body; on failure, put ``("error", rank, traceback)`` on the queue (last argument)."""
+    try:
+        target(rank, *args)
+    except BaseException:
+        args[-1].put(("error", rank, traceback.format_exc()))
+        raise
+
+
+def _collect(out: Any, n: int, timeout: float) -> list[Any]:
+    """``n`` results from the ranks; a rank's error ends the benchmark with its traceback."""
+    rows = []
+    for _ in range(n):
+        item = out.get(timeout=timeout)
+        if item[0] == "error":
+            print(f"rank {item[1]} failed:\n{item[2]}", file=sys.stderr, flush=True)
+            raise SystemExit(1)
+        rows.append(item)
+    return rows
+
+
 def _broadcast_rank(rank: int, world: int, port: int, backend: str, sizes: list[int], iters: int, out: Any) -> None:
     channel = _init(rank, world, port, backend)
     kind = DeviceKind.CUDA if backend == "nccl" else DeviceKind.CPU
@@ -63,8 +92,8 @@ def _broadcast_rank(rank: int, world: int, port: int, backend: str, sizes: list[
         payload = {"blob": torch.empty(size, dtype=torch.uint8, device=channel.device)}
         plan = plan_payload(payload)
         buffers = {kind: payload["blob"]}
-        times = []
-        for i in range(iters + 2):
+        times, raw = [], []
+        for i in range(iters + 2):  # side by side: a job message, then a bare broadcast of the same bytes
             dist.barrier(group=channel.cpu_group)
             t0 = time.perf_counter()
             if rank == 0:
@@ -75,10 +104,20 @@ def _broadcast_rank(rank: int, world: int, port: int, backend: str, sizes: list[
             if backend == "nccl":
                 torch.cuda.synchronize(channel.device)
             dist.barrier(group=channel.cpu_group)
+            t1 = time.perf_counter()
+            dist.barrier(group=channel.cpu_group)
+            t2 = time.perf_counter()
+            dist.broadcast(payload["blob"], src=0, group=channel.device_group)
+            if backend == "nccl":
+                torch.cuda.synchronize(channel.device)
+            dist.barrier(group=channel.cpu_group)
             if i >= 2:
-                times.append(time.perf_counter() - t0)
+                times.append(t1 - t0)
+                raw.append(time.perf_counter() - t2)
         if rank == 0:
-            out.put((world, size, times))
+            out.put((world, size, times, raw))
+            print(f"world {world} size {size:,}: {percentiles(times)[0] * 1e3:.3f} ms", flush=True)
+    dist.barrier(group=channel.cpu_group)
     dist.destroy_process_group()
 
 
@@ -86,39 +125,47 @@ def run_broadcast(args: argparse.Namespace) -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     ctx = mp.get_context("spawn")
     results: dict[tuple[int, int], list[float]] = {}
+    raws: dict[tuple[int, int], list[float]] = {}
     worlds = [int(w) for w in args.ranks.split(",")]
     if args.backend == "nccl":  # one GPU per rank: a world larger than the GPUs here would never form
         worlds = [w for w in worlds if w <= torch.cuda.device_count()]
     for world in worlds:
         if world == 1:
             for size in sizes:
-                results[(1, size)] = [0.0]
+                results[(1, size)] = raws[(1, size)] = [0.0]
             continue
         out = ctx.Queue()
         port = free_port()
         procs = [
-            ctx.Process(target=_broadcast_rank, args=(r, world, port, args.backend, sizes, args.iters, out))
+            ctx.Process(target=_reporting, args=(_broadcast_rank, r, world, port, args.backend, sizes, args.iters, out))
             for r in range(world)
         ]
         for p in procs:
             p.start()
-        for _ in sizes:
-            w, size, times = out.get(timeout=600)
+        for w, size, times, raw in _collect(out, len(sizes), args.timeout):
             results[(w, size)] = times
+            raws[(w, size)] = raw
         for p in procs:
-            p.join(60)
+            p.join(30)
+            if p.is_alive():  # a rank stuck tearing NCCL down must not hold the results back
+                p.terminate()
     print(
-        f"\n### Fan-out: leader → {args.backend} broadcast of the payload region "
-        f"(median / p99 ms, {args.iters} rounds; world 1 needs no broadcast)\n"
+        f"\n### Fan-out: a job message (header + payload region) vs a bare {args.backend} broadcast of the "
+        f"same bytes (median / p99 ms, {args.iters} rounds, side by side; world 1 needs no broadcast)\n"
     )
-    print("| bytes | " + " | ".join(f"TP{w}" for w in worlds) + " |")
-    print("| ---: |" + " ---: |" * len(worlds))
+    multi = [w for w in worlds if w > 1]
+    print("| bytes | " + " | ".join(f"TP{w} job message | TP{w} bare broadcast | ratio" for w in multi) + " |")
+    print("| ---: |" + " ---: | ---: | ---: |" * len(multi))
     for size in sizes:
         cells = []
-        for w in worlds:
+        for w in multi:
             med, p99 = percentiles(results[(w, size)])
+            rmed, rp99 = percentiles(raws[(w, size)])
             gbps = size / med / 1e9 if med else float("inf")
-            cells.append("0" if w == 1 else f"{med * 1e3:.3f} / {p99 * 1e3:.3f} ({gbps:.1f} GB/s)")
+            cells.append(
+                f"{med * 1e3:.3f} / {p99 * 1e3:.3f} ({gbps:.1f} GB/s) | {rmed * 1e3:.3f} / {rp99 * 1e3:.3f} "
+                f"| {med / rmed:.2f}× (+{(med - rmed) * 1e3:.3f} ms)"
+            )
         print(f"| {size:,} | " + " | ".join(cells) + " |")
 
 
@@ -204,14 +251,16 @@ def run_nixl_fanout(args: argparse.Namespace) -> None:
     producer = ctx.Process(target=_producer, args=(b, sizes))
     producer.start()
     ranks = [
-        ctx.Process(target=_consumer_rank, args=(r, port, sizes, args.iters, a if r == 0 else None, out))
+        ctx.Process(target=_reporting, args=(_consumer_rank, r, port, sizes, args.iters, a if r == 0 else None, out))
         for r in range(2)
     ]
     for p in ranks:
         p.start()
-    rows = [out.get(timeout=600) for _ in sizes]
+    rows = _collect(out, len(sizes), args.timeout)
     for p in [*ranks, producer]:
-        p.join(60)
+        p.join(30)
+        if p.is_alive():
+            p.terminate()
     print(
         f"\n### TP1 producer (GPU 0) → TP2 consumer: leader (GPU 1) NIXL READ, then NCCL broadcast to GPU 0 "
         f"(median / p99 ms, {args.iters} rounds)\n"
@@ -230,6 +279,7 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2,4")
     parser.add_argument("--sizes", default=",".join(str(s) for s in [4096, 1 << 20, *TASK_SIZES, 256 << 20]))
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for each size's result")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, cuda devices {torch.cuda.device_count()}, cpu threads {torch.get_num_threads()}")
     (run_nixl_fanout if args.mode == "nixl-fanout" else run_broadcast)(args)

@@ -86,6 +86,7 @@ async def run_config(
             done: dict[str, float] = {}
             hops: list[float] = []
             failed = 0
+            before = await command_counts(client.redis)
             started = time.perf_counter()
             for i in range(requests):
                 rid = await client.submit({**job, "seed": 1000 + i})
@@ -105,6 +106,8 @@ async def run_config(
                     tg.start_soon(wait_one, rid)
             wall = max(done.values()) - started
             latencies = [(done[r] - submitted[r]) * 1e3 for r in submitted]
+            after = await command_counts(client.redis)
+            commands = {name: (after[name] - before.get(name, 0)) / requests for name in after}
     finally:
         await services.stop()
     return {
@@ -113,7 +116,16 @@ async def run_config(
         "hop": hops or [0.0],
         "failed": failed,
         "wall": wall,
+        "commands": {k: v for k, v in commands.items() if v > 0},
     }
+
+
+async def command_counts(redis: Any) -> dict[str, int]:
+    """Redis commands served so far, by name (``INFO commandstats``).  The deltas over a run, divided by
+    its requests, are the control plane's commands per request — every client of *this* Redis counted,
+    so use a private server (``--redis-url``) for a clean figure."""
+    info = await redis.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in info.items()}
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -121,7 +133,7 @@ async def main_async(args: argparse.Namespace) -> None:
         rows = []
         for task in args.tasks:
             for replicas in args.replicas:
-                for connector in ("nixl", "inline"):
+                for connector in args.edges:
                     r = await run_config(args.redis_url, task, connector, replicas, args.requests, Path(tmp))
                     rows.append((task, replicas, connector, r))
                     print(f"# {task} x{replicas} {connector}: {r['rps']:.1f} req/s", file=sys.stderr, flush=True)
@@ -135,10 +147,21 @@ async def main_async(args: argparse.Namespace) -> None:
             f"| {task} ({TASK_BYTES[task]:,} B) | {replicas} | {connector} | {r['rps']:.1f} | {cell(r['latency'], 1)} "
             f"| {cell(r['hop'], 2)} | {r['failed']} |"
         )
+    print("\n## Redis commands per request (INFO commandstats deltas over the measured requests)\n")
+    names = sorted(
+        {n for *_, r in rows for n in r["commands"]}, key=lambda n: -max(r["commands"].get(n, 0) for *_, r in rows)
+    )
+    print("| payload | replicas | edge | total | " + " | ".join(names) + " |")
+    print("| --- | ---: | --- | ---: |" + " ---: |" * len(names))
+    for task, replicas, connector, r in rows:
+        cells = " | ".join(f"{r['commands'].get(n, 0):.1f}" for n in names)
+        print(f"| {task} | {replicas} | {connector} | {sum(r['commands'].values()):.1f} | {cells} |")
     print()
     for task in args.tasks:
         for replicas in args.replicas:
             by = {c: r for t, n, c, r in rows if t == task and n == replicas}
+            if len(by) < 2:
+                continue
             rps = by["nixl"]["rps"] / by["inline"]["rps"]
             latency = median(by["inline"]["latency"]) / median(by["nixl"]["latency"])
             print(
@@ -151,6 +174,7 @@ def main() -> None:
     parser.add_argument("--tasks", type=lambda s: s.split(","), default=["T2VA", "Ref2VA"])
     parser.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--edges", type=lambda s: s.split(","), default=["nixl", "inline"])
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     args = parser.parse_args()
     print(f"$ python {' '.join(sys.argv)}\n")

@@ -55,6 +55,7 @@ from stageferry.broker.data.payload_codec import pack_into, plan_payload  # noqa
 from stageferry.config import DataPlaneConfig, Timeouts  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402
 from stageferry.schemas import InlinePayload, NixlPayload, PayloadRef  # noqa: E402
+from stageferry.stages.group import settle_heap  # noqa: E402
 from stageferry.testing import TASKS, sized_payload, tensor_bytes  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -162,6 +163,8 @@ async def producer(args: argparse.Namespace) -> None:
 
     async with anyio.create_task_group() as tg:
         await tg.start(conn.run)
+        if not args.no_settle:
+            settle_heap()  # as a stage's leader does once start-up is done
         await bench.rpush(f"{args.prefix}:bench:ready", json.dumps({"pid": os.getpid()}))
         while True:
             item = await bench.blpop([cmd_key], timeout=1)
@@ -347,6 +350,7 @@ def pool_bytes_for(sizes: list[int]) -> int:
 def start_producer(args: argparse.Namespace, prefix: str) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, __file__, "--role", "producer", "--prefix", prefix, "--device", args.device]
     cmd += ["--redis-url", args.redis_url, "--pool-bytes", str(pool_bytes_for(args.sizes))]
+    cmd += ["--no-settle"] if args.no_settle else []
     return subprocess.Popen(cmd)
 
 
@@ -371,6 +375,8 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
             for i in range(WARMUP):  # connection set-up to the peer, allocator and code paths; not counted
                 await c.hop("nixl", args.sizes[0], i)
                 await c.hop("inline", args.sizes[0], i)
+            if not args.no_settle:
+                settle_heap()
             regs_before = conn.agent.registrations
             c.producer_registrations.clear()
             reads_before = conn.counters.reads
@@ -432,7 +438,10 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> bool:
     gpu = args.device == "cuda"
     base_name = "torch peer copy GPU0→GPU1" if gpu else "torch memcpy"
     print(f"machine: {machine_facts()}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, iters={args.iters}, warm-up {WARMUP}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, iters={args.iters}, warm-up {WARMUP}, "
+        f"{'no gc.freeze' if args.no_settle else 'gc.freeze after start-up'}"
+    )
     print(f"payload memory: {'VRAM (GPU 0 → GPU 1)' if gpu else 'DRAM'}; consumer TP{args.tp} (gloo fan-out)")
     print("times in ms, median / p99 of one run; NIXL with inline_max_bytes=0 (every size goes over NIXL)\n")
     print("## 1. Transfer\n")
@@ -498,6 +507,8 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> bool:
             f"\nadded hop latency for a T2VA payload ≤ {HOP_TARGET_MS:g} ms p50: {verdict(holds)} "
             f"({p50:.3f} ms over NIXL, put start → held, including the envelope's XADD/XREAD)"
         )
+        hops = transfer[t2va]["nixl"]["hop"] + transfer[t2va]["inline"]["hop"]
+        print(f"T2VA hop maximum over {len(hops)} hops (NIXL and inline): {max(hops):.3f} ms")
     regs = results["registrations"]
     print("\n## 3. Memory registrations per request after warm-up\n")
     print(
@@ -539,6 +550,9 @@ def main() -> int:
     parser.add_argument("--scaling-rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write the raw series here (for benchmarks/chart.py)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--no-settle", action="store_true", help="skip gc.freeze after start-up (to see the full-collection spike)"
+    )
     parser.add_argument("--role", choices=["consumer", "producer"], default="consumer", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     parser.add_argument("--pool-bytes", type=int, help=argparse.SUPPRESS)

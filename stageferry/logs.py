@@ -305,14 +305,12 @@ class EventSink:
             _inside_sink.reset(token)
 
     async def _write(self, batch: list[tuple[str, dict[str, Any]]]) -> None:
-        for i, (request_id, event) in enumerate(batch):
-            try:
-                await self._store.append_event(request_id, event)
-            except StageferryError as exc:
-                lost = len(batch) - i
-                self._write_drops += lost
-                log.warning("logs.forward_failed", error=str(exc), dropped=lost)
-                return
+        """The whole batch in one round trip (``RequestStore.append_events``); lost together on failure."""
+        try:
+            await self._store.append_events(batch)
+        except StageferryError as exc:
+            self._write_drops += len(batch)
+            log.warning("logs.forward_failed", error=str(exc), dropped=len(batch))
 
 
 def _register(sink: EventSink) -> None:

@@ -179,3 +179,39 @@ async def test_sink_flushes_on_cancellation_and_allows_one_per_process(redis_url
         with bound_request("rid-3"):
             log.info("nobody.listens")
         assert await store.events("rid-3") == []
+
+
+@pytest.mark.anyio
+async def test_a_batch_of_events_is_one_round_trip_with_one_expire_per_stream(redis_url: str, prefix: str) -> None:
+    """Five events of two requests: one pipeline of five XADDs and two EXPIREs, each stream in order."""
+    configure_logging(fmt="json", level="info", service="encoder")
+    async with open_client(redis_url) as redis:
+        store = RequestStore(redis, Keys(prefix), ttl_s=60, events_maxlen=100)
+        sent: list[list[str]] = []
+        real_pipeline = redis.pipeline
+
+        def counting_pipeline(*args: object, **kwargs: object) -> object:
+            pipe = real_pipeline(*args, **kwargs)  # type: ignore[arg-type]
+            real_execute = pipe.execute
+
+            async def execute(*a: object, **k: object) -> object:
+                sent.append([str(cmd[0][0]) for cmd in pipe.command_stack])
+                return await real_execute(*a, **k)  # type: ignore[arg-type]
+
+            pipe.execute = execute  # type: ignore[method-assign]
+            return pipe
+
+        redis.pipeline = counting_pipeline  # type: ignore[method-assign]
+        sink = EventSink(store, interval=60)
+        async with anyio.create_task_group() as tg:
+            await tg.start(sink.run)
+            for i in range(5):
+                with bound_request(f"rid-{i % 2}"):
+                    log.info("stage.step", step=i)
+            await sink.flush()
+            tg.cancel_scope.cancel()
+        assert sent[0] == ["XADD"] * 5 + ["EXPIRE"] * 2 and len(sent) == 1
+        for rid, steps in (("rid-0", [0, 2, 4]), ("rid-1", [1, 3])):
+            assert [row["event"]["step"] for _, row in await store.events(rid)] == steps
+            assert 0 < await redis.ttl(Keys(prefix).events(rid)) <= 60
+        assert sink.dropped == 0

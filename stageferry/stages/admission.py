@@ -43,7 +43,7 @@ from stageferry.errors import (
     SubmissionRefusedError,
     TenantMismatchError,
 )
-from stageferry.schemas import Envelope, request_key
+from stageferry.schemas import Envelope, RequestStatus, request_key
 from stageferry.schemas.job import REQUEST_ID_PATTERN, is_request_id, tenant_of
 from stageferry.schemas.validation import check_entry_fields, check_job_limits, parse_envelope, parse_job
 from stageferry.stages.media import load_media
@@ -147,22 +147,28 @@ class Admission:
         """True (entry acknowledged) for a request that is finished or a duplicate run; raises for a
         cancelled or expired one.  The input payload of an entry that will not run is released."""
         rid = envelope.request_id
-        status = await self.store.get(rid)
+        owner_key = self.keys.run_owner(rid, self.stage.name, envelope.attempt)
+        # One round trip for the record, the cancel flag and the run's owner (was three).  Taking the owner
+        # key of a request that turns out settled is harmless: it names this entry and only expires.
+        with translated():
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hget(self.keys.request(rid), "status")
+                pipe.exists(self.keys.cancel(rid))
+                pipe.set(owner_key, entry.id, nx=True, ex=self.pipeline.retention.request_ttl_s)
+                pipe.get(owner_key)
+                raw_status, cancelled, claimed, owner = await pipe.execute()
+        status = None if raw_status is None else RequestStatus.model_validate_json(raw_status)
         if status is not None and status.state.terminal:
             log.info("worker.skip_terminal", entry=entry.id, state=status.state.value)
             await self.release_input(envelope)
             await self.stream.ack(entry.id)
             return True
-        if await self.store.is_cancelled(rid):
+        if cancelled:
             await self.release_input(envelope)
             raise CancelledRequestError("cancelled by the client")
         if envelope.deadline is not None and time.time() > envelope.deadline:
             await self.release_input(envelope)
             raise DeadlineExceededError("the request's deadline passed")
-        owner_key = self.keys.run_owner(rid, self.stage.name, envelope.attempt)
-        with translated():
-            claimed = await self.redis.set(owner_key, entry.id, nx=True, ex=self.pipeline.retention.request_ttl_s)
-            owner = None if claimed else await self.redis.get(owner_key)
         if not claimed and owner is not None and owner.decode() != entry.id:
             log.info("worker.skip_duplicate", entry=entry.id, owner=owner.decode())
             metrics.ENTRIES.labels(self.stage.name, "duplicate").inc()

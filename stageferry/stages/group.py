@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import gc
 import os
 import signal
 import subprocess
@@ -79,6 +80,21 @@ def init_group(rank: int, layout: GroupLayout, device: torch.device) -> GroupCha
     channel = build_channel(layout, rank, device)
     assert channel is not None  # every rank of the world is in its stage's layout
     return channel
+
+
+def settle_heap() -> int:
+    """Move everything start-up made (torch, models, pydantic schemas, NIXL and Redis clients) out of the
+    collector's reach, once, before the first request; returns how many objects were frozen.
+
+    Why: a full (generation 2) collection walks every object the process holds — a few hundred thousand
+    after importing torch — and took ≈ 86 ms in the middle of a hop (the p99 spike of short runs, on CPU
+    and on GPUs, NIXL and inline alike).  Frozen objects are never scanned again; what requests allocate
+    is still collected as before."""
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.info("group.heap_settled", frozen_objects=frozen)
+    return frozen
 
 
 def cpu_threads(ranks: int) -> int:
@@ -275,6 +291,7 @@ def _device_of(payload: Any, kind: DeviceKind) -> torch.device:
 
 def follow(model: StageModel, stage: StageConfig, pipeline: PipelineConfig, channel: GroupChannel) -> None:
     """A follower rank: receive, compute, agree — until the leader says stop."""
+    settle_heap()
     log.info("group.follower_ready", stage=stage.name, rank=channel.rank)
     while True:
         message = channel.receive()

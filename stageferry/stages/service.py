@@ -32,6 +32,7 @@ from stageferry.stages.group import (
     follow,
     init_group,
     rank_device,
+    settle_heap,
     supervise,
 )
 from stageferry.stages.group_channel import GroupChannel
@@ -239,6 +240,7 @@ async def serve_leader(
                     stop.attach(worker)
                     tg.start_soon(_log_draining, stop)
                     await connectors.start(tg)
+                    settle_heap()  # start-up is done: no full collection walks it mid-hop
                     await worker.run()
                     tg.cancel_scope.cancel()
             finally:

@@ -11,9 +11,11 @@ Nothing is copied here; the plan holds references to the caller's tensors.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import torch
 
 from stageferry.broker.data.payload_validation import (
@@ -43,6 +45,13 @@ class PackPlan:
 
     manifest: Manifest
     tensors: tuple[torch.Tensor, ...]
+
+
+#: Manifests already built, by payload *shape* (tree, dtypes, shapes, devices, alignment).  A stage emits
+#: the same few shapes over and over; building and checking the pydantic manifest was most of a T2VA
+#: put's planning (its 23-node tree).  Manifests are frozen models, so sharing one between puts is safe.
+PLAN_CACHE_SIZE = 256
+_manifests: OrderedDict[tuple[Any, ...], Manifest] = OrderedDict()
 
 
 def _round_up(n: int, alignment: int) -> int:
@@ -139,6 +148,23 @@ def plan_payload(payload: Any, *, alignment: int = MANIFEST_ALIGNMENT) -> PackPl
         raise ValueError(f"alignment must be a positive multiple of {MANIFEST_ALIGNMENT}, got {alignment}")
     flat = _Flattener()
     tree = flat.node(payload, 0, "$")
+    shape_key = (
+        msgpack.packb(tree, use_bin_type=True),
+        alignment,
+        tuple(zip(flat.kinds, flat.dtypes, (tuple(t.shape) for t in flat.tensors), strict=True)),
+    )
+    manifest = _manifests.get(shape_key)
+    if manifest is None:
+        manifest = _build_manifest(tree, flat, alignment)
+        _manifests[shape_key] = manifest
+        if len(_manifests) > PLAN_CACHE_SIZE:
+            _manifests.popitem(last=False)
+    else:
+        _manifests.move_to_end(shape_key)
+    return PackPlan(manifest=manifest, tensors=tuple(flat.tensors))
+
+
+def _build_manifest(tree: dict[str, Any], flat: _Flattener, alignment: int) -> Manifest:
     kinds = [k for k in DeviceKind if k in flat.kinds]
     region_of = {k: i for i, k in enumerate(kinds)}
     cursor = dict.fromkeys(kinds, 0)
@@ -156,4 +182,4 @@ def plan_payload(payload: Any, *, alignment: int = MANIFEST_ALIGNMENT) -> PackPl
     regions = [RegionSpec(device=k, nbytes=cursor[k]) for k in kinds]
     manifest = Manifest(tree=tree, tensors=specs, regions=regions)
     check_structure(manifest)  # never emit what a consumer would reject
-    return PackPlan(manifest=manifest, tensors=tuple(flat.tensors))
+    return manifest

@@ -59,3 +59,37 @@ def test_plan_rejects_deep_and_cyclic_payloads() -> None:
     cyclic.append(cyclic)
     with pytest.raises(ManifestError):
         plan_payload(cyclic)
+
+
+def test_a_payload_shape_is_planned_once_and_its_manifest_reused() -> None:
+    """Same tree, dtypes and shapes: the manifest built for the first put is reused (same object); any
+    difference — a shape, a dtype, a plain value, the alignment — gets a manifest of its own."""
+    from stageferry.broker.data import payload_plan
+
+    def payload(n: int, steps: int = 2, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        return {"text": torch.randn(n, 8).to(dtype), "meta": {"steps": steps, "name": "t2va"}}
+
+    first, again = plan_payload(payload(4)), plan_payload(payload(4))
+    assert again.manifest is first.manifest
+    assert again.tensors[0] is not first.tensors[0]  # the plan still holds this put's own tensors
+    for other in (
+        plan_payload(payload(5)),
+        plan_payload(payload(4, steps=3)),
+        plan_payload(payload(4, dtype=torch.bfloat16)),
+        plan_payload(payload(4), alignment=256),
+    ):
+        assert other.manifest is not first.manifest
+    p = payload(4, steps=3)
+    assert_same(unpack(plan_payload(p).manifest, _packed(p), copy=True), p)
+    for i in range(payload_plan.PLAN_CACHE_SIZE + 5):  # bounded
+        plan_payload({"x": torch.zeros(i + 1)})
+    assert len(payload_plan._manifests) <= payload_plan.PLAN_CACHE_SIZE
+
+
+def _packed(payload: Any) -> dict[Any, torch.Tensor]:
+    from stageferry.broker.data.payload_codec import pack_into
+
+    plan = plan_payload(payload)
+    regions = {r.device: torch.empty(r.nbytes, dtype=torch.uint8) for r in plan.manifest.regions}
+    pack_into(plan, regions)
+    return regions
