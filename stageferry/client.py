@@ -205,10 +205,18 @@ class Client:
             blobs[name] = blob
         return blobs
 
-    async def wait(self, request_id: str, *, timeout: float | None = None) -> RequestStatus:
+    async def wait(
+        self, request_id: str, *, timeout: float | None = None, exists_within: float | None = None
+    ) -> RequestStatus:
         """Block until the request is terminal (:class:`DeadlineExceededError` after ``timeout``;
         :class:`RequestLostError` if Redis lost it, or the refusal's error if the first stage refused the
-        entry this client submitted)."""
+        entry this client submitted).
+
+        All waits of this client share one blocking Redis read, however many run at once, and a Redis
+        outage is ridden through within ``timeout``.  With ``exists_within`` (``0``: at once) an id that
+        is not known by then is :class:`RequestNotFoundError`; without it an unknown id is given
+        :data:`~stageferry.broker.control.requests.UNKNOWN_GRACE_S` (a raw-protocol entry is known only
+        once the first stage reads it)."""
 
         async def raise_if_refused() -> None:
             refusal = await self.refusal_of(request_id)
@@ -217,7 +225,7 @@ class Client:
 
         check = raise_if_refused if request_id in self._entries else None
         try:
-            return await self.store.wait(request_id, timeout=timeout, on_quiet=check)
+            return await self.store.wait(request_id, timeout=timeout, on_quiet=check, exists_within=exists_within)
         except RequestLostError:
             await raise_if_refused()
             raise
@@ -248,12 +256,15 @@ class Client:
             value = await self.redis.get(self.keys.result(request_id))
         return value if value is None or isinstance(value, bytes) else str(value).encode()
 
-    async def watch(self, request_id: str, *, timeout: float | None = None) -> AsyncIterator[TraceEvent]:
+    async def watch(
+        self, request_id: str, *, timeout: float | None = None, exists_within: float | None = None
+    ) -> AsyncIterator[TraceEvent]:
         """Yield the request's events as they arrive (blocking reads), ending after a terminal status.
 
-        :class:`DeadlineExceededError` if it is not terminal within ``timeout`` seconds.
+        :class:`DeadlineExceededError` if it is not terminal within ``timeout`` seconds;
+        :class:`RequestNotFoundError` as for :meth:`wait`.
         """
-        async for entry_id, fields in self.store.follow(request_id, timeout=timeout):
+        async for entry_id, fields in self.store.follow(request_id, timeout=timeout, exists_within=exists_within):
             event = parse_row(entry_id, fields)
             if event is not None:
                 yield event
@@ -311,8 +322,10 @@ class SyncClient:
         client = self._client
         return self._call(lambda: client.submit(job, request_id=request_id, uploads=uploads, upload_ttl_s=upload_ttl_s))
 
-    def wait(self, request_id: str, *, timeout: float | None = None) -> RequestStatus:
-        return self._call(lambda: self._client.wait(request_id, timeout=timeout))
+    def wait(
+        self, request_id: str, *, timeout: float | None = None, exists_within: float | None = None
+    ) -> RequestStatus:
+        return self._call(lambda: self._client.wait(request_id, timeout=timeout, exists_within=exists_within))
 
     def status(self, request_id: str) -> RequestStatus | None:
         return self._call(lambda: self._client.status(request_id))

@@ -37,6 +37,7 @@ a request's failed/rejected status shows, so that clients branch on codes, never
     │   └── StageCrashedError        the stage process died holding it, max_crashes times in a row
     ├── DeadlineExceededError        the request's deadline passed
     ├── RequestLostError             the request's record vanished (a Redis without persistence restarted)
+    ├── RequestNotFoundError         no such request, and the caller would not wait for it to appear
     └── CancelledRequestError        the client cancelled the request (or gave up waiting, and cancelled it)
 
 What an error does to a request is decided in one place, :data:`OUTCOMES`: error class → the request
@@ -233,6 +234,13 @@ class RequestLostError(StageferryError):
     """A waited-on request's record (and its submission marker) disappeared: Redis lost it."""
 
     code = "request_lost"
+
+
+class RequestNotFoundError(StageferryError):
+    """A wait that must not outlast an unknown id (``exists_within``, ``stageferry wait``): no such
+    request — unknown, or expired."""
+
+    code = "not_found"
 
 
 class CancelledRequestError(StageferryError):

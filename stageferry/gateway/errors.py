@@ -23,6 +23,8 @@ from stageferry.errors import (
     JobValidationError,
     RejectedError,
     RequestIdTakenError,
+    RequestLostError,
+    RequestNotFoundError,
     StageferryError,
     error_class,
     field_error,
@@ -41,6 +43,8 @@ STATUS_BY_CLASS: Mapping[type[StageferryError], int] = MappingProxyType(
         ControlPlaneError: 503,  # queue_full too
         AccessDeniedError: 500,  # our own credentials: not the client's to retry
         DeadlineExceededError: 504,
+        RequestNotFoundError: 404,  # an unknown id that a wait would not wait for
+        RequestLostError: 503,  # Redis lost an accepted job: retry (an Idempotency-Key resubmits it)
     }
 )
 

@@ -8,11 +8,13 @@ ride in the URL's query, so one ``STAGEFERRY_REDIS_URL`` configures every proces
 
 The URL is checked before any I/O: an unknown query parameter, a TLS option on a plain ``redis://`` URL
 or a certificate file that does not exist is a :class:`ConfigError` at start-up, not a TypeError at the
-first command.  Commands are retried by redis-py with exponential backoff and jitter on connection and
-timeout errors (a few times, within seconds); longer outages are ridden out by :func:`reconnecting`,
-the one retry loop on top of that.  What still fails leaves here as :class:`ControlPlaneError` — or
-:class:`AccessDeniedError` when Redis refuses the credentials or an ACL forbids a command, which no retry
-can heal.
+first command.  Each client's connection pool is bounded (:data:`MAX_CONNECTIONS`) and *blocking*: a
+burst of commands beyond it waits its turn for a connection (up to :data:`POOL_WAIT_S`) instead of
+failing with ``MaxConnectionsError`` or opening connections without bound.  Commands are retried by
+redis-py with exponential backoff and jitter on connection and timeout errors (a few times, within
+seconds); longer outages are ridden out by :func:`reconnecting`, the one retry loop on top of that.
+What still fails leaves here as :class:`ControlPlaneError` — or :class:`AccessDeniedError` when Redis
+refuses the credentials or an ACL forbids a command, which no retry can heal.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ _SOCKET_TIMEOUT_S = BLOCK_MS / 1000 + 10
 _ABANDON_AFTER_S = 5.0
 
 
+#: Connections one client (one process's pool) opens at most; waits share one (``fanin.py``).
+MAX_CONNECTIONS = 64
+#: Longest a command waits for a free pooled connection before it fails (as unreachable).
+POOL_WAIT_S = 30.0
+
 #: TLS options that redis-py takes from a ``rediss://`` URL's query (certificate files are checked).
 TLS_QUERY_FILES = frozenset({"ssl_ca_certs", "ssl_certfile", "ssl_keyfile"})
 TLS_QUERY_OPTIONS = TLS_QUERY_FILES | {"ssl_cert_reqs", "ssl_ca_path", "ssl_check_hostname", "ssl_min_version"}
@@ -64,13 +71,16 @@ def check_url(url: str) -> None:
             raise ConfigError(f"unknown redis URL option {name!r}", option=name)
 
 
-def connect(url: str, *, retries: int = 4) -> aioredis.Redis:
-    """A client for ``url`` with bounded, jittered retries; no I/O happens until first use.
+def connect(url: str, *, retries: int = 4, max_connections: int = MAX_CONNECTIONS) -> aioredis.Redis:
+    """A client for ``url`` with bounded, jittered retries and a bounded, blocking pool; no I/O happens
+    until first use.
 
     :class:`ConfigError` at once for a malformed URL (see :func:`check_url`)."""
     check_url(url)
-    return aioredis.from_url(
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=max_connections,
+        timeout=POOL_WAIT_S,
         decode_responses=False,
         socket_timeout=_SOCKET_TIMEOUT_S,
         socket_connect_timeout=5,
@@ -78,6 +88,9 @@ def connect(url: str, *, retries: int = 4) -> aioredis.Redis:
         retry=Retry(ExponentialWithJitterBackoff(cap=2.0, base=0.05), retries),
         retry_on_error=[redis_errors.ConnectionError, redis_errors.TimeoutError],
     )
+    client = aioredis.Redis(connection_pool=pool)
+    client.auto_close_connection_pool = True  # aclose() closes the pool too, as with from_url
+    return client
 
 
 def is_connection_error(exc: BaseException) -> bool:

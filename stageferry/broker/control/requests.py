@@ -1,16 +1,20 @@
 """Request records in Redis: submit once, status transitions, terminal results written once, waiting.
 
 A request's record is the hash ``<p>:req:<id>`` (``state`` and ``status`` JSON); every status change is
-also appended to ``<p>:req-events:<id>``, so a waiter blocks on that stream (XREAD BLOCK) instead of
-polling.  Stages write records, in Lua scripts, so that a terminal state is written exactly once even
-when two replicas race after a crash.  Clients run no scripts (their ACL user may not): a submission is
-one MULTI, and until the first stage picks it up the request is known by its "submitted" marker.
+also appended to ``<p>:req-events:<id>``, so a waiter blocks on that stream instead of polling — through
+the store's one shared reader (:class:`~stageferry.broker.control.fanin.EventFanIn`), so that a thousand
+waiters hold one connection, not a thousand.  Waits ride through a Redis outage within their timeout.
+Stages write records, in Lua scripts, so that a terminal state is written exactly once even when two
+replicas race after a crash.  Clients run no scripts (their ACL user may not): a submission is one
+MULTI, and until the first stage picks it up the request is known by its "submitted" marker.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import math
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -18,9 +22,17 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 import structlog
 
+from stageferry.broker.control.fanin import EventFanIn
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import BLOCK_MS, translated
-from stageferry.errors import DeadlineExceededError, QueueFullError, RequestIdTakenError, RequestLostError
+from stageferry.broker.control.redis_conn import BLOCK_MS, is_connection_error, reconnecting, translated
+from stageferry.errors import (
+    ControlPlaneError,
+    DeadlineExceededError,
+    QueueFullError,
+    RequestIdTakenError,
+    RequestLostError,
+    RequestNotFoundError,
+)
 from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestState, RequestStatus
 
 log = structlog.get_logger(__name__)
@@ -33,6 +45,9 @@ WriteMode = Literal["any", "create", "update", "unowned"]
 #: still starting) takes it.  An id seen and then gone is lost at once.
 UNKNOWN_GRACE_S = 30.0
 _TERMINAL_NAMES = frozenset(state.value for state in TERMINAL_STATES)
+#: A waiter that heard nothing for this long reads the status itself (events may have expired, or Redis
+#: restarted empty); jittered so that many waiters do not check at once.
+QUIET_CHECK_S = 2.0
 _TERMINAL_LUA = "local t = {done=true, failed=true, rejected=true, cancelled=true}\n"
 
 # KEYS: request hash, events stream. ARGV: state, status json, ttl, events maxlen, mode ('any', 'create':
@@ -121,6 +136,8 @@ class RequestStore:
         self._maxlen = events_maxlen
         self._set_status = redis.register_script(_SET_STATUS)
         self._admit = redis.register_script(_ADMIT)
+        #: The one blocking reader every wait and follow of this store shares.
+        self.fanin = EventFanIn(redis)
 
     async def submit(
         self,
@@ -248,42 +265,51 @@ class RequestStore:
         *,
         timeout: float | None = None,
         on_quiet: Callable[[], Awaitable[None]] | None = None,
+        exists_within: float | None = None,
     ) -> AsyncIterator[tuple[str, dict[str, str]]]:
-        """Yield the request's events (entry id, fields) as they arrive, from the first, by blocking reads;
-        stop after a terminal status.  :class:`DeadlineExceededError` if not terminal within ``timeout``;
-        :class:`RequestLostError` if its record and marker vanish (after being seen), or stay unknown for
-        :data:`UNKNOWN_GRACE_S` (a raw client's entry that no stage picked up, or an id never submitted).
-        ``on_quiet`` runs after each quiet read (a caller's own check, e.g. for its entry's refusal)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        unknown_since = time.monotonic()
+        """Yield the request's events (entry id, fields) as they arrive, from the first, through the shared
+        reader; stop after a terminal status.  :class:`DeadlineExceededError` if not terminal within
+        ``timeout``; :class:`RequestLostError` if its record and marker vanish (after being seen), or stay
+        unknown for :data:`UNKNOWN_GRACE_S` (a raw client's entry that no stage picked up, or an id never
+        submitted) — or :class:`RequestNotFoundError` if unknown after ``exists_within`` seconds, when
+        given.  ``on_quiet`` runs after each quiet spell (a caller's own check, e.g. for its entry's
+        refusal).  Redis being unreachable is waited out within ``timeout``."""
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        unknown_since = started
         seen = False
-        last_id = "0-0"
-        key = self._keys.events(request_id)
-        while True:
-            block = BLOCK_MS
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+        next_check = started + QUIET_CHECK_S * random.random()
+        async with self.fanin.subscribe(self._keys.events(request_id)) as events:
+            while True:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
                     raise DeadlineExceededError("timed out waiting for the result", request_id=request_id)
-                block = max(1, min(BLOCK_MS, int(remaining * 1000)))
-            with translated():
-                reply = await self._redis.xread({key: last_id}, block=block, count=100)
-            for _stream, rows in reply or []:
-                for raw_id, raw_fields in rows:
+                wait_s = BLOCK_MS / 1000 if deadline is None else min(BLOCK_MS / 1000, deadline - now)
+                rows = await events.next_rows(min(wait_s, max(0.0, next_check - now)) or 0.001)
+                for entry_id, fields in rows:
                     seen = True
-                    last_id = raw_id.decode()
-                    fields = {k.decode(): v.decode(errors="replace") for k, v in raw_fields.items()}
-                    yield last_id, fields
+                    yield entry_id, fields
                     if fields.get("kind") == "status" and fields.get("state") in _TERMINAL_NAMES:
                         return
-            if not reply:  # a quiet spell: the events may have expired while the request ended
-                current = await self.get(request_id)
+                if rows or time.monotonic() < next_check:
+                    continue
+                next_check = time.monotonic() + QUIET_CHECK_S * (0.75 + random.random() / 2)
+                try:  # a quiet spell: the events may have expired while the request ended, or Redis lost it
+                    current = await self.get(request_id)
+                    known = current is not None or await self.known(request_id)
+                except ControlPlaneError as exc:
+                    if not is_connection_error(exc):
+                        raise
+                    continue  # Redis is away: keep waiting within the deadline
                 if current is not None and current.state.terminal:
                     return
-                if current is not None or await self.known(request_id):
-                    seen, unknown_since = True, time.monotonic()
-                elif seen or time.monotonic() - unknown_since >= UNKNOWN_GRACE_S:
+                now = time.monotonic()
+                if known:
+                    seen, unknown_since = True, now
+                elif seen or now - unknown_since >= UNKNOWN_GRACE_S:
                     raise _lost(request_id)
+                elif exists_within is not None and now - started >= exists_within:
+                    raise _not_found(request_id)
                 if on_quiet is not None:
                     await on_quiet()
 
@@ -293,16 +319,36 @@ class RequestStore:
         *,
         timeout: float | None = None,
         on_quiet: Callable[[], Awaitable[None]] | None = None,
+        exists_within: float | None = None,
     ) -> RequestStatus:
-        """Block (XREAD BLOCK on the events stream, no polling) until the request is terminal."""
-        status = await self.get(request_id)
+        """Block until the request is terminal (see :meth:`follow` for the errors); with
+        ``exists_within=0`` an unknown id is :class:`RequestNotFoundError` at once."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        status = await self._get_retrying(request_id, deadline)
+        if status is None and exists_within is not None and exists_within <= 0 and not await self.known(request_id):
+            raise _not_found(request_id)
         if status is None or not status.state.terminal:
-            async for _event in self.follow(request_id, timeout=timeout, on_quiet=on_quiet):
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            async for _event in self.follow(
+                request_id, timeout=remaining, on_quiet=on_quiet, exists_within=exists_within
+            ):
                 pass
-            status = await self.get(request_id)
+            status = await self._get_retrying(request_id, deadline)
         if status is None:  # its terminal event came, then the record went (expired, or Redis lost it)
             raise _lost(request_id)
         return status
+
+    async def _get_retrying(self, request_id: str, deadline: float | None) -> RequestStatus | None:
+        """:meth:`get`, retried (:func:`reconnecting`) while Redis is unreachable and ``deadline`` is ahead."""
+        within = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
+        async for attempt in reconnecting(within=within, event="request.status_retry"):
+            with attempt:
+                return await self.get(request_id)
+        raise AssertionError("unreachable: reconnecting() returns or raises")
+
+
+def _not_found(request_id: str) -> RequestNotFoundError:
+    return RequestNotFoundError(f"no request {request_id} (unknown id, or expired)", request_id=request_id)
 
 
 def _lost(request_id: str) -> RequestLostError:

@@ -1,0 +1,225 @@
+"""One blocking reader per process for request event streams, fanned in to every waiter.
+
+A waiter (a gateway's synchronous request, ``Client.wait``, ``stageferry submit --wait``) blocks until its
+request's events stream (``<p>:req:<id>:events``) gets a terminal status.  Giving every waiter its own
+``XREAD BLOCK`` holds one pooled connection per waiter: a few hundred concurrent waits exhaust any pool
+(redis-py's, or the server's ``maxclients``) and starve every other command, health checks included.
+
+Here all waiters of one :class:`EventFanIn` share **one** blocking read: a single ``XREAD BLOCK`` over the
+streams of every waiter (each from the last id that waiter has seen), whose rows are dispatched to the
+waiters they belong to.  No background task is needed: whichever waiter finds the reader role free takes
+it (an :class:`anyio.Lock`), runs one read round, and gives it back; waiters that get their rows return,
+and a waiter that leaves while others still wait hands the role on by waking one of them.  So at most one
+connection blocks, however many requests wait; other commands (status reads, submits) borrow pooled
+connections for a moment only.
+
+Bounds: at most ``max_waiters`` subscriptions (more is :class:`~stageferry.errors.QueueFullError`), at most
+``count`` rows per stream per round, and a waiter with ``max_buffered`` undelivered rows is left out of
+the next reads until it catches up.  A newly registered waiter joins at the next round, at most
+``block_ms`` later (rows written meanwhile are not lost: it reads from its own last id).
+
+Trouble is contained: a connection failure makes the reader back off and try again (each waiter keeps its
+own deadline, so a wait rides through a Redis restart within its timeout), and a key that makes the whole
+read fail — a client may ``SET`` something that is not a stream under an events key — is found by probing
+each key alone; only the waiters of the bad keys get the error.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import redis.asyncio as aioredis
+import structlog
+from prometheus_client import Gauge
+
+from stageferry.broker.control.redis_conn import is_connection_error, translated
+from stageferry.errors import ControlPlaneError, QueueFullError, StageferryError
+
+log = structlog.get_logger(__name__)
+
+#: Requests waited on through this process's fan-in readers.
+WAITERS = Gauge("stageferry_event_waiters", "Requests currently waited on through the shared event reader")
+
+Row = tuple[str, dict[str, str]]
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(eq=False, slots=True)
+class _Sub:
+    key: str
+    last_id: str
+    rows: deque[Row] = field(default_factory=deque)
+    wake: anyio.Event = field(default_factory=anyio.Event)
+    error: StageferryError | None = None
+
+
+class Subscription:
+    """One waiter's view of its events stream, handed out by :meth:`EventFanIn.subscribe`."""
+
+    def __init__(self, fanin: EventFanIn, sub: _Sub) -> None:
+        self._fanin = fanin
+        self._sub = sub
+
+    async def next_rows(self, timeout: float) -> list[Row]:
+        """The rows that arrived since the last call, waiting up to ``timeout`` seconds for some; ``[]`` when
+        none came.  Raises the error of a read that failed because of this waiter's key."""
+        return await self._fanin._next_rows(self._sub, timeout)
+
+
+class EventFanIn:
+    """The shared reader of one Redis client (see the module docstring)."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        block_ms: int = 100,
+        count: int = 100,
+        max_waiters: int = 10_000,
+        max_buffered: int = 1_000,
+    ) -> None:
+        self._redis = redis
+        self._block_ms = block_ms
+        self._count = count
+        self._max_waiters = max_waiters
+        self._max_buffered = max_buffered
+        self._subs: dict[int, _Sub] = {}
+        self._next = 0
+        self._reader = anyio.Lock()
+        self._backoff = 0.0
+        #: Read rounds so far, and the most streams one round read (for benchmarks and tests).
+        self.rounds = 0
+        self.widest_round = 0
+
+    @property
+    def waiters(self) -> int:
+        return len(self._subs)
+
+    @asynccontextmanager
+    async def subscribe(self, key: str, last_id: str = "0-0") -> AsyncIterator[Subscription]:
+        """Wait on the events stream ``key`` (from after ``last_id``) for the duration of the block."""
+        if len(self._subs) >= self._max_waiters:
+            raise QueueFullError(f"{len(self._subs)} requests are already waited on here; retry later")
+        handle = self._next
+        self._next += 1
+        sub = _Sub(key, last_id)
+        self._subs[handle] = sub
+        WAITERS.inc()
+        try:
+            yield Subscription(self, sub)
+        finally:
+            del self._subs[handle]
+            WAITERS.dec()
+            self._hand_on()
+
+    def _hand_on(self) -> None:
+        """Wake one waiter so that it takes the reader role, unless someone holds it already."""
+        if not self._reader.locked():
+            for sub in self._subs.values():
+                sub.wake.set()
+                return
+
+    async def _next_rows(self, sub: _Sub, timeout: float) -> list[Row]:
+        deadline = anyio.current_time() + timeout
+        while True:
+            sub.wake = anyio.Event()  # reset before looking: a set() from here on is not lost
+            if sub.error is not None:
+                raise sub.error
+            if sub.rows:
+                rows = list(sub.rows)
+                sub.rows.clear()
+                return rows
+            remaining = deadline - anyio.current_time()
+            if remaining <= 0:
+                return []
+            if not self._reader.locked():
+                try:
+                    async with self._reader:
+                        await self._round(max(1, min(self._block_ms, int(remaining * 1000))))
+                finally:
+                    if sub.rows or sub.error is not None:
+                        self._hand_on()  # this waiter is about to leave with its rows
+                continue
+            with anyio.move_on_after(remaining):
+                await sub.wake.wait()
+
+    async def _round(self, block_ms: int) -> None:
+        """One read for every waiter not already holding ``max_buffered`` rows; dispatch what came."""
+        if self._backoff:
+            await anyio.sleep(self._backoff)
+        streams: dict[str, str] = {}
+        for sub in self._subs.values():
+            if sub.error is None and len(sub.rows) < self._max_buffered:
+                known = streams.get(sub.key)
+                if known is None or _id_key(sub.last_id) < _id_key(known):
+                    streams[sub.key] = sub.last_id
+        if not streams:
+            await anyio.sleep(block_ms / 1000)
+            return
+        self.rounds += 1
+        self.widest_round = max(self.widest_round, len(streams))
+        try:
+            with translated():
+                reply = await self._redis.xread(streams, count=self._count, block=block_ms)  # type: ignore[arg-type]
+        except ControlPlaneError as exc:
+            if is_connection_error(exc):
+                self._backoff = min(2.0, max(0.1, self._backoff * 2)) * (0.5 + random.random() / 2)
+                log.warning("events.read_failed", error=exc.message, waiters=len(self._subs), retry_in=self._backoff)
+                return
+            await self._isolate(streams, exc)
+            return
+        if self._backoff:
+            log.info("events.read_recovered", waiters=len(self._subs))
+            self._backoff = 0.0
+        self._dispatch(reply or [])
+
+    def _dispatch(self, reply: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]) -> None:
+        by_key: dict[str, list[_Sub]] = {}
+        for sub in self._subs.values():
+            by_key.setdefault(sub.key, []).append(sub)
+        for raw_key, raw_rows in reply:
+            key = raw_key.decode(errors="replace")
+            rows = [
+                (eid.decode(), {k.decode(errors="replace"): v.decode(errors="replace") for k, v in fields.items()})
+                for eid, fields in raw_rows
+            ]
+            for sub in by_key.get(key, []):
+                after = _id_key(sub.last_id)
+                fresh = [row for row in rows if _id_key(row[0]) > after]
+                if fresh:
+                    sub.rows.extend(fresh)
+                    sub.last_id = fresh[-1][0]
+                    sub.wake.set()
+
+    async def _isolate(self, streams: dict[str, str], exc: ControlPlaneError) -> None:
+        """The shared read failed for a reason other than the connection: probe each key alone and fail
+        only the waiters of the keys at fault (all of them if no single key is)."""
+        try:
+            with translated():
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for key, last_id in streams.items():
+                        pipe.xread({key: last_id}, count=1)
+                    results = await pipe.execute(raise_on_error=False)
+        except ControlPlaneError as probe_exc:
+            results = [probe_exc] * len(streams)
+        bad = {key for key, result in zip(streams, results, strict=True) if isinstance(result, Exception)}
+        failing = bad or set(streams)
+        log.warning("events.read_refused", error=exc.message, keys=len(failing), isolated=bool(bad))
+        for sub in self._subs.values():
+            if sub.key in failing:
+                sub.error = ControlPlaneError(
+                    f"cannot read the events of this request: {exc.message}", redis_error=exc.details.get("redis_error")
+                )
+                sub.wake.set()
+
+
+__all__ = ["WAITERS", "EventFanIn", "Subscription"]

@@ -1,0 +1,167 @@
+"""The shared event reader against real Redis servers: many waits on one connection, a hostile key that
+fails only its own waiter, waits that ride through a Redis restart, and waits on ids that do not exist."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+import redis.asyncio as aioredis
+
+from stageferry import Client, RequestState, RequestStatus
+from stageferry.broker.control.redis_conn import MAX_CONNECTIONS
+from stageferry.broker.control.requests import QUIET_CHECK_S
+from stageferry.embedded_redis import EmbeddedRedis
+from stageferry.errors import ControlPlaneError, RequestLostError, RequestNotFoundError
+from stageferry.schemas import OutputInfo
+
+pytestmark = pytest.mark.anyio
+
+JOB = {"task": "t2va", "prompt": "a boat", "width": 320, "height": 192}
+
+
+@pytest.fixture
+async def private_redis() -> AsyncIterator[EmbeddedRedis]:
+    """A server of this test's own, so that its connection count is ours alone (AOF: it survives a kill)."""
+    async with EmbeddedRedis(appendonly=True, extra_args=("--appendfsync", "always")) as server:
+        yield server
+
+
+async def connected_clients(admin: aioredis.Redis) -> tuple[int, int]:
+    """Clients connected to the server (this admin connection excluded), and how many are blocked."""
+    listing = await admin.execute_command("CLIENT", "LIST")
+    text = listing.decode() if isinstance(listing, bytes) else str(listing)
+    lines = [line for line in text.splitlines() if line.strip()]
+    blocked = [line for line in lines if " flags=b" in line]
+    return len(lines) - 1, len(blocked)
+
+
+async def finish(client: Client, rid: str) -> None:
+    done = RequestStatus(request_id=rid, state=RequestState.DONE, result=OutputInfo(location="redis:x"))
+    assert await client.store.set_status(done)
+
+
+async def test_150_concurrent_waits_hold_one_blocking_connection(private_redis: EmbeddedRedis) -> None:
+    n = 150  # above redis-py's old per-waiter limit of 100 pooled connections
+    admin = aioredis.Redis.from_url(private_redis.url)
+    async with Client(private_redis.url, prefix="fan") as client:
+        rids = [await client.submit(JOB, request_id=f"fan-{i}") for i in range(n)]
+        results: dict[str, RequestStatus] = {}
+        during: list[tuple[int, int]] = []
+
+        async def wait(rid: str) -> None:
+            results[rid] = await client.wait(rid, timeout=60)
+
+        async with anyio.create_task_group() as tg:
+            for rid in rids:
+                tg.start_soon(wait, rid)
+            deadline = time.monotonic() + 30
+            while client.store.fanin.waiters < n:
+                assert time.monotonic() < deadline, f"only {client.store.fanin.waiters} waiters registered"
+                await anyio.sleep(0.05)
+            for _ in range(5):  # all waiting: sample the server's view while they block
+                during.append(await connected_clients(admin))
+                await anyio.sleep(0.2)
+            assert client.store.fanin.widest_round == n, "one read covers every waiter"
+            for rid in rids:
+                await finish(client, rid)
+        assert {rid: s.state for rid, s in results.items()} == dict.fromkeys(rids, RequestState.DONE)
+        assert client.store.fanin.waiters == 0
+        after = await connected_clients(admin)
+    # One blocked read for 150 waiters; the pool's other connections come and go with short commands.
+    assert max(blocked for _, blocked in during) == 1, during
+    assert max(total for total, _ in during) <= MAX_CONNECTIONS, during
+    assert after[0] <= MAX_CONNECTIONS and after[1] == 0, after
+    await admin.aclose()
+
+
+async def test_a_key_of_the_wrong_type_fails_only_its_own_waiter(redis_url: str, prefix: str) -> None:
+    async with Client(redis_url, prefix=prefix) as client:
+        good = await client.submit(JOB, request_id="good-1")
+        bad = await client.submit(JOB, request_id="bad-1")
+        outcome: dict[str, RequestStatus | Exception] = {}
+
+        async def wait(rid: str) -> None:
+            try:
+                outcome[rid] = await client.wait(rid, timeout=30)
+            except ControlPlaneError as exc:
+                outcome[rid] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait, good)
+            tg.start_soon(wait, bad)
+            while client.store.fanin.waiters < 2:
+                await anyio.sleep(0.02)
+            # A hostile client replaces the events stream of "bad-1" with a plain string.
+            await client.redis.delete(client.keys.events(bad))
+            await client.redis.set(client.keys.events(bad), b"not a stream")
+            await anyio.sleep(0.3)
+            await finish(client, good)
+        assert isinstance(outcome[good], RequestStatus) and outcome[good].state is RequestState.DONE
+        assert isinstance(outcome[bad], ControlPlaneError)
+        assert "WRONGTYPE" in outcome[bad].message
+
+
+async def test_wait_rides_through_a_redis_restart(private_redis: EmbeddedRedis) -> None:
+    async with Client(private_redis.url, prefix="restart") as client:
+        rid = await client.submit(JOB, request_id="survivor-1")
+        outcome: list[RequestStatus] = []
+
+        async def wait() -> None:
+            outcome.append(await client.wait(rid, timeout=60))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            while client.store.fanin.waiters < 1:
+                await anyio.sleep(0.02)
+            await private_redis.kill()
+            await anyio.sleep(4)  # well beyond the ~1 s after which waits used to give up
+            assert not outcome, "the wait must not end while Redis is away"
+            await private_redis.start()
+            await finish(client, rid)
+        assert outcome[0].state is RequestState.DONE
+
+
+async def test_unknown_id_ends_at_once_when_it_must_exist(client_fixture: Client) -> None:
+    client = client_fixture
+    started = time.monotonic()
+    with pytest.raises(RequestNotFoundError) as info:
+        await client.wait("never-submitted", timeout=60, exists_within=0)
+    assert info.value.code == "not_found"
+    assert time.monotonic() - started < 2
+    started = time.monotonic()
+    with pytest.raises(RequestNotFoundError):
+        await client.wait("never-submitted", timeout=60, exists_within=1.0)
+    assert time.monotonic() - started < 10
+
+
+async def test_a_request_that_vanishes_while_waited_on_ends_the_wait(client_fixture: Client) -> None:
+    client = client_fixture
+    rid = await client.submit(JOB, request_id="vanishing-1")
+    outcome: list[RequestLostError] = []
+
+    async def wait() -> None:
+        try:
+            await client.wait(rid, timeout=60)
+        except RequestLostError as exc:
+            outcome.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        while client.store.fanin.waiters < 1:
+            await anyio.sleep(0.02)
+        await anyio.sleep(QUIET_CHECK_S + 0.5)  # the waiter has seen its request by now
+        keys = client.keys  # as a restart without data would
+        await client.redis.delete(keys.request(rid), keys.events(rid), keys.submitted(rid))
+        with anyio.fail_after(15):
+            while not outcome:
+                await anyio.sleep(0.05)
+    assert outcome[0].code == "request_lost"
+
+
+@pytest.fixture
+async def client_fixture(redis_url: str, prefix: str) -> AsyncIterator[Client]:
+    async with Client(redis_url, prefix=prefix) as c:
+        yield c
