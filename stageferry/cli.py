@@ -661,6 +661,10 @@ def gateway(
         list[str] | None,
         typer.Option("--metrics-url", help="A stage's /metrics URL for the console's counters (repeatable)."),
     ] = None,
+    output_dir: Annotated[
+        str | None,
+        typer.Option("--output-dir", help="Result files served from here only (default: the pipeline's output_dir)."),
+    ] = None,
 ) -> None:
     """Serve the vLLM-Omni compatible HTTP API (/v1/videos, /v1/videos/sync, /health, /metrics) and the web
     console at /.  Set STAGEFERRY_GATEWAY_TOKEN to require a bearer token."""
@@ -669,7 +673,11 @@ def gateway(
     from stageferry.gateway import GatewayConfig, serve
 
     config = GatewayConfig.from_settings(
-        settings, sync_timeout_s=sync_timeout, model_name=model_name, metrics_urls=tuple(metrics_url or ())
+        settings,
+        sync_timeout_s=sync_timeout,
+        model_name=model_name,
+        metrics_urls=tuple(metrics_url or ()),
+        output_dir=output_dir,
     )
     serve(config, host=host, port=port, log_level=settings.log_level)
 

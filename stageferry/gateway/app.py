@@ -26,6 +26,7 @@ from stageferry.gateway.console import install_console
 from stageferry.gateway.errors import ApiError, from_exception
 from stageferry.gateway.events_sse import MAX_EVENT_STREAMS
 from stageferry.gateway.metrics import MetricsMiddleware
+from stageferry.gateway.results import ResultFiles
 from stageferry.gateway.routes import error_response, router
 from stageferry.gateway.service import VideoService
 from stageferry.logs import EventSink
@@ -47,6 +48,9 @@ class GatewayConfig:
     sync_timeout_s: float | None = None
     #: A stage counts as live when a worker's heartbeat is at most this old.
     health_fresh_s: float = FRESH_S
+    #: Where result files too large for Redis are served from; ``None`` is the pipeline's ``output_dir``
+    #: (relative to the gateway's working directory).  Nothing outside it is ever served.
+    output_dir: str | None = None
     #: Run the process's :class:`~stageferry.logs.EventSink` (one per process: off when embedding the app
     #: next to another sink).
     trace_events: bool = True
@@ -80,7 +84,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         ):
             if config.trace_events:  # the gateway's events (submitted, timed out, ...) join each request's trace
                 await tg.start(EventSink(client.store).run)
-            app.state.videos = VideoService(client, model_name=config.model_name)
+            results = ResultFiles(config.output_dir or config.pipeline.output_dir)
+            app.state.videos = VideoService(client, model_name=config.model_name, results=results)
             app.state.sync_timeout_s = config.sync_timeout_s or config.pipeline.timeouts.request
             app.state.health_fresh_s = config.health_fresh_s
             log.info("gateway.started", prefix=config.prefix, stages=[s.name for s in config.pipeline.stages])

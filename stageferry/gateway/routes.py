@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import math
 import time
-from pathlib import Path
 from typing import Annotated, Any
 
 import anyio
 import structlog
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.requests import ClientDisconnect
 
@@ -26,6 +25,7 @@ from stageferry.gateway.form import DATA_URL_FIELDS, MEDIA_FIELDS, MappedJob, ma
 from stageferry.gateway.health import check_health
 from stageferry.gateway.metrics import JOBS, UPLOAD_BYTES
 from stageferry.gateway.objects import Health, VideoDeleted, VideoObject
+from stageferry.gateway.results import ResultFile
 from stageferry.gateway.service import VideoService
 from stageferry.gateway.uploads import body_cap, read_form
 from stageferry.schemas import MediaInputs, RequestState, RequestStatus
@@ -153,9 +153,7 @@ async def create_video_sync(
         "X-Inference-Time-S": f"{time.perf_counter() - started:.3f}",
         "X-Stage-Durations": json.dumps({t.stage: round(t.seconds, 3) for t in status.timings}, separators=(",", ":")),
     }
-    if isinstance(content, Path):
-        return FileResponse(content, media_type="video/mp4", headers=headers)
-    return Response(content, media_type="video/mp4", headers=headers)
+    return _video_response(content, headers)
 
 
 @router.post(
@@ -189,9 +187,15 @@ async def download_video(request: Request, video_id: str, variant: Annotated[str
         raise invalid("variant", "only the 'video' variant is produced", "unsupported")
     service = _service(request)
     content = await service.content(await service.status(video_id))
-    if isinstance(content, Path):
-        return FileResponse(content, media_type="video/mp4", filename=f"{video_id}.mp4")
-    return Response(content, media_type="video/mp4")
+    return _video_response(content, {"Content-Disposition": f'attachment; filename="{video_id}.mp4"'})
+
+
+def _video_response(content: bytes | ResultFile, headers: dict[str, str]) -> Response:
+    """The MP4 from Redis bytes, or streamed from an opened result file (closed when the stream ends)."""
+    if isinstance(content, ResultFile):
+        headers = {**headers, "Content-Length": str(content.size)}
+        return StreamingResponse(content.chunks(), media_type="video/mp4", headers=headers)
+    return Response(content, media_type="video/mp4", headers=headers)
 
 
 @router.delete("/v1/videos/{video_id}", responses={404: _ERROR}, summary="Cancel a job, or delete its output")

@@ -14,7 +14,6 @@ video object can echo what was asked for.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import anyio
 
@@ -25,6 +24,7 @@ from stageferry.gateway import recent
 from stageferry.gateway.errors import ApiError, from_exception, from_status_error
 from stageferry.gateway.form import MappedJob
 from stageferry.gateway.objects import VideoDeleted, VideoMeta, VideoObject, video_object
+from stageferry.gateway.results import ResultFile, ResultFiles, ResultRefused, refuse_logged
 from stageferry.schemas import RequestState, RequestStatus
 from stageferry.schemas.job import REQUEST_ID_PATTERN
 from stageferry.schemas.validation import check_job_limits
@@ -33,9 +33,11 @@ from stageferry.schemas.validation import check_job_limits
 class VideoService:
     """Submit, wait for, describe, fetch and delete video jobs of one deployment."""
 
-    def __init__(self, client: Client, *, model_name: str) -> None:
+    def __init__(self, client: Client, *, model_name: str, results: ResultFiles | None = None) -> None:
         self.client = client
         self.model_name = model_name
+        #: Where result files too large for Redis may be served from (nowhere else, whatever a status says).
+        self.results = results or ResultFiles(client.pipeline.output_dir)
         self.stages = [s.name for s in client.pipeline.stages]
 
     def meta_key(self, request_id: str) -> str:
@@ -89,9 +91,10 @@ class VideoService:
             ttl_s=self.client.pipeline.retention.request_ttl_s,
         )
 
-    async def content(self, status: RequestStatus) -> bytes | Path:
-        """The MP4 of a finished request: its bytes from Redis, or the file when it was too large for Redis
-        and this host can see it.  409 while running, 422 when it failed, 404 when deleted or gone."""
+    async def content(self, status: RequestStatus) -> bytes | ResultFile:
+        """The MP4 of a finished request: its bytes from Redis, or — when it was too large for Redis — the
+        file, if it lies inside this deployment's output directory (:mod:`.results`; never a path that a
+        status names freely).  409 while running, 422 when it failed, 404 when deleted or gone."""
         if not status.state.terminal:
             raise ApiError(409, "not_ready", f"video {status.request_id} is still {status.state.value}")
         if status.state is not RequestState.DONE:
@@ -101,10 +104,13 @@ class VideoService:
         if data:
             return data
         result = status.result
-        if result is not None and result.redis_key is None:  # never stored in Redis: the file, if visible here
-            location = Path(result.location)
-            if location.is_absolute() and await anyio.Path(location).is_file():
-                return location
+        if result is not None and result.redis_key is None:  # never stored in Redis: the file, if ours
+            try:
+                return await anyio.to_thread.run_sync(
+                    lambda: self.results.open(result.location, expected_bytes=result.bytes)
+                )
+            except ResultRefused as exc:
+                refuse_logged(status.request_id, result.location, exc)
         raise ApiError(404, "not_found", f"the output of {status.request_id} is not available (deleted or expired)")
 
     async def delete(self, request_id: str) -> VideoDeleted:

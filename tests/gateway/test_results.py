@@ -1,0 +1,137 @@
+"""Result files are served only from the deployment's output directory: forged statuses naming host files,
+symlinks out of the directory, FIFOs and swapped files are refused, through a real gateway on real Redis."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+import uvicorn
+from structlog.testing import capture_logs
+
+from stageferry.client import Client
+from stageferry.config import PipelineConfig
+from stageferry.gateway import GatewayConfig, create_app
+from stageferry.gateway.results import ResultFiles, ResultRefused
+from stageferry.schemas import OutputInfo, RequestState, RequestStatus
+from tests.conftest import delete_prefix
+from tests.gateway.conftest import _free_port
+
+MP4 = b"\x00\x00\x00\x18ftypmp42" + b"x" * 1000
+
+
+@pytest.fixture
+def out_dir(tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    out.mkdir()
+    return out
+
+
+def test_only_regular_files_inside_the_output_directory_open(out_dir: Path, tmp_path: Path) -> None:
+    files = ResultFiles(out_dir)
+    good = out_dir / "sub" / "video.mp4"
+    good.parent.mkdir()
+    good.write_bytes(MP4)
+    opened = files.open(str(good), expected_bytes=len(MP4))
+    assert b"".join(opened.chunks()) == MP4
+
+    (out_dir / "passwd.mp4").symlink_to("/etc/passwd")
+    (out_dir / "linked").symlink_to(tmp_path)
+    (tmp_path / "secret.mp4").write_bytes(MP4)
+    os.mkfifo(out_dir / "fifo.mp4")
+    refused = {
+        "/etc/passwd": "outside",
+        str(out_dir / ".." / "secret.mp4"): "not a normal path",
+        str(tmp_path / "secret.mp4"): "outside",
+        "out/sub/video.mp4": "not an absolute path",
+        str(out_dir / "passwd.mp4"): "cannot open",  # a symlink as the last component
+        str(out_dir / "linked" / "secret.mp4"): "cannot open",  # a symlink on the way
+        str(out_dir / "fifo.mp4"): "not a regular file",
+        str(out_dir / "sub"): "not a regular file",
+        str(out_dir / "missing.mp4"): "cannot open",
+        str(out_dir): "the output directory itself",
+    }
+    for location, reason in refused.items():
+        with pytest.raises(ResultRefused) as info:
+            files.open(location)
+        assert reason in info.value.reason, (location, info.value.reason)
+    with pytest.raises(ResultRefused, match="not the recorded"):
+        files.open(str(good), expected_bytes=len(MP4) + 1)
+
+
+def test_output_directory_is_fixed_at_start(out_dir: Path, tmp_path: Path) -> None:
+    """The directory's real path is taken once: a symlink to it works, swapping it later does not widen it."""
+    link = tmp_path / "out-link"
+    link.symlink_to(out_dir)
+    files = ResultFiles(link)
+    assert files.root == out_dir.resolve()
+    (out_dir / "a.mp4").write_bytes(MP4)
+    assert files.open(str(out_dir.resolve() / "a.mp4")).size == len(MP4)
+    with pytest.raises(ResultRefused):
+        files.open(str(link / "a.mp4"))  # not the resolved form a stage records
+
+
+@pytest.fixture
+def gateway(out_dir: Path, redis_url: str) -> Iterator[tuple[str, str]]:
+    """A gateway (no stages: only stored statuses matter here) serving ``out_dir``; (base URL, prefix)."""
+    prefix = f"t-res-{uuid.uuid4().hex[:10]}"
+    pipeline = PipelineConfig.model_validate({"output_dir": str(out_dir)})
+    config = GatewayConfig(redis_url=redis_url, prefix=prefix, pipeline=pipeline, trace_events=False)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", prefix
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        delete_prefix(redis_url, prefix)
+
+
+def forge(redis_url: str, prefix: str, rid: str, location: str, size: int) -> None:
+    """Write a finished status naming ``location`` and no Redis key, as a hostile client's HSET could."""
+
+    async def write() -> None:
+        async with Client(redis_url, prefix=prefix) as client:
+            result = OutputInfo(location=location, redis_key=None, bytes=size)
+            await client.store.set_status(RequestStatus(request_id=rid, state=RequestState.DONE, result=result))
+
+    anyio.run(write)
+
+
+def test_forged_statuses_never_serve_host_files(
+    gateway: tuple[str, str], out_dir: Path, redis_url: str, tmp_path: Path
+) -> None:
+    base, prefix = gateway
+    passwd_size = Path("/etc/passwd").stat().st_size
+    (out_dir / "escape.mp4").symlink_to("/etc/passwd")
+    (tmp_path / "beside.mp4").write_bytes(MP4)
+    forge(redis_url, prefix, "forged-passwd", "/etc/passwd", passwd_size)
+    forge(redis_url, prefix, "forged-shadow", "/etc/shadow", 0)
+    forge(redis_url, prefix, "forged-link", str(out_dir / "escape.mp4"), passwd_size)
+    forge(redis_url, prefix, "forged-dotdot", f"{out_dir}/../beside.mp4", len(MP4))
+    (out_dir / "real.mp4").write_bytes(MP4)
+    forge(redis_url, prefix, "real-1", str(out_dir.resolve() / "real.mp4"), len(MP4))
+    with httpx.Client(base_url=base, timeout=30) as http, capture_logs() as logs:
+        for rid in ("forged-passwd", "forged-shadow", "forged-link", "forged-dotdot"):
+            answer = http.get(f"/v1/videos/{rid}/content")
+            assert answer.status_code == 404, (rid, answer.status_code)
+            assert answer.json()["error"]["code"] == "not_found"
+            assert b"root:" not in answer.content
+        served = http.get("/v1/videos/real-1/content")
+        assert served.status_code == 200 and served.content == MP4
+        assert served.headers["content-type"] == "video/mp4"
+    refused = [e for e in logs if e["event"] == "gateway.result_refused"]
+    assert {e["request_id"] for e in refused} == {"forged-passwd", "forged-shadow", "forged-link", "forged-dotdot"}
