@@ -67,6 +67,8 @@ class ApiError(Exception):
         self.message = message
         self.field_errors = [dict(e) for e in field_errors]
         self.headers = dict(headers or {})
+        #: Set by :func:`with_request_id` when a job was accepted before the answer went wrong.
+        self.request_id: str | None = None
 
     def body(self) -> dict[str, Any]:
         """The JSON body: OpenAI's error object, ``param`` naming the first field at fault."""
@@ -75,7 +77,22 @@ class ApiError(Exception):
         error: dict[str, Any] = {"message": self.message, "type": kind, "param": param, "code": self.code}
         if self.field_errors:
             error["field_errors"] = self.field_errors
-        return {"error": error}
+        if self.request_id is None:
+            return {"error": error}
+        url = f"/v1/videos/{self.request_id}"
+        cancel = {"method": "DELETE", "url": url}
+        return {"error": error, "request_id": self.request_id, "status_url": url, "cancel": cancel}
+
+
+def with_request_id(error: ApiError, request_id: str) -> ApiError:
+    """``error`` for a request whose job *was accepted*: the answer carries the id (header and body),
+    where to follow it and how to cancel it, so that a client never loses a job that runs on."""
+    error.request_id = request_id
+    error.headers.setdefault("X-Request-Id", request_id)
+    error.headers.setdefault("Location", f"/v1/videos/{request_id}")
+    if error.status == 503:
+        error.headers.setdefault("Retry-After", "5")
+    return error
 
 
 def invalid(field: str, message: str, kind: str = "invalid_value") -> ApiError:

@@ -24,9 +24,7 @@ RECENT_MAX = 200
 async def record(client: Client, request_id: str) -> None:
     """Note an accepted job (newest last); the oldest fall off past :data:`RECENT_MAX`."""
     with translated():
-        await client.redis.xadd(
-            client.keys.recent_videos(), {"id": request_id}, maxlen=RECENT_MAX, approximate=False
-        )
+        await client.redis.xadd(client.keys.recent_videos(), {"id": request_id}, maxlen=RECENT_MAX, approximate=False)
 
 
 async def recent(client: Client, *, limit: int) -> RecentReport:

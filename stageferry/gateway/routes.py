@@ -20,9 +20,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.requests import ClientDisconnect
 
 from stageferry.errors import DeadlineExceededError, StageferryError
-from stageferry.gateway.errors import ApiError, from_exception, from_status_error, invalid
+from stageferry.gateway.errors import ApiError, from_exception, from_status_error, invalid, with_request_id
 from stageferry.gateway.form import DATA_URL_FIELDS, MEDIA_FIELDS, MappedJob, map_form, openapi_request_body
 from stageferry.gateway.health import check_health
+from stageferry.gateway.idempotency import HEADER as IDEMPOTENCY_HEADER
+from stageferry.gateway.idempotency import IdempotencyKey
 from stageferry.gateway.metrics import JOBS, UPLOAD_BYTES
 from stageferry.gateway.objects import Health, VideoDeleted, VideoObject
 from stageferry.gateway.results import ResultFile
@@ -36,7 +38,14 @@ router = APIRouter()
 #: Header with which a client asks for a shorter synchronous wait than the gateway's default.
 TIMEOUT_HEADER = "X-Stageferry-Timeout"
 
-_ERROR = {"description": "OpenAI-style error object; `param` and `field_errors` name the fields at fault."}
+#: How long a waiter gives a request it attached to (``Idempotency-Key``) to appear before it is not found.
+ATTACH_GRACE_S = 10.0
+
+_ERROR = {
+    "description": "OpenAI-style error object; `param` and `field_errors` name the fields at fault.  Once a job "
+    "was accepted, every answer also names it: `request_id`, `status_url` and `cancel` in the body, "
+    "`X-Request-Id` and `Location` headers (and `Retry-After` with a 503)."
+}
 _FORM = {"requestBody": openapi_request_body()}
 
 
@@ -88,8 +97,8 @@ async def _wait_for_result(request: Request, service: VideoService, rid: str, ti
     async with anyio.create_task_group() as tg:
 
         async def wait() -> None:
-            try:
-                outcome.append(await service.client.wait(rid, timeout=timeout))
+            try:  # exists_within: a retry that attached to a job may come before that job is enqueued
+                outcome.append(await service.client.wait(rid, timeout=timeout, exists_within=ATTACH_GRACE_S))
             except StageferryError as exc:
                 outcome.append(exc)
             tg.cancel_scope.cancel()
@@ -113,9 +122,7 @@ async def _wait_for_result(request: Request, service: VideoService, rid: str, ti
     if isinstance(result, DeadlineExceededError):
         await service.client.cancel(rid)
         JOBS.labels("sync", "timeout").inc()
-        error = from_exception(DeadlineExceededError(f"no result within {timeout:g}s; request {rid} was cancelled"))
-        error.headers["X-Request-Id"] = rid
-        raise error
+        raise from_exception(DeadlineExceededError(f"no result within {timeout:g}s; request {rid} was cancelled"))
     if isinstance(result, StageferryError):
         raise from_exception(result)
     return result
@@ -124,27 +131,47 @@ async def _wait_for_result(request: Request, service: VideoService, rid: str, ti
 @router.post(
     "/v1/videos/sync",
     openapi_extra=_FORM,
-    responses={200: {"content": {"video/mp4": {}}, "description": "The MP4."}, 400: _ERROR, 413: _ERROR, 504: _ERROR},
+    responses={
+        200: {"content": {"video/mp4": {}}, "description": "The MP4."},
+        400: _ERROR,
+        413: _ERROR,
+        422: _ERROR,
+        503: _ERROR,
+        504: _ERROR,
+    },
     response_class=Response,
     summary="Generate a video and wait for it; the MP4 in the body",
 )
 async def create_video_sync(
-    request: Request, timeout_header: Annotated[str | None, Header(alias=TIMEOUT_HEADER)] = None
+    request: Request,
+    timeout_header: Annotated[str | None, Header(alias=TIMEOUT_HEADER)] = None,
+    idempotency_key: Annotated[str | None, Header(alias=IDEMPOTENCY_HEADER)] = None,
+    authorization: Annotated[str | None, Header()] = None,
 ) -> Response:
     service = _service(request)
     timeout = _sync_timeout(request, timeout_header)
+    idempotency = IdempotencyKey.from_headers(idempotency_key, authorization)
     mapped = await _read_job(request, service)
     started = time.perf_counter()
-    rid = await service.submit(mapped)
-    log.info("gateway.submitted", request_id=rid, endpoint="sync")
+    rid, created = await service.submit(mapped, idempotency=idempotency)
+    log.info("gateway.submitted", request_id=rid, endpoint="sync", attached=not created)
+    try:  # from here on the job is accepted: every answer names it
+        return await _answer_sync(request, service, mapped, rid, timeout, started)
+    except ApiError as exc:
+        raise with_request_id(exc, rid) from None
+    except StageferryError as exc:
+        raise with_request_id(from_exception(exc, origin=mapped.origin), rid) from exc
+
+
+async def _answer_sync(
+    request: Request, service: VideoService, mapped: MappedJob, rid: str, timeout: float, started: float
+) -> Response:
     status = await _wait_for_result(request, service, rid, timeout)
     if status is None:
         return Response(status_code=499)
     if status.state is not RequestState.DONE:
         JOBS.labels("sync", status.state.value).inc()
-        error = from_status_error(status.error, origin=mapped.origin)
-        error.headers["X-Request-Id"] = rid
-        raise error
+        raise from_status_error(status.error, origin=mapped.origin)
     content = await service.content(status)
     JOBS.labels("sync", "done").inc()
     headers = {
@@ -159,16 +186,26 @@ async def create_video_sync(
 @router.post(
     "/v1/videos",
     openapi_extra=_FORM,
-    responses={400: _ERROR, 413: _ERROR},
+    responses={400: _ERROR, 413: _ERROR, 422: _ERROR, 503: _ERROR},
     summary="Create a video job; poll GET /v1/videos/{video_id}",
 )
-async def create_video(request: Request) -> VideoObject:
+async def create_video(
+    request: Request,
+    idempotency_key: Annotated[str | None, Header(alias=IDEMPOTENCY_HEADER)] = None,
+    authorization: Annotated[str | None, Header()] = None,
+) -> VideoObject:
     service = _service(request)
+    idempotency = IdempotencyKey.from_headers(idempotency_key, authorization)
     mapped = await _read_job(request, service)
-    rid = await service.submit(mapped, id_kind="video")
-    log.info("gateway.submitted", request_id=rid, endpoint="async")
-    JOBS.labels("async", "submitted").inc()
-    return await service.describe(rid)
+    rid, created = await service.submit(mapped, id_kind="video", idempotency=idempotency)
+    log.info("gateway.submitted", request_id=rid, endpoint="async", attached=not created)
+    JOBS.labels("async", "submitted" if created else "attached").inc()
+    try:
+        return await service.describe(rid)
+    except ApiError as exc:
+        raise with_request_id(exc, rid) from None
+    except StageferryError as exc:
+        raise with_request_id(from_exception(exc), rid) from exc
 
 
 @router.get("/v1/videos/{video_id}", responses={404: _ERROR}, summary="A video job's status and progress")

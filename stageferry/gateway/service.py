@@ -13,16 +13,18 @@ video object can echo what was asked for.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import anyio
 
 from stageferry.broker.control.redis_conn import translated
 from stageferry.client import Client, new_request_id, validate_job, with_upload_refs
-from stageferry.errors import StageferryError
+from stageferry.errors import ControlPlaneError, QueueFullError, RejectedError, StageferryError
 from stageferry.gateway import recent
-from stageferry.gateway.errors import ApiError, from_exception, from_status_error
+from stageferry.gateway.errors import ApiError, from_exception, from_status_error, with_request_id
 from stageferry.gateway.form import MappedJob
+from stageferry.gateway.idempotency import IdempotencyKey, IdempotencyStore, fingerprint
 from stageferry.gateway.objects import VideoDeleted, VideoMeta, VideoObject, video_object
 from stageferry.gateway.results import ResultFile, ResultFiles, ResultRefused, refuse_logged
 from stageferry.schemas import RequestState, RequestStatus
@@ -38,23 +40,40 @@ class VideoService:
         self.model_name = model_name
         #: Where result files too large for Redis may be served from (nowhere else, whatever a status says).
         self.results = results or ResultFiles(client.pipeline.output_dir)
+        self.idempotency = IdempotencyStore(client.redis, client.keys, ttl_s=client.pipeline.retention.request_ttl_s)
         self.stages = [s.name for s in client.pipeline.stages]
 
     def meta_key(self, request_id: str) -> str:
         return self.client.keys.video_meta(request_id)
 
-    async def submit(self, mapped: MappedJob, *, id_kind: str = "video_sync") -> str:
-        """Check the job as the first stage would, enqueue it with its media; the request id
-        (``<id_kind>-<hex>``: ``video_sync`` for synchronous requests, ``video`` for async jobs)."""
+    async def submit(
+        self, mapped: MappedJob, *, id_kind: str = "video_sync", idempotency: IdempotencyKey | None = None
+    ) -> tuple[str, bool]:
+        """Check the job as the first stage would, enqueue it with its media: (request id, created); the id
+        is ``<id_kind>-<hex>`` (``video_sync`` for synchronous requests, ``video`` for async jobs).
+
+        With an ``Idempotency-Key`` already used for the same request, nothing is enqueued and the
+        earlier request's id comes back (``created`` False); see :mod:`.idempotency`."""
         limits = self.client.pipeline.limits
         keys = self.client.keys
         try:
             refs = {name: keys.upload("precheck", name) for name in mapped.uploads}
             checked = validate_job(with_upload_refs(mapped.job, refs))
             check_job_limits(checked, limits, upload_prefix=keys.upload_prefix())
-            rid = await self.client.submit(
-                mapped.job, request_id=new_request_id(self.client.tenant, kind=id_kind), uploads=mapped.uploads
-            )
+            rid, created = new_request_id(self.client.tenant, kind=id_kind), True
+            if idempotency is not None:
+                earlier = await self.idempotency.claim(idempotency, rid, fingerprint(mapped.job, mapped.uploads))
+                rid, created = (earlier, False) if earlier is not None else (rid, True)
+            try:  # a retry after an unclear first attempt makes sure the job is in, under the same id
+                if created or await self.client.status(rid) is None:
+                    await self.client.submit(mapped.job, request_id=rid, uploads=mapped.uploads)
+            except (RejectedError, QueueFullError):
+                if idempotency is not None and created:  # refused for sure: the retry may submit anew
+                    with anyio.CancelScope(shield=True), contextlib.suppress(StageferryError):
+                        await self.idempotency.release(idempotency, rid)
+                raise
+            except ControlPlaneError as exc:  # it may have been enqueued: name it, so it can be followed
+                raise with_request_id(from_exception(exc), rid) from exc
         except StageferryError as exc:
             raise from_exception(exc, origin=mapped.origin) from exc
         meta = VideoMeta(
@@ -64,12 +83,19 @@ class VideoService:
             seconds=f"{checked.frame_count / checked.fps:g}",
             origin=mapped.origin,
         )
-        with translated():
-            await self.client.redis.set(
-                self.meta_key(rid), meta.model_dump_json(), ex=self.client.pipeline.retention.request_ttl_s
-            )
-        await recent.record(self.client, rid)  # the console's list of recent requests
-        return rid
+        try:
+            with translated():
+                await self.client.redis.set(
+                    self.meta_key(rid),
+                    meta.model_dump_json(),
+                    ex=self.client.pipeline.retention.request_ttl_s,
+                    nx=not created,
+                )
+            if created:
+                await recent.record(self.client, rid)  # the console's list of recent requests
+        except StageferryError as exc:  # the job is in: the answer must still name it
+            raise with_request_id(from_exception(exc), rid) from exc
+        return rid, created
 
     async def status(self, request_id: str) -> RequestStatus:
         """The request's status; 404 when unknown, expired or not a request id at all."""

@@ -71,9 +71,7 @@ async def stage_report(client: Client, *, fresh_s: float) -> StagesReport:
                 age: float | None = max(0.0, now - float(beat))
             except ValueError:
                 age = None
-            replicas.append(
-                Replica(id=_text(name), heartbeat_age_s=age, live=is_fresh(beat, now=now, fresh_s=fresh_s))
-            )
+            replicas.append(Replica(id=_text(name), heartbeat_age_s=age, live=is_fresh(beat, now=now, fresh_s=fresh_s)))
         if redis_ok and not any(r.live for r in replicas):
             problems.append(f"stage {stage.name}: no live worker")
         pools = [Pool(kind="cpu", capacity_bytes=data_plane.cpu_pool_bytes)]

@@ -7,6 +7,7 @@ Both are module-scoped: starting stage processes costs seconds on a small machin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -44,6 +45,24 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_gateway(config: GatewayConfig, *, start_timeout: float = 120) -> Iterator[str]:
+    """The gateway for ``config`` served by uvicorn in a background thread; yields its base URL."""
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ symlinks out of the directory, FIFOs and swapped files are refused, through a re
 from __future__ import annotations
 
 import os
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,16 +11,15 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-import uvicorn
 from structlog.testing import capture_logs
 
 from stageferry.client import Client
 from stageferry.config import PipelineConfig
-from stageferry.gateway import GatewayConfig, create_app
+from stageferry.gateway import GatewayConfig
 from stageferry.gateway.results import ResultFiles, ResultRefused
 from stageferry.schemas import OutputInfo, RequestState, RequestStatus
 from tests.conftest import delete_prefix
-from tests.gateway.conftest import _free_port
+from tests.gateway.conftest import running_gateway
 
 MP4 = b"\x00\x00\x00\x18ftypmp42" + b"x" * 1000
 
@@ -84,19 +81,10 @@ def gateway(out_dir: Path, redis_url: str) -> Iterator[tuple[str, str]]:
     prefix = f"t-res-{uuid.uuid4().hex[:10]}"
     pipeline = PipelineConfig.model_validate({"output_dir": str(out_dir)})
     config = GatewayConfig(redis_url=redis_url, prefix=prefix, pipeline=pipeline, trace_events=False)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
-        time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}", prefix
+        with running_gateway(config) as base:
+            yield base, prefix
     finally:
-        server.should_exit = True
-        thread.join(timeout=15)
         delete_prefix(redis_url, prefix)
 
 

@@ -12,8 +12,9 @@ that owns a run), ``<p>:req-crash:<id>:<stage>:<entry>`` (deliveries of an entry
 ``<p>:refused:<entry>`` and ``<p>:refused:<tenant>.<entry>`` (why the first stage refused a client's entry),
 the dead-letter streams ``<p>:stage:<stage>:dlq``, heartbeats ``<p>:stage:<stage>:workers`` and the NIXL keys
 ``<p>:nixl:agent:<name>``, ``<p>:nixl:claim:<token>``, ``<p>:nixl:resend:<agent>``,
-``<p>:nixl:reply:<token>``; by the gateway: ``<p>:req-video:<id>`` and ``<p>:gateway:recent`` (a capped stream
-of the job ids it accepted, for the web console).
+``<p>:nixl:reply:<token>``; by the gateway: ``<p>:req-video:<id>``, ``<p>:gateway:recent`` (a capped stream
+of the job ids it accepted, for the web console) and ``<p>:idem:<digest>`` (which request an
+``Idempotency-Key`` created, TTL).
 
 Written by clients: ``<p>:req-cancel:<id>`` (cancel flag), ``<p>:req-submitted:<id>`` ("submitted, not yet
 picked up" marker, TTL), ``<p>:upload:<id>:<name>`` (media bytes, TTL), entries on the first stage's stream
@@ -100,6 +101,10 @@ class Keys:
         """Why the first stage refused the client entry ``entry_id`` (the id XADD returned)."""
         tag = entry_id if tenant is None else f"{tenant}.{entry_id}"
         return f"{self.prefix}:refused:{tag}"
+
+    def idempotency(self, digest: str) -> str:
+        """The gateway's record of which request an ``Idempotency-Key`` made (``digest``: of scope and key)."""
+        return f"{self.prefix}:idem:{digest}"
 
     def agent(self, name: str) -> str:
         return f"{self.prefix}:nixl:agent:{name}"
