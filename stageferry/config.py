@@ -318,6 +318,12 @@ class Retention(Strict):
     """Most events kept per request trace."""
     dlq_maxlen: Annotated[int, Field(ge=10, le=10_000_000)] = 100_000
     """Most entries kept per dead-letter stream."""
+    dlq_body_max_bytes: Annotated[int, Field(ge=0, le=1 * MiB)] = 4 * KiB
+    """Dead letters keep bodies up to this size whole, larger ones as size + sha256 (`dead_letter.py`)."""
+    dlq_max_bytes: Annotated[int, Field(ge=64 * KiB, le=16 * GiB)] = 256 * MiB
+    """A dead-letter stream holds at most about this many bytes (fewer entries than `dlq_maxlen` if so)."""
+    dlq_max_age_s: Annotated[int, Field(ge=1, le=365 * 86_400)] = 7 * 86_400
+    """Dead letters older than this are trimmed; an idle dead-letter stream expires after it."""
     stream_maxlen: Annotated[int, Field(ge=100, le=100_000_000)] = 1_000_000
     """Admission control: submit fails with `queue_full` beyond this many queued entries."""
 

@@ -35,6 +35,7 @@ import anyio
 import redis.asyncio as aioredis
 import structlog
 
+from stageferry.broker.control.dead_letter import DeadLetterPolicy
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import Heartbeat
 from stageferry.broker.control.redis_conn import is_connection_error, is_transient_error, reconnecting
@@ -149,7 +150,7 @@ class StageWorker:
             stage.name,
             self.heartbeat.id,
             visibility_ms=int(timeouts.visibility * 1000),
-            dlq_maxlen=pipeline.retention.dlq_maxlen,
+            dead_letters=DeadLetterPolicy.from_retention(pipeline.retention),
             max_entry_bytes=pipeline.limits.max_entry_bytes,
             tenants=pipeline.security.tenants if pipeline.index_of(stage.name) == 0 else (),
         )

@@ -26,6 +26,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 
+from stageferry.broker.control.dead_letter import DEAD_LETTER_LUA, DeadLetterPolicy
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, translated
 from stageferry.errors import ControlPlaneError
@@ -153,7 +154,7 @@ class StageStream:
         consumer: str,
         *,
         visibility_ms: int,
-        dlq_maxlen: int = 100_000,
+        dead_letters: DeadLetterPolicy | None = None,
         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
         tenants: Sequence[str] = (),
     ) -> None:
@@ -168,7 +169,8 @@ class StageStream:
         self._tenants: tuple[str | None, ...] = (None, *tenants)
         self._source: dict[str, str] = {}  # entry id → its stream, for the entries in hand
         self._visibility_ms = visibility_ms
-        self._dlq_maxlen = dlq_maxlen
+        self._dead_letters = dead_letters or DeadLetterPolicy()
+        self._dead_letter = redis.register_script(DEAD_LETTER_LUA)
         self._handoff = redis.register_script(_HANDOFF)
         self._ack = redis.register_script(_ACK)
         self._renew = redis.register_script(_RENEW)
@@ -302,20 +304,21 @@ class StageStream:
         return done
 
     async def dead_letter(self, entry: Entry, *, reason: str, error_code: str) -> bool:
-        """Move an entry to the stage's dead-letter stream with the reason, then ack it."""
-        fields: dict[str, bytes | str] = {
-            "reason": reason[:2000],
-            "error_code": error_code,
-            "source_entry": entry.id,
-            "deliveries": str(entry.deliveries),
-        }
-        for name in ("request_id", "job", "envelope"):
-            if name in entry.fields:
-                fields[name] = entry.fields[name]
+        """Move an entry to the stage's dead-letter stream with the reason, then ack it.
+
+        Bounded (:mod:`.dead_letter`): large bodies are kept as size and digest only, and the stream is
+        trimmed by length, bytes and age in the same script."""
+        policy = self._dead_letters
+        fields = policy.fields(
+            entry.id,
+            entry.fields,
+            reason=reason,
+            error_code=error_code,
+            deliveries=entry.deliveries,
+            entry_bytes=entry.too_large,
+        )
         with translated():
-            await self._redis.xadd(
-                self._keys.dead_letter(self.stage), fields, maxlen=self._dlq_maxlen, approximate=True
-            )
+            await self._dead_letter(keys=[self._keys.dead_letter(self.stage)], args=policy.script_args(fields))
         log.warning("stream.dead_lettered", stream=entry.stream, entry=entry.id, reason=reason, code=error_code)
         return await self.ack(entry.id)
 
