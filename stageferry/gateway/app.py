@@ -25,6 +25,7 @@ from stageferry.gateway.auth import require_token
 from stageferry.gateway.console import install_console
 from stageferry.gateway.errors import ApiError, from_exception
 from stageferry.gateway.events_sse import MAX_EVENT_STREAMS
+from stageferry.gateway.health import HealthMonitor, health_connection
 from stageferry.gateway.metrics import MetricsMiddleware
 from stageferry.gateway.results import ResultFiles
 from stageferry.gateway.routes import error_response, router
@@ -87,11 +88,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
             results = ResultFiles(config.output_dir or config.pipeline.output_dir)
             app.state.videos = VideoService(client, model_name=config.model_name, results=results)
             app.state.sync_timeout_s = config.sync_timeout_s or config.pipeline.timeouts.request
-            app.state.health_fresh_s = config.health_fresh_s
+            app.state.health_fresh_s = config.health_fresh_s  # the console's stage panel
+            health_redis = health_connection(config.redis_url)
+            app.state.health = HealthMonitor(client, health_redis, fresh_s=config.health_fresh_s)
+            await tg.start(app.state.health.run)
             log.info("gateway.started", prefix=config.prefix, stages=[s.name for s in config.pipeline.stages])
             yield
             log.info("gateway.stopped")
             tg.cancel_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await health_redis.aclose()
 
     app = FastAPI(
         title="stageferry gateway",

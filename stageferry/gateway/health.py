@@ -3,14 +3,24 @@
 Liveness is :mod:`stageferry.broker.control.liveness`'s, the rule ``stageferry up`` and ``stageferry
 health`` use too: a stage whose workers were killed outright drops out once its last heartbeat is older
 than the freshness bound, a drained one at once.
+
+A gateway under load must not look down when it is not: a 503 from ``/health`` gets it restarted in the
+middle of the burst it is serving.  So the gateway checks in the background (:class:`HealthMonitor`,
+every second) over a connection of its own (:func:`health_connection`), not the pool its requests queue
+for, and ``/health`` answers the latest report at once; a report older than ``stale_s`` is itself a
+problem (the check is stuck).
 """
 
 from __future__ import annotations
 
+import time
+
 import anyio
+import anyio.abc
+import redis.asyncio as aioredis
 
 from stageferry.broker.control.liveness import FRESH_S, live_by_stage
-from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.control.redis_conn import connect, translated
 from stageferry.client import Client
 from stageferry.errors import ControlPlaneError
 from stageferry.gateway.objects import Health
@@ -19,8 +29,17 @@ from stageferry.gateway.objects import Health
 HEALTH_TIMEOUT_S = 2.0
 
 
-async def check_health(client: Client, *, fresh_s: float = FRESH_S) -> Health:
-    """The deployment's health as seen from here (never raises: trouble is a problem in the answer)."""
+def health_connection(url: str) -> aioredis.Redis:
+    """A client for health checks alone (one connection, two at most)."""
+    return connect(url, retries=1, max_connections=2)
+
+
+async def check_health(
+    client: Client, *, fresh_s: float = FRESH_S, redis: aioredis.Redis | None = None
+) -> Health:
+    """The deployment's health as seen from here, over ``redis`` (default: the client's own pool); never
+    raises: trouble is a problem in the answer."""
+    redis = redis if redis is not None else client.redis
     stages = [s.name for s in client.pipeline.stages]
     live: dict[str, list[str]] = {}
     problems: list[str] = []
@@ -28,9 +47,9 @@ async def check_health(client: Client, *, fresh_s: float = FRESH_S) -> Health:
     with anyio.move_on_after(HEALTH_TIMEOUT_S) as scope:
         try:
             with translated():
-                await client.redis.ping()
+                await redis.ping()
             redis_ok = True
-            live = await live_by_stage(client.redis, client.keys, stages, fresh_s=fresh_s)
+            live = await live_by_stage(redis, client.keys, stages, fresh_s=fresh_s)
         except ControlPlaneError as exc:
             problems.append(f"redis: {exc.message}")
     if scope.cancelled_caught:
@@ -38,3 +57,44 @@ async def check_health(client: Client, *, fresh_s: float = FRESH_S) -> Health:
     problems += [f"stage {s}: no live worker" for s in stages if redis_ok and not live.get(s)]
     ok = redis_ok and not problems
     return Health(status="ok" if ok else "unhealthy", redis=redis_ok, stages=live, problems=problems)
+
+
+class HealthMonitor:
+    """Checks the deployment every ``interval_s`` in the background; :meth:`report` is the latest."""
+
+    def __init__(
+        self,
+        client: Client,
+        redis: aioredis.Redis,
+        *,
+        fresh_s: float = FRESH_S,
+        interval_s: float = 1.0,
+        stale_s: float = 10.0,
+    ) -> None:
+        self._client = client
+        self._redis = redis
+        self._fresh_s = fresh_s
+        self._interval_s = interval_s
+        self._stale_s = stale_s
+        self._latest = Health(status="unhealthy", redis=False, stages={}, problems=["not checked yet"])
+        self._at = time.monotonic()
+
+    async def check(self) -> Health:
+        self._latest = await check_health(self._client, fresh_s=self._fresh_s, redis=self._redis)
+        self._at = time.monotonic()
+        return self._latest
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Check now, report started, then check every ``interval_s`` until cancelled."""
+        await self.check()
+        task_status.started()
+        while True:
+            await anyio.sleep(self._interval_s)
+            await self.check()
+
+    def report(self) -> Health:
+        age = time.monotonic() - self._at
+        if age <= self._stale_s:
+            return self._latest
+        stale = f"health check stuck: last report {age:.0f}s old"
+        return self._latest.model_copy(update={"status": "unhealthy", "problems": [*self._latest.problems, stale]})
