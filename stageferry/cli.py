@@ -328,7 +328,11 @@ def submit(
     wait: Annotated[bool, typer.Option("--wait", help="Follow progress, then print the result.")] = False,
     timeout: Annotated[
         float | None,
-        typer.Option("--timeout", metavar="SECONDS", help="With --wait: give up after this. Default: no limit."),
+        typer.Option(
+            "--timeout",
+            metavar="SECONDS",
+            help="With --wait: give up after this. Default: the pipeline's timeouts.request.",
+        ),
     ] = None,
 ) -> None:
     """Submit a job; prints its request id (with --wait: follows it and prints the final status)."""
@@ -346,7 +350,8 @@ def submit(
         typer.echo(rid)
         if not wait:
             return None
-        return await follow(client, rid, timeout=timeout, console=stderr)
+        limit = timeout if timeout is not None else client.pipeline.timeouts.request
+        return await follow(client, rid, timeout=limit, console=stderr)
 
     status = _with_client(ctx, act)
     if status is not None:
@@ -373,11 +378,34 @@ def wait_cmd(
     ctx: typer.Context,
     request_id: RequestIdArg,
     timeout: Annotated[
-        float | None, typer.Option("--timeout", metavar="SECONDS", help="Give up after this. Default: no limit.")
+        float | None,
+        typer.Option(
+            "--timeout", metavar="SECONDS", min=0, help="Give up after this. Default: the pipeline's timeouts.request."
+        ),
     ] = None,
+    appear_within: Annotated[
+        float,
+        typer.Option(
+            "--appear-within",
+            metavar="SECONDS",
+            min=0,
+            help="How long an unknown id may take to appear (a raw XADD has no status until the first stage "
+            "reads it). Default 0: an unknown id ends the wait at once.",
+        ),
+    ] = 0.0,
 ) -> None:
-    """Block until the request ends; print its status (exit 1 unless it is done)."""
-    final = _with_client(ctx, lambda c: c.wait(request_id, timeout=timeout))
+    """Block until the request ends; print its status (exit 1 unless it is done).
+
+    Ends at once with ``not_found`` on an id that does not exist, and with ``deadline_exceeded`` after
+    the timeout: a wait never blocks forever."""
+    final = _with_client(
+        ctx,
+        lambda c: c.wait(
+            request_id,
+            timeout=timeout if timeout is not None else c.pipeline.timeouts.request,
+            exists_within=appear_within,
+        ),
+    )
     _print_status(final)
     if final.state is not RequestState.DONE:
         raise typer.Exit(1)

@@ -114,6 +114,34 @@ def test_wait_times_out_with_a_typed_error(redis_url: str, prefix: str) -> None:
     assert result.stderr.startswith("error [deadline_exceeded]")
 
 
+def test_wait_on_an_unknown_id_ends_at_once(redis_url: str, prefix: str) -> None:
+    """No timeout given, an id nobody submitted: one not_found line and exit 1, at once."""
+    started = time.monotonic()
+    result = invoke(redis_url, prefix, "wait", "never-submitted")
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [
+        "error [not_found]: no request never-submitted (unknown id, or expired)"
+    ]
+    assert result.stdout == ""
+    assert time.monotonic() - started < 5
+    started = time.monotonic()
+    result = invoke(redis_url, prefix, "wait", "never-submitted", "--appear-within", "1")
+    assert result.exit_code == 1 and result.stderr.startswith("error [not_found]")
+    assert 1 <= time.monotonic() - started < 15
+
+
+def test_wait_has_a_default_timeout(redis_url: str, prefix: str, tmp_path: Path) -> None:
+    """Without --timeout the pipeline's timeouts.request bounds the wait."""
+    pipeline = tmp_path / "pipeline.toml"
+    pipeline.write_text("[timeouts]\nrequest = 1.0\n")
+    assert invoke(redis_url, prefix, "submit", "--prompt", "x", "--width", "320", "--height", "192",
+                  "--request-id", "w-2").exit_code == 0  # fmt: skip
+    started = time.monotonic()
+    result = invoke(redis_url, prefix, "--pipeline", str(pipeline), "wait", "w-2")
+    assert result.exit_code == 1 and result.stderr.startswith("error [deadline_exceeded]")
+    assert time.monotonic() - started < 15
+
+
 def test_bad_settings_are_a_config_error() -> None:
     result = runner.invoke(app, ["--prefix", "bad prefix!", "status", "x"])
     assert result.exit_code == 1 and result.stderr.startswith("error [config]")
