@@ -586,8 +586,24 @@ def serve(
         int | None, typer.Option("--tp", min=1, max=64, help="Run the stage as TP N instead of its layout in the file.")
     ] = None,
     devices: DevicesOpt = None,
+    supervise: Annotated[
+        bool,
+        typer.Option(
+            "--supervise/--no-supervise",
+            help="Run a one-rank replica under a supervisor that restarts it when it dies (groups always are).",
+        ),
+    ] = False,
+    max_restarts: Annotated[
+        int,
+        typer.Option(
+            "--max-restarts",
+            min=0,
+            help="Consecutive group restarts (backoff 1 s doubling to 30 s; reset after 60 s healthy) before "
+            "giving up with exit 1; 0 never restarts.",
+        ),
+    ] = 5,
 ) -> None:
-    """Run one replica of a stage service until SIGTERM/SIGINT."""
+    """Run one replica of a stage service until SIGTERM/SIGINT; a group restarts itself when a rank dies."""
     settings = _settings(ctx)
     from stageferry.stages.placement import host_gpus, parse_devices, pipeline_for_host
 
@@ -595,9 +611,13 @@ def serve(
     pipeline = pipeline_for_host(settings.pipeline, gpus)
     pipeline.stage(stage)  # an unknown stage is a config error before anything starts
     from stageferry.stages.service import run_service
+    from stageferry.stages.supervisor import RestartPolicy
 
     gpu_list = parse_devices(devices) if devices is not None else None
-    raise typer.Exit(run_service(settings, pipeline, stage, tp=tp, devices=gpu_list, gpus=gpus))
+    policy = RestartPolicy(max_restarts=max_restarts)
+    raise typer.Exit(
+        run_service(settings, pipeline, stage, tp=tp, devices=gpu_list, gpus=gpus, supervised=supervise, policy=policy)
+    )
 
 
 @app.command("plan")

@@ -118,7 +118,8 @@ class Cluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{replica.consumer}.log", "ab") as out:
             replica.process = subprocess.Popen(
-                [sys.executable, "-m", "stageferry", "serve", replica.stage],
+                # --max-restarts 0: the runner is the orchestrator here (it revives and counts restarts)
+                [sys.executable, "-m", "stageferry", "serve", replica.stage, "--max-restarts", "0"],
                 env=self.env(replica),
                 stdout=out,
                 stderr=subprocess.STDOUT,

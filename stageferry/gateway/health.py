@@ -34,9 +34,7 @@ def health_connection(url: str) -> aioredis.Redis:
     return connect(url, retries=1, max_connections=2)
 
 
-async def check_health(
-    client: Client, *, fresh_s: float = FRESH_S, redis: aioredis.Redis | None = None
-) -> Health:
+async def check_health(client: Client, *, fresh_s: float = FRESH_S, redis: aioredis.Redis | None = None) -> Health:
     """The deployment's health as seen from here, over ``redis`` (default: the client's own pool); never
     raises: trouble is a problem in the answer."""
     redis = redis if redis is not None else client.redis

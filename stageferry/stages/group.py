@@ -21,8 +21,6 @@ import datetime
 import gc
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -37,7 +35,6 @@ import torch.distributed as dist
 from stageferry.broker.data import metrics
 from stageferry.broker.data.payload_codec import pack_into, plan_payload, unpack
 from stageferry.config import GroupLayout, PipelineConfig, StageConfig
-from stageferry.embedded_redis import free_port
 from stageferry.errors import (
     CancelledRequestError,
     GroupBrokenError,
@@ -360,55 +357,3 @@ def die_with_parent(*, follower: bool) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
-
-
-def supervise(stage: str, world_size: int, *, env: dict[str, str], args: tuple[str, ...] = ()) -> int:
-    """Start ``world_size`` rank processes of ``stage`` (each ``serve stage *args``) and watch them;
-    returns the group's exit code."""
-    port = free_port()
-    base = dict(
-        os.environ,
-        **env,
-        WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        STAGEFERRY_GROUP_CHILD="1",
-    )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "stageferry", "serve", stage, *args],
-            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-        )
-        for rank in range(world_size)
-    ]
-    log.info("group.started", stage=stage, tp=world_size, ranks=world_size, pids=[p.pid for p in procs])
-    draining = False
-
-    def drain(signum: int, _frame: Any) -> None:
-        nonlocal draining
-        draining = True
-        if procs[0].poll() is None:
-            procs[0].send_signal(signal.SIGTERM)  # the leader drains, then stops the followers
-
-    signal.signal(signal.SIGTERM, drain)
-    signal.signal(signal.SIGINT, drain)
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(code is not None for code in codes):
-            return 0 if all(code == 0 for code in codes) else 1
-        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-        exited_early = [rank for rank, code in enumerate(codes) if code == 0 and not draining]
-        if failed or exited_early:
-            log.error("group.rank_died", stage=stage, failed=failed, exited=exited_early)
-            _stop_all(procs)
-            return 1
-        time.sleep(0.1)
-
-
-def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
-    """A broken group cannot finish its entry (it will be reclaimed elsewhere): stop every rank now."""
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    for p in procs:
-        p.wait()

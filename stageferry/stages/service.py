@@ -3,9 +3,10 @@ stage's layout (TP, TP × SP, HSDP; an aggregated stage is such a group too).
 
 A replica runs until SIGTERM/SIGINT (it then drains: finishes the entry in hand and exits 0), or until
 Redis has been unreachable for longer than ``timeouts.redis_unreachable`` (it then exits non-zero so that
-a supervisor restarts it; it never hangs silently).  With more than one rank the process becomes the
-group's supervisor (:func:`stageferry.stages.group.supervise`); under torchrun (``WORLD_SIZE`` set) each process
-is one rank.
+a supervisor restarts it; it never hangs silently).  With more than one rank — or one rank and
+``supervised`` (``serve --supervise``) — the process becomes the group's supervisor
+(:func:`stageferry.stages.supervisor.supervise`), which restarts the group when a rank dies; under
+torchrun (``WORLD_SIZE`` set) each process is one rank.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ from stageferry.stages.group import (
     init_group,
     rank_device,
     settle_heap,
-    supervise,
 )
 from stageferry.stages.group_channel import GroupChannel
 from stageferry.stages.model import input_contract_of, load_model
 from stageferry.stages.placement import Plan, StagePlacement, host_gpus, plan, with_overrides
+from stageferry.stages.supervisor import RestartPolicy, supervise
 from stageferry.stages.worker import StageWorker
 
 log = structlog.get_logger(__name__)
@@ -51,9 +52,13 @@ def run_service(
     tp: int | None = None,
     devices: tuple[int, ...] | None = None,
     gpus: int | None = None,
+    supervised: bool = False,
+    policy: RestartPolicy | None = None,
 ) -> int:
     """The ``serve`` command: returns the process exit code.  ``tp``/``devices`` override the stage's
     (``--tp``/``--devices``); ``gpus`` is the host's GPU count (default: the GPUs this process sees).
+    A group of several ranks is always supervised (restarted when a rank dies, see :mod:`.supervisor`);
+    ``supervised`` puts a one-rank replica under one too.
 
     The placement is planned here, in the supervisor and again in every rank (the same pure function of
     the same inputs, so they agree): a stage this host cannot run is refused before any rank starts."""
@@ -71,7 +76,8 @@ def run_service(
                 f"WORLD_SIZE={world} but stage {stage.name} has {stage.world_size} ranks ({stage.layout.describe()})"
             )
         return _run_rank(settings, pipeline, stage, placement, rank=int(os.environ["RANK"]))
-    if stage.world_size > 1:
+    in_group = bool(os.environ.get("STAGEFERRY_GROUP_CHILD"))
+    if stage.world_size > 1 or (supervised and not in_group):
         configure_logging(
             fmt=settings.log_format, level=settings.log_level, service=f"{stage.name}-group", capture_native=True
         )
@@ -83,7 +89,9 @@ def run_service(
             **({"STAGEFERRY_PIPELINE": str(settings.pipeline)} if settings.pipeline else {}),
         }
         args = (*(("--tp", str(tp)) if tp else ()), *(("--devices", ",".join(map(str, devices))) if devices else ()))
-        return supervise(stage.name, stage.world_size, env=child_env, args=args)
+        return supervise(stage.name, stage.world_size, env=child_env, args=args, policy=policy)
+    if in_group:  # the one rank of a supervised replica: dies with its supervisor
+        die_with_parent(follower=False)
     configure_logging(fmt=settings.log_format, level=settings.log_level, service=stage.name, capture_native=True)
     _log_placement(the_plan, placement)
     stop = StopRequest.install()

@@ -133,7 +133,7 @@ def test_a_follower_killed_mid_request_stops_its_group_and_a_replica_finishes(
 ) -> None:
     with make(tmp_path, redis_url, prefix, connector="nixl", enc_tp=1, dif_tp=2) as svc:
         svc.start("encoder", "a")
-        group_a = svc.start("diffusion", "a")
+        group_a = svc.start("diffusion", "a", "--max-restarts", "0")  # no self-healing: replica b takes over
         client = svc.client()
         rid = client.submit({**JOB, "prompt": "sleep:4"})
         wait_for(
