@@ -16,6 +16,9 @@ gateway's waits; 1 with the shared reader), and ``/health`` probed every half se
 Before the shared reader, each waiting request held a pooled connection of its own (300 concurrent →
 200 × 503 ``MaxConnectionsError``, ``/health`` 503, 110 connections left open).
 
+``--code DIR`` runs the services and the gateway from another checkout (e.g. an older commit, for a
+before/after comparison); this script itself only talks HTTP and reads ``CLIENT LIST``.
+
 Bounded in time: ``--deadline`` seconds for the whole burst (default 900); what has not answered by
 then counts as unanswered.
 """
@@ -90,7 +93,8 @@ async def burst(base: str, admin: aioredis.Redis, n: int, deadline_s: float) -> 
                 answers.append((0, type(exc).__name__, time.perf_counter() - started))
 
         async def sample() -> None:
-            async with httpx.AsyncClient(base_url=base, timeout=10) as probe:
+            # A fresh connection per probe, as an orchestrator's probe makes (no keep-alive races).
+            async with httpx.AsyncClient(base_url=base, timeout=30, headers={"Connection": "close"}) as probe:
                 while running:
                     samples.append(await redis_clients(admin))
                     asked = time.perf_counter()
@@ -123,6 +127,7 @@ async def burst(base: str, admin: aioredis.Redis, n: int, deadline_s: float) -> 
 async def main_async(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="sf-gwc-") as tmp:
         work = Path(tmp)
+        os.chdir(work)  # children run `python -m stageferry`: the working directory must not shadow --code
         server = None if args.redis_url else EmbeddedRedis(extra_args=("--maxclients", "10000"))
         if server is not None:
             await server.start()
@@ -132,7 +137,7 @@ async def main_async(args: argparse.Namespace) -> None:
         pipeline.write_text(pipeline_toml())
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(args.code), os.environ.get("PYTHONPATH")])),
             "STAGEFERRY_REDIS_URL": url,
             "STAGEFERRY_PREFIX": prefix,
             "STAGEFERRY_PIPELINE": str(pipeline),
@@ -182,7 +187,8 @@ def report(args: argparse.Namespace, before: tuple[int, int], r: dict[str, Any])
     blocked = max(b for _, b in r["samples"])
     health = r["health"]
     print(f"machine: {machine_facts()}")
-    print(f"{args.requests} concurrent POST /v1/videos/sync, payload-only models, {args.replicas} replica(s)/stage\n")
+    print(f"{args.requests} concurrent POST /v1/videos/sync, payload-only models, {args.replicas} replica(s)/stage")
+    print(f"services and gateway run the code in {args.code}\n")
     print("| requests | answered | ok (200) | errors | latency p50 / p99 (s) | wall (s) "
           "| Redis conns before / max during / after | max blocked XREAD | /health 200 / probes |")  # fmt: skip
     print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
@@ -205,6 +211,9 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=1, help="service replicas per stage")
     parser.add_argument("--deadline", type=float, default=900.0, help="seconds for the whole burst")
     parser.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    parser.add_argument(
+        "--code", type=Path, default=ROOT, help="checkout whose stageferry the services and gateway run (before/after)"
+    )
     args = parser.parse_args()
     print(f"$ python {' '.join(sys.argv)}\n")
     anyio.run(main_async, args)
