@@ -8,7 +8,9 @@ A gateway under load must not look down when it is not: a 503 from ``/health`` g
 middle of the burst it is serving.  So the gateway checks in the background (:class:`HealthMonitor`,
 every second) over a connection of its own (:func:`health_connection`), not the pool its requests queue
 for, and ``/health`` answers the latest report at once; a report older than ``stale_s`` is itself a
-problem (the check is stuck).
+problem (the check is stuck).  A check that merely *timed out* (Redis, or this busy process, slower than
+:data:`HEALTH_TIMEOUT_S` for a moment) replaces a healthy report only when the trouble lasts
+``slow_grace_s``; a refused connection or a stage without a live worker shows at once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 import anyio
 import anyio.abc
 import redis.asyncio as aioredis
+import structlog
 
 from stageferry.broker.control.liveness import FRESH_S, live_by_stage
 from stageferry.broker.control.redis_conn import connect, translated
@@ -27,6 +30,13 @@ from stageferry.gateway.objects import Health
 
 #: A health check never waits longer than this on Redis.
 HEALTH_TIMEOUT_S = 2.0
+_TIMED_OUT = "redis: no answer within"
+
+log = structlog.get_logger(__name__)
+
+
+def _timed_out(report: Health) -> bool:
+    return any(problem.startswith(_TIMED_OUT) for problem in report.problems)
 
 
 def health_connection(url: str) -> aioredis.Redis:
@@ -51,7 +61,7 @@ async def check_health(client: Client, *, fresh_s: float = FRESH_S, redis: aiore
         except ControlPlaneError as exc:
             problems.append(f"redis: {exc.message}")
     if scope.cancelled_caught:
-        problems.append(f"redis: no answer within {HEALTH_TIMEOUT_S:g}s")
+        problems.append(f"{_TIMED_OUT} {HEALTH_TIMEOUT_S:g}s")
     problems += [f"stage {s}: no live worker" for s in stages if redis_ok and not live.get(s)]
     ok = redis_ok and not problems
     return Health(status="ok" if ok else "unhealthy", redis=redis_ok, stages=live, problems=problems)
@@ -68,19 +78,29 @@ class HealthMonitor:
         fresh_s: float = FRESH_S,
         interval_s: float = 1.0,
         stale_s: float = 10.0,
+        slow_grace_s: float = 5.0,
     ) -> None:
         self._client = client
         self._redis = redis
         self._fresh_s = fresh_s
         self._interval_s = interval_s
         self._stale_s = stale_s
+        self._slow_grace_s = slow_grace_s
         self._latest = Health(status="unhealthy", redis=False, stages={}, problems=["not checked yet"])
         self._at = time.monotonic()
+        self._last_ok = -float("inf")
 
     async def check(self) -> Health:
-        self._latest = await check_health(self._client, fresh_s=self._fresh_s, redis=self._redis)
-        self._at = time.monotonic()
-        return self._latest
+        report = await check_health(self._client, fresh_s=self._fresh_s, redis=self._redis)
+        now = time.monotonic()
+        self._at = now
+        if report.status == "ok":
+            self._last_ok = now
+        elif _timed_out(report) and now - self._last_ok <= self._slow_grace_s:
+            log.info("gateway.health_slow", problems=report.problems, since_ok_s=round(now - self._last_ok, 1))
+            return self._latest  # slow for a moment: the last healthy report stands
+        self._latest = report
+        return report
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Check now, report started, then check every ``interval_s`` until cancelled."""
@@ -91,6 +111,7 @@ class HealthMonitor:
             await self.check()
 
     def report(self) -> Health:
+        """The latest report (answered at once), or unhealthy when no check finished for ``stale_s``."""
         age = time.monotonic() - self._at
         if age <= self._stale_s:
             return self._latest

@@ -121,12 +121,14 @@ class EventFanIn:
             WAITERS.dec()
             self._hand_on()
 
-    def _hand_on(self) -> None:
-        """Wake one waiter so that it takes the reader role, unless someone holds it already."""
+    def _hand_on(self, leaving: _Sub | None = None) -> None:
+        """Wake one waiter (other than ``leaving``) so that it takes the reader role, unless someone holds
+        it already."""
         if not self._reader.locked():
             for sub in self._subs.values():
-                sub.wake.set()
-                return
+                if sub is not leaving:
+                    sub.wake.set()
+                    return
 
     async def _next_rows(self, sub: _Sub, timeout: float) -> list[Row]:
         deadline = anyio.current_time() + timeout
@@ -147,7 +149,7 @@ class EventFanIn:
                         await self._round(max(1, min(self._block_ms, int(remaining * 1000))))
                 finally:
                     if sub.rows or sub.error is not None:
-                        self._hand_on()  # this waiter is about to leave with its rows
+                        self._hand_on(sub)  # this waiter is about to leave with its rows
                 continue
             with anyio.move_on_after(remaining):
                 await sub.wake.wait()
