@@ -18,10 +18,11 @@ Bounds: at most ``max_waiters`` subscriptions (more is :class:`~stageferry.error
 the next reads until it catches up.  A newly registered waiter joins at the next round, at most
 ``block_ms`` later (rows written meanwhile are not lost: it reads from its own last id).
 
-Trouble is contained: a connection failure makes the reader back off and try again (each waiter keeps its
-own deadline, so a wait rides through a Redis restart within its timeout), and a key that makes the whole
-read fail — a client may ``SET`` something that is not a stream under an events key — is found by probing
-each key alone; only the waiters of the bad keys get the error.
+Trouble is contained: a connection failure or a transient reply (``BUSY``, ``LOADING``) makes the reader
+back off and try again (each waiter keeps its own deadline, so a wait rides through a Redis restart
+within its timeout), and a key that makes the whole read fail — a client may ``SET`` something that is
+not a stream under an events key — is found by probing each key alone; only the waiters of the bad keys
+get the error.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import redis.asyncio as aioredis
 import structlog
 from prometheus_client import Gauge
 
-from stageferry.broker.control.redis_conn import is_connection_error, translated
+from stageferry.broker.control.redis_conn import is_transient_error, translated
 from stageferry.errors import ControlPlaneError, QueueFullError, StageferryError
 
 log = structlog.get_logger(__name__)
@@ -173,7 +174,7 @@ class EventFanIn:
             with translated():
                 reply = await self._redis.xread(streams, count=self._count, block=block_ms)  # type: ignore[arg-type]
         except ControlPlaneError as exc:
-            if is_connection_error(exc):
+            if is_transient_error(exc):  # connection trouble, BUSY, LOADING, ...
                 self._backoff = min(2.0, max(0.1, self._backoff * 2)) * (0.5 + random.random() / 2)
                 log.warning("events.read_failed", error=exc.message, waiters=len(self._subs), retry_in=self._backoff)
                 return

@@ -24,7 +24,7 @@ import structlog
 
 from stageferry.broker.control.fanin import EventFanIn
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import BLOCK_MS, is_connection_error, reconnecting, translated
+from stageferry.broker.control.redis_conn import BLOCK_MS, is_transient_error, reconnecting, translated
 from stageferry.errors import (
     ControlPlaneError,
     DeadlineExceededError,
@@ -298,9 +298,9 @@ class RequestStore:
                     current = await self.get(request_id)
                     known = current is not None or await self.known(request_id)
                 except ControlPlaneError as exc:
-                    if not is_connection_error(exc):
+                    if not is_transient_error(exc):
                         raise
-                    continue  # Redis is away: keep waiting within the deadline
+                    continue  # Redis is away or busy: keep waiting within the deadline
                 if current is not None and current.state.terminal:
                     return
                 now = time.monotonic()
