@@ -71,6 +71,9 @@ async def burst(base: str, redis_url: str) -> None:
     async with httpx.AsyncClient(base_url=base, limits=limits, timeout=300) as http:
         warm = await http.post("/v1/videos/sync", data={**FORM, "prompt": "warm-up"})
         assert warm.status_code == 200, warm.text
+        with anyio.fail_after(30):  # green before the burst (the monitor reports every second)
+            while (await http.get("/health")).status_code != 200:
+                await anyio.sleep(0.2)
         done = False
 
         async def one(i: int) -> None:
