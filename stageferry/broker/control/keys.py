@@ -137,6 +137,7 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "video_meta": "string (JSON): the HTTP gateway's record of a video job (model, prompt, size, seconds), "
     "with the request's TTL",
     "recent_videos": "list: the gateways' capped list of the jobs they accepted, newest last (web console)",
+    "idempotency": "string: the request id an `Idempotency-Key` created at the gateway (versioned JSON), TTL",
     "upload": "string: media bytes uploaded by a client, with a TTL",
     "upload_prefix": "the prefix of every upload key (what a job's `upload_key` must start with)",
     "refused": "hash: why the first stage refused a client's entry, by the id XADD returned "
