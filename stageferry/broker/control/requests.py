@@ -324,7 +324,7 @@ class RequestStore:
         """Block until the request is terminal (see :meth:`follow` for the errors); with
         ``exists_within=0`` an unknown id is :class:`RequestNotFoundError` at once."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        status = await self._get_retrying(request_id, deadline)
+        status = await self.get(request_id)  # Redis away at the start: say so at once (one error line)
         if status is None and exists_within is not None and exists_within <= 0 and not await self.known(request_id):
             raise _not_found(request_id)
         if status is None or not status.state.terminal:
