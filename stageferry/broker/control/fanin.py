@@ -28,23 +28,53 @@ get the error.
 from __future__ import annotations
 
 import random
+import sys
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import redis.asyncio as aioredis
 import structlog
-from prometheus_client import Gauge
 
 from stageferry.broker.control.redis_conn import is_transient_error, translated
 from stageferry.errors import ControlPlaneError, QueueFullError, StageferryError
 
 log = structlog.get_logger(__name__)
 
-#: Requests waited on through this process's fan-in readers.
-WAITERS = Gauge("stageferry_event_waiters", "Requests currently waited on through the shared event reader")
+
+
+class _Waiters:
+    """Requests waited on through this process's fan-in readers.  A Prometheus gauge too in processes
+    that export metrics (stages, gateway: they have imported prometheus_client by the first wait); a
+    client process only counts, so the client-only install (which lacks prometheus_client) works."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._gauge: Any = None
+
+    def _metric(self) -> Any:
+        if self._gauge is None and "prometheus_client" in sys.modules:
+            from prometheus_client import Gauge
+
+            self._gauge = Gauge("stageferry_event_waiters", "Requests waited on through the shared event reader")
+            self._gauge.set(self.count)
+        return self._gauge
+
+    def inc(self) -> None:
+        self.count += 1
+        if (gauge := self._metric()) is not None:
+            gauge.inc()
+
+    def dec(self) -> None:
+        self.count -= 1
+        if (gauge := self._metric()) is not None:
+            gauge.dec()
+
+
+WAITERS = _Waiters()
 
 Row = tuple[str, dict[str, str]]
 
