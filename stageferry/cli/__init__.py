@@ -9,6 +9,7 @@ exit 1; stdout carries only results (request ids, JSON, tables), so that scripts
 from stageferry.cli import ops as _ops  # noqa: F401 - registers the operator commands (after the client ones)
 from stageferry.cli.app import app
 from stageferry.cli.jobs import build_job, read_job_json, sample_media
+from stageferry.cli.ops import job_schema
 
 
 def main() -> None:
@@ -16,4 +17,4 @@ def main() -> None:
     app(prog_name="stageferry")
 
 
-__all__ = ["app", "build_job", "main", "read_job_json", "sample_media"]
+__all__ = ["app", "build_job", "job_schema", "main", "read_job_json", "sample_media"]
