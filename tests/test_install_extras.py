@@ -68,3 +68,6 @@ def test_the_image_lock_pins_every_requirement_within_its_range() -> None:
         assert req.specifier.contains(lock[name], prereleases=True), f"{name}=={lock[name]} is outside {req}"
     dockerfile = (ROOT / "compose" / "Dockerfile").read_text()
     assert "--no-deps -r /src/requirements.lock" in dockerfile and "pip check" in dockerfile
+    # torch's own dependencies are pinned too: the lock is the constraints file of the torch install
+    assert "-c /src/requirements.lock $TORCH_SPEC" in dockerfile
+    assert {"sympy", "networkx", "jinja2", "fsspec", "filelock"} <= set(lock)
