@@ -18,20 +18,36 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 SKIP = {"torch"}
+# The image's Python is any 3.11.x (Debian bookworm's python3 is 3.11.2, the official slim image a later
+# one), so a requirement that applies only below this interpreter's patch level is locked too, with its
+# marker (redis needs async-timeout before 3.11.3).  It is not installed here, so its pin is written below.
+PATCH_LEVELS = range(0, 30)
+NOT_INSTALLED_HERE = {"async-timeout": "5.0.1"}
 
 
-def requirements(dist: str, extras: set[str]) -> list[Requirement]:
-    found = []
+def _applies(req: Requirement, extras: set[str], python: str | None = None) -> bool:
+    if req.marker is None:
+        return True
+    env = {} if python is None else {"python_full_version": python}
+    return any(req.marker.evaluate({**env, "extra": e}) for e in extras | {""})
+
+
+def requirements(dist: str, extras: set[str]) -> list[tuple[Requirement, str | None]]:
+    """(requirement, None) where it applies here; (requirement, its marker) where only on another 3.11.x."""
+    major, minor = sys.version_info[:2]
+    found: list[tuple[Requirement, str | None]] = []
     for text in metadata.requires(dist) or []:
         req = Requirement(text)
-        marker_ok = req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras | {""})
-        if marker_ok:
-            found.append(req)
+        if _applies(req, extras):
+            found.append((req, None))
+        elif any(_applies(req, extras, f"{major}.{minor}.{patch}") for patch in PATCH_LEVELS):
+            found.append((req, str(req.marker)))
     return found
 
 
 def main() -> int:
     pins: dict[str, str] = {}
+    conditional: dict[str, str] = {}  # name -> marker, for requirements that do not apply on this interpreter
     queue: list[tuple[str, set[str]]] = [("stageferry", {"all", "stage", "gateway"})]
     seen: set[tuple[str, frozenset[str]]] = set()
     while queue:
@@ -39,8 +55,17 @@ def main() -> int:
         if (dist, frozenset(extras)) in seen:
             continue
         seen.add((dist, frozenset(extras)))
-        for req in requirements(dist, extras):
+        for req, marker in requirements(dist, extras):
             name = canonicalize_name(req.name)
+            if marker is not None:
+                if "extra" in marker:
+                    print(f"cannot lock {name} ({marker}, required by {dist}): extend this script", file=sys.stderr)
+                    return 1
+                if name not in NOT_INSTALLED_HERE:
+                    print(f"not installed: {name} ({marker}, required by {dist}): add its pin", file=sys.stderr)
+                    return 1
+                conditional[name] = marker
+                continue
             if name == "stageferry":
                 queue.append(("stageferry", set(req.extras)))
                 continue
@@ -61,8 +86,11 @@ def main() -> int:
     print(
         f"# Python {sys.version_info.major}.{sys.version_info.minor}; torch comes from TORCH_SPEC (compose/Dockerfile)."
     )
-    for name in sorted(pins):
-        print(f"{name}=={pins[name]}")
+    for name in sorted(pins.keys() | conditional.keys()):
+        if name in pins:
+            print(f"{name}=={pins[name]}")
+        else:
+            print(f"{name}=={NOT_INSTALLED_HERE[name]} ; {conditional[name]}")
     return 0
 
 
