@@ -12,11 +12,14 @@ Run it after scripts/bootstrap.sh, in the environment the tests passed in.
 from __future__ import annotations
 
 import sys
+import tomllib
 from importlib import metadata
+from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+ROOT = Path(__file__).resolve().parent.parent
 SKIP = {"torch"}
 # The image's Python is any 3.11.x (Debian bookworm's python3 is 3.11.2, the official slim image a later
 # one), so a requirement that applies only below this interpreter's patch level is locked too, with its
@@ -32,11 +35,21 @@ def _applies(req: Requirement, extras: set[str], python: str | None = None) -> b
     return any(req.marker.evaluate({**env, "extra": e}) for e in extras | {""})
 
 
+def _texts(dist: str, extras: set[str]) -> list[str]:
+    """Requirement strings of dist; stageferry's from this checkout's pyproject.toml, not from the installed
+    metadata, which an editable install leaves as old as the last `pip install -e`."""
+    if dist != "stageferry":
+        return list(metadata.requires(dist) or [])
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    optional = project.get("optional-dependencies", {})
+    return list(project["dependencies"]) + [text for extra in sorted(extras) for text in optional.get(extra, [])]
+
+
 def requirements(dist: str, extras: set[str]) -> list[tuple[Requirement, str | None]]:
     """(requirement, None) where it applies here; (requirement, its marker) where only on another 3.11.x."""
     major, minor = sys.version_info[:2]
     found: list[tuple[Requirement, str | None]] = []
-    for text in metadata.requires(dist) or []:
+    for text in _texts(dist, extras):
         req = Requirement(text)
         if _applies(req, extras):
             found.append((req, None))
