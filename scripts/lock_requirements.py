@@ -4,33 +4,63 @@ this environment, so that an image built from it is the same image whatever the 
 
     .venv/bin/python scripts/lock_requirements.py > compose/requirements.lock
 
-torch is left out (and what only torch needs): the image installs it first from TORCH_SPEC, the CPU or
-the CUDA build.  Run it after scripts/bootstrap.sh, in the environment the tests passed in.
+torch itself is left out: the image installs it first from TORCH_SPEC (the CPU or the CUDA build), with this
+file as constraints, so that torch's own dependencies (sympy, networkx, jinja2, ...) are pinned here too.
+Run it after scripts/bootstrap.sh, in the environment the tests passed in.
 """
 
 from __future__ import annotations
 
 import sys
+import tomllib
 from importlib import metadata
+from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+ROOT = Path(__file__).resolve().parent.parent
 SKIP = {"torch"}
+# The image's Python is any 3.11.x (Debian bookworm's python3 is 3.11.2, the official slim image a later
+# one), so a requirement that applies only below this interpreter's patch level is locked too, with its
+# marker (redis needs async-timeout before 3.11.3).  It is not installed here, so its pin is written below.
+PATCH_LEVELS = range(0, 30)
+NOT_INSTALLED_HERE = {"async-timeout": "5.0.1"}
 
 
-def requirements(dist: str, extras: set[str]) -> list[Requirement]:
-    found = []
-    for text in metadata.requires(dist) or []:
+def _applies(req: Requirement, extras: set[str], python: str | None = None) -> bool:
+    if req.marker is None:
+        return True
+    env = {} if python is None else {"python_full_version": python}
+    return any(req.marker.evaluate({**env, "extra": e}) for e in extras | {""})
+
+
+def _texts(dist: str, extras: set[str]) -> list[str]:
+    """Requirement strings of dist; stageferry's from this checkout's pyproject.toml, not from the installed
+    metadata, which an editable install leaves as old as the last `pip install -e`."""
+    if dist != "stageferry":
+        return list(metadata.requires(dist) or [])
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    optional = project.get("optional-dependencies", {})
+    return list(project["dependencies"]) + [text for extra in sorted(extras) for text in optional.get(extra, [])]
+
+
+def requirements(dist: str, extras: set[str]) -> list[tuple[Requirement, str | None]]:
+    """(requirement, None) where it applies here; (requirement, its marker) where only on another 3.11.x."""
+    major, minor = sys.version_info[:2]
+    found: list[tuple[Requirement, str | None]] = []
+    for text in _texts(dist, extras):
         req = Requirement(text)
-        marker_ok = req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras | {""})
-        if marker_ok:
-            found.append(req)
+        if _applies(req, extras):
+            found.append((req, None))
+        elif any(_applies(req, extras, f"{major}.{minor}.{patch}") for patch in PATCH_LEVELS):
+            found.append((req, str(req.marker)))
     return found
 
 
 def main() -> int:
     pins: dict[str, str] = {}
+    conditional: dict[str, str] = {}  # name -> marker, for requirements that do not apply on this interpreter
     queue: list[tuple[str, set[str]]] = [("stageferry", {"all", "stage", "gateway"})]
     seen: set[tuple[str, frozenset[str]]] = set()
     while queue:
@@ -38,11 +68,22 @@ def main() -> int:
         if (dist, frozenset(extras)) in seen:
             continue
         seen.add((dist, frozenset(extras)))
-        for req in requirements(dist, extras):
+        for req, marker in requirements(dist, extras):
             name = canonicalize_name(req.name)
-            if name in SKIP or name == "stageferry":
-                if name == "stageferry":
-                    queue.append(("stageferry", set(req.extras)))
+            if marker is not None:
+                if "extra" in marker:
+                    print(f"cannot lock {name} ({marker}, required by {dist}): extend this script", file=sys.stderr)
+                    return 1
+                if name not in NOT_INSTALLED_HERE:
+                    print(f"not installed: {name} ({marker}, required by {dist}): add its pin", file=sys.stderr)
+                    return 1
+                conditional[name] = marker
+                continue
+            if name == "stageferry":
+                queue.append(("stageferry", set(req.extras)))
+                continue
+            if name in SKIP:  # not pinned, but what it needs is: torch's own dependencies come from the lock
+                queue.append((name, set(req.extras)))
                 continue
             try:
                 version = metadata.version(name)
@@ -51,12 +92,18 @@ def main() -> int:
                 return 1
             pins[name] = version
             queue.append((name, set(req.extras)))
-    print("# stageferry[all] without torch, pinned: generated by scripts/lock_requirements.py; do not edit.")
+    print(
+        "# stageferry[all] and torch's dependencies (not torch), pinned: generated by scripts/lock_requirements.py;"
+        " do not edit."
+    )
     print(
         f"# Python {sys.version_info.major}.{sys.version_info.minor}; torch comes from TORCH_SPEC (compose/Dockerfile)."
     )
-    for name in sorted(pins):
-        print(f"{name}=={pins[name]}")
+    for name in sorted(pins.keys() | conditional.keys()):
+        if name in pins:
+            print(f"{name}=={pins[name]}")
+        else:
+            print(f"{name}=={NOT_INSTALLED_HERE[name]} ; {conditional[name]}")
     return 0
 
 
