@@ -199,7 +199,8 @@ def test_sync_timeout_while_the_sampler_denoises_is_504_and_cancelled(
     """The real reference sampler (no sleep): the timeout's cancel stops it between two steps."""
     response = http.post(
         "/v1/videos/sync",
-        data=form(prompt="a real and slow cat", num_inference_steps=str(MAX_STEPS)),
+        # 8x the latent work of SMALL per step, so that 150 steps outlive 5 s on a quiet host too
+        data=form(prompt="a real slow cat", num_inference_steps=str(MAX_STEPS), width="512", height="288", fps="16"),
         headers={"X-Stageferry-Timeout": "5"},
     )
     assert_error(response, 504, "deadline_exceeded")
