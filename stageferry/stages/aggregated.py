@@ -34,6 +34,7 @@ import structlog
 import torch
 
 from stageferry.broker.data.payload_codec import unpack
+from stageferry.broker.data.staging import materialize
 from stageferry.config import GroupLayout, Mode, PipelineConfig, StageConfig
 from stageferry.errors import ConfigError, StageFailedError
 from stageferry.schemas import JobRequest
@@ -129,7 +130,13 @@ class Aggregated:
             return None, None, None
         try:
             with _threads(ctx.device, part.stage.world_size):
-                part_ctx = dataclasses.replace(ctx, stage=part.stage.name, **placement(part.channel))
+                part_ctx = dataclasses.replace(
+                    ctx,
+                    stage=part.stage.name,
+                    # only the last part's output leaves the group: the others' go to plain tensors
+                    output_tensors=materialize if pack else ctx.output_tensors,
+                    **placement(part.channel),
+                )
                 output = part.model(job, payload, part_ctx)
             if contract is not None and ctx.rank == 0:
                 contract.check(job, output)

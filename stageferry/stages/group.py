@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from stageferry.broker.data import metrics
 from stageferry.broker.data.payload_codec import pack_into, plan_payload, unpack
+from stageferry.broker.data.staging import materialize
 from stageferry.config import GroupLayout, PipelineConfig, StageConfig
 from stageferry.errors import (
     CancelledRequestError,
@@ -108,8 +109,10 @@ def rank_context(
     key: str,
     media: dict[str, bytes],
     progress: ProgressSink | None = None,
+    output_tensors: Callable[[Any], Any] | None = None,
 ) -> StageContext:
     return StageContext(
+        output_tensors=output_tensors or materialize,
         stage=stage.name,
         device=channel.device,
         request_id=request_id,
@@ -184,6 +187,7 @@ class GroupCompute:
             key=item.key,
             media=item.media,
             progress=progress,
+            output_tensors=item.output_tensors,
         )
         with self._lock, self._collectives():
             started = time.perf_counter()

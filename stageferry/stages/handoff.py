@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -58,6 +60,25 @@ class HandOn:
         self.index = pipeline.index_of(stage.name)
         self.next_stage = pipeline.next_stage(stage.name)
         self.previous_stage = pipeline.previous_stage(stage.name)
+
+    def output_tensors(self, envelope: Envelope) -> Callable[[Any], Any] | None:
+        """The model's ``StageContext.output_tensors`` for this request (called from the model's thread:
+        the output connector's staging runs on the event loop), or None on the last stage."""
+        connector = self.output_connector
+        if self.next_stage is None or connector is None:
+            return None
+        stage = functools.partial(
+            connector.stage,
+            request_key(envelope.request_id, self.index),
+            force_inline=envelope.trace.force_inline,
+            deadline=envelope.deadline,
+        )
+        return lambda template: anyio.from_thread.run(stage, template)
+
+    def unstage(self, envelope: Envelope) -> None:
+        """The request is done with on this stage: free output tensors the model was handed that no put took."""
+        if self.next_stage is not None and self.output_connector is not None:
+            self.output_connector.unstage(request_key(envelope.request_id, self.index))
 
     async def hand_on(self, entry: Entry, envelope: Envelope, output: Any, timing: StageTiming) -> None:
         """Publish ``output`` and hand the request to the next stage.  A put that fails here computes the

@@ -14,6 +14,15 @@ ends the request ``rejected`` with one field error per entry; the model reads it
 ``contract.read``.  What a model raises itself ends the request as ``errors.OUTCOMES`` says (a
 :class:`~stageferry.errors.RejectedError` — bad media, a job it refuses — ``rejected``; an untyped
 exception ``failed``).
+
+Writing the output in place: a model that knows its output's shapes before its last ops may call
+``ctx.output_tensors(template)`` once — ``template`` is the payload it will return with each tensor
+replaced by a description of it (:func:`stageferry.broker.data.staging.blank`, or any tensor of the right
+shape, dtype and device) — and write its results into the answer (``out=`` forms, ``copy_``;
+:func:`~stageferry.broker.data.staging.write_into` copies the rest), then return the answer.  On the
+leader those tensors are the next hop's pool slot, so the put copies nothing; a payload returned with
+another layout, or tensors made elsewhere, are copied as usual.  The answer is valid until the model
+returns; the stage frees it if the model raises or the request ends otherwise.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
+from stageferry.broker.data.staging import materialize
 from stageferry.config import PipelineConfig, StageConfig
 from stageferry.errors import ConfigError
 from stageferry.schemas import JobRequest
@@ -55,6 +65,11 @@ class StageContext:
     coords: Mapping[str, int] = field(default_factory=dict)
     tp_rank: int = -1
     tp_size: int = 0
+    #: ``output_tensors(template)``: the tensors to write this stage's output payload into, laid out as
+    #: ``template`` describes (see the module docstring).  On the leader of a stage whose output goes over
+    #: NIXL they live in a registered pool slot and the hand-on copies nothing; elsewhere (followers, the
+    #: last stage, inline payloads, a full pool) they are ordinary fresh tensors.  Call it from the model.
+    output_tensors: Callable[[Any], Any] = materialize
 
     def __post_init__(self) -> None:
         if self.tp_size == 0:

@@ -84,6 +84,8 @@ class WorkItem:
     media: dict[str, bytes] = field(default_factory=dict)
     manifest: Manifest | None = None
     regions: Mapping[DeviceKind, Any] | None = None
+    #: The leader model's ``StageContext.output_tensors`` (from the model's thread), or None for the default.
+    output_tensors: Callable[[Any], Any] | None = None
 
 
 class Compute(Protocol):
@@ -274,7 +276,10 @@ class StageWorker:
                 self.admission.check_limits(envelope)
                 with structlog.contextvars.bound_contextvars(key=envelope.key, attempt=envelope.attempt):
                     async with self.guard.crash_mark(entry, rid):
-                        await self._run(entry, envelope)
+                        try:
+                            await self._run(entry, envelope)
+                        finally:  # put or not: free output buffers the model was handed and no put took
+                            self.hand.unstage(envelope)
             except GroupBrokenError:
                 raise  # leave the entry pending: the replica stops and another one reclaims it
             except RequestIdTakenError as exc:  # another job's id: nothing of this entry reaches its trace
@@ -365,6 +370,7 @@ class StageWorker:
             media=media,
             manifest=incoming.manifest,
             regions=incoming.regions,
+            output_tensors=self.hand.output_tensors(envelope),
         )
         result: list[Any] = []
         failure: list[Exception] = []

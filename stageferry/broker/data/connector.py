@@ -7,6 +7,12 @@ Who calls what, and when (leaders only; followers never touch a connector):
   payload, the ``blob`` field.  The producer must then either hand the envelope on (after which the
   payload belongs to the consumer: a NIXL slot is freed by the consumer's READ notification or by its
   lease running out unclaimed) or call :meth:`Connector.abandon` if the hand-off did not happen.
+* **Producer model** (on the leader, before the put; optional): :meth:`Connector.stage` with a template
+  of the payload (:mod:`stageferry.broker.data.staging`) — the answer holds the output tensors to write
+  into.  A connector that can (NIXL) answers views over registered pool slots, so the put that follows
+  with the same layout copies nothing; others answer ordinary tensors.  The staging is the hop's until
+  the put takes it; the stage worker calls :meth:`Connector.unstage` once the request is done with
+  (put or not), which frees what no put took.
 * **Consumer leader**, on an envelope: ``async with connector.get(ref, blob) as incoming`` — inside the
   block ``incoming.payload`` is valid (it may be a zero-copy view of the consumer's pool); on exit the
   consumer's slot is released.  Errors: :class:`~stageferry.errors.ManifestError` (reject),
@@ -22,6 +28,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from stageferry.broker.data.staging import Template, materialize
 from stageferry.schemas import DeviceKind, Manifest, PayloadRef, Transport
 
 Payload = Any
@@ -69,6 +76,16 @@ class Connector(abc.ABC):
     @abc.abstractmethod
     def get(self, ref: PayloadRef, blob: bytes | None, *, key: str) -> contextlib.AbstractAsyncContextManager[Incoming]:
         """Fetch the payload ``ref`` describes; the payload is valid inside the context."""
+
+    async def stage(
+        self, key: str, template: Template, *, force_inline: bool = False, deadline: float | None = None
+    ) -> Payload:
+        """Output tensors for the hop ``key``, laid out as ``template`` describes (its tensors' shape,
+        dtype and device; its plain values).  By default ordinary fresh tensors: nothing to release."""
+        return materialize(template)
+
+    def unstage(self, key: str) -> None:  # noqa: B027 - optional hook
+        """The request of hop ``key`` is done with (put or not): free a staging no put took."""
 
     def abandon(self, outgoing: Outgoing) -> None:  # noqa: B027 - optional hook
         """The envelope for ``outgoing`` was never handed on: free whatever the put holds."""

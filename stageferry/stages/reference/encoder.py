@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
+from stageferry.broker.data.staging import blank, write_into
 from stageferry.config import PipelineConfig, StageConfig
 from stageferry.schemas import JobRequest, Task
 from stageferry.schemas.payload_contract import build_payload
-from stageferry.schemas.payload_layout import Layout
+from stageferry.schemas.payload_layout import Layout, latent_frames
 from stageferry.stages.model import StageContext
 from stageferry.stages.reference import audio, vae
 from stageferry.stages.reference.audio import AudioCodec
@@ -75,40 +76,47 @@ class ReferenceEncoder:
         return self._nets[key]
 
     def __call__(self, job: JobRequest, payload: Any | None, ctx: StageContext) -> dict[str, Any]:
+        """Encode; once every shape is known, ask the stage for the output tensors
+        (``ctx.output_tensors``: on the leader, the next hop's pool slot), let the VAE write the visual
+        latents — the payload's bulk — straight into them, and copy the small rest in."""
         nets = self.nets(ctx)
         layout = Layout.for_job(job)
+        on = ctx.device  # tensors stay on the rank's device (VRAM on a GPU); the layout is built on the host
         with torch.inference_mode():
             hidden, roles = nets.text.encode(job.prompt, job.negative_prompt)
             ctx.report_progress(1, 3)
-            visual = self._visual(job, layout, nets, ctx.media)
-            ctx.report_progress(2, 3)
+            pixels = self._visual_input(job, ctx.media)
             audio_latents = self._audio(job, nets, ctx.media)
+            style = audio_latents.mean(dim=2) if audio_latents.shape[2] else torch.zeros(1, audio.BANDS)
+            visual_shape = _visual_shape(job, layout, pixels)
+            template = build_payload(
+                job,
+                hidden.to(on),
+                roles.to(on),
+                visual_latents=blank(visual_shape, torch.float32, on),
+                audio_latents=audio_latents.to(on),
+                audio_style=style.to(on, torch.float32),
+                meta={
+                    "encoder": ENCODER_NAME,
+                    "hidden": int(hidden.shape[1]),
+                    "text_tokens": int((roles != ROLE_NEGATIVE).sum()),
+                    "negative_tokens": int((roles == ROLE_NEGATIVE).sum()),
+                    "reference_latent_frames": visual_shape[2] if job.task is Task.REF2VA and visual_shape[0] else 0,
+                },
+            )
+            out = ctx.output_tensors(template)
+            ctx.report_progress(2, 3)
+            template["visual_latents"] = self._encode_visual(pixels, nets, out["visual_latents"])
             ctx.report_progress(3, 3)
-        style = audio_latents.mean(dim=2) if audio_latents.shape[2] else torch.zeros(1, audio.BANDS)
-        on = ctx.device  # tensors stay on the rank's device (VRAM on a GPU); the layout is built on the host
-        return build_payload(
-            job,
-            hidden.to(on),
-            roles.to(on),
-            visual_latents=visual.to(on),
-            audio_latents=audio_latents.to(on),
-            audio_style=style.to(on, torch.float32),
-            meta={
-                "encoder": ENCODER_NAME,
-                "hidden": int(hidden.shape[1]),
-                "text_tokens": int((roles != ROLE_NEGATIVE).sum()),
-                "negative_tokens": int((roles == ROLE_NEGATIVE).sum()),
-                "reference_latent_frames": int(visual.shape[2]) if job.task is Task.REF2VA and visual.shape[0] else 0,
-            },
-        )
+            return write_into(out, template)  # type: ignore[no-any-return]
 
-    def _visual(self, job: JobRequest, layout: Layout, nets: _Nets, media: dict[str, bytes]) -> torch.Tensor:
+    def _visual_input(self, job: JobRequest, media: dict[str, bytes]) -> list[torch.Tensor]:
+        """The frames to encode: the first and last frame (fl2va), the reference video (ref2va), or none."""
         if job.task is Task.FL2VA:
-            images = [
+            return [
                 load_image(_bytes(job, media, name), job.width, job.height, field=f"media.{name}")
                 for name in ("first_frame", "last_frame")
             ]
-            return torch.stack([nets.vae.encode(image) for image in images])  # [2, 16, 1, h, w]
         if job.task is Task.REF2VA and job.media.reference_video is not None:
             frames = load_video(
                 _bytes(job, media, "reference_video"),
@@ -118,8 +126,20 @@ class ReferenceEncoder:
                 self.cfg.max_reference_frames,
                 field="media.reference_video",
             )
-            return nets.vae.encode(frames)[None]  # [1, 16, t, h, w]
-        return torch.zeros(0, vae.CHANNELS, layout.latent_frames, layout.latent_height, layout.latent_width)
+            return [frames]
+        return []
+
+    def _encode_visual(self, pixels: list[torch.Tensor], nets: _Nets, out: torch.Tensor) -> torch.Tensor:
+        """The visual latents of ``pixels``, written into ``out`` (shape :func:`_visual_shape`): one VAE
+        encoding per image (fl2va: [2, 16, 1, h, w]), or of the whole video ([1, 16, t, h, w])."""
+        if len(pixels) == 2:
+            images = [nets.vae.encode(image) for image in pixels]
+            return torch.stack(images, out=out) if out.device == images[0].device else out.copy_(torch.stack(images))
+        if pixels:
+            target = out[0] if out.device == nets.vae.mix.device else None
+            video = nets.vae.encode(pixels[0], out=target)
+            return out if target is not None else out.copy_(video[None])
+        return out
 
     def _audio(self, job: JobRequest, nets: _Nets, media: dict[str, bytes]) -> torch.Tensor:
         if job.task is Task.REF2VA and job.media.reference_audio is not None:
@@ -130,6 +150,16 @@ class ReferenceEncoder:
             )
             return nets.audio.encode(wave)
         return torch.zeros(1, audio.BANDS, 0)
+
+
+def _visual_shape(job: JobRequest, layout: Layout, pixels: list[torch.Tensor]) -> tuple[int, ...]:
+    """The shape of the payload's visual latents for these frames (see the module docstring)."""
+    h, w = layout.latent_height, layout.latent_width
+    if job.task is Task.FL2VA:
+        return (2, vae.CHANNELS, 1, h, w)
+    if pixels:
+        return (1, vae.CHANNELS, latent_frames(pixels[0].shape[0]), h, w)
+    return (0, vae.CHANNELS, layout.latent_frames, h, w)
 
 
 def _bytes(job: JobRequest, media: dict[str, bytes], name: str) -> bytes:

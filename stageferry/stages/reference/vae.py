@@ -49,11 +49,12 @@ class VideoVAE:
         self.dec_in = w("vae.dec_in", 16, CHANNELS - _COLOUR, 1, 1)
         self.dec = [w("vae.dec0", 16, 16, 3, 3), w("vae.dec1", 8, 16, 3, 3), w("vae.dec2", 3, 8, 3, 3)]
 
-    def encode(self, frames: torch.Tensor, *, batch: int = 16) -> torch.Tensor:
-        """[F, 3, H, W] in [-1, 1] → latents [16, latent_frames(F), H/8, W/8] (fp32)."""
+    def encode(self, frames: torch.Tensor, *, batch: int = 16, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[F, 3, H, W] in [-1, 1] → latents [16, latent_frames(F), H/8, W/8] (fp32), written into ``out``
+        if given (e.g. the payload's output tensor: no copy afterwards)."""
         per_frame = torch.cat([self._encode_frames(chunk) for chunk in frames.split(batch)])  # [F, 16, h, w]
         groups = [per_frame[:1], *(per_frame[1:].split(TEMPORAL) if per_frame.shape[0] > 1 else ())]
-        return torch.stack([g.mean(dim=0) for g in groups], dim=1)
+        return torch.stack([g.mean(dim=0) for g in groups], dim=1, out=out)
 
     def _encode_frames(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.device, torch.float32)

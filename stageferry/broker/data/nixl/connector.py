@@ -8,6 +8,7 @@ share one :class:`~stageferry.broker.data.nixl.endpoint.Endpoint`:
   the resend service;
 * :mod:`~stageferry.broker.data.nixl.consumer` — claim, READ, unpack, ask for a resend;
 * :mod:`~stageferry.broker.data.nixl.leases` — the lease table, expiry, settling, claim-key marks;
+* :mod:`~stageferry.broker.data.nixl.staging` — pool slots handed to the model to write its output into;
 * :mod:`~stageferry.broker.data.nixl.peers` — this agent's record, the peer cache and handshake.
 
 Lifecycle (the stage service calls these; see :mod:`stageferry.broker.data.connectors`):
@@ -42,7 +43,9 @@ from stageferry.broker.data.nixl.endpoint import Counters, Endpoint
 from stageferry.broker.data.nixl.leases import LeaseTable
 from stageferry.broker.data.nixl.peers import Peers
 from stageferry.broker.data.nixl.producer import Producer
+from stageferry.broker.data.nixl.staging import Stagings
 from stageferry.broker.data.pool import PoolSet
+from stageferry.broker.data.staging import Template
 from stageferry.config import DataPlaneConfig, Timeouts
 from stageferry.errors import DataPlaneError
 from stageferry.schemas import PayloadRef
@@ -84,8 +87,9 @@ class NixlConnector(Connector):
             agent=agent,
         )
         self.leases = LeaseTable(self.endpoint)
+        self.stagings = Stagings(self.endpoint)
         self.peers = Peers(self.endpoint)
-        self.producer = Producer(self.endpoint, self.leases)
+        self.producer = Producer(self.endpoint, self.leases, self.stagings)
         self.consumer = Consumer(self.endpoint, self.peers)
 
     # ------------------------------------------------------------------ what callers read
@@ -143,6 +147,7 @@ class NixlConnector(Connector):
         agent, pools = self.endpoint.agent, self.endpoint.pools
         return {
             "leases": len(self.leases),
+            "stagings": len(self.stagings),
             "pool_slots_in_use": pools.slots_in_use if pools else 0,
             "pool_bytes_in_use": pools.bytes_in_use if pools else 0,
             "pools": len(pools.pools) if pools else 0,
@@ -163,6 +168,7 @@ class NixlConnector(Connector):
             tg.start_soon(self.peers.run_heartbeat)
             tg.start_soon(self.producer.run_notifications)
             tg.start_soon(self.leases.run_expiry)
+            tg.start_soon(self.stagings.run_expiry)
             tg.start_soon(self.producer.run_resends)
             tg.start_soon(self.peers.run_sweep)
             task_status.started()
@@ -173,6 +179,7 @@ class NixlConnector(Connector):
         if ep.agent is None:
             return
         await self.peers.withdraw_record()
+        self.stagings.free_all(reason="shutdown")
         self.leases.free_all(reason="shutdown")
         for remote in list(ep.agent.remotes()):
             ep.agent.remove_remote(remote)
@@ -182,6 +189,14 @@ class NixlConnector(Connector):
         ep.agent = None
 
     # ------------------------------------------------------------------ the Connector contract
+
+    async def stage(
+        self, key: str, template: Template, *, force_inline: bool = False, deadline: float | None = None
+    ) -> Payload:
+        return await self.producer.stage(key, template, force_inline=force_inline, deadline=deadline)
+
+    def unstage(self, key: str) -> None:
+        self.stagings.release(key, reason="not_put")
 
     async def put(self, key: str, payload: Payload, *, force_inline: bool = False) -> Outgoing:
         return await self.producer.put(key, payload, force_inline=force_inline)

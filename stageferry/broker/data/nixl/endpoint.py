@@ -31,6 +31,10 @@ class Counters:
     puts: int = 0
     gets: int = 0
     reads: int = 0
+    #: Output stagings handed to models, puts that used one, and the tensors such puts still copied.
+    stagings: int = 0
+    staged_puts: int = 0
+    staged_copies: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
 
     def fallback(self, reason: str) -> None:

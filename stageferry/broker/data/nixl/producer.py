@@ -14,8 +14,9 @@ Who calls what, and when (the producer leader only):
   notification settles its lease), the second answers consumers that could not READ (the bytes inline,
   or a refusal), then settles the lease.
 
-The steps of a put are separate methods (:meth:`Producer.acquire`, :meth:`Producer.lease`) so that a
-model can one day write its output straight into a leased slot instead of being packed into one.
+A model may also write its output straight into pool slots (:meth:`Producer.stage`, before the put;
+:mod:`stageferry.broker.data.nixl.staging`): the put then takes the staged slots, copies only the
+tensors the model made elsewhere, and puts the same slots under the lease.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import time
+from typing import Any
 
 import anyio
 import structlog
@@ -33,8 +35,10 @@ from stageferry.broker.data.connector import Outgoing, Payload
 from stageferry.broker.data.inline import THREAD_ABOVE
 from stageferry.broker.data.nixl.endpoint import Endpoint
 from stageferry.broker.data.nixl.leases import Lease, LeaseTable
-from stageferry.broker.data.payload_codec import pack_into, plan_payload
+from stageferry.broker.data.nixl.staging import Staging, Stagings
+from stageferry.broker.data.payload_codec import PackPlan, pack_into, plan_payload
 from stageferry.broker.data.pool import Slot
+from stageferry.broker.data.staging import Template, is_same_tensor
 from stageferry.errors import (
     ControlPlaneError,
     HandshakeError,
@@ -60,13 +64,31 @@ _NOTIF_POLL_S = 0.002
 class Producer:
     """The put side of one leader's connector; leases are kept in the shared :class:`LeaseTable`."""
 
-    def __init__(self, endpoint: Endpoint, leases: LeaseTable) -> None:
+    def __init__(self, endpoint: Endpoint, leases: LeaseTable, stagings: Stagings) -> None:
         self._ep = endpoint
         self._leases = leases
+        self._stagings = stagings
+
+    async def stage(
+        self, key: str, template: Template, *, force_inline: bool = False, deadline: float | None = None
+    ) -> Any:
+        """Output tensors for the hop ``key`` to write into (see :meth:`Stagings.stage`)."""
+        return await self._stagings.stage(key, template, force_inline=force_inline, deadline=deadline)
 
     async def put(self, key: str, payload: Payload, *, force_inline: bool = False) -> Outgoing:
         """See the module docstring; raises :class:`PayloadTooLargeError` above ``max_payload_bytes`` and
-        :class:`PayloadUnavailableError` when only NIXL could carry it and NIXL is not usable."""
+        :class:`PayloadUnavailableError` when only NIXL could carry it and NIXL is not usable.
+
+        A staging for ``key`` is used if the payload has its layout; otherwise it is released once the
+        payload is packed elsewhere (its tensors may be the staged views)."""
+        staging = self._stagings.pop(key)
+        try:
+            return await self._put(key, payload, force_inline, staging)
+        finally:
+            if staging is not None and not staging.taken:
+                self._stagings.free(staging, reason="unused")
+
+    async def _put(self, key: str, payload: Payload, force_inline: bool, staging: Staging | None) -> Outgoing:
         ep = self._ep
         started = time.perf_counter()
         plan = plan_payload(payload)
@@ -79,6 +101,8 @@ class Producer:
         if total <= ep.config.inline_max_bytes:
             return await ep.inline.encode(payload)
         reason = "forced" if force_inline else ep.unavailable_reason
+        if reason is None and staging is not None and staging.manifest == manifest:
+            return await self._put_staged(key, plan, staging, started)
         slots: dict[DeviceKind, Slot] = {}
         if reason is None:
             try:
@@ -98,6 +122,33 @@ class Producer:
         except BaseException:
             ep.pools.release_all(slots)  # type: ignore[union-attr]
             raise
+        return self._leased(key, manifest, slots, started)
+
+    async def _put_staged(self, key: str, plan: PackPlan, staging: Staging, started: float) -> Outgoing:
+        """The put of a payload the model wrote into ``staging``: copy what it made elsewhere, lease.
+        The staging's slots are this put's from here on (released on failure, leased on success)."""
+        ep = self._ep
+        staging.taken = True
+        try:
+            if plan.manifest.total_bytes < THREAD_ABOVE or all(
+                is_same_tensor(src, staging.view(spec))
+                for spec, src in zip(plan.manifest.tensors, plan.tensors, strict=True)
+                if spec.nbytes
+            ):
+                copied = staging.fill(plan)
+            else:
+                copied = await anyio.to_thread.run_sync(staging.fill, plan)
+        except BaseException:
+            ep.pools.release_all(staging.slots)  # type: ignore[union-attr]
+            raise
+        ep.counters.staged_puts += 1
+        ep.counters.staged_copies += copied
+        return self._leased(key, plan.manifest, staging.slots, started)
+
+    def _leased(self, key: str, manifest: Manifest, slots: dict[DeviceKind, Slot], started: float) -> Outgoing:
+        """Put filled ``slots`` under a lease and count the put."""
+        ep = self._ep
+        total = manifest.total_bytes
         ref = self.lease(key, manifest, slots)
         seconds = time.perf_counter() - started
         ep.counters.puts += 1
