@@ -4,6 +4,7 @@
     python benchmarks/transfer.py --device cuda --sizes ...    # GPU 0 -> GPU 1 (VRAM over NIXL vs via host + Redis)
     python benchmarks/transfer.py --tp 4                       # the consumer is a TP4 group: hop to every rank
     python benchmarks/transfer.py --json out.json              # raw series for benchmarks/chart.py
+    python benchmarks/transfer.py --zero-copy                  # + the zero-copy put (model writes into the slot)
 
 Two processes wired like two stage leaders: a producer (this script with ``--role producer``) holding a
 real :class:`NixlConnector`, and the consumer (this process) with its own.  Every hop is lock-step: the
@@ -16,6 +17,9 @@ interleaved: NIXL, inline through Redis, and the hardware baseline — a torch m
   entry, ``NixlConnector.get``.  On GPUs the payload lives in VRAM on both sides.
 * inline: ``InlineConnector.encode`` (device → host on GPUs), the blob in the same entry, ``decode``
   (host → device on GPUs).
+* zero-copy (``--zero-copy``): before the timed put, the producer asks ``NixlConnector.stage`` for the
+  payload's output tensors (views of a pool slot) and the "model" writes its tensors into them — the
+  model's own work, not timed; then ``put`` of those tensors copies nothing.  Same get as NIXL.
 
 Timestamps are ``time.monotonic_ns()`` (one clock for every process on the host): ``t0`` put starts,
 ``t1`` put returned (XADD starts), ``t2`` XREAD returned the entry, ``t3`` the consumer leader holds the
@@ -52,6 +56,7 @@ from stageferry.broker.control.redis_conn import connect  # noqa: E402
 from stageferry.broker.data.inline import InlineConnector  # noqa: E402
 from stageferry.broker.data.nixl.connector import NixlConnector  # noqa: E402
 from stageferry.broker.data.payload_codec import pack_into, plan_payload  # noqa: E402
+from stageferry.broker.data.staging import write_into  # noqa: E402
 from stageferry.config import DataPlaneConfig, Timeouts  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402
 from stageferry.schemas import InlinePayload, NixlPayload, PayloadRef  # noqa: E402
@@ -147,6 +152,9 @@ async def producer(args: argparse.Namespace) -> None:
             payloads[nbytes] = payload_for(nbytes, device)
             sync(device)
         payload = payloads[nbytes]
+        if op == "staged":  # the model's part, untimed: ask for the slot's tensors and write into them
+            payload = write_into(await conn.stage(f"bench-{i}", payload), payload)
+            sync(device)
         t0 = time.monotonic_ns()
         out = await conn.put(f"bench-{i}", payload) if op != "inline" else await conn.inline.encode(payload)
         t1 = time.monotonic_ns()
@@ -156,6 +164,7 @@ async def producer(args: argparse.Namespace) -> None:
             "t1": t1,
             "registrations": conn.agent.registrations,  # type: ignore[union-attr]
             "slots": conn.pools.slots_in_use,  # type: ignore[union-attr]
+            "staged": int(out.staged),
         }
         if out.blob is not None:
             fields["blob"] = out.blob
@@ -301,6 +310,7 @@ class Consumer:
             t4 = time.monotonic_ns()
         self.producer_registrations.append(int(fields[b"registrations"]))
         t0, t1 = int(fields[b"t0"]), int(fields[b"t1"])
+        assert (op == "staged") == bool(int(fields.get(b"staged", b"0"))), f"{op}: the put did not take the staging"
         return {
             "put": (t1 - t0) / 1e6,
             "get": (t3 - t2) / 1e6,
@@ -372,9 +382,10 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
                 _, ready = await bench.blpop([f"{prefix}:bench:ready"], timeout=60)
             producer_pid = json.loads(ready)["pid"]
             c = Consumer(bench, conn, prefix, device, fanout)
+            ops = ("nixl", "staged", "inline") if args.zero_copy else ("nixl", "inline")
             for i in range(WARMUP):  # connection set-up to the peer, allocator and code paths; not counted
-                await c.hop("nixl", args.sizes[0], i)
-                await c.hop("inline", args.sizes[0], i)
+                for op in ops:
+                    await c.hop(op, args.sizes[0], i)
             if not args.no_settle:
                 settle_heap()
             regs_before = conn.agent.registrations
@@ -384,12 +395,13 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
                 src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=src_dev)
                 dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 for i in range(WARMUP):
-                    await c.hop("nixl", nbytes, i)
-                    await c.hop("inline", nbytes, i)
+                    for op in ops:
+                        await c.hop(op, nbytes, i)
                     baseline_ms(src, dst)
-                row: dict[str, dict[str, list[float]]] = {"nixl": {}, "inline": {}, "baseline": {"copy": []}}
+                row: dict[str, dict[str, list[float]]] = {op: {} for op in ops}
+                row["baseline"] = {"copy": []}
                 for i in range(args.iters):  # side by side: one of each per iteration
-                    for op in ("nixl", "inline"):
+                    for op in ops:
                         for k, v in (await c.hop(op, nbytes, i)).items():
                             row[op].setdefault(k, []).append(v)
                     row["baseline"]["copy"].append(baseline_ms(src, dst))
@@ -461,6 +473,8 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> bool:
             f"| {human(nbytes)} | {cell(n['put'])} | {cell(n['get'])} | {cell(n['delivery'])} | {cell(il['put'])} "
             f"| {cell(il['delivery'])} | {cell(bc)} | {ratio:.1f}× | {vs_copy:.1f}× | {gbs:.2f} |"
         )
+    if args.zero_copy:
+        report_zero_copy(transfer)
     ok = True
     ref2va = TASK_BYTES["Ref2VA"]
     if ref2va in transfer:
@@ -538,6 +552,31 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> bool:
     return ok
 
 
+def report_zero_copy(transfer: dict[int, Any]) -> None:
+    """Section 1b: the zero-copy put beside today's put and inline, per size."""
+    print("\n## 1b. Zero-copy put (the model wrote into the staged slot; its writes are not timed)\n")
+    print(
+        "| bytes | NIXL put | zero-copy put | NIXL get | zero-copy get | NIXL hop | zero-copy hop | inline hop "
+        "| inline/NIXL hop | inline/zero-copy hop |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for nbytes, row in transfer.items():
+        n, z, il = row["nixl"], row["staged"], row["inline"]
+        print(
+            f"| {human(nbytes)} | {cell(n['put'])} | {cell(z['put'])} | {cell(n['get'])} | {cell(z['get'])} "
+            f"| {cell(n['hop'])} | {cell(z['hop'])} | {cell(il['hop'])} "
+            f"| {median(il['hop']) / median(n['hop']):.1f}× | {median(il['hop']) / median(z['hop']):.1f}× |"
+        )
+    ref2va = TASK_BYTES["Ref2VA"]
+    if ref2va in transfer:
+        row = transfer[ref2va]
+        ratio = median(row["inline"]["hop"]) / median(row["staged"]["hop"])
+        print(
+            f"\nRef2VA zero-copy put over NIXL ≥ {RATIO_TARGET:.0f}× faster than through Redis inline: "
+            f"{verdict(ratio >= RATIO_TARGET)} — put start → held (p50) {ratio:.1f}×"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sizes = lambda s: sorted({int(x) for x in s.split(",") if x})  # noqa: E731
@@ -549,6 +588,9 @@ def main() -> int:
     parser.add_argument("--scaling-sizes", type=sizes, default=[TASK_BYTES["FL2VA"], TASK_BYTES["Ref2VA"]])
     parser.add_argument("--scaling-rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write the raw series here (for benchmarks/chart.py)")
+    parser.add_argument(
+        "--zero-copy", action="store_true", help="also the zero-copy put: the model writes into the staged slot"
+    )
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument(
         "--no-settle", action="store_true", help="skip gc.freeze after start-up (to see the full-collection spike)"

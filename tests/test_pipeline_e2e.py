@@ -96,6 +96,10 @@ def test_reference_pipeline_end_to_end(tmp_path_factory: pytest.TempPathFactory,
     }
     with deploy(tmp_path_factory.mktemp("nixl"), redis_url, prefix + "-a", connector="nixl", enc_tp=2, dif_tp=4) as svc:
         nixl = run_jobs(svc, jobs)
+        # the encoder wrote every payload into the pool slot its put leased: the VAE's latents in place,
+        # the small rest copied by the model (none by the put)
+        logs = "".join(p.read_text(errors="replace") for p in sorted(svc.tmp_path.glob("*.log")))
+        assert logs.count('"staged_copies": 0') == len(jobs), svc.logs()
     for name, status in nixl.items():
         check_mp4(status, jobs[name])
         hop = [t for t in status.timings if t.stage == "diffusion"][-1]

@@ -98,6 +98,7 @@ class HandOn:
             bytes=outgoing.nbytes,
             seconds=round(outgoing.seconds, 6),
             fallback=outgoing.fallback_reason,
+            staged_copies=outgoing.copied if outgoing.staged else None,  # written in place by the model
             to_stage=self.next_stage.name,
             memory=_memory_kinds(outgoing),  # where the payload's regions live (the console's trace shows it)
         )

@@ -45,6 +45,10 @@ class Outgoing:
     nbytes: int
     seconds: float
     fallback_reason: str | None = None
+    #: The model wrote the payload into the slots the put leased (:meth:`Connector.stage`): the put
+    #: copied only what it made elsewhere (``copied`` tensors).
+    staged: bool = False
+    copied: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import time
 from typing import Any
 
@@ -143,7 +144,8 @@ class Producer:
             raise
         ep.counters.staged_puts += 1
         ep.counters.staged_copies += copied
-        return self._leased(key, plan.manifest, staging.slots, started)
+        outgoing = self._leased(key, plan.manifest, staging.slots, started)
+        return dataclasses.replace(outgoing, staged=True, copied=copied)
 
     def _leased(self, key: str, manifest: Manifest, slots: dict[DeviceKind, Slot], started: float) -> Outgoing:
         """Put filled ``slots`` under a lease and count the put."""
