@@ -13,7 +13,7 @@ released — the model raised, the request was settled without a put (cancelled,
 inline or the manifest differed (:meth:`Stagings.release`, called by the put and by the stage worker once
 the request is done with, whatever happened) — and in any case by the expiry
 (:meth:`Stagings.scan`, from the connector's background loop): at the request's deadline, or
-``timeouts.lease`` after staging for a request without one.  A model asks for its output once the shapes
+``timeouts.request`` after staging for a request without one.  A model asks for its output once the shapes
 are known, near its end; the stage worker releases the staging as soon as the model has returned, so the
 expiry only frees what a bug left behind.
 
@@ -97,9 +97,12 @@ class Stagings:
     ) -> Any:
         """The output tensors for ``template``: views over fresh pool slots, or ordinary tensors when the
         payload would not travel over NIXL (inline-sized, too large, NIXL unusable, forced inline) or no
-        slot freed within ``pool_wait``.  A staging already filed under ``key`` is released first."""
+        slot freed within ``pool_wait``.  Asked again for the same hop, ordinary tensors too: the first
+        answer stays staged (the model may still be writing into it) until the put or the release."""
         ep = self._ep
-        self.release(key, reason="restaged")
+        if key in self._staged:
+            log.warning("payload.staging_asked_twice", key=key)
+            return materialize(template)
         plan = plan_payload(describe(template))
         total = plan.manifest.total_bytes
         if (
@@ -115,7 +118,7 @@ class Stagings:
         except (PoolExhaustedError, ManifestError) as exc:
             log.info("payload.staging_refused", key=key, code=exc.code, error=exc.message)
             return materialize(template)
-        expires_at = deadline if deadline is not None else time.time() + ep.timeouts.lease
+        expires_at = deadline if deadline is not None else time.time() + ep.timeouts.request
         try:
             payload = unpack(plan.manifest, {kind: slot.view for kind, slot in slots.items()}, copy=False)
         except BaseException:

@@ -176,13 +176,18 @@ async def test_a_full_pool_answers_plain_tensors(redis_url: str, prefix: str) ->
         assert first["a"].shape == (200_000,) and in_use(producer) == 1
 
 
-async def test_small_payloads_and_restaging(redis_url: str, prefix: str) -> None:
+async def test_small_payloads_and_asking_twice(redis_url: str, prefix: str) -> None:
     async with leader(redis_url, prefix, "encoder") as producer:
         small = await producer.stage(KEY, {"a": blank((10,), torch.float32, "cpu")})
         assert small["a"].shape == (10,) and len(producer.stagings) == 0, "inline-sized: ordinary tensors"
-        await producer.stage(KEY, template())
-        await producer.stage(KEY, template())  # asked again: the first staging is freed
+        first = await producer.stage(KEY, template())
+        again = await producer.stage(KEY, template())  # asked again: ordinary tensors, the first stays staged
+        low, high = slot_range(producer)
+        assert low <= first["latents"].data_ptr() < high and not low <= again["latents"].data_ptr() < high
         assert in_use(producer) == 1 and len(producer.stagings) == 1
+        outgoing = await producer.put(KEY, written(again))  # the same layout: copied into the staged slot
+        assert producer.counters.staged_puts == 1 and producer.counters.staged_copies == 2
+        assert isinstance(outgoing.ref, NixlPayload) and in_use(producer) == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (runs on the device machine)")
