@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,10 +56,16 @@ MAX_HEADER_BYTES = 64 << 20
 #: Size of a frame's head (the header): big enough for a job and a T2VA manifest, small enough that
 #: broadcasting it costs no more than the broadcast's fixed latency.  An inline region starts right after.
 FRAME_BYTES = 16 << 10
-#: The largest region that rides a frame; larger ones get their own broadcast (no D2D copy on the leader,
-#: and idle ``noop`` frames stay this small at most).
-INLINE_MAX_BYTES = 96 << 20
-_INLINE_GRAIN = 4096  # next-frame sizes are rounded up to this
+#: The largest region that rides a frame; larger ones get their own broadcast.  Measured on 2 × H200: inline
+#: 11 MB and 65 MB regions were 0.1–0.3 ms *slower* (the leader's D2D copy, and a follower that reads the
+#: header only once the whole frame landed instead of while the region's broadcast runs).
+INLINE_MAX_BYTES = 2 << 20
+_INLINE_GRAIN = 4096
+#: How a follower waits for a frame's header on a GPU (:meth:`_Staging.wait`): spin this long, then poll
+#: at this interval until this long, then block.
+SPIN_S = 0.002
+POLL_S = 0.0001
+POLL_FOR_S = 1.0  # next-frame sizes are rounded up to this
 _LEN = 4  # the frame's length prefix
 MANIFEST_CACHE_SIZE = 64
 
@@ -366,12 +373,11 @@ def _checked_capacity(value: Any) -> int:
 
 
 class _Staging:
-    """A GPU rank's pinned host copy of a frame's head, and the blocking event that guards it.
+    """A GPU rank's pinned host copy of a frame's head, and the event that guards it.
 
     The leader writes a header here and copies it to the frame without blocking (the next header waits
-    for that copy first, long done by then); a follower copies a received head here and waits on the
-    event — a *blocking* one: an idle follower sits here between jobs, and a spinning wait would burn a
-    CPU core the whole time."""
+    for that copy first, long done by then); a follower copies a received head here and waits for it
+    (:meth:`wait`)."""
 
     def __init__(self) -> None:
         self.host = torch.empty(FRAME_BYTES, dtype=torch.uint8, pin_memory=True)
@@ -379,7 +385,7 @@ class _Staging:
         self.pending = False
 
     def upload(self, data: bytes, frame: torch.Tensor) -> None:
-        if self.pending:
+        if self.pending and not self.done.query():
             self.done.synchronize()
         self.host.numpy()[: len(data)] = memoryview(data)
         frame[: len(data)].copy_(self.host[: len(data)], non_blocking=True)
@@ -389,9 +395,28 @@ class _Staging:
     def download(self, frame: torch.Tensor) -> bytes:
         self.host.copy_(frame[:FRAME_BYTES], non_blocking=True)
         self.done.record()
-        self.done.synchronize()
+        self.wait()
         self.pending = False
         return self.host.numpy().tobytes()
+
+    def wait(self) -> None:
+        """Wait for the last recorded copy: spin for :data:`SPIN_S` (a job that follows another arrives
+        within it), then poll every :data:`POLL_S` until :data:`POLL_FOR_S`, then block.
+
+        Why not block at once: a blocking event wakes the thread through the driver's interrupt — the
+        suspected bulk (not yet measured apart) of a job's ≈ 0.45 ms fan-out overhead over a bare NCCL
+        broadcast on the 2 × H200 host, a VM (``benchmarks/results/issue20_fanout_fair_2xH200.txt``),
+        where the bare broadcast's ``torch.cuda.synchronize`` spins.  Why not spin for ever: an idle
+        follower sits here between jobs, and a spinning wait would burn a CPU core the whole time."""
+        done = self.done
+        started = time.perf_counter()
+        while not done.query():
+            waited = time.perf_counter() - started
+            if waited >= POLL_FOR_S:
+                done.synchronize()
+                return
+            if waited >= SPIN_S:
+                time.sleep(POLL_S)
 
 
 def _to_host(buf: torch.Tensor) -> bytes:
