@@ -1,26 +1,35 @@
-"""Fan-out cost of a stage group: the leader broadcasting a payload to its ranks, against payload size.
+"""Fan-out cost of a stage group: the leader sending a job with its payload to its ranks, against a bare
+broadcast of the same bytes — both timed in the same rounds, the same way (median and p99, one run).
 
-Two measurements, each printed as a markdown table of medians and p99 (one run, side by side):
+* ``--mode broadcast`` (default): TP2/TP4 (``--ranks``; gloo on CPU, NCCL with ``--backend nccl``).
+* ``--mode nixl-fanout`` (2 GPUs): a TP1 producer process on GPU 0 holds the payload in registered VRAM;
+  a TP2 consumer group (leader on GPU 1, follower on GPU 0 — ``--gpus``) — the leader READs it over NIXL
+  into its own VRAM, then fans it out over NCCL.
 
-* ``--mode broadcast`` (default): world sizes 1, 2, 4 (``--ranks``); rank 0 sends a ``job`` message
-  carrying the payload's packed region through :class:`stageferry.stages.group_channel.GroupChannel`
-  (gloo on CPU, NCCL with ``--backend nccl``); every follower receives and unpacks it.  Timed from the
-  leader's send to every rank holding the tensors (a barrier closes each round).
-* ``--mode nixl-fanout`` (GPUs): a TP1 producer process on GPU 0 holds the payload in registered VRAM;
-  a TP2 consumer group (leader on GPU 1, follower on GPU 0) — the leader READs it over NIXL into its
-  own VRAM, then broadcasts it over NCCL.  Prints READ, broadcast and total time per size.
+**How a round is timed.**  Every rank leaves a gloo barrier (outside the window), then the leader
+stamps ``start`` and sends (``job``: :meth:`GroupChannel.send` of a job header, the manifest and the
+packed region; ``raw``: one ``dist.broadcast`` of the region), and every rank stamps ``end`` once it
+holds the bytes (a follower: after :meth:`GroupChannel.receive` and ``unpack``; on GPUs after
+``torch.cuda.synchronize``).  A round's time is ``max(end over ranks) - start``: ``time.perf_counter``
+is the host's monotonic clock, the same in every process, so the stamps compare across ranks and no
+barrier or other collective sits inside the window.  ``job`` and ``raw`` rounds alternate.  In
+``nixl-fanout`` both kinds of round start with the same NIXL READ on the leader; ``start`` is stamped
+when it is done.  The target (issue 20) is ``job ≤ 1.5 × raw + 0.05 ms``, on the medians.
 
-  python benchmarks/fanout.py --ranks 1,2,4                        # CPU, gloo
-  python benchmarks/fanout.py --backend nccl --ranks 2             # 2 GPUs
-  python benchmarks/fanout.py --mode nixl-fanout                   # 2 GPUs, NIXL + NCCL
+  python benchmarks/fanout.py --ranks 2,4 --sizes 4096,359024 --iters 50      # CPU, gloo
+  python benchmarks/fanout.py --backend nccl --ranks 2 --iters 200            # 2 GPUs
+  python benchmarks/fanout.py --mode nixl-fanout --iters 200                  # 2 GPUs, NIXL + NCCL
 
-Runs from a checkout (the repo root goes on ``sys.path``).  A rank that fails sends its traceback to
-the parent, which prints it and exits non-zero instead of waiting for results that will never come.
+Runs from a checkout with ``PYTHONPATH`` unset: the repo root goes on ``sys.path`` (and spawned ranks
+inherit it).  A rank that fails sends its traceback to the parent, which prints it and exits non-zero;
+``--hang-dump S`` makes a rank that is still running after S seconds print every thread's stack and
+exit, so a hang shows where it sits.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import statistics
 import sys
@@ -35,12 +44,17 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from stageferry.broker.data.payload_codec import plan_payload  # noqa: E402
+from stageferry.broker.data.payload_codec import plan_payload, unpack  # noqa: E402
 from stageferry.embedded_redis import free_port  # noqa: E402
-from stageferry.schemas import DeviceKind  # noqa: E402
+from stageferry.schemas import DeviceKind, Manifest  # noqa: E402
+from stageferry.stages import group_channel  # noqa: E402
+from stageferry.stages.group import pack_payload  # noqa: E402
 from stageferry.stages.group_channel import GroupChannel, MessageKind  # noqa: E402
 
 TASK_SIZES = [359_024, 11_158_136, 64_963_792]
+WARMUP = 5
+#: A job header like :class:`stageferry.stages.group.GroupCompute` sends (its ``job`` is a JobRequest's JSON).
+JOB_JSON = '{"request_id":"bench","task":"T2VA","prompt":"' + "p" * 200 + '","params":{}}'
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -48,10 +62,12 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
     return statistics.median(s), s[min(len(s) - 1, int(0.99 * len(s)))]
 
 
-def _init(rank: int, world: int, port: int, backend: str) -> GroupChannel:
+def _init(rank: int, world: int, port: int, backend: str, gpus: list[int]) -> GroupChannel:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if os.environ.get("FANOUT_INLINE_MAX"):  # --inline-max: a region larger than this gets its own broadcast
+        group_channel.INLINE_MAX_BYTES = int(os.environ["FANOUT_INLINE_MAX"])
     if backend == "nccl":
+        device = torch.device("cuda", gpus[rank])
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
         cpu_group = dist.new_group(backend="gloo")
@@ -59,13 +75,16 @@ def _init(rank: int, world: int, port: int, backend: str) -> GroupChannel:
             rank=rank, world_size=world, device=device, cpu_group=cpu_group, device_group=dist.group.WORLD
         )
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    world_group = dist.group.WORLD
     return GroupChannel(
-        rank=rank, world_size=world, device=device, cpu_group=dist.group.WORLD, device_group=dist.group.WORLD
+        rank=rank, world_size=world, device=torch.device("cpu"), cpu_group=world_group, device_group=world_group
     )
 
 
-def _reporting(target: Any, rank: int, *args: Any) -> None:
+def _reporting(target: Any, rank: int, hang_dump: float, *args: Any) -> None:
     """Run a rank's body; on failure, put ``("error", rank, traceback)`` on the queue (last argument)."""
+    if hang_dump > 0:
+        faulthandler.dump_traceback_later(hang_dump, exit=True)
     try:
         target(rank, *args)
     except BaseException:
@@ -85,88 +104,115 @@ def _collect(out: Any, n: int, timeout: float) -> list[Any]:
     return rows
 
 
-def _broadcast_rank(rank: int, world: int, port: int, backend: str, sizes: list[int], iters: int, out: Any) -> None:
-    channel = _init(rank, world, port, backend)
-    kind = DeviceKind.CUDA if backend == "nccl" else DeviceKind.CPU
+def _join(procs: list[Any]) -> None:
+    for p in procs:
+        p.join(30)
+        if p.is_alive():  # a rank stuck tearing NCCL down must not hold the results back
+            p.terminate()
+
+
+class Rounds:
+    """One rank's stamps; :meth:`windows` turns every rank's into per-round times (on the leader)."""
+
+    def __init__(self, channel: GroupChannel):
+        self.channel = channel
+        self.stamps: dict[str, list[tuple[float, float]]] = {"job": [], "raw": []}
+
+    def run(self, what: str, region: torch.Tensor, manifest: Manifest, i: int, before: Any = None) -> None:
+        """One round: ``job`` sends ``manifest`` with its packed ``region`` (padded to the manifest's
+        region size, as a connector's slot is); ``raw`` broadcasts the region's bytes."""
+        channel = self.channel
+        blob = region[: manifest.regions[0].nbytes]
+        dist.barrier(group=channel.cpu_group)
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        kind = DeviceKind.CUDA if blob.is_cuda else DeviceKind.CPU
+        if what == "raw":
+            dist.broadcast(blob, src=0, group=channel.device_group)
+        elif channel.rank == 0:
+            header = {"request_id": f"r{i}", "key": f"k{i}", "job": JOB_JSON, "sent_at": time.time()}
+            channel.send(MessageKind.JOB, header, manifest=manifest, buffers={kind: region})
+        else:
+            message = channel.receive()
+            assert message.manifest is not None and message.buffers[kind].numel() >= blob.numel()
+            unpack(message.manifest, message.buffers, copy=False)
+        if blob.is_cuda:
+            torch.cuda.synchronize(channel.device)
+        end = time.perf_counter()
+        if i >= WARMUP:
+            self.stamps[what].append((start, end))
+
+    def windows(self, what: str) -> list[float]:
+        """Collective: ``max(end over ranks) - leader's start`` per round (valid on the leader)."""
+        mine = torch.tensor(self.stamps[what], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(self.channel.world_size)]
+        dist.all_gather(every, mine, group=self.channel.cpu_group)
+        ends = torch.stack([t[:, 1] for t in every]).max(dim=0).values
+        return (ends - every[0][:, 0]).tolist()
+
+
+def _broadcast_rank(
+    rank: int, world: int, port: int, backend: str, gpus: list[int], sizes: list[int], iters: int, out: Any
+) -> None:
+    channel = _init(rank, world, port, backend, gpus)
     for size in sizes:
-        payload = {"blob": torch.empty(size, dtype=torch.uint8, device=channel.device)}
-        plan = plan_payload(payload)
-        buffers = {kind: payload["blob"]}
-        times, raw = [], []
-        for i in range(iters + 2):  # side by side: a job message, then a bare broadcast of the same bytes
-            dist.barrier(group=channel.cpu_group)
-            t0 = time.perf_counter()
-            if rank == 0:
-                channel.send(MessageKind.JOB, {"i": i}, manifest=plan.manifest, buffers=buffers)
-            else:
-                message = channel.receive()
-                assert message.buffers[kind].numel() >= size
-            if backend == "nccl":
-                torch.cuda.synchronize(channel.device)
-            dist.barrier(group=channel.cpu_group)
-            t1 = time.perf_counter()
-            dist.barrier(group=channel.cpu_group)
-            t2 = time.perf_counter()
-            dist.broadcast(payload["blob"], src=0, group=channel.device_group)
-            if backend == "nccl":
-                torch.cuda.synchronize(channel.device)
-            dist.barrier(group=channel.cpu_group)
-            if i >= 2:
-                times.append(t1 - t0)
-                raw.append(time.perf_counter() - t2)
+        manifest, regions = pack_payload(
+            {"blob": torch.randint(0, 255, (size,), dtype=torch.uint8, device=channel.device)}
+        )
+        region = next(iter(regions.values()))
+        rounds = Rounds(channel)
+        for i in range(iters + WARMUP):
+            rounds.run("job", region, manifest, i)
+            rounds.run("raw", region, manifest, i)
+        job, raw = rounds.windows("job"), rounds.windows("raw")
         if rank == 0:
-            out.put((world, size, times, raw))
-            print(f"world {world} size {size:,}: {percentiles(times)[0] * 1e3:.3f} ms", flush=True)
+            out.put((world, size, job, raw))
+            print(f"world {world} size {size:,}: job {percentiles(job)[0] * 1e3:.3f} ms", flush=True)
     dist.barrier(group=channel.cpu_group)
     dist.destroy_process_group()
+
+
+def verdict(job: list[float], raw: list[float]) -> str:
+    med, p99 = percentiles(job)
+    rmed, rp99 = percentiles(raw)
+    target = 1.5 * rmed + 50e-6
+    return (
+        f"{med * 1e3:.3f} / {p99 * 1e3:.3f} | {rmed * 1e3:.3f} / {rp99 * 1e3:.3f} | {med / rmed:.2f}× "
+        f"(+{(med - rmed) * 1e3:.3f} ms) | {target * 1e3:.3f}: {'met' if med <= target else 'NOT met'}"
+    )
+
+
+TABLE_HEAD = "| job message | bare broadcast | ratio (job / bare) | target ≤ 1.5 × bare + 0.05: verdict |"
 
 
 def run_broadcast(args: argparse.Namespace) -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     ctx = mp.get_context("spawn")
-    results: dict[tuple[int, int], list[float]] = {}
-    raws: dict[tuple[int, int], list[float]] = {}
-    worlds = [int(w) for w in args.ranks.split(",")]
+    worlds = [w for w in (int(w) for w in args.ranks.split(",")) if w > 1]
+    gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(max(worlds)))
     if args.backend == "nccl":  # one GPU per rank: a world larger than the GPUs here would never form
-        worlds = [w for w in worlds if w <= torch.cuda.device_count()]
+        worlds = [w for w in worlds if w <= min(len(gpus), torch.cuda.device_count())]
+    rows = []
     for world in worlds:
-        if world == 1:
-            for size in sizes:
-                results[(1, size)] = raws[(1, size)] = [0.0]
-            continue
         out = ctx.Queue()
         port = free_port()
+        rank_args = (world, port, args.backend, gpus, sizes, args.iters, out)
         procs = [
-            ctx.Process(target=_reporting, args=(_broadcast_rank, r, world, port, args.backend, sizes, args.iters, out))
-            for r in range(world)
+            ctx.Process(target=_reporting, args=(_broadcast_rank, r, args.hang_dump, *rank_args)) for r in range(world)
         ]
         for p in procs:
             p.start()
-        for w, size, times, raw in _collect(out, len(sizes), args.timeout):
-            results[(w, size)] = times
-            raws[(w, size)] = raw
-        for p in procs:
-            p.join(30)
-            if p.is_alive():  # a rank stuck tearing NCCL down must not hold the results back
-                p.terminate()
+        rows += _collect(out, len(sizes), args.timeout)
+        _join(procs)
     print(
-        f"\n### Fan-out: a job message (header + payload region) vs a bare {args.backend} broadcast of the "
-        f"same bytes (median / p99 ms, {args.iters} rounds, side by side; world 1 needs no broadcast)\n"
+        f"\n### Fan-out over {args.backend}: a job message (header + payload region) vs a bare broadcast of the "
+        f"same bytes (median / p99 ms, {args.iters} rounds each, alternating, same window)\n"
     )
-    multi = [w for w in worlds if w > 1]
-    print("| bytes | " + " | ".join(f"TP{w} job message | TP{w} bare broadcast | ratio" for w in multi) + " |")
-    print("| ---: |" + " ---: | ---: | ---: |" * len(multi))
-    for size in sizes:
-        cells = []
-        for w in multi:
-            med, p99 = percentiles(results[(w, size)])
-            rmed, rp99 = percentiles(raws[(w, size)])
-            gbps = size / med / 1e9 if med else float("inf")
-            cells.append(
-                f"{med * 1e3:.3f} / {p99 * 1e3:.3f} ({gbps:.1f} GB/s) | {rmed * 1e3:.3f} / {rp99 * 1e3:.3f} "
-                f"| {med / rmed:.2f}× (+{(med - rmed) * 1e3:.3f} ms)"
-            )
-        print(f"| {size:,} | " + " | ".join(cells) + " |")
+    print("| ranks | bytes " + TABLE_HEAD)
+    print("| ---: | ---: | ---: | ---: | ---: | --- |")
+    for world, size, job, raw in rows:
+        print(f"| TP{world} | {size:,} | {verdict(job, raw)} |")
 
 
 # ---------------------------------------------------------------------- NIXL READ, then NCCL fan-out
@@ -185,65 +231,60 @@ def _producer(conn: Any, sizes: list[int]) -> None:
     agent.close()
 
 
-def _consumer_rank(rank: int, port: int, sizes: list[int], iters: int, conn: Any, out: Any) -> None:
+def _consumer_rank(rank: int, port: int, gpus: list[int], sizes: list[int], iters: int, conn: Any, out: Any) -> None:
     from stageferry.broker.data.nixl.agent import NixlAgent, XferState
     from stageferry.schemas import MemKind
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", 1 - rank)  # the leader on GPU 1, the follower on GPU 0
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
-    cpu_group = dist.new_group(backend="gloo")
-    channel = GroupChannel(rank=rank, world_size=2, device=device, cpu_group=cpu_group, device_group=dist.group.WORLD)
+    channel = _init(rank, 2, port, "nccl", gpus)
+    device = channel.device
     agent = remote = None
-    dst = torch.empty(max(sizes), dtype=torch.uint8, device=device)
+    dst = torch.empty(max(sizes) + 4096, dtype=torch.uint8, device=device)  # room for the region's padding
+    reads: list[float] = []
     if rank == 0:
         agent = NixlAgent("bench-consumer")
         agent.register(dst)
         metadata, remote_addr = conn.recv()
         remote = agent.add_remote(metadata)
     for size in sizes:
-        plan = plan_payload({"blob": dst[:size]})
-        reads, fans, totals = [], [], []
-        for i in range(iters + 2):
-            dist.barrier(group=cpu_group)
+        manifest = plan_payload({"blob": dst[:size]}).manifest  # the READ lands the region in ``dst``
+        reads.clear()
+
+        def read(size: int = size) -> None:
+            if rank != 0:
+                return
+            assert agent is not None and remote is not None
             t0 = time.perf_counter()
-            if rank == 0:
-                assert agent is not None and remote is not None
-                h = agent.start_read(
-                    [(dst.data_ptr(), size, device.index)],
-                    MemKind.VRAM,
-                    [(remote_addr, size, 0)],
-                    MemKind.VRAM,
-                    remote,
-                    b"",
-                )
-                while agent.poll(h) is not XferState.DONE:
-                    pass
-                agent.release(h)
-                t1 = time.perf_counter()
-                channel.send(MessageKind.JOB, {"i": i}, manifest=plan.manifest, buffers={DeviceKind.CUDA: dst})
-            else:
-                t1 = t0
-                channel.receive()
-            torch.cuda.synchronize(device)
-            dist.barrier(group=cpu_group)
-            t2 = time.perf_counter()
-            if i >= 2:
-                reads.append(t1 - t0)
-                fans.append(t2 - t1)
-                totals.append(t2 - t0)
+            h = agent.start_read(
+                [(dst.data_ptr(), size, device.index)],
+                MemKind.VRAM,
+                [(remote_addr, size, 0)],
+                MemKind.VRAM,
+                remote,
+                b"",
+            )
+            while agent.poll(h) is not XferState.DONE:
+                pass
+            agent.release(h)
+            reads.append(time.perf_counter() - t0)
+
+        rounds = Rounds(channel)
+        for i in range(iters + WARMUP):
+            rounds.run("job", dst, manifest, i, before=read)
+            rounds.run("raw", dst, manifest, i, before=read)
+        job, raw = rounds.windows("job"), rounds.windows("raw")
         if rank == 0:
-            out.put((size, reads, fans, totals))
+            out.put((size, reads[2 * WARMUP :], job, raw))
     if rank == 0:
         conn.send("done")
         assert agent is not None
         agent.close()
+    dist.barrier(group=channel.cpu_group)
     dist.destroy_process_group()
 
 
 def run_nixl_fanout(args: argparse.Namespace) -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
+    gpus = [int(g) for g in (args.gpus or "1,0").split(",")]
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     out = ctx.Queue()
@@ -251,36 +292,41 @@ def run_nixl_fanout(args: argparse.Namespace) -> None:
     producer = ctx.Process(target=_producer, args=(b, sizes))
     producer.start()
     ranks = [
-        ctx.Process(target=_reporting, args=(_consumer_rank, r, port, sizes, args.iters, a if r == 0 else None, out))
+        ctx.Process(
+            target=_reporting,
+            args=(_consumer_rank, r, args.hang_dump, port, gpus, sizes, args.iters, a if r == 0 else None, out),
+        )
         for r in range(2)
     ]
     for p in ranks:
         p.start()
     rows = _collect(out, len(sizes), args.timeout)
-    for p in [*ranks, producer]:
-        p.join(30)
-        if p.is_alive():
-            p.terminate()
+    _join([*ranks, producer])
     print(
-        f"\n### TP1 producer (GPU 0) → TP2 consumer: leader (GPU 1) NIXL READ, then NCCL broadcast to GPU 0 "
-        f"(median / p99 ms, {args.iters} rounds)\n"
+        f"\n### TP1 producer (GPU 0) → TP2 consumer: leader (GPU {gpus[0]}) NIXL READ, then a job message vs a "
+        f"bare NCCL broadcast to GPU {gpus[1]} (median / p99 ms, {args.iters} rounds each, alternating)\n"
     )
-    print("| bytes | NIXL READ | NCCL fan-out | total |")
-    print("| ---: | ---: | ---: | ---: |")
-    for size, reads, fans, totals in rows:
-        cells = [f"{percentiles(x)[0] * 1e3:.3f} / {percentiles(x)[1] * 1e3:.3f}" for x in (reads, fans, totals)]
-        print(f"| {size:,} | " + " | ".join(cells) + " |")
+    print("| bytes | NIXL READ " + TABLE_HEAD)
+    print("| ---: | ---: | ---: | ---: | ---: | --- |")
+    for size, reads, job, raw in rows:
+        rmed, rp99 = percentiles(reads)
+        print(f"| {size:,} | {rmed * 1e3:.3f} / {rp99 * 1e3:.3f} | {verdict(job, raw)} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["broadcast", "nixl-fanout"], default="broadcast")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
-    parser.add_argument("--ranks", default="1,2,4")
-    parser.add_argument("--sizes", default=",".join(str(s) for s in [4096, 1 << 20, *TASK_SIZES, 256 << 20]))
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--gpus", default="", help="GPU of each rank, e.g. 1,0 (default: rank r on GPU r)")
+    parser.add_argument("--sizes", default=",".join(str(s) for s in [4096, 1 << 20, *TASK_SIZES]))
+    parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for each size's result")
+    parser.add_argument("--inline-max", default="", help="override group_channel.INLINE_MAX_BYTES (bytes)")
+    parser.add_argument("--hang-dump", type=float, default=0, help="dump a rank's stacks and exit after S seconds")
     args = parser.parse_args()
+    if args.inline_max:
+        os.environ["FANOUT_INLINE_MAX"] = args.inline_max  # spawned ranks inherit it
     print(f"torch {torch.__version__}, cuda devices {torch.cuda.device_count()}, cpu threads {torch.get_num_threads()}")
     (run_nixl_fanout if args.mode == "nixl-fanout" else run_broadcast)(args)
 

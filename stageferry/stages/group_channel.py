@@ -1,16 +1,26 @@
 """Leader → followers messages of a stage group, over torch.distributed collectives (never pickle).
 
-Every message starts with a *header*: a msgpack map in a fixed-size *frame* (:data:`FRAME_BYTES`: a
-little-endian u32 length, then the map), broadcast in one collective over the **device group** — NCCL
-when the ranks have GPUs, the same gloo group as CPU tensors otherwise.  A header longer than the frame
-sends its tail in a second broadcast on the same group.  Keeping headers off gloo matters on GPUs: a
-gloo round trip per job (length, then bytes) cost ≈ 0.7 ms, twenty times the NCCL broadcast of a T2VA
-payload; one NCCL broadcast of a frame costs a few tens of microseconds.  Media bytes and CPU payload
-regions travel over the gloo group, CUDA regions over the device group.  Message kinds:
+Every message starts with a *frame*, broadcast in one collective over the **device group** — NCCL
+when the ranks have GPUs, the same gloo group as CPU tensors otherwise.  A frame is a *head* of
+:data:`FRAME_BYTES` (a little-endian u32 length, then the header: a msgpack map), optionally followed
+by the payload's region of the frame's own memory kind (CUDA on GPU ranks, CPU on CPU ranks) *inline*.
+A header longer than the head sends its tail in a second broadcast on the same group.  Keeping headers
+off gloo matters on GPUs: a gloo round trip per job (length, then bytes) cost ≈ 0.7 ms, twenty times the
+NCCL broadcast of a T2VA payload.
 
-* ``job``  — the job, its media bytes, and the payload: the manifest in the header, then one broadcast
-  per non-empty region, straight from the leader's buffers (its pool slot when the payload came over
-  NIXL) into a fresh buffer on each follower, from which the follower unpacks the same tensors;
+**Inline payloads.**  Every header names the size of the *next* frame (``next``), so every rank knows
+how many bytes the next broadcast carries before it arrives.  The leader sizes it for the last job's
+region (up to :data:`INLINE_MAX_BYTES`): a stage's jobs repeat a few shapes, so from its second job of a
+shape the payload rides the frame — one broadcast per job, and no host round trip on a follower between
+reading the header and posting the region's broadcast.  The leader copies the region into the frame on
+its device (a D2D copy: microseconds for a T2VA payload); followers get views of the frame they received.
+A region that does not fit the announced frame travels as before, in its own broadcast.  Media bytes
+and CPU regions of GPU ranks travel over the gloo group.  Message kinds:
+
+* ``job``  — the job, its media bytes, and the payload: the manifest in the header, the region inline
+  or one broadcast per non-empty region, straight from the leader's buffers (its pool slot when the
+  payload came over NIXL) into a fresh buffer on each follower, from which the follower unpacks the
+  same tensors;
 * ``fail`` — the leader could not get the payload: followers raise the same typed error;
 * ``noop`` — keeps idle followers' collectives well inside their timeout;
 * ``stop`` — the group is draining: followers return.
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,9 +53,19 @@ from stageferry.broker.data.payload_codec import validate_manifest
 from stageferry.schemas import DeviceKind, Manifest
 
 MAX_HEADER_BYTES = 64 << 20
-#: Size of the header frame: big enough for a job and a T2VA manifest, small enough that broadcasting it
-#: costs no more than the broadcast's fixed latency.
+#: Size of a frame's head (the header): big enough for a job and a T2VA manifest, small enough that
+#: broadcasting it costs no more than the broadcast's fixed latency.  An inline region starts right after.
 FRAME_BYTES = 16 << 10
+#: The largest region that rides a frame; larger ones get their own broadcast.  Measured on 2 × H200: inline
+#: 11 MB and 65 MB regions were 0.1–0.3 ms *slower* (the leader's D2D copy, and a follower that reads the
+#: header only once the whole frame landed instead of while the region's broadcast runs).
+INLINE_MAX_BYTES = 2 << 20
+_INLINE_GRAIN = 4096
+#: How a follower waits for a frame's header on a GPU (:meth:`_Staging.wait`): spin this long, then poll
+#: at this interval until this long, then block.
+SPIN_S = 0.002
+POLL_S = 0.0001
+POLL_FOR_S = 1.0  # next-frame sizes are rounded up to this
 _LEN = 4  # the frame's length prefix
 MANIFEST_CACHE_SIZE = 64
 
@@ -116,6 +137,8 @@ class GroupChannel:
         self.model_groups = model_groups or ModelGroups(process_group=device_group, groups={"world": device_group})
         self._counts: collections.Counter[str] = collections.Counter()
         self._manifests: collections.OrderedDict[str, Manifest] = collections.OrderedDict()
+        self._capacity = FRAME_BYTES  # bytes of the next frame, as the last header said (every rank)
+        self._staging: _Staging | None = None  # pinned head buffer of a GPU rank, made on first use
 
     @classmethod
     def solo(cls, device: torch.device) -> GroupChannel:
@@ -147,35 +170,59 @@ class GroupChannel:
             return
         self._count(kind, manifest)
         media = dict(media or {})
+        regions: dict[DeviceKind, torch.Tensor] = {}
+        if manifest is not None:
+            assert buffers is not None
+            for region in manifest.regions:
+                buf = buffers[region.device]
+                if buf.numel() < region.nbytes:  # NCCL would wait forever for the missing bytes
+                    raise ValueError(f"{region.device} buffer of {buf.numel()} bytes, region of {region.nbytes}")
+                regions[region.device] = buf[: region.nbytes]
+        own = self._frame_kind()
+        inline = regions.get(own)
+        capacity = self._capacity
         body = dict(header or {})
         body["kind"] = kind.value
         body["media"] = {name: len(data) for name, data in media.items()}
         body["manifest"] = manifest.model_dump_json() if manifest is not None else None
-        self._send_header(msgpack.packb(body, use_bin_type=True))
+        body["inline"] = inline is not None and 0 < inline.numel() <= capacity - FRAME_BYTES
+        body["next"] = _next_capacity(capacity, inline)
+        packed = msgpack.packb(body, use_bin_type=True)
+        if body["inline"] and _LEN + len(packed) > FRAME_BYTES:  # a long header: its tail follows the frame
+            body["inline"] = False
+            packed = msgpack.packb(body, use_bin_type=True)
+        self._send_frame(packed, inline if body["inline"] else None)
+        self._capacity = body["next"]
         for name in sorted(media):  # sizes are in the header: no length broadcast
             self._broadcast_bytes(media[name], expect=len(media[name]))
-        if manifest is not None:
-            assert buffers is not None
-            for region in manifest.regions:
-                if region.nbytes:
-                    self._broadcast_region(buffers[region.device][: region.nbytes], region.device)
+        for device_kind, buf in regions.items():
+            if buf.numel() and not (body["inline"] and device_kind is own):
+                self._broadcast_region(buf, device_kind)
 
     # ------------------------------------------------------------------ followers
 
     def receive(self) -> Message:
         """Block until the leader's next message (followers only)."""
-        raw = self._receive_header()
+        frame, raw = self._receive_frame()
         body = msgpack.unpackb(raw, raw=False, strict_map_key=True)
         kind = MessageKind(body.pop("kind"))
+        inline = bool(body.pop("inline", False))
+        self._capacity = _checked_capacity(body.pop("next", FRAME_BYTES))
         sizes = body.pop("media") or {}
         media = {name: self._broadcast_bytes(None, expect=int(sizes[name])) for name in sorted(sizes)}
         manifest_json = body.pop("manifest")
         manifest = None
         buffers: dict[DeviceKind, torch.Tensor] = {}
+        own = self._frame_kind()
         if manifest_json is not None:
             manifest = self._manifest(manifest_json)
             for region in manifest.regions:
-                buffers[region.device] = self._receive_region(region.nbytes, region.device)
+                if inline and region.device is own:
+                    if FRAME_BYTES + region.nbytes > frame.numel():
+                        raise ValueError(f"inline region of {region.nbytes} bytes in a {frame.numel()}-byte frame")
+                    buffers[region.device] = frame[FRAME_BYTES : FRAME_BYTES + region.nbytes]
+                else:
+                    buffers[region.device] = self._receive_region(region.nbytes, region.device)
         self._count(kind, manifest)
         return Message(kind=kind, header=body, media=media, buffers=buffers, manifest=manifest)
 
@@ -227,42 +274,61 @@ class GroupChannel:
         self._counts["calls:device" if on_device else "calls:cpu"] += len(self.route)
 
     def _frame_device(self) -> torch.device:
-        """Where header frames live: on this rank's GPU when the device group is NCCL's."""
+        """Where frames live: on this rank's GPU when the device group is NCCL's."""
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
+    def _frame_kind(self) -> DeviceKind:
+        """The region kind that can ride a frame inline."""
+        return DeviceKind.CUDA if self.device.type == "cuda" else DeviceKind.CPU
+
     def _propagate_frame(self, buf: torch.Tensor) -> None:
-        """Headers ride the device group (NCCL on GPUs; on CPU ranks the device group is gloo)."""
+        """Frames ride the device group (NCCL on GPUs; on CPU ranks the device group is gloo)."""
         for hop in self.route:
             dist.broadcast(buf, src=hop.src, group=hop.device_group)
         self._counts["calls:device"] += len(self.route)
 
-    def _send_header(self, body: bytes) -> None:
-        """One frame (length + the body's head), then the body's tail when it does not fit."""
+    def _stage(self) -> _Staging:
+        if self._staging is None:
+            self._staging = _Staging()
+        return self._staging
+
+    def _send_frame(self, body: bytes, inline: torch.Tensor | None) -> None:
+        """One frame of ``self._capacity`` bytes (length + the body's head, then ``inline``), then the
+        body's tail when it does not fit the head.  Nothing here waits for the device."""
         if len(body) > MAX_HEADER_BYTES:
             raise ValueError(f"header of {len(body)} bytes")
-        frame = bytearray(FRAME_BYTES)
         head = body[: FRAME_BYTES - _LEN]
-        frame[:_LEN] = len(body).to_bytes(_LEN, "little")
-        frame[_LEN : _LEN + len(head)] = head
-        self._propagate_frame(torch.frombuffer(frame, dtype=torch.uint8).to(self._frame_device()))
+        used = _LEN + len(head)
+        frame = torch.empty(self._capacity, dtype=torch.uint8, device=self._frame_device())
+        if frame.is_cuda:
+            self._stage().upload(len(body).to_bytes(_LEN, "little") + head, frame)
+        else:
+            view = frame[:used].numpy()
+            view[:_LEN] = memoryview(len(body).to_bytes(_LEN, "little"))
+            view[_LEN:used] = memoryview(head)
+        if inline is not None:
+            if inline.device != frame.device:
+                inline = inline.to(frame.device)
+            frame[FRAME_BYTES : FRAME_BYTES + inline.numel()].copy_(inline)
+        self._propagate_frame(frame)
         if len(body) > len(head):
             tail = bytearray(body[len(head) :])
             self._propagate_frame(torch.frombuffer(tail, dtype=torch.uint8).to(self._frame_device()))
 
-    def _receive_header(self) -> bytes:
-        """The leader's header body, from its frame (and tail)."""
-        frame = torch.empty(FRAME_BYTES, dtype=torch.uint8, device=self._frame_device())
+    def _receive_frame(self) -> tuple[torch.Tensor, bytes]:
+        """The leader's frame (a fresh buffer: inline regions are views of it) and its header body."""
+        frame = torch.empty(self._capacity, dtype=torch.uint8, device=self._frame_device())
         self._propagate_frame(frame)
-        raw = _to_host(frame)
+        raw = self._stage().download(frame) if frame.is_cuda else frame[:FRAME_BYTES].numpy().tobytes()
         n = int.from_bytes(raw[:_LEN], "little")
         if n > MAX_HEADER_BYTES:
             raise ValueError(f"header of {n} bytes from the leader")
         head = raw[_LEN : _LEN + min(n, FRAME_BYTES - _LEN)]
         if n <= len(head):
-            return head
+            return frame, head
         tail = torch.empty(n - len(head), dtype=torch.uint8, device=self._frame_device())
         self._propagate_frame(tail)
-        return head + _to_host(tail)
+        return frame, head + _to_host(tail)
 
     def _broadcast_bytes(self, data: bytes | None, *, expect: int) -> bytes:
         """``expect`` bytes (their size is in the header) from rank 0 over the gloo group."""
@@ -287,6 +353,70 @@ class GroupChannel:
         if nbytes:
             self._propagate(buf, kind)
         return buf
+
+
+def _next_capacity(capacity: int, inline: torch.Tensor | None) -> int:
+    """The next frame's size: room for this job's region (its shape will likely repeat), or the same."""
+    if inline is None or not inline.numel():
+        return capacity
+    if inline.numel() > INLINE_MAX_BYTES:
+        return FRAME_BYTES
+    return FRAME_BYTES + -(-inline.numel() // _INLINE_GRAIN) * _INLINE_GRAIN
+
+
+def _checked_capacity(value: Any) -> int:
+    """A next-frame size from the leader's header, within what a leader can announce."""
+    capacity = int(value)
+    if not FRAME_BYTES <= capacity <= FRAME_BYTES + INLINE_MAX_BYTES + _INLINE_GRAIN:
+        raise ValueError(f"next frame of {capacity} bytes from the leader")
+    return capacity
+
+
+class _Staging:
+    """A GPU rank's pinned host copy of a frame's head, and the event that guards it.
+
+    The leader writes a header here and copies it to the frame without blocking (the next header waits
+    for that copy first, long done by then); a follower copies a received head here and waits for it
+    (:meth:`wait`)."""
+
+    def __init__(self) -> None:
+        self.host = torch.empty(FRAME_BYTES, dtype=torch.uint8, pin_memory=True)
+        self.done = torch.cuda.Event(blocking=True)
+        self.pending = False
+
+    def upload(self, data: bytes, frame: torch.Tensor) -> None:
+        if self.pending and not self.done.query():
+            self.done.synchronize()
+        self.host.numpy()[: len(data)] = memoryview(data)
+        frame[: len(data)].copy_(self.host[: len(data)], non_blocking=True)
+        self.done.record()
+        self.pending = True
+
+    def download(self, frame: torch.Tensor) -> bytes:
+        self.host.copy_(frame[:FRAME_BYTES], non_blocking=True)
+        self.done.record()
+        self.wait()
+        self.pending = False
+        return self.host.numpy().tobytes()
+
+    def wait(self) -> None:
+        """Wait for the last recorded copy: spin for :data:`SPIN_S` (a job that follows another arrives
+        within it), then poll every :data:`POLL_S` until :data:`POLL_FOR_S`, then block.
+
+        Why not block at once: a blocking event wakes the thread through the driver's interrupt — the
+        suspected bulk (not yet measured apart) of a job's ≈ 0.45 ms fan-out overhead over a bare NCCL
+        broadcast on the 2 × H200 host, a VM (``benchmarks/results/issue20_fanout_fair_2xH200.txt``),
+        where the bare broadcast's ``torch.cuda.synchronize`` spins.  Why not spin for ever: an idle
+        follower sits here between jobs, and a spinning wait would burn a CPU core the whole time."""
+        done = self.done
+        started = time.perf_counter()
+        while not done.query():
+            waited = time.perf_counter() - started
+            if waited >= POLL_FOR_S:
+                done.synchronize()
+                return
+            if waited >= SPIN_S:
+                time.sleep(POLL_S)
 
 
 def _to_host(buf: torch.Tensor) -> bytes:

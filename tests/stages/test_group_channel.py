@@ -4,7 +4,9 @@ Two real rank processes (gloo).  To see which group a header takes, the channel 
 gloo groups over the same ranks: the ``cpu`` one (what a GPU group uses for media and CPU regions) and
 the ``device`` one (NCCL's place on GPUs).  Each rank counts the broadcasts it took part in per group,
 and the follower checks it received exactly what the leader sent: a header that fits the frame, one
-that does not (its tail follows), media, and a payload region.
+that does not (its tail follows), media, and payload regions — the first of a shape in its own
+broadcast, the next ones inline in the frame (its size announced by the previous header), a larger
+shape on its own again, then inline.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.multiprocessing as mp
 from stageferry.broker.data.payload_codec import pack_into, plan_payload, unpack
 from stageferry.embedded_redis import free_port
 from stageferry.schemas import DeviceKind
+from stageferry.stages.group import pack_payload
 from stageferry.stages.group_channel import FRAME_BYTES, GroupChannel, MessageKind
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,8 +31,12 @@ pytestmark = pytest.mark.timeout(120)
 BIG = "x" * (FRAME_BYTES * 3 + 17)  # a header three frames long
 
 
-def _payload() -> dict[str, torch.Tensor]:
-    return {"text": torch.arange(1000, dtype=torch.float32), "ids": torch.arange(7, dtype=torch.int64)}
+def _payload(n: int = 1000, seed: int = 0) -> dict[str, torch.Tensor]:
+    return {"text": torch.arange(n, dtype=torch.float32) + seed, "ids": torch.arange(7, dtype=torch.int64) - seed}
+
+
+#: Payload messages after the first: (step, size, seed); same shape twice, a larger one twice.
+MORE = [("inline", 1000, 1), ("larger", 5000, 2), ("larger inline", 5000, 3)]
 
 
 def _rank(rank: int, port: int, out: Any) -> None:
@@ -54,18 +61,27 @@ def _rank(rank: int, port: int, out: Any) -> None:
                 MessageKind.JOB, {"request_id": "r4"}, manifest=plan.manifest, buffers={DeviceKind.CPU: region}
             )
             steps.append(("payload", channel.collectives()))
+            for name, n, seed in MORE:
+                manifest, buffers = pack_payload(_payload(n, seed))
+                channel.send(MessageKind.JOB, {"request_id": name}, manifest=manifest, buffers=buffers)
+                steps.append((name, channel.collectives()))
             channel.send(MessageKind.STOP)
             out.put(("leader", steps))
         else:
             got = []
-            for name in ("small", "big", "media", "payload"):
+            for name in ("small", "big", "media", "payload", *(m[0] for m in MORE)):
                 message = channel.receive()
                 steps.append((name, channel.collectives()))
                 got.append(message)
             stop = channel.receive()
-            small, big, media, payload = got
+            small, big, media, payload, *more = got
             assert payload.manifest is not None
             held = unpack(payload.manifest, payload.buffers, copy=False)
+            exact = []
+            for message, (_, n, seed) in zip(more, MORE, strict=True):
+                assert message.manifest is not None
+                rebuilt = unpack(message.manifest, message.buffers, copy=False)
+                exact.append(all(torch.equal(rebuilt[k], v) for k, v in _payload(n, seed).items()))
             out.put(
                 (
                     "follower",
@@ -73,7 +89,7 @@ def _rank(rank: int, port: int, out: Any) -> None:
                     small.header["request_id"],
                     big.header["job"] == BIG,
                     media.media,
-                    all(torch.equal(held[k], v) for k, v in _payload().items()),
+                    all(torch.equal(held[k], v) for k, v in _payload().items()) and all(exact),
                     stop.kind.value,
                 )
             )
@@ -109,5 +125,24 @@ def test_headers_take_one_broadcast_on_the_device_group_and_none_on_gloo() -> No
     assert steps["media"] == {"cpu": 1, "device": 4}
     # A CPU payload region rides gloo; its header still does not.
     assert steps["payload"] == {"cpu": 2, "device": 5}
+    # The same shape again: inline in the frame the last header announced — one broadcast, none on gloo.
+    assert steps["inline"] == {"cpu": 2, "device": 6}
+    # A larger shape does not fit that frame: its own broadcast; the next one of that shape is inline.
+    assert steps["larger"] == {"cpu": 3, "device": 7}
+    assert steps["larger inline"] == {"cpu": 3, "device": 8}
     assert request_id == "r1" and big_ok and media == {"ref": b"\x00media\xff"} and payload_ok
     assert stop == "stop"
+
+
+def test_a_buffer_shorter_than_its_region_is_refused_before_any_broadcast() -> None:
+    """A short buffer would broadcast fewer bytes than followers wait for (NCCL then hangs)."""
+    channel = GroupChannel(rank=0, world_size=2, device=torch.device("cpu"), cpu_group=None, device_group=None)
+    plan = plan_payload({"blob": torch.zeros(359_024, dtype=torch.uint8)})  # region padded to 359,040
+    with pytest.raises(ValueError, match="region of 359040"):
+        channel.send(
+            MessageKind.JOB,
+            {},
+            manifest=plan.manifest,
+            buffers={DeviceKind.CPU: torch.zeros(359_024, dtype=torch.uint8)},
+        )
+    assert channel.collectives() == {"cpu": 0, "device": 0}
