@@ -154,13 +154,19 @@ class NixlAgent:
     """
 
     def __init__(
-        self, name: str, *, backends: Sequence[str] = ("UCX",), progress_delay_us: int = PROGRESS_DELAY_US
+        self,
+        name: str,
+        *,
+        backends: Sequence[str] = ("UCX",),
+        progress_delay_us: int = PROGRESS_DELAY_US,
+        ucx_threads: int = 0,
     ) -> None:
         api, bind = _import_nixl()
         t0 = time.perf_counter()
         try:
             with _progress_thread_delay(api, progress_delay_us):
-                self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=list(backends)))
+                config = api.nixl_agent_config(backends=list(backends), num_threads=ucx_threads)
+                self._agent = api.nixl_agent(name, config)
         except Exception as exc:
             raise NixlUnavailableError(f"cannot create NIXL agent {name!r}: {exc}", agent=name) from exc
         missing = [b for b in backends if b not in self._agent.backends]
@@ -176,7 +182,13 @@ class NixlAgent:
         self._transport: dict[tuple[str, str], str] = {}  # (remote, route) -> what UCX said
         self._transport_tries: dict[tuple[str, str], int] = {}
         self._ucx_log = UcxLogTail(_ucx_log_path) if _ucx_log_path is not None else None
-        log.info("nixl.agent.created", agent=name, backends=list(backends), seconds=round(time.perf_counter() - t0, 4))
+        log.info(
+            "nixl.agent.created",
+            agent=name,
+            backends=list(backends),
+            ucx_threads=ucx_threads,
+            seconds=round(time.perf_counter() - t0, 4),
+        )
 
     # -- identity and memory ---------------------------------------------------------------------------
 
@@ -322,6 +334,16 @@ class NixlAgent:
                 raise
             # nixl keeps the handle on its leak list and frees it when the agent goes.
             log.warning("nixl.xfer.release_failed", agent=self.name, remote=xh.remote, error=str(exc))
+
+    def notify(self, remote_name: str, message: bytes) -> None:
+        """Send ``message`` to ``remote_name`` as a notification of its own (not carried by a transfer);
+        it arrives in the peer's :meth:`drain_notifs` like a READ's."""
+        try:
+            self._agent.send_notif(remote_name, message)
+        except Exception as exc:
+            if not is_nixl_error(exc):
+                raise
+            raise self._fail(exc, "notify", remote_name) from exc
 
     def drain_notifs(self) -> dict[str, list[bytes]]:
         """All notifications received since the last call; the ONLY place notifs are consumed."""
