@@ -27,6 +27,7 @@ import time
 from collections.abc import AsyncIterator
 
 import anyio
+import anyio.lowlevel
 import structlog
 import torch
 
@@ -217,8 +218,10 @@ class Consumer:
         release the producer's slot.  The hop waits for the longer of the claim's round trip and the READs,
         not for their sum.
 
-        In order: post one READ per non-empty region, all at once and without a notification; claim
-        (Redis ``SET NX``) while they run; wait until every READ is DONE; only then notify the producer
+        In order: send the claim (Redis ``SET NX``, in a task of its own); post one READ per non-empty
+        region, all at once and without a notification, while the claim's round trip runs (on CPU, UCX's
+        CMA copies inside the post call: hence the claim goes first); wait for the claim's answer and until
+        every READ is DONE; only then notify the producer
         (:meth:`NixlAgent.notify`), so the release is sent once, by the claim's winner, after the bytes
         arrived.  Why reading before the claim is won is safe: a READ changes nothing on the producer;
         if the claim is won, the producer had not marked the claim key ``released``/``expired`` before it,
@@ -227,8 +230,10 @@ class Consumer:
 
         Raises the claim's :class:`PayloadUnavailableError` / ``ControlPlaneError`` when it is lost (after
         the READs ended: they write into ``slots``; the peer is dropped if they failed), and
-        :class:`TransferError` when a READ failed with the claim won (the caller drops the peer and asks
-        for an inline resend, which settles the lease)."""
+        :class:`TransferError` when a READ failed (to post or to complete) with the claim won (the caller
+        drops the peer and asks for an inline resend, which settles the lease).  The claim is always
+        settled first: a consumer that did not win it must never ask the producer for the payload, whose
+        resend frees the slot, perhaps under the winner's READ."""
         agent = self._ep.agent
         assert agent is not None
         pairs = [(spec, remote) for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True) if spec.nbytes]
@@ -238,18 +243,33 @@ class Consumer:
             return
         deadline = time.monotonic() + self._ep.timeouts.transfer
         handles: list[object] = []
-        try:
-            for spec, remote in pairs:
-                handles.append(self._post(spec, remote, slots[spec.device], peer))
-            failpoint(CONSUMER_READ_POSTED)  # fault injection: die with the READs in flight
+        post_failed: TransferError | None = None
+        claim_lost: list[Exception] = []
+
+        async def claim_it() -> None:
             try:
                 await self.claim(ref)
-            except (PayloadUnavailableError, ControlPlaneError):
+            except (PayloadUnavailableError, ControlPlaneError) as exc:
+                claim_lost.append(exc)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(claim_it)
+                await anyio.lowlevel.checkpoint()  # the claim's command leaves first: a CPU READ copies inside its post
+                try:
+                    for spec, remote in pairs:
+                        handles.append(self._post(spec, remote, slots[spec.device], peer))
+                except TransferError as exc:  # raised once the claim is ours: only its winner may ask for a resend
+                    post_failed = exc
+                failpoint(CONSUMER_READ_POSTED)  # fault injection: die with the READs in flight
+            if claim_lost:
                 try:  # our slots go back to the pool: no READ may still be writing into them
                     await self._wait_all(handles, deadline)
                 except TransferError:
                     self._peers.forget(peer.name)
-                raise
+                raise claim_lost[0]
+            if post_failed is not None:
+                raise post_failed
             await self._wait_all(handles, deadline)
         finally:
             for handle in handles:
