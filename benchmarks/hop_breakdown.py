@@ -24,7 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import anyio  # noqa: E402
-import anyio.lowlevel  # noqa: E402
 import torch  # noqa: E402
 from transfer import connector, payload_for  # noqa: E402
 
@@ -71,17 +70,14 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
             cons = consumer.consumer
             wakeups = cons.wakeups
             t = critical = time.perf_counter()
-            async with anyio.create_task_group() as claim_tg:
-                claim_tg.start_soon(cons.claim, ref)
-                await anyio.lowlevel.checkpoint()  # as Consumer.read: the claim's command leaves first
-                t = timed("  send claim (SET NX)", t)
-                handles = [
-                    cons._post(spec, remote, slots[spec.device], peer)  # type: ignore[arg-type]
-                    for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True)  # type: ignore[union-attr]
-                    if spec.nbytes
-                ]
-                t = timed("  post READs, no notification (CPU: CMA copies here)", t)
-            t = timed("  claim's answer, READs in flight", t)
+            handles = [
+                cons._post(spec, remote, slots[spec.device], peer)  # type: ignore[arg-type]
+                for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True)  # type: ignore[union-attr]
+                if spec.nbytes
+            ]
+            t = timed("  post READs, no notification (CPU: CMA copies here)", t)
+            await cons.claim(ref)  # type: ignore[arg-type]
+            t = timed("  claim (SET NX), READs in flight", t)
             await cons._wait_all(handles, time.monotonic() + 30)
             t = timed("  wait for DONE after the claim", t)
             await cons._release_producer(ref, peer)  # type: ignore[arg-type]

@@ -27,7 +27,6 @@ import time
 from collections.abc import AsyncIterator
 
 import anyio
-import anyio.lowlevel
 import structlog
 import torch
 
@@ -218,15 +217,19 @@ class Consumer:
         release the producer's slot.  The hop waits for the longer of the claim's round trip and the READs,
         not for their sum.
 
-        In order: send the claim (Redis ``SET NX``, in a task of its own); post one READ per non-empty
-        region, all at once and without a notification, while the claim's round trip runs (on CPU, UCX's
-        CMA copies inside the post call: hence the claim goes first); wait for the claim's answer and until
-        every READ is DONE; only then notify the producer
+        In order: post one READ per non-empty region, all at once and without a notification; claim
+        (Redis ``SET NX``) while they run; wait until every READ is DONE; only then notify the producer
         (:meth:`NixlAgent.notify`), so the release is sent once, by the claim's winner, after the bytes
         arrived.  Why reading before the claim is won is safe: a READ changes nothing on the producer;
         if the claim is won, the producer had not marked the claim key ``released``/``expired`` before it,
         and it frees a slot only after that mark, so the slot held this payload throughout; if the claim
         is lost, our copy is never unpacked nor handed on and nothing is notified.
+
+        What overlaps: an asynchronous READ (VRAM over cuda_ipc; DRAM when UCX's progress thread moves it)
+        runs during the claim's round trip.  On CPU, UCX's CMA copies inside the post call, so there the
+        claim follows the copy; sending the claim first from a task of its own was measured slower
+        (a task group and redis-py's send path cost more event-loop time than the wait they hide:
+        ``benchmarks/results/issue20_hop``).
 
         Raises the claim's :class:`PayloadUnavailableError` / ``ControlPlaneError`` when it is lost (after
         the READs ended: they write into ``slots``; the peer is dropped if they failed), and
@@ -244,30 +247,21 @@ class Consumer:
         deadline = time.monotonic() + self._ep.timeouts.transfer
         handles: list[object] = []
         post_failed: TransferError | None = None
-        claim_lost: list[Exception] = []
-
-        async def claim_it() -> None:
+        try:
+            try:
+                for spec, remote in pairs:
+                    handles.append(self._post(spec, remote, slots[spec.device], peer))
+            except TransferError as exc:  # raised once the claim is ours: only its winner may ask for a resend
+                post_failed = exc
+            failpoint(CONSUMER_READ_POSTED)  # fault injection: die with the READs in flight
             try:
                 await self.claim(ref)
-            except (PayloadUnavailableError, ControlPlaneError) as exc:
-                claim_lost.append(exc)
-
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(claim_it)
-                await anyio.lowlevel.checkpoint()  # the claim's command leaves first: a CPU READ copies inside its post
-                try:
-                    for spec, remote in pairs:
-                        handles.append(self._post(spec, remote, slots[spec.device], peer))
-                except TransferError as exc:  # raised once the claim is ours: only its winner may ask for a resend
-                    post_failed = exc
-                failpoint(CONSUMER_READ_POSTED)  # fault injection: die with the READs in flight
-            if claim_lost:
+            except (PayloadUnavailableError, ControlPlaneError):
                 try:  # our slots go back to the pool: no READ may still be writing into them
                     await self._wait_all(handles, deadline)
                 except TransferError:
                     self._peers.forget(peer.name)
-                raise claim_lost[0]
+                raise
             if post_failed is not None:
                 raise post_failed
             await self._wait_all(handles, deadline)
