@@ -4,9 +4,12 @@
     python benchmarks/hop_breakdown.py --bytes 4096 --progress-delay-us 0
 
 A diagnostic, not a comparison: producer and consumer connectors live in one process (two NIXL agents,
-CMA between them), and the consumer's get is unrolled into its steps — validation, peer lookup, the
-claim (one Redis ``SET NX``), slot acquisition, the READ, unpacking, releasing — through the connector's
-own internals, so the numbers say which step to work on.  Medians after 50 warm-up hops.
+CMA between them), and the consumer's get is unrolled into its steps through the connector's own
+internals, so the numbers say which step to work on: validation, peer lookup, slot acquisition, then the
+critical path ``claim ∥ READ`` — the READs are posted, the claim (one Redis ``SET NX``) runs while they do,
+the wait for DONE after the claim returned, the release notification — then unpacking and releasing.
+"wake-ups" counts the READ wait's returns to the event loop per hop.  A second series times the whole
+``connector.get`` as a stage calls it.  Medians after 50 warm-up hops.
 """
 
 from __future__ import annotations
@@ -62,17 +65,38 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
             peer = await consumer.peers.ensure(ref)  # type: ignore[arg-type]
             validate_remote_regions(ref.manifest, ref.regions, peer.arenas)  # type: ignore[union-attr]
             t = timed("peer + descriptor checks", t)
-            await consumer.consumer.claim(ref)  # type: ignore[arg-type]
-            t = timed("claim (SET NX)", t)
             slots = await consumer.pools.acquire_regions(ref.manifest, timeout=5)  # type: ignore[union-attr]
             t = timed("acquire slot", t)
-            await consumer.consumer.read(ref, peer, slots)  # type: ignore[arg-type]
-            t = timed("READ (post → DONE)", t)
+            cons = consumer.consumer
+            wakeups = cons.wakeups
+            t = critical = time.perf_counter()
+            handles = [
+                cons._post(spec, remote, slots[spec.device], peer)  # type: ignore[arg-type]
+                for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True)  # type: ignore[union-attr]
+                if spec.nbytes
+            ]
+            t = timed("  post READs, no notification (CPU: CMA copies here)", t)
+            await cons.claim(ref)  # type: ignore[arg-type]
+            t = timed("  claim (SET NX), READs in flight", t)
+            await cons._wait_all(handles, time.monotonic() + 30)
+            t = timed("  wait for DONE after the claim", t)
+            await cons._release_producer(ref, peer)  # type: ignore[arg-type]
+            for h in handles:
+                consumer.agent.release(h)  # type: ignore[union-attr]
+            t = timed("  notify release", t)
+            timed("claim ∥ READ (critical path)", critical)
+            steps.setdefault("wake-ups per hop (count)", []).append(float(cons.wakeups - wakeups))
             unpack(ref.manifest, {k: s.view for k, s in slots.items()}, copy=False)
             t = timed("unpack", t)
             consumer.pools.release_all(slots)  # type: ignore[union-attr]
             t = timed("release slot", t)
             timed("get total", begin)
+        for i in range(args.hops + WARMUP):
+            ref = (await producer.put(f"g{i}", payload)).ref
+            t = time.perf_counter()
+            async with consumer.get(ref, None, key=f"g{i}"):
+                pass
+            timed("connector.get (whole, as a stage calls it)", t)
         tg.cancel_scope.cancel()
     await producer.aclose()
     await consumer.aclose()

@@ -98,9 +98,12 @@ def devices(kind: str) -> tuple[torch.device, torch.device]:
     return torch.device("cuda", 0), torch.device("cuda", min(1, n - 1))
 
 
-def connector(redis: Any, prefix: str, stage: str, pool_bytes: int, device: torch.device) -> NixlConnector:
+def connector(
+    redis: Any, prefix: str, stage: str, pool_bytes: int, device: torch.device, **data_plane: Any
+) -> NixlConnector:
     on_gpu = device.type == "cuda"
     config = DataPlaneConfig(
+        **data_plane,
         inline_max_bytes=0,
         cpu_pool_bytes=pool_bytes if not on_gpu else 64 * MiB,
         gpu_pool_bytes=pool_bytes if on_gpu else 0,
@@ -370,7 +373,10 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
         torch.cuda.set_device(device)
     pool_bytes = pool_bytes_for(args.sizes)
     redis, bench = connect(args.redis_url), bench_client(args.redis_url)
-    conn = connector(redis, prefix, "bench-consumer", pool_bytes, device)
+    lanes = {k: getattr(args, k) for k in ("read_lanes", "read_lane_min_bytes", "ucx_threads")}
+    conn = connector(
+        redis, prefix, "bench-consumer", pool_bytes, device, **{k: v for k, v in lanes.items() if v is not None}
+    )
     await anyio.to_thread.run_sync(conn.open)
     assert conn.agent is not None and conn.pools is not None, f"consumer has no NIXL agent: {conn.unavailable_reason}"
     fanout = await anyio.to_thread.run_sync(FanOut, args.tp)
@@ -595,6 +601,9 @@ def main() -> int:
     parser.add_argument(
         "--no-settle", action="store_true", help="skip gc.freeze after start-up (to see the full-collection spike)"
     )
+    parser.add_argument("--read-lanes", type=int, help="consumer's data_plane.read_lanes (default: the config's)")
+    parser.add_argument("--read-lane-min-bytes", type=int, help="consumer's data_plane.read_lane_min_bytes")
+    parser.add_argument("--ucx-threads", type=int, help="consumer's data_plane.ucx_threads")
     parser.add_argument("--role", choices=["consumer", "producer"], default="consumer", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     parser.add_argument("--pool-bytes", type=int, help=argparse.SUPPRESS)

@@ -223,6 +223,16 @@ class DataPlaneConfig(Strict):
     """Largest payload a stage may hand on."""
     nixl_backends: tuple[Annotated[str, Field(pattern=r"^[A-Z_0-9]{1,32}$")], ...] = ("UCX",)
     """NIXL backends of each agent."""
+    read_lanes: Annotated[int, Field(ge=1, le=64)] = 1
+    """A DRAM region of at least ``read_lane_min_bytes`` is READ as this many descriptors in one transfer.
+    1 by measurement: on a 32-core host, 2-8 descriptors, with or without ``ucx_threads``, did not beat one
+    (UCX's CMA, 65 MB: 10.5 ms as one; 11.9-13.9 ms as 2-8 descriptors, 10.3-12.7 ms as 2-8 transfers;
+    memcpy 7.7 ms, 8 threads 1.3 ms; ``benchmarks/read_lanes.py``)."""
+    read_lane_min_bytes: Annotated[int, Field(ge=64 * KiB, le=16 * GiB)] = 8 * MiB
+    """Smallest DRAM region split into ``read_lanes`` descriptors."""
+    ucx_threads: Annotated[int, Field(ge=0, le=64)] = 0
+    """Threads of NIXL's UCX backend (its ``num_threads``); above 0 a transfer's descriptors are spread over
+    them.  0 (NIXL's default engine) by measurement: 4 or 8 threads made no DRAM READ faster."""
     agent_heartbeat_s: Annotated[float, Field(gt=0, le=60)] = 2.0
     """Seconds between refreshes of the agent record in Redis."""
     agent_ttl_s: Annotated[float, Field(gt=0, le=600)] = 6.0

@@ -154,13 +154,19 @@ class NixlAgent:
     """
 
     def __init__(
-        self, name: str, *, backends: Sequence[str] = ("UCX",), progress_delay_us: int = PROGRESS_DELAY_US
+        self,
+        name: str,
+        *,
+        backends: Sequence[str] = ("UCX",),
+        progress_delay_us: int = PROGRESS_DELAY_US,
+        ucx_threads: int = 0,
     ) -> None:
         api, bind = _import_nixl()
         t0 = time.perf_counter()
         try:
             with _progress_thread_delay(api, progress_delay_us):
-                self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=list(backends)))
+                config = api.nixl_agent_config(backends=list(backends), num_threads=ucx_threads)
+                self._agent = api.nixl_agent(name, config)
         except Exception as exc:
             raise NixlUnavailableError(f"cannot create NIXL agent {name!r}: {exc}", agent=name) from exc
         missing = [b for b in backends if b not in self._agent.backends]
@@ -175,8 +181,15 @@ class NixlAgent:
         self._handles: dict[int, XferHandle] = {}
         self._transport: dict[tuple[str, str], str] = {}  # (remote, route) -> what UCX said
         self._transport_tries: dict[tuple[str, str], int] = {}
+        self._ucx_tables: dict[str, list[str]] = {}  # remote -> what UCX printed, not yet matched to a route
         self._ucx_log = UcxLogTail(_ucx_log_path) if _ucx_log_path is not None else None
-        log.info("nixl.agent.created", agent=name, backends=list(backends), seconds=round(time.perf_counter() - t0, 4))
+        log.info(
+            "nixl.agent.created",
+            agent=name,
+            backends=list(backends),
+            ucx_threads=ucx_threads,
+            seconds=round(time.perf_counter() - t0, 4),
+        )
 
     # -- identity and memory ---------------------------------------------------------------------------
 
@@ -263,6 +276,7 @@ class NixlAgent:
             del self._transport[key]
         for key in [k for k in self._transport_tries if k[0] == name]:
             del self._transport_tries[key]
+        self._ucx_tables.pop(name, None)
         if name not in self._remotes:
             return
         self._remotes.discard(name)
@@ -322,6 +336,16 @@ class NixlAgent:
                 raise
             # nixl keeps the handle on its leak list and frees it when the agent goes.
             log.warning("nixl.xfer.release_failed", agent=self.name, remote=xh.remote, error=str(exc))
+
+    def notify(self, remote_name: str, message: bytes) -> None:
+        """Send ``message`` to ``remote_name`` as a notification of its own (not carried by a transfer);
+        it arrives in the peer's :meth:`drain_notifs` like a READ's."""
+        try:
+            self._agent.send_notif(remote_name, message)
+        except Exception as exc:
+            if not is_nixl_error(exc):
+                raise
+            raise self._fail(exc, "notify", remote_name) from exc
 
     def drain_notifs(self) -> dict[str, list[bytes]]:
         """All notifications received since the last call; the ONLY place notifs are consumed."""
@@ -442,10 +466,13 @@ class NixlAgent:
             return
         self._transport_tries[key] = tries + 1
         text = self._ucx_log.read_new()
-        if text is None:
-            return
-        found = parse_ucx_log(text)
+        tables = self._ucx_tables.setdefault(key[0], [])
+        tables += parse_ucx_log(text or "")
+        # READs of several routes run at once (a payload's VRAM and DRAM regions): each takes the tables
+        # of its memory kinds; the others wait for their own route's first DONE.
+        found = [t for t in tables if route_matches(t, key[1])]
         if found:
+            tables[:] = [t for t in tables if t not in found]
             info = "; ".join(found)
         else:
             earlier = [v for k, v in self._transport.items() if k != key and k[1] == key[1]]
@@ -454,3 +481,13 @@ class NixlAgent:
             info = earlier[-1].removesuffix(" (shared)") + " (shared)"
         self._transport[key] = info
         log.info("nixl.transport", agent=self.name, remote=key[0], route=key[1], transport=info)
+
+
+def route_matches(table: str, route: str) -> bool:
+    """Whether a :func:`parse_ucx_log` string can describe READs of ``route`` (``"VRAM<-DRAM"``): a
+    data-path table names GPU memory (``cuda/GPU1``) exactly when one side of the route is VRAM; lane
+    summaries name no memory and match any route."""
+    title = table.rpartition(": ")[0]
+    if "remote memory" not in title:
+        return True
+    return ("cuda" in title) == ("VRAM" in route)

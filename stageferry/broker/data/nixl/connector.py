@@ -133,7 +133,7 @@ class NixlConnector(Connector):
         ep = self.endpoint
         try:
             if ep.agent is None:
-                ep.agent = NixlAgent(ep.name, backends=ep.config.nixl_backends)
+                ep.agent = NixlAgent(ep.name, backends=ep.config.nixl_backends, ucx_threads=ep.config.ucx_threads)
             ep.pools = PoolSet.from_config(ep.config, registrar=ep.agent, cuda_device=ep.cuda_device)
             metrics.watch_resources(self.resources)
         except DataPlaneError as exc:

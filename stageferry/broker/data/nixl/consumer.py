@@ -4,9 +4,11 @@ Who calls what, and when (the consumer leader only):
 
 * ``async with consumer.get(ref, blob, key=...) as incoming`` — once per envelope.  In order: validate
   the manifest; make sure the producer's agent is loaded (:mod:`stageferry.broker.data.nixl.peers`);
-  check the descriptors lie in the producer's arenas and carry its seal; claim the lease
-  (:func:`stageferry.broker.data.nixl.leases.claim`); take slots of our own pool; READ every region (the
-  last READ carries the release notification that frees the producer's slot); unpack as zero-copy views.
+  check the descriptors lie in the producer's arenas and carry its seal; take slots of our own pool; post
+  a READ per region, all at once, and claim the lease (:func:`stageferry.broker.data.nixl.leases.claim`)
+  while they run; once both the claim is won and every READ is DONE, notify the producer (the release
+  that frees its slot); unpack as zero-copy views.  See :meth:`Consumer.read` for why reading before the
+  claim is won is safe.
   Inside the block ``incoming.payload`` and ``incoming.regions`` are views of our pool slots; on exit the
   slots go back to the pool (after a CUDA synchronize, so queued kernels finish first).  Nothing may
   keep a view past the block.
@@ -33,7 +35,7 @@ from stageferry.broker.data import metrics
 from stageferry.broker.data.connector import Incoming
 from stageferry.broker.data.nixl.agent import XferState
 from stageferry.broker.data.nixl.endpoint import Endpoint
-from stageferry.broker.data.nixl.leases import claim
+from stageferry.broker.data.nixl.leases import check_fresh, claim
 from stageferry.broker.data.nixl.peers import Peer, Peers
 from stageferry.broker.data.nixl.ucx_log import transport_names
 from stageferry.broker.data.payload_codec import unpack, validate_manifest, validate_remote_regions
@@ -48,7 +50,16 @@ from stageferry.errors import (
     TransferError,
 )
 from stageferry.failpoints import CONSUMER_READ_POSTED, failpoint
-from stageferry.schemas import DeviceKind, InlinePayload, MemKind, NixlPayload, PayloadRef, Transport
+from stageferry.schemas import (
+    DeviceKind,
+    InlinePayload,
+    MemKind,
+    NixlPayload,
+    PayloadRef,
+    RegionSpec,
+    RemoteRegion,
+    Transport,
+)
 from stageferry.schemas.nixl import (
     ResendAction,
     ResendRequest,
@@ -58,6 +69,18 @@ from stageferry.schemas.nixl import (
 )
 
 log = structlog.get_logger(__name__)
+
+
+#: How long :meth:`Consumer._wait_all` yields without sleeping, and how long it then sleeps between looks.
+SPIN_S = 0.0002
+POLL_S = 0.0005
+
+
+def lane_spans(nbytes: int, lanes: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of ``lanes`` near-equal pieces of ``nbytes`` (4 KiB-aligned cuts; fewer pieces
+    when the region is too small for that many)."""
+    step = max(4096, -(-nbytes // max(1, lanes) // 4096) * 4096)
+    return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)] or [(0, 0)]
 
 
 def mem_kind_of(device: DeviceKind) -> MemKind:
@@ -75,6 +98,7 @@ class Consumer:
         self._ep = endpoint
         self._peers = peers
         self._transport_logged: set[str] = set()
+        self.wakeups = 0  #: times a READ wait went back to the event loop (benchmarks show it per hop)
 
     @contextlib.asynccontextmanager
     async def get(self, ref: PayloadRef, blob: bytes | None, *, key: str) -> AsyncIterator[Incoming]:
@@ -132,13 +156,14 @@ class Consumer:
         if not hmac.compare_digest(ref.seal, lease_seal(peer.seal_key, ref.agent, ref.token, ref.regions)):
             # In the producer's pool but not what it leased under this token: another request's slot.
             raise ManifestError("descriptors are not the ones the producer leased", agent=ref.agent, token=ref.token)
-        await self.claim(ref)
+        check_fresh(ref)
         try:
             slots = await pools.acquire_regions(ref.manifest, timeout=ep.timeouts.pool_wait)
         except PoolExhaustedError:
+            await self.claim(ref)  # ours before its producer is asked for it inline
             return await self.resend_inline(ref, reason="pool_exhausted"), {}
         try:
-            await self.read(ref, peer, slots)
+            await self.read(ref, peer, slots)  # claims the lease while the READs run
             payload = unpack(ref.manifest, {kind: slot.view for kind, slot in slots.items()}, copy=False)
         except TransferError as exc:
             metrics.TRANSFER_FAILURES.labels(exc.code).inc()
@@ -188,29 +213,63 @@ class Consumer:
             metrics.TRANSFER_SECONDS.labels(Transport.NIXL.value, "get").observe(incoming.seconds)
 
     async def read(self, ref: NixlPayload, peer: Peer, slots: dict[DeviceKind, Slot]) -> None:
-        """READ every non-empty region of ``ref`` into ``slots`` (ours, already taken); the last READ
-        carries the release notification.  Raises :class:`TransferError` (the caller drops the peer)."""
+        """Claim ``ref``'s lease while READing all its regions into ``slots`` (ours, already taken), then
+        release the producer's slot.  The hop waits for the longer of the claim's round trip and the READs,
+        not for their sum.
+
+        In order: post one READ per non-empty region, all at once and without a notification; claim
+        (Redis ``SET NX``) while they run; wait until every READ is DONE; only then notify the producer
+        (:meth:`NixlAgent.notify`), so the release is sent once, by the claim's winner, after the bytes
+        arrived.  Why reading before the claim is won is safe: a READ changes nothing on the producer;
+        if the claim is won, the producer had not marked the claim key ``released``/``expired`` before it,
+        and it frees a slot only after that mark, so the slot held this payload throughout; if the claim
+        is lost, our copy is never unpacked nor handed on and nothing is notified.
+
+        What overlaps: an asynchronous READ (VRAM over cuda_ipc; DRAM when UCX's progress thread moves it)
+        runs during the claim's round trip.  On CPU, UCX's CMA copies inside the post call, so there the
+        claim follows the copy; sending the claim first from a task of its own was measured slower
+        (a task group and redis-py's send path cost more event-loop time than the wait they hide:
+        ``benchmarks/results/issue20_hop``).
+
+        Raises the claim's :class:`PayloadUnavailableError` / ``ControlPlaneError`` when it is lost (after
+        the READs ended: they write into ``slots``; the peer is dropped if they failed), and
+        :class:`TransferError` when a READ failed (to post or to complete) with the claim won (the caller
+        drops the peer and asks for an inline resend, which settles the lease).  The claim is always
+        settled first: a consumer that did not win it must never ask the producer for the payload, whose
+        resend frees the slot, perhaps under the winner's READ."""
         agent = self._ep.agent
         assert agent is not None
         pairs = [(spec, remote) for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True) if spec.nbytes]
+        if not pairs:  # zero-size payload: nothing to READ, release the producer explicitly
+            await self.claim(ref)
+            await self.discard(ref)
+            return
         deadline = time.monotonic() + self._ep.timeouts.transfer
-        for i, (spec, remote) in enumerate(pairs):
-            local = slots[spec.device]
-            notif = release_notification(ref.token) if i == len(pairs) - 1 else b""
-            handle = agent.start_read(
-                [(local.address, spec.nbytes, local.device_id)],
-                mem_kind_of(spec.device),
-                [(remote.address, remote.length, remote.device_id)],
-                remote.mem_kind,
-                peer.name,
-                notif,
-            )
-            failpoint(CONSUMER_READ_POSTED)  # fault injection: die with the READ in flight
+        handles: list[object] = []
+        post_failed: TransferError | None = None
+        try:
             try:
-                await self._wait_done(handle, deadline)
-            finally:
+                for spec, remote in pairs:
+                    handles.append(self._post(spec, remote, slots[spec.device], peer))
+            except TransferError as exc:  # raised once the claim is ours: only its winner may ask for a resend
+                post_failed = exc
+            failpoint(CONSUMER_READ_POSTED)  # fault injection: die with the READs in flight
+            try:
+                await self.claim(ref)
+            except (PayloadUnavailableError, ControlPlaneError):
+                try:  # our slots go back to the pool: no READ may still be writing into them
+                    await self._wait_all(handles, deadline)
+                except TransferError:
+                    self._peers.forget(peer.name)
+                raise
+            if post_failed is not None:
+                raise post_failed
+            await self._wait_all(handles, deadline)
+        finally:
+            for handle in handles:
                 agent.release(handle)
         self._ep.counters.reads += 1
+        await self._release_producer(ref, peer)
         if peer.name not in self._transport_logged:
             self._transport_logged.add(peer.name)
             transport = agent.transport_info(peer.name)
@@ -219,19 +278,55 @@ class Consumer:
             getattr(log, level)(
                 "nixl.transport", peer=peer.name, transport=transport or "unknown (set UCX_PROTO_INFO=y)"
             )
-        if not pairs:  # zero-size payload: nothing to READ, release the producer explicitly
-            await self.discard(ref)
 
-    async def _wait_done(self, handle: object, deadline: float) -> None:
-        """Poll to completion: spin (yielding) briefly for small payloads, then sleep-poll."""
+    def _post(self, spec: RegionSpec, remote: RemoteRegion, local: Slot, peer: Peer) -> object:
+        """Post the READ of one region, without a notification.  A DRAM region of at least
+        ``read_lane_min_bytes`` becomes ``read_lanes`` descriptors of one transfer (NIXL's UCX backend
+        spreads them over its ``ucx_threads``)."""
         agent = self._ep.agent
         assert agent is not None
-        spins = 0
-        while agent.poll(handle) is not XferState.DONE:
-            if time.monotonic() > deadline:
+        kind = mem_kind_of(spec.device)
+        config = self._ep.config
+        lanes = 1
+        if kind is MemKind.DRAM and remote.mem_kind is MemKind.DRAM and spec.nbytes >= config.read_lane_min_bytes:
+            lanes = config.read_lanes
+        spans = lane_spans(spec.nbytes, lanes)
+        return agent.start_read(
+            [(local.address + off, n, local.device_id) for off, n in spans],
+            kind,
+            [(remote.address + off, n, remote.device_id) for off, n in spans],
+            remote.mem_kind,
+            peer.name,
+            b"",
+        )
+
+    async def _release_producer(self, ref: NixlPayload, peer: Peer) -> None:
+        """Tell the producer its slot is free (claim won, bytes here); through Redis if NIXL cannot."""
+        agent = self._ep.agent
+        assert agent is not None
+        try:
+            agent.notify(peer.name, release_notification(ref.token))
+        except TransferError as exc:
+            log.warning("nixl.notify_failed", peer=peer.name, error=exc.message)
+            await self.discard(ref)  # the same release, as a drop request the producer settles
+
+    async def _wait_all(self, handles: list[object], deadline: float) -> None:
+        """Poll until every READ is DONE.  Yields without sleeping (a wake-up per turn of the event loop)
+        only within ``SPIN_S`` of the first look, then sleeps ``POLL_S`` between looks: a READ still running
+        by then is a large one, whose end a millisecond later costs little next to its length."""
+        agent = self._ep.agent
+        assert agent is not None
+        pending = handles
+        spin_until = time.monotonic() + SPIN_S
+        while True:
+            pending = [h for h in pending if agent.poll(h) is not XferState.DONE]
+            if not pending:
+                return
+            now = time.monotonic()
+            if now > deadline:
                 raise TransferError("READ timed out", seconds=self._ep.timeouts.transfer)
-            spins += 1
-            await anyio.sleep(0 if spins < 200 else 0.0005)
+            self.wakeups += 1
+            await anyio.sleep(0 if now < spin_until else POLL_S)
 
     async def resend_inline(self, ref: NixlPayload, *, reason: str) -> Incoming:
         """Ask the producer to send the payload inline; it is gone if nobody answers in time."""

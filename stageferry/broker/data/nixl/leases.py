@@ -164,10 +164,16 @@ async def claim(endpoint: Endpoint, ref: NixlPayload) -> None:
     claimed it).  Its markers ``expired``/``released`` outlive the lease by at least ``GONE_SLACK_S``;
     later than half that past the lease, a missing key no longer proves anything, so the payload counts
     as gone (:class:`PayloadUnavailableError`, as when the claim is refused)."""
-    if time.time() > ref.lease_expires_at + GONE_SLACK_S / 2:
-        raise PayloadUnavailableError("payload lease ran out long ago", token=ref.token)
+    check_fresh(ref)
     ep = endpoint
     with translated():
         ok = await ep.redis.set(ep.keys.claim(ref.token), ep.name.encode(), nx=True, px=int(ep.timeouts.claim * 1000))
     if not ok:
         raise PayloadUnavailableError("payload lease expired or already claimed", token=ref.token)
+
+
+def check_fresh(ref: NixlPayload) -> None:
+    """Raise :class:`PayloadUnavailableError` when ``ref``'s lease ended so long ago that its claim key
+    proves nothing any more (see :func:`claim`); the consumer checks this before posting a READ too."""
+    if time.time() > ref.lease_expires_at + GONE_SLACK_S / 2:
+        raise PayloadUnavailableError("payload lease ran out long ago", token=ref.token)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from stageferry.broker.data.nixl import agent as na
-from stageferry.broker.data.nixl.agent import MemKind, NixlAgent, XferState
+from stageferry.broker.data.nixl.agent import MemKind, NixlAgent, XferState, route_matches
 from stageferry.errors import NixlUnavailableError, PeerDisconnectedError, TransferError
 
 pytest.importorskip("nixl")
@@ -190,3 +190,18 @@ def test_missing_nixl_raises_unavailable(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.setitem(sys.modules, mod, None)
     with pytest.raises(NixlUnavailableError):
         NixlAgent("never")
+
+
+def test_a_route_takes_only_the_ucx_tables_of_its_memory_kinds() -> None:
+    """A payload's VRAM and DRAM READs run at once: each route is told the transport of its own memory."""
+    gpu = (
+        "c intra-node cfg#2 remote memory read by ucp_get*(multi) into cuda/GPU1 from cuda/dev[2]: "
+        "0..inf zero-copy cuda_ipc/cuda"
+    )
+    cpu = (
+        "c intra-node cfg#1 remote memory read by ucp_get* from host: "
+        "0..8K copy-in sm/memory, 8K..inf zero-copy cma/memory"
+    )
+    assert route_matches(gpu, "VRAM<-VRAM") and not route_matches(gpu, "DRAM<-DRAM")
+    assert route_matches(cpu, "DRAM<-DRAM") and not route_matches(cpu, "VRAM<-VRAM")
+    assert route_matches("rma(cma/memory) am(sm/memory)", "VRAM<-VRAM"), "a lane summary names no memory"

@@ -1,0 +1,196 @@
+"""The consumer's hop: the claim runs while the READs do, and the release is notified once, after both.
+
+Producer and consumer are two real connectors (two NIXL agents, CPU DRAM over UCX, real Redis).  In the
+in-process tests the producer's notification loop is not started, so the test itself drains the
+producer agent's notifications and sees exactly which releases arrived; the READ-failure test runs the
+producer in its own process and kills it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import redis as sync_redis
+
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import connect
+from stageferry.broker.data.nixl.connector import NixlConnector
+from stageferry.broker.data.nixl.consumer import lane_spans
+from stageferry.config import DataPlaneConfig, Timeouts
+from stageferry.errors import PayloadUnavailableError
+from stageferry.schemas import NixlPayload, Transport
+from stageferry.schemas.nixl import released_token
+from stageferry.testing import assert_same, sized_payload
+from tests.broker.data.nixl.test_connector import ref_of
+from tests.procs import ROOT
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+
+def make(redis_url: str, prefix: str, stage: str, **config: Any) -> NixlConnector:
+    conn = NixlConnector(
+        redis=connect(redis_url),
+        keys=Keys(prefix),
+        stage=stage,
+        replica="test",
+        config=DataPlaneConfig(inline_max_bytes=0, cpu_pool_bytes=16 << 20, **config),
+        timeouts=Timeouts(resend=3.0, transfer=10.0),
+    )
+    conn.open()
+    return conn
+
+
+@pytest.fixture
+async def pair(redis_url: str, prefix: str) -> AsyncIterator[tuple[NixlConnector, NixlConnector]]:
+    """(producer, consumer); the producer's record is published, its background loops are not running."""
+    producer = make(redis_url, prefix, "encoder")
+    consumer = make(redis_url, prefix, "diffusion")
+    await producer.peers.publish_record()
+    yield producer, consumer
+    for conn in (consumer, producer):
+        await conn.aclose()
+        await conn.endpoint.redis.aclose()
+
+
+async def releases_until(producer: NixlConnector, token: str) -> list[str]:
+    """Drain the producer's notifications until ``token``'s release arrived; every release seen."""
+    assert producer.agent is not None
+    seen: list[str] = []
+    with anyio.fail_after(20):
+        while token not in seen:
+            for messages in producer.agent.drain_notifs().values():
+                seen += [t for t in map(released_token, messages) if t is not None]
+            await anyio.sleep(0.005)
+    return seen
+
+
+async def put(producer: NixlConnector, key: str, seed: int) -> tuple[NixlPayload, object]:
+    payload = sized_payload(1 << 20, seed=seed)
+    out = await producer.put(key, payload)
+    assert isinstance(out.ref, NixlPayload)
+    return out.ref, payload
+
+
+async def test_the_release_is_notified_once_after_the_claim_won_and_the_read_completed(
+    pair: tuple[NixlConnector, NixlConnector],
+) -> None:
+    producer, consumer = pair
+    ref, payload = await put(producer, "k-1", seed=1)
+    async with consumer.get(ref, None, key="k-1") as incoming:
+        assert incoming.transport is Transport.NIXL
+        assert_same(incoming.payload, payload)
+        # The claim is ours by now (the producer has not seen a release yet: nothing overwrote the key).
+        owner = await consumer.endpoint.redis.get(consumer.endpoint.keys.claim(ref.token))
+        assert owner == consumer.endpoint.name.encode()
+    second, _ = await put(producer, "k-2", seed=2)
+    async with consumer.get(second, None, key="k-2"):
+        pass
+    seen = await releases_until(producer, second.token)
+    assert seen.count(ref.token) == 1 and seen.count(second.token) == 1, seen
+    assert consumer.pools is not None and consumer.pools.slots_in_use == 0
+    assert consumer.agent is not None and consumer.agent.open_handles() == 0
+
+
+async def test_a_claim_lost_while_the_read_runs_hands_nothing_on_and_notifies_nothing(
+    pair: tuple[NixlConnector, NixlConnector],
+) -> None:
+    producer, consumer = pair
+    ref, _ = await put(producer, "k-1", seed=1)
+    # Another consumer (a redelivery's) claimed it first: our READ is posted, our claim is refused.
+    await consumer.endpoint.redis.set(consumer.endpoint.keys.claim(ref.token), b"diffusion-rival")
+    reads = consumer.counters.reads
+    with pytest.raises(PayloadUnavailableError, match="claimed"):
+        async with consumer.get(ref, None, key="k-1"):
+            pytest.fail("an unclaimed payload was handed on")
+    assert consumer.counters.reads == reads, "not counted as a read"
+    assert consumer.pools is not None and consumer.pools.slots_in_use == 0, "our slot is back once the READ ended"
+    assert consumer.agent is not None and consumer.agent.open_handles() == 0
+    assert producer.agent is not None and producer.agent.name in consumer.agent.remotes(), "the peer stays"
+    # A later payload's release arrives; the lost one's never did.
+    second, _ = await put(producer, "k-2", seed=2)
+    async with consumer.get(second, None, key="k-2"):
+        pass
+    seen = await releases_until(producer, second.token)
+    assert ref.token not in seen, seen
+    assert ref.token in producer.leases, "the rival's lease is still held for it"
+
+
+async def test_lanes_split_a_large_dram_region_and_arrive_bit_exact(redis_url: str, prefix: str) -> None:
+    producer = make(redis_url, prefix, "encoder")
+    consumer = make(redis_url, prefix, "diffusion", read_lanes=4, read_lane_min_bytes=64 << 10, ucx_threads=2)
+    try:
+        await producer.peers.publish_record()
+        ref, payload = await put(producer, "k-1", seed=3)
+        async with consumer.get(ref, None, key="k-1") as incoming:
+            assert_same(incoming.payload, payload)
+        assert (await releases_until(producer, ref.token)).count(ref.token) == 1
+    finally:
+        for conn in (consumer, producer):
+            await conn.aclose()
+            await conn.endpoint.redis.aclose()
+
+
+def test_lane_spans_cover_the_region_exactly_once() -> None:
+    for nbytes, lanes in [(1 << 20, 4), (10_000_001, 3), (5000, 8), (4096, 2), (1, 1)]:
+        spans = lane_spans(nbytes, lanes)
+        assert len(spans) <= lanes
+        assert spans[0][0] == 0 and sum(n for _, n in spans) == nbytes
+        assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(spans))
+        assert all(off % 4096 == 0 for off, _ in spans)
+    assert len(lane_spans(64 << 20, 4)) == 4
+
+
+async def test_a_read_that_fails_with_the_claim_won_drops_the_peer_and_asks_for_a_resend(
+    redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """The producer dies after publishing: our claim wins (nobody marked the key), the READ fails (UCX
+    says so at the post or at a poll); the peer is dropped, the inline resend goes unanswered, and the
+    payload counts as gone."""
+    log = tmp_path / "producer.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.peer_producer", "--redis-url", redis_url, "--prefix", prefix],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    r = sync_redis.Redis.from_url(redis_url, socket_timeout=None)
+    try:
+        item = r.blpop([f"{prefix}:test:refs"], timeout=60)
+        assert item is not None, log.read_text()[-3000:]
+        ref, _ = ref_of(json.loads(item[1]))
+        assert isinstance(ref, NixlPayload)
+        consumer = make(redis_url, prefix, "diffusion")
+        try:
+            assert consumer.agent is not None
+            await consumer.peers.ensure(ref)  # loaded while the producer lives
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            started = time.monotonic()
+            with pytest.raises(PayloadUnavailableError) as caught:
+                async with consumer.get(ref, None, key="k"):
+                    pytest.fail("a failed READ was handed on")
+            assert caught.value.details.get("reason") == "transfer_failed", caught.value.details
+            assert time.monotonic() - started < 30
+            assert r.get(f"{prefix}:nixl:claim:{ref.token}") == consumer.endpoint.name.encode(), "our claim won"
+            assert ref.agent not in consumer.agent.remotes(), "the peer was dropped"
+            assert consumer.pools is not None and consumer.pools.slots_in_use == 0
+            assert consumer.agent.open_handles() == 0
+        finally:
+            await consumer.aclose()
+            await consumer.endpoint.redis.aclose()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
