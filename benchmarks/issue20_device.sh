@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 20's rows on the GPU machine (2 x H200, 32 cores), in one device call, each step under its own
+# time limit so one hang cannot take the rest with it.  Every step's output goes to $OUT/<step>.txt,
+# headed by its command line, the time, nproc and the load average.
+#
+#   bash benchmarks/issue20_device.sh [step ...]      # default: every step, in the order below
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/issue20}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0
+run_step() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  {
+    echo "=== \$ $*"
+    echo "# $(date -u) nproc=$(nproc) load=$(cut -d' ' -f1-3 /proc/loadavg)"
+    timeout "$limit" "$@"
+    echo "rc=$?"
+  } 2>&1 | tee "$out/$name.txt"
+}
+tx=(python3 benchmarks/transfer.py --scaling-sizes "" --inflight 1)
+steps=${*:-gpu_tests t2va_gpu ref2va_gpu t2va_cpu ref2va_cpu hop fanout fanout_nccl throughput}
+for s in $steps; do
+  case $s in
+    gpu_tests) run_step "$s" 150 python3 -m pytest -q -p no:cacheprovider -rs tests/broker/data \
+                 tests/stages/test_reference_models.py ;;
+    t2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 359024 --iters 300 --zero-copy ;;
+    ref2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 11158136,64963792 --iters 20 --zero-copy ;;
+    t2va_cpu) run_step "$s" 90 "${tx[@]}" --sizes 359024 --iters 300 --zero-copy ;;
+    ref2va_cpu) run_step "$s" 120 "${tx[@]}" --sizes 11158136,64963792 --iters 20 --zero-copy ;;
+    hop) run_step "$s" 60 python3 benchmarks/hop_breakdown.py --hops 400 ;;
+    fanout) run_step "$s" 120 python3 benchmarks/fanout.py --mode nixl-fanout --ranks 2 \
+              --sizes 359024,11158136,64963792 --iters 200 --timeout 28 --hang-dump 28 ;;
+    fanout_nccl) run_step "$s" 90 python3 benchmarks/fanout.py --backend nccl --ranks 2 \
+                   --sizes 359024,64963792 --iters 200 --timeout 28 --hang-dump 28 ;;
+    throughput) run_step "$s" 240 python3 benchmarks/throughput.py --tasks T2VA,Ref2VA --replicas 1,2,4 \
+                  --requests "${REQUESTS:-600}" --edges nixl ;;
+    *) echo "unknown step $s" >&2 ;;
+  esac
+done
