@@ -90,6 +90,7 @@ async def run_config(
             hops: list[float] = []
             failed = 0
             await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)  # idle readers poll within BLOCK_MS: files flushed
+            _flush_own_tally()
             trips_before = tally.read_dir(tally_dir)
             before = await command_counts(client.redis)
             started = time.perf_counter()
@@ -114,6 +115,7 @@ async def run_config(
             after = await command_counts(client.redis)
             commands = {name: (after[name] - before.get(name, 0)) / requests for name in after}
             await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)
+            _flush_own_tally()
             trips_after = tally.read_dir(tally_dir)
             trips = {
                 key: [(n - trips_before.get(key, [0, 0])[i]) / requests for i, n in enumerate(row)]
@@ -130,6 +132,13 @@ async def run_config(
         "commands": {k: v for k, v in commands.items() if v > 0},
         "trips": {k: v for k, v in trips.items() if v[0] > 0},
     }
+
+
+def _flush_own_tally() -> None:
+    """This process's (the client's) counts, written now: its file only follows on its next send."""
+    own = tally.process_tally()
+    if own is not None:
+        own.flush()
 
 
 async def command_counts(redis: Any) -> dict[str, int]:

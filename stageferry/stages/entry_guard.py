@@ -74,6 +74,8 @@ class EntryGuard:
     async def check_crashes(self, entry: Entry, rid: str) -> None:
         """:class:`StageCrashedError` when the stage died with this entry ``limits.max_crashes`` times in a
         row (the mark is cleared: the entry is dead-lettered)."""
+        if entry.deliveries <= 1:
+            return  # a first delivery: no one ran this entry before, so no mark can exist (no round trip)
         limit = self.limits.max_crashes
         key = self.keys.crash_mark(rid, self.stage, entry.id)
         with translated():

@@ -56,33 +56,39 @@ _TERMINAL_LUA = "local t = {done=true, failed=true, rejected=true, cancelled=tru
 # Returns 1 if written, 0 if the request is already terminal (or the mode forbids it), -1 if the status is
 # older than the stored one: the orders are compared field by field in this script, so a late writer (the
 # previous stage's "queued here" after this stage's "running") never moves a request back.
-_SET_STATUS = (
+#: The status write as a Lua function over its keys ``K`` and arguments ``A`` (as above), so that another
+#: script can make it part of its own atomic step (the hand-off: ``streams.StageStream.hand_off``).
+SET_STATUS_FN = (
     _TERMINAL_LUA
     + """
-local cur = redis.call('HGET', KEYS[1], 'state')
-if cur and t[cur] then return 0 end
-if (ARGV[5] == 'create' and cur) or (ARGV[5] == 'update' and not cur) then return 0 end
-if ARGV[5] == 'unowned' and redis.call('HGET', KEYS[1], 'job_sha') then return 0 end
-if not t[ARGV[1]] then
-  local stored = redis.call('HGET', KEYS[1], 'order')
-  if stored then
-    local i = 0
-    for value in string.gmatch(stored, '%d+') do
-      i = i + 1
-      local a, b = tonumber(ARGV[5 + i]), tonumber(value)
-      if a > b then break end
-      if a < b then return -1 end
+local function set_status(K, A)
+  local cur = redis.call('HGET', K[1], 'state')
+  if cur and t[cur] then return 0 end
+  if (A[5] == 'create' and cur) or (A[5] == 'update' and not cur) then return 0 end
+  if A[5] == 'unowned' and redis.call('HGET', K[1], 'job_sha') then return 0 end
+  if not t[A[1]] then
+    local stored = redis.call('HGET', K[1], 'order')
+    if stored then
+      local i = 0
+      for value in string.gmatch(stored, '%d+') do
+        i = i + 1
+        local a, b = tonumber(A[5 + i]), tonumber(value)
+        if a > b then break end
+        if a < b then return -1 end
+      end
     end
   end
+  redis.call('HSET', K[1], 'state', A[1], 'status', A[2], 'order', A[6] .. ' ' .. A[7] .. ' ' .. A[8] .. ' ' .. A[9])
+  redis.call('EXPIRE', K[1], A[3])
+  redis.call('XADD', K[2], 'MAXLEN', '~', A[4], '*', 'kind', 'status', 'state', A[1], 'status', A[2])
+  redis.call('EXPIRE', K[2], A[3])
+  return 1
 end
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 'status', ARGV[2],
-           'order', ARGV[6] .. ' ' .. ARGV[7] .. ' ' .. ARGV[8] .. ' ' .. ARGV[9])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'kind', 'status', 'state', ARGV[1], 'status', ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-return 1
 """
 )
+#: How many arguments a status write takes (:meth:`RequestStore.status_write`).
+STATUS_ARGS = 9
+_SET_STATUS = SET_STATUS_FN + "return set_status(KEYS, ARGV)\n"
 
 
 # KEYS: request hash.  ARGV: job digest, ttl.
@@ -202,15 +208,22 @@ class RequestStore:
         ``stage_index`` is where ``status.stage`` sits in the pipeline: non-terminal statuses are ordered
         by attempt, stage index, state (queued < running) and progress step, compared inside the writing
         script, so a late write never moves a request back."""
+        keys, args = self.status_write(status, mode=mode, stage_index=stage_index)
+        with translated():
+            written = await self._set_status(keys=keys, args=args)
+        return int(written) == 1
+
+    def status_write(
+        self, status: RequestStatus, *, mode: WriteMode = "any", stage_index: int = 0
+    ) -> tuple[list[str], list[Any]]:
+        """The keys and arguments of :data:`SET_STATUS_FN` for this write (see :meth:`set_status`), for a
+        script that writes the status as part of its own step (a hand-off: one round trip, not two)."""
         rid = status.request_id
         step = status.progress.step if status.progress is not None else 0
         order = [status.attempt, stage_index, STATE_RANK.get(status.state, 2), step]
-        with translated():
-            written = await self._set_status(
-                keys=[self._keys.request(rid), self._keys.events(rid)],
-                args=[status.state.value, status.model_dump_json(), self._ttl, self._maxlen, mode, *order],
-            )
-        return int(written) == 1
+        args = [status.state.value, status.model_dump_json(), self._ttl, self._maxlen, mode, *order]
+        assert len(args) == STATUS_ARGS
+        return [self._keys.request(rid), self._keys.events(rid)], args
 
     async def get(self, request_id: str) -> RequestStatus | None:
         with translated():

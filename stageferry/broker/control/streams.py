@@ -29,6 +29,7 @@ import structlog
 from stageferry.broker.control.dead_letter import DEAD_LETTER_LUA, DeadLetterPolicy
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, translated
+from stageferry.broker.control.requests import SET_STATUS_FN, STATUS_ARGS
 from stageferry.errors import ControlPlaneError
 
 log = structlog.get_logger(__name__)
@@ -56,6 +57,29 @@ redis.call('XADD', KEYS[2], '*', unpack(fields))
     + """
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 redis.call('XDEL', KEYS[1], ARGV[3])
+return 1
+"""
+)
+
+# The hand-off and the next stage's "queued" status in one step (one round trip, was two): KEYS: src
+# stream, dst stream, request hash, events stream, dst wake list. ARGV: group, consumer, entry id, the
+# status write's STATUS_ARGS arguments (requests.SET_STATUS_FN), then field, value, ...  The status is
+# written only when the entry was still ours and has been handed on, exactly as the separate write was.
+_HANDOFF_WITH_STATUS = (
+    SET_STATUS_FN
+    + _OWNED
+    + f"""
+local fields = {{}}
+for i = {4 + STATUS_ARGS}, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], '*', unpack(fields))
+"""
+    + WAKE_LUA
+    + f"""
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+local status = {{}}
+for i = 4, {3 + STATUS_ARGS} do status[#status + 1] = ARGV[i] end
+set_status({{KEYS[3], KEYS[4]}}, status)
 return 1
 """
 )
@@ -183,6 +207,7 @@ class StageStream:
         self._dead_letters = dead_letters or DeadLetterPolicy()
         self._dead_letter = redis.register_script(DEAD_LETTER_LUA)
         self._handoff = redis.register_script(_HANDOFF)
+        self._handoff_with_status = redis.register_script(_HANDOFF_WITH_STATUS)
         self._ack = redis.register_script(_ACK)
         self._renew = redis.register_script(_RENEW)
         self._read_capped = redis.register_script(_READ_CAPPED)
@@ -273,15 +298,30 @@ class StageStream:
         """Keep a long job's entry from being reclaimed; False if another replica took it (or Redis lost it)."""
         return await self._owned_call(self._renew, [self._key_of(entry_id)], [self.group, self.consumer, entry_id])
 
-    async def hand_off(self, entry_id: str, next_stage: str, fields: Mapping[str, bytes | str]) -> bool:
-        """Atomically XADD ``fields`` to ``next_stage``'s stream and ack+delete this entry.
+    async def hand_off(
+        self,
+        entry_id: str,
+        next_stage: str,
+        fields: Mapping[str, bytes | str],
+        *,
+        status: tuple[list[str], list[Any]] | None = None,
+    ) -> bool:
+        """Atomically XADD ``fields`` to ``next_stage``'s stream and ack+delete this entry — and, given
+        ``status`` (:meth:`RequestStore.status_write`'s keys and arguments), write that status in the same
+        script, so the hand-off and its status cost one round trip.
 
-        False if this consumer no longer owns the entry (nothing was written)."""
-        flat: list[bytes | str] = []
+        False if this consumer no longer owns the entry (nothing was written, the status neither)."""
+        flat: list[Any] = []
         for name, value in fields.items():
             flat += [name, value]
-        keys = [self._key_of(entry_id), self._keys.stage_stream(next_stage), self._keys.wake(next_stage)]
-        done = await self._owned_call(self._handoff, keys, [self.group, self.consumer, entry_id, *flat])
+        src, dst, wake = self._key_of(entry_id), self._keys.stage_stream(next_stage), self._keys.wake(next_stage)
+        if status is None:
+            script, keys, args = self._handoff, [src, dst, wake], [self.group, self.consumer, entry_id, *flat]
+        else:
+            (record, events), status_args = status
+            script, keys = self._handoff_with_status, [src, dst, record, events, wake]
+            args = [self.group, self.consumer, entry_id, *status_args, *flat]
+        done = await self._owned_call(script, keys, args)
         self._settled(entry_id)
         return done
 
