@@ -342,11 +342,14 @@ class RequestStore:
             raise _not_found(request_id)
         if status is None or not status.state.terminal:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            async for _event in self.follow(
+            last: dict[str, str] = {}
+            async for _entry_id, fields in self.follow(
                 request_id, timeout=remaining, on_quiet=on_quiet, exists_within=exists_within
             ):
-                pass
-            status = await self._get_retrying(request_id, deadline)
+                last = fields
+            # The terminal status event carries the status JSON the same script wrote to the record (a
+            # terminal status is written once): read it from there, not with one more HGET per wait.
+            status = _terminal_status(last) or await self._get_retrying(request_id, deadline)
         if status is None:  # its terminal event came, then the record went (expired, or Redis lost it)
             raise _lost(request_id)
         return status
@@ -358,6 +361,18 @@ class RequestStore:
             with attempt:
                 return await self.get(request_id)
         raise AssertionError("unreachable: reconnecting() returns or raises")
+
+
+def _terminal_status(fields: Mapping[str, str]) -> RequestStatus | None:
+    """The status a terminal status event carries; None for any other row (or one that does not parse:
+    then the record is read instead)."""
+    if fields.get("kind") != "status" or fields.get("state") not in _TERMINAL_NAMES or "status" not in fields:
+        return None
+    try:
+        status = RequestStatus.model_validate_json(fields["status"])
+    except ValueError:
+        return None
+    return status if status.state.terminal else None
 
 
 def _not_found(request_id: str) -> RequestNotFoundError:

@@ -61,6 +61,9 @@ class Tally:
             self.flush()
 
     def flush(self) -> None:
+        """Rewrite this process's file (atomically: a reader sees the old counts or the new)."""
+        if not self.path.parent.is_dir():
+            return  # its directory is gone (a benchmark's temporary one, at exit)
         data = {key: [n, self.commands[key]] for key, n in self.round_trips.items()}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
@@ -87,8 +90,8 @@ def process_tally() -> Tally | None:
     directory = os.environ.get(ENV)
     if not directory:
         return None
-    if _TALLY is None:
-        path = Path(directory)
+    path = Path(directory)
+    if _TALLY is None or _TALLY.path.parent != path:  # a benchmark points each configuration elsewhere
         path.mkdir(parents=True, exist_ok=True)
         _TALLY = Tally(path)
         atexit.register(_TALLY.flush)
