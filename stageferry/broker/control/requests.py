@@ -95,21 +95,26 @@ _SET_STATUS = SET_STATUS_FN + "return set_status(KEYS, ARGV)\n"
 # Returns 2 if the record now belongs to this job (the id was new, or its record had no job and had not
 # ended), 1 if it belongs to this same job, -1 if it is taken (by a different job, or ended without one:
 # a refused entry's rejection).
-_ADMIT = (
+#: The admission as a Lua function over its keys ``K`` and arguments ``A`` (as above), so that another
+#: script can make it part of its own step (``EntryGuard.admit``: admission and the crash mark at once).
+ADMIT_FN = (
     _TERMINAL_LUA
     + """
-local owner = redis.call('HGET', KEYS[1], 'job_sha')
-if owner then
-  if owner == ARGV[1] then return 1 end
-  return -1
+local function admit(K, A)
+  local owner = redis.call('HGET', K[1], 'job_sha')
+  if owner then
+    if owner == A[1] then return 1 end
+    return -1
+  end
+  local state = redis.call('HGET', K[1], 'state')
+  if state and t[state] then return -1 end
+  redis.call('HSET', K[1], 'job_sha', A[1])
+  redis.call('EXPIRE', K[1], A[2])
+  return 2
 end
-local state = redis.call('HGET', KEYS[1], 'state')
-if state and t[state] then return -1 end
-redis.call('HSET', KEYS[1], 'job_sha', ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return 2
 """
 )
+_ADMIT = ADMIT_FN + "return admit(KEYS, ARGV)\n"
 
 #: Where a state sits in a request's progress through one stage (terminal states are written once anyway).
 #: Scripts use only the commands of the stage ACL user (``stageferry.acl``): HGET, not HMGET.
@@ -189,9 +194,15 @@ class RequestStore:
     async def admit(self, request_id: str, job_digest: str) -> Admission:
         """Bind ``request_id`` to the job with ``job_digest`` unless it is bound already (one script): a
         request's record belongs to its first valid submission."""
+        keys, args = self.admit_write(request_id, job_digest)
         with translated():
-            result = int(await self._admit(keys=[self._keys.request(request_id)], args=[job_digest, self._ttl]))
+            result = int(await self._admit(keys=keys, args=args))
         return Admission(result)
+
+    def admit_write(self, request_id: str, job_digest: str) -> tuple[list[str], list[Any]]:
+        """The keys and arguments of :data:`ADMIT_FN` for :meth:`admit`, for a script that admits as part of
+        its own step."""
+        return [self._keys.request(request_id)], [job_digest, self._ttl]
 
     async def owner(self, request_id: str) -> str | None:
         """The digest of the job ``request_id`` belongs to, once a stage admitted it."""
