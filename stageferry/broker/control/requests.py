@@ -168,12 +168,17 @@ class RequestStore:
         stream (``tenant``'s intake when given) and the stage's wake-up.  Which submission of an id wins
         is decided by the first stage (duplicates are acknowledged there), not by this client: two
         clients racing on one id both enqueue, and the stage runs it once.
-        :class:`QueueFullError` when the stream is at ``stream_maxlen`` (checked just before)."""
-        if await self.known(request_id):
-            return None
+        :class:`QueueFullError` when the stream is at ``stream_maxlen`` (checked just before, in the same
+        round trip as whether the id is known)."""
         stream = self._keys.submission_stream(first_stage, tenant)
         with translated():
-            if await self._redis.xlen(stream) >= stream_maxlen:
+            async with self._redis.pipeline(transaction=False) as pipe:  # both checks: one round trip
+                pipe.exists(self._keys.request(request_id), self._keys.submitted(request_id))
+                pipe.xlen(stream)
+                known, queued = await pipe.execute()
+            if known:
+                return None
+            if queued >= stream_maxlen:
                 raise QueueFullError("the first stage's queue is full; retry later", stage=first_stage)
             async with self._redis.pipeline(transaction=True) as pipe:
                 for key, blob in (uploads or {}).items():
