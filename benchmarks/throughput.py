@@ -8,7 +8,10 @@ Real services, as deployed: per configuration a private key prefix, ``stageferry
 client that submits ``--requests`` jobs at once and waits for all of them.  The edge between the stages is
 NIXL or inline (the ``connector`` of the pipeline config; inline carries every payload in the stream
 entry), side by side in the same run.  Printed: requests/s (first submit → last done), per-request
-latency p50/p99 (submit → done), and the payload hop (the diffusion leader's get) p50/p99.
+latency p50/p99 (submit → done), and the payload hop (the diffusion leader's get) p50/p99; then, per
+request, the Redis commands the server ran (``INFO commandstats``, commands inside scripts included — use a
+private server) and the round trips every process sent, by call site (``STAGEFERRY_REDIS_TALLY``, see
+``stageferry/broker/control/tally.py``; set here for every process of a configuration).
 """
 
 from __future__ import annotations
