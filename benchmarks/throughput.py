@@ -8,7 +8,10 @@ Real services, as deployed: per configuration a private key prefix, ``stageferry
 client that submits ``--requests`` jobs at once and waits for all of them.  The edge between the stages is
 NIXL or inline (the ``connector`` of the pipeline config; inline carries every payload in the stream
 entry), side by side in the same run.  Printed: requests/s (first submit → last done), per-request
-latency p50/p99 (submit → done), and the payload hop (the diffusion leader's get) p50/p99.
+latency p50/p99 (submit → done), and the payload hop (the diffusion leader's get) p50/p99; then, per
+request, the Redis commands the server ran (``INFO commandstats``, commands inside scripts included — use a
+private server) and the round trips every process sent, by call site (``STAGEFERRY_REDIS_TALLY``, see
+``stageferry/broker/control/tally.py``; set here for every process of a configuration).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 import anyio  # noqa: E402
 from bench_stats import TASK_BYTES, cell, machine_facts, median  # noqa: E402
 
+from stageferry.broker.control import tally  # noqa: E402
 from stageferry.client import Client  # noqa: E402
 from stageferry.launcher import ServiceGroup, wait_for_workers  # noqa: E402
 from stageferry.schemas import RequestState  # noqa: E402
@@ -52,6 +56,8 @@ async def run_config(
     url: str, task: str, connector: str, replicas: int, requests: int, workdir: Path
 ) -> dict[str, Any]:
     prefix = f"tput-{uuid.uuid4().hex[:8]}"
+    tally_dir = workdir / f"{prefix}-tally"  # every process's round trips per call site (tally.py)
+    os.environ[tally.ENV] = str(tally_dir)
     pipeline = workdir / f"{prefix}.toml"
     pipeline.write_text(pipeline_toml(connector, TASK_BYTES[task]))
     env = {
@@ -86,6 +92,9 @@ async def run_config(
             done: dict[str, float] = {}
             hops: list[float] = []
             failed = 0
+            await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)  # idle readers poll within BLOCK_MS: files flushed
+            _flush_own_tally()
+            trips_before = tally.read_dir(tally_dir)
             before = await command_counts(client.redis)
             started = time.perf_counter()
             for i in range(requests):
@@ -108,6 +117,13 @@ async def run_config(
             latencies = [(done[r] - submitted[r]) * 1e3 for r in submitted]
             after = await command_counts(client.redis)
             commands = {name: (after[name] - before.get(name, 0)) / requests for name in after}
+            await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)
+            _flush_own_tally()
+            trips_after = tally.read_dir(tally_dir)
+            trips = {
+                key: [(n - trips_before.get(key, [0, 0])[i]) / requests for i, n in enumerate(row)]
+                for key, row in trips_after.items()
+            }
     finally:
         await services.stop()
     return {
@@ -117,7 +133,15 @@ async def run_config(
         "failed": failed,
         "wall": wall,
         "commands": {k: v for k, v in commands.items() if v > 0},
+        "trips": {k: v for k, v in trips.items() if v[0] > 0},
     }
+
+
+def _flush_own_tally() -> None:
+    """This process's (the client's) counts, written now: its file only follows on its next send."""
+    own = tally.process_tally()
+    if own is not None:
+        own.flush()
 
 
 async def command_counts(redis: Any) -> dict[str, int]:
@@ -156,6 +180,28 @@ async def main_async(args: argparse.Namespace) -> None:
     for task, replicas, connector, r in rows:
         cells = " | ".join(f"{r['commands'].get(n, 0):.1f}" for n in names)
         print(f"| {task} | {replicas} | {connector} | {sum(r['commands'].values()):.1f} | {cells} |")
+    print("\n## Redis round trips per request, by call site (client tally, `STAGEFERRY_REDIS_TALLY`)\n")
+    print("Each process counts what it sends (one command, pipeline or script call = one round trip); the")
+    print("differences over the measured requests (idle polling — blocking reads, heartbeats — included).\n")
+    for task, replicas, connector, r in rows:
+        trips = r["trips"]
+        total = [sum(v[0] for v in trips.values()), sum(v[1] for v in trips.values())]
+        print(f"### {task}, {replicas} replica(s), {connector}: {total[0]:.1f} round trips, {total[1]:.1f} commands\n")
+        by_component: dict[str, list[float]] = {}
+        for key, (n, c) in trips.items():
+            row = by_component.setdefault(key.split(" ")[0], [0.0, 0.0])
+            row[0] += n
+            row[1] += c
+        print("| component | round trips | commands | what |")
+        print("| --- | ---: | ---: | --- |")
+        for comp, (n, c) in sorted(by_component.items(), key=lambda kv: -kv[1][0]):
+            what = ", ".join(
+                f"{k.split(' ', 1)[1]} {v[0]:.2f}"
+                for k, v in sorted(trips.items(), key=lambda kv: -kv[1][0])
+                if k.split(" ")[0] == comp
+            )
+            print(f"| {comp} | {n:.2f} | {c:.2f} | {what} |")
+        print()
     print()
     for task in args.tasks:
         for replicas in args.replicas:

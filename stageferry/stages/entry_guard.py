@@ -10,7 +10,8 @@ outcome table (:data:`stageferry.errors.OUTCOMES`) decides the rest:
   :class:`RequestIdTakenError`: dead-lettered, nothing written, so the owner's state, result and events
   stay as they are.  The same job again is admitted (the run-owner key dedupes it downstream).
 * **Crash marks.**  Before the work on an entry starts, its crash mark
-  ``<p>:req-crash:<id>:<stage>:<entry>`` is incremented; when the work returns or raises, it is deleted.
+  ``<p>:req-crash:<id>:<stage>:<entry>`` is incremented (a first delivery's in its admission's script);
+  when the work returns or raises, it is deleted.
   A mark therefore survives only a process that died (out of memory, a native crash) or a group that
   broke while holding the entry.  An entry found with ``limits.max_crashes`` such marks raises
   :class:`StageCrashedError`: dead-lettered, the request ``failed``, instead of killing every replica.
@@ -27,7 +28,7 @@ import structlog
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import translated
-from stageferry.broker.control.requests import Admission, RequestStore
+from stageferry.broker.control.requests import ADMIT_FN, Admission, RequestStore
 from stageferry.broker.control.streams import Entry
 from stageferry.config import Limits
 from stageferry.errors import ControlPlaneError, GroupBrokenError, RejectedError, RequestIdTakenError, StageCrashedError
@@ -41,6 +42,20 @@ local n = tonumber(redis.call('GET', KEYS[1]) or '0') + 1
 redis.call('SET', KEYS[1], n, 'EX', ARGV[1])
 return n
 """
+
+# The first delivery's admission and crash mark in one script (one round trip, was two).  KEYS: request
+# hash, crash mark.  ARGV: job digest, record ttl, mark ttl.  Returns what ADMIT_FN returns; a taken id
+# (-1) gets no mark.
+_ADMIT_AND_MARK = (
+    ADMIT_FN
+    + """
+local owner = admit({KEYS[1]}, {ARGV[1], ARGV[2]})
+if owner == -1 then return owner end
+local n = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
+redis.call('SET', KEYS[2], n, 'EX', ARGV[3])
+return owner
+"""
+)
 
 
 class EntryGuard:
@@ -56,6 +71,7 @@ class EntryGuard:
         self.limits = limits
         self.ttl_s = ttl_s
         self._mark = redis.register_script(_MARK)
+        self._admit_and_mark = redis.register_script(_ADMIT_AND_MARK)
 
     async def unparsed(self, rid: str, exc: RejectedError) -> RejectedError:
         """What an entry that does not parse ends as: its own rejection if no job owns ``rid`` (a raw
@@ -64,16 +80,31 @@ class EntryGuard:
             return exc
         return RequestIdTakenError(f"request id already in use; this entry is invalid: {exc.message}")
 
-    async def admit(self, envelope: Envelope) -> None:
+    async def admit(self, envelope: Envelope, entry: Entry) -> bool:
         """Bind the request id to this entry's job (first valid submission wins), or raise
-        :class:`RequestIdTakenError` when the id already belongs to a different job."""
-        outcome = await self.store.admit(envelope.request_id, envelope.job.digest())
+        :class:`RequestIdTakenError` when the id already belongs to a different job.
+
+        A first delivery has no crash marks to check, so its mark is set in the same script (one round
+        trip): True then, and the caller passes ``marked=True`` to :meth:`crash_mark` (or calls
+        :meth:`unmark` if it gives up before).  A redelivery is admitted alone (False): its marks are
+        checked first (:meth:`check_crashes`)."""
+        rid, digest = envelope.request_id, envelope.job.digest()
+        if entry.deliveries > 1:
+            outcome = await self.store.admit(rid, digest)
+        else:
+            keys, args = self.store.admit_write(rid, digest)
+            mark = self.keys.crash_mark(rid, self.stage, entry.id)
+            with translated():
+                outcome = Admission(int(await self._admit_and_mark(keys=[*keys, mark], args=[*args, self.ttl_s])))
         if outcome is Admission.TAKEN:
             raise RequestIdTakenError("request id already in use by a different job")
+        return entry.deliveries <= 1
 
     async def check_crashes(self, entry: Entry, rid: str) -> None:
         """:class:`StageCrashedError` when the stage died with this entry ``limits.max_crashes`` times in a
         row (the mark is cleared: the entry is dead-lettered)."""
+        if entry.deliveries <= 1:
+            return  # a first delivery: no one ran this entry before, so no mark can exist (no round trip)
         limit = self.limits.max_crashes
         key = self.keys.crash_mark(rid, self.stage, entry.id)
         with translated():
@@ -85,11 +116,13 @@ class EntryGuard:
         raise StageCrashedError(reason, crashes=crashes, limit=limit)
 
     @contextlib.asynccontextmanager
-    async def crash_mark(self, entry: Entry, rid: str) -> AsyncIterator[None]:
-        """Count this delivery as a crash until the work in the block returns or raises."""
+    async def crash_mark(self, entry: Entry, rid: str, *, marked: bool = False) -> AsyncIterator[None]:
+        """Count this delivery as a crash until the work in the block returns or raises (``marked``: the
+        count was made already, by :meth:`admit`)."""
         key = self.keys.crash_mark(rid, self.stage, entry.id)
-        with translated():
-            await self._mark(keys=[key], args=[self.ttl_s])
+        if not marked:
+            with translated():
+                await self._mark(keys=[key], args=[self.ttl_s])
         try:
             yield
         except GroupBrokenError:
@@ -98,6 +131,10 @@ class EntryGuard:
             await self._clear(key, entry)
             raise
         await self._clear(key, entry)
+
+    async def unmark(self, entry: Entry, rid: str) -> None:
+        """Take back the mark :meth:`admit` made, when the work will not run (a check refused the entry)."""
+        await self._clear(self.keys.crash_mark(rid, self.stage, entry.id), entry)
 
     async def _clear(self, key: str, entry: Entry) -> None:
         with anyio.CancelScope(shield=True):

@@ -119,19 +119,20 @@ class HandOn:
         fields: dict[str, bytes | str] = {"request_id": envelope.request_id, "envelope": nxt.model_dump_json()}
         if outgoing.blob is not None:
             fields["blob"] = outgoing.blob
-        if not await self.stream.hand_off(entry.id, self.next_stage.name, fields):
-            log.warning("worker.handoff_lost", entry=entry.id)
-            self.output_connector.abandon(outgoing)
-            return
-        if outgoing.transport is Transport.NIXL:
-            failpoint(PRODUCER_PUBLISHED)  # fault injection: the payload is out, only our pool holds it
-        await self.outcomes.set_status(
+        # The next stage's "queued" status is written by the hand-off's own script (one round trip).
+        status = self.outcomes.status_write(
             envelope.request_id,
             RequestState.QUEUED,
             stage=self.next_stage.name,
             attempt=envelope.attempt,
             timings=trace.timings,
         )
+        if not await self.stream.hand_off(entry.id, self.next_stage.name, fields, status=status):
+            log.warning("worker.handoff_lost", entry=entry.id)
+            self.output_connector.abandon(outgoing)
+            return
+        if outgoing.transport is Transport.NIXL:
+            failpoint(PRODUCER_PUBLISHED)  # fault injection: the payload is out, only our pool holds it
         metrics.ENTRIES.labels(self.stage.name, "handed_on").inc()
 
     async def store_result(self, entry: Entry, envelope: Envelope, output: Any, timing: StageTiming) -> None:

@@ -182,3 +182,10 @@ class Outcomes:
         status = RequestStatus(request_id=rid, state=state, **fields)
         index = self.stages.index(status.stage) if status.stage in self.stages else 0
         return await self.store.set_status(status, mode=mode, stage_index=index)
+
+    def status_write(self, rid: str, state: RequestState, **fields: Any) -> tuple[list[str], list[Any]]:
+        """The keys and arguments of the status write that :meth:`set_status` would make, for a script
+        that makes it part of its own step (the hand-off, ``StageStream.hand_off(status=...)``)."""
+        status = RequestStatus(request_id=rid, state=state, **fields)
+        index = self.stages.index(status.stage) if status.stage in self.stages else 0
+        return self.store.status_write(status, stage_index=index)

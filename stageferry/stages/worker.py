@@ -270,12 +270,17 @@ class StageWorker:
         ):
             envelope: Envelope | None = None
             try:
-                envelope = await self._admitted(entry, rid)
-                self.admission.check_deliveries(entry)
-                await self.guard.check_crashes(entry, rid)
-                self.admission.check_limits(envelope)
+                envelope, marked = await self._admitted(entry, rid)
+                try:
+                    self.admission.check_deliveries(entry)
+                    await self.guard.check_crashes(entry, rid)
+                    self.admission.check_limits(envelope)
+                except Exception:
+                    if marked:  # the first delivery's crash mark came with its admission: take it back
+                        await self.guard.unmark(entry, rid)
+                    raise
                 with structlog.contextvars.bound_contextvars(key=envelope.key, attempt=envelope.attempt):
-                    async with self.guard.crash_mark(entry, rid):
+                    async with self.guard.crash_mark(entry, rid, marked=marked):
                         try:
                             await self._run(entry, envelope)
                         finally:  # put or not: free output buffers the model was handed and no put took
@@ -300,14 +305,14 @@ class StageWorker:
                 await self.outcomes.settle(entry, rid, error, envelope=envelope)
         self.processed += 1
 
-    async def _admitted(self, entry: Entry, rid: str) -> Envelope:
-        """The entry as an envelope whose request id is its job's (:class:`.EntryGuard`)."""
+    async def _admitted(self, entry: Entry, rid: str) -> tuple[Envelope, bool]:
+        """The entry as an envelope whose request id is its job's (:class:`.EntryGuard`), and whether its
+        crash mark is set already (a first delivery's comes with the admission)."""
         try:
             envelope = self.admission.parse(entry, rid)
         except RejectedError as exc:
             raise await self.guard.unparsed(rid, exc) from exc
-        await self.guard.admit(envelope)
-        return envelope
+        return envelope, await self.guard.admit(envelope, entry)
 
     async def _run(self, entry: Entry, envelope: Envelope) -> None:
         """Everything after parsing: skip what is settled, fetch, compute, hand on."""

@@ -45,7 +45,6 @@ from stageferry.errors import ControlPlaneError, QueueFullError, StageferryError
 log = structlog.get_logger(__name__)
 
 
-
 class _Waiters:
     """Requests waited on through this process's fan-in readers.  A Prometheus gauge too in processes
     that export metrics (stages, gateway: they have imported prometheus_client by the first wait); a

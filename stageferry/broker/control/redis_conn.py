@@ -34,6 +34,7 @@ from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
+from stageferry.broker.control.tally import process_tally, tallied
 from stageferry.errors import AccessDeniedError, ConfigError, ControlPlaneError
 
 log = structlog.get_logger(__name__)
@@ -88,6 +89,9 @@ def connect(url: str, *, retries: int = 4, max_connections: int = MAX_CONNECTION
         retry=Retry(ExponentialWithJitterBackoff(cap=2.0, base=0.05), retries),
         retry_on_error=[redis_errors.ConnectionError, redis_errors.TimeoutError],
     )
+    tally = process_tally()
+    if tally is not None:  # opt-in profiling (STAGEFERRY_REDIS_TALLY): round trips per call site
+        pool.connection_class = tallied(pool.connection_class, tally)
     client = aioredis.Redis(connection_pool=pool)
     client.auto_close_connection_pool = True  # aclose() closes the pool too, as with from_url
     return client

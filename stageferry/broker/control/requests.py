@@ -56,54 +56,65 @@ _TERMINAL_LUA = "local t = {done=true, failed=true, rejected=true, cancelled=tru
 # Returns 1 if written, 0 if the request is already terminal (or the mode forbids it), -1 if the status is
 # older than the stored one: the orders are compared field by field in this script, so a late writer (the
 # previous stage's "queued here" after this stage's "running") never moves a request back.
-_SET_STATUS = (
+#: The status write as a Lua function over its keys ``K`` and arguments ``A`` (as above), so that another
+#: script can make it part of its own atomic step (the hand-off: ``streams.StageStream.hand_off``).
+SET_STATUS_FN = (
     _TERMINAL_LUA
     + """
-local cur = redis.call('HGET', KEYS[1], 'state')
-if cur and t[cur] then return 0 end
-if (ARGV[5] == 'create' and cur) or (ARGV[5] == 'update' and not cur) then return 0 end
-if ARGV[5] == 'unowned' and redis.call('HGET', KEYS[1], 'job_sha') then return 0 end
-if not t[ARGV[1]] then
-  local stored = redis.call('HGET', KEYS[1], 'order')
-  if stored then
-    local i = 0
-    for value in string.gmatch(stored, '%d+') do
-      i = i + 1
-      local a, b = tonumber(ARGV[5 + i]), tonumber(value)
-      if a > b then break end
-      if a < b then return -1 end
+local function set_status(K, A)
+  local cur = redis.call('HGET', K[1], 'state')
+  if cur and t[cur] then return 0 end
+  if (A[5] == 'create' and cur) or (A[5] == 'update' and not cur) then return 0 end
+  if A[5] == 'unowned' and redis.call('HGET', K[1], 'job_sha') then return 0 end
+  if not t[A[1]] then
+    local stored = redis.call('HGET', K[1], 'order')
+    if stored then
+      local i = 0
+      for value in string.gmatch(stored, '%d+') do
+        i = i + 1
+        local a, b = tonumber(A[5 + i]), tonumber(value)
+        if a > b then break end
+        if a < b then return -1 end
+      end
     end
   end
+  redis.call('HSET', K[1], 'state', A[1], 'status', A[2], 'order', A[6] .. ' ' .. A[7] .. ' ' .. A[8] .. ' ' .. A[9])
+  redis.call('EXPIRE', K[1], A[3])
+  redis.call('XADD', K[2], 'MAXLEN', '~', A[4], '*', 'kind', 'status', 'state', A[1], 'status', A[2])
+  redis.call('EXPIRE', K[2], A[3])
+  return 1
 end
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 'status', ARGV[2],
-           'order', ARGV[6] .. ' ' .. ARGV[7] .. ' ' .. ARGV[8] .. ' ' .. ARGV[9])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'kind', 'status', 'state', ARGV[1], 'status', ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-return 1
 """
 )
+#: How many arguments a status write takes (:meth:`RequestStore.status_write`).
+STATUS_ARGS = 9
+_SET_STATUS = SET_STATUS_FN + "return set_status(KEYS, ARGV)\n"
 
 
 # KEYS: request hash.  ARGV: job digest, ttl.
 # Returns 2 if the record now belongs to this job (the id was new, or its record had no job and had not
 # ended), 1 if it belongs to this same job, -1 if it is taken (by a different job, or ended without one:
 # a refused entry's rejection).
-_ADMIT = (
+#: The admission as a Lua function over its keys ``K`` and arguments ``A`` (as above), so that another
+#: script can make it part of its own step (``EntryGuard.admit``: admission and the crash mark at once).
+ADMIT_FN = (
     _TERMINAL_LUA
     + """
-local owner = redis.call('HGET', KEYS[1], 'job_sha')
-if owner then
-  if owner == ARGV[1] then return 1 end
-  return -1
+local function admit(K, A)
+  local owner = redis.call('HGET', K[1], 'job_sha')
+  if owner then
+    if owner == A[1] then return 1 end
+    return -1
+  end
+  local state = redis.call('HGET', K[1], 'state')
+  if state and t[state] then return -1 end
+  redis.call('HSET', K[1], 'job_sha', A[1])
+  redis.call('EXPIRE', K[1], A[2])
+  return 2
 end
-local state = redis.call('HGET', KEYS[1], 'state')
-if state and t[state] then return -1 end
-redis.call('HSET', KEYS[1], 'job_sha', ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return 2
 """
 )
+_ADMIT = ADMIT_FN + "return admit(KEYS, ARGV)\n"
 
 #: Where a state sits in a request's progress through one stage (terminal states are written once anyway).
 #: Scripts use only the commands of the stage ACL user (``stageferry.acl``): HGET, not HMGET.
@@ -157,12 +168,17 @@ class RequestStore:
         stream (``tenant``'s intake when given) and the stage's wake-up.  Which submission of an id wins
         is decided by the first stage (duplicates are acknowledged there), not by this client: two
         clients racing on one id both enqueue, and the stage runs it once.
-        :class:`QueueFullError` when the stream is at ``stream_maxlen`` (checked just before)."""
-        if await self.known(request_id):
-            return None
+        :class:`QueueFullError` when the stream is at ``stream_maxlen`` (checked just before, in the same
+        round trip as whether the id is known)."""
         stream = self._keys.submission_stream(first_stage, tenant)
         with translated():
-            if await self._redis.xlen(stream) >= stream_maxlen:
+            async with self._redis.pipeline(transaction=False) as pipe:  # both checks: one round trip
+                pipe.exists(self._keys.request(request_id), self._keys.submitted(request_id))
+                pipe.xlen(stream)
+                known, queued = await pipe.execute()
+            if known:
+                return None
+            if queued >= stream_maxlen:
                 raise QueueFullError("the first stage's queue is full; retry later", stage=first_stage)
             async with self._redis.pipeline(transaction=True) as pipe:
                 for key, blob in (uploads or {}).items():
@@ -183,9 +199,15 @@ class RequestStore:
     async def admit(self, request_id: str, job_digest: str) -> Admission:
         """Bind ``request_id`` to the job with ``job_digest`` unless it is bound already (one script): a
         request's record belongs to its first valid submission."""
+        keys, args = self.admit_write(request_id, job_digest)
         with translated():
-            result = int(await self._admit(keys=[self._keys.request(request_id)], args=[job_digest, self._ttl]))
+            result = int(await self._admit(keys=keys, args=args))
         return Admission(result)
+
+    def admit_write(self, request_id: str, job_digest: str) -> tuple[list[str], list[Any]]:
+        """The keys and arguments of :data:`ADMIT_FN` for :meth:`admit`, for a script that admits as part of
+        its own step."""
+        return [self._keys.request(request_id)], [job_digest, self._ttl]
 
     async def owner(self, request_id: str) -> str | None:
         """The digest of the job ``request_id`` belongs to, once a stage admitted it."""
@@ -202,15 +224,22 @@ class RequestStore:
         ``stage_index`` is where ``status.stage`` sits in the pipeline: non-terminal statuses are ordered
         by attempt, stage index, state (queued < running) and progress step, compared inside the writing
         script, so a late write never moves a request back."""
+        keys, args = self.status_write(status, mode=mode, stage_index=stage_index)
+        with translated():
+            written = await self._set_status(keys=keys, args=args)
+        return int(written) == 1
+
+    def status_write(
+        self, status: RequestStatus, *, mode: WriteMode = "any", stage_index: int = 0
+    ) -> tuple[list[str], list[Any]]:
+        """The keys and arguments of :data:`SET_STATUS_FN` for this write (see :meth:`set_status`), for a
+        script that writes the status as part of its own step (a hand-off: one round trip, not two)."""
         rid = status.request_id
         step = status.progress.step if status.progress is not None else 0
         order = [status.attempt, stage_index, STATE_RANK.get(status.state, 2), step]
-        with translated():
-            written = await self._set_status(
-                keys=[self._keys.request(rid), self._keys.events(rid)],
-                args=[status.state.value, status.model_dump_json(), self._ttl, self._maxlen, mode, *order],
-            )
-        return int(written) == 1
+        args = [status.state.value, status.model_dump_json(), self._ttl, self._maxlen, mode, *order]
+        assert len(args) == STATUS_ARGS
+        return [self._keys.request(rid), self._keys.events(rid)], args
 
     async def get(self, request_id: str) -> RequestStatus | None:
         with translated():
@@ -329,11 +358,14 @@ class RequestStore:
             raise _not_found(request_id)
         if status is None or not status.state.terminal:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            async for _event in self.follow(
+            last: dict[str, str] = {}
+            async for _entry_id, fields in self.follow(
                 request_id, timeout=remaining, on_quiet=on_quiet, exists_within=exists_within
             ):
-                pass
-            status = await self._get_retrying(request_id, deadline)
+                last = fields
+            # The terminal status event carries the status JSON the same script wrote to the record (a
+            # terminal status is written once): read it from there, not with one more HGET per wait.
+            status = _terminal_status(last) or await self._get_retrying(request_id, deadline)
         if status is None:  # its terminal event came, then the record went (expired, or Redis lost it)
             raise _lost(request_id)
         return status
@@ -345,6 +377,18 @@ class RequestStore:
             with attempt:
                 return await self.get(request_id)
         raise AssertionError("unreachable: reconnecting() returns or raises")
+
+
+def _terminal_status(fields: Mapping[str, str]) -> RequestStatus | None:
+    """The status a terminal status event carries; None for any other row (or one that does not parse:
+    then the record is read instead)."""
+    if fields.get("kind") != "status" or fields.get("state") not in _TERMINAL_NAMES or "status" not in fields:
+        return None
+    try:
+        status = RequestStatus.model_validate_json(fields["status"])
+    except ValueError:
+        return None
+    return status if status.state.terminal else None
 
 
 def _not_found(request_id: str) -> RequestNotFoundError:

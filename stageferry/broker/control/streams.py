@@ -29,6 +29,7 @@ import structlog
 from stageferry.broker.control.dead_letter import DEAD_LETTER_LUA, DeadLetterPolicy
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, translated
+from stageferry.broker.control.requests import SET_STATUS_FN, STATUS_ARGS
 from stageferry.errors import ControlPlaneError
 
 log = structlog.get_logger(__name__)
@@ -60,6 +61,29 @@ return 1
 """
 )
 
+# The hand-off and the next stage's "queued" status in one step (one round trip, was two): KEYS: src
+# stream, dst stream, request hash, events stream, dst wake list. ARGV: group, consumer, entry id, the
+# status write's STATUS_ARGS arguments (requests.SET_STATUS_FN), then field, value, ...  The status is
+# written only when the entry was still ours and has been handed on, exactly as the separate write was.
+_HANDOFF_WITH_STATUS = (
+    SET_STATUS_FN
+    + _OWNED
+    + f"""
+local fields = {{}}
+for i = {4 + STATUS_ARGS}, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], '*', unpack(fields))
+"""
+    + WAKE_LUA
+    + f"""
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+local status = {{}}
+for i = 4, {3 + STATUS_ARGS} do status[#status + 1] = ARGV[i] end
+set_status({{KEYS[3], KEYS[4]}}, status)
+return 1
+"""
+)
+
 # KEYS: src stream. ARGV: group, consumer, entry id.
 _ACK = (
     _OWNED
@@ -80,19 +104,23 @@ return 1
 )
 
 # KEYS: the streams, in order (the stage's own, then tenants' intakes). ARGV: group, consumer, count, max
-# entry bytes, start ('>' new, '0' own pending, or 'claim' to XAUTOCLAIM entries idle at least ARGV[6] ms).
-# Returns {id, fields, size, stream index}: size is 0 for an entry returned whole; an oversized one keeps
-# only a short request_id, the rest never leaves Redis.  Stops at ``count`` entries across the streams.
+# entry bytes, starts (comma-separated phases, tried in order until one yields entries: '0' own pending,
+# 'claim' to XAUTOCLAIM entries idle at least ARGV[6] ms, '>' new).
+# Returns {id, fields, size, stream index, deliveries, phase}: size is 0 for an entry returned whole; an oversized
+# one keeps only a short request_id, the rest never leaves Redis.  Stops at ``count`` entries across the
+# streams.  Deliveries come from XPENDING in the same script (a new entry's is 1), so a read is one round
+# trip however many phases it tries (was one per phase, plus one for the counts).
 _READ_CAPPED = """
 local cap = tonumber(ARGV[4])
 local want = tonumber(ARGV[3])
 local out = {}
+for start in string.gmatch(ARGV[5], '[^,]+') do
 for k = 1, #KEYS do
   local entries
-  if ARGV[5] == 'claim' then
+  if start == 'claim' then
     entries = redis.call('XAUTOCLAIM', KEYS[k], ARGV[1], ARGV[2], ARGV[6], '0-0', 'COUNT', want - #out)[2]
   else
-    local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want - #out, 'STREAMS', KEYS[k], ARGV[5])
+    local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want - #out, 'STREAMS', KEYS[k], start)
     entries = reply and reply[1][2] or {}
   end
   for _, e in ipairs(entries) do
@@ -112,9 +140,16 @@ for k = 1, #KEYS do
         size = 0
       end
     end
-    out[#out + 1] = {e[1], fields, size, k}
+    local deliveries = 1
+    if start ~= '>' then
+      local p = redis.call('XPENDING', KEYS[k], ARGV[1], e[1], e[1], 1)
+      if #p > 0 then deliveries = p[1][4] end
+    end
+    out[#out + 1] = {e[1], fields, size, k, deliveries, start}
   end
   if #out >= want then break end
+end
+if #out > 0 then break end
 end
 return out
 """
@@ -172,6 +207,7 @@ class StageStream:
         self._dead_letters = dead_letters or DeadLetterPolicy()
         self._dead_letter = redis.register_script(DEAD_LETTER_LUA)
         self._handoff = redis.register_script(_HANDOFF)
+        self._handoff_with_status = redis.register_script(_HANDOFF_WITH_STATUS)
         self._ack = redis.register_script(_ACK)
         self._renew = redis.register_script(_RENEW)
         self._read_capped = redis.register_script(_READ_CAPPED)
@@ -209,31 +245,18 @@ class StageStream:
 
     async def read(self, count: int = 1, *, block_ms: int = BLOCK_MS) -> list[Entry]:
         """Entries to work on: first this consumer's own un-acked ones (after a restart), then entries
-        idle past the visibility timeout (reclaimed from dead replicas), then new ones."""
-        entries = await self._read_group("0", count, block_ms=None)
-        if entries:
-            return entries
-        entries = await self._reclaim(count)
-        if entries:
-            return entries
-        return await self._read_group(">", count, block_ms=block_ms)
-
-    async def _read_group(self, start: str, count: int, *, block_ms: int | None) -> list[Entry]:
-        """Read ``start`` ('>' new, '0' own pending); with ``block_ms``, wait on the wake list until
-        something comes (or the time is up)."""
-        deadline = None if block_ms is None else time.monotonic() + block_ms / 1000
-        while True:
-            entries = await self._read_via_script(start, count)
-            remaining = 0.0 if deadline is None else deadline - time.monotonic()
-            if entries or remaining <= 0:
+        idle past the visibility timeout (reclaimed from dead replicas), then new ones — the three in one
+        script, one round trip.  With nothing there, wait on the wake list (up to ``block_ms``) and read
+        new ones whenever woken (or every :data:`WAKE_POLL_S`)."""
+        entries = await self._read_via_script("0,claim,>", count)
+        deadline = time.monotonic() + block_ms / 1000
+        while not entries:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 return entries
             with translated():
                 await self._redis.blpop([self._keys.wake(self.stage)], timeout=min(remaining, WAKE_POLL_S))
-
-    async def _reclaim(self, count: int) -> list[Entry]:
-        entries = await self._read_via_script("claim", count)
-        for entry in entries:
-            log.warning("stream.reclaimed", stream=entry.stream, entry=entry.id, deliveries=entry.deliveries)
+            entries = await self._read_via_script(">", count)
         return entries
 
     async def _read_via_script(self, start: str, count: int) -> list[Entry]:
@@ -247,35 +270,25 @@ class StageStream:
                 return []
             raise
         # Entries deleted while pending come back with no fields: drop them from the PEL.
-        live = [(eid.decode(), fields, int(size), int(k) - 1) for eid, fields, size, k in rows if fields]
-        for eid, fields, _, k in rows:
-            if not fields:
-                await self._drop_dangling(self.streams[int(k) - 1], eid.decode())
-        if not live:
-            return []
-        counts = await self._delivery_counts([(self.streams[k], eid) for eid, _, _, k in live])
         entries = []
-        for eid, fields, size, k in live:
-            self._source[eid] = self.streams[k]
-            entries.append(
-                Entry(
-                    eid,
-                    _decode_pairs(fields),
-                    counts.get(eid, 1),
-                    too_large=size or None,
-                    stream=self.streams[k],
-                    tenant=self._tenants[k],
-                )
+        for eid, fields, size, k, deliveries, phase in rows:
+            stream = self.streams[int(k) - 1]
+            if not fields:
+                await self._drop_dangling(stream, eid.decode())
+                continue
+            entry = Entry(
+                eid.decode(),
+                _decode_pairs(fields),
+                int(deliveries),
+                too_large=int(size) or None,
+                stream=stream,
+                tenant=self._tenants[int(k) - 1],
             )
+            self._source[entry.id] = stream
+            if phase == b"claim":
+                log.warning("stream.reclaimed", stream=stream, entry=entry.id, deliveries=entry.deliveries)
+            entries.append(entry)
         return entries
-
-    async def _delivery_counts(self, ids: list[tuple[str, str]]) -> dict[str, int]:
-        with translated():
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for key, eid in ids:
-                    pipe.xpending_range(key, self.group, min=eid, max=eid, count=1)
-                replies = await pipe.execute()
-        return {r[0]["message_id"].decode(): int(r[0]["times_delivered"]) for r in replies if r}
 
     async def _drop_dangling(self, key: str, entry_id: str) -> None:
         with translated():
@@ -285,15 +298,30 @@ class StageStream:
         """Keep a long job's entry from being reclaimed; False if another replica took it (or Redis lost it)."""
         return await self._owned_call(self._renew, [self._key_of(entry_id)], [self.group, self.consumer, entry_id])
 
-    async def hand_off(self, entry_id: str, next_stage: str, fields: Mapping[str, bytes | str]) -> bool:
-        """Atomically XADD ``fields`` to ``next_stage``'s stream and ack+delete this entry.
+    async def hand_off(
+        self,
+        entry_id: str,
+        next_stage: str,
+        fields: Mapping[str, bytes | str],
+        *,
+        status: tuple[list[str], list[Any]] | None = None,
+    ) -> bool:
+        """Atomically XADD ``fields`` to ``next_stage``'s stream and ack+delete this entry — and, given
+        ``status`` (:meth:`RequestStore.status_write`'s keys and arguments), write that status in the same
+        script, so the hand-off and its status cost one round trip.
 
-        False if this consumer no longer owns the entry (nothing was written)."""
-        flat: list[bytes | str] = []
+        False if this consumer no longer owns the entry (nothing was written, the status neither)."""
+        flat: list[Any] = []
         for name, value in fields.items():
             flat += [name, value]
-        keys = [self._key_of(entry_id), self._keys.stage_stream(next_stage), self._keys.wake(next_stage)]
-        done = await self._owned_call(self._handoff, keys, [self.group, self.consumer, entry_id, *flat])
+        src, dst, wake = self._key_of(entry_id), self._keys.stage_stream(next_stage), self._keys.wake(next_stage)
+        if status is None:
+            script, keys, args = self._handoff, [src, dst, wake], [self.group, self.consumer, entry_id, *flat]
+        else:
+            (record, events), status_args = status
+            script, keys = self._handoff_with_status, [src, dst, record, events, wake]
+            args = [self.group, self.consumer, entry_id, *status_args, *flat]
+        done = await self._owned_call(script, keys, args)
         self._settled(entry_id)
         return done
 

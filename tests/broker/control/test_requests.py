@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import anyio
 import pytest
 
 from stageferry.broker.control.keys import Keys
@@ -105,3 +106,26 @@ async def test_an_id_belongs_to_its_first_job(store: RequestStore) -> None:
     assert await store.admit("r-1", JOB.digest()) is Admission.SAME_JOB
     assert await store.admit("r-1", OTHER.digest()) is Admission.TAKEN
     assert await store.owner("r-1") == JOB.digest()
+
+
+async def test_a_wait_ends_with_the_status_its_terminal_event_carries(store: RequestStore, prefix: str) -> None:
+    """The waiter takes the terminal status from the event (no HGET after it): here the record is deleted
+    in the same transaction that writes the status, and the wait still returns the status written."""
+    keys = Keys(prefix)
+    await store.set_status(status(RequestState.RUNNING, "encoder"))
+    result: list[RequestStatus] = []
+
+    async def wait() -> None:
+        result.append(await store.wait("r-1", timeout=30))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        while store.fanin.waiters < 1:
+            await anyio.sleep(0.01)
+        done = RequestStatus(request_id="r-1", state=RequestState.DONE, stage="diffusion")
+        record_keys, args = store.status_write(done, stage_index=1)
+        async with store._redis.pipeline(transaction=True) as pipe:
+            await store._set_status(keys=record_keys, args=args, client=pipe)
+            pipe.delete(keys.request("r-1"))
+            await pipe.execute()
+    assert [(s.state, s.stage) for s in result] == [(RequestState.DONE, "diffusion")]
