@@ -23,8 +23,11 @@ tx=(python3 benchmarks/transfer.py --scaling-sizes "" --inflight 1)
 steps=${*:-gpu_tests t2va_gpu ref2va_gpu t2va_cpu ref2va_cpu hop fanout fanout_nccl throughput}
 for s in $steps; do
   case $s in
-    gpu_tests) run_step "$s" 150 python3 -m pytest -q -p no:cacheprovider -rs tests/broker/data \
-                 tests/stages/test_reference_models.py ;;
+    gpu_tests) run_step "$s" 200 python3 -m pytest -q -p no:cacheprovider -rs --tb=short --durations=8 \
+                 tests/broker/data/nixl/test_staging.py tests/broker/data/nixl/test_connector.py \
+                 tests/broker/data/nixl/test_consumer.py tests/broker/data/nixl/test_agent.py \
+                 tests/broker/data/test_pool.py tests/broker/data/test_payload_codec.py \
+                 "tests/stages/test_reference_models.py::test_the_encoder_payload_stays_on_its_gpu_and_the_diffusion_stage_takes_it_there" ;;
     t2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 359024 --iters 300 --zero-copy ;;
     ref2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 11158136,64963792 --iters 20 --zero-copy ;;
     t2va_cpu) run_step "$s" 90 "${tx[@]}" --sizes 359024 --iters 300 --zero-copy ;;
@@ -34,7 +37,7 @@ for s in $steps; do
               --sizes 359024,11158136,64963792 --iters 200 --timeout 28 --hang-dump 28 ;;
     fanout_nccl) run_step "$s" 90 python3 benchmarks/fanout.py --backend nccl --ranks 2 \
                    --sizes 359024,64963792 --iters 200 --timeout 28 --hang-dump 28 ;;
-    throughput) run_step "$s" 240 python3 benchmarks/throughput.py --tasks T2VA,Ref2VA --replicas 1,2,4 \
+    throughput) run_step "$s" 330 python3 benchmarks/throughput.py --tasks T2VA,Ref2VA --replicas 1,2,4 \
                   --requests "${REQUESTS:-600}" --edges nixl ;;
     *) echo "unknown step $s" >&2 ;;
   esac
