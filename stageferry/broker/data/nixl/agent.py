@@ -467,7 +467,7 @@ class NixlAgent:
         self._transport_tries[key] = tries + 1
         text = self._ucx_log.read_new()
         tables = self._ucx_tables.setdefault(key[0], [])
-        tables += parse_ucx_log(text or "")
+        tables += own_tables(parse_ucx_log(text or ""), self.name)
         # READs of several routes run at once (a payload's VRAM and DRAM regions): each takes the tables
         # of its memory kinds; the others wait for their own route's first DONE.
         found = [t for t in tables if route_matches(t, key[1])]
@@ -481,6 +481,14 @@ class NixlAgent:
             info = earlier[-1].removesuffix(" (shared)") + " (shared)"
         self._transport[key] = info
         log.info("nixl.transport", agent=self.name, remote=key[0], route=key[1], transport=info)
+
+
+def own_tables(tables: list[str], agent: str) -> list[str]:
+    """The tables UCX printed for ``agent``'s own worker: a table's title starts with its worker's name,
+    which is the NIXL agent's; one process's log also holds the tables of its other agents (a test's or
+    a benchmark's earlier ones).  Tables naming no agent of ours are kept when none names this one."""
+    own = [t for t in tables if t.split(" ", 1)[0] == agent]
+    return own or tables
 
 
 def route_matches(table: str, route: str) -> bool:
