@@ -98,13 +98,15 @@ async def consumer(
     prefix: str,
     cuda_device: torch.device | None = None,
     timeouts: Timeouts | None = None,
+    stage: str = "diffusion",
     **config: Any,
 ) -> AsyncIterator[NixlConnector]:
+    """A running connector of a ``stage`` leader (the consumer side by default), closed on exit."""
     redis = connect(redis_url)
     conn = NixlConnector(
         redis=redis,
         keys=Keys(prefix),
-        stage="diffusion",
+        stage=stage,
         replica="test",
         config=DataPlaneConfig(**config),
         timeouts=timeouts or Timeouts(resend=3.0),

@@ -13,13 +13,12 @@ import anyio
 import pytest
 import torch
 
-from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import connect
 from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.broker.data.staging import blank
-from stageferry.config import DataPlaneConfig, Timeouts
+from stageferry.config import Timeouts
 from stageferry.schemas import NixlPayload, Transport
 from stageferry.testing import assert_same
+from tests.broker.data.nixl.test_connector import consumer as running_connector
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -52,28 +51,9 @@ def expected() -> dict[str, Any]:
 
 @asynccontextmanager
 async def leader(redis_url: str, prefix: str, stage: str, **config: Any) -> AsyncIterator[NixlConnector]:
-    redis = connect(redis_url)
-    timeouts = config.pop("timeouts", Timeouts(resend=3.0))
-    cuda_device = config.pop("cuda_device", None)
-    conn = NixlConnector(
-        redis=redis,
-        keys=Keys(prefix),
-        stage=stage,
-        replica="test",
-        config=DataPlaneConfig(**config),
-        timeouts=timeouts,
-        cuda_device=cuda_device,
-    )
-    await anyio.to_thread.run_sync(conn.open)
-    assert conn.unavailable_reason is None
-    async with anyio.create_task_group() as tg:
-        await tg.start(conn.run)
-        try:
-            yield conn
-        finally:
-            tg.cancel_scope.cancel()
-    await conn.aclose()
-    await redis.aclose()
+    async with running_connector(redis_url, prefix, stage=stage, **config) as conn:
+        assert conn.unavailable_reason is None
+        yield conn
 
 
 async def until(predicate: Any, timeout: float = 10) -> None:
