@@ -35,7 +35,13 @@ from typing import Any
 import structlog
 import torch
 
-from stageferry.broker.data.nixl.ucx_log import UcxLogTail, configure_environment, parse_ucx_log
+from stageferry.broker.data.nixl.ucx_log import (
+    UcxLogTail,
+    configure_environment,
+    own_tables,
+    parse_ucx_log,
+    route_matches,
+)
 from stageferry.errors import NixlUnavailableError, PeerDisconnectedError, TransferError
 from stageferry.logs import adopt_library_logger
 from stageferry.schemas.payload import MemKind
@@ -481,21 +487,3 @@ class NixlAgent:
             info = earlier[-1].removesuffix(" (shared)") + " (shared)"
         self._transport[key] = info
         log.info("nixl.transport", agent=self.name, remote=key[0], route=key[1], transport=info)
-
-
-def own_tables(tables: list[str], agent: str) -> list[str]:
-    """The tables UCX printed for ``agent``'s own worker: a table's title starts with its worker's name,
-    which is the NIXL agent's; one process's log also holds the tables of its other agents (a test's or
-    a benchmark's earlier ones).  Tables naming no agent of ours are kept when none names this one."""
-    own = [t for t in tables if t.split(" ", 1)[0] == agent]
-    return own or tables
-
-
-def route_matches(table: str, route: str) -> bool:
-    """Whether a :func:`parse_ucx_log` string can describe READs of ``route`` (``"VRAM<-DRAM"``): a
-    data-path table names GPU memory (``cuda/GPU1``) exactly when one side of the route is VRAM; lane
-    summaries name no memory and match any route."""
-    title = table.rpartition(": ")[0]
-    if "remote memory" not in title:
-        return True
-    return ("cuda" in title) == ("VRAM" in route)

@@ -5,7 +5,8 @@ its telemetry names the UCX transport.  UCX prints it, though: with ``UCX_PROTO_
 protocol table per endpoint configuration (``remote memory read by ucp_get* ... zero-copy cma/memory``),
 with ``UCX_LOG_LEVEL=info`` a lane summary.  This module points UCX's log at a per-process file before the
 library loads (:func:`configure_environment`), reads what was appended since the last look
-(:class:`UcxLogTail`) and condenses the tables into short strings (:func:`parse_ucx_log`).
+(:class:`UcxLogTail`), condenses the tables into short strings (:func:`parse_ucx_log`) and sorts them to
+the agent (:func:`own_tables`) and route (:func:`route_matches`) they describe.
 
 Who calls: :mod:`stageferry.broker.data.nixl.agent` only — ``configure_environment`` once, before
 ``import nixl``; a tail per agent, read at a peer's first completed READ.  Nothing here touches NIXL.
@@ -127,3 +128,21 @@ def transport_names(info: str | None) -> list[str]:
             if "/" in last:
                 names.append(last.split("/", 1)[0])
     return list(dict.fromkeys(names))
+
+
+def own_tables(tables: list[str], agent: str) -> list[str]:
+    """The tables UCX printed for ``agent``'s own worker: a table's title starts with its worker's name,
+    which is the NIXL agent's; one process's log also holds the tables of its other agents (a test's or
+    a benchmark's earlier ones).  Tables naming no agent of ours are kept when none names this one."""
+    own = [t for t in tables if t.split(" ", 1)[0] == agent]
+    return own or tables
+
+
+def route_matches(table: str, route: str) -> bool:
+    """Whether a :func:`parse_ucx_log` string can describe READs of ``route`` (``"VRAM<-DRAM"``): a
+    data-path table names GPU memory (``cuda/GPU1``) exactly when one side of the route is VRAM; lane
+    summaries name no memory and match any route."""
+    title = table.rpartition(": ")[0]
+    if "remote memory" not in title:
+        return True
+    return ("cuda" in title) == ("VRAM" in route)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from stageferry.broker.data.nixl import agent as na
-from stageferry.broker.data.nixl.agent import MemKind, NixlAgent, XferState, own_tables, route_matches
+from stageferry.broker.data.nixl.agent import MemKind, NixlAgent, XferState
 from stageferry.errors import NixlUnavailableError, PeerDisconnectedError, TransferError
 
 pytest.importorskip("nixl")
@@ -190,29 +190,3 @@ def test_missing_nixl_raises_unavailable(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.setitem(sys.modules, mod, None)
     with pytest.raises(NixlUnavailableError):
         NixlAgent("never")
-
-
-def test_a_route_takes_only_the_ucx_tables_of_its_memory_kinds() -> None:
-    """A payload's VRAM and DRAM READs run at once: each route is told the transport of its own memory."""
-    gpu = (
-        "c intra-node cfg#2 remote memory read by ucp_get*(multi) into cuda/GPU1 from cuda/dev[2]: "
-        "0..inf zero-copy cuda_ipc/cuda"
-    )
-    cpu = (
-        "c intra-node cfg#1 remote memory read by ucp_get* from host: "
-        "0..8K copy-in sm/memory, 8K..inf zero-copy cma/memory"
-    )
-    assert route_matches(gpu, "VRAM<-VRAM") and not route_matches(gpu, "DRAM<-DRAM")
-    assert route_matches(cpu, "DRAM<-DRAM") and not route_matches(cpu, "VRAM<-VRAM")
-    assert route_matches("rma(cma/memory) am(sm/memory)", "VRAM<-VRAM"), "a lane summary names no memory"
-
-
-def test_an_agent_takes_only_the_ucx_tables_its_own_worker_printed() -> None:
-    """One process's UCX log holds every agent's tables (seen on 2 x H200: a closed agent's ``tcp`` table
-    beside this one's ``cuda_ipc``): an agent keeps its own, or all when none names it."""
-    mine = "diffusion-a intra-node cfg#2 remote memory read by ucp_get* into cuda/GPU1: 0..inf zero-copy cuda_ipc/cuda"
-    other = (
-        "diffusion-b intra-node cfg#2 remote memory read by ucp_get* into cuda/GPU1: 0..inf software emulation tcp/lo"
-    )
-    assert own_tables([other, mine], "diffusion-a") == [mine]
-    assert own_tables([other], "diffusion-a") == [other], "no table names this agent: nothing to tell them apart"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stageferry.broker.data.nixl.ucx_log import UcxLogTail, parse_ucx_log, transport_names
+from stageferry.broker.data.nixl.ucx_log import UcxLogTail, own_tables, parse_ucx_log, route_matches, transport_names
 
 
 def test_parse_ucx_proto_info() -> None:
@@ -61,3 +61,29 @@ def test_transport_names_from_proto_info() -> None:
     assert transport_names(gpu + " (shared)") == ["cuda_ipc"]
     assert transport_names("c intra-node cfg#1 rma_am(tcp/lo) am(tcp/lo cma/memory)") == []
     assert transport_names(None) == []
+
+
+def test_a_route_takes_only_the_ucx_tables_of_its_memory_kinds() -> None:
+    """A payload's VRAM and DRAM READs run at once: each route is told the transport of its own memory."""
+    gpu = (
+        "c intra-node cfg#2 remote memory read by ucp_get*(multi) into cuda/GPU1 from cuda/dev[2]: "
+        "0..inf zero-copy cuda_ipc/cuda"
+    )
+    cpu = (
+        "c intra-node cfg#1 remote memory read by ucp_get* from host: "
+        "0..8K copy-in sm/memory, 8K..inf zero-copy cma/memory"
+    )
+    assert route_matches(gpu, "VRAM<-VRAM") and not route_matches(gpu, "DRAM<-DRAM")
+    assert route_matches(cpu, "DRAM<-DRAM") and not route_matches(cpu, "VRAM<-VRAM")
+    assert route_matches("rma(cma/memory) am(sm/memory)", "VRAM<-VRAM"), "a lane summary names no memory"
+
+
+def test_an_agent_takes_only_the_ucx_tables_its_own_worker_printed() -> None:
+    """One process's UCX log holds every agent's tables (seen on 2 x H200: a closed agent's ``tcp`` table
+    beside this one's ``cuda_ipc``): an agent keeps its own, or all when none names it."""
+    mine = "diffusion-a intra-node cfg#2 remote memory read by ucp_get* into cuda/GPU1: 0..inf zero-copy cuda_ipc/cuda"
+    other = (
+        "diffusion-b intra-node cfg#2 remote memory read by ucp_get* into cuda/GPU1: 0..inf software emulation tcp/lo"
+    )
+    assert own_tables([other, mine], "diffusion-a") == [mine]
+    assert own_tables([other], "diffusion-a") == [other], "no table names this agent: nothing to tell them apart"
