@@ -193,7 +193,7 @@ class NixlConnector(Connector):
     async def stage(
         self, key: str, template: Template, *, force_inline: bool = False, deadline: float | None = None
     ) -> Payload:
-        return await self.producer.stage(key, template, force_inline=force_inline, deadline=deadline)
+        return await self.stagings.stage(key, template, force_inline=force_inline, deadline=deadline)
 
     def unstage(self, key: str) -> None:
         self.stagings.release(key, reason="not_put")

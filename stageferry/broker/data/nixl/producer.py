@@ -14,7 +14,7 @@ Who calls what, and when (the producer leader only):
   notification settles its lease), the second answers consumers that could not READ (the bytes inline,
   or a refusal), then settles the lease.
 
-A model may also write its output straight into pool slots (:meth:`Producer.stage`, before the put;
+A model may also write its output straight into pool slots (:meth:`Stagings.stage`, before the put;
 :mod:`stageferry.broker.data.nixl.staging`): the put then takes the staged slots, copies only the
 tensors the model made elsewhere, and puts the same slots under the lease.
 """
@@ -25,7 +25,6 @@ import base64
 import contextlib
 import dataclasses
 import time
-from typing import Any
 
 import anyio
 import structlog
@@ -39,7 +38,7 @@ from stageferry.broker.data.nixl.leases import Lease, LeaseTable
 from stageferry.broker.data.nixl.staging import Staging, Stagings
 from stageferry.broker.data.payload_codec import PackPlan, pack_into, plan_payload
 from stageferry.broker.data.pool import Slot
-from stageferry.broker.data.staging import Template, is_same_tensor
+from stageferry.broker.data.staging import is_same_tensor
 from stageferry.errors import (
     ControlPlaneError,
     HandshakeError,
@@ -69,12 +68,6 @@ class Producer:
         self._ep = endpoint
         self._leases = leases
         self._stagings = stagings
-
-    async def stage(
-        self, key: str, template: Template, *, force_inline: bool = False, deadline: float | None = None
-    ) -> Any:
-        """Output tensors for the hop ``key`` to write into (see :meth:`Stagings.stage`)."""
-        return await self._stagings.stage(key, template, force_inline=force_inline, deadline=deadline)
 
     async def put(self, key: str, payload: Payload, *, force_inline: bool = False) -> Outgoing:
         """See the module docstring; raises :class:`PayloadTooLargeError` above ``max_payload_bytes`` and
