@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from stageferry.broker.data.payload_codec import encode_inline
 from stageferry.schemas import Envelope, InlinePayload, JobRequest, RequestState, request_key
-from tests.procs import ROOT, Services, write_pipeline
+from tests.procs import ROOT, Services, wait_for, write_pipeline
 from tests.security.tripwire import tripwire_env
 
 pytestmark = pytest.mark.timeout(400)
@@ -275,7 +275,15 @@ def test_an_oversized_entry_is_rejected_without_being_pulled(deployment: Deploym
     assert status.state is RequestState.REJECTED and status.error is not None
     assert status.error.code == "invalid_envelope" and status.error.message == "entry too large"
     assert status.error.details["bytes"] > 3 << 20
-    dead = [f for _, f in deployment.redis.xrange(keys.dead_letter("encoder")) if f[b"request_id"] == rid.encode()]
+    # The terminal status is written first, then the entry is dead-lettered (nothing lost if the stage
+    # dies in between): the row may land a moment after the client saw the status.
+    dead = wait_for(
+        lambda: [
+            f for _, f in deployment.redis.xrange(keys.dead_letter("encoder")) if f[b"request_id"] == rid.encode()
+        ],
+        10,
+        "the dead-letter row",
+    )
     assert len(dead) == 1 and b"job" not in dead[0]
 
 

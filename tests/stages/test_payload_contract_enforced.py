@@ -29,7 +29,7 @@ from stageferry.cli import sample_media
 from stageferry.client import SyncClient
 from stageferry.schemas import Envelope, InlinePayload, JobRequest, RequestState, RequestStatus, Task, request_key
 from stageferry.schemas.payload_contract import build_payload
-from tests.procs import ROOT, Services, write_pipeline
+from tests.procs import ROOT, Services, wait_for, write_pipeline
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -138,7 +138,15 @@ def test_a_payload_breaking_the_contract_is_rejected_before_the_fanout(deploymen
     assert not any(e.get("event") == "group.fanout" for e in mine), mine
     assert any(e.get("event") == "group.request_failed" and e.get("code") == "payload_contract" for e in mine), mine
     # and the entry is kept for inspection
-    dead = dep.redis.xrange(dep.svc.keys.dead_letter("diffusion"))
+    dead = wait_for(
+        lambda: [
+            (i, f)
+            for i, f in dep.redis.xrange(dep.svc.keys.dead_letter("diffusion"))
+            if f[b"request_id"] == rid.encode()
+        ],
+        10,
+        "the dead-letter row",
+    )
     assert any(f[b"request_id"] == rid.encode() and f[b"error_code"] == b"payload_contract" for _, f in dead)
 
 

@@ -104,7 +104,7 @@ def test_poison_entry_goes_to_dead_letter_and_request_fails(tmp_path: Path, redi
         assert status.state is RequestState.FAILED
         assert status.error is not None and status.error.code == "dead_lettered"
         r = sync_redis.Redis.from_url(redis_url)
-        dead = r.xrange(svc.keys.dead_letter("encoder"))
+        dead = wait_for(lambda: r.xrange(svc.keys.dead_letter("encoder")), 10, "the dead-letter row")
         assert len(dead) == 1
         fields = dead[0][1]
         assert fields[b"request_id"].decode() == rid
