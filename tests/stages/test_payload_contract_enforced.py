@@ -132,8 +132,13 @@ def test_a_payload_breaking_the_contract_is_rejected_before_the_fanout(deploymen
     assert status.error is not None and status.error.code == "payload_contract"
     assert status.error.message == "text.hidden_states: expected rank 2, got 3"
     assert status.error.details["contract"] == "stageferry.conditioning/1"
-    # refused by the leader before the fan-out: no rank ran the model, the follower was told
-    mine = dep.events(rid)
+
+    # refused by the leader before the fan-out: no rank ran the model, the follower was told (its own
+    # process logs that; the line may land a moment after the client saw the status)
+    def told() -> bool:
+        return any(e.get("event") == "group.request_failed" for e in dep.events(rid))
+
+    mine = dep.events(rid) if wait_for(told, 10, "the follower's group.request_failed line") else []
     assert [e["transport"] for e in mine if e.get("event") == "payload.put"] == [transport], mine
     assert not any(e.get("event") == "group.fanout" for e in mine), mine
     assert any(e.get("event") == "group.request_failed" and e.get("code") == "payload_contract" for e in mine), mine
