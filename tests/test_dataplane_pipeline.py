@@ -16,6 +16,7 @@ import pytest
 import redis as sync_redis
 from pydantic import TypeAdapter
 
+from stageferry.broker.control import tally
 from stageferry.schemas import Envelope, JobRequest, NixlPayload, PayloadRef, RequestState, request_key
 from tests.procs import ROOT, Services, wait_for, write_pipeline
 
@@ -175,3 +176,27 @@ def test_hostile_descriptors_are_rejected_and_the_worker_survives(tmp_path: Path
         ref = TypeAdapter(PayloadRef).validate_json(refs[1])
         assert isinstance(ref, NixlPayload)
         r.set(f"{prefix}:test:stop", 1)
+
+
+def test_the_consumer_claims_each_lease_in_its_stream_read(tmp_path: Path, redis_url: str, prefix: str) -> None:
+    """The hop's claim rides in the diffusion stage's stream read (no claim round trip of its own), and
+    the payloads still arrive over NIXL."""
+    tally_dir = tmp_path / "tally"
+    with make(tmp_path, redis_url, prefix) as svc:
+        svc.extra_env["STAGEFERRY_REDIS_TALLY"] = str(tally_dir)
+        svc.start("encoder", "a")
+        svc.start("diffusion", "a")
+        client = svc.client()
+        rids = [client.submit({**JOB, "seed": seed}) for seed in range(3)]
+        for rid in rids:
+            status = client.wait(rid, timeout=90)
+            assert status.state is RequestState.DONE, svc.logs()
+            hop = [t for t in status.timings if t.stage == "diffusion"][-1]
+            assert hop.transport.value == "nixl"
+
+        def stored() -> dict[str, list[int]] | None:  # each process rewrites its file every few seconds
+            counts = tally.read_dir(tally_dir)
+            return counts if counts.get("stages.handoff:_persist_output SET", [0])[0] >= len(rids) else None
+
+        counts = wait_for(stored, 30, "the diffusion stage's tally to show the stored results")
+    assert not [site for site in counts if site.startswith("broker.data.nixl.leases:claim")], sorted(counts)

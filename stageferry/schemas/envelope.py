@@ -5,13 +5,18 @@ Wire format of a stage stream entry (all fields are bytes on the wire):
 * ``request_id`` — the request id (also inside the envelope, must match);
 * ``job`` — JSON :class:`~stageferry.schemas.job.JobRequest` (entries written by clients), *or*
 * ``envelope`` — JSON :class:`Envelope` (entries written by a stage), plus
-* ``blob`` — only for an inline payload: the payload's regions, concatenated.
+* ``blob`` — only for an inline payload: the payload's regions, concatenated;
+* ``lease`` — only for a NIXL payload: its lease token (the envelope's ``payload.token``), which the next
+  stage's stream read claims as it delivers the entry (:class:`~stageferry.broker.control.streams.LeaseClaim`).
+  A reader uses that claim only for the token its envelope names; otherwise it claims the lease itself.
 
 No other field is allowed (:data:`ENTRY_FIELDS`): an entry with an unknown field, or with both ``job``
-and ``envelope``, or a ``blob`` beside a ``job``, is refused as ``invalid_envelope`` — never read past.
+and ``envelope``, or a ``blob`` or ``lease`` beside a ``job``, is refused as ``invalid_envelope`` — never
+read past.
 
 Schema version history:
-  1 — first version.
+  1 — first version.  Entry field ``lease`` added later (written by stages since issue 20's third round;
+  a stage of an earlier release refuses such an entry, so upgrade the consuming stages first).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from stageferry.schemas.status import StageTiming
 
 ENVELOPE_VERSION = 1
 #: The fields a stage stream entry may have (see the module docstring).
-ENTRY_FIELDS = frozenset({"request_id", "job", "envelope", "blob"})
+ENTRY_FIELDS = frozenset({"request_id", "job", "envelope", "blob", "lease"})
 StageName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
 
 

@@ -57,13 +57,15 @@ def parse_envelope(raw: bytes | str) -> Envelope:
 
 
 def check_entry_fields(fields: Mapping[str, bytes]) -> None:
-    """A stage stream entry has only the documented fields (``ENTRY_FIELDS``), one body, and a ``blob``
-    only beside an ``envelope``; anything else is an :class:`EnvelopeError` naming the fields."""
+    """A stage stream entry has only the documented fields (``ENTRY_FIELDS``), one body, and a ``blob`` or
+    ``lease`` only beside an ``envelope``; anything else is an :class:`EnvelopeError` naming the fields."""
     unknown = sorted(name[:64] for name in fields if name not in ENTRY_FIELDS)
     if unknown:
         raise EnvelopeError("entry has fields the protocol does not define", fields=unknown[:10])
-    if "job" in fields and ("envelope" in fields or "blob" in fields):
-        raise EnvelopeError("an entry carries a job or an envelope (and its blob), not both", fields=sorted(fields))
+    if "job" in fields and ("envelope" in fields or "blob" in fields or "lease" in fields):
+        raise EnvelopeError(
+            "an entry carries a job or an envelope (and its blob or lease), not both", fields=sorted(fields)
+        )
 
 
 def job_pixel_frames(job: JobRequest, *, reference_frames: int) -> int:

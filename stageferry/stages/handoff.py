@@ -23,7 +23,7 @@ import structlog
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import translated
-from stageferry.broker.control.streams import Entry, StageStream
+from stageferry.broker.control.streams import LEASE_FIELD, Entry, StageStream
 from stageferry.broker.data import metrics
 from stageferry.broker.data.connector import Connector, Outgoing
 from stageferry.config import PipelineConfig, StageConfig
@@ -119,6 +119,9 @@ class HandOn:
         fields: dict[str, bytes | str] = {"request_id": envelope.request_id, "envelope": nxt.model_dump_json()}
         if outgoing.blob is not None:
             fields["blob"] = outgoing.blob
+        lease = self.output_connector.lease_of(outgoing.ref)
+        if lease is not None:  # claimed by the next stage's stream read (StageStream, LeaseClaim)
+            fields[LEASE_FIELD] = lease
         # The next stage's "queued" status is written by the hand-off's own script (one round trip).
         status = self.outcomes.status_write(
             envelope.request_id,

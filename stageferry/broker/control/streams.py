@@ -14,6 +14,15 @@ cannot block, and a blocking XREADGROUP would hand over whatever arrives, howeve
 replica blocks on the stage's *wake list* instead (``BLPOP``), which every writer of ours (submit,
 hand-off) pushes to in the same script as its XADD: work is picked up at once.  An entry XADDed by
 someone else (the raw protocol) is picked up within :data:`WAKE_POLL_S`, the BLPOP's timeout.
+
+The read can also take a *lease claim* for the entry (:class:`LeaseClaim`): a stage whose input comes over
+NIXL must claim the payload's lease (``SET NX`` on its claim key, :mod:`stageferry.broker.data.nixl.leases`)
+before it may use the bytes it READ.  The entry names its lease in the ``lease`` field, and the read script
+claims it for every *new* entry it hands over (phase ``>``), in the same round trip: the hop from the
+producer's put to the consumer holding the payload loses one round trip.  Only new entries: a reclaimed or
+re-read one was delivered before, to a consumer that may have claimed it and may still be READing, so its
+claim is left to the connector (which finds it taken and has the request recomputed, as before).  The key
+is the configured prefix plus the field's value, so a writer cannot aim the claim at any other key.
 """
 
 from __future__ import annotations
@@ -105,11 +114,14 @@ return 1
 
 # KEYS: the streams, in order (the stage's own, then tenants' intakes). ARGV: group, consumer, count, max
 # entry bytes, starts (comma-separated phases, tried in order until one yields entries: '0' own pending,
-# 'claim' to XAUTOCLAIM entries idle at least ARGV[6] ms, '>' new).
-# Returns {id, fields, size, stream index, deliveries, phase}: size is 0 for an entry returned whole; an oversized
-# one keeps only a short request_id, the rest never leaves Redis.  Stops at ``count`` entries across the
-# streams.  Deliveries come from XPENDING in the same script (a new entry's is 1), so a read is one round
-# trip however many phases it tries (was one per phase, plus one for the counts).
+# 'claim' to XAUTOCLAIM entries idle at least ARGV[6] ms, '>' new), then the lease claim: key prefix ('' for
+# none), holder, milliseconds.
+# Returns {id, fields, size, stream index, deliveries, phase, claimed}: size is 0 for an entry returned whole;
+# an oversized one keeps only a short request_id, the rest never leaves Redis.  Stops at ``count`` entries
+# across the streams.  Deliveries come from XPENDING in the same script (a new entry's is 1), so a read is
+# one round trip however many phases it tries (was one per phase, plus one for the counts).  ``claimed``
+# is 1 (won) or 0 (taken already) for a new whole entry naming a lease, when a claim prefix is given; -1
+# when no claim was tried.
 _READ_CAPPED = """
 local cap = tonumber(ARGV[4])
 local want = tonumber(ARGV[3])
@@ -141,11 +153,18 @@ for k = 1, #KEYS do
       end
     end
     local deliveries = 1
+    local claimed = -1
     if start ~= '>' then
       local p = redis.call('XPENDING', KEYS[k], ARGV[1], e[1], e[1], 1)
       if #p > 0 then deliveries = p[1][4] end
+    elseif ARGV[7] ~= '' and size == 0 then
+      for i = 1, #fields - 1, 2 do
+        if fields[i] == 'lease' and #fields[i + 1] > 0 and #fields[i + 1] <= 200 then
+          claimed = redis.call('SET', ARGV[7] .. fields[i + 1], ARGV[8], 'NX', 'PX', ARGV[9]) and 1 or 0
+        end
+      end
     end
-    out[#out + 1] = {e[1], fields, size, k, deliveries, start}
+    out[#out + 1] = {e[1], fields, size, k, deliveries, start, claimed}
   end
   if #out >= want then break end
 end
@@ -157,6 +176,20 @@ return out
 #: Longest an idle replica waits on its wake list before looking at the stream anyway (raw XADDs).
 WAKE_POLL_S = 0.05
 DEFAULT_MAX_ENTRY_BYTES = 32 * 1024 * 1024
+
+
+#: The entry field that names the lease a reader claims on delivery (:class:`LeaseClaim`).
+LEASE_FIELD = "lease"
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseClaim:
+    """What the read script claims for each new entry naming a lease (see the module docstring): the key
+    ``prefix + <the entry's lease field>``, set to ``holder`` for ``ttl_ms`` if nobody holds it."""
+
+    prefix: str
+    holder: str
+    ttl_ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +205,13 @@ class Entry:
     """The stream it came from (the stage's own, or a tenant's intake)."""
     tenant: str | None = None
     """The tenant whose intake stream it came from (only that tenant's ACL user can write there)."""
+    lease_claimed: bool | None = None
+    """Whether the read claimed the lease its ``lease`` field names (:class:`LeaseClaim`): None when it
+    did not try (no claim configured, no such field, or not a new entry)."""
+
+    def claimed(self, lease: str) -> bool | None:
+        """The read's claim of ``lease``: None unless the read tried to claim exactly that lease."""
+        return self.lease_claimed if self.fields.get(LEASE_FIELD) == lease.encode() else None
 
     def text(self, name: str) -> str | None:
         raw = self.fields.get(name)
@@ -192,8 +232,10 @@ class StageStream:
         dead_letters: DeadLetterPolicy | None = None,
         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
         tenants: Sequence[str] = (),
+        lease_claim: LeaseClaim | None = None,
     ) -> None:
         self._redis = redis
+        self._lease_claim = lease_claim
         self._keys = keys
         self.stage = stage
         self.group = stage
@@ -260,7 +302,9 @@ class StageStream:
         return entries
 
     async def _read_via_script(self, start: str, count: int) -> list[Entry]:
+        lc = self._lease_claim
         args = [self.group, self.consumer, count, self._max_entry_bytes, start, self._visibility_ms]
+        args += [lc.prefix, lc.holder, lc.ttl_ms] if lc is not None else ["", "", 0]
         try:
             with translated():
                 rows = await self._read_capped(keys=list(self.streams), args=args)
@@ -271,7 +315,7 @@ class StageStream:
             raise
         # Entries deleted while pending come back with no fields: drop them from the PEL.
         entries = []
-        for eid, fields, size, k, deliveries, phase in rows:
+        for eid, fields, size, k, deliveries, phase, claimed in rows:
             stream = self.streams[int(k) - 1]
             if not fields:
                 await self._drop_dangling(stream, eid.decode())
@@ -283,6 +327,7 @@ class StageStream:
                 too_large=int(size) or None,
                 stream=stream,
                 tenant=self._tenants[int(k) - 1],
+                lease_claimed=None if int(claimed) < 0 else bool(int(claimed)),
             )
             self._source[entry.id] = stream
             if phase == b"claim":
@@ -373,4 +418,4 @@ def _decode_pairs(flat: list[bytes]) -> dict[str, bytes]:
     return {flat[i].decode("utf-8", errors="replace"): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
 
 
-__all__ = ["Entry", "StageStream"]
+__all__ = ["LEASE_FIELD", "Entry", "LeaseClaim", "StageStream"]

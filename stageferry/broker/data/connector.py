@@ -15,7 +15,11 @@ Who calls what, and when (leaders only; followers never touch a connector):
   (put or not), which frees what no put took.
 * **Consumer leader**, on an envelope: ``async with connector.get(ref, blob) as incoming`` — inside the
   block ``incoming.payload`` is valid (it may be a zero-copy view of the consumer's pool); on exit the
-  consumer's slot is released.  Errors: :class:`~stageferry.errors.ManifestError` (reject),
+  consumer's slot is released.  A connector whose payloads must be claimed before use (NIXL leases)
+  answers :meth:`Connector.lease_claim`: the stage's stream read then claims each new entry's lease in
+  its own round trip, and the worker passes the outcome on as ``get(..., claimed=)`` (True: ours
+  already; False: someone else's, the payload is gone; None: the connector claims it itself).
+  Errors: :class:`~stageferry.errors.ManifestError` (reject),
   :class:`~stageferry.errors.PayloadUnavailableError` (recompute upstream), other
   :class:`~stageferry.errors.DataPlaneError` after the connector's own fallbacks are exhausted.
 """
@@ -28,6 +32,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from stageferry.broker.control.streams import LeaseClaim
 from stageferry.broker.data.staging import Template, materialize
 from stageferry.schemas import DeviceKind, Manifest, PayloadRef, Transport
 
@@ -78,8 +83,21 @@ class Connector(abc.ABC):
         """Make ``payload`` fetchable by the next stage; ``key`` names the hop in logs and metrics."""
 
     @abc.abstractmethod
-    def get(self, ref: PayloadRef, blob: bytes | None, *, key: str) -> contextlib.AbstractAsyncContextManager[Incoming]:
-        """Fetch the payload ``ref`` describes; the payload is valid inside the context."""
+    def get(
+        self, ref: PayloadRef, blob: bytes | None, *, key: str, claimed: bool | None = None
+    ) -> contextlib.AbstractAsyncContextManager[Incoming]:
+        """Fetch the payload ``ref`` describes; the payload is valid inside the context.  ``claimed``:
+        what the stream read's lease claim (:meth:`lease_claim`) did for ``ref``, None if it did not try."""
+
+    def lease_claim(self) -> LeaseClaim | None:
+        """The claim a stream read should take for each new entry's ``lease`` field (the envelope's
+        :meth:`lease_of`), or None: nothing to claim (the default)."""
+        return None
+
+    @staticmethod
+    def lease_of(ref: PayloadRef) -> str | None:
+        """The lease an envelope carrying ``ref`` names in its ``lease`` field (NIXL payloads' token)."""
+        return getattr(ref, "token", None)
 
     async def stage(
         self, key: str, template: Template, *, force_inline: bool = False, deadline: float | None = None

@@ -84,7 +84,9 @@ class InlineConnector(Connector):
         )
 
     @contextlib.asynccontextmanager
-    async def get(self, ref: PayloadRef, blob: bytes | None, *, key: str) -> AsyncIterator[Incoming]:
+    async def get(
+        self, ref: PayloadRef, blob: bytes | None, *, key: str, claimed: bool | None = None
+    ) -> AsyncIterator[Incoming]:
         if not isinstance(ref, InlinePayload):
             raise ManifestError(f"inline connector cannot fetch a {ref.kind!r} payload", kind=ref.kind)
         yield await self.decode(ref, blob)

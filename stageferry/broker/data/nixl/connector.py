@@ -34,13 +34,14 @@ import structlog
 import torch
 
 from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.streams import LeaseClaim
 from stageferry.broker.data import metrics
 from stageferry.broker.data.connector import Connector, Incoming, Outgoing, Payload
 from stageferry.broker.data.inline import InlineConnector
 from stageferry.broker.data.nixl.agent import NixlAgent
 from stageferry.broker.data.nixl.consumer import Consumer
 from stageferry.broker.data.nixl.endpoint import Counters, Endpoint
-from stageferry.broker.data.nixl.leases import LeaseTable
+from stageferry.broker.data.nixl.leases import LeaseTable, claim_on_read
 from stageferry.broker.data.nixl.peers import Peers
 from stageferry.broker.data.nixl.producer import Producer
 from stageferry.broker.data.nixl.staging import Stagings
@@ -201,8 +202,13 @@ class NixlConnector(Connector):
     async def put(self, key: str, payload: Payload, *, force_inline: bool = False) -> Outgoing:
         return await self.producer.put(key, payload, force_inline=force_inline)
 
-    def get(self, ref: PayloadRef, blob: bytes | None, *, key: str) -> contextlib.AbstractAsyncContextManager[Incoming]:
-        return self.consumer.get(ref, blob, key=key)
+    def get(
+        self, ref: PayloadRef, blob: bytes | None, *, key: str, claimed: bool | None = None
+    ) -> contextlib.AbstractAsyncContextManager[Incoming]:
+        return self.consumer.get(ref, blob, key=key, claimed=claimed)
+
+    def lease_claim(self) -> LeaseClaim:
+        return claim_on_read(self.endpoint)
 
     def abandon(self, outgoing: Outgoing) -> None:
         self.producer.abandon(outgoing)

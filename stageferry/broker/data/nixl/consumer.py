@@ -2,13 +2,15 @@
 
 Who calls what, and when (the consumer leader only):
 
-* ``async with consumer.get(ref, blob, key=...) as incoming`` — once per envelope.  In order: validate
-  the manifest; make sure the producer's agent is loaded (:mod:`stageferry.broker.data.nixl.peers`);
-  check the descriptors lie in the producer's arenas and carry its seal; take slots of our own pool; post
-  a READ per region, all at once, and claim the lease (:func:`stageferry.broker.data.nixl.leases.claim`)
-  while they run; once both the claim is won and every READ is DONE, notify the producer (the release
-  that frees its slot); unpack as zero-copy views.  See :meth:`Consumer.read` for why reading before the
-  claim is won is safe.
+* ``async with consumer.get(ref, blob, key=..., claimed=...) as incoming`` — once per envelope.  In
+  order: validate the manifest; make sure the producer's agent is loaded
+  (:mod:`stageferry.broker.data.nixl.peers`); check the descriptors lie in the producer's arenas and carry
+  its seal; take slots of our own pool; post a READ per region, all at once, and claim the lease
+  (:func:`stageferry.broker.data.nixl.leases.claim`) while they run — unless the stage's stream read
+  claimed it already (``claimed=True``, :func:`~stageferry.broker.data.nixl.leases.claim_on_read`; False:
+  it found the lease taken, and the payload counts as gone); once both the claim is won and every READ
+  is DONE, notify the producer (the release that frees its slot); unpack as zero-copy views.  See
+  :meth:`Consumer.read` for why reading before the claim is won is safe.
   Inside the block ``incoming.payload`` and ``incoming.regions`` are views of our pool slots; on exit the
   slots go back to the pool (after a CUDA synchronize, so queued kernels finish first).  Nothing may
   keep a view past the block.
@@ -101,11 +103,13 @@ class Consumer:
         self.wakeups = 0  #: times a READ wait went back to the event loop (benchmarks show it per hop)
 
     @contextlib.asynccontextmanager
-    async def get(self, ref: PayloadRef, blob: bytes | None, *, key: str) -> AsyncIterator[Incoming]:
+    async def get(
+        self, ref: PayloadRef, blob: bytes | None, *, key: str, claimed: bool | None = None
+    ) -> AsyncIterator[Incoming]:
         """See the module docstring."""
         slots: dict[DeviceKind, Slot] = {}
         try:
-            incoming, slots = await self._fetch(ref, blob, key)
+            incoming, slots = await self._fetch(ref, blob, key, claimed)
             self._count_get(incoming)
             yield incoming
         finally:
@@ -115,9 +119,13 @@ class Consumer:
                     await anyio.to_thread.run_sync(torch.cuda.synchronize, slots[DeviceKind.CUDA].view.device)
                 pools.release_all(slots)
 
-    async def claim(self, ref: NixlPayload) -> None:
-        """Claim ``ref``'s lease (see :func:`stageferry.broker.data.nixl.leases.claim`)."""
-        await claim(self._ep, ref)
+    async def claim(self, ref: NixlPayload, claimed: bool | None = None) -> None:
+        """Claim ``ref``'s lease (see :func:`stageferry.broker.data.nixl.leases.claim`), unless the stream
+        read did (``claimed`` True; False: it found the lease taken)."""
+        if claimed is None:
+            await claim(self._ep, ref)
+        elif not claimed:
+            raise PayloadUnavailableError("payload lease expired or already claimed", token=ref.token)
 
     async def discard(self, ref: PayloadRef) -> None:
         """Tell the producer that a payload will never be read (the request was settled meanwhile)."""
@@ -125,7 +133,9 @@ class Consumer:
             with contextlib.suppress(ControlPlaneError), translated():
                 await self._ask_producer(ref, ResendAction.DROP)
 
-    async def _fetch(self, ref: PayloadRef, blob: bytes | None, key: str) -> tuple[Incoming, dict[DeviceKind, Slot]]:
+    async def _fetch(
+        self, ref: PayloadRef, blob: bytes | None, key: str, claimed: bool | None
+    ) -> tuple[Incoming, dict[DeviceKind, Slot]]:
         """The payload and the local slots it lives in (empty when it came inline)."""
         ep = self._ep
         if isinstance(ref, InlinePayload):
@@ -133,6 +143,8 @@ class Consumer:
         if not isinstance(ref, NixlPayload):
             raise ManifestError(f"cannot fetch a {ref.kind!r} payload", kind=ref.kind)
         validate_manifest(ref.manifest, max_payload_bytes=ep.config.max_payload_bytes)
+        if claimed is False:  # the stream read found the lease taken: not ours to read, nor to ask for
+            await self.claim(ref, claimed)
         if ep.agent is None or ep.pools is None:
             return await self.resend_inline(ref, reason=ep.unavailable_reason or "nixl_unavailable"), {}
         pools = ep.pools
@@ -160,10 +172,10 @@ class Consumer:
         try:
             slots = await pools.acquire_regions(ref.manifest, timeout=ep.timeouts.pool_wait)
         except PoolExhaustedError:
-            await self.claim(ref)  # ours before its producer is asked for it inline
+            await self.claim(ref, claimed)  # ours before its producer is asked for it inline
             return await self.resend_inline(ref, reason="pool_exhausted"), {}
         try:
-            await self.read(ref, peer, slots)  # claims the lease while the READs run
+            await self.read(ref, peer, slots, claimed)  # claims the lease while the READs run
             payload = unpack(ref.manifest, {kind: slot.view for kind, slot in slots.items()}, copy=False)
         except TransferError as exc:
             metrics.TRANSFER_FAILURES.labels(exc.code).inc()
@@ -212,10 +224,12 @@ class Consumer:
             metrics.BYTES.labels("get", Transport.NIXL.value).inc(incoming.nbytes)
             metrics.TRANSFER_SECONDS.labels(Transport.NIXL.value, "get").observe(incoming.seconds)
 
-    async def read(self, ref: NixlPayload, peer: Peer, slots: dict[DeviceKind, Slot]) -> None:
+    async def read(
+        self, ref: NixlPayload, peer: Peer, slots: dict[DeviceKind, Slot], claimed: bool | None = None
+    ) -> None:
         """Claim ``ref``'s lease while READing all its regions into ``slots`` (ours, already taken), then
         release the producer's slot.  The hop waits for the longer of the claim's round trip and the READs,
-        not for their sum.
+        not for their sum; with ``claimed`` (the stream read's claim, :meth:`claim`) there is no round trip.
 
         In order: post one READ per non-empty region, all at once and without a notification; claim
         (Redis ``SET NX``) while they run; wait until every READ is DONE; only then notify the producer
@@ -241,7 +255,7 @@ class Consumer:
         assert agent is not None
         pairs = [(spec, remote) for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True) if spec.nbytes]
         if not pairs:  # zero-size payload: nothing to READ, release the producer explicitly
-            await self.claim(ref)
+            await self.claim(ref, claimed)
             await self.discard(ref)
             return
         deadline = time.monotonic() + self._ep.timeouts.transfer
@@ -255,7 +269,7 @@ class Consumer:
                 post_failed = exc
             failpoint(CONSUMER_READ_POSTED)  # fault injection: die with the READs in flight
             try:
-                await self.claim(ref)
+                await self.claim(ref, claimed)
             except (PayloadUnavailableError, ControlPlaneError):
                 try:  # our slots go back to the pool: no READ may still be writing into them
                     await self._wait_all(handles, deadline)

@@ -126,6 +126,37 @@ async def test_a_claim_lost_while_the_read_runs_hands_nothing_on_and_notifies_no
     assert ref.token in producer.leases, "the rival's lease is still held for it"
 
 
+async def test_a_lease_the_stream_read_claimed_is_read_without_a_claim_of_its_own(
+    pair: tuple[NixlConnector, NixlConnector],
+) -> None:
+    producer, consumer = pair
+    ref, payload = await put(producer, "k-1", seed=1)
+    # What the stage's stream read leaves behind (LeaseClaim): the key held by this consumer.  A claim
+    # of the connector's own (SET NX) would now be refused, so the get passing shows it sent none.
+    await consumer.endpoint.redis.set(consumer.endpoint.keys.claim(ref.token), b"claimed-by-the-read")
+    async with consumer.get(ref, None, key="k-1", claimed=True) as incoming:
+        assert incoming.transport is Transport.NIXL
+        assert_same(incoming.payload, payload)
+    assert (await releases_until(producer, ref.token)).count(ref.token) == 1
+
+
+async def test_a_lease_the_stream_read_found_taken_is_not_read_at_all(
+    pair: tuple[NixlConnector, NixlConnector],
+) -> None:
+    producer, consumer = pair
+    ref, _ = await put(producer, "k-1", seed=1)
+    reads = consumer.counters.reads
+    with pytest.raises(PayloadUnavailableError, match="claimed"):
+        async with consumer.get(ref, None, key="k-1", claimed=False):
+            pytest.fail("a payload claimed by another consumer was handed on")
+    assert consumer.counters.reads == reads
+    assert consumer.pools is not None and consumer.pools.slots_in_use == 0
+    assert consumer.agent is not None and consumer.agent.open_handles() == 0
+    assert producer.agent is not None and producer.agent.name not in consumer.agent.remotes(), "not even loaded"
+    assert await producer.endpoint.redis.xlen(producer.endpoint.keys.resend(producer.endpoint.name)) == 0
+    assert ref.token in producer.leases, "held for the consumer that claimed it"
+
+
 async def test_lanes_split_a_large_dram_region_and_arrive_bit_exact(redis_url: str, prefix: str) -> None:
     producer = make(redis_url, prefix, "encoder")
     consumer = make(redis_url, prefix, "diffusion", read_lanes=4, read_lane_min_bytes=64 << 10, ucx_threads=2)

@@ -1,0 +1,71 @@
+"""A stage stream's read claims each new entry's lease in the same script (:class:`LeaseClaim`), on real
+Redis: won, taken already, not tried for redeliveries or without the field, and never outside the prefix."""
+
+from __future__ import annotations
+
+import pytest
+
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import open_client
+from stageferry.broker.control.streams import LEASE_FIELD, LeaseClaim, StageStream
+
+pytestmark = pytest.mark.anyio
+
+
+def reader(redis: object, keys: Keys, consumer: str, claim: LeaseClaim | None) -> StageStream:
+    return StageStream(redis, keys, "diffusion", consumer, visibility_ms=0, lease_claim=claim)  # type: ignore[arg-type]
+
+
+async def test_a_new_entry_s_lease_is_claimed_by_the_read_once(redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix)
+    claim = LeaseClaim(prefix=keys.claim(""), holder="agent-a", ttl_ms=30_000)
+    async with open_client(redis_url) as redis:
+        a = reader(redis, keys, "diffusion-a", claim)
+        await a.ensure_group()
+        stream = keys.stage_stream("diffusion")
+        await redis.xadd(stream, {"request_id": "r1", LEASE_FIELD: "tok-1"})
+        await redis.xadd(stream, {"request_id": "r2", LEASE_FIELD: "tok-1"})  # the same lease, named again
+        await redis.xadd(stream, {"request_id": "r3"})  # no lease: nothing to claim
+        first, second, third = await a.read(3, block_ms=0)
+        assert first.claimed("tok-1") is True
+        assert await redis.get(keys.claim("tok-1")) == b"agent-a"
+        assert 29_000 < await redis.pttl(keys.claim("tok-1")) <= 30_000
+        assert second.claimed("tok-1") is False, "a lease already claimed is not claimed again"
+        assert third.lease_claimed is None and third.claimed("tok-1") is None
+        assert first.claimed("tok-2") is None, "the read's claim answers only for the lease it named"
+
+
+async def test_redeliveries_and_readers_without_a_claim_take_none(redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix)
+    claim = LeaseClaim(prefix=keys.claim(""), holder="agent-b", ttl_ms=30_000)
+    async with open_client(redis_url) as redis:
+        plain = reader(redis, keys, "diffusion-a", None)
+        b = reader(redis, keys, "diffusion-b", claim)
+        await plain.ensure_group()
+        await redis.xadd(keys.stage_stream("diffusion"), {"request_id": "r1", LEASE_FIELD: "tok-9"})
+        (entry,) = await plain.read(1, block_ms=0)
+        assert entry.lease_claimed is None and await redis.exists(keys.claim("tok-9")) == 0
+        # Reclaimed by another replica (idle past the visibility timeout of 0): a redelivery, whose first
+        # consumer may still be READing — the read leaves the claim to the connector.
+        (again,) = await b.read(1, block_ms=0)
+        assert again.id == entry.id and again.deliveries == 2
+        assert again.lease_claimed is None and await redis.exists(keys.claim("tok-9")) == 0
+
+
+async def test_a_lease_field_cannot_aim_the_claim_outside_the_prefix(redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix)
+    claim = LeaseClaim(prefix=keys.claim(""), holder="agent-c", ttl_ms=30_000)
+    victim = f"{prefix}:victim"
+    async with open_client(redis_url) as redis:
+        await redis.set(victim, b"untouched")
+        c = reader(redis, keys, "diffusion-c", claim)
+        await c.ensure_group()
+        stream = keys.stage_stream("diffusion")
+        await redis.xadd(stream, {"request_id": "r1", LEASE_FIELD: victim})
+        await redis.xadd(stream, {"request_id": "r2", LEASE_FIELD: "x" * 201})  # too long: not tried
+        await redis.xadd(stream, {"request_id": "r3", LEASE_FIELD: ""})
+        hostile, long, empty = await c.read(3, block_ms=0)
+        assert hostile.claimed(victim) is True, "claimed under the prefix, as a key of its own"
+        assert await redis.get(keys.claim(victim)) == b"agent-c"
+        assert await redis.get(victim) == b"untouched"
+        assert long.lease_claimed is None and empty.lease_claimed is None
