@@ -74,8 +74,12 @@ log = structlog.get_logger(__name__)
 
 
 #: How long :meth:`Consumer._wait_all` yields without sleeping, and how long it then sleeps between looks.
-SPIN_S = 0.0002
-POLL_S = 0.0005
+#: An event-loop sleep is never shorter than a millisecond (asyncio's epoll selector rounds its timeout
+#: up to whole milliseconds), so a shorter POLL_S would still cost 1 ms: a READ that ends just after the
+#: spin gave up paid that much on top of the hop (the hop's p99 on the GPU host, issue 20).  The spin
+#: covers what a READ of a hop's payload takes once posted (VRAM over cuda_ipc: 0.1–0.3 ms for 65 MB).
+SPIN_S = 0.002
+POLL_S = 0.001
 
 
 def lane_spans(nbytes: int, lanes: int) -> list[tuple[int, int]]:
@@ -327,7 +331,8 @@ class Consumer:
     async def _wait_all(self, handles: list[object], deadline: float) -> None:
         """Poll until every READ is DONE.  Yields without sleeping (a wake-up per turn of the event loop)
         only within ``SPIN_S`` of the first look, then sleeps ``POLL_S`` between looks: a READ still running
-        by then is a large one, whose end a millisecond later costs little next to its length."""
+        by then is a large one (or a slow link), whose end a millisecond later costs little next to its
+        length."""
         agent = self._ep.agent
         assert agent is not None
         pending = handles
