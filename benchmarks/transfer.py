@@ -8,8 +8,11 @@
 
 Two processes wired like two stage leaders: a producer (this script with ``--role producer``) holding a
 real :class:`NixlConnector`, and the consumer (this process) with its own.  Every hop is lock-step: the
-consumer asks for one payload, the producer puts it and XADDs the envelope, the consumer XREADs it and
-fetches the payload (``get``) until it holds the tensors.  Per size and iteration the paths run
+consumer asks for one payload, the producer puts it and writes the entry as a stage's hand-off does (XADD
+to the stage stream and a push to its wake list, one round trip), the consumer reads it as a stage does
+(:meth:`StageStream.read`, whose script claims a NIXL payload's lease in the same round trip) and fetches
+the payload (``get``) until it holds the tensors; the entry is acknowledged after that, untimed, as a
+stage acknowledges it once it handed its output on.  Per size and iteration the paths run
 interleaved: NIXL, inline through Redis, and the hardware baseline — a torch memcpy of the same bytes
 (CPU) or a torch peer copy GPU 0 → GPU 1 (``--device cuda``).
 
@@ -22,7 +25,7 @@ interleaved: NIXL, inline through Redis, and the hardware baseline — a torch m
   model's own work, not timed; then ``put`` of those tensors copies nothing.  Same get as NIXL.
 
 Timestamps are ``time.monotonic_ns()`` (one clock for every process on the host): ``t0`` put starts,
-``t1`` put returned (XADD starts), ``t2`` XREAD returned the entry, ``t3`` the consumer leader holds the
+``t1`` put returned (XADD starts), ``t2`` the stream read returned the entry, ``t3`` the consumer leader holds the
 payload, ``t4`` every rank of its TP group holds it (``--tp``).  get = t3 − t2, delivery = t3 − t1,
 hop = t3 − t0, hop to all ranks = t4 − t0.
 
@@ -53,6 +56,7 @@ from bench_stats import TASK_BYTES, TASK_OF_SIZE, cell, human, machine_facts, me
 
 from stageferry.broker.control.keys import Keys  # noqa: E402
 from stageferry.broker.control.redis_conn import connect  # noqa: E402
+from stageferry.broker.control.streams import LEASE_FIELD, Entry, StageStream  # noqa: E402
 from stageferry.broker.data.inline import InlineConnector  # noqa: E402
 from stageferry.broker.data.nixl.connector import NixlConnector  # noqa: E402
 from stageferry.broker.data.payload_codec import pack_into, plan_payload  # noqa: E402
@@ -67,6 +71,7 @@ KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = sorted([4 * KiB * 4**i for i in range(9)] + list(TASK_BYTES.values()))  # 4 KiB..256 MiB
 WARMUP = 3
 INLINE_CAP = 1 << 30
+STAGE = "bench"  #: the consumer's stage stream
 HOP_TARGET_MS = 2.0  # T2VA hop, p50, CPU loopback
 RATIO_TARGET = 20.0  # Ref2VA: inline through Redis / NIXL, CPU
 
@@ -147,7 +152,8 @@ async def producer(args: argparse.Namespace) -> None:
     conn.open()
     assert conn.agent is not None and conn.pools is not None, f"producer has no NIXL agent: {conn.unavailable_reason}"
     payloads: dict[int, Any] = {}
-    cmd_key, env_key = f"{args.prefix}:bench:cmd", f"{args.prefix}:bench:env"
+    cmd_key, keys = f"{args.prefix}:bench:cmd", Keys(args.prefix)
+    stream_key, wake_key = keys.stage_stream(STAGE), keys.wake(STAGE)
 
     async def send(op: str, nbytes: int, i: int) -> None:
         if nbytes not in payloads:
@@ -171,7 +177,13 @@ async def producer(args: argparse.Namespace) -> None:
         }
         if out.blob is not None:
             fields["blob"] = out.blob
-        await bench.xadd(env_key, fields)
+        if isinstance(out.ref, NixlPayload):
+            fields[LEASE_FIELD] = out.ref.token  # claimed by the consumer's stream read
+        async with bench.pipeline(transaction=True) as pipe:  # as a hand-off writes: the entry, the wake-up
+            pipe.xadd(stream_key, fields)
+            pipe.lpush(wake_key, "1")
+            pipe.ltrim(wake_key, 0, 15)
+            await pipe.execute()
 
     async with anyio.create_task_group() as tg:
         await tg.start(conn.run)
@@ -277,32 +289,39 @@ class Consumer:
         self.conn = conn
         self.device = device
         self.fanout = fanout
-        self.cmd_key, self.env_key = f"{prefix}:bench:cmd", f"{prefix}:bench:env"
-        self.last = "0-0"
+        self.cmd_key = f"{prefix}:bench:cmd"
+        self.stream = StageStream(  # on the benchmark's client: a 256 MiB inline entry outlasts connect()'s timeout
+            redis,
+            Keys(prefix),
+            STAGE,
+            "bench-consumer",
+            visibility_ms=600_000,
+            max_entry_bytes=2 * INLINE_CAP,
+            lease_claim=conn.lease_claim(),
+        )
         self.producer_registrations: list[int] = []
         from pydantic import TypeAdapter
 
         self.refs: TypeAdapter[PayloadRef] = TypeAdapter(PayloadRef)
 
-    async def _next(self) -> tuple[int, dict[bytes, bytes]]:
-        reply = None
-        while not reply:
-            reply = await self.redis.xread({self.env_key: self.last}, block=1000, count=1)
-        t2 = time.monotonic_ns()
-        (_, [(eid, fields)]) = reply[0]
-        self.last = eid
-        await self.redis.xdel(self.env_key, eid)
-        return t2, fields
+    async def _next(self) -> tuple[int, Entry]:
+        entries: list[Entry] = []
+        while not entries:
+            entries = await self.stream.read(1, block_ms=1000)
+        return time.monotonic_ns(), entries[0]
 
-    async def _fetch(self, op: str, fields: dict[bytes, bytes], t2: int, key: str) -> dict[str, float]:
-        ref = self.refs.validate_json(fields[b"ref"])
-        blob = fields.get(b"blob")
+    async def _fetch(self, op: str, entry: Entry, t2: int, key: str) -> dict[str, float]:
+        fields = entry.fields
+        ref = self.refs.validate_json(fields["ref"])
+        blob = fields.get("blob")
         if op == "inline":
             assert isinstance(ref, InlinePayload), ref
             ctx = self.conn.inline.get(ref, blob, key=key)
         else:
             assert isinstance(ref, NixlPayload), ref
-            ctx = self.conn.get(ref, blob, key=key)
+            claimed = entry.claimed(ref.token)
+            assert claimed is True, f"the stream read did not claim the lease: {claimed}"
+            ctx = self.conn.get(ref, blob, key=key, claimed=claimed)
         async with ctx as incoming:
             sync(self.device)  # on GPUs the inline path's host → device copy must be done to count
             t3 = time.monotonic_ns()
@@ -311,39 +330,40 @@ class Consumer:
             if self.fanout.world > 1:
                 await anyio.to_thread.run_sync(self.fanout.send, incoming)
             t4 = time.monotonic_ns()
-        self.producer_registrations.append(int(fields[b"registrations"]))
-        t0, t1 = int(fields[b"t0"]), int(fields[b"t1"])
-        assert (op == "staged") == bool(int(fields.get(b"staged", b"0"))), f"{op}: the put did not take the staging"
+        await self.stream.ack(entry.id)  # untimed: a stage acknowledges once its output is handed on
+        self.producer_registrations.append(int(fields["registrations"]))
+        t0, t1 = int(fields["t0"]), int(fields["t1"])
+        assert (op == "staged") == bool(int(fields.get("staged", b"0"))), f"{op}: the put did not take the staging"
         return {
             "put": (t1 - t0) / 1e6,
             "get": (t3 - t2) / 1e6,
             "delivery": (t3 - t1) / 1e6,
             "hop": (t3 - t0) / 1e6,
             "all_ranks": (t4 - t0) / 1e6,
-            "producer_slots": float(fields[b"slots"]),
+            "producer_slots": float(fields["slots"]),
             "consumer_slots": float(held),
         }
 
     async def hop(self, op: str, nbytes: int, i: int) -> dict[str, float]:
         """One lock-step hop; milliseconds of put, get, delivery, hop and hop to all ranks."""
         await self.redis.rpush(self.cmd_key, json.dumps({"op": op, "nbytes": nbytes, "i": i}))
-        t2, fields = await self._next()
-        return await self._fetch(op, fields, t2, f"bench-{i}")
+        t2, entry = await self._next()
+        return await self._fetch(op, entry, t2, f"bench-{i}")
 
     async def burst(self, nbytes: int, k: int, i0: int) -> dict[str, list[float]]:
         """K NIXL payloads in flight at once: every get starts as soon as its envelope arrives."""
         await self.redis.rpush(self.cmd_key, json.dumps({"op": "nixl", "nbytes": nbytes, "i": i0, "k": k}))
         out: dict[str, list[float]] = {}
 
-        async def one(fields: dict[bytes, bytes], t2: int, j: int) -> None:
-            row = await self._fetch("nixl", fields, t2, f"bench-{i0 + j}")
+        async def one(entry: Entry, t2: int, j: int) -> None:
+            row = await self._fetch("nixl", entry, t2, f"bench-{i0 + j}")
             for name, value in row.items():
                 out.setdefault(name, []).append(value)
 
         async with anyio.create_task_group() as tg:
             for j in range(k):
-                t2, fields = await self._next()
-                tg.start_soon(one, fields, t2, j)
+                t2, entry = await self._next()
+                tg.start_soon(one, entry, t2, j)
         return out
 
 
@@ -388,6 +408,7 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
                 _, ready = await bench.blpop([f"{prefix}:bench:ready"], timeout=60)
             producer_pid = json.loads(ready)["pid"]
             c = Consumer(bench, conn, prefix, device, fanout)
+            await c.stream.ensure_group()
             ops = ("nixl", "staged", "inline") if args.zero_copy else ("nixl", "inline")
             for i in range(WARMUP):  # connection set-up to the peer, allocator and code paths; not counted
                 for op in ops:
