@@ -72,7 +72,8 @@ DEFAULT_SIZES = sorted([4 * KiB * 4**i for i in range(9)] + list(TASK_BYTES.valu
 WARMUP = 3
 INLINE_CAP = 1 << 30
 STAGE = "bench"  #: the consumer's stage stream
-HOP_TARGET_MS = 2.0  # T2VA hop, p50, CPU loopback
+HOP_TARGET_MS = 1.2  # T2VA hop, p50 (issue 20; was 2.0)
+HOP_P99_TARGET_MS = 2.0  # T2VA hop, p99 (issue 20, GPU)
 RATIO_TARGET = 20.0  # Ref2VA: inline through Redis / NIXL, CPU
 
 
@@ -540,14 +541,17 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> bool:
         print(line)
     t2va = TASK_BYTES["T2VA"]
     if t2va in transfer:
-        p50 = median(transfer[t2va]["nixl"]["hop"])
-        holds = p50 <= HOP_TARGET_MS
-        if not gpu:
-            ok &= holds
-        print(
-            f"\nadded hop latency for a T2VA payload ≤ {HOP_TARGET_MS:g} ms p50: {verdict(holds)} "
-            f"({p50:.3f} ms over NIXL, put start → held, including the envelope's XADD/XREAD)"
-        )
+        for op in [o for o in ("nixl", "staged") if o in transfer[t2va]]:
+            series = transfer[t2va][op]["hop"]
+            p50, p99 = median(series), pct(series, 99)
+            holds = p50 <= HOP_TARGET_MS and p99 <= HOP_P99_TARGET_MS
+            if not gpu and op == "nixl":
+                ok &= holds
+            print(
+                f"\nT2VA hop over NIXL{' (zero-copy put)' if op == 'staged' else ''} ≤ {HOP_TARGET_MS:g} ms p50 and "
+                f"≤ {HOP_P99_TARGET_MS:g} ms p99: {verdict(holds)} ({p50:.3f} / {p99:.3f} ms over {len(series)} hops, "
+                "put start → held, with the hand-off's write and the stream read)"
+            )
         hops = transfer[t2va]["nixl"]["hop"] + transfer[t2va]["inline"]["hop"]
         print(f"T2VA hop maximum over {len(hops)} hops (NIXL and inline): {max(hops):.3f} ms")
     regs = results["registrations"]
