@@ -12,7 +12,7 @@ ranks (NCCL, one GPU each, ``--gpus``, default leader on GPU 1 and follower on G
   back and waits on it (a region over ``INLINE_MAX_BYTES``: a 16 KiB frame, then the region's own
   broadcast posted once the head is read); ``mech-up`` only the header's copy (the follower
   synchronises), ``mech-d2d`` only the region's copy into the frame;
-* ``job``  — :meth:`GroupChannel.send` / :meth:`GroupChannel.receive` + ``unpack``, as ``fanout.py`` does.
+* ``job``  — :meth:`GroupChannel.send` / :meth:`GroupChannel.receive` (which unpacks), as ``fanout.py`` does.
 
 Every rank stamps ``time.perf_counter`` (CLOCK_MONOTONIC: one clock for every process of the host) on
 entering and leaving the channel's steps (``name>`` / ``name<``, by wrapping its methods here — the
@@ -42,10 +42,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from stageferry.broker.data.payload_codec import plan_payload, unpack  # noqa: E402
+from stageferry.broker.data.payload_codec import plan_payload  # noqa: E402
 from stageferry.embedded_redis import free_port  # noqa: E402
 from stageferry.schemas import DeviceKind  # noqa: E402
-from stageferry.stages import group_channel  # noqa: E402
+from stageferry.stages import frames, group_channel  # noqa: E402
 from stageferry.stages.group_channel import GroupChannel, MessageKind  # noqa: E402
 
 WARMUP = 10
@@ -62,8 +62,9 @@ def _instrument() -> None:
     """Stamp entry and exit of the channel's steps (this process only)."""
     steps = {
         GroupChannel: ("send", "receive", "_send_frame", "_receive_frame", "_propagate_frame",
-                       "_broadcast_region", "_receive_region", "_manifest"),
-        group_channel._Staging: ("upload", "download", "wait"),
+                       "_broadcast_region", "_receive_region", "_manifest", "_frame"),
+        frames.Staging: ("upload", "download", "wait"),
+        frames.Frame: ("payload",),
     }  # fmt: skip
     for cls, names in steps.items():
         for name in names:
@@ -167,7 +168,7 @@ def _body(rank: int, port: int, gpus: list[int], sizes: list[int], iters: int, o
                 else:
                     message = channel.receive()
                     assert message.manifest is not None
-                    unpack(message.manifest, message.buffers, copy=False)
+                    assert message.payload is not None  # unpacked by the channel, as a follower's model gets it
                     mark("unpacked")
                 evs[1].record()
                 torch.cuda.synchronize(device)
