@@ -179,7 +179,6 @@ class GroupChannel:
         (``benchmarks/fanout_phases.py``)."""
         if self.world_size == 1:
             return
-        self._count(kind, manifest)
         regions: dict[DeviceKind, torch.Tensor] = {}
         if manifest is not None:
             assert buffers is not None
@@ -208,6 +207,7 @@ class GroupChannel:
         for device_kind, buf in regions.items():
             if buf.numel() and not (body["inline"] and device_kind is self._own):
                 self._broadcast_region(buf, device_kind)
+        self._count(kind, manifest)  # after the broadcasts: bookkeeping never delays the first byte
 
     # ------------------------------------------------------------------ followers
 
