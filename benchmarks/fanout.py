@@ -9,7 +9,7 @@ broadcast of the same bytes — both timed in the same rounds, the same way (med
 **How a round is timed.**  Every rank leaves a gloo barrier (outside the window), then the leader
 stamps ``start`` and sends (``job``: :meth:`GroupChannel.send` of a job header, the manifest and the
 packed region; ``raw``: one ``dist.broadcast`` of the region), and every rank stamps ``end`` once it
-holds the bytes (a follower: after :meth:`GroupChannel.receive` and ``unpack``; on GPUs after
+holds the payload (a follower: after :meth:`GroupChannel.receive`, which unpacks it; on GPUs after
 ``torch.cuda.synchronize``).  A round's time is ``max(end over ranks) - start``: ``time.perf_counter``
 is the host's monotonic clock, the same in every process, so the stamps compare across ranks and no
 barrier or other collective sits inside the window.  ``job`` and ``raw`` rounds alternate.  In
@@ -44,7 +44,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from stageferry.broker.data.payload_codec import plan_payload, unpack  # noqa: E402
+from stageferry.broker.data.payload_codec import plan_payload  # noqa: E402
 from stageferry.embedded_redis import free_port  # noqa: E402
 from stageferry.schemas import DeviceKind, Manifest  # noqa: E402
 from stageferry.stages import group_channel  # noqa: E402
@@ -136,7 +136,7 @@ class Rounds:
         else:
             message = channel.receive()
             assert message.manifest is not None and message.buffers[kind].numel() >= blob.numel()
-            unpack(message.manifest, message.buffers, copy=False)
+            assert message.payload is not None  # unpacked by the channel, as a follower's model gets it
         if blob.is_cuda:
             torch.cuda.synchronize(channel.device)
         end = time.perf_counter()

@@ -152,9 +152,9 @@ def _hand_over(world: GroupChannel, packed: Any) -> tuple[Any, int]:
     if world.rank == 0:
         manifest, buffers = packed if packed is not None else (None, None)
         world.send(MessageKind.JOB, {}, manifest=manifest, buffers=buffers)
-    else:
+    else:  # the channel unpacked it (a kept frame's payload holds until the next hand-over)
         message = world.receive()
-        manifest, buffers = message.manifest, message.buffers
+        return message.payload, message.manifest.total_bytes if message.manifest is not None else 0
     if manifest is None or buffers is None:
         return None, 0
     return unpack(manifest, buffers, copy=False), manifest.total_bytes

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from stageferry.broker.data import metrics
-from stageferry.broker.data.payload_codec import pack_into, plan_payload, unpack
+from stageferry.broker.data.payload_codec import pack_into, plan_payload
 from stageferry.broker.data.staging import materialize
 from stageferry.config import GroupLayout, PipelineConfig, StageConfig
 from stageferry.errors import (
@@ -322,7 +322,7 @@ def follow(model: StageModel, stage: StageConfig, pipeline: PipelineConfig, chan
             failed = False
             try:
                 job = JobRequest.model_validate_json(header["job"])
-                payload = None if message.manifest is None else unpack(message.manifest, message.buffers, copy=False)
+                payload = message.payload
                 ctx = rank_context(
                     stage, pipeline, channel, request_id=request_id, key=str(header.get("key")), media=message.media
                 )

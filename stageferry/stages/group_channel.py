@@ -14,13 +14,15 @@ region (up to :data:`INLINE_MAX_BYTES`): a stage's jobs repeat a few shapes, so 
 shape the payload rides the frame — one broadcast per job, and no host round trip on a follower between
 reading the header and posting the region's broadcast.  The leader copies the region into the frame on
 its device (a D2D copy: microseconds for a T2VA payload); followers get views of the frame they received.
-A region that does not fit the announced frame travels as before, in its own broadcast.  Media bytes
-and CPU regions of GPU ranks travel over the gloo group.  Message kinds:
+Frames are kept and received into again (:mod:`.frames`), so a follower's inline payload holds until
+its next message, as the leader's pool slot holds until the job is done.  A region that does not fit
+the announced frame travels as before, in its own broadcast.  Media bytes and CPU regions of GPU ranks
+travel over the gloo group.  Message kinds:
 
 * ``job``  — the job, its media bytes, and the payload: the manifest in the header, the region inline
   or one broadcast per non-empty region, straight from the leader's buffers (its pool slot when the
-  payload came over NIXL) into a fresh buffer on each follower, from which the follower unpacks the
-  same tensors;
+  payload came over NIXL) into the kept frame (inline) or a fresh buffer on each follower, over which
+  the channel unpacks the same tensors (``Message.payload``);
 * ``fail`` — the leader could not get the payload: followers raise the same typed error;
 * ``noop`` — keeps idle followers' collectives well inside their timeout;
 * ``stop`` — the group is draining: followers return.
@@ -40,7 +42,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,25 +50,21 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from stageferry.broker.data.payload_codec import validate_manifest
+from stageferry.broker.data.payload_codec import unpack, validate_manifest
 from stageferry.schemas import DeviceKind, Manifest
+from stageferry.stages.frames import FRAME_BYTES, HEAD_LEN, Frame, Staging, to_host
+
+__all__ = ["FRAME_BYTES", "GroupChannel", "Hop", "Message", "MessageKind", "ModelGroups"]
 
 MAX_HEADER_BYTES = 64 << 20
-#: Size of a frame's head (the header): big enough for a job and a T2VA manifest, small enough that
-#: broadcasting it costs no more than the broadcast's fixed latency.  An inline region starts right after.
-FRAME_BYTES = 16 << 10
 #: The largest region that rides a frame; larger ones get their own broadcast.  Measured on 2 × H200: inline
 #: 11 MB and 65 MB regions were 0.1–0.3 ms *slower* (the leader's D2D copy, and a follower that reads the
 #: header only once the whole frame landed instead of while the region's broadcast runs).
 INLINE_MAX_BYTES = 2 << 20
 _INLINE_GRAIN = 4096
-#: How a follower waits for a frame's header on a GPU (:meth:`_Staging.wait`): spin this long, then poll
-#: at this interval until this long, then block.
-SPIN_S = 0.002
-POLL_S = 0.0001
-POLL_FOR_S = 1.0  # next-frame sizes are rounded up to this
-_LEN = 4  # the frame's length prefix
 MANIFEST_CACHE_SIZE = 64
+#: Frames a rank keeps, one per recent frame size (at most ``FRAME_BYTES + INLINE_MAX_BYTES`` each).
+FRAME_CACHE_SIZE = 4
 
 
 class MessageKind(enum.StrEnum):
@@ -79,13 +76,19 @@ class MessageKind(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """What a follower receives: the header fields, media bytes and payload region buffers."""
+    """What a follower receives: the header fields, media bytes, payload region buffers and the payload
+    unpacked over them (tensors are views of ``buffers``).
+
+    An inline region's buffer is part of a frame the channel keeps and receives into again: it and the
+    payload's tensors hold until this rank's next :meth:`GroupChannel.receive` — the same lifetime as the
+    leader's payload, a pool slot freed after the job.  Keep a copy to hold anything longer."""
 
     kind: MessageKind
     header: dict[str, Any]
     media: dict[str, bytes]
     buffers: dict[DeviceKind, torch.Tensor]
     manifest: Manifest | None
+    payload: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +141,11 @@ class GroupChannel:
         self._counts: collections.Counter[str] = collections.Counter()
         self._manifests: collections.OrderedDict[str, Manifest] = collections.OrderedDict()
         self._capacity = FRAME_BYTES  # bytes of the next frame, as the last header said (every rank)
-        self._staging: _Staging | None = None  # pinned head buffer of a GPU rank, made on first use
+        self._staging: Staging | None = None  # pinned head buffer of a GPU rank, made on first use
+        self._frames: collections.OrderedDict[int, Frame] = collections.OrderedDict()  # by size
+        self._frame_dev = device if device.type == "cuda" else torch.device("cpu")
+        self._own = DeviceKind.CUDA if device.type == "cuda" else DeviceKind.CPU
+        self._sent_manifest: tuple[Manifest | None, str | None] = (None, None)
 
     @classmethod
     def solo(cls, device: torch.device) -> GroupChannel:
@@ -165,11 +172,13 @@ class GroupChannel:
         manifest: Manifest | None = None,
         buffers: Mapping[DeviceKind, torch.Tensor] | None = None,
     ) -> None:
-        """Broadcast one message from the leader (rank 0)."""
+        """Broadcast one message from the leader (rank 0).
+
+        Every step here runs before the payload's broadcast, so it is kept to few Python and torch calls:
+        on the 2 × H200 host each costs 5-80 µs, and they added up to ≈ 0.2 ms before the first byte moved
+        (``benchmarks/fanout_phases.py``)."""
         if self.world_size == 1:
             return
-        self._count(kind, manifest)
-        media = dict(media or {})
         regions: dict[DeviceKind, torch.Tensor] = {}
         if manifest is not None:
             assert buffers is not None
@@ -177,32 +186,34 @@ class GroupChannel:
                 buf = buffers[region.device]
                 if buf.numel() < region.nbytes:  # NCCL would wait forever for the missing bytes
                     raise ValueError(f"{region.device} buffer of {buf.numel()} bytes, region of {region.nbytes}")
-                regions[region.device] = buf[: region.nbytes]
-        own = self._frame_kind()
-        inline = regions.get(own)
+                regions[region.device] = buf if buf.numel() == region.nbytes else buf[: region.nbytes]
+        inline = regions.get(self._own)
         capacity = self._capacity
-        body = dict(header or {})
+        body = dict(header) if header else {}
         body["kind"] = kind.value
-        body["media"] = {name: len(data) for name, data in media.items()}
-        body["manifest"] = manifest.model_dump_json() if manifest is not None else None
+        body["media"] = {name: len(data) for name, data in media.items()} if media else {}
+        body["manifest"] = self._manifest_json(manifest)
         body["inline"] = inline is not None and 0 < inline.numel() <= capacity - FRAME_BYTES
         body["next"] = _next_capacity(capacity, inline)
         packed = msgpack.packb(body, use_bin_type=True)
-        if body["inline"] and _LEN + len(packed) > FRAME_BYTES:  # a long header: its tail follows the frame
+        if body["inline"] and HEAD_LEN + len(packed) > FRAME_BYTES:  # a long header: its tail follows the frame
             body["inline"] = False
             packed = msgpack.packb(body, use_bin_type=True)
         self._send_frame(packed, inline if body["inline"] else None)
         self._capacity = body["next"]
-        for name in sorted(media):  # sizes are in the header: no length broadcast
+        for name in sorted(media or ()):  # sizes are in the header: no length broadcast
+            assert media is not None
             self._broadcast_bytes(media[name], expect=len(media[name]))
         for device_kind, buf in regions.items():
-            if buf.numel() and not (body["inline"] and device_kind is own):
+            if buf.numel() and not (body["inline"] and device_kind is self._own):
                 self._broadcast_region(buf, device_kind)
+        self._count(kind, manifest)  # after the broadcasts: bookkeeping never delays the first byte
 
     # ------------------------------------------------------------------ followers
 
     def receive(self) -> Message:
-        """Block until the leader's next message (followers only)."""
+        """Block until the leader's next message (followers only).  Its inline buffers and payload hold
+        until the next call (see :class:`Message`)."""
         frame, raw = self._receive_frame()
         body = msgpack.unpackb(raw, raw=False, strict_map_key=True)
         kind = MessageKind(body.pop("kind"))
@@ -211,20 +222,24 @@ class GroupChannel:
         sizes = body.pop("media") or {}
         media = {name: self._broadcast_bytes(None, expect=int(sizes[name])) for name in sorted(sizes)}
         manifest_json = body.pop("manifest")
-        manifest = None
+        if manifest_json is None:
+            self._count(kind, None)
+            return Message(kind=kind, header=body, media=media, buffers={}, manifest=None)
+        manifest = self._manifest(manifest_json)
         buffers: dict[DeviceKind, torch.Tensor] = {}
-        own = self._frame_kind()
-        if manifest_json is not None:
-            manifest = self._manifest(manifest_json)
-            for region in manifest.regions:
-                if inline and region.device is own:
-                    if FRAME_BYTES + region.nbytes > frame.numel():
-                        raise ValueError(f"inline region of {region.nbytes} bytes in a {frame.numel()}-byte frame")
-                    buffers[region.device] = frame[FRAME_BYTES : FRAME_BYTES + region.nbytes]
-                else:
-                    buffers[region.device] = self._receive_region(region.nbytes, region.device)
+        for region in manifest.regions:
+            if inline and region.device is self._own:
+                if FRAME_BYTES + region.nbytes > frame.buf.numel():
+                    raise ValueError(f"inline region of {region.nbytes} bytes in a {frame.buf.numel()}-byte frame")
+                buffers[region.device] = frame.region(region.nbytes)
+            else:
+                buffers[region.device] = self._receive_region(region.nbytes, region.device)
         self._count(kind, manifest)
-        return Message(kind=kind, header=body, media=media, buffers=buffers, manifest=manifest)
+        if inline and len(buffers) == 1:  # every byte is in the kept frame: its views can be kept too
+            payload = frame.payload(manifest_json, manifest, buffers)
+        else:
+            payload = unpack(manifest, buffers, copy=False)
+        return Message(kind=kind, header=body, media=media, buffers=buffers, manifest=manifest, payload=payload)
 
     # ------------------------------------------------------------------ every rank
 
@@ -261,6 +276,16 @@ class GroupChannel:
             self._manifests.move_to_end(manifest_json)
         return manifest
 
+    def _manifest_json(self, manifest: Manifest | None) -> str | None:
+        """The manifest as JSON, re-serialised only when it differs from the last one sent."""
+        if manifest is None:
+            return None
+        last, text = self._sent_manifest
+        if manifest is not last and manifest != last:
+            text = manifest.model_dump_json()
+            self._sent_manifest = (manifest, text)
+        return text
+
     def _count(self, kind: MessageKind, manifest: Manifest | None) -> None:
         self._counts[kind.value] += 1
         if manifest is not None:
@@ -273,62 +298,68 @@ class GroupChannel:
             dist.broadcast(buf, src=hop.src, group=hop.device_group if on_device else hop.cpu_group)
         self._counts["calls:device" if on_device else "calls:cpu"] += len(self.route)
 
-    def _frame_device(self) -> torch.device:
-        """Where frames live: on this rank's GPU when the device group is NCCL's."""
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
-
-    def _frame_kind(self) -> DeviceKind:
-        """The region kind that can ride a frame inline."""
-        return DeviceKind.CUDA if self.device.type == "cuda" else DeviceKind.CPU
-
     def _propagate_frame(self, buf: torch.Tensor) -> None:
         """Frames ride the device group (NCCL on GPUs; on CPU ranks the device group is gloo)."""
         for hop in self.route:
             dist.broadcast(buf, src=hop.src, group=hop.device_group)
         self._counts["calls:device"] += len(self.route)
 
-    def _stage(self) -> _Staging:
+    def _stage(self) -> Staging:
         if self._staging is None:
-            self._staging = _Staging()
+            self._staging = Staging()
         return self._staging
+
+    def _frame(self) -> Frame:
+        """The kept frame of the announced size: frames are received into again, not allocated per job.
+
+        Reuse is safe on every rank: on GPUs each step — the header's copy, the region's, the broadcast,
+        the model's kernels on a follower's views — is ordered on the stream (a synchronous collective
+        waits for the current stream and makes it wait in turn); gloo broadcasts return when done."""
+        frame = self._frames.get(self._capacity)
+        if frame is None:
+            frame = self._frames[self._capacity] = Frame(self._capacity, self._frame_dev)
+            if len(self._frames) > FRAME_CACHE_SIZE:
+                self._frames.popitem(last=False)
+        else:
+            self._frames.move_to_end(self._capacity)
+        return frame
 
     def _send_frame(self, body: bytes, inline: torch.Tensor | None) -> None:
         """One frame of ``self._capacity`` bytes (length + the body's head, then ``inline``), then the
         body's tail when it does not fit the head.  Nothing here waits for the device."""
         if len(body) > MAX_HEADER_BYTES:
             raise ValueError(f"header of {len(body)} bytes")
-        head = body[: FRAME_BYTES - _LEN]
-        used = _LEN + len(head)
-        frame = torch.empty(self._capacity, dtype=torch.uint8, device=self._frame_device())
-        if frame.is_cuda:
-            self._stage().upload(len(body).to_bytes(_LEN, "little") + head, frame)
+        head = body[: FRAME_BYTES - HEAD_LEN]
+        frame = self._frame()
+        prefix = len(body).to_bytes(HEAD_LEN, "little")
+        if frame.host is None:
+            self._stage().upload(prefix, head, frame.head)
         else:
-            view = frame[:used].numpy()
-            view[:_LEN] = memoryview(len(body).to_bytes(_LEN, "little"))
-            view[_LEN:used] = memoryview(head)
+            frame.host[:HEAD_LEN] = memoryview(prefix)
+            frame.host[HEAD_LEN : HEAD_LEN + len(head)] = memoryview(head)
         if inline is not None:
-            if inline.device != frame.device:
-                inline = inline.to(frame.device)
-            frame[FRAME_BYTES : FRAME_BYTES + inline.numel()].copy_(inline)
-        self._propagate_frame(frame)
+            if inline.device != frame.buf.device:
+                inline = inline.to(frame.buf.device)
+            frame.region(inline.numel()).copy_(inline)
+        self._propagate_frame(frame.buf)
         if len(body) > len(head):
             tail = bytearray(body[len(head) :])
-            self._propagate_frame(torch.frombuffer(tail, dtype=torch.uint8).to(self._frame_device()))
+            self._propagate_frame(torch.frombuffer(tail, dtype=torch.uint8).to(self._frame_dev))
 
-    def _receive_frame(self) -> tuple[torch.Tensor, bytes]:
-        """The leader's frame (a fresh buffer: inline regions are views of it) and its header body."""
-        frame = torch.empty(self._capacity, dtype=torch.uint8, device=self._frame_device())
-        self._propagate_frame(frame)
-        raw = self._stage().download(frame) if frame.is_cuda else frame[:FRAME_BYTES].numpy().tobytes()
-        n = int.from_bytes(raw[:_LEN], "little")
+    def _receive_frame(self) -> tuple[Frame, bytes]:
+        """The leader's frame (kept: inline regions are views of it) and its header body."""
+        frame = self._frame()
+        self._propagate_frame(frame.buf)
+        host = self._stage().download(frame.head) if frame.host is None else frame.host
+        n = int.from_bytes(host[:HEAD_LEN].tobytes(), "little")
         if n > MAX_HEADER_BYTES:
             raise ValueError(f"header of {n} bytes from the leader")
-        head = raw[_LEN : _LEN + min(n, FRAME_BYTES - _LEN)]
+        head = host[HEAD_LEN : HEAD_LEN + min(n, FRAME_BYTES - HEAD_LEN)].tobytes()
         if n <= len(head):
             return frame, head
-        tail = torch.empty(n - len(head), dtype=torch.uint8, device=self._frame_device())
+        tail = torch.empty(n - len(head), dtype=torch.uint8, device=self._frame_dev)
         self._propagate_frame(tail)
-        return frame, head + _to_host(tail)
+        return frame, head + to_host(tail)
 
     def _broadcast_bytes(self, data: bytes | None, *, expect: int) -> bytes:
         """``expect`` bytes (their size is in the header) from rank 0 over the gloo group."""
@@ -370,60 +401,3 @@ def _checked_capacity(value: Any) -> int:
     if not FRAME_BYTES <= capacity <= FRAME_BYTES + INLINE_MAX_BYTES + _INLINE_GRAIN:
         raise ValueError(f"next frame of {capacity} bytes from the leader")
     return capacity
-
-
-class _Staging:
-    """A GPU rank's pinned host copy of a frame's head, and the event that guards it.
-
-    The leader writes a header here and copies it to the frame without blocking (the next header waits
-    for that copy first, long done by then); a follower copies a received head here and waits for it
-    (:meth:`wait`)."""
-
-    def __init__(self) -> None:
-        self.host = torch.empty(FRAME_BYTES, dtype=torch.uint8, pin_memory=True)
-        self.done = torch.cuda.Event(blocking=True)
-        self.pending = False
-
-    def upload(self, data: bytes, frame: torch.Tensor) -> None:
-        if self.pending and not self.done.query():
-            self.done.synchronize()
-        self.host.numpy()[: len(data)] = memoryview(data)
-        frame[: len(data)].copy_(self.host[: len(data)], non_blocking=True)
-        self.done.record()
-        self.pending = True
-
-    def download(self, frame: torch.Tensor) -> bytes:
-        self.host.copy_(frame[:FRAME_BYTES], non_blocking=True)
-        self.done.record()
-        self.wait()
-        self.pending = False
-        return self.host.numpy().tobytes()
-
-    def wait(self) -> None:
-        """Wait for the last recorded copy: spin for :data:`SPIN_S` (a job that follows another arrives
-        within it), then poll every :data:`POLL_S` until :data:`POLL_FOR_S`, then block.
-
-        Why not block at once: a blocking event wakes the thread through the driver's interrupt — the
-        suspected bulk (not yet measured apart) of a job's ≈ 0.45 ms fan-out overhead over a bare NCCL
-        broadcast on the 2 × H200 host, a VM (``benchmarks/results/issue20_fanout_fair_2xH200.txt``),
-        where the bare broadcast's ``torch.cuda.synchronize`` spins.  Why not spin for ever: an idle
-        follower sits here between jobs, and a spinning wait would burn a CPU core the whole time."""
-        done = self.done
-        started = time.perf_counter()
-        while not done.query():
-            waited = time.perf_counter() - started
-            if waited >= POLL_FOR_S:
-                done.synchronize()
-                return
-            if waited >= SPIN_S:
-                time.sleep(POLL_S)
-
-
-def _to_host(buf: torch.Tensor) -> bytes:
-    """A received frame's bytes.  On a GPU, wait with a *blocking* event first: an idle follower sits
-    here between jobs, and a plain stream synchronisation would spin a CPU core the whole time."""
-    if buf.device.type == "cuda":
-        done = torch.cuda.Event(blocking=True)
-        done.record()
-        done.synchronize()
-    return buf.cpu().numpy().tobytes()
