@@ -82,16 +82,29 @@ def _check_buffers(manifest: Manifest, buffers: Mapping[DeviceKind, torch.Tensor
             raise ValueError(f"the {r.device} buffer holds {buf.numel()} bytes, region needs {r.nbytes}")
 
 
-def _typed_view(buf: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-    """The tensor ``spec`` describes, as a view over ``buf`` (sizes already validated)."""
-    dtype = TORCH_DTYPE[spec.dtype]
-    if spec.nbytes == 0:
-        return torch.empty(tuple(spec.shape), dtype=dtype, device=buf.device)
-    return buf[spec.offset : spec.offset + spec.nbytes].view(dtype).view(tuple(spec.shape))
+class _Views:
+    """Typed views of the tensors of one manifest over its region buffers (sizes already validated).
 
+    Each buffer is viewed as each dtype once (``whole``), and each tensor is a slice of that view: two
+    torch calls per tensor instead of three.  Offsets are multiples of 64 and sizes whole elements, so the
+    slices are exact; a buffer that cannot be viewed as the dtype fails as the per-tensor view would."""
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_BITS_DTYPE[t.element_size()])
+    __slots__ = ("_buffers", "_typed")
+
+    def __init__(self, buffers: Mapping[DeviceKind, torch.Tensor]) -> None:
+        self._buffers = buffers
+        self._typed: dict[tuple[DeviceKind, torch.dtype], torch.Tensor] = {}
+
+    def of(self, spec: TensorSpec, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor ``spec`` describes, viewed as ``dtype`` (its own, or an integer of the same width)."""
+        buf = self._buffers[spec.device]
+        if spec.nbytes == 0:
+            return torch.empty(tuple(spec.shape), dtype=dtype, device=buf.device)
+        whole = self._typed.get((spec.device, dtype))
+        size = dtype.itemsize
+        if whole is None:
+            whole = self._typed[spec.device, dtype] = buf[: buf.numel() // size * size].view(dtype)
+        return whole[spec.offset // size : (spec.offset + spec.nbytes) // size].view(tuple(spec.shape))
 
 
 def pack_into(plan: PackPlan, buffers: Mapping[DeviceKind, torch.Tensor]) -> None:
@@ -102,12 +115,13 @@ def pack_into(plan: PackPlan, buffers: Mapping[DeviceKind, torch.Tensor]) -> Non
     """
     manifest = plan.manifest
     _check_buffers(manifest, buffers)
+    views = _Views(buffers)
     with torch.no_grad():
         for spec, src in zip(manifest.tensors, plan.tensors, strict=True):
             if spec.nbytes == 0:
                 continue
-            dest = _typed_view(buffers[spec.device], spec)
-            _bits(dest).copy_(_bits(src.resolve_neg().resolve_conj()))
+            bits = _BITS_DTYPE[ITEMSIZE[spec.dtype]]
+            views.of(spec, bits).copy_(src.resolve_neg().resolve_conj().view(bits))
     for r in manifest.regions:
         buf = buffers[r.device]
         if buf.is_cuda:
@@ -128,9 +142,10 @@ def _build(node: dict[str, Any], leaves: Sequence[Any]) -> Any:
 
 def _unpack(manifest: Manifest, buffers: Mapping[DeviceKind, torch.Tensor], copy: bool) -> Any:
     _check_buffers(manifest, buffers)
+    views = _Views(buffers)
     leaves = []
     for spec in manifest.tensors:
-        view = _typed_view(buffers[spec.device], spec)
+        view = views.of(spec, TORCH_DTYPE[spec.dtype])
         leaves.append(view.clone() if copy and spec.nbytes else view)
     return _build(manifest.tree, leaves)
 
@@ -141,7 +156,8 @@ def unpack(manifest: Manifest, buffers: Mapping[DeviceKind, torch.Tensor], *, co
     ``copy=False``: tensors are views of the buffers (zero-copy); the caller keeps the buffers (the slots)
     alive and unchanged while the payload is in use.  ``copy=True``: every tensor owns its memory, so the
     buffers may be released at once.  Tensors land on the device of their kind's buffer.  The manifest's
-    structure is checked again here (cheap) so no unchecked size reaches torch.
+    structure is checked again here (a manifest equal to one already checked costs one key lookup) so
+    no unchecked size reaches torch.
     """
     check_structure(manifest)
     return _unpack(manifest, buffers, copy)
