@@ -61,74 +61,97 @@ def _round_up(n: int, alignment: int) -> int:
 # -- producer side: structure -> plan -------------------------------------------------------------------
 
 
-def _plain(value: Any, path: str) -> str | int | float | bool | None:
+Path = str | tuple[Any, str | int]
+"""Where a value sits in the payload, for error messages: ``"$"``, or ``(parent, key or index)``.  Built
+as cheap tuples while walking and spelled out (``$.text[0]``) only when something is rejected."""
+
+
+def _shown(path: Path) -> str:
+    pieces = []
+    while isinstance(path, tuple):
+        path, piece = path
+        pieces.append(f"[{piece}]" if isinstance(piece, int) else f".{piece}")
+    return path + "".join(reversed(pieces))
+
+
+def _plain(value: Any, path: Path) -> str | int | float | bool | None:
     """The JSON-safe form of a plain value, or a ManifestError saying why it cannot travel."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
         if abs(value) > MAX_INT:
-            fail("integer value outside int64", path=path)
+            fail("integer value outside int64", path=_shown(path))
         return int(value)
     if isinstance(value, float):
         if not math.isfinite(value):
-            fail("non-finite float value (JSON cannot carry it)", path=path)
+            fail("non-finite float value (JSON cannot carry it)", path=_shown(path))
         return float(value)
     if isinstance(value, str):
         return _plain_str(value, path)
-    fail("unsupported value type in payload", path=path, type=type(value).__name__)
+    fail("unsupported value type in payload", path=_shown(path), type=type(value).__name__)
 
 
-def _plain_str(value: str, path: str) -> str:
+def _plain_str(value: str, path: Path) -> str:
     if len(value) > MAX_STRING_CHARS:
-        fail("string too long", path=path, chars=len(value), limit=MAX_STRING_CHARS)
+        fail("string too long", path=_shown(path), chars=len(value), limit=MAX_STRING_CHARS)
+    if value.isascii():  # no lone surrogate possible
+        return str.__str__(value)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        fail("string is not valid UTF-8 (lone surrogate)", path=path)
+        fail("string is not valid UTF-8 (lone surrogate)", path=_shown(path))
     return str.__str__(value)
 
 
-def _device_kind(t: torch.Tensor, path: str) -> DeviceKind:
-    if t.device.type == "cpu":
+def _device_kind(t: torch.Tensor, path: Path) -> DeviceKind:
+    if t.is_cpu:
         return DeviceKind.CPU
-    if t.device.type == "cuda":
+    if t.is_cuda:
         return DeviceKind.CUDA
-    fail("tensor on an unsupported device", path=path, device=str(t.device))
+    fail("tensor on an unsupported device", path=_shown(path), device=str(t.device))
 
 
 class _Flattener:
-    """Walks a payload once, collecting tensors and building the typed-node tree."""
+    """Walks a payload once, collecting tensors and building the typed-node tree.
+
+    Every put walks its payload (the plain values are the request's own), so the walk is kept lean:
+    exact plain types are dispatched first and paths are only spelled out for an error."""
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.kinds: list[DeviceKind] = []
         self.dtypes: list[DType] = []
 
-    def node(self, obj: Any, depth: int, path: str) -> dict[str, Any]:
+    def node(self, obj: Any, depth: int, path: Path) -> dict[str, Any]:
+        cls = type(obj)
+        if cls is str:
+            return {"v": _plain_str(obj, path)}
+        if cls is int and -MAX_INT <= obj <= MAX_INT or obj is None or cls is bool:
+            return {"v": obj}
         if isinstance(obj, torch.Tensor):
             return {"t": self._tensor(obj, path)}
         if isinstance(obj, dict | list | tuple) and depth >= MAX_TREE_DEPTH:
-            fail("payload nested too deeply", path=path, limit=MAX_TREE_DEPTH)
+            fail("payload nested too deeply", path=_shown(path), limit=MAX_TREE_DEPTH)
         if isinstance(obj, dict):
             items = []
             for k, v in obj.items():
                 if not isinstance(k, str):
-                    fail("dict keys must be str", path=path, key_type=type(k).__name__)
-                items.append([_plain_str(k, path), self.node(v, depth + 1, f"{path}.{k}")])
+                    fail("dict keys must be str", path=_shown(path), key_type=type(k).__name__)
+                items.append([_plain_str(k, path), self.node(v, depth + 1, (path, k))])
             return {"d": items}
         if isinstance(obj, list | tuple):
             tag = "l" if isinstance(obj, list) else "u"
-            return {tag: [self.node(v, depth + 1, f"{path}[{i}]") for i, v in enumerate(obj)]}
+            return {tag: [self.node(v, depth + 1, (path, i)) for i, v in enumerate(obj)]}
         return {"v": _plain(obj, path)}
 
-    def _tensor(self, t: torch.Tensor, path: str) -> int:
+    def _tensor(self, t: torch.Tensor, path: Path) -> int:
         if t.layout != torch.strided:
-            fail("only strided (dense) tensors can travel", path=path, layout=str(t.layout))
+            fail("only strided (dense) tensors can travel", path=_shown(path), layout=str(t.layout))
         dtype = DTYPE_OF.get(t.dtype)
         if dtype is None:
-            fail("unsupported tensor dtype", path=path, dtype=str(t.dtype), supported=[d.value for d in DType])
+            fail("unsupported tensor dtype", path=_shown(path), dtype=str(t.dtype), supported=[d.value for d in DType])
         if t.dim() > MAX_NDIM:
-            fail("tensor has too many dimensions", path=path, ndim=t.dim(), limit=MAX_NDIM)
+            fail("tensor has too many dimensions", path=_shown(path), ndim=t.dim(), limit=MAX_NDIM)
         if len(self.tensors) >= MAX_TENSORS:
             fail("too many tensors in payload", limit=MAX_TENSORS)
         self.kinds.append(_device_kind(t, path))
