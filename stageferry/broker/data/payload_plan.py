@@ -11,7 +11,6 @@ Nothing is copied here; the plan holds references to the caller's tensors.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,8 @@ from stageferry.broker.data.payload_validation import (
     MANIFEST_ALIGNMENT,
     MAX_INT,
     MAX_STRING_CHARS,
+    TORCH_DTYPE,
+    ShapeCache,
     check_structure,
     fail,
 )
@@ -39,19 +40,64 @@ from stageferry.schemas.payload import (
 )
 
 
+_BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True, slots=True)
+class Leaf:
+    """One tensor of a checked manifest in the terms torch takes: its dtype (and the integer dtype of the
+    same width, which copies go through so that every bit survives), a contiguous shape and strides,
+    and where it starts in its region, in elements.  Worked out once per payload shape."""
+
+    device: DeviceKind
+    dtype: torch.dtype
+    bits: torch.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    start: int
+    count: int
+
+
+def leaves_of(manifest: Manifest) -> tuple[Leaf, ...]:
+    """The :class:`Leaf` of every tensor of ``manifest``, which must have passed ``check_structure``."""
+    leaves = []
+    for spec in manifest.tensors:
+        dtype = TORCH_DTYPE[spec.dtype]
+        size = dtype.itemsize
+        strides, step = [], 1
+        for dim in reversed(spec.shape):
+            strides.append(step)
+            step *= max(dim, 1)
+        leaves.append(
+            Leaf(
+                device=spec.device,
+                dtype=dtype,
+                bits=_BITS_DTYPE[size],
+                shape=tuple(spec.shape),
+                strides=tuple(reversed(strides)),
+                start=spec.offset // size,
+                count=spec.nbytes // size,
+            )
+        )
+    return tuple(leaves)
+
+
 @dataclass(frozen=True, slots=True)
 class PackPlan:
-    """A payload's manifest plus the source tensors (manifest order) that :func:`pack_into` copies."""
+    """A payload's manifest plus the source tensors (manifest order) that :func:`pack_into` copies, and
+    the manifest's :class:`Leaf` list (shared by every plan of that shape)."""
 
     manifest: Manifest
     tensors: tuple[torch.Tensor, ...]
+    leaves: tuple[Leaf, ...]
 
 
-#: Manifests already built, by payload *shape* (tree, dtypes, shapes, devices, alignment).  A stage emits
-#: the same few shapes over and over; building and checking the pydantic manifest was most of a T2VA
-#: put's planning (its 23-node tree).  Manifests are frozen models, so sharing one between puts is safe.
+#: Manifests already built, and their leaves, by payload *shape* (tree, dtypes, shapes, devices,
+#: alignment).  A stage emits the same few shapes over and over; building and checking the pydantic
+#: manifest was most of a T2VA put's planning (its 23-node tree).  Manifests are frozen models and
+#: leaves hold no tensor, so sharing them between puts is safe.
 PLAN_CACHE_SIZE = 256
-_manifests: OrderedDict[tuple[Any, ...], Manifest] = OrderedDict()
+_manifests: ShapeCache[tuple[Manifest, tuple[Leaf, ...]]] = ShapeCache(PLAN_CACHE_SIZE)
 
 
 def _round_up(n: int, alignment: int) -> int:
@@ -176,15 +222,12 @@ def plan_payload(payload: Any, *, alignment: int = MANIFEST_ALIGNMENT) -> PackPl
         alignment,
         tuple(zip(flat.kinds, flat.dtypes, (tuple(t.shape) for t in flat.tensors), strict=True)),
     )
-    manifest = _manifests.get(shape_key)
-    if manifest is None:
+    known = _manifests.get(shape_key)
+    if known is None:
         manifest = _build_manifest(tree, flat, alignment)
-        _manifests[shape_key] = manifest
-        if len(_manifests) > PLAN_CACHE_SIZE:
-            _manifests.popitem(last=False)
-    else:
-        _manifests.move_to_end(shape_key)
-    return PackPlan(manifest=manifest, tensors=tuple(flat.tensors))
+        known = (manifest, leaves_of(manifest))
+        _manifests.put(shape_key, known)
+    return PackPlan(manifest=known[0], tensors=tuple(flat.tensors), leaves=known[1])
 
 
 def _build_manifest(tree: dict[str, Any], flat: _Flattener, alignment: int) -> Manifest:
