@@ -156,9 +156,7 @@ def _build(node: dict[str, Any], leaves: Sequence[Any]) -> Any:
     return children if tag == "l" else tuple(children)
 
 
-def _unpack(
-    manifest: Manifest, leaves: Sequence[Leaf], buffers: Mapping[DeviceKind, torch.Tensor], copy: bool
-) -> Any:
+def _unpack(manifest: Manifest, leaves: Sequence[Leaf], buffers: Mapping[DeviceKind, torch.Tensor], copy: bool) -> Any:
     _check_buffers(manifest, buffers)
     views = _views(leaves, buffers, bits=False)
     if copy:

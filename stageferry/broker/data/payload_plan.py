@@ -39,7 +39,6 @@ from stageferry.schemas.payload import (
     TensorSpec,
 )
 
-
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -172,7 +171,7 @@ class _Flattener:
         cls = type(obj)
         if cls is str:
             return {"v": _plain_str(obj, path)}
-        if cls is int and -MAX_INT <= obj <= MAX_INT or obj is None or cls is bool:
+        if (cls is int and -MAX_INT <= obj <= MAX_INT) or obj is None or cls is bool:
             return {"v": obj}
         if isinstance(obj, torch.Tensor):
             return {"t": self._tensor(obj, path)}

@@ -93,3 +93,12 @@ def _packed(payload: Any) -> dict[Any, torch.Tensor]:
     regions = {r.device: torch.empty(r.nbytes, dtype=torch.uint8) for r in plan.manifest.regions}
     pack_into(plan, regions)
     return regions
+
+
+def test_a_refusal_names_where_the_value_sits() -> None:
+    with pytest.raises(ManifestError) as info:
+        plan_payload({"a": [1, {"b": object()}]})
+    assert info.value.details["path"] == "$.a[1].b"
+    with pytest.raises(ManifestError) as info:
+        plan_payload({"s": ["ok", "lone \udc80 surrogate"]})
+    assert info.value.details["path"] == "$.s[1]"
