@@ -118,8 +118,8 @@ def _views(leaves: Sequence[Leaf], buffers: Mapping[DeviceKind, torch.Tensor], *
             continue
         whole = typed.get((leaf.device, dtype))
         if whole is None:
-            size = dtype.itemsize
-            whole = typed[leaf.device, dtype] = buf[: buf.numel() // size * size].view(dtype)
+            size, n = dtype.itemsize, buf.numel()
+            whole = typed[leaf.device, dtype] = (buf if n % size == 0 else buf[: n - n % size]).view(dtype)
         if leaf.start + leaf.count > whole.numel():
             raise ManifestError("tensor extends beyond its buffer", start=leaf.start, count=leaf.count)
         views.append(whole.as_strided(leaf.shape, leaf.strides, whole.storage_offset() + leaf.start))
