@@ -10,6 +10,7 @@ Nothing is copied here; the plan holds references to the caller's tensors.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -157,37 +158,51 @@ def _device_kind(t: torch.Tensor, path: Path) -> DeviceKind:
 
 
 class _Flattener:
-    """Walks a payload once, collecting tensors and building the typed-node tree.
+    """Walks a payload once, collecting its tensors and its structure as a flat list of *tokens*.
 
-    Every put walks its payload (the plain values are the request's own), so the walk is kept lean:
-    exact plain types are dispatched first and paths are only spelled out for an error."""
+    Every put walks its payload (the plain values are the request's own), so the walk is kept lean: it
+    writes tokens, not the tree — ``"v", value``; ``"t"`` (tensors are numbered in walk order);
+    ``"d", n`` then n times ``key, node``; ``"l"``/``"u", n`` then n nodes — so the tree, which
+    :func:`_tree` reads back from them, is built only for a shape not planned before.  Exact plain types
+    are dispatched first and paths are spelled out only for an error."""
 
     def __init__(self) -> None:
+        self.tokens: list[Any] = []
         self.tensors: list[torch.Tensor] = []
         self.kinds: list[DeviceKind] = []
         self.dtypes: list[DType] = []
 
-    def node(self, obj: Any, depth: int, path: Path) -> dict[str, Any]:
+    def node(self, obj: Any, depth: int, path: Path) -> None:
+        tokens = self.tokens
         cls = type(obj)
         if cls is str:
-            return {"v": _plain_str(obj, path)}
-        if (cls is int and -MAX_INT <= obj <= MAX_INT) or obj is None or cls is bool:
-            return {"v": obj}
-        if isinstance(obj, torch.Tensor):
-            return {"t": self._tensor(obj, path)}
-        if isinstance(obj, dict | list | tuple) and depth >= MAX_TREE_DEPTH:
-            fail("payload nested too deeply", path=_shown(path), limit=MAX_TREE_DEPTH)
-        if isinstance(obj, dict):
-            items = []
-            for k, v in obj.items():
-                if not isinstance(k, str):
-                    fail("dict keys must be str", path=_shown(path), key_type=type(k).__name__)
-                items.append([_plain_str(k, path), self.node(v, depth + 1, (path, k))])
-            return {"d": items}
-        if isinstance(obj, list | tuple):
-            tag = "l" if isinstance(obj, list) else "u"
-            return {tag: [self.node(v, depth + 1, (path, i)) for i, v in enumerate(obj)]}
-        return {"v": _plain(obj, path)}
+            tokens.append("v")
+            tokens.append(_plain_str(obj, path))
+        elif (cls is int and -MAX_INT <= obj <= MAX_INT) or obj is None or cls is bool:
+            tokens.append("v")
+            tokens.append(obj)
+        elif isinstance(obj, torch.Tensor):
+            self._tensor(obj, path)
+            tokens.append("t")
+        elif isinstance(obj, dict | list | tuple):
+            if depth >= MAX_TREE_DEPTH:
+                fail("payload nested too deeply", path=_shown(path), limit=MAX_TREE_DEPTH)
+            if isinstance(obj, dict):
+                tokens.append("d")
+                tokens.append(len(obj))
+                for k, v in obj.items():
+                    if not isinstance(k, str):
+                        fail("dict keys must be str", path=_shown(path), key_type=type(k).__name__)
+                    tokens.append(_plain_str(k, path))
+                    self.node(v, depth + 1, (path, k))
+            else:
+                tokens.append("l" if isinstance(obj, list) else "u")
+                tokens.append(len(obj))
+                for i, v in enumerate(obj):
+                    self.node(v, depth + 1, (path, i))
+        else:
+            tokens.append("v")
+            tokens.append(_plain(obj, path))
 
     def _tensor(self, t: torch.Tensor, path: Path) -> int:
         if t.layout != torch.strided:
@@ -205,6 +220,25 @@ class _Flattener:
         return len(self.tensors) - 1
 
 
+def _tree(tokens: list[Any]) -> dict[str, Any]:
+    """The typed-node tree that :class:`_Flattener`'s ``tokens`` spell (their format is described there)."""
+    read = iter(tokens).__next__
+    count = itertools.count()
+
+    def node() -> dict[str, Any]:
+        tag = read()
+        if tag == "v":
+            return {"v": read()}
+        if tag == "t":
+            return {"t": next(count)}
+        n = read()
+        if tag == "d":
+            return {"d": [[read(), node()] for _ in range(n)]}
+        return {tag: [node() for _ in range(n)]}
+
+    return node()
+
+
 def plan_payload(payload: Any, *, alignment: int = MANIFEST_ALIGNMENT) -> PackPlan:
     """Flatten ``payload`` into a manifest, copying no bytes; ManifestError if it cannot travel.
 
@@ -215,15 +249,15 @@ def plan_payload(payload: Any, *, alignment: int = MANIFEST_ALIGNMENT) -> PackPl
     if alignment <= 0 or alignment % MANIFEST_ALIGNMENT:
         raise ValueError(f"alignment must be a positive multiple of {MANIFEST_ALIGNMENT}, got {alignment}")
     flat = _Flattener()
-    tree = flat.node(payload, 0, "$")
+    flat.node(payload, 0, "$")
     shape_key = (
-        msgpack.packb(tree, use_bin_type=True),
+        msgpack.packb(flat.tokens, use_bin_type=True),  # keeps 1, 1.0 and True, and str and bytes, apart
         alignment,
         tuple(zip(flat.kinds, flat.dtypes, (tuple(t.shape) for t in flat.tensors), strict=True)),
     )
     known = _manifests.get(shape_key)
     if known is None:
-        manifest = _build_manifest(tree, flat, alignment)
+        manifest = _build_manifest(_tree(flat.tokens), flat, alignment)
         known = (manifest, leaves_of(manifest))
         _manifests.put(shape_key, known)
     return PackPlan(manifest=known[0], tensors=tuple(flat.tensors), leaves=known[1])

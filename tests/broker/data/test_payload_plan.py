@@ -102,3 +102,23 @@ def test_a_refusal_names_where_the_value_sits() -> None:
     with pytest.raises(ManifestError) as info:
         plan_payload({"s": ["ok", "lone \udc80 surrogate"]})
     assert info.value.details["path"] == "$.s[1]"
+
+
+def test_payloads_that_differ_only_in_plain_types_or_order_get_their_own_manifests() -> None:
+    """The plan cache's key keeps 1, 1.0 and True (and dict order, and list vs tuple) apart."""
+    t = torch.ones(2)
+    variants: list[Any] = [
+        {"x": t, "n": 1},
+        {"x": t, "n": True},
+        {"x": t, "n": 1.0},
+        {"x": t, "n": "1"},
+        {"n": 1, "x": t},
+        {"x": t, "n": [1, [2]]},
+        {"x": t, "n": (1, [2])},
+        {"x": t, "n": [1, (2,)]},
+        {"x": t, "n": [[1], 2]},
+    ]
+    wires = [plan_payload(v).manifest.model_dump_json() for v in variants]
+    assert len(set(wires)) == len(variants)
+    for v in variants:  # and each comes back as itself, plain types included
+        assert_same(unpack(plan_payload(v).manifest, _packed(v), copy=False), v)
