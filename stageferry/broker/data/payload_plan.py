@@ -23,6 +23,7 @@ from stageferry.broker.data.payload_validation import (
     ITEMSIZE,
     MANIFEST_ALIGNMENT,
     MAX_INT,
+    MAX_KEY_BYTES,
     MAX_STRING_CHARS,
     TORCH_DTYPE,
     ShapeCache,
@@ -95,7 +96,8 @@ class PackPlan:
 #: Manifests already built, and their leaves, by payload *shape* (tree, dtypes, shapes, devices,
 #: alignment).  A stage emits the same few shapes over and over; building and checking the pydantic
 #: manifest was most of a T2VA put's planning (its 23-node tree).  Manifests are frozen models and
-#: leaves hold no tensor, so sharing them between puts is safe.
+#: leaves hold no tensor, so sharing them between puts is safe.  A key longer than ``MAX_KEY_BYTES``
+#: (long plain values) is not kept, so the cache stays small whatever the payloads carry.
 PLAN_CACHE_SIZE = 256
 _manifests: ShapeCache[tuple[Manifest, tuple[Leaf, ...]]] = ShapeCache(PLAN_CACHE_SIZE)
 
@@ -255,11 +257,13 @@ def plan_payload(payload: Any, *, alignment: int = MANIFEST_ALIGNMENT) -> PackPl
         alignment,
         tuple(zip(flat.kinds, flat.dtypes, (tuple(t.shape) for t in flat.tensors), strict=True)),
     )
-    known = _manifests.get(shape_key)
+    cacheable = len(shape_key[0]) <= MAX_KEY_BYTES  # a payload with long plain values is planned every time
+    known = _manifests.get(shape_key) if cacheable else None
     if known is None:
         manifest = _build_manifest(_tree(flat.tokens), flat, alignment)
         known = (manifest, leaves_of(manifest))
-        _manifests.put(shape_key, known)
+        if cacheable:
+            _manifests.put(shape_key, known)
     return PackPlan(manifest=known[0], tensors=tuple(flat.tensors), leaves=known[1])
 
 
