@@ -46,6 +46,8 @@ SEAL_KEY_BYTES = 32
 
 RELEASE_TAG = b"sf-release:"
 _TOKEN = re.compile(rb"[A-Za-z0-9._:-]{8,128}")
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9._:-]+")
+"""Agent names and tokens (their wire patterns): JSON writes them between quotes as they are."""
 
 
 class AgentRecord(Frozen):
@@ -114,11 +116,23 @@ def lease_seal(key: bytes, agent: str, token: str, regions: list[RemoteRegion]) 
 
     The consumer checks it with the key from the producer's agent record (readable only by stages under
     the ACL), so a forged or shifted descriptor that still lies inside the producer's pool — another
-    request's slot — is refused before any READ."""
-    body = json.dumps(
-        [agent, token, [[r.address, r.length, r.device_id, r.mem_kind.value] for r in regions]], separators=(",", ":")
-    )
-    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+    request's slot — is refused before any READ.
+
+    The signed body is the compact JSON ``[agent, token, [[address, length, device_id, mem_kind], ...]]``;
+    for the usual names and ints it is written directly (every put and get signs one), else by ``json``."""
+    if (
+        _PLAIN_NAME.fullmatch(agent)
+        and _PLAIN_NAME.fullmatch(token)
+        and all(type(r.address) is int and type(r.length) is int and type(r.device_id) is int for r in regions)
+    ):
+        spans = ",".join(f'[{r.address},{r.length},{r.device_id},"{r.mem_kind.value}"]' for r in regions)
+        body = f'["{agent}","{token}",[{spans}]]'
+    else:
+        body = json.dumps(
+            [agent, token, [[r.address, r.length, r.device_id, r.mem_kind.value] for r in regions]],
+            separators=(",", ":"),
+        )
+    return hmac.digest(key, body.encode(), hashlib.sha256).hex()
 
 
 class ResendAction(enum.StrEnum):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import secrets
 from typing import Any
 
@@ -142,3 +145,18 @@ def test_the_lease_seal_binds_agent_token_and_every_region() -> None:
     assert seal != lease_seal(key, "encoder-a-01234567", "tok-12345679", [ARENA])
     assert seal != lease_seal(key, "encoder-b-01234567", "tok-12345678", [ARENA])
     assert seal != lease_seal(secrets.token_bytes(32), "encoder-a-01234567", "tok-12345678", [ARENA])
+
+
+@pytest.mark.parametrize(
+    "agent, token",
+    [("encoder-a-01234567", "req-1.0123456789ab"), ('odd"agent', "tok\\12345678"), ("agént-a", "tok-12345678")],
+    ids=["plain", "needs-escaping", "non-ascii"],
+)
+def test_the_lease_seal_signs_the_compact_json_body(agent: str, token: str) -> None:
+    """Written directly for plain names, by ``json`` otherwise: the same bytes either way."""
+    key = secrets.token_bytes(32)
+    regions = [ARENA, RemoteRegion(mem_kind="VRAM", address=1 << 40, length=0, device_id=3)]
+    body = json.dumps(
+        [agent, token, [[r.address, r.length, r.device_id, r.mem_kind.value] for r in regions]], separators=(",", ":")
+    )
+    assert lease_seal(key, agent, token, regions) == hmac.new(key, body.encode(), hashlib.sha256).hexdigest()

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from stageferry.broker.data.payload_plan import PackPlan, plan_payload
+from stageferry.broker.data.payload_plan import Leaf, PackPlan, leaves_of, plan_payload
 from stageferry.broker.data.payload_validation import (
     DTYPE_OF,
     ITEMSIZE,
@@ -40,13 +40,16 @@ from stageferry.broker.data.payload_validation import (
     MAX_ADDRESS,
     MAX_DEVICE_ID,
     MAX_STRING_CHARS,
+    STRUCTURE_CACHE_SIZE,
     TORCH_DTYPE,
-    check_structure,
+    ShapeCache,
+    checked_key,
     fail,
     validate_manifest,
     validate_remote_regions,
 )
-from stageferry.schemas.payload import DeviceKind, Manifest, TensorSpec
+from stageferry.errors import ManifestError
+from stageferry.schemas.payload import DeviceKind, Manifest
 
 __all__ = [
     "DTYPE_OF",
@@ -66,7 +69,6 @@ __all__ = [
     "validate_remote_regions",
 ]
 
-_BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_ITEMSIZE = max(ITEMSIZE.values())
 
 
@@ -82,16 +84,46 @@ def _check_buffers(manifest: Manifest, buffers: Mapping[DeviceKind, torch.Tensor
             raise ValueError(f"the {r.device} buffer holds {buf.numel()} bytes, region needs {r.nbytes}")
 
 
-def _typed_view(buf: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-    """The tensor ``spec`` describes, as a view over ``buf`` (sizes already validated)."""
-    dtype = TORCH_DTYPE[spec.dtype]
-    if spec.nbytes == 0:
-        return torch.empty(tuple(spec.shape), dtype=dtype, device=buf.device)
-    return buf[spec.offset : spec.offset + spec.nbytes].view(dtype).view(tuple(spec.shape))
+#: The leaves of manifests that passed the structure checks, by structure key (see ``_checked_leaves``).
+_leaves: ShapeCache[tuple[Leaf, ...]] = ShapeCache(STRUCTURE_CACHE_SIZE)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_BITS_DTYPE[t.element_size()])
+def _checked_leaves(manifest: Manifest) -> tuple[Leaf, ...]:
+    """Check ``manifest``'s structure and return its leaves; both remembered for a manifest equal to one
+    already seen (see :func:`~stageferry.broker.data.payload_validation.structure_key`)."""
+    key = checked_key(manifest)
+    if key is None:
+        return leaves_of(manifest)
+    leaves = _leaves.get(key)
+    if leaves is None:
+        leaves = leaves_of(manifest)
+        _leaves.put(key, leaves)
+    return leaves
+
+
+def _views(leaves: Sequence[Leaf], buffers: Mapping[DeviceKind, torch.Tensor], *, bits: bool) -> list[torch.Tensor]:
+    """The tensors ``leaves`` describe, as views over ``buffers`` (checked by ``_check_buffers``): each as
+    its own dtype, or with ``bits`` as the integer dtype of its width.
+
+    Each buffer is viewed as each dtype once, and each tensor is one ``as_strided`` of that view (one
+    torch call per tensor).  ``as_strided`` is bounded by the whole pool, not the slot, so every view is
+    checked to end inside its buffer, although the manifest's checks already guarantee it."""
+    typed: dict[tuple[DeviceKind, torch.dtype], torch.Tensor] = {}
+    views = []
+    for leaf in leaves:
+        dtype = leaf.bits if bits else leaf.dtype
+        buf = buffers[leaf.device]
+        if leaf.count == 0:
+            views.append(torch.empty(leaf.shape, dtype=dtype, device=buf.device))
+            continue
+        whole = typed.get((leaf.device, dtype))
+        if whole is None:
+            size, n = dtype.itemsize, buf.numel()
+            whole = typed[leaf.device, dtype] = (buf if n % size == 0 else buf[: n - n % size]).view(dtype)
+        if leaf.start + leaf.count > whole.numel():
+            raise ManifestError("tensor extends beyond its buffer", start=leaf.start, count=leaf.count)
+        views.append(whole.as_strided(leaf.shape, leaf.strides, whole.storage_offset() + leaf.start))
+    return views
 
 
 def pack_into(plan: PackPlan, buffers: Mapping[DeviceKind, torch.Tensor]) -> None:
@@ -103,11 +135,9 @@ def pack_into(plan: PackPlan, buffers: Mapping[DeviceKind, torch.Tensor]) -> Non
     manifest = plan.manifest
     _check_buffers(manifest, buffers)
     with torch.no_grad():
-        for spec, src in zip(manifest.tensors, plan.tensors, strict=True):
-            if spec.nbytes == 0:
-                continue
-            dest = _typed_view(buffers[spec.device], spec)
-            _bits(dest).copy_(_bits(src.resolve_neg().resolve_conj()))
+        for leaf, dest, src in zip(plan.leaves, _views(plan.leaves, buffers, bits=True), plan.tensors, strict=True):
+            if leaf.count:
+                dest.copy_(src.resolve_neg().resolve_conj().view(leaf.bits))
     for r in manifest.regions:
         buf = buffers[r.device]
         if buf.is_cuda:
@@ -126,13 +156,12 @@ def _build(node: dict[str, Any], leaves: Sequence[Any]) -> Any:
     return children if tag == "l" else tuple(children)
 
 
-def _unpack(manifest: Manifest, buffers: Mapping[DeviceKind, torch.Tensor], copy: bool) -> Any:
+def _unpack(manifest: Manifest, leaves: Sequence[Leaf], buffers: Mapping[DeviceKind, torch.Tensor], copy: bool) -> Any:
     _check_buffers(manifest, buffers)
-    leaves = []
-    for spec in manifest.tensors:
-        view = _typed_view(buffers[spec.device], spec)
-        leaves.append(view.clone() if copy and spec.nbytes else view)
-    return _build(manifest.tree, leaves)
+    views = _views(leaves, buffers, bits=False)
+    if copy:
+        views = [view.clone() if leaf.count else view for leaf, view in zip(leaves, views, strict=True)]
+    return _build(manifest.tree, views)
 
 
 def unpack(manifest: Manifest, buffers: Mapping[DeviceKind, torch.Tensor], *, copy: bool) -> Any:
@@ -141,10 +170,10 @@ def unpack(manifest: Manifest, buffers: Mapping[DeviceKind, torch.Tensor], *, co
     ``copy=False``: tensors are views of the buffers (zero-copy); the caller keeps the buffers (the slots)
     alive and unchanged while the payload is in use.  ``copy=True``: every tensor owns its memory, so the
     buffers may be released at once.  Tensors land on the device of their kind's buffer.  The manifest's
-    structure is checked again here (cheap) so no unchecked size reaches torch.
+    structure is checked again here (a manifest equal to one already checked costs one key lookup) so
+    no unchecked size reaches torch.
     """
-    check_structure(manifest)
-    return _unpack(manifest, buffers, copy)
+    return _unpack(manifest, _checked_leaves(manifest), buffers, copy)
 
 
 def encode_inline(payload: Any) -> tuple[Manifest, bytes]:
@@ -183,7 +212,7 @@ def decode_inline(manifest: Manifest, blob: bytes | bytearray | memoryview, *, c
     Redis returns) is copied once, so in-place ops on the payload can never mutate a ``bytes`` object.
     CUDA leaves are moved to ``cuda_device``; without one the payload is rejected (ManifestError).
     """
-    check_structure(manifest)
+    leaves = _checked_leaves(manifest)
     size = memoryview(blob).nbytes
     if size != manifest.total_bytes:
         fail("inline blob size does not match the manifest", blob_bytes=size, expected=manifest.total_bytes)
@@ -201,4 +230,4 @@ def decode_inline(manifest: Manifest, blob: bytes | bytearray | memoryview, *, c
             part = part.clone()  # immutable source, or too misaligned for typed views
         buffers[r.device] = part
         start += r.nbytes
-    return _unpack(manifest, buffers, copy=False)
+    return _unpack(manifest, leaves, buffers, copy=False)

@@ -10,8 +10,8 @@ Nothing is copied here; the plan holds references to the caller's tensors.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,10 @@ from stageferry.broker.data.payload_validation import (
     ITEMSIZE,
     MANIFEST_ALIGNMENT,
     MAX_INT,
+    MAX_KEY_BYTES,
     MAX_STRING_CHARS,
+    TORCH_DTYPE,
+    ShapeCache,
     check_structure,
     fail,
 )
@@ -38,20 +41,65 @@ from stageferry.schemas.payload import (
     TensorSpec,
 )
 
+_BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True, slots=True)
+class Leaf:
+    """One tensor of a checked manifest in the terms torch takes: its dtype (and the integer dtype of the
+    same width, which copies go through so that every bit survives), a contiguous shape and strides,
+    and where it starts in its region, in elements.  Worked out once per payload shape."""
+
+    device: DeviceKind
+    dtype: torch.dtype
+    bits: torch.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    start: int
+    count: int
+
+
+def leaves_of(manifest: Manifest) -> tuple[Leaf, ...]:
+    """The :class:`Leaf` of every tensor of ``manifest``, which must have passed ``check_structure``."""
+    leaves = []
+    for spec in manifest.tensors:
+        dtype = TORCH_DTYPE[spec.dtype]
+        size = dtype.itemsize
+        strides, step = [], 1
+        for dim in reversed(spec.shape):
+            strides.append(step)
+            step *= max(dim, 1)
+        leaves.append(
+            Leaf(
+                device=spec.device,
+                dtype=dtype,
+                bits=_BITS_DTYPE[size],
+                shape=tuple(spec.shape),
+                strides=tuple(reversed(strides)),
+                start=spec.offset // size,
+                count=spec.nbytes // size,
+            )
+        )
+    return tuple(leaves)
+
 
 @dataclass(frozen=True, slots=True)
 class PackPlan:
-    """A payload's manifest plus the source tensors (manifest order) that :func:`pack_into` copies."""
+    """A payload's manifest plus the source tensors (manifest order) that :func:`pack_into` copies, and
+    the manifest's :class:`Leaf` list (shared by every plan of that shape)."""
 
     manifest: Manifest
     tensors: tuple[torch.Tensor, ...]
+    leaves: tuple[Leaf, ...]
 
 
-#: Manifests already built, by payload *shape* (tree, dtypes, shapes, devices, alignment).  A stage emits
-#: the same few shapes over and over; building and checking the pydantic manifest was most of a T2VA
-#: put's planning (its 23-node tree).  Manifests are frozen models, so sharing one between puts is safe.
+#: Manifests already built, and their leaves, by payload *shape* (tree, dtypes, shapes, devices,
+#: alignment).  A stage emits the same few shapes over and over; building and checking the pydantic
+#: manifest was most of a T2VA put's planning (its 23-node tree).  Manifests are frozen models and
+#: leaves hold no tensor, so sharing them between puts is safe.  A key longer than ``MAX_KEY_BYTES``
+#: (long plain values) is not kept, so the cache stays small whatever the payloads carry.
 PLAN_CACHE_SIZE = 256
-_manifests: OrderedDict[tuple[Any, ...], Manifest] = OrderedDict()
+_manifests: ShapeCache[tuple[Manifest, tuple[Leaf, ...]]] = ShapeCache(PLAN_CACHE_SIZE)
 
 
 def _round_up(n: int, alignment: int) -> int:
@@ -61,80 +109,136 @@ def _round_up(n: int, alignment: int) -> int:
 # -- producer side: structure -> plan -------------------------------------------------------------------
 
 
-def _plain(value: Any, path: str) -> str | int | float | bool | None:
+Path = str | tuple[Any, str | int]
+"""Where a value sits in the payload, for error messages: ``"$"``, or ``(parent, key or index)``.  Built
+as cheap tuples while walking and spelled out (``$.text[0]``) only when something is rejected."""
+
+
+def _shown(path: Path) -> str:
+    pieces = []
+    while isinstance(path, tuple):
+        path, piece = path
+        pieces.append(f"[{piece}]" if isinstance(piece, int) else f".{piece}")
+    return path + "".join(reversed(pieces))
+
+
+def _plain(value: Any, path: Path) -> str | int | float | bool | None:
     """The JSON-safe form of a plain value, or a ManifestError saying why it cannot travel."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
         if abs(value) > MAX_INT:
-            fail("integer value outside int64", path=path)
+            fail("integer value outside int64", path=_shown(path))
         return int(value)
     if isinstance(value, float):
         if not math.isfinite(value):
-            fail("non-finite float value (JSON cannot carry it)", path=path)
+            fail("non-finite float value (JSON cannot carry it)", path=_shown(path))
         return float(value)
     if isinstance(value, str):
         return _plain_str(value, path)
-    fail("unsupported value type in payload", path=path, type=type(value).__name__)
+    fail("unsupported value type in payload", path=_shown(path), type=type(value).__name__)
 
 
-def _plain_str(value: str, path: str) -> str:
+def _plain_str(value: str, path: Path) -> str:
     if len(value) > MAX_STRING_CHARS:
-        fail("string too long", path=path, chars=len(value), limit=MAX_STRING_CHARS)
+        fail("string too long", path=_shown(path), chars=len(value), limit=MAX_STRING_CHARS)
+    if value.isascii():  # no lone surrogate possible
+        return str.__str__(value)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        fail("string is not valid UTF-8 (lone surrogate)", path=path)
+        fail("string is not valid UTF-8 (lone surrogate)", path=_shown(path))
     return str.__str__(value)
 
 
-def _device_kind(t: torch.Tensor, path: str) -> DeviceKind:
-    if t.device.type == "cpu":
+def _device_kind(t: torch.Tensor, path: Path) -> DeviceKind:
+    if t.is_cpu:
         return DeviceKind.CPU
-    if t.device.type == "cuda":
+    if t.is_cuda:
         return DeviceKind.CUDA
-    fail("tensor on an unsupported device", path=path, device=str(t.device))
+    fail("tensor on an unsupported device", path=_shown(path), device=str(t.device))
 
 
 class _Flattener:
-    """Walks a payload once, collecting tensors and building the typed-node tree."""
+    """Walks a payload once, collecting its tensors and its structure as a flat list of *tokens*.
+
+    Every put walks its payload (the plain values are the request's own), so the walk is kept lean: it
+    writes tokens, not the tree — ``"v", value``; ``"t"`` (tensors are numbered in walk order);
+    ``"d", n`` then n times ``key, node``; ``"l"``/``"u", n`` then n nodes — so the tree, which
+    :func:`_tree` reads back from them, is built only for a shape not planned before.  Exact plain types
+    are dispatched first and paths are spelled out only for an error."""
 
     def __init__(self) -> None:
+        self.tokens: list[Any] = []
         self.tensors: list[torch.Tensor] = []
         self.kinds: list[DeviceKind] = []
         self.dtypes: list[DType] = []
 
-    def node(self, obj: Any, depth: int, path: str) -> dict[str, Any]:
-        if isinstance(obj, torch.Tensor):
-            return {"t": self._tensor(obj, path)}
-        if isinstance(obj, dict | list | tuple) and depth >= MAX_TREE_DEPTH:
-            fail("payload nested too deeply", path=path, limit=MAX_TREE_DEPTH)
-        if isinstance(obj, dict):
-            items = []
-            for k, v in obj.items():
-                if not isinstance(k, str):
-                    fail("dict keys must be str", path=path, key_type=type(k).__name__)
-                items.append([_plain_str(k, path), self.node(v, depth + 1, f"{path}.{k}")])
-            return {"d": items}
-        if isinstance(obj, list | tuple):
-            tag = "l" if isinstance(obj, list) else "u"
-            return {tag: [self.node(v, depth + 1, f"{path}[{i}]") for i, v in enumerate(obj)]}
-        return {"v": _plain(obj, path)}
+    def node(self, obj: Any, depth: int, path: Path) -> None:
+        tokens = self.tokens
+        cls = type(obj)
+        if cls is str:
+            tokens.append("v")
+            tokens.append(_plain_str(obj, path))
+        elif (cls is int and -MAX_INT <= obj <= MAX_INT) or obj is None or cls is bool:
+            tokens.append("v")
+            tokens.append(obj)
+        elif isinstance(obj, torch.Tensor):
+            self._tensor(obj, path)
+            tokens.append("t")
+        elif isinstance(obj, dict | list | tuple):
+            if depth >= MAX_TREE_DEPTH:
+                fail("payload nested too deeply", path=_shown(path), limit=MAX_TREE_DEPTH)
+            if isinstance(obj, dict):
+                tokens.append("d")
+                tokens.append(len(obj))
+                for k, v in obj.items():
+                    if not isinstance(k, str):
+                        fail("dict keys must be str", path=_shown(path), key_type=type(k).__name__)
+                    tokens.append(_plain_str(k, path))
+                    self.node(v, depth + 1, (path, k))
+            else:
+                tokens.append("l" if isinstance(obj, list) else "u")
+                tokens.append(len(obj))
+                for i, v in enumerate(obj):
+                    self.node(v, depth + 1, (path, i))
+        else:
+            tokens.append("v")
+            tokens.append(_plain(obj, path))
 
-    def _tensor(self, t: torch.Tensor, path: str) -> int:
+    def _tensor(self, t: torch.Tensor, path: Path) -> int:
         if t.layout != torch.strided:
-            fail("only strided (dense) tensors can travel", path=path, layout=str(t.layout))
+            fail("only strided (dense) tensors can travel", path=_shown(path), layout=str(t.layout))
         dtype = DTYPE_OF.get(t.dtype)
         if dtype is None:
-            fail("unsupported tensor dtype", path=path, dtype=str(t.dtype), supported=[d.value for d in DType])
+            fail("unsupported tensor dtype", path=_shown(path), dtype=str(t.dtype), supported=[d.value for d in DType])
         if t.dim() > MAX_NDIM:
-            fail("tensor has too many dimensions", path=path, ndim=t.dim(), limit=MAX_NDIM)
+            fail("tensor has too many dimensions", path=_shown(path), ndim=t.dim(), limit=MAX_NDIM)
         if len(self.tensors) >= MAX_TENSORS:
             fail("too many tensors in payload", limit=MAX_TENSORS)
         self.kinds.append(_device_kind(t, path))
         self.dtypes.append(dtype)
         self.tensors.append(t.detach())
         return len(self.tensors) - 1
+
+
+def _tree(tokens: list[Any]) -> dict[str, Any]:
+    """The typed-node tree that :class:`_Flattener`'s ``tokens`` spell (their format is described there)."""
+    read = iter(tokens).__next__
+    count = itertools.count()
+
+    def node() -> dict[str, Any]:
+        tag = read()
+        if tag == "v":
+            return {"v": read()}
+        if tag == "t":
+            return {"t": next(count)}
+        n = read()
+        if tag == "d":
+            return {"d": [[read(), node()] for _ in range(n)]}
+        return {tag: [node() for _ in range(n)]}
+
+    return node()
 
 
 def plan_payload(payload: Any, *, alignment: int = MANIFEST_ALIGNMENT) -> PackPlan:
@@ -147,21 +251,20 @@ def plan_payload(payload: Any, *, alignment: int = MANIFEST_ALIGNMENT) -> PackPl
     if alignment <= 0 or alignment % MANIFEST_ALIGNMENT:
         raise ValueError(f"alignment must be a positive multiple of {MANIFEST_ALIGNMENT}, got {alignment}")
     flat = _Flattener()
-    tree = flat.node(payload, 0, "$")
+    flat.node(payload, 0, "$")
     shape_key = (
-        msgpack.packb(tree, use_bin_type=True),
+        msgpack.packb(flat.tokens, use_bin_type=True),  # keeps 1, 1.0 and True, and str and bytes, apart
         alignment,
         tuple(zip(flat.kinds, flat.dtypes, (tuple(t.shape) for t in flat.tensors), strict=True)),
     )
-    manifest = _manifests.get(shape_key)
-    if manifest is None:
-        manifest = _build_manifest(tree, flat, alignment)
-        _manifests[shape_key] = manifest
-        if len(_manifests) > PLAN_CACHE_SIZE:
-            _manifests.popitem(last=False)
-    else:
-        _manifests.move_to_end(shape_key)
-    return PackPlan(manifest=manifest, tensors=tuple(flat.tensors))
+    cacheable = len(shape_key[0]) <= MAX_KEY_BYTES  # a payload with long plain values is planned every time
+    known = _manifests.get(shape_key) if cacheable else None
+    if known is None:
+        manifest = _build_manifest(_tree(flat.tokens), flat, alignment)
+        known = (manifest, leaves_of(manifest))
+        if cacheable:
+            _manifests.put(shape_key, known)
+    return PackPlan(manifest=known[0], tensors=tuple(flat.tensors), leaves=known[1])
 
 
 def _build_manifest(tree: dict[str, Any], flat: _Flattener, alignment: int) -> Manifest:

@@ -7,15 +7,23 @@ descriptors) before any native call; :mod:`.payload_plan` (every plan is checked
 :class:`~stageferry.errors.ManifestError`, never anything from torch: the checks are pure Python over
 Python ints, so hostile sizes cannot reach an allocator.  The dtype tables live here because the size
 rules depend on them.
+
+A stage sees the same few payload shapes over and over, so the structure checks remember (in a small
+:class:`ShapeCache`) the manifests that passed them, by :func:`structure_key`: the manifest's whole
+content in one byte string.  Only a manifest equal to one that passed is let through unchecked, and
+the deployment's size cap is checked every time.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
-from typing import Any, NoReturn
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import Any, Generic, NoReturn, TypeVar
 
+import msgpack
 import torch
 
 from stageferry.errors import ManifestError
@@ -63,9 +71,74 @@ MAX_INT = 2**63 - 1
 _TAGS = frozenset({"t", "d", "l", "u", "v"})
 
 
+STRUCTURE_CACHE_SIZE = 256
+"""Manifests remembered as checked (by :func:`structure_key`); a stage emits and receives a few shapes."""
+MAX_KEY_BYTES = 16 * 1024
+"""A manifest whose key is longer is checked every time, not remembered: the caches stay small."""
+
+V = TypeVar("V")
+
+
 def fail(message: str, **details: Any) -> NoReturn:
     """Raise the :class:`ManifestError` every check of the codec raises."""
     raise ManifestError(message, **details)
+
+
+class ShapeCache(Generic[V]):
+    """A small LRU map from a payload's shape to what was worked out for it once (a manifest, a check's
+    outcome, an unpacking recipe).  Thread-safe: the inline codec runs in worker threads."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: OrderedDict[Hashable, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Hashable) -> V | None:
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def put(self, key: Hashable, value: V) -> None:
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            if len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_checked: ShapeCache[bool] = ShapeCache(STRUCTURE_CACHE_SIZE)
+
+
+def structure_key(manifest: Manifest) -> bytes | None:
+    """Everything :func:`check_structure` looks at, as one byte string; ``None`` when it cannot be made
+    (a value msgpack cannot encode, nesting past its limit) or is longer than :data:`MAX_KEY_BYTES`.
+
+    Two manifests with the same key are equal for every check here: msgpack keeps None, bool, int,
+    float, str and bytes apart (``1``, ``1.0`` and ``True`` differ), and what it merges — a list and a
+    tuple, a subclass of str or int and its base — the checks treat alike.  A hostile manifest costs one
+    transient encoding no longer than the entry it came in."""
+    try:
+        key = msgpack.packb(
+            (
+                manifest.version,
+                manifest.tree,
+                [(t.dtype, t.shape, t.device, t.region, t.offset, t.nbytes) for t in manifest.tensors],
+                [(r.device, r.nbytes) for r in manifest.regions],
+            ),
+            use_bin_type=True,
+        )
+    except (TypeError, ValueError, OverflowError):  # not encodable: checked every time
+        return None
+    return key if len(key) <= MAX_KEY_BYTES else None
 
 
 # -- validation (consumer side, before any native call) -------------------------------------------------
@@ -203,6 +276,22 @@ class _TreeChecker:
 
 def check_structure(manifest: Manifest) -> None:
     """Everything :func:`validate_manifest` checks except the deployment's size cap."""
+    checked_key(manifest)
+
+
+def checked_key(manifest: Manifest) -> bytes | None:
+    """:func:`check_structure`, returning the manifest's :func:`structure_key` for callers that cache
+    more by shape (``None``: not cacheable).  A manifest equal to one that passed is not checked again."""
+    key = structure_key(manifest)
+    if key is not None and _checked.get(key):
+        return key
+    _check_structure(manifest)
+    if key is not None:
+        _checked.put(key, True)
+    return key
+
+
+def _check_structure(manifest: Manifest) -> None:
     if len(manifest.tensors) > MAX_TENSORS:
         fail("too many tensors", tensors=len(manifest.tensors), limit=MAX_TENSORS)
     if len(manifest.regions) > len(DeviceKind):

@@ -167,6 +167,7 @@ class MemoryPool:
         self._slots: dict[int, Slot] = {}
         self._waiters: deque[_Waiter] = deque()
         self._closed = False
+        self._gauge = POOL_BYTES_IN_USE.labels(kind=kind.value)  # bound once: every take and release sets it
         log.info(
             "pool.created",
             kind=kind.value,
@@ -212,10 +213,9 @@ class MemoryPool:
             raise PoolExhaustedError(
                 "payload region larger than the whole pool", kind=self.kind.value, nbytes=nbytes, capacity=self.capacity
             )
-        if not self._waiters:
-            slot = self._try_take(nbytes)
-            if slot is not None:
-                return slot
+        slot = self.take_now(nbytes)
+        if slot is not None:
+            return slot
         waiter = _Waiter(nbytes)
         self._waiters.append(waiter)
         try:
@@ -248,6 +248,13 @@ class MemoryPool:
             bytes_in_use=self.bytes_in_use,
             capacity=self.capacity,
         )
+
+    def take_now(self, nbytes: int) -> Slot | None:
+        """A slot of ``nbytes`` if one is free and nobody is waiting ahead, else ``None`` (never waits);
+        :meth:`acquire` says why not (closed, too large) and waits."""
+        if self._closed or self._waiters or nbytes > self.capacity:
+            return None
+        return self._try_take(nbytes)
 
     def release(self, slot: Slot) -> bool:
         """Free ``slot`` and wake the next waiter; True if freed.
@@ -301,7 +308,7 @@ class MemoryPool:
             self._waiters[0].event.set()
 
     def _publish(self) -> None:
-        POOL_BYTES_IN_USE.labels(kind=self.kind.value).set(self.bytes_in_use)
+        self._gauge.set(self._alloc.bytes_in_use)
 
 
 class PoolSet:
@@ -353,6 +360,7 @@ class PoolSet:
     ) -> dict[DeviceKind, Slot]:
         """A slot for every region of ``manifest`` within ``timeout`` overall, or none at all.
 
+        The clock starts at the first region that has to wait (the regions taken before it took no time).
         On PoolExhaustedError, cancellation or any other failure, the slots already taken are released.
         ManifestError if the manifest needs a kind this process has no pool for.
         """
@@ -362,12 +370,17 @@ class PoolSet:
         missing = [k.value for k in kinds if k not in self.pools]
         if missing:
             raise ManifestError("payload needs memory this process has no pool for", missing=missing)
-        deadline = anyio.current_time() + timeout
+        deadline: float | None = None
         taken: dict[DeviceKind, Slot] = {}
         try:
             for region in manifest.regions:
-                remaining = max(0.0, deadline - anyio.current_time())
-                taken[region.device] = await self.pools[region.device].acquire(region.nbytes, timeout=remaining)
+                pool = self.pools[region.device]
+                slot = pool.take_now(region.nbytes)
+                if slot is None:
+                    if deadline is None:
+                        deadline = anyio.current_time() + timeout
+                    slot = await pool.acquire(region.nbytes, timeout=max(0.0, deadline - anyio.current_time()))
+                taken[region.device] = slot
         except BaseException:
             self.release_all(taken.values())
             raise

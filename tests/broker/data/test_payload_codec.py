@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from stageferry.broker.data import payload_codec
 from stageferry.broker.data.payload_codec import (
     TORCH_DTYPE,
     decode_inline,
@@ -291,3 +293,17 @@ def test_cuda_leaves_inline() -> None:
     got = decode_inline(over_the_wire(manifest), blob, cuda_device=torch.device("cuda", 0))
     assert_same(got, payload)
     assert got["lat"].device == torch.device("cuda", 0)
+
+
+def test_a_view_never_reaches_past_its_buffer() -> None:
+    """Views are ``as_strided`` over the whole pool; each is checked against its own buffer first."""
+    plan = plan_payload({"x": torch.arange(16, dtype=torch.int32)})
+    pool = torch.zeros(1024, dtype=torch.uint8)
+    slot = pool[256:320]  # exactly the region: 64 bytes
+    pack_into(plan, {DeviceKind.CPU: slot})
+    assert torch.equal(
+        unpack(plan.manifest, {DeviceKind.CPU: slot}, copy=False)["x"], torch.arange(16, dtype=torch.int32)
+    )
+    beyond = dataclasses.replace(plan.leaves[0], start=1)  # one element past the slot's end
+    with pytest.raises(ManifestError, match="beyond its buffer"):
+        payload_codec._views([beyond], {DeviceKind.CPU: slot}, bits=False)

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 
+from stageferry.broker.data import payload_plan
 from stageferry.broker.data.payload_codec import unpack
 from stageferry.broker.data.payload_plan import plan_payload
 from stageferry.errors import ManifestError
@@ -64,7 +65,6 @@ def test_plan_rejects_deep_and_cyclic_payloads() -> None:
 def test_a_payload_shape_is_planned_once_and_its_manifest_reused() -> None:
     """Same tree, dtypes and shapes: the manifest built for the first put is reused (same object); any
     difference — a shape, a dtype, a plain value, the alignment — gets a manifest of its own."""
-    from stageferry.broker.data import payload_plan
 
     def payload(n: int, steps: int = 2, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         return {"text": torch.randn(n, 8).to(dtype), "meta": {"steps": steps, "name": "t2va"}}
@@ -93,3 +93,40 @@ def _packed(payload: Any) -> dict[Any, torch.Tensor]:
     regions = {r.device: torch.empty(r.nbytes, dtype=torch.uint8) for r in plan.manifest.regions}
     pack_into(plan, regions)
     return regions
+
+
+def test_a_refusal_names_where_the_value_sits() -> None:
+    with pytest.raises(ManifestError) as info:
+        plan_payload({"a": [1, {"b": object()}]})
+    assert info.value.details["path"] == "$.a[1].b"
+    with pytest.raises(ManifestError) as info:
+        plan_payload({"s": ["ok", "lone \udc80 surrogate"]})
+    assert info.value.details["path"] == "$.s[1]"
+
+
+def test_payloads_that_differ_only_in_plain_types_or_order_get_their_own_manifests() -> None:
+    """The plan cache's key keeps 1, 1.0 and True (and dict order, and list vs tuple) apart."""
+    t = torch.ones(2)
+    variants: list[Any] = [
+        {"x": t, "n": 1},
+        {"x": t, "n": True},
+        {"x": t, "n": 1.0},
+        {"x": t, "n": "1"},
+        {"n": 1, "x": t},
+        {"x": t, "n": [1, [2]]},
+        {"x": t, "n": (1, [2])},
+        {"x": t, "n": [1, (2,)]},
+        {"x": t, "n": [[1], 2]},
+    ]
+    wires = [plan_payload(v).manifest.model_dump_json() for v in variants]
+    assert len(set(wires)) == len(variants)
+    for v in variants:  # and each comes back as itself, plain types included
+        assert_same(unpack(plan_payload(v).manifest, _packed(v), copy=False), v)
+
+
+def test_a_payload_with_long_plain_values_is_planned_but_not_kept() -> None:
+    before = len(payload_plan._manifests)
+    payload = {f"k{i}": "x" * 4000 for i in range(5)}  # its key is longer than MAX_KEY_BYTES
+    first, again = plan_payload(payload), plan_payload(payload)
+    assert first.manifest == again.manifest and first.manifest is not again.manifest
+    assert len(payload_plan._manifests) == before

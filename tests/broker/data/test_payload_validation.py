@@ -11,9 +11,15 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from stageferry.broker.data import payload_validation
 from stageferry.broker.data.payload_codec import unpack
 from stageferry.broker.data.payload_plan import plan_payload
-from stageferry.broker.data.payload_validation import validate_manifest, validate_remote_regions
+from stageferry.broker.data.payload_validation import (
+    STRUCTURE_CACHE_SIZE,
+    structure_key,
+    validate_manifest,
+    validate_remote_regions,
+)
 from stageferry.errors import ManifestError
 from stageferry.schemas.payload import (
     MAX_TREE_DEPTH,
@@ -199,3 +205,66 @@ def test_remote_region_schema_rejects_bad_json() -> None:
     for bad in ({"address": 0}, {"length": -1}, {"device_id": 5000}, {"mem_kind": "HBM"}):
         with pytest.raises(ValidationError):
             RemoteRegion.model_validate({**GOOD.model_dump(mode="json"), **bad})
+
+
+# -- the structure cache: only a manifest equal to one that passed skips the checks ------------------------
+
+
+def counted_checks(monkeypatch: pytest.MonkeyPatch) -> list[Manifest]:
+    checked: list[Manifest] = []
+    real = payload_validation._check_structure
+
+    def counting(m: Manifest) -> None:
+        checked.append(m)
+        real(m)
+
+    monkeypatch.setattr(payload_validation, "_check_structure", counting)
+    return checked
+
+
+TYPE_TWINS: dict[str, Callable[[Manifest], Manifest]] = {
+    "float_dim": lambda m: with_tensor(m, 0, shape=[2.0, 4]),
+    "bool_dim": lambda m: with_tensor(m, 0, shape=[True, 4]),
+    "float_offset": lambda m: with_tensor(m, 1, offset=64.0),
+    "float_index": lambda m: with_tree(m, {"d": [["text", {"t": 0.0}], *m.tree["d"][1:]]}),
+    "bool_index": lambda m: with_tree(m, {"d": [["text", {"t": True}], *m.tree["d"][1:]]}),
+}
+
+
+def test_a_manifest_equal_to_a_checked_one_is_not_checked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    payload_validation._checked.clear()
+    checked = counted_checks(monkeypatch)
+    m = base_manifest()
+    wire = m.model_dump_json()
+    for _ in range(3):  # as a consumer receives it: a fresh object from the same JSON each time
+        validate_manifest(Manifest.model_validate_json(wire), max_payload_bytes=GiB)
+    assert len(checked) == 1
+    with pytest.raises(ManifestError, match="larger than this deployment accepts"):
+        validate_manifest(Manifest.model_validate_json(wire), max_payload_bytes=191)  # the cap: every time
+
+
+@pytest.mark.parametrize("corrupt", [*MANIFEST_CORRUPTIONS, *TYPE_TWINS])
+def test_a_manifest_near_a_checked_one_is_checked_in_full(corrupt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """1, 1.0 and True differ; every corruption of a remembered manifest is still refused."""
+    m = base_manifest()
+    validate_manifest(m, max_payload_bytes=GiB)
+    mutate = MANIFEST_CORRUPTIONS[corrupt][0] if corrupt in MANIFEST_CORRUPTIONS else TYPE_TWINS[corrupt]
+    bad = mutate(m)
+    assert structure_key(bad) != structure_key(m)
+    checked = counted_checks(monkeypatch)
+    with pytest.raises(ManifestError):
+        validate_manifest(bad, max_payload_bytes=GiB)
+    assert checked == [bad]
+
+
+def test_the_structure_cache_is_bounded_and_skips_large_manifests(monkeypatch: pytest.MonkeyPatch) -> None:
+    for i in range(STRUCTURE_CACHE_SIZE + 5):
+        validate_manifest(plan_payload({"x": torch.zeros(i + 1)}).manifest, max_payload_bytes=GiB)
+    assert len(payload_validation._checked) <= STRUCTURE_CACHE_SIZE
+    large = plan_payload({f"k{i}": "x" * 4000 for i in range(5)}).manifest  # a key over MAX_KEY_BYTES
+    assert structure_key(large) is None
+    checked = counted_checks(monkeypatch)
+    validate_manifest(large, max_payload_bytes=GiB)
+    validate_manifest(large, max_payload_bytes=GiB)
+    assert len(checked) == 2
+    assert structure_key(with_tree(large, {"v": object()})) is None  # not encodable: checked every time

@@ -272,6 +272,9 @@ class StuckPool:
     def __init__(self, fail_after: float | None) -> None:
         self.fail_after = fail_after
 
+    def take_now(self, nbytes: int) -> None:
+        return None  # never a free slot: acquire waits
+
     async def acquire(self, nbytes: int, *, timeout: float) -> Any:
         if self.fail_after is None:
             await anyio.sleep_forever()

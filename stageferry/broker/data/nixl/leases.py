@@ -23,8 +23,8 @@ expiry loop, shutdown).
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from dataclasses import dataclass
 
 import anyio
@@ -81,7 +81,7 @@ class LeaseTable:
 
     def hold(self, key: str, manifest: Manifest, slots: dict[DeviceKind, Slot]) -> Lease:
         """Put packed ``slots`` under a new lease for the hop ``key``; the table owns them from now on."""
-        token = f"{key}.{uuid.uuid4().hex[:12]}"
+        token = f"{key}.{os.urandom(6).hex()}"  # 48 random bits, as uuid4().hex[:12] gave
         lease = Lease(
             token=token,
             slots=slots,
@@ -137,8 +137,7 @@ class LeaseTable:
         if self._ep.pools is not None:
             self._ep.pools.release_all(lease.slots)
         log.debug("payload.slot_freed", token=token, reason=reason, bytes=lease.nbytes)
-        self._ep.publish_pool_usage()
-        return True
+        return True  # the pool published its usage as it took the slots back
 
     def free_all(self, *, reason: str) -> None:
         for token in list(self._leases):

@@ -68,6 +68,10 @@ class Producer:
         self._ep = endpoint
         self._leases = leases
         self._stagings = stagings
+        nixl = Transport.NIXL.value  # the put's metric series, looked up once instead of on every put
+        self._puts = metrics.PUTS.labels(nixl)
+        self._put_bytes = metrics.BYTES.labels("put", nixl)
+        self._put_seconds = metrics.TRANSFER_SECONDS.labels(nixl, "put")
 
     async def put(self, key: str, payload: Payload, *, force_inline: bool = False) -> Outgoing:
         """See the module docstring; raises :class:`PayloadTooLargeError` above ``max_payload_bytes`` and
@@ -147,10 +151,9 @@ class Producer:
         ref = self.lease(key, manifest, slots)
         seconds = time.perf_counter() - started
         ep.counters.puts += 1
-        metrics.PUTS.labels(Transport.NIXL.value).inc()
-        metrics.BYTES.labels("put", Transport.NIXL.value).inc(total)
-        metrics.TRANSFER_SECONDS.labels(Transport.NIXL.value, "put").observe(seconds)
-        ep.publish_pool_usage()
+        self._puts.inc()
+        self._put_bytes.inc(total)
+        self._put_seconds.observe(seconds)  # the pool published its usage as the slots were taken
         return Outgoing(ref=ref, blob=None, transport=Transport.NIXL, nbytes=total, seconds=seconds)
 
     async def acquire(self, manifest: Manifest) -> dict[DeviceKind, Slot]:

@@ -125,8 +125,7 @@ class Stagings:
             ep.pools.release_all(slots)
             raise
         self._staged[key] = Staging(key=key, manifest=plan.manifest, slots=slots, expires_at=expires_at)
-        ep.counters.stagings += 1
-        ep.publish_pool_usage()
+        ep.counters.stagings += 1  # the pool published its usage as it handed out the slots
         return payload
 
     def pop(self, key: str) -> Staging | None:
@@ -165,4 +164,3 @@ class Stagings:
         if self._ep.pools is not None:
             self._ep.pools.release_all(staging.slots)
         log.debug("payload.staging_freed", key=staging.key, reason=reason, bytes=staging.manifest.total_bytes)
-        self._ep.publish_pool_usage()
