@@ -17,7 +17,6 @@ import redis.asyncio as aioredis
 import torch
 
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.data import metrics
 from stageferry.broker.data.inline import InlineConnector
 from stageferry.broker.data.nixl.agent import NixlAgent
 from stageferry.broker.data.pool import PoolSet
@@ -68,7 +67,3 @@ class Endpoint:
         """Whether puts carry the agent metadata in the envelope (``metadata_mode = "direct"``)."""
         return self.config.metadata_mode is MetadataMode.DIRECT
 
-    def publish_pool_usage(self) -> None:
-        if self.pools is not None:
-            for kind, pool in self.pools.pools.items():
-                metrics.POOL_BYTES_IN_USE.labels(kind.value).set(pool.bytes_in_use)
