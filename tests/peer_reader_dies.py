@@ -28,7 +28,7 @@ async def main(args: argparse.Namespace) -> None:
             stage="diffusion",
             replica="doomed",
             config=DataPlaneConfig(),
-            timeouts=Timeouts(claim=4),
+            timeouts=Timeouts(claim=8),
         )
         conn.open()
         item = json.loads((await redis.blpop([f"{args.prefix}:test:refs"], timeout=60))[1])

@@ -219,7 +219,7 @@ async def test_a_thousand_transfers_leave_no_resources_behind(start_producer: An
 async def test_consumer_killed_mid_read_frees_the_slot_once_its_claim_expires(
     start_producer: Any, redis_url: str, prefix: str, tmp_path: Path, die_after: str
 ) -> None:
-    producer = start_producer("--payloads", "Ref2VA", "--lease", "1")
+    producer = start_producer("--payloads", "Ref2VA", "--lease", "3")
     log = tmp_path / "reader.log"
     reader = subprocess.Popen(
         [
@@ -245,8 +245,8 @@ async def test_consumer_killed_mid_read_frees_the_slot_once_its_claim_expires(
     owner = r.get(claims[0]) or b""
     assert len(claims) == 1 and (owner.startswith(b"diffusion-doomed-") or (die_after, owner) == ("post", b"released"))
     if die_after == "claim":
-        # The lease (1 s) runs out, but while the dead consumer's claim (4 s, its own setting) lives, the
-        # slot is never freed; once the claim expires, it is.
+        # The lease (3 s: a loaded box takes a second or two to start the reader) runs out, but while the
+        # dead consumer's claim (8 s, its own setting) lives, the slot is never freed; once it expires, it is.
         while True:  # stats first, then the claim: a claim that expired in between cannot fail this
             leases = producer.stats()["leases"]
             owner = r.get(claims[0])  # after expiry the producer writes "expired" here: not a claim
