@@ -162,20 +162,24 @@ class RequestStore:
         upload_ttl_s: int = 3600,
     ) -> str | None:
         """Enqueue a job once, without scripts (a client's ACL user may not run any): the stream entry id,
-        or None if ``request_id`` is already known (nothing is enqueued, nothing uploaded).
+        or None if ``request_id`` is already known (nothing is enqueued, nothing uploaded);
+        :class:`RequestIdTakenError` if a stage admitted the id for a *different* job (nothing enqueued).
 
         One MULTI writes the uploads, the "submitted" marker (``SET NX``), the entry on the first stage's
         stream (``tenant``'s intake when given) and the stage's wake-up.  Which submission of an id wins
         is decided by the first stage (duplicates are acknowledged there), not by this client: two
         clients racing on one id both enqueue, and the stage runs it once.
         :class:`QueueFullError` when the stream is at ``stream_maxlen`` (checked just before, in the same
-        round trip as whether the id is known)."""
+        round trip as whether the id is known and whose it is)."""
         stream = self._keys.submission_stream(first_stage, tenant)
         with translated():
-            async with self._redis.pipeline(transaction=False) as pipe:  # both checks: one round trip
+            async with self._redis.pipeline(transaction=False) as pipe:  # the three checks: one round trip
+                pipe.hget(self._keys.request(request_id), "job_sha")
                 pipe.exists(self._keys.request(request_id), self._keys.submitted(request_id))
                 pipe.xlen(stream)
-                known, queued = await pipe.execute()
+                owner, known, queued = await pipe.execute()
+            if owner is not None and owner.decode() != job.digest():
+                raise taken(request_id)
             if known:
                 return None
             if queued >= stream_maxlen:
