@@ -11,7 +11,8 @@ outcome table (:data:`stageferry.errors.OUTCOMES`) decides the rest:
   stay as they are.  The same job again is admitted (the run-owner key dedupes it downstream).
 * **Crash marks.**  Before the work on an entry starts, its crash mark
   ``<p>:req-crash:<id>:<stage>:<entry>`` is incremented (a first delivery's in its admission's script);
-  when the work returns or raises, it is deleted.
+  when the work returns or raises, it is deleted — by the script that settles the entry (the hand-off,
+  the last stage's finish) when the work got that far, else by a ``DEL`` of its own.
   A mark therefore survives only a process that died (out of memory, a native crash) or a group that
   broke while holding the entry.  An entry found with ``limits.max_crashes`` such marks raises
   :class:`StageCrashedError`: dead-lettered, the request ``failed``, instead of killing every replica.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import anyio
 import redis.asyncio as aioredis
@@ -56,6 +58,15 @@ redis.call('SET', KEYS[2], n, 'EX', ARGV[3])
 return owner
 """
 )
+
+
+@dataclass(slots=True)
+class CrashMark:
+    """An entry's crash mark while its work runs (:meth:`EntryGuard.crash_mark`): a script that settles the
+    entry deletes ``key`` in the same step and sets ``cleared``, so that no separate ``DEL`` follows."""
+
+    key: str
+    cleared: bool = False
 
 
 class EntryGuard:
@@ -116,21 +127,24 @@ class EntryGuard:
         raise StageCrashedError(reason, crashes=crashes, limit=limit)
 
     @contextlib.asynccontextmanager
-    async def crash_mark(self, entry: Entry, rid: str, *, marked: bool = False) -> AsyncIterator[None]:
+    async def crash_mark(self, entry: Entry, rid: str, *, marked: bool = False) -> AsyncIterator[CrashMark]:
         """Count this delivery as a crash until the work in the block returns or raises (``marked``: the
-        count was made already, by :meth:`admit`)."""
-        key = self.keys.crash_mark(rid, self.stage, entry.id)
+        count was made already, by :meth:`admit`); the block may have it cleared by the script that settles
+        the entry (:class:`CrashMark`)."""
+        mark = CrashMark(self.keys.crash_mark(rid, self.stage, entry.id))
         if not marked:
             with translated():
-                await self._mark(keys=[key], args=[self.ttl_s])
+                await self._mark(keys=[mark.key], args=[self.ttl_s])
         try:
-            yield
+            yield mark
         except GroupBrokenError:
             raise  # a rank died, perhaps of this request: the mark stays
         except Exception:
-            await self._clear(key, entry)
+            if not mark.cleared:
+                await self._clear(mark.key, entry)
             raise
-        await self._clear(key, entry)
+        if not mark.cleared:
+            await self._clear(mark.key, entry)
 
     async def unmark(self, entry: Entry, rid: str) -> None:
         """Take back the mark :meth:`admit` made, when the work will not run (a check refused the entry)."""
@@ -145,4 +159,4 @@ class EntryGuard:
                 log.warning("worker.crash_mark_not_cleared", entry=entry.id, error=exc.message)
 
 
-__all__ = ["EntryGuard"]
+__all__ = ["CrashMark", "EntryGuard"]

@@ -62,7 +62,7 @@ from stageferry.logs import bound_request
 from stageferry.schemas import DeviceKind, Envelope, JobRequest, Manifest, Progress, StageTiming, Transport, request_key
 from stageferry.schemas.payload_contract import PayloadContract
 from stageferry.stages.admission import Admission
-from stageferry.stages.entry_guard import EntryGuard
+from stageferry.stages.entry_guard import CrashMark, EntryGuard
 from stageferry.stages.handoff import HandOn
 from stageferry.stages.outcomes import Outcomes
 
@@ -282,9 +282,9 @@ class StageWorker:
                         await self.guard.unmark(entry, rid)
                     raise
                 with structlog.contextvars.bound_contextvars(key=envelope.key, attempt=envelope.attempt):
-                    async with self.guard.crash_mark(entry, rid, marked=marked):
+                    async with self.guard.crash_mark(entry, rid, marked=marked) as mark:
                         try:
-                            await self._run(entry, envelope)
+                            await self._run(entry, envelope, mark)
                         finally:  # put or not: free output buffers the model was handed and no put took
                             self.hand.unstage(envelope)
             except GroupBrokenError:
@@ -316,8 +316,9 @@ class StageWorker:
             raise await self.guard.unparsed(rid, exc) from exc
         return envelope, await self.guard.admit(envelope, entry)
 
-    async def _run(self, entry: Entry, envelope: Envelope) -> None:
-        """Everything after parsing: skip what is settled, fetch, compute, hand on."""
+    async def _run(self, entry: Entry, envelope: Envelope, mark: CrashMark) -> None:
+        """Everything after parsing: skip what is settled, fetch, compute, hand on (the script that hands on
+        or stores the result also looks at the cancel flag, and clears the crash ``mark``)."""
         if await self.admission.settled(entry, envelope):
             return
         if envelope.from_stage == "client":
@@ -334,7 +335,7 @@ class StageWorker:
             # the leader's miss, or its refusal before the fan-out: the other ranks must hear it too
             await self.compute.abort(envelope.request_id, envelope.key, exc)
             raise
-        if progress.cancelled or await self.store.is_cancelled(envelope.request_id):
+        if progress.cancelled:
             raise CancelledRequestError("cancelled by the client")
         timing = StageTiming(
             stage=self.stage.name,
@@ -346,9 +347,9 @@ class StageWorker:
         )
         metrics.STAGE_SECONDS.labels(self.stage.name).observe(timing.seconds)
         if self.next_stage is None:
-            await self.hand.store_result(entry, envelope, output, timing)
+            await self.hand.store_result(entry, envelope, output, timing, mark=mark)
         else:
-            await self.hand.hand_on(entry, envelope, output, timing)
+            await self.hand.hand_on(entry, envelope, output, timing, mark=mark)
 
     async def _check_input(self, job: JobRequest, payload: Any) -> None:
         """Check the payload against the model's declared input contract — once, on the leader, before
