@@ -23,6 +23,7 @@ Every refusal is raised as a typed error; none is written here.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
@@ -49,6 +50,21 @@ from stageferry.schemas.validation import check_entry_fields, check_job_limits, 
 from stageferry.stages.media import load_media
 
 log = structlog.get_logger(__name__)
+
+#: What :meth:`Admission.settled` reads, as a Lua function over its keys ``K`` (request hash, cancel flag,
+#: run-owner key) and arguments ``A`` (entry id, owner key ttl), so that the first delivery's admission
+#: script reads it in the same step (``EntryGuard.admit``; one round trip, was two).  Returns the record's
+#: status JSON (or false), whether the cancel flag is set, whether the owner key was taken now, its owner.
+LOOK_FN = """
+local function look(K, A)
+  local status = redis.call('HGET', K[1], 'status')
+  local cancelled = redis.call('EXISTS', K[2])
+  local claimed = redis.call('SET', K[3], A[1], 'NX', 'EX', A[2]) and 1 or 0
+  return {status, cancelled, claimed, redis.call('GET', K[3])}
+end
+"""
+#: What a look read: (status JSON or None, cancelled, claimed, owner entry id or None).
+Look = tuple[bytes | None, int, int, bytes | None]
 
 
 class Admission:
@@ -143,20 +159,33 @@ class Admission:
         upload_prefix = self.keys.upload(envelope.request_id, "")
         check_job_limits(envelope.job, self.pipeline.limits, upload_prefix=upload_prefix)
 
-    async def settled(self, entry: Entry, envelope: Envelope) -> bool:
-        """True (entry acknowledged) for a request that is finished or a duplicate run; raises for a
-        cancelled or expired one.  The input payload of an entry that will not run is released."""
+    def look_write(self, entry: Entry, envelope: Envelope) -> tuple[list[str], list[Any]]:
+        """The keys and arguments of :data:`LOOK_FN` for ``entry``, for a script that reads what
+        :meth:`settled` needs as part of its own step."""
         rid = envelope.request_id
         owner_key = self.keys.run_owner(rid, self.stage.name, envelope.attempt)
-        # One round trip for the record, the cancel flag and the run's owner (was three).  Taking the owner
-        # key of a request that turns out settled is harmless: it names this entry and only expires.
-        with translated():
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hget(self.keys.request(rid), "status")
-                pipe.exists(self.keys.cancel(rid))
-                pipe.set(owner_key, entry.id, nx=True, ex=self.pipeline.retention.request_ttl_s)
-                pipe.get(owner_key)
-                raw_status, cancelled, claimed, owner = await pipe.execute()
+        keys = [self.keys.request(rid), self.keys.cancel(rid), owner_key]
+        return keys, [entry.id, self.pipeline.retention.request_ttl_s]
+
+    async def settled(self, entry: Entry, envelope: Envelope, looked: Look | None = None) -> bool:
+        """True (entry acknowledged) for a request that is finished or a duplicate run; raises for a
+        cancelled or expired one.  The input payload of an entry that will not run is released.
+        ``looked``: what :data:`LOOK_FN` read for this entry already (in its admission's script)."""
+        rid = envelope.request_id
+        owner_key = self.keys.run_owner(rid, self.stage.name, envelope.attempt)
+        # One round trip for the record, the cancel flag and the run's owner (was three), or none when the
+        # admission's script read them.  Taking the owner key of a request that turns out settled is
+        # harmless: it names this entry and only expires.
+        if looked is not None:
+            raw_status, cancelled, claimed, owner = looked
+        else:
+            with translated():
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.hget(self.keys.request(rid), "status")
+                    pipe.exists(self.keys.cancel(rid))
+                    pipe.set(owner_key, entry.id, nx=True, ex=self.pipeline.retention.request_ttl_s)
+                    pipe.get(owner_key)
+                    raw_status, cancelled, claimed, owner = await pipe.execute()
         status = None if raw_status is None else RequestStatus.model_validate_json(raw_status)
         if status is not None and status.state.terminal:
             log.info("worker.skip_terminal", entry=entry.id, state=status.state.value)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import redis.asyncio as aioredis
@@ -35,6 +36,7 @@ from stageferry.broker.control.streams import Entry
 from stageferry.config import Limits
 from stageferry.errors import ControlPlaneError, GroupBrokenError, RejectedError, RequestIdTakenError, StageCrashedError
 from stageferry.schemas import Envelope
+from stageferry.stages.admission import LOOK_FN, Look
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +58,23 @@ if owner == -1 then return owner end
 local n = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
 redis.call('SET', KEYS[2], n, 'EX', ARGV[3])
 return owner
+"""
+)
+
+# The same, and then what ``Admission.settled`` reads (LOOK_FN) in the same step: one round trip for the
+# admission, the mark and the look (was two).  KEYS: request hash, crash mark, then LOOK_FN's three.
+# ARGV: job digest, record ttl, mark ttl, then LOOK_FN's two.  Returns {owner, look...}; a taken id (-1)
+# gets no mark and no look.
+_ADMIT_MARK_AND_LOOK = (
+    ADMIT_FN
+    + LOOK_FN
+    + """
+local owner = admit({KEYS[1]}, {ARGV[1], ARGV[2]})
+if owner == -1 then return {owner} end
+local n = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
+redis.call('SET', KEYS[2], n, 'EX', ARGV[3])
+local seen = look({KEYS[3], KEYS[4], KEYS[5]}, {ARGV[4], ARGV[5]})
+return {owner, seen[1], seen[2], seen[3], seen[4]}
 """
 )
 
@@ -83,6 +102,7 @@ class EntryGuard:
         self.ttl_s = ttl_s
         self._mark = redis.register_script(_MARK)
         self._admit_and_mark = redis.register_script(_ADMIT_AND_MARK)
+        self._admit_mark_and_look = redis.register_script(_ADMIT_MARK_AND_LOOK)
 
     async def unparsed(self, rid: str, exc: RejectedError) -> RejectedError:
         """What an entry that does not parse ends as: its own rejection if no job owns ``rid`` (a raw
@@ -110,6 +130,27 @@ class EntryGuard:
         if outcome is Admission.TAKEN:
             raise RequestIdTakenError("request id already in use by a different job")
         return entry.deliveries <= 1
+
+    async def admit_and_look(
+        self, envelope: Envelope, entry: Entry, look: tuple[list[str], list[Any]]
+    ) -> tuple[bool, Look | None]:
+        """:meth:`admit`, and for a first delivery also what ``Admission.settled`` reads — ``look``:
+        ``Admission.look_write``'s keys and arguments — in the same script: (marked, what it read).  A
+        redelivery is admitted alone (its crash marks come first): (False, None)."""
+        if entry.deliveries > 1:
+            return await self.admit(envelope, entry), None
+        rid, digest = envelope.request_id, envelope.job.digest()
+        keys, args = self.store.admit_write(rid, digest)
+        mark = self.keys.crash_mark(rid, self.stage, entry.id)
+        look_keys, look_args = look
+        with translated():
+            reply = await self._admit_mark_and_look(
+                keys=[*keys, mark, *look_keys], args=[*args, self.ttl_s, *look_args]
+            )
+        if Admission(int(reply[0])) is Admission.TAKEN:
+            raise RequestIdTakenError("request id already in use by a different job")
+        _, status, cancelled, claimed, owner = reply
+        return True, (status, int(cancelled), int(claimed), owner)
 
     async def check_crashes(self, entry: Entry, rid: str) -> None:
         """:class:`StageCrashedError` when the stage died with this entry ``limits.max_crashes`` times in a

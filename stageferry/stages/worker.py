@@ -61,7 +61,7 @@ from stageferry.errors import (
 from stageferry.logs import bound_request
 from stageferry.schemas import DeviceKind, Envelope, JobRequest, Manifest, Progress, StageTiming, Transport, request_key
 from stageferry.schemas.payload_contract import PayloadContract
-from stageferry.stages.admission import Admission
+from stageferry.stages.admission import Admission, Look
 from stageferry.stages.entry_guard import CrashMark, EntryGuard
 from stageferry.stages.handoff import HandOn
 from stageferry.stages.outcomes import Outcomes
@@ -272,7 +272,7 @@ class StageWorker:
         ):
             envelope: Envelope | None = None
             try:
-                envelope, marked = await self._admitted(entry, rid)
+                envelope, marked, looked = await self._admitted(entry, rid)
                 try:
                     self.admission.check_deliveries(entry)
                     await self.guard.check_crashes(entry, rid)
@@ -284,7 +284,7 @@ class StageWorker:
                 with structlog.contextvars.bound_contextvars(key=envelope.key, attempt=envelope.attempt):
                     async with self.guard.crash_mark(entry, rid, marked=marked) as mark:
                         try:
-                            await self._run(entry, envelope, mark)
+                            await self._run(entry, envelope, mark, looked)
                         finally:  # put or not: free output buffers the model was handed and no put took
                             self.hand.unstage(envelope)
             except GroupBrokenError:
@@ -307,19 +307,20 @@ class StageWorker:
                 await self.outcomes.settle(entry, rid, error, envelope=envelope)
         self.processed += 1
 
-    async def _admitted(self, entry: Entry, rid: str) -> tuple[Envelope, bool]:
-        """The entry as an envelope whose request id is its job's (:class:`.EntryGuard`), and whether its
-        crash mark is set already (a first delivery's comes with the admission)."""
+    async def _admitted(self, entry: Entry, rid: str) -> tuple[Envelope, bool, Look | None]:
+        """The entry as an envelope whose request id is its job's (:class:`.EntryGuard`), whether its
+        crash mark is set already, and what :meth:`.Admission.settled` reads (a first delivery's mark and
+        look come with the admission, in one script)."""
         try:
             envelope = self.admission.parse(entry, rid)
         except RejectedError as exc:
             raise await self.guard.unparsed(rid, exc) from exc
-        return envelope, await self.guard.admit(envelope, entry)
+        return envelope, *await self.guard.admit_and_look(envelope, entry, self.admission.look_write(entry, envelope))
 
-    async def _run(self, entry: Entry, envelope: Envelope, mark: CrashMark) -> None:
+    async def _run(self, entry: Entry, envelope: Envelope, mark: CrashMark, looked: Look | None = None) -> None:
         """Everything after parsing: skip what is settled, fetch, compute, hand on (the script that hands on
         or stores the result also looks at the cancel flag, and clears the crash ``mark``)."""
-        if await self.admission.settled(entry, envelope):
+        if await self.admission.settled(entry, envelope, looked):
             return
         if envelope.from_stage == "client":
             await self.outcomes.submitted(entry, envelope)
