@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py                # T2VA and Ref2VA payloads, 1 and 2 replicas, NIXL vs inline
     python benchmarks/throughput.py --tasks T2VA --replicas 1 --requests 50
+    python benchmarks/throughput.py --tasks Ref2VA --replicas 4,8 --edges nixl --output in-place
 
 Real services, as deployed: per configuration a private key prefix, ``stageferry serve`` processes for an
 ``encoder`` and a ``diffusion`` stage (``--replicas`` of each, TP1, ``benchmarks/null_model.py``), and a
@@ -59,7 +60,7 @@ def pipeline_toml(connector: str, payload_bytes: int) -> str:
 
 
 async def run_config(
-    url: str, task: str, connector: str, replicas: int, requests: int, workdir: Path
+    url: str, task: str, connector: str, replicas: int, requests: int, workdir: Path, output: str = "copy"
 ) -> dict[str, Any]:
     prefix = f"tput-{uuid.uuid4().hex[:8]}"
     tally_dir = workdir / f"{prefix}-tally"  # every process's round trips per call site (tally.py)
@@ -75,6 +76,7 @@ async def run_config(
         "STAGEFERRY_LOG_FORMAT": "json",
         "STAGEFERRY_LOG_LEVEL": "warning",
         "STAGEFERRY_BENCH_TASK": task,
+        "STAGEFERRY_BENCH_OUTPUT": output,
         "OMP_NUM_THREADS": "1",
     }
     services = ServiceGroup(env, workdir / prefix)
@@ -202,11 +204,14 @@ async def main_async(args: argparse.Namespace) -> None:
         for task in args.tasks:
             for replicas in args.replicas:
                 for connector in args.edges:
-                    r = await run_config(args.redis_url, task, connector, replicas, args.requests, Path(tmp))
+                    r = await run_config(
+                        args.redis_url, task, connector, replicas, args.requests, Path(tmp), args.output
+                    )
                     rows.append((task, replicas, connector, r))
                     print(f"# {task} x{replicas} {connector}: {r['rps']:.1f} req/s", file=sys.stderr, flush=True)
     print(f"machine: {machine_facts()}")
-    print(f"{args.requests} requests submitted at once per configuration; times in ms, median / p99\n")
+    print(f"{args.requests} requests submitted at once per configuration; times in ms, median / p99")
+    print(f"first stage's output: {args.output} (benchmarks/null_model.py)\n")
     print("## Throughput: encoder → diffusion, null models (payload only), TP1 services\n")
     print("| payload | replicas per stage | edge | requests/s | latency submit → done | payload hop (get) | failed |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
@@ -285,6 +290,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--edges", type=lambda s: s.split(","), default=["nixl", "inline"])
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--output",
+        choices=["copy", "in-place"],
+        default="copy",
+        help="how the null encoder hands its payload over: the put copies it (default), or it asks for "
+        "ctx.output_tensors and returns them (the zero-copy put of a model that writes its output in place)",
+    )
     args = parser.parse_args()
     print(f"$ python {' '.join(sys.argv)}\n")
     anyio.run(main_async, args)
