@@ -22,7 +22,7 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 import structlog
 
-from stageferry.broker.control.fanin import EventFanIn
+from stageferry.broker.control.fanin import EventFanIn, FieldReads
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, is_transient_error, reconnecting, translated
 from stageferry.errors import (
@@ -149,6 +149,8 @@ class RequestStore:
         self._admit = redis.register_script(_ADMIT)
         #: The one blocking reader every wait and follow of this store shares.
         self.fanin = EventFanIn(redis)
+        #: Status reads asked for at once (a thousand waits starting) share round trips.
+        self.status_reads = FieldReads(redis, "status")
 
     async def submit(
         self,
@@ -246,8 +248,8 @@ class RequestStore:
         return [self._keys.request(rid), self._keys.events(rid)], args
 
     async def get(self, request_id: str) -> RequestStatus | None:
-        with translated():
-            raw = await self._redis.hget(self._keys.request(request_id), "status")
+        """The request's status (None: no record); reads asked for at once share a round trip."""
+        raw = await self.status_reads.get(self._keys.request(request_id))
         return None if raw is None else RequestStatus.model_validate_json(raw)
 
     async def request_cancel(self, request_id: str) -> bool:
