@@ -61,10 +61,10 @@ return owner
 """
 )
 
-# The same, and then what ``Admission.settled`` reads (LOOK_FN) in the same step: one round trip for the
-# admission, the mark and the look (was two).  KEYS: request hash, crash mark, then LOOK_FN's three.
-# ARGV: job digest, record ttl, mark ttl, then LOOK_FN's two.  Returns {owner, look...}; a taken id (-1)
-# gets no mark and no look.
+# The same, and then what ``Admission.settled`` reads (LOOK_FN, which also writes the entry's start status
+# when it will run) in the same step: one round trip for the admission, the mark, the look and the start
+# (was three).  KEYS: request hash, crash mark, then LOOK_FN's four.  ARGV: job digest, record ttl, mark
+# ttl, then LOOK_FN's.  Returns {owner, look...}; a taken id (-1) gets no mark and no look.
 _ADMIT_MARK_AND_LOOK = (
     ADMIT_FN
     + LOOK_FN
@@ -73,8 +73,10 @@ local owner = admit({KEYS[1]}, {ARGV[1], ARGV[2]})
 if owner == -1 then return {owner} end
 local n = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
 redis.call('SET', KEYS[2], n, 'EX', ARGV[3])
-local seen = look({KEYS[3], KEYS[4], KEYS[5]}, {ARGV[4], ARGV[5]})
-return {owner, seen[1], seen[2], seen[3], seen[4]}
+local look_args = {}
+for i = 4, #ARGV do look_args[#look_args + 1] = ARGV[i] end
+local seen = look({KEYS[3], KEYS[4], KEYS[5], KEYS[6]}, look_args)
+return {owner, seen[1], seen[2], seen[3], seen[4], seen[5]}
 """
 )
 
@@ -149,8 +151,8 @@ class EntryGuard:
             )
         if Admission(int(reply[0])) is Admission.TAKEN:
             raise RequestIdTakenError("request id already in use by a different job")
-        _, status, cancelled, claimed, owner = reply
-        return True, (status, int(cancelled), int(claimed), owner)
+        _, status, cancelled, claimed, owner, started = reply
+        return True, (status, int(cancelled), int(claimed), owner, int(started))
 
     async def check_crashes(self, entry: Entry, rid: str) -> None:
         """:class:`StageCrashedError` when the stage died with this entry ``limits.max_crashes`` times in a

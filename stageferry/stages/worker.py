@@ -315,17 +315,20 @@ class StageWorker:
             envelope = self.admission.parse(entry, rid)
         except RejectedError as exc:
             raise await self.guard.unparsed(rid, exc) from exc
-        return envelope, *await self.guard.admit_and_look(envelope, entry, self.admission.look_write(entry, envelope))
+        look = self.admission.look_write(entry, envelope, self.outcomes.start_write(entry, envelope))
+        return envelope, *await self.guard.admit_and_look(envelope, entry, look)
 
     async def _run(self, entry: Entry, envelope: Envelope, mark: CrashMark, looked: Look | None = None) -> None:
         """Everything after parsing: skip what is settled, fetch, compute, hand on (the script that hands on
         or stores the result also looks at the cancel flag, and clears the crash ``mark``)."""
         if await self.admission.settled(entry, envelope, looked):
             return
-        if envelope.from_stage == "client":
+        begun = looked is not None and bool(looked[4])  # the admission's script wrote the start status
+        if envelope.from_stage == "client" and not begun:
             await self.outcomes.submitted(entry, envelope)
         media = await self.admission.load_media(envelope)
-        await self.outcomes.running(envelope, None)
+        if envelope.from_stage == "client" or not begun:
+            await self.outcomes.running(envelope, None)
         started = time.perf_counter()
         progress = ProgressSink()
         try:

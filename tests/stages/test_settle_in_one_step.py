@@ -1,7 +1,8 @@
 """The scripts that take an entry in and settle it, each one round trip, against a real Redis.
 
 * A first delivery's admission script also sets its crash mark and reads what ``Admission.settled``
-  needs (record status, cancel flag, run owner): the decision is the same as with the separate read.
+  needs (record status, cancel flag, run owner): the decision is the same as with the separate read; and
+  it writes the entry's start status (a later stage's ``running``) only when the entry will run.
 * The hand-off script looks at the cancel flag first (cancelled: nothing handed on, the entry still in
   hand) and deletes the crash mark with the hand-off.
 * The last stage's finish script stores the result, writes ``done``, acks the entry and deletes the
@@ -12,11 +13,13 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
+from stageferry.broker.control.streams import Entry
 from stageferry.config import Limits
 from stageferry.errors import CancelledRequestError, RequestIdTakenError
 from stageferry.schemas import JobRequest, RequestState, RequestStatus
@@ -41,9 +44,16 @@ def guard_of(stage: Stage) -> EntryGuard:
     )
 
 
+async def warm_up(guard: EntryGuard, stage: Stage) -> None:
+    """Load the admission's script into Redis (a first call of a new script is NOSCRIPT + LOAD + retry)."""
+    [entry] = await stage.entries("warm-up", 1)
+    await guard.admit_and_look(envelope("warm-up"), entry, stage.admission.look_write(entry, envelope("warm-up")))
+
+
 async def test_a_first_delivery_is_admitted_marked_and_looked_at_in_one_round_trip(stage: Stage) -> None:
     guard = guard_of(stage)
     first, second = await stage.entries("req-1", 2)
+    await warm_up(guard, stage)
     trips = RoundTrips(stage.redis)
     marked, looked = await guard.admit_and_look(
         envelope("req-1"), first, stage.admission.look_write(first, envelope("req-1"))
@@ -52,7 +62,7 @@ async def test_a_first_delivery_is_admitted_marked_and_looked_at_in_one_round_tr
     assert marked is True and looked is not None
     assert await stage.redis.get(stage.keys.crash_mark("req-1", "diffusion", first.id)) == b"1"
     assert await stage.store.owner("req-1") == envelope("req-1").job.digest()
-    assert looked == (None, 0, 1, first.id.encode())  # no status yet, not cancelled, the run is this entry's
+    assert looked == (None, 0, 1, first.id.encode(), 0)  # no status, not cancelled, this entry's run, no start
     trips.count = 0
     assert await stage.admission.settled(first, envelope("req-1"), looked) is False
     assert trips.count == 0  # nothing read again
@@ -60,7 +70,7 @@ async def test_a_first_delivery_is_admitted_marked_and_looked_at_in_one_round_tr
     _, second_look = await guard.admit_and_look(
         envelope("req-1"), second, stage.admission.look_write(second, envelope("req-1"))
     )
-    assert second_look == (None, 0, 0, first.id.encode())
+    assert second_look == (None, 0, 0, first.id.encode(), 0)
     assert await stage.admission.settled(second, envelope("req-1"), second_look) is True  # a duplicate: acked
     assert await stage.stream.pending_count() == 1
 
@@ -97,6 +107,38 @@ async def test_a_cancelled_or_finished_request_is_seen_by_the_admission_look(sta
     assert await stage.store.set_status(RequestStatus(request_id="req-4", state=RequestState.DONE, stage="diffusion"))
     _, looked = await guard.admit_and_look(envelope("req-4"), done, stage.admission.look_write(done, envelope("req-4")))
     assert await stage.admission.settled(done, envelope("req-4"), looked) is True
+
+
+async def test_the_admission_writes_the_start_status_only_for_an_entry_that_will_run(stage: Stage) -> None:
+    guard, outcomes = guard_of(stage), outcomes_of(stage)
+    queued = RequestStatus(request_id="req-8", state=RequestState.QUEUED, stage="diffusion")
+    for rid in ("req-8", "req-9"):
+        await stage.store.admit(rid, envelope(rid).job.digest())
+        assert await stage.store.set_status(queued.model_copy(update={"request_id": rid}), stage_index=1)
+    first, second = await stage.entries("req-8", 2)
+
+    async def admit(entry: Entry, rid: str) -> tuple[bool, Any]:
+        start = outcomes.start_write(entry, envelope(rid))
+        assert start is not None
+        return await guard.admit_and_look(envelope(rid), entry, stage.admission.look_write(entry, envelope(rid), start))
+
+    await warm_up(guard, stage)
+    trips = RoundTrips(stage.redis)
+    _, looked = await admit(first, "req-8")
+    assert trips.count == 1 and looked[4] == 1
+    got = await stage.store.get("req-8")
+    assert got is not None and got.state is RequestState.RUNNING and got.stage == "diffusion"
+    assert await stage.admission.settled(first, envelope("req-8"), looked) is False
+    _, looked = await admit(second, "req-8")  # a duplicate run: no start written (it is skipped)
+    assert looked[4] == 0 and await stage.admission.settled(second, envelope("req-8"), looked) is True
+    await stage.stream.ack(first.id)  # done with: the next read takes a new entry
+
+    [cancelled] = await stage.entries("req-9", 1)
+    await stage.redis.set(stage.keys.cancel("req-9"), b"1")
+    _, looked = await admit(cancelled, "req-9")
+    assert looked[4] == 0
+    got = await stage.store.get("req-9")
+    assert got is not None and got.state is RequestState.QUEUED  # the outcome writes "cancelled" next
 
 
 def outcomes_of(stage: Stage) -> Outcomes:
