@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py                # T2VA and Ref2VA payloads, 1 and 2 replicas, NIXL vs inline
     python benchmarks/throughput.py --tasks T2VA --replicas 1 --requests 50
+    python benchmarks/throughput.py --tasks Ref2VA --replicas 4,8 --edges nixl --output in-place
 
 Real services, as deployed: per configuration a private key prefix, ``stageferry serve`` processes for an
 ``encoder`` and a ``diffusion`` stage (``--replicas`` of each, TP1, ``benchmarks/null_model.py``), and a
@@ -12,6 +13,12 @@ latency p50/p99 (submit → done), and the payload hop (the diffusion leader's g
 request, the Redis commands the server ran (``INFO commandstats``, commands inside scripts included — use a
 private server) and the round trips every process sent, by call site (``STAGEFERRY_REDIS_TALLY``, see
 ``stageferry/broker/control/tally.py``; set here for every process of a configuration).
+
+Where the time goes, per configuration (the "CPU" table): the CPU seconds each party used over the measured
+requests divided by their wall time, i.e. how many cores it kept busy — Redis's main thread (``INFO cpu``,
+``used_cpu_*_main_thread``: ≈ 1.0 means Redis, single-threaded, is saturated), this client process (submits
+and waits for every request), and the stage processes by stage (their sum, and the busiest one: a Python
+process near 1.0 is bound by its event loop).  Whichever is near 1.0 is what limits the configuration.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ def pipeline_toml(connector: str, payload_bytes: int) -> str:
 
 
 async def run_config(
-    url: str, task: str, connector: str, replicas: int, requests: int, workdir: Path
+    url: str, task: str, connector: str, replicas: int, requests: int, workdir: Path, output: str = "copy"
 ) -> dict[str, Any]:
     prefix = f"tput-{uuid.uuid4().hex[:8]}"
     tally_dir = workdir / f"{prefix}-tally"  # every process's round trips per call site (tally.py)
@@ -69,6 +76,7 @@ async def run_config(
         "STAGEFERRY_LOG_FORMAT": "json",
         "STAGEFERRY_LOG_LEVEL": "warning",
         "STAGEFERRY_BENCH_TASK": task,
+        "STAGEFERRY_BENCH_OUTPUT": output,
         "OMP_NUM_THREADS": "1",
     }
     services = ServiceGroup(env, workdir / prefix)
@@ -96,6 +104,7 @@ async def run_config(
             _flush_own_tally()
             trips_before = tally.read_dir(tally_dir)
             before = await command_counts(client.redis)
+            cpu_before = await cpu_seconds(client.redis, prefix)
             started = time.perf_counter()
             for i in range(requests):
                 rid = await client.submit({**job, "seed": 1000 + i})
@@ -114,6 +123,8 @@ async def run_config(
                 for rid in submitted:
                     tg.start_soon(wait_one, rid)
             wall = max(done.values()) - started
+            cpu = {k: (v - cpu_before.get(k, 0.0)) / wall for k, v in (await cpu_seconds(client.redis, prefix)).items()}
+            submit_s = max(submitted.values()) - started
             latencies = [(done[r] - submitted[r]) * 1e3 for r in submitted]
             after = await command_counts(client.redis)
             commands = {name: (after[name] - before.get(name, 0)) / requests for name in after}
@@ -134,7 +145,42 @@ async def run_config(
         "wall": wall,
         "commands": {k: v for k, v in commands.items() if v > 0},
         "trips": {k: v for k, v in trips.items() if v[0] > 0},
+        "cpu": cpu,
+        "submit_s": submit_s,
     }
+
+
+async def cpu_seconds(redis: Any, prefix: str) -> dict[str, float]:
+    """CPU seconds used so far: ``redis`` (its main thread, the one that runs commands), ``client`` (this
+    process) and, per service process of ``prefix`` (found by its environment), ``<stage><replica>``."""
+    info = await redis.info("cpu")
+    main = "used_cpu_user_main_thread" in info
+    suffix = "_main_thread" if main else ""
+    out = {"redis": float(info[f"used_cpu_user{suffix}"]) + float(info[f"used_cpu_sys{suffix}"])}
+    out["client"] = time.process_time()
+    out.update(service_cpu_seconds(prefix))
+    return out
+
+
+def service_cpu_seconds(prefix: str) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) of every live process started for ``prefix``, keyed by its
+    ``STAGEFERRY_REPLICA`` (``encoder0``); TP followers, if any, add to their replica's figure."""
+    tick = os.sysconf("SC_CLK_TCK")
+    want = f"STAGEFERRY_PREFIX={prefix}".encode()
+    out: dict[str, float] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            if want not in env:
+                continue
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        replica = next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"STAGEFERRY_REPLICA=")), proc.name)
+        out[replica] = out.get(replica, 0.0) + (int(stat[11]) + int(stat[12])) / tick  # utime, stime
+    return out
 
 
 def _flush_own_tally() -> None:
@@ -158,11 +204,14 @@ async def main_async(args: argparse.Namespace) -> None:
         for task in args.tasks:
             for replicas in args.replicas:
                 for connector in args.edges:
-                    r = await run_config(args.redis_url, task, connector, replicas, args.requests, Path(tmp))
+                    r = await run_config(
+                        args.redis_url, task, connector, replicas, args.requests, Path(tmp), args.output
+                    )
                     rows.append((task, replicas, connector, r))
                     print(f"# {task} x{replicas} {connector}: {r['rps']:.1f} req/s", file=sys.stderr, flush=True)
     print(f"machine: {machine_facts()}")
-    print(f"{args.requests} requests submitted at once per configuration; times in ms, median / p99\n")
+    print(f"{args.requests} requests submitted at once per configuration; times in ms, median / p99")
+    print(f"first stage's output: {args.output} (benchmarks/null_model.py)\n")
     print("## Throughput: encoder → diffusion, null models (payload only), TP1 services\n")
     print("| payload | replicas per stage | edge | requests/s | latency submit → done | payload hop (get) | failed |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
@@ -170,6 +219,25 @@ async def main_async(args: argparse.Namespace) -> None:
         print(
             f"| {task} ({TASK_BYTES[task]:,} B) | {replicas} | {connector} | {r['rps']:.1f} | {cell(r['latency'], 1)} "
             f"| {cell(r['hop'], 2)} | {r['failed']} |"
+        )
+    print("\n## CPU: cores kept busy over the measured requests (CPU seconds / wall seconds)\n")
+    print("Redis: its main thread (≈ 1.0 = saturated); client: the one process that submits and waits; stages:")
+    print("all replicas' processes together, and the busiest one (≈ 1.0 = its event loop is the limit).\n")
+    print(
+        "| payload | replicas | edge | wall s | submit s | Redis | client | "
+        + " | ".join(f"{stage} (sum / busiest)" for stage in STAGES)
+        + " |"
+    )
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |" + " ---: |" * len(STAGES))
+    for task, replicas, connector, r in rows:
+        cpu = r["cpu"]
+        stage_cells = []
+        for stage in STAGES:
+            mine = [v for k, v in cpu.items() if k.startswith(stage)]
+            stage_cells.append(f"{sum(mine):.2f} / {max(mine, default=0):.2f}")
+        print(
+            f"| {task} | {replicas} | {connector} | {r['wall']:.2f} | {r['submit_s']:.2f} | {cpu['redis']:.2f} "
+            f"| {cpu['client']:.2f} | " + " | ".join(stage_cells) + " |"
         )
     print("\n## Redis commands per request (INFO commandstats deltas over the measured requests)\n")
     names = sorted(
@@ -222,6 +290,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--edges", type=lambda s: s.split(","), default=["nixl", "inline"])
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--output",
+        choices=["copy", "in-place"],
+        default="copy",
+        help="how the null encoder hands its payload over: the put copies it (default), or it asks for "
+        "ctx.output_tensors and returns them (the zero-copy put of a model that writes its output in place)",
+    )
     args = parser.parse_args()
     print(f"$ python {' '.join(sys.argv)}\n")
     anyio.run(main_async, args)

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, connect, translated
 from stageferry.broker.control.refusals import Refusal, Refusals
-from stageferry.broker.control.requests import RequestStore, taken
+from stageferry.broker.control.requests import RequestStore
 from stageferry.config import PipelineConfig, Settings
 from stageferry.errors import ConfigError, JobValidationError, RequestLostError, field_error
 from stageferry.schemas import JobRequest, MediaInputs, RequestState, RequestStatus
@@ -158,9 +158,6 @@ class Client:
         blobs = await self._read_uploads(uploads or {})
         checked = validate_job(with_upload_refs(data, {name: self.keys.upload(rid, name) for name in blobs}))
         check_job_limits(checked, self.pipeline.limits, upload_prefix=self.keys.upload(rid, ""))
-        owner = await self.store.owner(rid)
-        if owner is not None and owner != checked.digest():
-            raise taken(rid)
         first = self.pipeline.stages[0].name
         entry = await self.store.submit(
             rid,

@@ -23,13 +23,14 @@ Every refusal is raised as a typed error; none is written here.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import translated
-from stageferry.broker.control.requests import RequestStore
+from stageferry.broker.control.requests import SET_STATUS_FN, STATUS_ARGS, RequestStore
 from stageferry.broker.control.streams import Entry, StageStream
 from stageferry.broker.data import metrics
 from stageferry.broker.data.connector import Connector
@@ -40,6 +41,7 @@ from stageferry.errors import (
     DeadlineExceededError,
     EnvelopeError,
     InvalidRequestIdError,
+    RejectedError,
     SubmissionRefusedError,
     TenantMismatchError,
 )
@@ -49,6 +51,37 @@ from stageferry.schemas.validation import check_entry_fields, check_job_limits, 
 from stageferry.stages.media import load_media
 
 log = structlog.get_logger(__name__)
+
+#: What :meth:`Admission.settled` reads, as a Lua function over its keys ``K`` (request hash, cancel flag,
+#: run-owner key, events stream) and arguments ``A`` (entry id, owner key ttl, '1' to write the entry's
+#: start status, then that write's STATUS_ARGS arguments), so that the first delivery's admission script
+#: reads it in the same step (``EntryGuard.admit_and_look``; one round trip, was two).  Returns the
+#: record's status JSON (or false), whether the cancel flag is set, whether the owner key was taken now,
+#: its owner, and whether the start status was written: only when ``settled`` will let the entry run (not
+#: cancelled, not another entry's run; a terminal record refuses the write by itself), so that a skipped
+#: entry writes nothing, as before — the ``queued`` a first stage writes for a client's entry, or a later
+#: stage's ``running`` (one more round trip saved).
+LOOK_FN = (
+    SET_STATUS_FN
+    + f"""
+local function look(K, A)
+  local status = redis.call('HGET', K[1], 'status')
+  local cancelled = redis.call('EXISTS', K[2])
+  local claimed = redis.call('SET', K[3], A[1], 'NX', 'EX', A[2]) and 1 or 0
+  local owner = redis.call('GET', K[3])
+  local started = 0
+  if A[3] == '1' and cancelled == 0 and (claimed == 1 or owner == A[1]) then
+    local write = {{}}
+    for i = 4, {3 + STATUS_ARGS} do write[#write + 1] = A[i] end
+    set_status({{K[1], K[4]}}, write)
+    started = 1
+  end
+  return {{status, cancelled, claimed, owner, started}}
+end
+"""
+)
+#: What a look read: (status JSON or None, cancelled, claimed, owner entry id or None, start status written).
+Look = tuple[bytes | None, int, int, bytes | None, int]
 
 
 class Admission:
@@ -143,20 +176,50 @@ class Admission:
         upload_prefix = self.keys.upload(envelope.request_id, "")
         check_job_limits(envelope.job, self.pipeline.limits, upload_prefix=upload_prefix)
 
-    async def settled(self, entry: Entry, envelope: Envelope) -> bool:
-        """True (entry acknowledged) for a request that is finished or a duplicate run; raises for a
-        cancelled or expired one.  The input payload of an entry that will not run is released."""
+    def look_write(
+        self, entry: Entry, envelope: Envelope, start: tuple[list[str], list[Any]] | None = None
+    ) -> tuple[list[str], list[Any]]:
+        """The keys and arguments of :data:`LOOK_FN` for ``entry``, for a script that reads what
+        :meth:`settled` needs as part of its own step — and writes ``start`` (a status write's keys and
+        arguments: ``Outcomes.start_write``) when the entry will run.  Whether it will is decided there,
+        as :meth:`settled` decides it, except for what is known here already: a job over the limits
+        (:meth:`check_limits` rejects it next) or past its deadline writes no start."""
         rid = envelope.request_id
         owner_key = self.keys.run_owner(rid, self.stage.name, envelope.attempt)
-        # One round trip for the record, the cancel flag and the run's owner (was three).  Taking the owner
-        # key of a request that turns out settled is harmless: it names this entry and only expires.
-        with translated():
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hget(self.keys.request(rid), "status")
-                pipe.exists(self.keys.cancel(rid))
-                pipe.set(owner_key, entry.id, nx=True, ex=self.pipeline.retention.request_ttl_s)
-                pipe.get(owner_key)
-                raw_status, cancelled, claimed, owner = await pipe.execute()
+        keys = [self.keys.request(rid), self.keys.cancel(rid), owner_key, self.keys.events(rid)]
+        args: list[Any] = [entry.id, self.pipeline.retention.request_ttl_s]
+        if start is None or not self._may_start(envelope):
+            return keys, [*args, "0"]
+        return keys, [*args, "1", *start[1]]
+
+    def _may_start(self, envelope: Envelope) -> bool:
+        if envelope.deadline is not None and time.time() > envelope.deadline:
+            return False
+        try:
+            self.check_limits(envelope)
+        except RejectedError:
+            return False
+        return True
+
+    async def settled(self, entry: Entry, envelope: Envelope, looked: Look | None = None) -> bool:
+        """True (entry acknowledged) for a request that is finished or a duplicate run; raises for a
+        cancelled or expired one.  The input payload of an entry that will not run is released.
+        ``looked``: what :data:`LOOK_FN` read for this entry already (in its admission's script)."""
+        rid = envelope.request_id
+        owner_key = self.keys.run_owner(rid, self.stage.name, envelope.attempt)
+        # One round trip for the record, the cancel flag and the run's owner (was three), or none when the
+        # admission's script read them.  Taking the owner key of a request that turns out settled is
+        # harmless: it names this entry and only expires.
+        if looked is not None:
+            raw_status, cancelled, claimed, owner, _started = looked
+        else:
+            with translated():
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.hget(self.keys.request(rid), "status")
+                    pipe.exists(self.keys.cancel(rid))
+                    pipe.set(owner_key, entry.id, nx=True, ex=self.pipeline.retention.request_ttl_s)
+                    pipe.get(owner_key)
+                    raw_status, cancelled, claimed, owner = await pipe.execute()
         status = None if raw_status is None else RequestStatus.model_validate_json(raw_status)
         if status is not None and status.state.terminal:
             log.info("worker.skip_terminal", entry=entry.id, state=status.state.value)

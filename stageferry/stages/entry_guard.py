@@ -11,7 +11,8 @@ outcome table (:data:`stageferry.errors.OUTCOMES`) decides the rest:
   stay as they are.  The same job again is admitted (the run-owner key dedupes it downstream).
 * **Crash marks.**  Before the work on an entry starts, its crash mark
   ``<p>:req-crash:<id>:<stage>:<entry>`` is incremented (a first delivery's in its admission's script);
-  when the work returns or raises, it is deleted.
+  when the work returns or raises, it is deleted — by the script that settles the entry (the hand-off,
+  the last stage's finish) when the work got that far, else by a ``DEL`` of its own.
   A mark therefore survives only a process that died (out of memory, a native crash) or a group that
   broke while holding the entry.  An entry found with ``limits.max_crashes`` such marks raises
   :class:`StageCrashedError`: dead-lettered, the request ``failed``, instead of killing every replica.
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import redis.asyncio as aioredis
@@ -33,6 +36,7 @@ from stageferry.broker.control.streams import Entry
 from stageferry.config import Limits
 from stageferry.errors import ControlPlaneError, GroupBrokenError, RejectedError, RequestIdTakenError, StageCrashedError
 from stageferry.schemas import Envelope
+from stageferry.stages.admission import LOOK_FN, Look
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +61,34 @@ return owner
 """
 )
 
+# The same, and then what ``Admission.settled`` reads (LOOK_FN, which also writes the entry's start status
+# when it will run) in the same step: one round trip for the admission, the mark, the look and the start
+# (was three).  KEYS: request hash, crash mark, then LOOK_FN's four.  ARGV: job digest, record ttl, mark
+# ttl, then LOOK_FN's.  Returns {owner, look...}; a taken id (-1) gets no mark and no look.
+_ADMIT_MARK_AND_LOOK = (
+    ADMIT_FN
+    + LOOK_FN
+    + """
+local owner = admit({KEYS[1]}, {ARGV[1], ARGV[2]})
+if owner == -1 then return {owner} end
+local n = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
+redis.call('SET', KEYS[2], n, 'EX', ARGV[3])
+local look_args = {}
+for i = 4, #ARGV do look_args[#look_args + 1] = ARGV[i] end
+local seen = look({KEYS[3], KEYS[4], KEYS[5], KEYS[6]}, look_args)
+return {owner, seen[1], seen[2], seen[3], seen[4], seen[5]}
+"""
+)
+
+
+@dataclass(slots=True)
+class CrashMark:
+    """An entry's crash mark while its work runs (:meth:`EntryGuard.crash_mark`): a script that settles the
+    entry deletes ``key`` in the same step and sets ``cleared``, so that no separate ``DEL`` follows."""
+
+    key: str
+    cleared: bool = False
+
 
 class EntryGuard:
     """One stage's ownership and crash checks (leader only; see the module docstring)."""
@@ -72,6 +104,7 @@ class EntryGuard:
         self.ttl_s = ttl_s
         self._mark = redis.register_script(_MARK)
         self._admit_and_mark = redis.register_script(_ADMIT_AND_MARK)
+        self._admit_mark_and_look = redis.register_script(_ADMIT_MARK_AND_LOOK)
 
     async def unparsed(self, rid: str, exc: RejectedError) -> RejectedError:
         """What an entry that does not parse ends as: its own rejection if no job owns ``rid`` (a raw
@@ -100,6 +133,27 @@ class EntryGuard:
             raise RequestIdTakenError("request id already in use by a different job")
         return entry.deliveries <= 1
 
+    async def admit_and_look(
+        self, envelope: Envelope, entry: Entry, look: tuple[list[str], list[Any]]
+    ) -> tuple[bool, Look | None]:
+        """:meth:`admit`, and for a first delivery also what ``Admission.settled`` reads — ``look``:
+        ``Admission.look_write``'s keys and arguments — in the same script: (marked, what it read).  A
+        redelivery is admitted alone (its crash marks come first): (False, None)."""
+        if entry.deliveries > 1:
+            return await self.admit(envelope, entry), None
+        rid, digest = envelope.request_id, envelope.job.digest()
+        keys, args = self.store.admit_write(rid, digest)
+        mark = self.keys.crash_mark(rid, self.stage, entry.id)
+        look_keys, look_args = look
+        with translated():
+            reply = await self._admit_mark_and_look(
+                keys=[*keys, mark, *look_keys], args=[*args, self.ttl_s, *look_args]
+            )
+        if Admission(int(reply[0])) is Admission.TAKEN:
+            raise RequestIdTakenError("request id already in use by a different job")
+        _, status, cancelled, claimed, owner, started = reply
+        return True, (status, int(cancelled), int(claimed), owner, int(started))
+
     async def check_crashes(self, entry: Entry, rid: str) -> None:
         """:class:`StageCrashedError` when the stage died with this entry ``limits.max_crashes`` times in a
         row (the mark is cleared: the entry is dead-lettered)."""
@@ -116,21 +170,24 @@ class EntryGuard:
         raise StageCrashedError(reason, crashes=crashes, limit=limit)
 
     @contextlib.asynccontextmanager
-    async def crash_mark(self, entry: Entry, rid: str, *, marked: bool = False) -> AsyncIterator[None]:
+    async def crash_mark(self, entry: Entry, rid: str, *, marked: bool = False) -> AsyncIterator[CrashMark]:
         """Count this delivery as a crash until the work in the block returns or raises (``marked``: the
-        count was made already, by :meth:`admit`)."""
-        key = self.keys.crash_mark(rid, self.stage, entry.id)
+        count was made already, by :meth:`admit`); the block may have it cleared by the script that settles
+        the entry (:class:`CrashMark`)."""
+        mark = CrashMark(self.keys.crash_mark(rid, self.stage, entry.id))
         if not marked:
             with translated():
-                await self._mark(keys=[key], args=[self.ttl_s])
+                await self._mark(keys=[mark.key], args=[self.ttl_s])
         try:
-            yield
+            yield mark
         except GroupBrokenError:
             raise  # a rank died, perhaps of this request: the mark stays
         except Exception:
-            await self._clear(key, entry)
+            if not mark.cleared:
+                await self._clear(mark.key, entry)
             raise
-        await self._clear(key, entry)
+        if not mark.cleared:
+            await self._clear(mark.key, entry)
 
     async def unmark(self, entry: Entry, rid: str) -> None:
         """Take back the mark :meth:`admit` made, when the work will not run (a check refused the entry)."""
@@ -145,4 +202,4 @@ class EntryGuard:
                 log.warning("worker.crash_mark_not_cleared", entry=entry.id, error=exc.message)
 
 
-__all__ = ["EntryGuard"]
+__all__ = ["CrashMark", "EntryGuard"]

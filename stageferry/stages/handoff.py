@@ -1,9 +1,14 @@
 """Where a computed request goes next: on to the next stage, into the result store, or back upstream.
 
 * :meth:`HandOn.hand_on` puts the output through the output connector (producer side) and hands the
-  envelope on in one ownership-checked Lua script (:meth:`StageStream.hand_off`), then marks the
-  request ``queued`` on the next stage;
-* :meth:`HandOn.store_result` (last stage) stores the result and writes ``done`` once;
+  envelope on in one ownership-checked Lua script (:meth:`StageStream.hand_off`), which also marks the
+  request ``queued`` on the next stage, looks at its cancel flag and deletes the entry's crash mark;
+* :meth:`HandOn.store_result` (last stage) stores the result, writes ``done`` once and acks the entry, in
+  one script (:meth:`StageStream.finish`: the cancel flag and the crash mark too);
+
+Either way the request's cancel flag is read in the step that settles the entry: a cancel that comes
+while the model runs is seen there at the latest (the worker's watcher sees it sooner, within a step),
+and costs no round trip of its own.
 * :meth:`HandOn.recompute` sends a request whose payload is gone back to be computed again — by default
   to the previous stage — up to ``limits.max_recomputes``; past that it declines and the request fails
   (the outcome table's ``recompute`` row, :mod:`stageferry.stages.outcomes`).
@@ -22,14 +27,14 @@ import redis.asyncio as aioredis
 import structlog
 
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import translated
 from stageferry.broker.control.streams import LEASE_FIELD, Entry, StageStream
 from stageferry.broker.data import metrics
 from stageferry.broker.data.connector import Connector, Outgoing
 from stageferry.config import PipelineConfig, StageConfig
-from stageferry.errors import DataPlaneError, PayloadUnavailableError
+from stageferry.errors import CancelledRequestError, DataPlaneError, PayloadUnavailableError
 from stageferry.failpoints import PRODUCER_PUBLISHED, failpoint
 from stageferry.schemas import Envelope, NoPayload, OutputInfo, RequestState, StageTiming, Transport, request_key
+from stageferry.stages.entry_guard import CrashMark
 from stageferry.stages.model import FinalOutput
 from stageferry.stages.outcomes import Outcomes
 
@@ -80,9 +85,13 @@ class HandOn:
         if self.next_stage is not None and self.output_connector is not None:
             self.output_connector.unstage(request_key(envelope.request_id, self.index))
 
-    async def hand_on(self, entry: Entry, envelope: Envelope, output: Any, timing: StageTiming) -> None:
+    async def hand_on(
+        self, entry: Entry, envelope: Envelope, output: Any, timing: StageTiming, *, mark: CrashMark
+    ) -> None:
         """Publish ``output`` and hand the request to the next stage.  A put that fails here computes the
-        request again on this stage (maybe on another replica), or fails it past the recompute limit."""
+        request again on this stage (maybe on another replica), or fails it past the recompute limit.
+        :class:`CancelledRequestError` (the payload put is abandoned) when the client cancelled; the entry's
+        crash ``mark`` is cleared by the hand-off's script."""
         assert self.next_stage is not None and self.output_connector is not None
         key = request_key(envelope.request_id, self.index)
         try:
@@ -130,7 +139,20 @@ class HandOn:
             attempt=envelope.attempt,
             timings=trace.timings,
         )
-        if not await self.stream.hand_off(entry.id, self.next_stage.name, fields, status=status):
+        try:
+            handed = await self.stream.hand_off(
+                entry.id,
+                self.next_stage.name,
+                fields,
+                status=status,
+                cancel=self.keys.cancel(envelope.request_id),
+                crash_mark=mark.key,
+            )
+        except CancelledRequestError:
+            self.output_connector.abandon(outgoing)
+            raise
+        mark.cleared = True
+        if not handed:
             log.warning("worker.handoff_lost", entry=entry.id)
             self.output_connector.abandon(outgoing)
             return
@@ -138,19 +160,37 @@ class HandOn:
             failpoint(PRODUCER_PUBLISHED)  # fault injection: the payload is out, only our pool holds it
         metrics.ENTRIES.labels(self.stage.name, "handed_on").inc()
 
-    async def store_result(self, entry: Entry, envelope: Envelope, output: Any, timing: StageTiming) -> None:
+    async def store_result(
+        self, entry: Entry, envelope: Envelope, output: Any, timing: StageTiming, *, mark: CrashMark
+    ) -> None:
+        """Store the result (small ones in Redis), write ``done`` once and ack the entry — one script, which
+        also looks at the cancel flag (:class:`CancelledRequestError`, nothing written) and clears ``mark``."""
         rid = envelope.request_id
         if not isinstance(output, FinalOutput):
             output = FinalOutput(info={"output_type": type(output).__name__})
-        info = await self._persist_output(rid, output)
-        written = await self.outcomes.finish(
-            rid, RequestState.DONE, result=info, timings=[*envelope.trace.timings, timing], attempt=envelope.attempt
+        info, data = await self._output_info(rid, output)
+        status = self.outcomes.status_write(
+            rid,
+            RequestState.DONE,
+            stage=self.stage.name,
+            result=info,
+            timings=[*envelope.trace.timings, timing],
+            attempt=envelope.attempt,
         )
-        await self.stream.ack(entry.id)
+        _acked, written = await self.stream.finish(
+            entry.id,
+            status=status,
+            cancel=self.keys.cancel(rid),
+            crash_mark=mark.key,
+            result_key=self.keys.result(rid),
+            result=None if data is None else (data, self.pipeline.retention.request_ttl_s),
+        )
+        mark.cleared = True
         log.info("request.done" if written else "request.done_duplicate", bytes=info.bytes, location=info.location)
         metrics.ENTRIES.labels(self.stage.name, "done").inc()
 
-    async def _persist_output(self, rid: str, output: FinalOutput) -> OutputInfo:
+    async def _output_info(self, rid: str, output: FinalOutput) -> tuple[OutputInfo, bytes | None]:
+        """What the record says of the result, and the bytes to store in Redis (None: it stays a file)."""
         data = output.data
         if data is None and output.path is not None:
             data = await anyio.Path(output.path).read_bytes()
@@ -159,12 +199,11 @@ class HandOn:
         redis_key = None
         if len(data) <= self.pipeline.retention.result_inline_max_bytes:
             redis_key = self.keys.result(rid)
-            with translated():
-                await self.redis.set(redis_key, data, ex=self.pipeline.retention.request_ttl_s, nx=True)
         location = str(await anyio.Path(output.path).resolve()) if output.path is not None else f"redis:{redis_key}"
-        return OutputInfo(
+        info = OutputInfo(
             location=location, redis_key=redis_key, bytes=len(data), sha256=digest, media=output.media, data=output.info
         )
+        return info, data if redis_key is not None else None
 
     async def recompute(
         self, entry: Entry, envelope: Envelope, exc: DataPlaneError, *, target: StageConfig | None = None

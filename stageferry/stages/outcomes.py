@@ -153,13 +153,32 @@ class Outcomes:
         """Start a client's request's record (if it has none): ``queued`` at this stage as of its XADD (the
         entry id's milliseconds), so that a trace shows the time it waited.  Clients cannot write records
         (their ACL user may not), so the first stage writes it when it takes the entry."""
+        await self.set_status(envelope.request_id, RequestState.QUEUED, mode="create", **self._submitted(entry))
+
+    def _submitted(self, entry: Entry) -> dict[str, Any]:
         try:
             submitted_at = min(int(entry.id.split("-", 1)[0]) / 1000, time.time())
         except ValueError:
             submitted_at = time.time()
-        await self.set_status(
-            envelope.request_id, RequestState.QUEUED, mode="create", stage=self.stage, updated_at=submitted_at
-        )
+        return {"stage": self.stage, "updated_at": submitted_at}
+
+    def start_write(self, entry: Entry, envelope: Envelope) -> tuple[list[str], list[Any]] | None:
+        """The status write that starts ``entry``'s work here, for the admission's script to make
+        (``Admission.look_write``): a client's entry's :meth:`submitted`, or on a later stage
+        :meth:`running` (a first stage writes ``running`` after loading the job's media, which may refuse
+        it, so that stays a write of its own); None for an entry of another kind."""
+        if envelope.from_stage == "client":
+            return self.status_write(envelope.request_id, RequestState.QUEUED, mode="create", **self._submitted(entry))
+        if self.stages and self.stages[0] != self.stage:
+            return self.status_write(
+                envelope.request_id,
+                RequestState.RUNNING,
+                mode="update",
+                stage=self.stage,
+                attempt=envelope.attempt,
+                timings=envelope.trace.timings,
+            )
+        return None
 
     async def running(self, envelope: Envelope, progress: Progress | None) -> None:
         """Only over an existing record: a request lost with Redis must not come back as running."""
@@ -183,9 +202,11 @@ class Outcomes:
         index = self.stages.index(status.stage) if status.stage in self.stages else 0
         return await self.store.set_status(status, mode=mode, stage_index=index)
 
-    def status_write(self, rid: str, state: RequestState, **fields: Any) -> tuple[list[str], list[Any]]:
+    def status_write(
+        self, rid: str, state: RequestState, *, mode: WriteMode = "any", **fields: Any
+    ) -> tuple[list[str], list[Any]]:
         """The keys and arguments of the status write that :meth:`set_status` would make, for a script
         that makes it part of its own step (the hand-off, ``StageStream.hand_off(status=...)``)."""
         status = RequestStatus(request_id=rid, state=state, **fields)
         index = self.stages.index(status.stage) if status.stage in self.stages else 0
-        return self.store.status_write(status, stage_index=index)
+        return self.store.status_write(status, mode=mode, stage_index=index)

@@ -61,8 +61,8 @@ from stageferry.errors import (
 from stageferry.logs import bound_request
 from stageferry.schemas import DeviceKind, Envelope, JobRequest, Manifest, Progress, StageTiming, Transport, request_key
 from stageferry.schemas.payload_contract import PayloadContract
-from stageferry.stages.admission import Admission
-from stageferry.stages.entry_guard import EntryGuard
+from stageferry.stages.admission import Admission, Look
+from stageferry.stages.entry_guard import CrashMark, EntryGuard
 from stageferry.stages.handoff import HandOn
 from stageferry.stages.outcomes import Outcomes
 
@@ -272,7 +272,7 @@ class StageWorker:
         ):
             envelope: Envelope | None = None
             try:
-                envelope, marked = await self._admitted(entry, rid)
+                envelope, marked, looked = await self._admitted(entry, rid)
                 try:
                     self.admission.check_deliveries(entry)
                     await self.guard.check_crashes(entry, rid)
@@ -282,9 +282,9 @@ class StageWorker:
                         await self.guard.unmark(entry, rid)
                     raise
                 with structlog.contextvars.bound_contextvars(key=envelope.key, attempt=envelope.attempt):
-                    async with self.guard.crash_mark(entry, rid, marked=marked):
+                    async with self.guard.crash_mark(entry, rid, marked=marked) as mark:
                         try:
-                            await self._run(entry, envelope)
+                            await self._run(entry, envelope, mark, looked)
                         finally:  # put or not: free output buffers the model was handed and no put took
                             self.hand.unstage(envelope)
             except GroupBrokenError:
@@ -307,23 +307,28 @@ class StageWorker:
                 await self.outcomes.settle(entry, rid, error, envelope=envelope)
         self.processed += 1
 
-    async def _admitted(self, entry: Entry, rid: str) -> tuple[Envelope, bool]:
-        """The entry as an envelope whose request id is its job's (:class:`.EntryGuard`), and whether its
-        crash mark is set already (a first delivery's comes with the admission)."""
+    async def _admitted(self, entry: Entry, rid: str) -> tuple[Envelope, bool, Look | None]:
+        """The entry as an envelope whose request id is its job's (:class:`.EntryGuard`), whether its
+        crash mark is set already, and what :meth:`.Admission.settled` reads (a first delivery's mark and
+        look come with the admission, in one script)."""
         try:
             envelope = self.admission.parse(entry, rid)
         except RejectedError as exc:
             raise await self.guard.unparsed(rid, exc) from exc
-        return envelope, await self.guard.admit(envelope, entry)
+        look = self.admission.look_write(entry, envelope, self.outcomes.start_write(entry, envelope))
+        return envelope, *await self.guard.admit_and_look(envelope, entry, look)
 
-    async def _run(self, entry: Entry, envelope: Envelope) -> None:
-        """Everything after parsing: skip what is settled, fetch, compute, hand on."""
-        if await self.admission.settled(entry, envelope):
+    async def _run(self, entry: Entry, envelope: Envelope, mark: CrashMark, looked: Look | None = None) -> None:
+        """Everything after parsing: skip what is settled, fetch, compute, hand on (the script that hands on
+        or stores the result also looks at the cancel flag, and clears the crash ``mark``)."""
+        if await self.admission.settled(entry, envelope, looked):
             return
-        if envelope.from_stage == "client":
+        begun = looked is not None and bool(looked[4])  # the admission's script wrote the start status
+        if envelope.from_stage == "client" and not begun:
             await self.outcomes.submitted(entry, envelope)
         media = await self.admission.load_media(envelope)
-        await self.outcomes.running(envelope, None)
+        if envelope.from_stage == "client" or not begun:
+            await self.outcomes.running(envelope, None)
         started = time.perf_counter()
         progress = ProgressSink()
         try:
@@ -334,7 +339,7 @@ class StageWorker:
             # the leader's miss, or its refusal before the fan-out: the other ranks must hear it too
             await self.compute.abort(envelope.request_id, envelope.key, exc)
             raise
-        if progress.cancelled or await self.store.is_cancelled(envelope.request_id):
+        if progress.cancelled:
             raise CancelledRequestError("cancelled by the client")
         timing = StageTiming(
             stage=self.stage.name,
@@ -346,9 +351,9 @@ class StageWorker:
         )
         metrics.STAGE_SECONDS.labels(self.stage.name).observe(timing.seconds)
         if self.next_stage is None:
-            await self.hand.store_result(entry, envelope, output, timing)
+            await self.hand.store_result(entry, envelope, output, timing, mark=mark)
         else:
-            await self.hand.hand_on(entry, envelope, output, timing)
+            await self.hand.hand_on(entry, envelope, output, timing, mark=mark)
 
     async def _check_input(self, job: JobRequest, payload: Any) -> None:
         """Check the payload against the model's declared input contract — once, on the leader, before

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import redis.asyncio as aioredis
 import structlog
 
@@ -254,4 +255,107 @@ class EventFanIn:
                 sub.wake.set()
 
 
-__all__ = ["WAITERS", "EventFanIn", "Subscription"]
+@dataclass(eq=False, slots=True)
+class _Ask:
+    key: str
+    wake: anyio.Event = field(default_factory=anyio.Event)
+    done: bool = False
+    value: bytes | None = None
+    error: BaseException | None = None
+
+
+class FieldReads:
+    """Concurrent reads of one hash field (``HGET <key> <field>``) fanned in to one round trip.
+
+    A thousand waits that start at once each read their request's status first; one ``HGET`` each is a
+    thousand round trips through the pool, and the client's CPU goes into them.  Here the reads that are
+    asked for while another is being sent share the next pipeline (at most ``max_batch`` keys): the first
+    asker sends, after letting every task that is ready ask too (one turn of the event loop); whoever
+    asks meanwhile waits for that send and then takes the role for the next one.  A lone read is a
+    plain ``HGET``.  Each caller gets its own key's value, or its own key's error (a key of another type
+    fails only its reader); a send that fails for the connection fails the readers of its batch, and a
+    sender that is cancelled hands its batch back to the queue for the next sender."""
+
+    def __init__(self, redis: aioredis.Redis, field_name: str, *, max_batch: int = 512) -> None:
+        self._redis = redis
+        self._field = field_name
+        self._max_batch = max_batch
+        self._queue: deque[_Ask] = deque()
+        self._sending = False
+        #: Sends so far, and the most keys one carried (for benchmarks and tests).
+        self.sends = 0
+        self.widest_send = 0
+
+    async def get(self, key: str) -> bytes | None:
+        ask = _Ask(key)
+        self._queue.append(ask)
+        try:
+            while not ask.done:
+                if not self._sending:
+                    await self._send_until(ask)
+                    continue
+                ask.wake = anyio.Event()  # reset before waiting: a set() from here on is not lost
+                await ask.wake.wait()
+        except BaseException:
+            if not ask.done and ask in self._queue:
+                self._queue.remove(ask)
+            self._hand_on()
+            raise
+        if ask.error is not None:
+            raise ask.error
+        return ask.value
+
+    def _hand_on(self) -> None:
+        """Wake the next asker in the queue to send, unless a send is under way."""
+        if not self._sending and self._queue:
+            self._queue[0].wake.set()
+
+    async def _send_until(self, ask: _Ask) -> None:
+        self._sending = True
+        try:
+            await anyio.lowlevel.checkpoint()  # every task that is ready now asks before this send goes
+            while not ask.done and self._queue:
+                batch = [self._queue.popleft() for _ in range(min(len(self._queue), self._max_batch))]
+                try:
+                    results = await self._read(batch)
+                except ControlPlaneError as exc:
+                    results = [exc] * len(batch)
+                except BaseException:
+                    self._queue.extendleft(reversed(batch))  # cancelled: the next sender sends them
+                    raise
+                for one, result in zip(batch, results, strict=True):
+                    one.done = True
+                    if isinstance(result, BaseException):
+                        one.error = result
+                    else:
+                        one.value = result
+                    one.wake.set()
+        finally:
+            self._sending = False
+            self._hand_on()
+
+    async def _read(self, batch: list[_Ask]) -> list[Any]:
+        self.sends += 1
+        self.widest_send = max(self.widest_send, len(batch))
+        if len(batch) == 1:
+            with translated():
+                return [await self._redis.hget(batch[0].key, self._field)]  # type: ignore[misc]
+        with translated():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for one in batch:
+                    pipe.hget(one.key, self._field)
+                replies = await pipe.execute(raise_on_error=False)
+        return [_translated(reply) if isinstance(reply, Exception) else reply for reply in replies]
+
+
+def _translated(exc: Exception) -> BaseException:
+    """A redis-py error reply as the :class:`ControlPlaneError` :func:`translated` would raise."""
+    try:
+        with translated():
+            raise exc
+    except ControlPlaneError as translated_exc:
+        return translated_exc
+    return exc  # pragma: no cover - translated() turns every redis-py error into a ControlPlaneError
+
+
+__all__ = ["WAITERS", "EventFanIn", "FieldReads", "Subscription"]

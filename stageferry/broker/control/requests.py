@@ -22,7 +22,7 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 import structlog
 
-from stageferry.broker.control.fanin import EventFanIn
+from stageferry.broker.control.fanin import EventFanIn, FieldReads
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, is_transient_error, reconnecting, translated
 from stageferry.errors import (
@@ -149,6 +149,8 @@ class RequestStore:
         self._admit = redis.register_script(_ADMIT)
         #: The one blocking reader every wait and follow of this store shares.
         self.fanin = EventFanIn(redis)
+        #: Status reads asked for at once (a thousand waits starting) share round trips.
+        self.status_reads = FieldReads(redis, "status")
 
     async def submit(
         self,
@@ -162,20 +164,24 @@ class RequestStore:
         upload_ttl_s: int = 3600,
     ) -> str | None:
         """Enqueue a job once, without scripts (a client's ACL user may not run any): the stream entry id,
-        or None if ``request_id`` is already known (nothing is enqueued, nothing uploaded).
+        or None if ``request_id`` is already known (nothing is enqueued, nothing uploaded);
+        :class:`RequestIdTakenError` if a stage admitted the id for a *different* job (nothing enqueued).
 
         One MULTI writes the uploads, the "submitted" marker (``SET NX``), the entry on the first stage's
         stream (``tenant``'s intake when given) and the stage's wake-up.  Which submission of an id wins
         is decided by the first stage (duplicates are acknowledged there), not by this client: two
         clients racing on one id both enqueue, and the stage runs it once.
         :class:`QueueFullError` when the stream is at ``stream_maxlen`` (checked just before, in the same
-        round trip as whether the id is known)."""
+        round trip as whether the id is known and whose it is)."""
         stream = self._keys.submission_stream(first_stage, tenant)
         with translated():
-            async with self._redis.pipeline(transaction=False) as pipe:  # both checks: one round trip
+            async with self._redis.pipeline(transaction=False) as pipe:  # the three checks: one round trip
+                pipe.hget(self._keys.request(request_id), "job_sha")
                 pipe.exists(self._keys.request(request_id), self._keys.submitted(request_id))
                 pipe.xlen(stream)
-                known, queued = await pipe.execute()
+                owner, known, queued = await pipe.execute()
+            if owner is not None and owner.decode() != job.digest():
+                raise taken(request_id)
             if known:
                 return None
             if queued >= stream_maxlen:
@@ -242,8 +248,8 @@ class RequestStore:
         return [self._keys.request(rid), self._keys.events(rid)], args
 
     async def get(self, request_id: str) -> RequestStatus | None:
-        with translated():
-            raw = await self._redis.hget(self._keys.request(request_id), "status")
+        """The request's status (None: no record); reads asked for at once share a round trip."""
+        raw = await self.status_reads.get(self._keys.request(request_id))
         return None if raw is None else RequestStatus.model_validate_json(raw)
 
     async def request_cancel(self, request_id: str) -> bool:

@@ -39,7 +39,7 @@ from stageferry.broker.control.dead_letter import DEAD_LETTER_LUA, DeadLetterPol
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, translated
 from stageferry.broker.control.requests import SET_STATUS_FN, STATUS_ARGS
-from stageferry.errors import ControlPlaneError
+from stageferry.errors import CancelledRequestError, ControlPlaneError
 
 log = structlog.get_logger(__name__)
 
@@ -71,12 +71,20 @@ return 1
 )
 
 # The hand-off and the next stage's "queued" status in one step (one round trip, was two): KEYS: src
-# stream, dst stream, request hash, events stream, dst wake list. ARGV: group, consumer, entry id, the
-# status write's STATUS_ARGS arguments (requests.SET_STATUS_FN), then field, value, ...  The status is
-# written only when the entry was still ours and has been handed on, exactly as the separate write was.
+# stream, dst stream, request hash, events stream, cancel flag, crash mark, dst wake list. ARGV: group,
+# consumer, entry id, the status write's STATUS_ARGS arguments (requests.SET_STATUS_FN), then field,
+# value, ...  The status is written only when the entry was still ours and has been handed on, exactly as
+# the separate write was.  The request's cancel flag is looked at first (-2: nothing done; was a round
+# trip of its own), and the entry's crash mark is deleted once the work is settled, handed on or not
+# ours any more (was a DEL of its own).
 _HANDOFF_WITH_STATUS = (
     SET_STATUS_FN
-    + _OWNED
+    + """
+if redis.call('EXISTS', KEYS[5]) == 1 then return -2 end
+redis.call('DEL', KEYS[6])
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
+"""
     + f"""
 local fields = {{}}
 for i = {4 + STATUS_ARGS}, #ARGV do fields[#fields + 1] = ARGV[i] end
@@ -100,6 +108,34 @@ _ACK = (
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 redis.call('XDEL', KEYS[1], ARGV[3])
 return 1
+"""
+)
+
+# The last stage's whole ending in one step (one round trip, was five: the cancel check, the result's
+# SET, the "done" status, the ack, the crash mark's DEL).  KEYS: src stream, request hash, events stream,
+# cancel flag, crash mark, result key.  ARGV: group, consumer, entry id, the status write's STATUS_ARGS
+# arguments, then '1' and the result's ttl and bytes to store it (SET NX), or '0'.
+# Returns {-2, 0} when the request is cancelled (nothing written), else {owned, written}: the result and
+# the status are written whether or not the entry is still ours (first terminal writer wins, as when they
+# were separate commands), the entry is acked and deleted only if it is; owned is -1 when its stream or
+# group is gone (Redis lost it).
+_FINISH = (
+    SET_STATUS_FN
+    + f"""
+if redis.call('EXISTS', KEYS[4]) == 1 then return {{-2, 0}} end
+if ARGV[{4 + STATUS_ARGS}] == '1' then
+  redis.call('SET', KEYS[6], ARGV[{6 + STATUS_ARGS}], 'EX', ARGV[{5 + STATUS_ARGS}], 'NX')
+end
+local status = {{}}
+for i = 4, {3 + STATUS_ARGS} do status[#status + 1] = ARGV[i] end
+local written = set_status({{KEYS[2], KEYS[3]}}, status)
+redis.call('DEL', KEYS[5])
+local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if p.err then return {{-1, written}} end
+if #p == 0 or p[1][2] ~= ARGV[2] then return {{0, written}} end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+return {{1, written}}
 """
 )
 
@@ -250,6 +286,7 @@ class StageStream:
         self._dead_letter = redis.register_script(DEAD_LETTER_LUA)
         self._handoff = redis.register_script(_HANDOFF)
         self._handoff_with_status = redis.register_script(_HANDOFF_WITH_STATUS)
+        self._finish = redis.register_script(_FINISH)
         self._ack = redis.register_script(_ACK)
         self._renew = redis.register_script(_RENEW)
         self._read_capped = redis.register_script(_READ_CAPPED)
@@ -350,10 +387,15 @@ class StageStream:
         fields: Mapping[str, bytes | str],
         *,
         status: tuple[list[str], list[Any]] | None = None,
+        cancel: str | None = None,
+        crash_mark: str | None = None,
     ) -> bool:
         """Atomically XADD ``fields`` to ``next_stage``'s stream and ack+delete this entry — and, given
         ``status`` (:meth:`RequestStore.status_write`'s keys and arguments), write that status in the same
-        script, so the hand-off and its status cost one round trip.
+        script, so the hand-off and its status cost one round trip.  With ``status``, the same script
+        first looks at the request's ``cancel`` flag (raising :class:`CancelledRequestError`, nothing
+        done, when it is set) and deletes the entry's ``crash_mark`` key once the entry is handed on or
+        found not ours.
 
         False if this consumer no longer owns the entry (nothing was written, the status neither)."""
         flat: list[Any] = []
@@ -363,12 +405,53 @@ class StageStream:
         if status is None:
             script, keys, args = self._handoff, [src, dst, wake], [self.group, self.consumer, entry_id, *flat]
         else:
+            if cancel is None or crash_mark is None:
+                raise ValueError("a hand-off with a status needs the request's cancel key and the entry's crash mark")
             (record, events), status_args = status
-            script, keys = self._handoff_with_status, [src, dst, record, events, wake]
+            script, keys = self._handoff_with_status, [src, dst, record, events, cancel, crash_mark, wake]
             args = [self.group, self.consumer, entry_id, *status_args, *flat]
-        done = await self._owned_call(script, keys, args)
+        try:
+            with translated():
+                done = int(await script(keys=keys, args=args))
+        except ControlPlaneError as exc:
+            if not _group_lost(exc):
+                raise
+            log.warning("stream.group_lost", stream=src, error=exc.message)
+            await self.ensure_group()
+            done = 0
+        if done == -2:  # the entry stays ours and pending: the outcome (cancelled) acks it
+            raise CancelledRequestError("cancelled by the client")
         self._settled(entry_id)
-        return done
+        return done == 1
+
+    async def finish(
+        self,
+        entry_id: str,
+        *,
+        status: tuple[list[str], list[Any]],
+        cancel: str,
+        crash_mark: str,
+        result_key: str,
+        result: tuple[bytes, int] | None = None,
+    ) -> tuple[bool, bool]:
+        """The last stage's ending in one script: unless the request's ``cancel`` flag is set (then
+        :class:`CancelledRequestError`, nothing done), store the ``result``,
+        write the terminal ``status``, delete the entry's ``crash_mark`` and ack+delete the entry if this
+        consumer still owns it.  ``result`` is (bytes, ttl) to store under ``result_key`` (``SET NX``), or
+        None.  Returns (acked, status written)."""
+        (record, events), status_args = status
+        data, ttl = result if result is not None else (b"", 0)
+        keys = [self._key_of(entry_id), record, events, cancel, crash_mark, result_key]
+        args = [self.group, self.consumer, entry_id, *status_args, "1" if result is not None else "0", ttl, data]
+        with translated():
+            owned, written = (int(x) for x in await self._finish(keys=keys, args=args))
+        if owned == -2:
+            raise CancelledRequestError("cancelled by the client")
+        if owned == -1:  # its stream or group went with Redis: the entry is gone too
+            log.warning("stream.group_lost", stream=keys[0])
+            await self.ensure_group()
+        self._settled(entry_id)
+        return owned == 1, written == 1
 
     async def ack(self, entry_id: str) -> bool:
         """Ack and delete an entry this consumer owns (its result is stored, or it was refused)."""

@@ -11,7 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from stageferry import Client, RequestState, RequestStatus
-from stageferry.broker.control.redis_conn import MAX_CONNECTIONS
+from stageferry.broker.control.fanin import FieldReads
+from stageferry.broker.control.redis_conn import MAX_CONNECTIONS, open_client
 from stageferry.broker.control.requests import QUIET_CHECK_S
 from stageferry.embedded_redis import EmbeddedRedis
 from stageferry.errors import ControlPlaneError, RequestLostError, RequestNotFoundError
@@ -165,3 +166,35 @@ async def test_a_request_that_vanishes_while_waited_on_ends_the_wait(client_fixt
 async def client_fixture(redis_url: str, prefix: str) -> AsyncIterator[Client]:
     async with Client(redis_url, prefix=prefix) as c:
         yield c
+
+
+async def test_status_reads_asked_at_once_share_round_trips_and_keep_their_own_errors(
+    redis_url: str, prefix: str
+) -> None:
+    async with open_client(redis_url) as redis:
+        keys = [f"{prefix}:reads:{i}" for i in range(300)]
+        for i, key in enumerate(keys):
+            await redis.hset(key, "status", f"s{i}")
+        await redis.set(keys[7], b"not a hash")  # a hostile key: only its reader fails
+        reads = FieldReads(redis, "status", max_batch=128)
+        got: dict[int, bytes | BaseException | None] = {}
+
+        async def read(i: int) -> None:
+            try:
+                got[i] = await reads.get(keys[i])
+            except ControlPlaneError as exc:
+                got[i] = exc
+
+        async def cancelled_first() -> None:  # the first asker sends, and is cancelled at once
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await reads.get(keys[0])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancelled_first)
+            for i in range(1, len(keys)):
+                tg.start_soon(read, i)
+        assert isinstance(got.pop(7), ControlPlaneError)
+        assert got == {i: f"s{i}".encode() for i in range(1, len(keys)) if i != 7}
+        assert reads.sends <= 4 and reads.widest_send == 128  # 299 reads in batches, not 299 round trips
+        assert await reads.get(f"{prefix}:reads:none") is None  # alone: a plain HGET
