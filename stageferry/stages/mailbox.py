@@ -73,8 +73,9 @@ def _pid_namespace() -> int:
         return 0
 
 
-def reclaim(directory: Path = SHM_DIR) -> list[str]:
+def reclaim(directory: Path | None = None) -> list[str]:
     """Remove mailboxes of this pid namespace whose creator is dead (a leader killed mid-handshake)."""
+    directory = SHM_DIR if directory is None else directory
     removed = []
     mine = f"{PREFIX}{_pid_namespace()}-"
     for path in directory.glob(mine + "*"):
@@ -113,8 +114,9 @@ class Mailbox:
     # ------------------------------------------------------------------ setup
 
     @classmethod
-    def create(cls, readers: int, *, directory: Path = SHM_DIR, slots: int = SLOTS) -> Mailbox:
+    def create(cls, readers: int, *, directory: Path | None = None, slots: int = SLOTS) -> Mailbox:
         """The leader's new mailbox for ranks ``0 .. readers - 1`` (rank 0 itself writes)."""
+        directory = SHM_DIR if directory is None else directory
         reclaim(directory)
         token = secrets.token_bytes(16)
         path = directory / f"{PREFIX}{_pid_namespace()}-{os.getpid()}-{next(_serial)}-{token[:4].hex()}"
@@ -133,12 +135,12 @@ class Mailbox:
         return cls(path, mm, token, rank=0, readers=readers, slots=slots)
 
     @classmethod
-    def attach(cls, name: str, token: bytes, *, rank: int, directory: Path = SHM_DIR) -> Mailbox:
+    def attach(cls, name: str, token: bytes, *, rank: int, directory: Path | None = None) -> Mailbox:
         """A follower's mapping of the leader's mailbox; :class:`MailboxError` unless it is the very
         file the leader made (same token): a follower on another host finds no such file."""
         if "/" in name or not name.startswith(PREFIX):
             raise MailboxError(f"not a mailbox name: {name!r}")
-        path = directory / name
+        path = (SHM_DIR if directory is None else directory) / name
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError as exc:

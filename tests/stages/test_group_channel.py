@@ -58,9 +58,7 @@ def _rank(rank: int, port: int, backend: str, mailbox: bool, out: Any) -> None:
             on = torch.device("cpu")
             dist.init_process_group("gloo", rank=rank, world_size=2)
             cpu, device = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
-        channel = GroupChannel(
-            rank=rank, world_size=2, device=on, cpu_group=cpu, device_group=device, mailbox=mailbox
-        )
+        channel = GroupChannel(rank=rank, world_size=2, device=on, cpu_group=cpu, device_group=device, mailbox=mailbox)
         kind = DeviceKind.CUDA if on.type == "cuda" else DeviceKind.CPU
         plan = plan_payload(_payload(on=on))
         steps: list[tuple[str, dict[str, int]]] = []
