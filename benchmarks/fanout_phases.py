@@ -12,7 +12,9 @@ ranks (NCCL, one GPU each, ``--gpus``, default leader on GPU 1 and follower on G
   back and waits on it (a region over ``INLINE_MAX_BYTES``: a 16 KiB frame, then the region's own
   broadcast posted once the head is read); ``mech-up`` only the header's copy (the follower
   synchronises), ``mech-d2d`` only the region's copy into the frame;
-* ``job``  — :meth:`GroupChannel.send` / :meth:`GroupChannel.receive` (which unpacks), as ``fanout.py`` does.
+* ``job``  — :meth:`GroupChannel.send` / :meth:`GroupChannel.receive` (which unpacks), as ``fanout.py`` does:
+  headers by the group's mailbox (host shared memory), the region riding the pre-posted carrier;
+* ``frames`` — the same over a channel with ``mailbox=False`` (headers in frames on the device group).
 
 Every rank stamps ``time.perf_counter`` (CLOCK_MONOTONIC: one clock for every process of the host) on
 entering and leaving the channel's steps (``name>`` / ``name<``, by wrapping its methods here — the
@@ -45,11 +47,11 @@ import torch.multiprocessing as mp  # noqa: E402
 from stageferry.broker.data.payload_codec import plan_payload  # noqa: E402
 from stageferry.embedded_redis import free_port  # noqa: E402
 from stageferry.schemas import DeviceKind  # noqa: E402
-from stageferry.stages import frames, group_channel  # noqa: E402
+from stageferry.stages import frames, group_channel, mailbox  # noqa: E402
 from stageferry.stages.group_channel import GroupChannel, MessageKind  # noqa: E402
 
 WARMUP = 10
-KINDS = ("raw", "raw-ev", "mech", "mech-up", "mech-d2d", "job")
+KINDS = ("raw", "raw-ev", "mech", "mech-up", "mech-d2d", "job", "frames")
 JOB_JSON = '{"request_id":"bench","task":"T2VA","prompt":"' + "p" * 200 + '","params":{}}'
 _marks: list[tuple[str, float]] = []
 
@@ -62,7 +64,9 @@ def _instrument() -> None:
     """Stamp entry and exit of the channel's steps (this process only)."""
     steps = {
         GroupChannel: ("send", "receive", "_send_frame", "_receive_frame", "_propagate_frame",
-                       "_broadcast_region", "_receive_region", "_manifest", "_frame"),
+                       "_broadcast_region", "_receive_region", "_manifest", "_frame",
+                       "_send_by_mailbox", "_receive_by_mailbox"),
+        mailbox.Mailbox: ("post", "take"),
         frames.Staging: ("upload", "download", "wait"),
         frames.Frame: ("payload",),
     }  # fmt: skip
@@ -114,6 +118,9 @@ def _body(rank: int, port: int, gpus: list[int], sizes: list[int], iters: int, o
     dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
     cpu = dist.new_group(backend="gloo")
     channel = GroupChannel(rank=rank, world_size=2, device=device, cpu_group=cpu, device_group=dist.group.WORLD)
+    old = GroupChannel(
+        rank=rank, world_size=2, device=device, cpu_group=cpu, device_group=dist.group.WORLD, mailbox=False
+    )
     _instrument()
     head = Head()
     header = b"\x01" * 300
@@ -164,9 +171,10 @@ def _body(rank: int, port: int, gpus: list[int], sizes: list[int], iters: int, o
                             mark("bcast2<")
                 elif rank == 0:
                     h = {"request_id": f"r{i}", "key": f"k{i}", "job": JOB_JSON, "sent_at": time.time()}
-                    channel.send(MessageKind.JOB, h, manifest=manifest, buffers={DeviceKind.CUDA: blob})
+                    on = channel if kind == "job" else old
+                    on.send(MessageKind.JOB, h, manifest=manifest, buffers={DeviceKind.CUDA: blob[:nbytes]})
                 else:
-                    message = channel.receive()
+                    message = (channel if kind == "job" else old).receive()
                     assert message.manifest is not None
                     assert message.payload is not None  # unpacked by the channel, as a follower's model gets it
                     mark("unpacked")
