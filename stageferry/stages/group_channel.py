@@ -79,10 +79,12 @@ _INLINE_GRAIN = 4096
 MANIFEST_CACHE_SIZE = 64
 #: Frames a rank keeps, one per recent frame size (at most ``FRAME_BYTES + INLINE_MAX_BYTES`` each).
 FRAME_CACHE_SIZE = 4
-#: The largest carrier (mailbox mode) by the ranks' memory kind: on GPUs a region rides the carrier with no
-#: copy (the header does not ride it, so a large one no longer delays it); over gloo a dummy carrier sent
-#: with a noop costs real time, so CPU ranks keep the frames' limit.
-CARRIER_MAX_BYTES = {"cuda": 96 << 20, "cpu": INLINE_MAX_BYTES}
+#: The largest carrier (mailbox mode) by the ranks' memory kind.  On GPUs a region of the announced size
+#: rides the carrier with no copy and no header in front of it, so the 11 MB task size rides too; but a
+#: carrier is sent whole whatever follows — a noop, or a smaller job after a large one — so it stays small
+#: enough (≈ 0.06 ms of NVLink) that a mix of shapes cannot cost more than it saves; 65 MB regions keep
+#: their own broadcast.  Over gloo a dummy carrier costs real time: CPU ranks keep the frames' limit.
+CARRIER_MAX_BYTES = {"cuda": 16 << 20, "cpu": INLINE_MAX_BYTES}
 #: The carrier of a group's first message, and of messages after a payload too large to ride one.
 CARRIER_MIN_BYTES = 64
 _NAME_BYTES = 256  # the handshake's fixed-size record: name length, name, token
