@@ -23,6 +23,7 @@ stamp's median offset from the leader's ``start``, per rank, in µs; ``gpu`` lin
 that rank's stream from its ``start`` to its last enqueue.
 
   python benchmarks/fanout_phases.py --sizes 359024,11158136 --iters 200
+  python benchmarks/fanout_phases.py --backend gloo --sizes 359024 --iters 200   # CPU ranks: raw, job, frames
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ class Head:
 
 def _rank(rank: int, port: int, gpus: list[int], sizes: list[int], iters: int, out: Any) -> None:
     try:
+        if not gpus:
+            _cpu_body(rank, port, sizes, iters, out)
+            return
         _body(rank, port, gpus, sizes, iters, out)
     except BaseException:
         out.put(("error", rank, traceback.format_exc()))
@@ -188,6 +192,45 @@ def _body(rank: int, port: int, gpus: list[int], sizes: list[int], iters: int, o
     dist.destroy_process_group()
 
 
+def _cpu_body(rank: int, port: int, sizes: list[int], iters: int, out: Any) -> None:
+    """The ``raw``, ``job`` and ``frames`` rounds on CPU ranks over gloo (no device work to separate)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    world = dist.group.WORLD
+    channel = GroupChannel(rank=rank, world_size=2, device=torch.device("cpu"), cpu_group=world, device_group=world)
+    old = GroupChannel(
+        rank=rank, world_size=2, device=torch.device("cpu"), cpu_group=world, device_group=world, mailbox=False
+    )
+    _instrument()
+    for size in sizes:
+        blob = torch.randint(0, 255, (size + 4096,), dtype=torch.uint8)
+        manifest = plan_payload({"blob": blob[:size]}).manifest
+        nbytes = manifest.regions[0].nbytes
+        rows: list[tuple[str, int, list[tuple[str, float]], float]] = []
+        for i in range(iters + WARMUP):
+            for kind in ("raw", "job", "frames"):
+                dist.barrier(group=world)
+                _marks.clear()
+                mark("start")
+                on = channel if kind == "job" else old
+                if kind == "raw":
+                    dist.broadcast(blob[:nbytes], src=0)
+                    mark("bcast<")
+                elif rank == 0:
+                    h = {"request_id": f"r{i}", "key": f"k{i}", "job": JOB_JSON, "sent_at": time.time()}
+                    on.send(MessageKind.JOB, h, manifest=manifest, buffers={DeviceKind.CPU: blob[:nbytes]})
+                else:
+                    assert on.receive().payload is not None
+                    mark("unpacked")
+                mark("end")
+                if i >= WARMUP:
+                    rows.append((kind, size, list(_marks), 0.0))
+        out.put(("rows", rank, rows))
+    dist.barrier(group=world)
+    dist.destroy_process_group()
+
+
 def report(leader: list[Any], follower: list[Any]) -> None:
     """Per kind and size: the window (max end - leader start), then every stamp's median offset."""
     by: dict[tuple[str, int], list[tuple[Any, Any]]] = defaultdict(list)
@@ -230,11 +273,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="359024,11158136")
     parser.add_argument("--gpus", default="1,0")
+    parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl", help="gloo: CPU ranks")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--timeout", type=float, default=120)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    gpus = [int(g) for g in args.gpus.split(",")]
+    gpus = [int(g) for g in args.gpus.split(",")] if args.backend == "nccl" else []
     print(f"torch {torch.__version__}, cuda devices {torch.cuda.device_count()}, gpus {gpus}", flush=True)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

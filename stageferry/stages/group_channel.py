@@ -66,7 +66,7 @@ import torch.distributed as dist
 from stageferry.broker.data.payload_codec import unpack, validate_manifest
 from stageferry.schemas import DeviceKind, Manifest
 from stageferry.stages.frames import FRAME_BYTES, HEAD_LEN, Frame, Staging, to_host
-from stageferry.stages.mailbox import LONG, Mailbox, MailboxError
+from stageferry.stages.mailbox import LONG, Mailbox, handshake
 
 __all__ = ["FRAME_BYTES", "GroupChannel", "Hop", "Message", "MessageKind", "ModelGroups"]
 
@@ -87,7 +87,6 @@ FRAME_CACHE_SIZE = 4
 CARRIER_MAX_BYTES = {"cuda": 16 << 20, "cpu": INLINE_MAX_BYTES}
 #: The carrier of a group's first message, and of messages after a payload too large to ride one.
 CARRIER_MIN_BYTES = 64
-_NAME_BYTES = 256  # the handshake's fixed-size record: name length, name, token
 
 
 class MessageKind(enum.StrEnum):
@@ -348,36 +347,10 @@ class GroupChannel:
         rank uses it or none does.  The leader then unlinks the name: from here on nothing is left in
         ``/dev/shm`` whatever happens to the processes.  Not counted in :meth:`collectives` (setup, once)."""
         self._linked = True
-        if self.world_size == 1:
-            return False
-        record = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
-        mailbox: Mailbox | None = None
-        if self.rank == 0:
-            try:
-                mailbox = Mailbox.create(self.world_size)
-            except OSError:
-                mailbox = None  # no /dev/shm here: frames, as before
-            else:
-                named = bytes([len(mailbox.path.name)]) + mailbox.path.name.encode() + mailbox.token
-                record[: len(named)] = torch.frombuffer(bytearray(named), dtype=torch.uint8)
-        dist.broadcast(record, src=0, group=self.cpu_group)
-        raw = record.numpy().tobytes()
-        if self.rank != 0 and raw[0]:
-            n = raw[0]
-            try:
-                mailbox = Mailbox.attach(raw[1 : 1 + n].decode("ascii"), raw[1 + n : 17 + n], rank=self.rank)
-            except (MailboxError, UnicodeDecodeError):
-                mailbox = None
-        flag = torch.tensor([1 if mailbox is not None else 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.cpu_group)
-        if mailbox is not None:
-            if self.rank == 0:
-                mailbox.unlink()
-            if flag.item():
-                self._mailbox = mailbox
+        if self.world_size > 1:
+            self._mailbox = handshake(self.rank, self.world_size, self.cpu_group)
+            if self._mailbox is not None:
                 self._capacity = CARRIER_MIN_BYTES
-            else:
-                mailbox.close()
         return self._mailbox is not None
 
     @property

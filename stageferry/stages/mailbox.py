@@ -37,6 +37,10 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "stageferry-gc-"
@@ -59,6 +63,7 @@ POLL_FOR_S = 1.0
 #: How long the leader waits for a slot every reader has read before it calls the group broken.
 ACK_TIMEOUT_S = 300.0
 _serial = itertools.count()
+_NAME_BYTES = 256  # the handshake's fixed-size record: name length, name, token
 
 
 class MailboxError(RuntimeError):
@@ -244,3 +249,40 @@ class Mailbox:
 
 def _crc(seq: int, size: int, flags: int, data: bytes) -> int:
     return zlib.crc32(struct.pack("<QII", seq, size, flags), zlib.crc32(data))
+
+
+def handshake(rank: int, world_size: int, group: Any) -> Mailbox | None:
+    """Every rank of a group (collective over its gloo ``group``): this rank's mailbox, or ``None`` on
+    every rank unless every follower mapped the leader's.
+
+    The leader creates it and broadcasts its name and token (a fixed-size record, never pickle); each
+    follower maps it and checks the token — a follower on another host finds no such file — and one
+    all-reduce agrees.  The leader then unlinks the name: from here on nothing is left in ``/dev/shm``."""
+    record = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+    box: Mailbox | None = None
+    if rank == 0:
+        try:
+            box = Mailbox.create(world_size)
+        except OSError:
+            box = None  # no /dev/shm here
+        else:
+            named = bytes([len(box.path.name)]) + box.path.name.encode() + box.token
+            record[: len(named)] = torch.frombuffer(bytearray(named), dtype=torch.uint8)
+    dist.broadcast(record, src=0, group=group)
+    raw = record.numpy().tobytes()
+    if rank != 0 and raw[0]:
+        n = raw[0]
+        try:
+            box = Mailbox.attach(raw[1 : 1 + n].decode("ascii"), raw[1 + n : 17 + n], rank=rank)
+        except (MailboxError, UnicodeDecodeError):
+            box = None
+    flag = torch.tensor([1 if box is not None else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    if box is None:
+        return None
+    if rank == 0:
+        box.unlink()
+    if not flag.item():
+        box.close()
+        return None
+    return box
