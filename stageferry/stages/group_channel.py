@@ -258,7 +258,7 @@ class GroupChannel:
         if inline:
             assert own is not None and buffers is not None
             whole = buffers[self._own]
-            if whole.numel() >= capacity and whole.device == self._frame_dev:
+            if whole.numel() >= capacity and whole.device == self._frame_dev:  # bytes past the region: ignored
                 carrier = whole if whole.numel() == capacity else whole[:capacity]
         body = dict(header) if header else {}
         body["kind"] = kind.value
