@@ -12,7 +12,10 @@ packed region; ``raw``: one ``dist.broadcast`` of the region), and every rank st
 holds the payload (a follower: after :meth:`GroupChannel.receive`, which unpacks it; on GPUs after
 ``torch.cuda.synchronize``).  A round's time is ``max(end over ranks) - start``: ``time.perf_counter``
 is the host's monotonic clock, the same in every process, so the stamps compare across ranks and no
-barrier or other collective sits inside the window.  ``job`` and ``raw`` rounds alternate.  In
+barrier or other collective sits inside the window.  ``job``, ``frames`` and ``raw`` rounds alternate:
+``job`` over a channel whose headers go by the group's host shared-memory mailbox (the default), ``frames``
+over a second channel on the same groups with ``mailbox=False`` (headers ride the device broadcast in a
+frame, the design before the mailbox), so both designs are measured side by side in one run.  In
 ``nixl-fanout`` both kinds of round start with the same NIXL READ on the leader; ``start`` is stamped
 when it is done.  The target (issue 20) is ``job ≤ 1.5 × raw + 0.05 ms``, on the medians.
 
@@ -111,17 +114,32 @@ def _join(procs: list[Any]) -> None:
             p.terminate()
 
 
+def _frames_twin(channel: GroupChannel) -> GroupChannel:
+    """A channel on the same groups whose headers ride frames (no mailbox): the design it replaced."""
+    return GroupChannel(
+        rank=channel.rank,
+        world_size=channel.world_size,
+        device=channel.device,
+        cpu_group=channel.cpu_group,
+        device_group=channel.device_group,
+        mailbox=False,
+    )
+
+
 class Rounds:
     """One rank's stamps; :meth:`windows` turns every rank's into per-round times (on the leader)."""
 
-    def __init__(self, channel: GroupChannel):
+    KINDS = ("job", "frames", "raw")
+
+    def __init__(self, channel: GroupChannel, frames: GroupChannel):
         self.channel = channel
-        self.stamps: dict[str, list[tuple[float, float]]] = {"job": [], "raw": []}
+        self.channels = {"job": channel, "frames": frames}
+        self.stamps: dict[str, list[tuple[float, float]]] = {kind: [] for kind in self.KINDS}
 
     def run(self, what: str, region: torch.Tensor, manifest: Manifest, i: int, before: Any = None) -> None:
         """One round: ``job`` sends ``manifest`` with its packed ``region`` (padded to the manifest's
         region size, as a connector's slot is); ``raw`` broadcasts the region's bytes."""
-        channel = self.channel
+        channel = self.channels.get(what, self.channel)
         blob = region[: manifest.regions[0].nbytes]
         dist.barrier(group=channel.cpu_group)
         if before is not None:
@@ -156,18 +174,19 @@ def _broadcast_rank(
     rank: int, world: int, port: int, backend: str, gpus: list[int], sizes: list[int], iters: int, out: Any
 ) -> None:
     channel = _init(rank, world, port, backend, gpus)
+    frames = _frames_twin(channel)
     for size in sizes:
         manifest, regions = pack_payload(
             {"blob": torch.randint(0, 255, (size,), dtype=torch.uint8, device=channel.device)}
         )
         region = next(iter(regions.values()))
-        rounds = Rounds(channel)
+        rounds = Rounds(channel, frames)
         for i in range(iters + WARMUP):
-            rounds.run("job", region, manifest, i)
-            rounds.run("raw", region, manifest, i)
-        job, raw = rounds.windows("job"), rounds.windows("raw")
+            for kind in Rounds.KINDS:
+                rounds.run(kind, region, manifest, i)
+        job, old, raw = (rounds.windows(kind) for kind in Rounds.KINDS)
         if rank == 0:
-            out.put((world, size, job, raw))
+            out.put((world, size, job, old, raw))
             print(f"world {world} size {size:,}: job {percentiles(job)[0] * 1e3:.3f} ms", flush=True)
     dist.barrier(group=channel.cpu_group)
     dist.destroy_process_group()
@@ -183,7 +202,7 @@ def verdict(job: list[float], raw: list[float]) -> str:
     )
 
 
-TABLE_HEAD = "| job message | bare broadcast | ratio (job / bare) | target ≤ 1.5 × bare + 0.05: verdict |"
+TABLE_HEAD = "| headers by | job message | bare broadcast | ratio (job / bare) | target ≤ 1.5 × bare + 0.05: verdict |"
 
 
 def run_broadcast(args: argparse.Namespace) -> None:
@@ -210,9 +229,10 @@ def run_broadcast(args: argparse.Namespace) -> None:
         f"same bytes (median / p99 ms, {args.iters} rounds each, alternating, same window)\n"
     )
     print("| ranks | bytes " + TABLE_HEAD)
-    print("| ---: | ---: | ---: | ---: | ---: | --- |")
-    for world, size, job, raw in rows:
-        print(f"| TP{world} | {size:,} | {verdict(job, raw)} |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | --- |")
+    for world, size, job, old, raw in rows:
+        print(f"| TP{world} | {size:,} | mailbox | {verdict(job, raw)} |")
+        print(f"| TP{world} | {size:,} | frames | {verdict(old, raw)} |")
 
 
 # ---------------------------------------------------------------------- NIXL READ, then NCCL fan-out
@@ -236,6 +256,7 @@ def _consumer_rank(rank: int, port: int, gpus: list[int], sizes: list[int], iter
     from stageferry.schemas import MemKind
 
     channel = _init(rank, 2, port, "nccl", gpus)
+    frames = _frames_twin(channel)
     device = channel.device
     agent = remote = None
     dst = torch.empty(max(sizes) + 4096, dtype=torch.uint8, device=device)  # room for the region's padding
@@ -267,13 +288,13 @@ def _consumer_rank(rank: int, port: int, gpus: list[int], sizes: list[int], iter
             agent.release(h)
             reads.append(time.perf_counter() - t0)
 
-        rounds = Rounds(channel)
+        rounds = Rounds(channel, frames)
         for i in range(iters + WARMUP):
-            rounds.run("job", dst, manifest, i, before=read)
-            rounds.run("raw", dst, manifest, i, before=read)
-        job, raw = rounds.windows("job"), rounds.windows("raw")
+            for kind in Rounds.KINDS:
+                rounds.run(kind, dst, manifest, i, before=read)
+        job, old, raw = (rounds.windows(kind) for kind in Rounds.KINDS)
         if rank == 0:
-            out.put((size, reads[2 * WARMUP :], job, raw))
+            out.put((size, reads[3 * WARMUP :], job, old, raw))
     if rank == 0:
         conn.send("done")
         assert agent is not None
@@ -307,10 +328,11 @@ def run_nixl_fanout(args: argparse.Namespace) -> None:
         f"bare NCCL broadcast to GPU {gpus[1]} (median / p99 ms, {args.iters} rounds each, alternating)\n"
     )
     print("| bytes | NIXL READ " + TABLE_HEAD)
-    print("| ---: | ---: | ---: | ---: | ---: | --- |")
-    for size, reads, job, raw in rows:
+    print("| ---: | ---: | --- | ---: | ---: | ---: | --- |")
+    for size, reads, job, old, raw in rows:
         rmed, rp99 = percentiles(reads)
-        print(f"| {size:,} | {rmed * 1e3:.3f} / {rp99 * 1e3:.3f} | {verdict(job, raw)} |")
+        print(f"| {size:,} | {rmed * 1e3:.3f} / {rp99 * 1e3:.3f} | mailbox | {verdict(job, raw)} |")
+        print(f"| {size:,} | {rmed * 1e3:.3f} / {rp99 * 1e3:.3f} | frames | {verdict(old, raw)} |")
 
 
 def main() -> None:

@@ -12,7 +12,9 @@ ranks (NCCL, one GPU each, ``--gpus``, default leader on GPU 1 and follower on G
   back and waits on it (a region over ``INLINE_MAX_BYTES``: a 16 KiB frame, then the region's own
   broadcast posted once the head is read); ``mech-up`` only the header's copy (the follower
   synchronises), ``mech-d2d`` only the region's copy into the frame;
-* ``job``  — :meth:`GroupChannel.send` / :meth:`GroupChannel.receive` (which unpacks), as ``fanout.py`` does.
+* ``job``  — :meth:`GroupChannel.send` / :meth:`GroupChannel.receive` (which unpacks), as ``fanout.py`` does:
+  headers by the group's mailbox (host shared memory), the region riding the pre-posted carrier;
+* ``frames`` — the same over a channel with ``mailbox=False`` (headers in frames on the device group).
 
 Every rank stamps ``time.perf_counter`` (CLOCK_MONOTONIC: one clock for every process of the host) on
 entering and leaving the channel's steps (``name>`` / ``name<``, by wrapping its methods here — the
@@ -21,6 +23,7 @@ stamp's median offset from the leader's ``start``, per rank, in µs; ``gpu`` lin
 that rank's stream from its ``start`` to its last enqueue.
 
   python benchmarks/fanout_phases.py --sizes 359024,11158136 --iters 200
+  python benchmarks/fanout_phases.py --backend gloo --sizes 359024 --iters 200   # CPU ranks: raw, job, frames
 """
 
 from __future__ import annotations
@@ -45,11 +48,11 @@ import torch.multiprocessing as mp  # noqa: E402
 from stageferry.broker.data.payload_codec import plan_payload  # noqa: E402
 from stageferry.embedded_redis import free_port  # noqa: E402
 from stageferry.schemas import DeviceKind  # noqa: E402
-from stageferry.stages import frames, group_channel  # noqa: E402
+from stageferry.stages import frames, group_channel, mailbox  # noqa: E402
 from stageferry.stages.group_channel import GroupChannel, MessageKind  # noqa: E402
 
 WARMUP = 10
-KINDS = ("raw", "raw-ev", "mech", "mech-up", "mech-d2d", "job")
+KINDS = ("raw", "raw-ev", "mech", "mech-up", "mech-d2d", "job", "frames")
 JOB_JSON = '{"request_id":"bench","task":"T2VA","prompt":"' + "p" * 200 + '","params":{}}'
 _marks: list[tuple[str, float]] = []
 
@@ -62,7 +65,9 @@ def _instrument() -> None:
     """Stamp entry and exit of the channel's steps (this process only)."""
     steps = {
         GroupChannel: ("send", "receive", "_send_frame", "_receive_frame", "_propagate_frame",
-                       "_broadcast_region", "_receive_region", "_manifest", "_frame"),
+                       "_broadcast_region", "_receive_region", "_manifest", "_frame",
+                       "_send_by_mailbox", "_receive_by_mailbox"),
+        mailbox.Mailbox: ("post", "take"),
         frames.Staging: ("upload", "download", "wait"),
         frames.Frame: ("payload",),
     }  # fmt: skip
@@ -101,6 +106,9 @@ class Head:
 
 def _rank(rank: int, port: int, gpus: list[int], sizes: list[int], iters: int, out: Any) -> None:
     try:
+        if not gpus:
+            _cpu_body(rank, port, sizes, iters, out)
+            return
         _body(rank, port, gpus, sizes, iters, out)
     except BaseException:
         out.put(("error", rank, traceback.format_exc()))
@@ -114,6 +122,9 @@ def _body(rank: int, port: int, gpus: list[int], sizes: list[int], iters: int, o
     dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
     cpu = dist.new_group(backend="gloo")
     channel = GroupChannel(rank=rank, world_size=2, device=device, cpu_group=cpu, device_group=dist.group.WORLD)
+    old = GroupChannel(
+        rank=rank, world_size=2, device=device, cpu_group=cpu, device_group=dist.group.WORLD, mailbox=False
+    )
     _instrument()
     head = Head()
     header = b"\x01" * 300
@@ -164,9 +175,10 @@ def _body(rank: int, port: int, gpus: list[int], sizes: list[int], iters: int, o
                             mark("bcast2<")
                 elif rank == 0:
                     h = {"request_id": f"r{i}", "key": f"k{i}", "job": JOB_JSON, "sent_at": time.time()}
-                    channel.send(MessageKind.JOB, h, manifest=manifest, buffers={DeviceKind.CUDA: blob})
+                    on = channel if kind == "job" else old
+                    on.send(MessageKind.JOB, h, manifest=manifest, buffers={DeviceKind.CUDA: blob[:nbytes]})
                 else:
-                    message = channel.receive()
+                    message = (channel if kind == "job" else old).receive()
                     assert message.manifest is not None
                     assert message.payload is not None  # unpacked by the channel, as a follower's model gets it
                     mark("unpacked")
@@ -177,6 +189,45 @@ def _body(rank: int, port: int, gpus: list[int], sizes: list[int], iters: int, o
                     rows.append((kind, size, list(_marks), evs[0].elapsed_time(evs[1]) * 1e3))
         out.put(("rows", rank, rows))
     dist.barrier(group=cpu)
+    dist.destroy_process_group()
+
+
+def _cpu_body(rank: int, port: int, sizes: list[int], iters: int, out: Any) -> None:
+    """The ``raw``, ``job`` and ``frames`` rounds on CPU ranks over gloo (no device work to separate)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    world = dist.group.WORLD
+    channel = GroupChannel(rank=rank, world_size=2, device=torch.device("cpu"), cpu_group=world, device_group=world)
+    old = GroupChannel(
+        rank=rank, world_size=2, device=torch.device("cpu"), cpu_group=world, device_group=world, mailbox=False
+    )
+    _instrument()
+    for size in sizes:
+        blob = torch.randint(0, 255, (size + 4096,), dtype=torch.uint8)
+        manifest = plan_payload({"blob": blob[:size]}).manifest
+        nbytes = manifest.regions[0].nbytes
+        rows: list[tuple[str, int, list[tuple[str, float]], float]] = []
+        for i in range(iters + WARMUP):
+            for kind in ("raw", "job", "frames"):
+                dist.barrier(group=world)
+                _marks.clear()
+                mark("start")
+                on = channel if kind == "job" else old
+                if kind == "raw":
+                    dist.broadcast(blob[:nbytes], src=0)
+                    mark("bcast<")
+                elif rank == 0:
+                    h = {"request_id": f"r{i}", "key": f"k{i}", "job": JOB_JSON, "sent_at": time.time()}
+                    on.send(MessageKind.JOB, h, manifest=manifest, buffers={DeviceKind.CPU: blob[:nbytes]})
+                else:
+                    assert on.receive().payload is not None
+                    mark("unpacked")
+                mark("end")
+                if i >= WARMUP:
+                    rows.append((kind, size, list(_marks), 0.0))
+        out.put(("rows", rank, rows))
+    dist.barrier(group=world)
     dist.destroy_process_group()
 
 
@@ -222,11 +273,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="359024,11158136")
     parser.add_argument("--gpus", default="1,0")
+    parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl", help="gloo: CPU ranks")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--timeout", type=float, default=120)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    gpus = [int(g) for g in args.gpus.split(",")]
+    gpus = [int(g) for g in args.gpus.split(",")] if args.backend == "nccl" else []
     print(f"torch {torch.__version__}, cuda devices {torch.cuda.device_count()}, gpus {gpus}", flush=True)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -20,7 +20,7 @@ run_step() {  # name, seconds, command...
   } 2>&1 | tee "$out/$name.txt"
 }
 tx=(python3 benchmarks/transfer.py --scaling-sizes "" --inflight 1)
-steps=${*:-gpu_tests t2va_gpu ref2va_gpu t2va_cpu ref2va_cpu hop fanout fanout_nccl throughput}
+steps=${*:-gpu_tests shm_tests t2va_gpu ref2va_gpu t2va_cpu ref2va_cpu hop fanout fanout_nccl throughput}
 for s in $steps; do
   case $s in
     gpu_tests) run_step "$s" 200 python3 -m pytest -q -p no:cacheprovider -rs --tb=short --durations=8 \
@@ -33,9 +33,13 @@ for s in $steps; do
     t2va_cpu) run_step "$s" 90 "${tx[@]}" --sizes 359024 --iters 300 --zero-copy ;;
     ref2va_cpu) run_step "$s" 120 "${tx[@]}" --sizes 11158136,64963792 --iters 20 --zero-copy ;;
     hop) run_step "$s" 60 python3 benchmarks/hop_breakdown.py --hops 400 ;;
-    fanout) run_step "$s" 120 python3 benchmarks/fanout.py --mode nixl-fanout --ranks 2 \
+    shm_tests) run_step "$s" 200 python3 -m pytest -q -p no:cacheprovider -rs --tb=short \
+                 tests/stages/test_group_channel.py tests/stages/test_mailbox.py ;;
+    phases) run_step "$s" 120 python3 benchmarks/fanout_phases.py --sizes 359024,11158136,64963792 \
+              --iters 200 --timeout 50 ;;
+    fanout) run_step "$s" 150 python3 benchmarks/fanout.py --mode nixl-fanout --ranks 2 \
               --sizes 359024,11158136,64963792 --iters 200 --timeout 28 --hang-dump 28 ;;
-    fanout_nccl) run_step "$s" 90 python3 benchmarks/fanout.py --backend nccl --ranks 2 \
+    fanout_nccl) run_step "$s" 120 python3 benchmarks/fanout.py --backend nccl --ranks 2 \
                    --sizes 359024,64963792 --iters 200 --timeout 28 --hang-dump 28 ;;
     throughput) run_step "$s" 330 python3 benchmarks/throughput.py --tasks T2VA,Ref2VA --replicas 1,2,4 \
                   --requests "${REQUESTS:-600}" --edges nixl ;;

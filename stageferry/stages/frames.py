@@ -39,23 +39,26 @@ class Frame:
     """A kept frame: its buffer, views of its head and of its inline regions (by size), and — on a
     follower — the payloads unpacked over it (by manifest), so a repeated shape makes no new views."""
 
-    __slots__ = ("_payloads", "_regions", "buf", "head", "host")
+    __slots__ = ("_offset", "_payloads", "_regions", "buf", "head", "host")
 
-    def __init__(self, capacity: int, device: torch.device) -> None:
+    def __init__(self, capacity: int, device: torch.device, head: int = FRAME_BYTES) -> None:
+        """``head``: bytes before the inline region (0 for a *carrier*: a header that came by the
+        group's mailbox, :mod:`.mailbox`, leaves the whole frame to the payload)."""
         self.buf = torch.empty(capacity, dtype=torch.uint8, device=device)
-        self.head = self.buf[:FRAME_BYTES]
+        self._offset = head
+        self.head = self.buf[:head]
         #: A CPU frame's bytes as numpy (it is its own host copy); ``None`` on a GPU (see :class:`Staging`).
         self.host: np.ndarray | None = None if self.buf.is_cuda else self.buf.numpy()
         self._regions: dict[int, torch.Tensor] = {}
         self._payloads: collections.OrderedDict[str, Any] = collections.OrderedDict()
 
     def region(self, nbytes: int) -> torch.Tensor:
-        """The inline region of ``nbytes`` bytes, right after the head."""
+        """The inline region of ``nbytes`` bytes, right after the head (if any)."""
         view = self._regions.get(nbytes)
         if view is None:
             if len(self._regions) >= PAYLOAD_CACHE_SIZE:
                 self._regions.clear()
-            view = self._regions[nbytes] = self.buf[FRAME_BYTES : FRAME_BYTES + nbytes]
+            view = self._regions[nbytes] = self.buf[self._offset : self._offset + nbytes]
         return view
 
     def payload(self, key: str, manifest: Manifest, buffers: Mapping[DeviceKind, torch.Tensor]) -> Any:

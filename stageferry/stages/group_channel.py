@@ -27,6 +27,18 @@ travel over the gloo group.  Message kinds:
 * ``noop`` — keeps idle followers' collectives well inside their timeout;
 * ``stop`` — the group is draining: followers return.
 
+**Headers by mailbox.**  All ranks of a group normally share a host, and then a header goes through
+host shared memory (:mod:`.mailbox`) instead of a frame: the leader writes it there, then broadcasts the
+message's *carrier* — the announced number of bytes, straight from its payload buffer (its pool slot) when
+the region fits exactly, else copied into a kept carrier (a smaller region) or a kept dummy carrier (no
+region, or a larger one, which then gets its own broadcast).  A follower posts the carrier's broadcast into
+a kept buffer on entering :meth:`GroupChannel.receive`, before it reads the header — so the broadcast
+never waits for it — and reads the header from the mailbox while the bytes move.  No header upload, no
+download, no copy of a repeated shape's region on the leader.  :meth:`GroupChannel.link` sets this up on
+the first message (a collective over the gloo group); where a follower cannot map the leader's mailbox
+(another host, no ``/dev/shm``), or with ``STAGEFERRY_GROUP_MAILBOX=0``, the whole group keeps frames.  A
+header too long for a mailbox slot says so in its slot and follows the carrier over the device group.
+
 After a job every rank contributes to one all-reduce of a failure flag, so a model error on any rank
 fails the request on the leader instead of leaving the group out of step.
 
@@ -42,6 +54,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +66,7 @@ import torch.distributed as dist
 from stageferry.broker.data.payload_codec import unpack, validate_manifest
 from stageferry.schemas import DeviceKind, Manifest
 from stageferry.stages.frames import FRAME_BYTES, HEAD_LEN, Frame, Staging, to_host
+from stageferry.stages.mailbox import LONG, Mailbox, handshake
 
 __all__ = ["FRAME_BYTES", "GroupChannel", "Hop", "Message", "MessageKind", "ModelGroups"]
 
@@ -65,6 +79,14 @@ _INLINE_GRAIN = 4096
 MANIFEST_CACHE_SIZE = 64
 #: Frames a rank keeps, one per recent frame size (at most ``FRAME_BYTES + INLINE_MAX_BYTES`` each).
 FRAME_CACHE_SIZE = 4
+#: The largest carrier (mailbox mode) by the ranks' memory kind.  On GPUs a region of the announced size
+#: rides the carrier with no copy and no header in front of it, so the 11 MB task size rides too; but a
+#: carrier is sent whole whatever follows — a noop, or a smaller job after a large one — so it stays small
+#: enough (≈ 0.06 ms of NVLink) that a mix of shapes cannot cost more than it saves; 65 MB regions keep
+#: their own broadcast.  Over gloo a dummy carrier costs real time: CPU ranks keep the frames' limit.
+CARRIER_MAX_BYTES = {"cuda": 16 << 20, "cpu": INLINE_MAX_BYTES}
+#: The carrier of a group's first message, and of messages after a payload too large to ride one.
+CARRIER_MIN_BYTES = 64
 
 
 class MessageKind(enum.StrEnum):
@@ -130,6 +152,7 @@ class GroupChannel:
         device_group: Any,
         route: Sequence[Hop] | None = None,
         model_groups: ModelGroups | None = None,
+        mailbox: bool | None = None,
     ):
         self.rank = rank
         self.world_size = world_size
@@ -146,6 +169,12 @@ class GroupChannel:
         self._frame_dev = device if device.type == "cuda" else torch.device("cpu")
         self._own = DeviceKind.CUDA if device.type == "cuda" else DeviceKind.CPU
         self._sent_manifest: tuple[Manifest | None, str | None] = (None, None)
+        if mailbox is None:
+            mailbox = os.environ.get("STAGEFERRY_GROUP_MAILBOX", "1") != "0"
+        self._linked = not mailbox  # frames only: nothing to set up
+        self._mailbox: Mailbox | None = None
+        self._carrier_max = CARRIER_MAX_BYTES[self._frame_dev.type]
+        self._posted: Any = None  # a GPU follower's event after its carrier's broadcast
 
     @classmethod
     def solo(cls, device: torch.device) -> GroupChannel:
@@ -187,6 +216,11 @@ class GroupChannel:
                 if buf.numel() < region.nbytes:  # NCCL would wait forever for the missing bytes
                     raise ValueError(f"{region.device} buffer of {buf.numel()} bytes, region of {region.nbytes}")
                 regions[region.device] = buf if buf.numel() == region.nbytes else buf[: region.nbytes]
+        if not self._linked:
+            self.link()
+        if self._mailbox is not None:
+            self._send_by_mailbox(kind, header, media, manifest, regions, buffers)
+            return
         inline = regions.get(self._own)
         capacity = self._capacity
         body = dict(header) if header else {}
@@ -201,24 +235,85 @@ class GroupChannel:
             packed = msgpack.packb(body, use_bin_type=True)
         self._send_frame(packed, inline if body["inline"] else None)
         self._capacity = body["next"]
-        for name in sorted(media or ()):  # sizes are in the header: no length broadcast
+        self._send_rest(media, regions, body["inline"])
+        self._count(kind, manifest)  # after the broadcasts: bookkeeping never delays the first byte
+
+    def _send_by_mailbox(
+        self,
+        kind: MessageKind,
+        header: Mapping[str, Any] | None,
+        media: Mapping[str, bytes] | None,
+        manifest: Manifest | None,
+        regions: dict[DeviceKind, torch.Tensor],
+        buffers: Mapping[DeviceKind, torch.Tensor] | None,
+    ) -> None:
+        """The header into the mailbox, then the carrier the last header announced (see the module
+        docstring): the region itself when it fills the carrier, so the leader copies nothing."""
+        assert self._mailbox is not None
+        capacity = self._capacity
+        own = regions.get(self._own)
+        n = own.numel() if own is not None else 0
+        inline = 0 < n <= capacity
+        carrier: torch.Tensor | None = None
+        if inline:
+            assert own is not None and buffers is not None
+            whole = buffers[self._own]
+            if whole.numel() >= capacity and whole.device == self._frame_dev:  # bytes past the region: ignored
+                carrier = whole if whole.numel() == capacity else whole[:capacity]
+        body = dict(header) if header else {}
+        body["kind"] = kind.value
+        body["media"] = {name: len(data) for name, data in media.items()} if media else {}
+        body["manifest"] = self._manifest_json(manifest)
+        body["inline"] = inline
+        body["next"] = capacity if not n else (n if n <= self._carrier_max else CARRIER_MIN_BYTES)
+        packed = msgpack.packb(body, use_bin_type=True)
+        if len(packed) > MAX_HEADER_BYTES:
+            raise ValueError(f"header of {len(packed)} bytes")
+        long = len(packed) > self._mailbox.capacity
+        if carrier is None:  # a dummy carrier, or a shorter region copied into a kept one
+            frame = self._frame(head=0)
+            if inline:
+                assert own is not None
+                frame.region(n).copy_(own if own.device == frame.buf.device else own.to(frame.buf.device))
+            carrier = frame.buf
+        if long:
+            self._mailbox.post(b"", flags=LONG, length=len(packed))
+        else:
+            self._mailbox.post(packed)
+        self._propagate_frame(carrier)
+        self._capacity = body["next"]
+        if long:
+            self._propagate_frame(torch.frombuffer(bytearray(packed), dtype=torch.uint8).to(self._frame_dev))
+        self._send_rest(media, regions, inline)
+        self._count(kind, manifest)
+
+    def _send_rest(
+        self, media: Mapping[str, bytes] | None, regions: dict[DeviceKind, torch.Tensor], inline: bool
+    ) -> None:
+        """Media (sizes are in the header: no length broadcast), then every region that did not ride."""
+        for name in sorted(media or ()):
             assert media is not None
             self._broadcast_bytes(media[name], expect=len(media[name]))
         for device_kind, buf in regions.items():
-            if buf.numel() and not (body["inline"] and device_kind is self._own):
+            if buf.numel() and not (inline and device_kind is self._own):
                 self._broadcast_region(buf, device_kind)
-        self._count(kind, manifest)  # after the broadcasts: bookkeeping never delays the first byte
 
     # ------------------------------------------------------------------ followers
 
     def receive(self) -> Message:
         """Block until the leader's next message (followers only).  Its inline buffers and payload hold
         until the next call (see :class:`Message`)."""
-        frame, raw = self._receive_frame()
+        if not self._linked:
+            self.link()
+        frame, raw = self._receive_frame() if self._mailbox is None else self._receive_by_mailbox()
         body = msgpack.unpackb(raw, raw=False, strict_map_key=True)
         kind = MessageKind(body.pop("kind"))
         inline = bool(body.pop("inline", False))
-        self._capacity = _checked_capacity(body.pop("next", FRAME_BYTES))
+        if self._mailbox is None:
+            self._capacity = _checked_capacity(body.pop("next", FRAME_BYTES))
+        else:
+            self._capacity = _checked_carrier(body.pop("next", CARRIER_MIN_BYTES), self._carrier_max)
+        offset = FRAME_BYTES if self._mailbox is None else 0
         sizes = body.pop("media") or {}
         media = {name: self._broadcast_bytes(None, expect=int(sizes[name])) for name in sorted(sizes)}
         manifest_json = body.pop("manifest")
@@ -229,7 +324,7 @@ class GroupChannel:
         buffers: dict[DeviceKind, torch.Tensor] = {}
         for region in manifest.regions:
             if inline and region.device is self._own:
-                if FRAME_BYTES + region.nbytes > frame.buf.numel():
+                if offset + region.nbytes > frame.buf.numel():
                     raise ValueError(f"inline region of {region.nbytes} bytes in a {frame.buf.numel()}-byte frame")
                 buffers[region.device] = frame.region(region.nbytes)
             else:
@@ -242,6 +337,26 @@ class GroupChannel:
         return Message(kind=kind, header=body, media=media, buffers=buffers, manifest=manifest, payload=payload)
 
     # ------------------------------------------------------------------ every rank
+
+    def link(self) -> bool:
+        """Set up the header mailbox with every rank of the group — a collective over the gloo group, run
+        by the first :meth:`send` / :meth:`receive` — and say whether the group uses it.
+
+        The leader creates it and broadcasts its name and a random token; each follower maps it and checks
+        the token (a follower on another host finds no such file); one all-reduce agrees, so either every
+        rank uses it or none does.  The leader then unlinks the name: from here on nothing is left in
+        ``/dev/shm`` whatever happens to the processes.  Not counted in :meth:`collectives` (setup, once)."""
+        self._linked = True
+        if self.world_size > 1:
+            self._mailbox = handshake(self.rank, self.world_size, self.cpu_group)
+            if self._mailbox is not None:
+                self._capacity = CARRIER_MIN_BYTES
+        return self._mailbox is not None
+
+    @property
+    def uses_mailbox(self) -> bool:
+        """Whether this group's headers go by its mailbox (after :meth:`link`)."""
+        return self._mailbox is not None
 
     def any_failed(self, failed: bool) -> bool:
         """All-reduce a failure flag: True on every rank if any rank failed."""
@@ -309,7 +424,7 @@ class GroupChannel:
             self._staging = Staging()
         return self._staging
 
-    def _frame(self) -> Frame:
+    def _frame(self, head: int = FRAME_BYTES) -> Frame:
         """The kept frame of the announced size: frames are received into again, not allocated per job.
 
         Reuse is safe on every rank: on GPUs each step — the header's copy, the region's, the broadcast,
@@ -317,7 +432,7 @@ class GroupChannel:
         waits for the current stream and makes it wait in turn); gloo broadcasts return when done."""
         frame = self._frames.get(self._capacity)
         if frame is None:
-            frame = self._frames[self._capacity] = Frame(self._capacity, self._frame_dev)
+            frame = self._frames[self._capacity] = Frame(self._capacity, self._frame_dev, head)
             if len(self._frames) > FRAME_CACHE_SIZE:
                 self._frames.popitem(last=False)
         else:
@@ -361,6 +476,29 @@ class GroupChannel:
         self._propagate_frame(tail)
         return frame, head + to_host(tail)
 
+    def _receive_by_mailbox(self) -> tuple[Frame, bytes]:
+        """The carrier (kept: inline regions are views of it) and the header from the mailbox.  The
+        carrier's broadcast is posted *before* the header is read, so it never waits for this rank."""
+        assert self._mailbox is not None
+        frame = self._frame(head=0)
+        self._propagate_frame(frame.buf)
+        data, flags, length = self._mailbox.take(self._block_on_carrier if frame.buf.is_cuda else None)
+        if not flags & LONG:
+            return frame, data
+        if length > MAX_HEADER_BYTES:
+            raise ValueError(f"header of {length} bytes from the leader")
+        tail = torch.empty(length, dtype=torch.uint8, device=self._frame_dev)
+        self._propagate_frame(tail)
+        return frame, to_host(tail)
+
+    def _block_on_carrier(self) -> None:
+        """An idle GPU follower sleeps until the carrier has landed (the leader wrote the header before
+        sending it), on a blocking event rather than a spinning poll."""
+        if self._posted is None:
+            self._posted = torch.cuda.Event(blocking=True)
+        self._posted.record()
+        self._posted.synchronize()
+
     def _broadcast_bytes(self, data: bytes | None, *, expect: int) -> bytes:
         """``expect`` bytes (their size is in the header) from rank 0 over the gloo group."""
         n = expect
@@ -400,4 +538,12 @@ def _checked_capacity(value: Any) -> int:
     capacity = int(value)
     if not FRAME_BYTES <= capacity <= FRAME_BYTES + INLINE_MAX_BYTES + _INLINE_GRAIN:
         raise ValueError(f"next frame of {capacity} bytes from the leader")
+    return capacity
+
+
+def _checked_carrier(value: Any, most: int) -> int:
+    """A next-carrier size from the leader's header, within what a leader can announce."""
+    capacity = int(value)
+    if not 1 <= capacity <= most:
+        raise ValueError(f"next carrier of {capacity} bytes from the leader")
     return capacity

@@ -8,7 +8,8 @@ that does not (its tail follows), media, and payload regions — the first of a 
 broadcast, the next ones inline in the frame (its size announced by the previous header), a larger
 shape on its own again, then inline, then inline once more — into the frame it kept, with the payload's
 views handed out afresh.  Over gloo always; over NCCL (CUDA payloads, the frames on the GPUs) where two
-GPUs are present.
+GPUs are present.  Both with headers in the group's mailbox (:mod:`stageferry.stages.mailbox`; the frame
+is then a *carrier* with no head) and without (frames carry them).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _payload(n: int = 1000, seed: int = 0, on: torch.device | None = None) -> di
 MORE = [("inline", 1000, 1), ("larger", 5000, 2), ("larger inline", 5000, 3), ("kept frame", 5000, 4)]
 
 
-def _rank(rank: int, port: int, backend: str, out: Any) -> None:
+def _rank(rank: int, port: int, backend: str, mailbox: bool, out: Any) -> None:
     try:
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -57,7 +58,7 @@ def _rank(rank: int, port: int, backend: str, out: Any) -> None:
             on = torch.device("cpu")
             dist.init_process_group("gloo", rank=rank, world_size=2)
             cpu, device = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
-        channel = GroupChannel(rank=rank, world_size=2, device=on, cpu_group=cpu, device_group=device)
+        channel = GroupChannel(rank=rank, world_size=2, device=on, cpu_group=cpu, device_group=device, mailbox=mailbox)
         kind = DeviceKind.CUDA if on.type == "cuda" else DeviceKind.CPU
         plan = plan_payload(_payload(on=on))
         steps: list[tuple[str, dict[str, int]]] = []
@@ -77,7 +78,7 @@ def _rank(rank: int, port: int, backend: str, out: Any) -> None:
                 channel.send(MessageKind.JOB, {"request_id": name}, manifest=manifest, buffers=buffers)
                 steps.append((name, channel.collectives()))
             channel.send(MessageKind.STOP)
-            out.put(("leader", steps))
+            out.put(("leader", steps, channel.uses_mailbox))
         else:
             got, exact = [], []
             held: Any = None
@@ -116,6 +117,7 @@ def _rank(rank: int, port: int, backend: str, out: Any) -> None:
                     media.media,
                     exact,
                     stop.kind.value,
+                    channel.uses_mailbox,
                 )
             )
         dist.destroy_process_group()
@@ -126,7 +128,7 @@ def _rank(rank: int, port: int, backend: str, out: Any) -> None:
 #: Broadcasts after each step, by group.  On gloo a CPU region rides the ``cpu`` group; on NCCL a CUDA
 #: region rides the device group (frames and regions alike), and only media take gloo.
 EXPECTED = {
-    "gloo": {
+    ("gloo", False): {
         "small": {"cpu": 0, "device": 1},
         "big": {"cpu": 0, "device": 3},
         "media": {"cpu": 1, "device": 4},
@@ -136,7 +138,7 @@ EXPECTED = {
         "larger inline": {"cpu": 3, "device": 8},
         "kept frame": {"cpu": 3, "device": 9},
     },
-    "nccl": {
+    ("nccl", False): {
         "small": {"cpu": 0, "device": 1},
         "big": {"cpu": 0, "device": 3},
         "media": {"cpu": 1, "device": 4},
@@ -145,6 +147,28 @@ EXPECTED = {
         "larger": {"cpu": 1, "device": 9},
         "larger inline": {"cpu": 1, "device": 10},
         "kept frame": {"cpu": 1, "device": 11},
+    },
+    # Headers by mailbox: no broadcast for a long header's tail (it fits a slot); every message still
+    # takes one carrier broadcast, which a region of the announced size rides with no copy.
+    ("gloo", True): {
+        "small": {"cpu": 0, "device": 1},
+        "big": {"cpu": 0, "device": 2},
+        "media": {"cpu": 1, "device": 3},
+        "payload": {"cpu": 2, "device": 4},
+        "inline": {"cpu": 2, "device": 5},
+        "larger": {"cpu": 3, "device": 6},
+        "larger inline": {"cpu": 3, "device": 7},
+        "kept frame": {"cpu": 3, "device": 8},
+    },
+    ("nccl", True): {
+        "small": {"cpu": 0, "device": 1},
+        "big": {"cpu": 0, "device": 2},
+        "media": {"cpu": 1, "device": 3},
+        "payload": {"cpu": 1, "device": 5},
+        "inline": {"cpu": 1, "device": 6},
+        "larger": {"cpu": 1, "device": 8},
+        "larger inline": {"cpu": 1, "device": 9},
+        "kept frame": {"cpu": 1, "device": 10},
     },
 }
 
@@ -161,11 +185,12 @@ EXPECTED = {
         ),
     ],
 )
-def test_headers_take_one_broadcast_on_the_device_group_and_none_on_gloo(backend: str) -> None:
+@pytest.mark.parametrize("mailbox", [True, False], ids=["mailbox", "frames"])
+def test_headers_take_one_broadcast_on_the_device_group_and_none_on_gloo(backend: str, mailbox: bool) -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, backend, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, backend, mailbox, out)) for r in range(2)]
     for p in procs:
         p.start()
     results = {}
@@ -175,8 +200,9 @@ def test_headers_take_one_broadcast_on_the_device_group_and_none_on_gloo(backend
         results[item[0]] = item
     for p in procs:
         p.join(30)
-    _, leader = results["leader"]
-    _, follower, request_id, big_ok, media, exact, stop = results["follower"]
+    _, leader, leader_mailbox = results["leader"]
+    _, follower, request_id, big_ok, media, exact, stop, follower_mailbox = results["follower"]
+    assert leader_mailbox == follower_mailbox == mailbox
     # Both sides took part in the same broadcasts, step by step.
     assert leader == follower
     # A header that fits: one broadcast, on the device group; nothing on the cpu (gloo) group.  A header
@@ -184,7 +210,7 @@ def test_headers_take_one_broadcast_on_the_device_group_and_none_on_gloo(backend
     # header) ride gloo, one broadcast each.  The first payload of a shape: the frame, then its region;
     # the same shape again: inline in the frame the last header announced — one broadcast, none on gloo;
     # a larger shape does not fit that frame: its own broadcast, and the next ones of that shape inline.
-    assert dict(leader) == EXPECTED[backend]
+    assert dict(leader) == EXPECTED[backend, mailbox]
     # Every payload arrived bit-exact; the kept frame's third payload reused the frame, in fresh views.
     assert request_id == "r1" and big_ok and media == {"ref": b"\x00media\xff"}
     assert exact == [True] * 8
