@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import anyio  # noqa: E402
 import torch  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
-from transfer import connector, payload_for  # noqa: E402
+from transfer import WRITE_LUA, connector, payload_for  # noqa: E402
 
 from stageferry.broker.control.keys import Keys  # noqa: E402
 from stageferry.broker.control.redis_conn import connect  # noqa: E402
@@ -55,7 +55,7 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
         consumer.endpoint.redis, keys, "c", "c-0", visibility_ms=600_000, lease_claim=consumer.lease_claim()
     )
     await stream.ensure_group()
-    writer = producer.endpoint.redis
+    write = producer.endpoint.redis.register_script(WRITE_LUA)
     refs: TypeAdapter[PayloadRef] = TypeAdapter(PayloadRef)
     payload = payload_for(args.bytes, cpu)
     steps: dict[str, list[float]] = {}
@@ -67,11 +67,9 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
 
     async def hand_off(ref: NixlPayload) -> None:
         """What a producer stage's hand-off writes: the entry and the wake-up, one round trip."""
-        async with writer.pipeline(transaction=True) as pipe:
-            pipe.xadd(keys.stage_stream("c"), {"ref": ref.model_dump_json(), LEASE_FIELD: ref.token})
-            pipe.lpush(keys.wake("c"), "1")
-            pipe.ltrim(keys.wake("c"), 0, 15)
-            await pipe.execute()
+        await write(
+            keys=[keys.stage_stream("c"), keys.wake("c")], args=["ref", ref.model_dump_json(), LEASE_FIELD, ref.token]
+        )
 
     async with anyio.create_task_group() as tg:
         await tg.start(producer.run)

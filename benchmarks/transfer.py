@@ -9,7 +9,7 @@
 Two processes wired like two stage leaders: a producer (this script with ``--role producer``) holding a
 real :class:`NixlConnector`, and the consumer (this process) with its own.  Every hop is lock-step: the
 consumer asks for one payload, the producer puts it and writes the entry as a stage's hand-off does (XADD
-to the stage stream and a push to its wake list, one round trip), the consumer reads it as a stage does
+to the stage stream and a push to its wake list, in one script), the consumer reads it as a stage does
 (:meth:`StageStream.read`, whose script claims a NIXL payload's lease in the same round trip) and fetches
 the payload (``get``) until it holds the tensors; the entry is acknowledged after that, untimed, as a
 stage acknowledges it once it handed its output on.  Per size and iteration the paths run
@@ -56,7 +56,7 @@ from bench_stats import TASK_BYTES, TASK_OF_SIZE, cell, human, machine_facts, me
 
 from stageferry.broker.control.keys import Keys  # noqa: E402
 from stageferry.broker.control.redis_conn import connect  # noqa: E402
-from stageferry.broker.control.streams import LEASE_FIELD, Entry, StageStream  # noqa: E402
+from stageferry.broker.control.streams import LEASE_FIELD, WAKE_LUA, Entry, StageStream  # noqa: E402
 from stageferry.broker.data.inline import InlineConnector  # noqa: E402
 from stageferry.broker.data.nixl.connector import NixlConnector  # noqa: E402
 from stageferry.broker.data.payload_codec import pack_into, plan_payload  # noqa: E402
@@ -72,6 +72,9 @@ DEFAULT_SIZES = sorted([4 * KiB * 4**i for i in range(9)] + list(TASK_BYTES.valu
 WARMUP = 3
 INLINE_CAP = 1 << 30
 STAGE = "bench"  #: the consumer's stage stream
+#: The entry and the stage's wake-up in one script, as a stage's hand-off script writes them (KEYS: the
+#: stream, the wake list; ARGV: field, value, ...).
+WRITE_LUA = "redis.call('XADD', KEYS[1], '*', unpack(ARGV))\n" + WAKE_LUA
 HOP_TARGET_MS = 1.2  # T2VA hop, p50 (issue 20; was 2.0)
 HOP_P99_TARGET_MS = 2.0  # T2VA hop, p99 (issue 20, GPU)
 RATIO_TARGET = 20.0  # Ref2VA: inline through Redis / NIXL, CPU
@@ -155,6 +158,7 @@ async def producer(args: argparse.Namespace) -> None:
     payloads: dict[int, Any] = {}
     cmd_key, keys = f"{args.prefix}:bench:cmd", Keys(args.prefix)
     stream_key, wake_key = keys.stage_stream(STAGE), keys.wake(STAGE)
+    write = bench.register_script(WRITE_LUA)
 
     async def send(op: str, nbytes: int, i: int) -> None:
         if nbytes not in payloads:
@@ -180,11 +184,8 @@ async def producer(args: argparse.Namespace) -> None:
             fields["blob"] = out.blob
         if isinstance(out.ref, NixlPayload):
             fields[LEASE_FIELD] = out.ref.token  # claimed by the consumer's stream read
-        async with bench.pipeline(transaction=True) as pipe:  # as a hand-off writes: the entry, the wake-up
-            pipe.xadd(stream_key, fields)
-            pipe.lpush(wake_key, "1")
-            pipe.ltrim(wake_key, 0, 15)
-            await pipe.execute()
+        flat = [item for pair in fields.items() for item in pair]
+        await write(keys=[stream_key, wake_key], args=flat)  # as a hand-off writes: the entry, the wake-up
 
     async with anyio.create_task_group() as tg:
         await tg.start(conn.run)
