@@ -31,6 +31,16 @@ def cell(values: Sequence[float], digits: int = 3) -> str:
     return f"{median(values):.{digits}f} / {pct(values, 99):.{digits}f}"
 
 
+def print_steps(title: str, steps: dict[str, list[float]], *, unit: str, q: int, digits: int) -> None:
+    """A diagnostic's table: one row per step, its median and its ``q``-th percentile (by index)."""
+    print(f"| {title} | p50 {unit} | p{q} {unit} |")
+    print("| --- | ---: | ---: |")
+    for name, values in steps.items():
+        ordered = sorted(values)
+        tail = ordered[int(q / 100 * (len(ordered) - 1))]
+        print(f"| {name} | {statistics.median(values):.{digits}f} | {tail:.{digits}f} |")
+
+
 def human(n: int) -> str:
     """A byte count as a table label: ``4 KiB``, ``64 MiB``, or the task name for task payload sizes."""
     if n in TASK_OF_SIZE:

@@ -18,7 +18,6 @@ series times the whole ``connector.get`` as a stage calls it.  Medians after 50 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 import uuid
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import anyio  # noqa: E402
 import torch  # noqa: E402
+from bench_stats import print_steps  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
 from transfer import WRITE_LUA, connector, payload_for  # noqa: E402
 
@@ -146,11 +146,8 @@ def main() -> None:
     configure_logging(fmt="json", level="warning", service="bench-breakdown")
     steps = anyio.run(run, args)
     print(f"$ python {' '.join(sys.argv)}\n")
-    print(f"| step ({args.bytes:,} bytes, progress delay {args.progress_delay_us} µs) | p50 ms | p99 ms |")
-    print("| --- | ---: | ---: |")
-    for name, values in steps.items():
-        ordered = sorted(values)
-        print(f"| {name} | {statistics.median(values):.3f} | {ordered[int(0.99 * (len(ordered) - 1))]:.3f} |")
+    title = f"step ({args.bytes:,} bytes, progress delay {args.progress_delay_us} µs)"
+    print_steps(title, steps, unit="ms", q=99, digits=3)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import hmac
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import anyio  # noqa: E402
 import torch  # noqa: E402
+from bench_stats import print_steps  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
 
 from stageferry.broker.control.keys import Keys  # noqa: E402
@@ -129,11 +129,7 @@ def main() -> None:
     configure_logging(fmt="json", level="warning", service="bench-hop-python")
     steps = anyio.run(run, args.task, args.rounds)
     print(f"$ python {' '.join(sys.argv)}\n")
-    print(f"| step ({args.task}, {TASKS[args.task][1]:,} bytes) | p50 µs | p90 µs |")
-    print("| --- | ---: | ---: |")
-    for name, values in steps.items():
-        ordered = sorted(values)
-        print(f"| {name} | {statistics.median(values):.1f} | {ordered[int(0.9 * (len(ordered) - 1))]:.1f} |")
+    print_steps(f"step ({args.task}, {TASKS[args.task][1]:,} bytes)", steps, unit="µs", q=90, digits=1)
 
 
 if __name__ == "__main__":
