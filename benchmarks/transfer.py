@@ -56,7 +56,8 @@ from bench_stats import TASK_BYTES, TASK_OF_SIZE, cell, human, machine_facts, me
 
 from stageferry.broker.control.keys import Keys  # noqa: E402
 from stageferry.broker.control.redis_conn import connect  # noqa: E402
-from stageferry.broker.control.streams import LEASE_FIELD, WAKE_LUA, Entry, StageStream  # noqa: E402
+from stageferry.broker.control.stream_scripts import WAKE_LUA  # noqa: E402
+from stageferry.broker.control.streams import LEASE_FIELD, Entry, StageStream  # noqa: E402
 from stageferry.broker.data.inline import InlineConnector  # noqa: E402
 from stageferry.broker.data.nixl.connector import NixlConnector  # noqa: E402
 from stageferry.broker.data.payload_codec import pack_into, plan_payload  # noqa: E402

@@ -1,0 +1,181 @@
+"""The Lua scripts behind :class:`~stageferry.broker.control.streams.StageStream`, one per step.
+
+Every script that changes an entry (hand on, ack, finish, renew) starts with the same ownership
+fragment, :data:`OWNED`: it checks in the group's pending list that this consumer still owns the entry,
+and returns 0 without writing anything if not.  Built from one fragment so that no step can forget the
+check: a replica that stalled past the visibility timeout and lost its entry to another replica can
+never hand the same work on twice.  :data:`READ_CAPPED` reads (own pending, reclaimed, new) in one
+round trip, measures entries inside Redis and claims a new entry's lease (see the ``streams`` module
+docstring for why each).  Every writer of ours pushes the stage's wake list in the script of its XADD
+(:data:`WAKE_LUA`).
+"""
+
+from __future__ import annotations
+
+from stageferry.broker.control.requests import SET_STATUS_FN, STATUS_ARGS
+
+OWNED = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
+"""
+
+#: Pushed to a stage's wake list after every XADD by our own writers; bounded, so a list nobody pops stays small.
+WAKE_LUA = """
+redis.call('LPUSH', KEYS[#KEYS], '1')
+redis.call('LTRIM', KEYS[#KEYS], 0, 15)
+"""
+
+# KEYS: src stream, dst stream, dst wake list. ARGV: group, consumer, entry id, field, value, field, value, ...
+HANDOFF = (
+    OWNED
+    + """
+local fields = {}
+for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], '*', unpack(fields))
+"""
+    + WAKE_LUA
+    + """
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+return 1
+"""
+)
+
+# The hand-off and the next stage's "queued" status in one step (one round trip, was two): KEYS: src
+# stream, dst stream, request hash, events stream, cancel flag, crash mark, dst wake list. ARGV: group,
+# consumer, entry id, the status write's STATUS_ARGS arguments (requests.SET_STATUS_FN), then field,
+# value, ...  The status is written only when the entry was still ours and has been handed on, exactly as
+# the separate write was.  The request's cancel flag is looked at first (-2: nothing done; was a round
+# trip of its own), and the entry's crash mark is deleted once the work is settled, handed on or not
+# ours any more (was a DEL of its own).
+HANDOFF_WITH_STATUS = (
+    SET_STATUS_FN
+    + """
+if redis.call('EXISTS', KEYS[5]) == 1 then return -2 end
+redis.call('DEL', KEYS[6])
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
+"""
+    + f"""
+local fields = {{}}
+for i = {4 + STATUS_ARGS}, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], '*', unpack(fields))
+"""
+    + WAKE_LUA
+    + f"""
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+local status = {{}}
+for i = 4, {3 + STATUS_ARGS} do status[#status + 1] = ARGV[i] end
+set_status({{KEYS[3], KEYS[4]}}, status)
+return 1
+"""
+)
+
+# KEYS: src stream. ARGV: group, consumer, entry id.
+ACK = (
+    OWNED
+    + """
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+return 1
+"""
+)
+
+# The last stage's whole ending in one step (one round trip, was five: the cancel check, the result's
+# SET, the "done" status, the ack, the crash mark's DEL).  KEYS: src stream, request hash, events stream,
+# cancel flag, crash mark, result key.  ARGV: group, consumer, entry id, the status write's STATUS_ARGS
+# arguments, then '1' and the result's ttl and bytes to store it (SET NX), or '0'.
+# Returns {-2, 0} when the request is cancelled (nothing written), else {owned, written}: the result and
+# the status are written whether or not the entry is still ours (first terminal writer wins, as when they
+# were separate commands), the entry is acked and deleted only if it is; owned is -1 when its stream or
+# group is gone (Redis lost it).
+FINISH = (
+    SET_STATUS_FN
+    + f"""
+if redis.call('EXISTS', KEYS[4]) == 1 then return {{-2, 0}} end
+if ARGV[{4 + STATUS_ARGS}] == '1' then
+  redis.call('SET', KEYS[6], ARGV[{6 + STATUS_ARGS}], 'EX', ARGV[{5 + STATUS_ARGS}], 'NX')
+end
+local status = {{}}
+for i = 4, {3 + STATUS_ARGS} do status[#status + 1] = ARGV[i] end
+local written = set_status({{KEYS[2], KEYS[3]}}, status)
+redis.call('DEL', KEYS[5])
+local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if p.err then return {{-1, written}} end
+if #p == 0 or p[1][2] ~= ARGV[2] then return {{0, written}} end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+return {{1, written}}
+"""
+)
+
+# KEYS: src stream. ARGV: group, consumer, entry id. Resets the idle time, only while still the owner.
+RENEW = (
+    OWNED
+    + """
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
+return 1
+"""
+)
+
+# KEYS: the streams, in order (the stage's own, then tenants' intakes). ARGV: group, consumer, count, max
+# entry bytes, starts (comma-separated phases, tried in order until one yields entries: '0' own pending,
+# 'claim' to XAUTOCLAIM entries idle at least ARGV[6] ms, '>' new), then the lease claim: key prefix ('' for
+# none), holder, milliseconds.
+# Returns {id, fields, size, stream index, deliveries, phase, claimed}: size is 0 for an entry returned whole;
+# an oversized one keeps only a short request_id, the rest never leaves Redis.  Stops at ``count`` entries
+# across the streams.  Deliveries come from XPENDING in the same script (a new entry's is 1), so a read is
+# one round trip however many phases it tries (was one per phase, plus one for the counts).  ``claimed``
+# is 1 (won) or 0 (taken already) for a new whole entry naming a lease, when a claim prefix is given; -1
+# when no claim was tried.
+READ_CAPPED = """
+local cap = tonumber(ARGV[4])
+local want = tonumber(ARGV[3])
+local out = {}
+for start in string.gmatch(ARGV[5], '[^,]+') do
+for k = 1, #KEYS do
+  local entries
+  if start == 'claim' then
+    entries = redis.call('XAUTOCLAIM', KEYS[k], ARGV[1], ARGV[2], ARGV[6], '0-0', 'COUNT', want - #out)[2]
+  else
+    local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want - #out, 'STREAMS', KEYS[k], start)
+    entries = reply and reply[1][2] or {}
+  end
+  for _, e in ipairs(entries) do
+    local fields = e[2]
+    local size = 0
+    if type(fields) ~= 'table' then
+      fields = {}
+    else
+      for i = 1, #fields do size = size + #fields[i] end
+      if size > cap then
+        local rid = ''
+        for i = 1, #fields - 1, 2 do
+          if fields[i] == 'request_id' and #fields[i + 1] <= 128 then rid = fields[i + 1] end
+        end
+        fields = {'request_id', rid}
+      else
+        size = 0
+      end
+    end
+    local deliveries = 1
+    local claimed = -1
+    if start ~= '>' then
+      local p = redis.call('XPENDING', KEYS[k], ARGV[1], e[1], e[1], 1)
+      if #p > 0 then deliveries = p[1][4] end
+    elseif ARGV[7] ~= '' and size == 0 then
+      for i = 1, #fields - 1, 2 do
+        if fields[i] == 'lease' and #fields[i + 1] > 0 and #fields[i + 1] <= 200 then
+          claimed = redis.call('SET', ARGV[7] .. fields[i + 1], ARGV[8], 'NX', 'PX', ARGV[9]) and 1 or 0
+        end
+      end
+    end
+    out[#out + 1] = {e[1], fields, size, k, deliveries, start, claimed}
+  end
+  if #out >= want then break end
+end
+if #out > 0 then break end
+end
+return out
+"""
