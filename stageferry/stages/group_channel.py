@@ -53,10 +53,8 @@ messages it sent or received (:meth:`GroupChannel.receipts`), so tests can check
 from __future__ import annotations
 
 import collections
-import enum
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -66,6 +64,7 @@ import torch.distributed as dist
 from stageferry.broker.data.payload_codec import unpack, validate_manifest
 from stageferry.schemas import DeviceKind, Manifest
 from stageferry.stages.frames import FRAME_BYTES, HEAD_LEN, Frame, Staging, to_host
+from stageferry.stages.group_messages import Hop, Message, MessageKind, ModelGroups
 from stageferry.stages.mailbox import LONG, Mailbox, handshake
 
 __all__ = ["FRAME_BYTES", "GroupChannel", "Hop", "Message", "MessageKind", "ModelGroups"]
@@ -87,53 +86,6 @@ FRAME_CACHE_SIZE = 4
 CARRIER_MAX_BYTES = {"cuda": 16 << 20, "cpu": INLINE_MAX_BYTES}
 #: The carrier of a group's first message, and of messages after a payload too large to ride one.
 CARRIER_MIN_BYTES = 64
-
-
-class MessageKind(enum.StrEnum):
-    JOB = "job"
-    FAIL = "fail"
-    NOOP = "noop"
-    STOP = "stop"
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """What a follower receives: the header fields, media bytes, payload region buffers and the payload
-    unpacked over them (tensors are views of ``buffers``).
-
-    An inline region's buffer is part of a frame the channel keeps and receives into again: it and the
-    payload's tensors hold until this rank's next :meth:`GroupChannel.receive` — the same lifetime as the
-    leader's payload, a pool slot freed after the job.  Keep a copy to hold anything longer."""
-
-    kind: MessageKind
-    header: dict[str, Any]
-    media: dict[str, bytes]
-    buffers: dict[DeviceKind, torch.Tensor]
-    manifest: Manifest | None
-    payload: Any = None
-
-
-@dataclass(frozen=True, slots=True)
-class Hop:
-    """One broadcast on a rank's route: from global rank ``src`` over a gloo group (headers, CPU
-    regions) and its device twin (CUDA regions; the same group on CPU-only ranks)."""
-
-    src: int
-    cpu_group: Any
-    device_group: Any
-
-
-@dataclass(frozen=True, slots=True)
-class ModelGroups:
-    """The process groups a model computes over, from this rank: ``process_group`` is the TP group (the
-    HSDP shard group), ``groups`` names every dimension's group (``tp``/``sp`` or ``shard``/``replicate``,
-    and ``world``; ``None`` for a dimension of size 1) and ``coords`` this rank's index along each."""
-
-    process_group: Any = None
-    groups: Mapping[str, Any] = field(default_factory=dict)
-    coords: Mapping[str, int] = field(default_factory=dict)
-    tp_rank: int = -1  #: this rank's index in ``process_group`` (-1: the channel's rank)
-    tp_size: int = 0  #: ``process_group``'s size (0: the channel's world size)
 
 
 class GroupChannel:
