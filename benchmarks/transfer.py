@@ -387,6 +387,7 @@ def start_producer(args: argparse.Namespace, prefix: str) -> subprocess.Popen[by
     cmd = [sys.executable, __file__, "--role", "producer", "--prefix", prefix, "--device", args.device]
     cmd += ["--redis-url", args.redis_url, "--pool-bytes", str(pool_bytes_for(args.sizes))]
     cmd += ["--no-settle"] if args.no_settle else []
+    cmd += ["--profile", str(args.profile)] if args.profile else []
     return subprocess.Popen(cmd)
 
 
@@ -610,6 +611,27 @@ def report_zero_copy(transfer: dict[int, Any]) -> None:
         )
 
 
+def profiled(args: argparse.Namespace, func: Any, *call: Any) -> Any:
+    """``anyio.run(func, *call)``, under cProfile with ``--profile`` (a diagnostic: it slows every hop)."""
+    if not args.profile:
+        return anyio.run(func, *call)
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    try:
+        return profile.runcall(anyio.run, func, *call)
+    finally:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        profile.dump_stats(args.profile / f"{args.role}.prof")
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text).strip_dirs()
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(60)
+        (args.profile / f"{args.role}.txt").write_text(text.getvalue())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sizes = lambda s: sorted({int(x) for x in s.split(",") if x})  # noqa: E731
@@ -631,6 +653,9 @@ def main() -> int:
     parser.add_argument("--read-lanes", type=int, help="consumer's data_plane.read_lanes (default: the config's)")
     parser.add_argument("--read-lane-min-bytes", type=int, help="consumer's data_plane.read_lane_min_bytes")
     parser.add_argument("--ucx-threads", type=int, help="consumer's data_plane.ucx_threads")
+    parser.add_argument(
+        "--profile", type=Path, help="run both processes under cProfile; each writes <dir>/<role>.prof and .txt"
+    )
     parser.add_argument("--role", choices=["consumer", "producer"], default="consumer", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     parser.add_argument("--pool-bytes", type=int, help=argparse.SUPPRESS)
@@ -638,13 +663,13 @@ def main() -> int:
     torch.set_num_threads(1)  # each process one thread, as a leader's data-plane work is; memcpy gets one too
     configure_logging(fmt="json", level="warning", service=f"bench-{args.role}")  # as deployed; to stderr
     if args.role == "producer":
-        anyio.run(producer, args)
+        profiled(args, producer, args)
         return 0
     print(f"$ python {' '.join(sys.argv)}\n")
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     proc = start_producer(args, prefix)
     try:
-        results = anyio.run(consumer_main, args, prefix, proc)
+        results = profiled(args, consumer_main, args, prefix, proc)
     finally:
         if proc.poll() is None:
             proc.kill()

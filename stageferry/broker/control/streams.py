@@ -13,7 +13,10 @@ oversized entry is refused (dead-lettered by the worker) without ever being pull
 cannot block, and a blocking XREADGROUP would hand over whatever arrives, however large; so an idle
 replica blocks on the stage's *wake list* instead (``BLPOP``), which every writer of ours (submit,
 hand-off) pushes to in the same script as its XADD: work is picked up at once.  An entry XADDed by
-someone else (the raw protocol) is picked up within :data:`WAKE_POLL_S`, the BLPOP's timeout.
+someone else (the raw protocol) is picked up within :data:`WAKE_POLL_S`, the BLPOP's timeout.  The BLPOP
+and the read script go to Redis in one pipeline: Redis keeps a blocked client's next command until the
+block ends and runs it then, so a woken replica gets its entries with the wake-up instead of one round
+trip later.
 
 The read can also take a *lease claim* for the entry (:class:`LeaseClaim`): a stage whose input comes over
 NIXL must claim the payload's lease (``SET NX`` on its claim key, :mod:`stageferry.broker.data.nixl.leases`)
@@ -167,23 +170,42 @@ class StageStream:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return entries
-            with translated():
-                await self._redis.blpop([self._keys.wake(self.stage)], timeout=min(remaining, WAKE_POLL_S))
-            entries = await self._read_via_script(">", count)
+            entries = await self._wait_and_read(min(remaining, WAKE_POLL_S), count)
         return entries
 
-    async def _read_via_script(self, start: str, count: int) -> list[Entry]:
+    async def _wait_and_read(self, timeout: float, count: int) -> list[Entry]:
+        """Wait on the wake list, then read new entries: one pipeline, so the read reaches Redis with the
+        wait and runs the moment the wait ends (Redis holds a blocked client's later commands and runs them
+        as soon as it is unblocked), and the entries come back with the wake-up, not one round trip after
+        it.  A script Redis has forgotten (a restart, ``SCRIPT FLUSH``) or any other failure of the read is
+        retried alone, where :meth:`_read_via_script` loads the script and handles a lost group."""
+        args = self._read_args(">", count)
+        with translated():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.blpop([self._keys.wake(self.stage)], timeout=timeout)
+                pipe.evalsha(self._read_capped.sha, len(self.streams), *self.streams, *args)
+                _, rows = await pipe.execute(raise_on_error=False)
+        if isinstance(rows, Exception):
+            return await self._read_via_script(">", count)
+        return await self._entries(rows)
+
+    def _read_args(self, start: str, count: int) -> list[Any]:
         lc = self._lease_claim
         args = [self.group, self.consumer, count, self._max_entry_bytes, start, self._visibility_ms]
-        args += [lc.prefix, lc.holder, lc.ttl_ms] if lc is not None else ["", "", 0]
+        return args + ([lc.prefix, lc.holder, lc.ttl_ms] if lc is not None else ["", "", 0])
+
+    async def _read_via_script(self, start: str, count: int) -> list[Entry]:
         try:
             with translated():
-                rows = await self._read_capped(keys=list(self.streams), args=args)
+                rows = await self._read_capped(keys=list(self.streams), args=self._read_args(start, count))
         except ControlPlaneError as exc:
             if _group_lost(exc):
                 await self.ensure_group()
                 return []
             raise
+        return await self._entries(rows)
+
+    async def _entries(self, rows: list[Any]) -> list[Entry]:
         # Entries deleted while pending come back with no fields: drop them from the PEL.
         entries = []
         for eid, fields, size, k, deliveries, phase, claimed in rows:

@@ -3,11 +3,13 @@ Redis: won, taken already, not tried for redeliveries or without the field, and 
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
 from stageferry.broker.control.streams import LEASE_FIELD, LeaseClaim, StageStream
+from stageferry.embedded_redis import EmbeddedRedis
 
 pytestmark = pytest.mark.anyio
 
@@ -69,3 +71,28 @@ async def test_a_lease_field_cannot_aim_the_claim_outside_the_prefix(redis_url: 
         assert await redis.get(keys.claim(victim)) == b"agent-c"
         assert await redis.get(victim) == b"untouched"
         assert long.lease_claimed is None and empty.lease_claimed is None
+
+
+async def test_a_woken_read_survives_a_redis_that_forgot_its_script(prefix: str) -> None:
+    """The wait's pipeline names the read script by its hash; on a server that lost it (restart,
+    ``SCRIPT FLUSH``) the read is retried on its own, which loads it: the entry still comes back, claimed."""
+    keys = Keys(prefix)
+    claim = LeaseClaim(prefix=keys.claim(""), holder="agent-d", ttl_ms=30_000)
+    async with EmbeddedRedis() as server, open_client(server.url) as redis:
+        d = reader(redis, keys, "diffusion-d", claim)
+        await d.ensure_group()
+        assert await d.read(1, block_ms=0) == []  # loads the script
+
+        async def write_later() -> None:  # while the read waits: forget the script, write, wake it
+            await anyio.sleep(0.2)
+            async with redis.pipeline(transaction=True) as pipe:
+                pipe.script_flush()
+                pipe.xadd(keys.stage_stream("diffusion"), {"request_id": "r1", LEASE_FIELD: "tok-5"})
+                pipe.lpush(keys.wake("diffusion"), b"1")
+                await pipe.execute()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write_later)
+            (entry,) = await d.read(1, block_ms=5_000)
+        assert entry.text("request_id") == "r1" and entry.claimed("tok-5") is True
+        assert await redis.get(keys.claim("tok-5")) == b"agent-d"

@@ -7,12 +7,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 from structlog.testing import capture_logs
 
 from stageferry.broker.control import tally
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import connect, open_client
+from stageferry.broker.control.stream_scripts import WAKE_LUA
 from stageferry.broker.control.streams import StageStream
 
 pytestmark = pytest.mark.anyio
@@ -85,3 +87,29 @@ async def test_a_stream_read_is_one_round_trip_with_delivery_counts(
         assert counts.round_trips["broker.control.streams:_delivery_counts PIPE:XPENDING"] == 0
         assert await b.ack(own.id)
         assert await a.read(1, block_ms=0) == []
+
+
+async def test_a_woken_read_comes_back_with_its_wake_up(tally_dir: Path, redis_url: str, prefix: str) -> None:
+    """An idle replica's wait and the read after it are one pipeline: the entry written while it waits
+    (with the wake-up, as the hand-off writes it) arrives in the same round trip as the wake-up."""
+    keys = Keys(prefix)
+    async with open_client(redis_url) as redis, open_client(redis_url) as writer:
+        a = StageStream(redis, keys, "encoder", "encoder-a", visibility_ms=60_000)
+        await a.ensure_group()
+        wake = writer.register_script("redis.call('XADD', KEYS[1], '*', 'request_id', 'r1')" + WAKE_LUA)
+        counts = tally._TALLY
+        assert counts is not None
+        site = "broker.control.streams:_wait_and_read PIPE:BLPOP+EVALSHA"
+        async with anyio.create_task_group() as tg:
+
+            async def write_later() -> None:
+                await anyio.sleep(0.2)  # past the read's first look, into its waits
+                await wake(keys=[keys.stage_stream("encoder"), keys.wake("encoder")])
+
+            tg.start_soon(write_later)
+            waits = counts.round_trips[site]
+            (entry,) = await a.read(1, block_ms=5_000)
+        assert entry.text("request_id") == "r1"
+        assert counts.round_trips[site] > waits, "woken by the wait's pipeline"
+        assert counts.round_trips["broker.control.streams:_wait_and_read EVALSHA"] == 0
+        assert counts.round_trips["broker.control.streams:read BLPOP"] == 0, "no wait on its own"
