@@ -32,6 +32,8 @@ for s in $steps; do
     ref2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 11158136,64963792 --iters 20 --zero-copy ;;
     t2va_cpu) run_step "$s" 90 "${tx[@]}" --sizes 359024 --iters 300 --zero-copy ;;
     ref2va_cpu) run_step "$s" 120 "${tx[@]}" --sizes 11158136,64963792 --iters 20 --zero-copy ;;
+    prof_gpu) run_step "$s" 120 "${tx[@]}" --device cuda --sizes 359024,64963792 --iters 100 --zero-copy \
+                --profile "$out/prof_gpu" ;;
     hop) run_step "$s" 60 python3 benchmarks/hop_breakdown.py --hops 400 ;;
     shm_tests) run_step "$s" 200 python3 -m pytest -q -p no:cacheprovider -rs --tb=short \
                  tests/stages/test_group_channel.py tests/stages/test_mailbox.py ;;
