@@ -4,6 +4,7 @@
 # headed by its command line, the time, nproc and the load average.
 #
 #   bash benchmarks/issue20_device.sh [step ...]      # default: every step, in the order below
+#   STEPS=1 bash benchmarks/issue20_device.sh t2va_gpu # transfer.py also times the steps of put and get
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/issue20}
@@ -19,7 +20,7 @@ run_step() {  # name, seconds, command...
     echo "rc=$?"
   } 2>&1 | tee "$out/$name.txt"
 }
-tx=(python3 benchmarks/transfer.py --scaling-sizes "" --inflight 1)
+tx=(python3 benchmarks/transfer.py --scaling-sizes "" --inflight 1 ${STEPS:+--steps})
 steps=${*:-gpu_tests shm_tests t2va_gpu ref2va_gpu t2va_cpu ref2va_cpu hop fanout fanout_nccl throughput}
 for s in $steps; do
   case $s in

@@ -52,7 +52,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import anyio  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 import torch  # noqa: E402
-from bench_stats import TASK_BYTES, TASK_OF_SIZE, cell, human, machine_facts, median, pct, rss_mib, verdict  # noqa: E402
+from bench_stats import (  # noqa: E402
+    TASK_BYTES,
+    TASK_OF_SIZE,
+    cell,
+    human,
+    machine_facts,
+    median,
+    pct,
+    print_steps,
+    rss_mib,
+    verdict,
+)  # noqa: E402
+from step_timer import StepTimer, hop_steps  # noqa: E402
 
 from stageferry.broker.control.keys import Keys  # noqa: E402
 from stageferry.broker.control.redis_conn import connect  # noqa: E402
@@ -160,8 +172,11 @@ async def producer(args: argparse.Namespace) -> None:
     cmd_key, keys = f"{args.prefix}:bench:cmd", Keys(args.prefix)
     stream_key, wake_key = keys.stage_stream(STAGE), keys.wake(STAGE)
     write = bench.register_script(WRITE_LUA)
+    timer = hop_steps("producer") if args.steps else None
 
     async def send(op: str, nbytes: int, i: int) -> None:
+        if timer is not None:
+            timer.tag = f"{op}: "
         if nbytes not in payloads:
             payloads.clear()  # one size at a time: keep memory flat
             payloads[nbytes] = payload_for(nbytes, device)
@@ -187,6 +202,8 @@ async def producer(args: argparse.Namespace) -> None:
             fields[LEASE_FIELD] = out.ref.token  # claimed by the consumer's stream read
         flat = [item for pair in fields.items() for item in pair]
         await write(keys=[stream_key, wake_key], args=flat)  # as a hand-off writes: the entry, the wake-up
+        if timer is not None:
+            timer.add("hand-off: the entry (JSON) and its write (one round trip)", (time.monotonic_ns() - t1) / 1e6)
 
     async with anyio.create_task_group() as tg:
         await tg.start(conn.run)
@@ -200,9 +217,15 @@ async def producer(args: argparse.Namespace) -> None:
             cmd = json.loads(item[1])
             if cmd["op"] == "stop":
                 break
+            if cmd["op"] == "steps-start" and timer is not None:
+                timer.clear()
+                continue
             for j in range(cmd.get("k", 1)):  # a burst: K puts back to back
                 await send(cmd["op"], cmd["nbytes"], cmd["i"] + j)
         tg.cancel_scope.cancel()
+    if timer is not None:
+        timer.print(f"producer steps ({args.device}; after warm-up)")
+        sys.stdout.flush()
     await conn.aclose()
     await redis.aclose()
     await bench.aclose()
@@ -303,6 +326,7 @@ class Consumer:
             lease_claim=conn.lease_claim(),
         )
         self.producer_registrations: list[int] = []
+        self.timer: StepTimer | None = None
         from pydantic import TypeAdapter
 
         self.refs: TypeAdapter[PayloadRef] = TypeAdapter(PayloadRef)
@@ -349,6 +373,8 @@ class Consumer:
 
     async def hop(self, op: str, nbytes: int, i: int) -> dict[str, float]:
         """One lock-step hop; milliseconds of put, get, delivery, hop and hop to all ranks."""
+        if self.timer is not None:
+            self.timer.tag = f"{human(nbytes)} {op}: "
         await self.redis.rpush(self.cmd_key, json.dumps({"op": op, "nbytes": nbytes, "i": i}))
         t2, entry = await self._next()
         return await self._fetch(op, entry, t2, f"bench-{i}")
@@ -388,6 +414,7 @@ def start_producer(args: argparse.Namespace, prefix: str) -> subprocess.Popen[by
     cmd += ["--redis-url", args.redis_url, "--pool-bytes", str(pool_bytes_for(args.sizes))]
     cmd += ["--no-settle"] if args.no_settle else []
     cmd += ["--profile", str(args.profile)] if args.profile else []
+    cmd += ["--steps"] if args.steps else []
     return subprocess.Popen(cmd)
 
 
@@ -405,6 +432,7 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
     assert conn.agent is not None and conn.pools is not None, f"consumer has no NIXL agent: {conn.unavailable_reason}"
     fanout = await anyio.to_thread.run_sync(FanOut, args.tp)
     results: dict[str, Any] = {"transfer": {}, "scaling": {}}
+    timer = hop_steps("consumer") if args.steps else None
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(conn.run)
@@ -412,6 +440,7 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
                 _, ready = await bench.blpop([f"{prefix}:bench:ready"], timeout=60)
             producer_pid = json.loads(ready)["pid"]
             c = Consumer(bench, conn, prefix, device, fanout)
+            c.timer = timer
             await c.stream.ensure_group()
             ops = ("nixl", "staged", "inline") if args.zero_copy else ("nixl", "inline")
             for i in range(WARMUP):  # connection set-up to the peer, allocator and code paths; not counted
@@ -419,6 +448,9 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
                     await c.hop(op, args.sizes[0], i)
             if not args.no_settle:
                 settle_heap()
+            if timer is not None:
+                timer.clear()
+                await bench.rpush(f"{prefix}:bench:cmd", json.dumps({"op": "steps-start"}))
             regs_before = conn.agent.registrations
             c.producer_registrations.clear()
             reads_before = conn.counters.reads
@@ -437,6 +469,12 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
                             row[op].setdefault(k, []).append(v)
                     row["baseline"]["copy"].append(baseline_ms(src, dst))
                 results["transfer"][nbytes] = row
+                if timer is not None:
+                    for op in ("nixl", "staged"):
+                        for step, name in (("put", "put (as the producer timed it)"), ("hop", "hop")):
+                            timer.times[f"{human(nbytes)} {op}: {name}"] = row[op][step]
+                        t1_to_t2 = [d - g for d, g in zip(row[op]["delivery"], row[op]["get"], strict=True)]
+                        timer.times[f"{human(nbytes)} {op}: hand-off write → entry in hand"] = t1_to_t2
                 del src, dst
                 print(f"# measured {human(nbytes)}", file=sys.stderr, flush=True)
             results["registrations"] = {
@@ -455,6 +493,8 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
                     results["scaling"].setdefault(nbytes, {})[k] = rounds
                     print(f"# scaling {human(nbytes)} K={k}", file=sys.stderr, flush=True)
             results["pool_slots"] = {n: pool_bytes // _slot_bytes(n) for n in args.scaling_sizes}
+            if timer is not None:
+                results["steps"] = dict(sorted(timer.times.items()))
             await bench.rpush(f"{prefix}:bench:cmd", json.dumps({"op": "stop"}))
             tg.cancel_scope.cancel()
     finally:
@@ -656,6 +696,9 @@ def main() -> int:
     parser.add_argument(
         "--profile", type=Path, help="run both processes under cProfile; each writes <dir>/<role>.prof and .txt"
     )
+    parser.add_argument(
+        "--steps", action="store_true", help="time the steps of put and get in both processes (step_timer.py)"
+    )
     parser.add_argument("--role", choices=["consumer", "producer"], default="consumer", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     parser.add_argument("--pool-bytes", type=int, help=argparse.SUPPRESS)
@@ -674,6 +717,10 @@ def main() -> int:
         if proc.poll() is None:
             proc.kill()
     ok = report(args, results)
+    if results.get("steps"):
+        print()
+        title = "consumer steps, after warm-up (and the hop's own series)"
+        print_steps(title, results["steps"], unit="ms", q=99, digits=3)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **results}))
     return 0 if ok else 1

@@ -208,17 +208,25 @@ class Consumer:
 
     def _route(self, ref: NixlPayload, peer: Peer, slots: dict[DeviceKind, Slot]) -> str:
         """Each region's memory on both sides and the UCX transport that READ it (``?`` when UCX did
-        not say): ``VRAM:0→VRAM:1 cuda_ipc, DRAM→DRAM cma``."""
+        not say): ``VRAM:0→VRAM:1 cuda_ipc, DRAM→DRAM cma``.  Kept per peer and layout once every
+        transport is known (a peer loaded again starts afresh)."""
         agent = self._ep.agent
         assert agent is not None
+        pairs = [(spec, remote) for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True) if spec.nbytes]
+        layout = tuple((s.device, r.mem_kind, r.device_id, slots[s.device].device_id) for s, r in pairs)
+        known = peer.routes.get(layout)
+        if known is not None:
+            return known
         parts = []
-        for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True):
-            if spec.nbytes:
-                kind, local = mem_kind_of(spec.device), slots[spec.device]
-                names = transport_names(agent.transport_info(peer.name, kind, remote.mem_kind)) or ["?"]
-                where = _where(remote.mem_kind, remote.device_id), _where(kind, local.device_id)
-                parts.append(f"{where[0]}→{where[1]} {'+'.join(names)}")
-        return ", ".join(parts)
+        for spec, remote in pairs:
+            kind, local = mem_kind_of(spec.device), slots[spec.device]
+            names = transport_names(agent.transport_info(peer.name, kind, remote.mem_kind)) or ["?"]
+            where = _where(remote.mem_kind, remote.device_id), _where(kind, local.device_id)
+            parts.append(f"{where[0]}→{where[1]} {'+'.join(names)}")
+        route = ", ".join(parts)
+        if not any(part.endswith(" ?") for part in parts):
+            peer.routes[layout] = route
+        return route
 
     def _count_get(self, incoming: Incoming) -> None:
         """Count a get; inline gets are counted by the inline connector's metrics already."""
@@ -241,7 +249,11 @@ class Consumer:
         arrived.  Why reading before the claim is won is safe: a READ changes nothing on the producer;
         if the claim is won, the producer had not marked the claim key ``released``/``expired`` before it,
         and it frees a slot only after that mark, so the slot held this payload throughout; if the claim
-        is lost, our copy is never unpacked nor handed on and nothing is notified.
+        is lost, our copy is never unpacked nor handed on and nothing is notified.  A payload the stream
+        read claimed already (``claimed`` True) in one region is the common case: its READ carries the
+        release notification, which NIXL sends once the bytes are here, so no notify call follows the
+        wait (if the wait times out anyway, the inline resend it asks for may find the lease settled and
+        be refused: the request is computed again upstream).
 
         What overlaps: an asynchronous READ (VRAM over cuda_ipc; DRAM when UCX's progress thread moves it)
         runs during the claim's round trip.  On CPU, UCX's CMA copies inside the post call, so there the
@@ -263,12 +275,16 @@ class Consumer:
             await self.discard(ref)
             return
         deadline = time.monotonic() + self._ep.timeouts.transfer
+        # Claimed already and one READ: it carries the release itself (NIXL sends it once the bytes are
+        # here).  Several READs each send their own notification on completion, so those are released
+        # by one notification after the last of them instead.
+        carried = release_notification(ref.token) if claimed is True and len(pairs) == 1 else b""
         handles: list[object] = []
         post_failed: TransferError | None = None
         try:
             try:
                 for spec, remote in pairs:
-                    handles.append(self._post(spec, remote, slots[spec.device], peer))
+                    handles.append(self._post(spec, remote, slots[spec.device], peer, carried))
             except TransferError as exc:  # raised once the claim is ours: only its winner may ask for a resend
                 post_failed = exc
             failpoint(CONSUMER_READ_POSTED)  # fault injection: die with the READs in flight
@@ -287,7 +303,8 @@ class Consumer:
             for handle in handles:
                 agent.release(handle)
         self._ep.counters.reads += 1
-        await self._release_producer(ref, peer)
+        if not carried:
+            await self._release_producer(ref, peer)
         if peer.name not in self._transport_logged:
             self._transport_logged.add(peer.name)
             transport = agent.transport_info(peer.name)
@@ -297,8 +314,8 @@ class Consumer:
                 "nixl.transport", peer=peer.name, transport=transport or "unknown (set UCX_PROTO_INFO=y)"
             )
 
-    def _post(self, spec: RegionSpec, remote: RemoteRegion, local: Slot, peer: Peer) -> object:
-        """Post the READ of one region, without a notification.  A DRAM region of at least
+    def _post(self, spec: RegionSpec, remote: RemoteRegion, local: Slot, peer: Peer, notif: bytes = b"") -> object:
+        """Post the READ of one region, with ``notif`` for the producer on completion.  A DRAM region of at least
         ``read_lane_min_bytes`` becomes ``read_lanes`` descriptors of one transfer (NIXL's UCX backend
         spreads them over its ``ucx_threads``)."""
         agent = self._ep.agent
@@ -315,7 +332,7 @@ class Consumer:
             [(remote.address + off, n, remote.device_id) for off, n in spans],
             remote.mem_kind,
             peer.name,
-            b"",
+            notif,
         )
 
     async def _release_producer(self, ref: NixlPayload, peer: Peer) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import structlog
@@ -45,6 +45,8 @@ class Peer:
     arenas: tuple[RemoteRegion, ...]
     metadata: bytes
     seal_key: bytes
+    routes: dict[tuple[object, ...], str] = field(default_factory=dict, compare=False, repr=False)
+    """Route labels of payload layouts READ from it (:meth:`Consumer._route`), once UCX named the transport."""
 
 
 class Peers:

@@ -146,6 +146,8 @@ async def test_task_payloads_round_trip_exactly(start_producer: Any, redis_url: 
                 assert_same(incoming.payload, build(spec, item["seed"]))
                 if not small:  # host memory on both sides, and the UCX transport that carried it
                     assert incoming.route is not None and incoming.route.startswith("DRAM→DRAM "), incoming.route
+                    routes = conn.peers._peers[ref.agent].routes  # kept per layout once UCX named the transport
+                    assert list(routes.values()) == ([] if incoming.route.endswith(" ?") else [incoming.route])
         assert conn.pools is not None and conn.pools.slots_in_use == 0
         assert conn.agent is not None and conn.agent.open_handles() == 0
         assert metrics.GETS.labels("nixl")._value.get() - nixl_gets_before == 3  # counted, per transport

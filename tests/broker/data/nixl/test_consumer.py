@@ -134,10 +134,28 @@ async def test_a_lease_the_stream_read_claimed_is_read_without_a_claim_of_its_ow
     # What the stage's stream read leaves behind (LeaseClaim): the key held by this consumer.  A claim
     # of the connector's own (SET NX) would now be refused, so the get passing shows it sent none.
     await consumer.endpoint.redis.set(consumer.endpoint.keys.claim(ref.token), b"claimed-by-the-read")
+    notified = spy_on_notify(consumer)
     async with consumer.get(ref, None, key="k-1", claimed=True) as incoming:
         assert incoming.transport is Transport.NIXL
         assert_same(incoming.payload, payload)
+    # Its one READ carried the release: it arrives once, with no notification sent on its own.
     assert (await releases_until(producer, ref.token)).count(ref.token) == 1
+    assert notified == []
+
+
+def spy_on_notify(conn: NixlConnector) -> list[bytes]:
+    """The notifications ``conn``'s agent sends on their own (not carried by a READ), as they go."""
+    agent = conn.agent
+    assert agent is not None
+    sent: list[bytes] = []
+    notify = agent.notify
+
+    def spy(remote: str, message: bytes) -> None:
+        sent.append(message)
+        notify(remote, message)
+
+    agent.notify = spy  # type: ignore[method-assign]
+    return sent
 
 
 async def test_a_lease_the_stream_read_found_taken_is_not_read_at_all(
@@ -166,6 +184,14 @@ async def test_lanes_split_a_large_dram_region_and_arrive_bit_exact(redis_url: s
         async with consumer.get(ref, None, key="k-1") as incoming:
             assert_same(incoming.payload, payload)
         assert (await releases_until(producer, ref.token)).count(ref.token) == 1
+        # Claimed by the stream read: the lanes are one transfer, whose release arrives once, at its end.
+        second, payload = await put(producer, "k-2", seed=4)
+        await consumer.endpoint.redis.set(consumer.endpoint.keys.claim(second.token), b"claimed-by-the-read")
+        notified = spy_on_notify(consumer)
+        async with consumer.get(second, None, key="k-2", claimed=True) as incoming:
+            assert_same(incoming.payload, payload)
+        assert (await releases_until(producer, second.token)).count(second.token) == 1
+        assert notified == []
     finally:
         for conn in (consumer, producer):
             await conn.aclose()

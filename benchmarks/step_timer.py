@@ -1,0 +1,108 @@
+"""Wall time per call of named functions, inside a running benchmark: a diagnostic for the hop's steps.
+
+    timer = StepTimer()
+    timer.wrap(Consumer, "_wait_all", "wait for DONE")         # a method (sync or async)
+    timer.wrap(consumer_module, "unpack", "unpack")            # a module-level function, as its caller sees it
+    ...
+    timer.print("consumer steps")                               # medians and p99 per step, in ms
+
+Unlike cProfile, only the wrapped functions pay (one ``perf_counter`` pair per call), so the hop keeps its
+shape and the step times add up to roughly the hop.  Async functions are timed from the call to the
+return, awaits included: a step that waits on the event loop counts its wait.  ``transfer.py --steps``
+wraps the steps of the put, the stream read and the get in its two processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from typing import Any
+
+from bench_stats import print_steps
+
+
+class StepTimer:
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+        self.tag = ""
+        """Prefix of the step names recorded from now on (say the kind of hop running)."""
+
+    def add(self, name: str, ms: float) -> None:
+        self.times.setdefault(self.tag + name, []).append(ms)
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        """Replace ``owner.attr`` (a class's method or a module's function) with a timed version."""
+        func = getattr(owner, attr)
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def timed_async(*args: Any, **kwargs: Any) -> Any:
+                started = time.perf_counter()
+                try:
+                    return await func(*args, **kwargs)
+                finally:
+                    self.add(name, (time.perf_counter() - started) * 1e3)
+
+            setattr(owner, attr, timed_async)
+            return
+
+        @functools.wraps(func)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.add(name, (time.perf_counter() - started) * 1e3)
+
+        setattr(owner, attr, timed)
+
+    def clear(self) -> None:
+        """Forget what was recorded (after a warm-up)."""
+        self.times.clear()
+
+    def print(self, title: str) -> None:
+        print_steps(title, dict(sorted(self.times.items())), unit="ms", q=99, digits=3)
+
+
+def hop_steps(role: str) -> StepTimer:
+    """A timer wrapped around the steps of the NIXL hop on one side: ``producer`` (the put) or
+    ``consumer`` (the stream read's parse and the get, down to the READ's post, wait and release)."""
+    from pydantic import TypeAdapter
+
+    from stageferry.broker.control import streams
+    from stageferry.broker.data import pool
+    from stageferry.broker.data.nixl import consumer, peers, producer, staging
+
+    timer = StepTimer()
+    if role == "producer":
+        for owner, attr, name in (
+            (producer.Producer, "_put", "put (all of it)"),
+            (producer, "plan_payload", "put: plan the payload"),
+            (staging.Staging, "fill", "put: fill the staged slot (+ CUDA sync)"),
+            (producer, "pack_into", "put: pack into a slot (copy put)"),
+            (producer.Producer, "acquire", "put: take a slot (copy put)"),
+            (producer.Producer, "lease", "put: lease, seal, NixlPayload"),
+            (staging.Stagings, "stage", "stage (the model's slot tensors, untimed in the hop)"),
+        ):
+            timer.wrap(owner, attr, name)
+        return timer
+    for owner, attr, name in (
+        (streams.StageStream, "_entries", "read: rows → entries"),
+        (TypeAdapter, "validate_json", "parse the ref (TypeAdapter.validate_json)"),
+        (consumer, "validate_manifest", "get: validate the manifest"),
+        (peers.Peers, "ensure", "get: peer lookup"),
+        (consumer, "validate_remote_regions", "get: descriptor bounds"),
+        (consumer, "lease_seal", "get: seal"),
+        (consumer, "check_fresh", "get: lease fresh"),
+        (pool.PoolSet, "acquire_regions", "get: take a slot"),
+        (consumer.Consumer, "read", "get: READ (post, wait, release notification)"),
+        (consumer.Consumer, "_post", "get: READ: post"),
+        (consumer.Consumer, "_wait_all", "get: READ: wait for DONE"),
+        (consumer.Consumer, "_release_producer", "get: READ: release notification"),
+        (consumer, "unpack", "get: unpack"),
+        (consumer.Consumer, "_route", "get: route label"),
+        (consumer.Consumer, "_fetch", "get: all of it (to the payload in hand)"),
+    ):
+        timer.wrap(owner, attr, name)
+    return timer
