@@ -28,6 +28,7 @@ import anyio  # noqa: E402
 import torch  # noqa: E402
 from bench_stats import print_steps  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
+from transfer import on_device  # noqa: E402
 
 from stageferry.broker.control.keys import Keys  # noqa: E402
 from stageferry.broker.data.inline import InlineConnector  # noqa: E402
@@ -53,8 +54,9 @@ WARMUP = 200
 MAX_PAYLOAD = 1 << 30
 
 
-def endpoint(name: str) -> Endpoint:
-    pools = PoolSet({DeviceKind.CPU: MemoryPool(DeviceKind.CPU, 256 << 20, device=torch.device("cpu"), registrar=None)})
+def endpoint(name: str, device: torch.device) -> Endpoint:
+    kind = DeviceKind.CUDA if device.type == "cuda" else DeviceKind.CPU
+    pools = PoolSet({kind: MemoryPool(kind, 256 << 20, device=device, registrar=None)})
     return Endpoint(
         redis=None,  # type: ignore[arg-type]  # nothing here talks to Redis
         keys=Keys("hop-python"),
@@ -70,9 +72,9 @@ def endpoint(name: str) -> Endpoint:
     )
 
 
-async def run(task: str, rounds: int) -> dict[str, list[float]]:
-    payload = TASKS[task][0]()
-    prod_ep, cons_ep = endpoint("p"), endpoint("c")
+async def run(task: str, rounds: int, device: torch.device, gap_s: float) -> dict[str, list[float]]:
+    payload = on_device(TASKS[task][0](), device)
+    prod_ep, cons_ep = endpoint("p", device), endpoint("c", device)
     leases = LeaseTable(prod_ep)
     producer = Producer(prod_ep, leases, Stagings(prod_ep))
     assert prod_ep.pools is not None and cons_ep.pools is not None
@@ -87,6 +89,8 @@ async def run(task: str, rounds: int) -> dict[str, list[float]]:
         return now
 
     for i in range(rounds + WARMUP):
+        if gap_s:
+            time.sleep(gap_s)  # noqa: ASYNC251 - idle, as a stage is between hops (its loop blocked in epoll)
         t = first = clock()
         plan = plan_payload(payload)
         t = timed("put: plan", t)
@@ -124,12 +128,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", default="T2VA", choices=sorted(TASKS))
     parser.add_argument("--rounds", type=int, default=2000)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="pools and payload on cuda:0")
+    parser.add_argument("--gap-us", type=int, default=0, help="sleep this long before each round (idle between hops)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     configure_logging(fmt="json", level="warning", service="bench-hop-python")
-    steps = anyio.run(run, args.task, args.rounds)
+    steps = anyio.run(run, args.task, args.rounds, torch.device(args.device), args.gap_us / 1e6)
     print(f"$ python {' '.join(sys.argv)}\n")
-    print_steps(f"step ({args.task}, {TASKS[args.task][1]:,} bytes)", steps, unit="µs", q=90, digits=1)
+    title = f"step ({args.task}, {TASKS[args.task][1]:,} bytes, {args.device}, gap {args.gap_us} µs)"
+    print_steps(title, steps, unit="µs", q=90, digits=1)
 
 
 if __name__ == "__main__":

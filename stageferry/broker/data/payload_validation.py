@@ -279,15 +279,26 @@ def check_structure(manifest: Manifest) -> None:
     checked_key(manifest)
 
 
+#: The manifest object that passed last and its key: a get checks its manifest, then unpacks by it.
+_last_passed: tuple[Manifest, bytes] | None = None
+
+
 def checked_key(manifest: Manifest) -> bytes | None:
     """:func:`check_structure`, returning the manifest's :func:`structure_key` for callers that cache
-    more by shape (``None``: not cacheable).  A manifest equal to one that passed is not checked again."""
+    more by shape (``None``: not cacheable).  A manifest equal to one that passed is not checked again,
+    and the very object that passed last not even keyed again (manifests are frozen)."""
+    global _last_passed
+    last = _last_passed
+    if last is not None and last[0] is manifest:
+        return last[1]
     key = structure_key(manifest)
-    if key is not None and _checked.get(key):
-        return key
-    _check_structure(manifest)
-    if key is not None:
+    if key is None:  # not cacheable: checked every time
+        _check_structure(manifest)
+        return None
+    if not _checked.get(key):
+        _check_structure(manifest)
         _checked.put(key, True)
+    _last_passed = (manifest, key)
     return key
 
 

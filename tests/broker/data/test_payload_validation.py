@@ -268,3 +268,20 @@ def test_the_structure_cache_is_bounded_and_skips_large_manifests(monkeypatch: p
     validate_manifest(large, max_payload_bytes=GiB)
     assert len(checked) == 2
     assert structure_key(with_tree(large, {"v": object()})) is None  # not encodable: checked every time
+
+
+def test_the_manifest_just_checked_is_not_keyed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A get validates its manifest, then unpacks by it: the second look at the same object is free."""
+    m = Manifest.model_validate_json(base_manifest().model_dump_json())
+    keyed: list[Manifest] = []
+    real = payload_validation.structure_key
+
+    def counting(manifest: Manifest) -> bytes | None:
+        keyed.append(manifest)
+        return real(manifest)
+
+    monkeypatch.setattr(payload_validation, "structure_key", counting)
+    key = payload_validation.checked_key(m)
+    assert payload_validation.checked_key(m) == key and keyed == [m]
+    twin = Manifest.model_validate_json(m.model_dump_json())  # equal, another object: keyed, not checked
+    assert payload_validation.checked_key(twin) == key and keyed == [m, twin]

@@ -36,7 +36,7 @@ from stageferry.broker.data.nixl.endpoint import Endpoint
 from stageferry.broker.data.payload_codec import TORCH_DTYPE, unpack
 from stageferry.broker.data.payload_plan import PackPlan, plan_payload
 from stageferry.broker.data.pool import Slot
-from stageferry.broker.data.staging import Template, describe, is_same_tensor, materialize
+from stageferry.broker.data.staging import Template, describe, materialize
 from stageferry.errors import ManifestError, PoolExhaustedError
 from stageferry.schemas import DeviceKind, Manifest, TensorSpec
 
@@ -61,18 +61,28 @@ class Staging:
         buf = self.slots[spec.device].view
         return buf[spec.offset : spec.offset + spec.nbytes].view(TORCH_DTYPE[spec.dtype]).view(tuple(spec.shape))
 
+    def _is_staged(self, spec: TensorSpec, src: torch.Tensor) -> bool:
+        """Whether ``src`` is the staged tensor of ``spec`` (what :meth:`view` returns, or a view equal
+        to it): same place, dtype, shape and a contiguous layout.  Decided without making the view."""
+        buf = self.slots[spec.device].view
+        return (
+            src.data_ptr() == buf.data_ptr() + spec.offset
+            and src.device == buf.device
+            and src.dtype == TORCH_DTYPE[spec.dtype]
+            and src.shape == tuple(spec.shape)
+            and src.is_contiguous()
+        )
+
     def fill(self, plan: PackPlan) -> int:
         """Copy into the slots the tensors of ``plan`` (same manifest) that are not already the staged
         ones; the number copied.  CUDA slots are synchronised afterwards: a NIXL READ waits on no stream."""
         copied = 0
         with torch.no_grad():
             for spec, src in zip(plan.manifest.tensors, plan.tensors, strict=True):
-                if spec.nbytes == 0:
+                if spec.nbytes == 0 or self._is_staged(spec, src):
                     continue
-                dest = self.view(spec)
-                if not is_same_tensor(src, dest):
-                    dest.copy_(src)
-                    copied += 1
+                self.view(spec).copy_(src)
+                copied += 1
         for slot in self.slots.values():
             if slot.view.is_cuda:
                 torch.cuda.synchronize(slot.view.device)
