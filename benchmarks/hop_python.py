@@ -72,7 +72,7 @@ def endpoint(name: str, device: torch.device) -> Endpoint:
     )
 
 
-async def run(task: str, rounds: int, device: torch.device, gap_s: float) -> dict[str, list[float]]:
+async def run(task: str, rounds: int, device: torch.device, gap_s: float, spin: bool) -> dict[str, list[float]]:
     payload = on_device(TASKS[task][0](), device)
     prod_ep, cons_ep = endpoint("p", device), endpoint("c", device)
     leases = LeaseTable(prod_ep)
@@ -89,7 +89,11 @@ async def run(task: str, rounds: int, device: torch.device, gap_s: float) -> dic
         return now
 
     for i in range(rounds + WARMUP):
-        if gap_s:
+        if gap_s and spin:
+            until = clock() + gap_s  # idle, but awake: a busy-polling loop
+            while clock() < until:
+                pass
+        elif gap_s:
             time.sleep(gap_s)  # noqa: ASYNC251 - idle, as a stage is between hops (its loop blocked in epoll)
         t = first = clock()
         plan = plan_payload(payload)
@@ -130,12 +134,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2000)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="pools and payload on cuda:0")
     parser.add_argument("--gap-us", type=int, default=0, help="sleep this long before each round (idle between hops)")
+    parser.add_argument("--gap-spin", action="store_true", help="spend the gap spinning instead of sleeping")
     args = parser.parse_args()
     torch.set_num_threads(1)
     configure_logging(fmt="json", level="warning", service="bench-hop-python")
-    steps = anyio.run(run, args.task, args.rounds, torch.device(args.device), args.gap_us / 1e6)
+    steps = anyio.run(run, args.task, args.rounds, torch.device(args.device), args.gap_us / 1e6, args.gap_spin)
     print(f"$ python {' '.join(sys.argv)}\n")
-    title = f"step ({args.task}, {TASKS[args.task][1]:,} bytes, {args.device}, gap {args.gap_us} µs)"
+    gap = f"gap {args.gap_us} µs" + (" spinning" if args.gap_spin else "")
+    title = f"step ({args.task}, {TASKS[args.task][1]:,} bytes, {args.device}, {gap})"
     print_steps(title, steps, unit="µs", q=90, digits=1)
 
 
