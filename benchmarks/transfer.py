@@ -74,7 +74,6 @@ from stageferry.broker.data.inline import InlineConnector  # noqa: E402
 from stageferry.broker.data.nixl.connector import NixlConnector  # noqa: E402
 from stageferry.broker.data.payload_codec import pack_into, plan_payload  # noqa: E402
 from stageferry.broker.data.staging import write_into  # noqa: E402
-from stageferry.busy_poll import backend_options  # noqa: E402
 from stageferry.config import DataPlaneConfig, Timeouts  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402
 from stageferry.schemas import InlinePayload, NixlPayload, PayloadRef  # noqa: E402
@@ -416,7 +415,6 @@ def start_producer(args: argparse.Namespace, prefix: str) -> subprocess.Popen[by
     cmd += ["--no-settle"] if args.no_settle else []
     cmd += ["--profile", str(args.profile)] if args.profile else []
     cmd += ["--steps"] if args.steps else []
-    cmd += ["--busy-poll-us", str(args.busy_poll_us)]
     return subprocess.Popen(cmd)
 
 
@@ -655,16 +653,15 @@ def report_zero_copy(transfer: dict[int, Any]) -> None:
 
 def profiled(args: argparse.Namespace, func: Any, *call: Any) -> Any:
     """``anyio.run(func, *call)``, under cProfile with ``--profile`` (a diagnostic: it slows every hop)."""
-    options = backend_options(args.busy_poll_us)
     if not args.profile:
-        return anyio.run(func, *call, backend_options=options)
+        return anyio.run(func, *call)
     import cProfile
     import io
     import pstats
 
     profile = cProfile.Profile()
     try:
-        return profile.runcall(anyio.run, func, *call, backend_options=options)
+        return profile.runcall(anyio.run, func, *call)
     finally:
         args.profile.mkdir(parents=True, exist_ok=True)
         profile.dump_stats(args.profile / f"{args.role}.prof")
@@ -701,9 +698,6 @@ def main() -> int:
     )
     parser.add_argument(
         "--steps", action="store_true", help="time the steps of put and get in both processes (step_timer.py)"
-    )
-    parser.add_argument(
-        "--busy-poll-us", type=int, default=0, help="both processes' event loops poll this long before blocking"
     )
     parser.add_argument("--role", choices=["consumer", "producer"], default="consumer", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
