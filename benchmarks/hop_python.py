@@ -90,7 +90,7 @@ async def run(task: str, rounds: int, device: torch.device, gap_s: float, spin: 
 
     for i in range(rounds + WARMUP):
         if gap_s and spin:
-            until = clock() + gap_s  # idle, but awake: a busy-polling loop
+            until = clock() + gap_s  # idle, but awake (spinning)
             while clock() < until:
                 pass
         elif gap_s:
