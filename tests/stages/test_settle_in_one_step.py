@@ -12,30 +12,22 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import open_client
 from stageferry.broker.control.streams import Entry
 from stageferry.config import Limits
 from stageferry.errors import CancelledRequestError, RequestIdTakenError
 from stageferry.schemas import JobRequest, RequestState, RequestStatus
 from stageferry.stages.entry_guard import EntryGuard
 from stageferry.stages.outcomes import Outcomes
+from tests.stages import test_admission
 from tests.stages.test_admission import RoundTrips, Stage, envelope
 
 pytestmark = pytest.mark.anyio
 
-
-@pytest.fixture
-async def stage(redis_url: str, prefix: str) -> AsyncIterator[Stage]:
-    async with open_client(redis_url) as redis:
-        stage = Stage(redis, Keys(prefix))
-        await stage.stream.ensure_group()
-        yield stage
+stage = test_admission.stage  # the same fixture: a diffusion stage's stream, store and Redis
 
 
 def guard_of(stage: Stage) -> EntryGuard:

@@ -25,21 +25,29 @@ redis.call('LPUSH', KEYS[#KEYS], '1')
 redis.call('LTRIM', KEYS[#KEYS], 0, 15)
 """
 
-# KEYS: src stream, dst stream, dst wake list. ARGV: group, consumer, entry id, field, value, field, value, ...
-HANDOFF = (
-    OWNED
-    + """
-local fields = {}
-for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('XADD', KEYS[2], '*', unpack(fields))
-"""
-    + WAKE_LUA
-    + """
+#: Acknowledge the source entry and delete it (KEYS[1]; ARGV: group, consumer, entry id).
+ACK_AND_DELETE = """
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 redis.call('XDEL', KEYS[1], ARGV[3])
-return 1
 """
-)
+
+
+def _hand_on(first_field: int) -> str:
+    """XADD ``ARGV[first_field..]`` (field, value, ...) to KEYS[2], wake its stage (the last key), then
+    acknowledge and delete the source entry."""
+    return (
+        f"""
+local fields = {{}}
+for i = {first_field}, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], '*', unpack(fields))
+"""
+        + WAKE_LUA
+        + ACK_AND_DELETE
+    )
+
+
+# KEYS: src stream, dst stream, dst wake list. ARGV: group, consumer, entry id, field, value, field, value, ...
+HANDOFF = OWNED + _hand_on(4) + "return 1\n"
 
 # The hand-off and the next stage's "queued" status in one step (one round trip, was two): KEYS: src
 # stream, dst stream, request hash, events stream, cancel flag, crash mark, dst wake list. ARGV: group,
@@ -53,18 +61,10 @@ HANDOFF_WITH_STATUS = (
     + """
 if redis.call('EXISTS', KEYS[5]) == 1 then return -2 end
 redis.call('DEL', KEYS[6])
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
-if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
 """
+    + OWNED
+    + _hand_on(4 + STATUS_ARGS)
     + f"""
-local fields = {{}}
-for i = {4 + STATUS_ARGS}, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('XADD', KEYS[2], '*', unpack(fields))
-"""
-    + WAKE_LUA
-    + f"""
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
-redis.call('XDEL', KEYS[1], ARGV[3])
 local status = {{}}
 for i = 4, {3 + STATUS_ARGS} do status[#status + 1] = ARGV[i] end
 set_status({{KEYS[3], KEYS[4]}}, status)
@@ -73,14 +73,7 @@ return 1
 )
 
 # KEYS: src stream. ARGV: group, consumer, entry id.
-ACK = (
-    OWNED
-    + """
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
-redis.call('XDEL', KEYS[1], ARGV[3])
-return 1
-"""
-)
+ACK = OWNED + ACK_AND_DELETE + "return 1\n"
 
 # The last stage's whole ending in one step (one round trip, was five: the cancel check, the result's
 # SET, the "done" status, the ack, the crash mark's DEL).  KEYS: src stream, request hash, events stream,
@@ -104,9 +97,10 @@ redis.call('DEL', KEYS[5])
 local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if p.err then return {{-1, written}} end
 if #p == 0 or p[1][2] ~= ARGV[2] then return {{0, written}} end
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
-redis.call('XDEL', KEYS[1], ARGV[3])
-return {{1, written}}
+"""
+    + ACK_AND_DELETE
+    + """
+return {1, written}
 """
 )
 
