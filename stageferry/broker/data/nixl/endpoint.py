@@ -66,4 +66,3 @@ class Endpoint:
     def direct(self) -> bool:
         """Whether puts carry the agent metadata in the envelope (``metadata_mode = "direct"``)."""
         return self.config.metadata_mode is MetadataMode.DIRECT
-

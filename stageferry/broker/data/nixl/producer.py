@@ -38,7 +38,6 @@ from stageferry.broker.data.nixl.leases import Lease, LeaseTable
 from stageferry.broker.data.nixl.staging import Staging, Stagings
 from stageferry.broker.data.payload_codec import PackPlan, pack_into, plan_payload
 from stageferry.broker.data.pool import Slot
-from stageferry.broker.data.staging import is_same_tensor
 from stageferry.errors import (
     ControlPlaneError,
     HandshakeError,
@@ -129,7 +128,7 @@ class Producer:
         staging.taken = True
         try:
             if plan.manifest.total_bytes < THREAD_ABOVE or all(
-                is_same_tensor(src, staging.view(spec))
+                staging.is_staged(spec, src)
                 for spec, src in zip(plan.manifest.tensors, plan.tensors, strict=True)
                 if spec.nbytes
             ):

@@ -61,7 +61,7 @@ class Staging:
         buf = self.slots[spec.device].view
         return buf[spec.offset : spec.offset + spec.nbytes].view(TORCH_DTYPE[spec.dtype]).view(tuple(spec.shape))
 
-    def _is_staged(self, spec: TensorSpec, src: torch.Tensor) -> bool:
+    def is_staged(self, spec: TensorSpec, src: torch.Tensor) -> bool:
         """Whether ``src`` is the staged tensor of ``spec`` (what :meth:`view` returns, or a view equal
         to it): same place, dtype, shape and a contiguous layout.  Decided without making the view."""
         buf = self.slots[spec.device].view
@@ -79,7 +79,7 @@ class Staging:
         copied = 0
         with torch.no_grad():
             for spec, src in zip(plan.manifest.tensors, plan.tensors, strict=True):
-                if spec.nbytes == 0 or self._is_staged(spec, src):
+                if spec.nbytes == 0 or self.is_staged(spec, src):
                     continue
                 self.view(spec).copy_(src)
                 copied += 1
