@@ -218,6 +218,8 @@ class StageWorker:
                 raise
             log.warning("worker.stopped_without_redis", stage=self.stage.name, error=error.message)
             return
+        finally:
+            await self.stream.aclose()
         await self.heartbeat.withdraw()
         log.info("worker.stopped", stage=self.stage.name, processed=self.processed)
 

@@ -27,10 +27,19 @@ pytestmark = pytest.mark.anyio
 
 
 class RoundTrips:
-    """Counts what a redis-py client sends: one per pipeline execution, one per plain command."""
+    """Counts what a redis-py client sends (one per pipeline execution, one per plain command) and what a
+    stage stream's own links send (one per write)."""
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, stream: StageStream | None = None) -> None:
         self.count = 0
+        for link in stream.links if stream is not None else ():
+            real_send = link.send
+
+            async def send(*args: Any, _send: Any = real_send, **kwargs: Any) -> Any:
+                self.count += 1
+                return await _send(*args, **kwargs)
+
+            link.send = send  # type: ignore[method-assign]
         real_pipeline, real_command = redis.pipeline, redis.execute_command
 
         def pipeline(*args: Any, **kwargs: Any) -> Any:
@@ -92,7 +101,7 @@ async def stage(redis_url: str, prefix: str) -> AsyncIterator[Stage]:
 
 async def test_a_fresh_entry_runs_after_one_round_trip_and_a_second_entry_is_a_duplicate(stage: Stage) -> None:
     first, second = await stage.entries("req-1", 2)
-    trips = RoundTrips(stage.redis)
+    trips = RoundTrips(stage.redis, stage.stream)
     assert await stage.admission.settled(first, envelope("req-1")) is False
     assert trips.count == 1
     assert await stage.admission.settled(first, envelope("req-1")) is False  # redelivered: still its run

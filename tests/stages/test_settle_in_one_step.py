@@ -46,7 +46,7 @@ async def test_a_first_delivery_is_admitted_marked_and_looked_at_in_one_round_tr
     guard = guard_of(stage)
     first, second = await stage.entries("req-1", 2)
     await warm_up(guard, stage)
-    trips = RoundTrips(stage.redis)
+    trips = RoundTrips(stage.redis, stage.stream)
     marked, looked = await guard.admit_and_look(
         envelope("req-1"), first, stage.admission.look_write(first, envelope("req-1"))
     )
@@ -115,7 +115,7 @@ async def test_the_admission_writes_the_start_status_only_for_an_entry_that_will
         return await guard.admit_and_look(envelope(rid), entry, stage.admission.look_write(entry, envelope(rid), start))
 
     await warm_up(guard, stage)
-    trips = RoundTrips(stage.redis)
+    trips = RoundTrips(stage.redis, stage.stream)
     _, looked = await admit(first, "req-8")
     assert trips.count == 1 and looked[4] == 1
     got = await stage.store.get("req-8")
@@ -151,7 +151,7 @@ async def test_the_hand_off_looks_at_the_cancel_flag_and_clears_the_crash_mark(s
     assert await stage.stream.pending_count() == 1  # still ours: the outcome acks it
     assert await stage.redis.get(mark) == b"1"  # the guard clears it on the error path
     await stage.redis.delete(cancel)
-    trips = RoundTrips(stage.redis)
+    trips = RoundTrips(stage.redis, stage.stream)
     assert await stage.stream.hand_off(entry.id, "next", fields, status=status, cancel=cancel, crash_mark=mark)
     assert trips.count == 1
     assert await stage.redis.xlen(stage.keys.stage_stream("next")) == 1
@@ -173,7 +173,7 @@ async def test_finish_stores_the_result_writes_done_and_acks_in_one_round_trip(s
     assert await stage.store.get("req-6") is None and await stage.redis.get(keys["result_key"]) is None
     assert await stage.stream.pending_count() == 1
     await stage.redis.delete(keys["cancel"])
-    trips = RoundTrips(stage.redis)
+    trips = RoundTrips(stage.redis, stage.stream)
     assert await stage.stream.finish(entry.id, status=status, result=(b"video", 600), **keys) == (True, True)
     assert trips.count == 1
     assert await stage.redis.get(keys["result_key"]) == b"video"

@@ -18,6 +18,11 @@ and the read script go to Redis in one pipeline: Redis keeps a blocked client's 
 block ends and runs it then, so a woken replica gets its entries with the wake-up instead of one round
 trip later.
 
+The wait and the scripts (read, hand-off, finish, ack, renew) go over two lean connections of this stream's
+own (:mod:`~stageferry.broker.control.resp_link`: one blocks in the wait, one carries the scripts), which
+cost a fraction of redis-py's Python per round trip; where they cannot be used, or their connection fails,
+the same commands go through redis-py and its retries.
+
 The read can also take a *lease claim* for the entry (:class:`LeaseClaim`): a stage whose input comes over
 NIXL must claim the payload's lease (``SET NX`` on its claim key, :mod:`stageferry.broker.data.nixl.leases`)
 before it may use the bytes it READ.  The entry names its lease in the ``lease`` field, and the read script
@@ -40,7 +45,8 @@ import structlog
 
 from stageferry.broker.control.dead_letter import DEAD_LETTER_LUA, DeadLetterPolicy
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import BLOCK_MS, translated
+from stageferry.broker.control.redis_conn import BLOCK_MS, is_connection_error, translated
+from stageferry.broker.control.resp_link import RespLink, open_link, run_script
 from stageferry.broker.control.stream_scripts import ACK, FINISH, HANDOFF, HANDOFF_WITH_STATUS, READ_CAPPED, RENEW
 from stageferry.errors import CancelledRequestError, ControlPlaneError
 
@@ -128,6 +134,20 @@ class StageStream:
         self._renew = redis.register_script(RENEW)
         self._read_capped = redis.register_script(READ_CAPPED)
         self._max_entry_bytes = max_entry_bytes
+        # The hot path's own connections (resp_link.py): one that blocks in the wake-up wait, one for the
+        # scripts (reads, hand-offs, acks); None where the link cannot follow the client (then redis-py).
+        self._wait_link = open_link(redis)
+        self._link = open_link(redis)
+
+    @property
+    def links(self) -> tuple[RespLink, ...]:
+        """The hot path's own connections (none where redis-py carries everything)."""
+        return tuple(link for link in (self._wait_link, self._link) if link is not None)
+
+    async def aclose(self) -> None:
+        """Close the hot path's own connections (the client, and its pool, are the caller's)."""
+        for link in self.links:
+            await link.aclose()
 
     async def ensure_group(self) -> None:
         """Create the streams and group if missing (also after a Redis restart that lost them)."""
@@ -151,7 +171,7 @@ class StageStream:
         gone too: re-create the group and report "not owned" instead of failing the worker."""
         try:
             with translated():
-                return bool(await script(keys=keys, args=args))
+                return bool(await run_script(self._link, script, keys, args))
         except ControlPlaneError as exc:
             if not _group_lost(exc):
                 raise
@@ -179,15 +199,28 @@ class StageStream:
         as soon as it is unblocked), and the entries come back with the wake-up, not one round trip after
         it.  A script Redis has forgotten (a restart, ``SCRIPT FLUSH``) or any other failure of the read is
         retried alone, where :meth:`_read_via_script` loads the script and handles a lost group."""
-        args = self._read_args(">", count)
-        with translated():
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.blpop([self._keys.wake(self.stage)], timeout=timeout)
-                pipe.evalsha(self._read_capped.sha, len(self.streams), *self.streams, *args)
-                _, rows = await pipe.execute(raise_on_error=False)
+        wake, read = ("BLPOP", self._keys.wake(self.stage), timeout), self._read_command(">", count)
+        rows: Any = None
+        if self._wait_link is not None:
+            try:
+                with translated():
+                    _, rows = await self._wait_link.send([wake, read], block_s=timeout)
+            except ControlPlaneError as exc:
+                if not is_connection_error(exc):
+                    raise
+                rows = exc  # the link's connection failed: redis-py's pipeline below retries it
+        if rows is None or isinstance(rows, ControlPlaneError):
+            with translated():
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    pipe.execute_command(*wake)
+                    pipe.execute_command(*read)
+                    _, rows = await pipe.execute(raise_on_error=False)
         if isinstance(rows, Exception):
             return await self._read_via_script(">", count)
         return await self._entries(rows)
+
+    def _read_command(self, start: str, count: int) -> tuple[Any, ...]:
+        return ("EVALSHA", self._read_capped.sha, len(self.streams), *self.streams, *self._read_args(start, count))
 
     def _read_args(self, start: str, count: int) -> list[Any]:
         lc = self._lease_claim
@@ -197,7 +230,7 @@ class StageStream:
     async def _read_via_script(self, start: str, count: int) -> list[Entry]:
         try:
             with translated():
-                rows = await self._read_capped(keys=list(self.streams), args=self._read_args(start, count))
+                rows = await run_script(self._link, self._read_capped, self.streams, self._read_args(start, count))
         except ControlPlaneError as exc:
             if _group_lost(exc):
                 await self.ensure_group()
@@ -268,7 +301,7 @@ class StageStream:
             args = [self.group, self.consumer, entry_id, *status_args, *flat]
         try:
             with translated():
-                done = int(await script(keys=keys, args=args))
+                done = int(await run_script(self._link, script, keys, args))
         except ControlPlaneError as exc:
             if not _group_lost(exc):
                 raise
@@ -300,7 +333,7 @@ class StageStream:
         keys = [self._key_of(entry_id), record, events, cancel, crash_mark, result_key]
         args = [self.group, self.consumer, entry_id, *status_args, "1" if result is not None else "0", ttl, data]
         with translated():
-            owned, written = (int(x) for x in await self._finish(keys=keys, args=args))
+            owned, written = (int(x) for x in await run_script(self._link, self._finish, keys, args))
         if owned == -2:
             raise CancelledRequestError("cancelled by the client")
         if owned == -1:  # its stream or group went with Redis: the entry is gone too

@@ -34,7 +34,7 @@ ENV = "STAGEFERRY_REDIS_TALLY"
 #: Longest a process's file lags behind its counts while it keeps talking to Redis.
 FLUSH_EVERY_S = 0.25
 
-_SKIP_MODULES = ("stageferry.broker.control.redis_conn", __name__)
+_SKIP_MODULES = ("stageferry.broker.control.redis_conn", "stageferry.broker.control.resp_link", __name__)
 
 
 class Tally:

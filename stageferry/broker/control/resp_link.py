@@ -1,0 +1,230 @@
+"""A lean Redis connection for a stage's hot path: the stream wait, the read and the hand-off.
+
+Why it exists: redis-py's asyncio client spends 100-250 µs of Python on every round trip (a pool
+checkout, an ``asyncio.StreamReader`` read loop, a timeout context, response callbacks), and a hop pays
+for two of them on its critical path: the producer's hand-off script and the consumer's wait-and-read
+pipeline.  ``benchmarks/resp_link.py`` measures the same wake-up both ways side by side.
+
+What it is: one socket per link, an :class:`asyncio.Protocol` that feeds hiredis's RESP parser as bytes
+arrive, commands written at once and pipelined, replies matched to callers in FIFO order.  Error replies
+come back as redis-py's own exception types (hiredis is given redis-py's error parser), so
+:func:`~stageferry.broker.control.redis_conn.translated` maps them once, exactly as for redis-py.
+
+What it is not: a general client.  It keeps no pool and retries nothing.  A broken or timed-out
+connection fails the calls in flight with redis-py's ``ConnectionError`` / ``TimeoutError`` and is closed;
+the next call connects afresh.  Callers (:func:`run_script`) then repeat the call through redis-py, whose
+retries and back-off ride out an outage as before; an unknown script (``NOSCRIPT``) goes the same way, and
+redis-py loads it.  A caller cancelled while waiting closes the connection: a blocked ``BLPOP``'s reply,
+and any command queued behind it, must not reach the next caller (Redis drops a closed client's queued
+commands, so a read script queued behind the wait never runs).
+
+Where it cannot follow the client's configuration it is not used (:func:`open_link` returns None, and
+the caller uses redis-py alone): a credential provider, a connection class other than redis-py's TCP, TLS
+and Unix-socket ones, or ``STAGEFERRY_REDIS_LINK=0``.  TLS reuses the client's own SSL context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import hiredis
+from redis import exceptions as redis_errors
+from redis._parsers.base import BaseParser
+from redis.asyncio import Redis
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+
+from stageferry.broker.control.tally import Tally, TallyMixin, process_tally
+
+#: Set to ``0`` to send everything through redis-py (for comparison, or to rule the link out).
+ENV = "STAGEFERRY_REDIS_LINK"
+#: A reply may come this long after the command's own blocking time before the link gives up on it.
+REPLY_MARGIN_S = 10.0
+
+Command = Sequence[Any]
+
+
+class _Target:
+    """Where and how to connect, taken from a redis-py client's pool (no I/O)."""
+
+    __slots__ = ("connect_timeout", "db", "host", "password", "path", "port", "ssl", "username")
+
+    def __init__(self, conn: Connection) -> None:
+        self.path: str | None = conn.path if isinstance(conn, UnixDomainSocketConnection) else None
+        self.host: str = getattr(conn, "host", "")
+        self.port: int = int(getattr(conn, "port", 0) or 0)
+        self.ssl = conn.ssl_context.get() if isinstance(conn, SSLConnection) else None
+        self.username: str | None = conn.username
+        self.password: str | None = conn.password
+        self.db = int(conn.db or 0)
+        self.connect_timeout = conn.socket_connect_timeout or REPLY_MARGIN_S
+
+    def hello(self) -> list[Command]:
+        """The commands a fresh connection sends first (RESP2: the replies are plain arrays)."""
+        cmds: list[Command] = []
+        if self.password is not None:
+            cmds.append(("AUTH", self.username, self.password) if self.username else ("AUTH", self.password))
+        if self.db:
+            cmds.append(("SELECT", self.db))
+        return cmds
+
+
+#: The redis-py connection classes a link can stand in for (not, say, a Sentinel-managed one).
+_FOLLOWED = (Connection, SSLConnection, UnixDomainSocketConnection)
+
+
+def open_link(redis: Redis) -> RespLink | None:
+    """A link to the server ``redis`` talks to, with its credentials and database; None where the link
+    cannot follow the client's configuration (see the module docstring).  Connects on first use."""
+    if os.environ.get(ENV, "1") == "0":
+        return None
+    pool = redis.connection_pool
+    conn = pool.connection_class(**pool.connection_kwargs)
+    cls = type(conn)
+    if issubclass(cls, TallyMixin):  # the tally's subclass (redis_conn.connect) of one of redis-py's
+        cls = cls.__bases__[1]
+    if conn.credential_provider is not None or cls not in _FOLLOWED:
+        return None
+    return RespLink(_Target(conn), process_tally())
+
+
+class _Wire(asyncio.Protocol):
+    """The socket's protocol: parse replies as they arrive and hand each caller its own, in order."""
+
+    def __init__(self) -> None:
+        self.reader = hiredis.Reader(protocolError=redis_errors.InvalidResponse, replyError=BaseParser.parse_error)
+        self.waiting: collections.deque[tuple[asyncio.Future[list[Any]], int, list[Any]]] = collections.deque()
+        self.transport: asyncio.Transport | None = None
+        self.lost: Exception | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        try:
+            while (reply := self.reader.gets()) is not False:
+                future, want, got = self.waiting[0]
+                got.append(reply)
+                if len(got) == want:
+                    self.waiting.popleft()
+                    if not future.done():
+                        future.set_result(got)
+        except (redis_errors.InvalidResponse, IndexError) as exc:  # garbage, or a reply nobody asked for
+            self.fail(redis_errors.ConnectionError(f"redis link out of step: {exc!r}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.fail(redis_errors.ConnectionError(f"redis link closed: {exc or 'by the server'}"))
+
+    def fail(self, error: Exception) -> None:
+        """Fail every caller still waiting and close the socket; the link connects afresh next time."""
+        self.lost = self.lost or error
+        while self.waiting:
+            future, _, _ = self.waiting.popleft()
+            if not future.done():
+                future.set_exception(error)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+
+class RespLink:
+    """One lean connection (see the module docstring); safe for many tasks of one event loop at once,
+    which pipeline on it.  Do not share one that blocks (``BLPOP``) with commands that should not wait."""
+
+    def __init__(self, target: _Target, tally: Tally | None = None) -> None:
+        self._target = target
+        self._tally = tally
+        self._wire: _Wire | None = None
+        self._connecting: asyncio.Lock | None = None
+        #: Calls :func:`run_script` repeated through redis-py (unknown script, connection trouble).
+        self.fallbacks = 0
+
+    async def call(self, *args: Any, block_s: float = 0.0) -> Any:
+        """One command's reply; an error reply is raised (as redis-py's exception type)."""
+        (reply,) = await self.send([args], block_s=block_s)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def send(self, commands: Sequence[Command], *, block_s: float = 0.0) -> list[Any]:
+        """Send ``commands`` in one write and return their replies, error replies as exception values.
+        ``block_s``: how long the commands may block in Redis (a ``BLPOP``'s timeout), on top of which the
+        replies get :data:`REPLY_MARGIN_S` before the connection is given up."""
+        packet = b"".join(hiredis.pack_command(tuple(c)) for c in commands)  # a bad argument fails here
+        wire = self._wire
+        if wire is None or wire.lost is not None:
+            wire = await self._connect()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Any]] = loop.create_future()
+        wire.waiting.append((future, len(commands), []))
+        if self._tally is not None:
+            self._tally.count([str(c[0]).upper() for c in commands])
+        assert wire.transport is not None
+        wire.transport.write(packet)
+        timer = loop.call_later(block_s + REPLY_MARGIN_S, _expire, wire, future)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            wire.fail(redis_errors.ConnectionError("redis link: a caller was cancelled mid-call"))
+            raise
+        finally:
+            timer.cancel()
+
+    async def aclose(self) -> None:
+        """Close the socket (calls in flight fail); a later call would connect again."""
+        wire, self._wire = self._wire, None
+        if wire is not None:
+            wire.fail(redis_errors.ConnectionError("redis link closed"))
+
+    async def _connect(self) -> _Wire:
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._wire is not None and self._wire.lost is None:
+                return self._wire  # another task connected while this one waited
+            target, loop = self._target, asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout(target.connect_timeout):
+                    if target.path is not None:
+                        _, wire = await loop.create_unix_connection(_Wire, target.path)
+                    else:
+                        host = target.host if target.ssl else None
+                        _, wire = await loop.create_connection(
+                            _Wire, target.host, target.port, ssl=target.ssl, server_hostname=host
+                        )
+            except TimeoutError as exc:
+                raise redis_errors.TimeoutError(f"redis link: no connection in {target.connect_timeout} s") from exc
+            except OSError as exc:
+                raise redis_errors.ConnectionError(f"redis link: cannot connect: {exc}") from exc
+            self._wire = wire
+            hello = target.hello()
+            if hello:
+                for reply in await self.send(hello):
+                    if isinstance(reply, Exception):
+                        await self.aclose()
+                        raise reply
+            return wire
+
+
+def _expire(wire: _Wire, future: asyncio.Future[list[Any]]) -> None:
+    if not future.done():
+        wire.fail(redis_errors.TimeoutError("redis link: no reply in time"))
+
+
+#: What makes :func:`run_script` repeat a call through redis-py: an unknown script, or connection trouble.
+FALL_BACK = (redis_errors.NoScriptError, redis_errors.ConnectionError, redis_errors.TimeoutError)
+
+
+async def run_script(link: RespLink | None, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+    """Run a registered redis-py ``script`` over ``link`` (one ``EVALSHA``); through redis-py itself when
+    there is no link, when Redis does not know the script (redis-py loads it) or when the link's connection
+    fails (redis-py retries).  Errors are redis-py's: wrap the call in ``translated()``."""
+    if link is not None:
+        try:
+            return await link.call("EVALSHA", script.sha, len(keys), *keys, *args)
+        except FALL_BACK:
+            link.fallbacks += 1
+    return await script(keys=list(keys), args=list(args))

@@ -1,0 +1,166 @@
+"""The hot path's lean Redis link, on real servers: replies matched under concurrency, redis-py's error
+types, a cancelled wait that leaves nothing queued behind it, a killed connection healed by the next call
+(and by redis-py's retries in :func:`run_script`), a reply that never comes, and the client's credentials,
+database and TLS followed."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import anyio
+import pytest
+import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
+from redis.credentials import UsernamePasswordCredentialProvider
+
+from stageferry.broker.control import resp_link
+from stageferry.broker.control.redis_conn import connect, open_client
+from stageferry.broker.control.resp_link import RespLink, open_link, run_script
+from stageferry.embedded_redis import EmbeddedRedis
+from tests.security.servers import PrivateRedis, make_test_ca
+
+pytestmark = pytest.mark.anyio
+
+
+def link_of(redis: object) -> RespLink:
+    link = open_link(redis)  # type: ignore[arg-type]
+    assert link is not None
+    return link
+
+
+async def test_many_tasks_pipeline_on_one_link_and_each_gets_its_own_reply(redis_url: str, prefix: str) -> None:
+    async with open_client(redis_url) as redis:
+        link = link_of(redis)
+        got: dict[int, object] = {}
+
+        async def one(i: int) -> None:
+            replies = await link.send(
+                [("SET", f"{prefix}:k{i}", i), ("GET", f"{prefix}:k{i}"), ("INCR", f"{prefix}:n")]
+            )
+            got[i] = replies[1]
+
+        async with anyio.create_task_group() as tg:
+            for i in range(200):
+                tg.start_soon(one, i)
+        assert got == {i: str(i).encode() for i in range(200)}
+        assert await redis.get(f"{prefix}:n") == b"200"
+        await link.aclose()
+
+
+async def test_error_replies_are_redis_py_s_types_as_values_or_raised(redis_url: str, prefix: str) -> None:
+    async with open_client(redis_url) as redis:
+        link = link_of(redis)
+        await redis.set(f"{prefix}:s", "x")
+        ok, wrong = await link.send([("GET", f"{prefix}:s"), ("LPUSH", f"{prefix}:s", "y")])
+        assert ok == b"x" and isinstance(wrong, redis_errors.ResponseError) and "WRONGTYPE" in str(wrong)
+        with pytest.raises(redis_errors.NoScriptError):
+            await link.call("EVALSHA", "0" * 40, 0)
+        assert await link.call("PING") == b"PONG", "an error reply leaves the connection in step"
+        with pytest.raises(TypeError):
+            await link.call("SET", f"{prefix}:none", None)  # refused before anything is written
+        assert await link.call("PING") == b"PONG"
+        await link.aclose()
+
+
+async def test_run_script_loads_an_unknown_script_through_redis_py(redis_url: str, prefix: str) -> None:
+    async with open_client(redis_url) as redis:
+        link = link_of(redis)
+        script = redis.register_script(f"return '{uuid.uuid4().hex}' .. ARGV[1]")  # never loaded before
+        assert (await run_script(link, script, [f"{prefix}:k"], ["!"])).endswith(b"!")
+        assert link.fallbacks == 1, "NOSCRIPT: redis-py's call loaded it"
+        assert (await run_script(link, script, [f"{prefix}:k"], ["?"])).endswith(b"?")
+        assert link.fallbacks == 1, "then it runs over the link"
+        await link.aclose()
+
+
+async def test_a_cancelled_wait_closes_the_link_and_what_was_queued_behind_it_never_runs(
+    redis_url: str, prefix: str
+) -> None:
+    async with open_client(redis_url) as redis:
+        link = link_of(redis)
+        wake, marker = f"{prefix}:wake", f"{prefix}:marker"
+        with anyio.move_on_after(0.2):
+            await link.send([("BLPOP", wake, 5), ("SET", marker, "ran")], block_s=5)
+        await redis.lpush(wake, "late")  # would unblock the old wait, were it still there
+        await anyio.sleep(0.1)
+        assert await redis.exists(marker) == 0, "the command queued behind the cancelled wait ran"
+        assert await redis.lrange(wake, 0, -1) == [b"late"], "a dead wait took the wake-up"
+        assert await link.call("PING") == b"PONG", "the next call connects afresh"
+        await link.aclose()
+
+
+async def test_a_killed_connection_fails_the_call_and_the_next_one_reconnects(redis_url: str, prefix: str) -> None:
+    async with open_client(redis_url) as redis:
+        link = link_of(redis)
+        name = f"{prefix}-link"
+        await link.call("CLIENT", "SETNAME", name)
+        await redis.client_kill_filter(_type=None, skipme=True, addr=await _addr_of(redis, name))
+        with pytest.raises(redis_errors.ConnectionError):
+            await link.call("PING")
+        assert await link.call("PING") == b"PONG"
+        # run_script rides it out through redis-py: the caller never sees the broken connection
+        script = redis.register_script("return ARGV[1]")
+        await link.call("CLIENT", "SETNAME", name)
+        await redis.client_kill_filter(_type=None, skipme=True, addr=await _addr_of(redis, name))
+        assert await run_script(link, script, [f"{prefix}:k"], ["after"]) == b"after"
+        assert link.fallbacks == 1
+        await link.aclose()
+
+
+async def _addr_of(redis: object, name: str) -> str:
+    clients = await redis.client_list()  # type: ignore[attr-defined]
+    return next(c["addr"] for c in clients if c["name"] == name)
+
+
+async def test_a_reply_that_never_comes_times_out_and_frees_the_link(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(resp_link, "REPLY_MARGIN_S", 0.2)
+    async with open_client(redis_url) as redis:
+        link = link_of(redis)
+        with anyio.fail_after(5), pytest.raises(redis_errors.TimeoutError):
+            await link.call("BLPOP", f"{prefix}:never", 3)  # blocks 3 s, but the caller allowed 0 + 0.2
+        assert await link.call("PING") == b"PONG"
+        await link.aclose()
+
+
+async def test_the_link_follows_the_client_s_password_and_database() -> None:
+    async with EmbeddedRedis(extra_args=["--requirepass", "s3cret"]) as server:
+        url = f"redis://:s3cret@127.0.0.1:{server.port}/3"
+        async with open_client(url) as redis:
+            link = link_of(redis)
+            await link.call("SET", "where", "db3")
+            assert await redis.get("where") == b"db3"
+            await link.aclose()
+        async with open_client(f"redis://:wrong@127.0.0.1:{server.port}/3") as redis:
+            link = link_of(redis)
+            with pytest.raises(redis_errors.AuthenticationError):
+                await link.call("PING")
+
+
+def test_no_link_where_it_cannot_follow_the_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert open_link(connect("redis://127.0.0.1:6379/0")) is not None
+    provider = UsernamePasswordCredentialProvider("u", "p")
+    assert open_link(aioredis.Redis(credential_provider=provider)) is None
+    monkeypatch.setenv(resp_link.ENV, "0")
+    assert open_link(connect("redis://127.0.0.1:6379/0")) is None
+
+
+async def test_the_link_speaks_tls_with_the_client_s_own_context(tmp_path: Path) -> None:
+    ca, cert, key = make_test_ca(tmp_path)
+    tls = ["--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca)]
+    with PrivateRedis(tmp_path, [*tls, "--tls-auth-clients", "no"], tls=True) as server:
+        url = f"rediss://127.0.0.1:{server.port}/0?ssl_ca_certs={ca}"
+        server.start(url)
+        async with open_client(url) as redis:
+            link = link_of(redis)
+            script = redis.register_script("return redis.call('INCR', KEYS[1])")
+            await script(keys=["n"], args=[])  # loaded
+            assert await run_script(link, script, ["n"], []) == 2
+            assert link.fallbacks == 0, "the call went over the TLS link"
+            await link.aclose()
+        untrusted = f"rediss://127.0.0.1:{server.port}/0"
+        async with open_client(untrusted) as redis:
+            with pytest.raises(redis_errors.ConnectionError):
+                await link_of(redis).call("PING")
