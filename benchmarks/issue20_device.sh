@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/issue20_device.sh [step ...]      # default: every step, in the order below
 #   STEPS=1 bash benchmarks/issue20_device.sh t2va_gpu # transfer.py also times the steps of put and get
+# The *_redis_py steps repeat a hop with the hot path on redis-py alone (STAGEFERRY_REDIS_LINK=0).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/issue20}
@@ -32,6 +33,10 @@ for s in $steps; do
     t2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 359024 --iters 300 --zero-copy ;;
     ref2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 11158136,64963792 --iters 20 --zero-copy ;;
     t2va_cpu) run_step "$s" 90 "${tx[@]}" --sizes 359024 --iters 300 --zero-copy ;;
+    t2va_cpu_redis_py) STAGEFERRY_REDIS_LINK=0 run_step "$s" 90 "${tx[@]}" --sizes 359024 --iters 300 --zero-copy ;;
+    t2va_gpu_redis_py) STAGEFERRY_REDIS_LINK=0 run_step "$s" 90 "${tx[@]}" --device cuda --sizes 359024 \
+                         --iters 300 --zero-copy ;;
+    resp_link) run_step "$s" 120 python3 benchmarks/resp_link.py --rounds 1500 --gap-us 1000 ;;
     ref2va_cpu) run_step "$s" 120 "${tx[@]}" --sizes 11158136,64963792 --iters 20 --zero-copy ;;
     prof_gpu) run_step "$s" 120 "${tx[@]}" --device cuda --sizes 359024,64963792 --iters 100 --zero-copy \
                 --profile "$out/prof_gpu" ;;

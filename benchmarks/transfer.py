@@ -68,6 +68,7 @@ from step_timer import StepTimer, hop_steps  # noqa: E402
 
 from stageferry.broker.control.keys import Keys  # noqa: E402
 from stageferry.broker.control.redis_conn import connect  # noqa: E402
+from stageferry.broker.control.resp_link import open_link, run_script  # noqa: E402
 from stageferry.broker.control.stream_scripts import WAKE_LUA  # noqa: E402
 from stageferry.broker.control.streams import LEASE_FIELD, Entry, StageStream  # noqa: E402
 from stageferry.broker.data.inline import InlineConnector  # noqa: E402
@@ -171,7 +172,7 @@ async def producer(args: argparse.Namespace) -> None:
     payloads: dict[int, Any] = {}
     cmd_key, keys = f"{args.prefix}:bench:cmd", Keys(args.prefix)
     stream_key, wake_key = keys.stage_stream(STAGE), keys.wake(STAGE)
-    write = bench.register_script(WRITE_LUA)
+    write, link = bench.register_script(WRITE_LUA), open_link(bench)
     timer = hop_steps("producer") if args.steps else None
 
     async def send(op: str, nbytes: int, i: int) -> None:
@@ -201,7 +202,8 @@ async def producer(args: argparse.Namespace) -> None:
         if isinstance(out.ref, NixlPayload):
             fields[LEASE_FIELD] = out.ref.token  # claimed by the consumer's stream read
         flat = [item for pair in fields.items() for item in pair]
-        await write(keys=[stream_key, wake_key], args=flat)  # as a hand-off writes: the entry, the wake-up
+        # as a hand-off writes: the entry and the wake-up, in one script over the hot path's link
+        await run_script(link, write, [stream_key, wake_key], flat)
         if timer is not None:
             timer.add("hand-off: the entry (JSON) and its write (one round trip)", (time.monotonic_ns() - t1) / 1e6)
 
@@ -227,6 +229,8 @@ async def producer(args: argparse.Namespace) -> None:
         timer.print(f"producer steps ({args.device}; after warm-up)")
         sys.stdout.flush()
     await conn.aclose()
+    if link is not None:
+        await link.aclose()
     await redis.aclose()
     await bench.aclose()
 
@@ -500,6 +504,7 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
     finally:
         await anyio.to_thread.run_sync(fanout.close)
         await conn.aclose()
+        await c.stream.aclose()
         await anyio.to_thread.run_sync(lambda: proc.wait(timeout=30))
         keys = [k async for k in redis.scan_iter(match=f"{prefix}:*")]
         if keys:
