@@ -419,6 +419,7 @@ def start_producer(args: argparse.Namespace, prefix: str) -> subprocess.Popen[by
     cmd += ["--no-settle"] if args.no_settle else []
     cmd += ["--profile", str(args.profile)] if args.profile else []
     cmd += ["--steps"] if args.steps else []
+    cmd += ["--cpus", args.cpus] if args.cpus else []
     return subprocess.Popen(cmd)
 
 
@@ -704,12 +705,19 @@ def main() -> int:
     parser.add_argument(
         "--steps", action="store_true", help="time the steps of put and get in both processes (step_timer.py)"
     )
+    parser.add_argument(
+        "--cpus",
+        help="pin the consumer and the producer to CPUs of their own, as CONSUMER/PRODUCER lists: 2,3/4,5",
+    )
     parser.add_argument("--role", choices=["consumer", "producer"], default="consumer", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     parser.add_argument("--pool-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)  # each process one thread, as a leader's data-plane work is; memcpy gets one too
     configure_logging(fmt="json", level="warning", service=f"bench-{args.role}")  # as deployed; to stderr
+    if args.cpus:  # before any thread starts (UCX's, torch's): they inherit it
+        mine = args.cpus.split("/")[0 if args.role == "consumer" else 1]
+        os.sched_setaffinity(0, {int(c) for c in mine.split(",")})
     if args.role == "producer":
         profiled(args, producer, args)
         return 0
