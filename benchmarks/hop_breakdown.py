@@ -130,6 +130,7 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
             timed("connector.get (whole, as a stage calls it, with the parse)", t)
             await stream.ack(entry.id)
         tg.cancel_scope.cancel()
+    await stream.aclose()
     await producer.aclose()
     await consumer.aclose()
     return {name: values[WARMUP:] for name, values in steps.items()}

@@ -97,6 +97,7 @@ async def stage(redis_url: str, prefix: str) -> AsyncIterator[Stage]:
         stage = Stage(redis, Keys(prefix))
         await stage.stream.ensure_group()
         yield stage
+        await stage.stream.aclose()
 
 
 async def test_a_fresh_entry_runs_after_one_round_trip_and_a_second_entry_is_a_duplicate(stage: Stage) -> None:

@@ -37,12 +37,16 @@ from redis._parsers.base import BaseParser
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 
+from stageferry.broker.control.redis_conn import is_connection_error
 from stageferry.broker.control.tally import Tally, TallyMixin, process_tally
 
 #: Set to ``0`` to send everything through redis-py (for comparison, or to rule the link out).
 ENV = "STAGEFERRY_REDIS_LINK"
-#: A reply may come this long after the command's own blocking time before the link gives up on it.
+#: A reply may come this long after the command's own blocking time before the link gives up on it,
+#: when the client has no socket timeout of its own.
 REPLY_MARGIN_S = 10.0
+#: After a failed connect, calls go straight to redis-py for this long (no connect timeout paid per call).
+CONNECT_COOLDOWN_S = 1.0
 
 Command = Sequence[Any]
 
@@ -50,7 +54,7 @@ Command = Sequence[Any]
 class _Target:
     """Where and how to connect, taken from a redis-py client's pool (no I/O)."""
 
-    __slots__ = ("connect_timeout", "db", "host", "password", "path", "port", "ssl", "username")
+    __slots__ = ("connect_timeout", "db", "host", "password", "path", "port", "reply_timeout", "ssl", "username")
 
     def __init__(self, conn: Connection) -> None:
         self.path: str | None = conn.path if isinstance(conn, UnixDomainSocketConnection) else None
@@ -61,6 +65,7 @@ class _Target:
         self.password: str | None = conn.password
         self.db = int(conn.db or 0)
         self.connect_timeout = conn.socket_connect_timeout or REPLY_MARGIN_S
+        self.reply_timeout = conn.socket_timeout or REPLY_MARGIN_S
 
     def hello(self) -> list[Command]:
         """The commands a fresh connection sends first (RESP2: the replies are plain arrays)."""
@@ -91,11 +96,17 @@ def open_link(redis: Redis) -> RespLink | None:
     return RespLink(_Target(conn), process_tally())
 
 
+#: What hiredis answers while a reply is still incomplete (a sentinel: ``False`` is a RESP3 reply).
+_INCOMPLETE = object()
+
+
 class _Wire(asyncio.Protocol):
     """The socket's protocol: parse replies as they arrive and hand each caller its own, in order."""
 
     def __init__(self) -> None:
-        self.reader = hiredis.Reader(protocolError=redis_errors.InvalidResponse, replyError=BaseParser.parse_error)
+        self.reader = hiredis.Reader(
+            protocolError=redis_errors.InvalidResponse, replyError=BaseParser.parse_error, notEnoughData=_INCOMPLETE
+        )
         self.waiting: collections.deque[tuple[asyncio.Future[list[Any]], int, list[Any]]] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.lost: Exception | None = None
@@ -106,12 +117,12 @@ class _Wire(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
         try:
-            while (reply := self.reader.gets()) is not False:
+            while (reply := self.reader.gets()) is not _INCOMPLETE:
                 future, want, got = self.waiting[0]
                 got.append(reply)
                 if len(got) == want:
                     self.waiting.popleft()
-                    if not future.done():
+                    if not future.done():  # a caller cancelled mid-call: its reply is dropped, in step
                         future.set_result(got)
         except (redis_errors.InvalidResponse, IndexError) as exc:  # garbage, or a reply nobody asked for
             self.fail(redis_errors.ConnectionError(f"redis link out of step: {exc!r}"))
@@ -132,13 +143,16 @@ class _Wire(asyncio.Protocol):
 
 class RespLink:
     """One lean connection (see the module docstring); safe for many tasks of one event loop at once,
-    which pipeline on it.  Do not share one that blocks (``BLPOP``) with commands that should not wait."""
+    which pipeline on it.  A blocking call (``block_s`` > 0) whose caller is cancelled closes the
+    connection, failing the calls behind it: give blocking calls a link of their own."""
 
     def __init__(self, target: _Target, tally: Tally | None = None) -> None:
         self._target = target
         self._tally = tally
         self._wire: _Wire | None = None
         self._connecting: asyncio.Lock | None = None
+        self._closed = False
+        self._down_until = 0.0  # after a failed connect, calls fail at once (to redis-py) until then
         #: Calls :func:`run_script` repeated through redis-py (unknown script, connection trouble).
         self.fallbacks = 0
 
@@ -152,7 +166,9 @@ class RespLink:
     async def send(self, commands: Sequence[Command], *, block_s: float = 0.0) -> list[Any]:
         """Send ``commands`` in one write and return their replies, error replies as exception values.
         ``block_s``: how long the commands may block in Redis (a ``BLPOP``'s timeout), on top of which the
-        replies get :data:`REPLY_MARGIN_S` before the connection is given up."""
+        replies get the client's socket timeout before the connection is given up."""
+        if not commands:
+            raise ValueError("nothing to send")
         packet = b"".join(hiredis.pack_command(tuple(c)) for c in commands)  # a bad argument fails here
         wire = self._wire
         if wire is None or wire.lost is not None:
@@ -164,17 +180,19 @@ class RespLink:
             self._tally.count([str(c[0]).upper() for c in commands])
         assert wire.transport is not None
         wire.transport.write(packet)
-        timer = loop.call_later(block_s + REPLY_MARGIN_S, _expire, wire, future)
+        timer = loop.call_later(block_s + self._target.reply_timeout, _expire, wire, future)
         try:
             return await future
         except asyncio.CancelledError:
-            wire.fail(redis_errors.ConnectionError("redis link: a caller was cancelled mid-call"))
+            if block_s > 0 and future.cancelled():  # no reply yet: it, and what is queued behind it, must not run
+                wire.fail(redis_errors.ConnectionError("redis link: a blocked caller was cancelled"))
             raise
         finally:
             timer.cancel()
 
     async def aclose(self) -> None:
-        """Close the socket (calls in flight fail); a later call would connect again."""
+        """Close the socket for good (calls in flight fail; later ones too, and fall back to redis-py)."""
+        self._closed = True
         wire, self._wire = self._wire, None
         if wire is not None:
             wire.fail(redis_errors.ConnectionError("redis link closed"))
@@ -185,37 +203,54 @@ class RespLink:
         async with self._connecting:
             if self._wire is not None and self._wire.lost is None:
                 return self._wire  # another task connected while this one waited
-            target, loop = self._target, asyncio.get_running_loop()
+            if self._closed:
+                raise redis_errors.ConnectionError("redis link closed")
+            loop = asyncio.get_running_loop()
+            if loop.time() < self._down_until:
+                raise redis_errors.ConnectionError("redis link: the last connect failed moments ago")
             try:
-                async with asyncio.timeout(target.connect_timeout):
-                    if target.path is not None:
-                        _, wire = await loop.create_unix_connection(_Wire, target.path)
-                    else:
-                        host = target.host if target.ssl else None
-                        _, wire = await loop.create_connection(
-                            _Wire, target.host, target.port, ssl=target.ssl, server_hostname=host
-                        )
-            except TimeoutError as exc:
-                raise redis_errors.TimeoutError(f"redis link: no connection in {target.connect_timeout} s") from exc
-            except OSError as exc:
-                raise redis_errors.ConnectionError(f"redis link: cannot connect: {exc}") from exc
+                wire = await self._open()
+            except (redis_errors.ConnectionError, redis_errors.TimeoutError):
+                self._down_until = loop.time() + CONNECT_COOLDOWN_S
+                raise
+            if self._closed:  # closed while connecting
+                wire.fail(redis_errors.ConnectionError("redis link closed"))
+                raise redis_errors.ConnectionError("redis link closed")
             self._wire = wire
-            hello = target.hello()
-            if hello:
-                for reply in await self.send(hello):
-                    if isinstance(reply, Exception):
-                        await self.aclose()
-                        raise reply
             return wire
+
+    async def _open(self) -> _Wire:
+        """A fresh, authenticated socket on the right database."""
+        target, loop = self._target, asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(target.connect_timeout):
+                if target.path is not None:
+                    _, wire = await loop.create_unix_connection(_Wire, target.path)
+                else:
+                    host = target.host if target.ssl else None
+                    _, wire = await loop.create_connection(
+                        _Wire, target.host, target.port, ssl=target.ssl, server_hostname=host
+                    )
+                hello = target.hello()
+                if hello:
+                    future: asyncio.Future[list[Any]] = loop.create_future()
+                    wire.waiting.append((future, len(hello), []))
+                    assert wire.transport is not None
+                    wire.transport.write(b"".join(hiredis.pack_command(tuple(c)) for c in hello))
+                    for reply in await future:
+                        if isinstance(reply, Exception):
+                            wire.fail(redis_errors.ConnectionError("redis link: refused at hello"))
+                            raise reply
+        except TimeoutError as exc:
+            raise redis_errors.TimeoutError(f"redis link: no connection in {target.connect_timeout} s") from exc
+        except OSError as exc:
+            raise redis_errors.ConnectionError(f"redis link: cannot connect: {exc}") from exc
+        return wire
 
 
 def _expire(wire: _Wire, future: asyncio.Future[list[Any]]) -> None:
     if not future.done():
         wire.fail(redis_errors.TimeoutError("redis link: no reply in time"))
-
-
-#: What makes :func:`run_script` repeat a call through redis-py: an unknown script, or connection trouble.
-FALL_BACK = (redis_errors.NoScriptError, redis_errors.ConnectionError, redis_errors.TimeoutError)
 
 
 async def run_script(link: RespLink | None, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
@@ -225,6 +260,8 @@ async def run_script(link: RespLink | None, script: Any, keys: Sequence[Any], ar
     if link is not None:
         try:
             return await link.call("EVALSHA", script.sha, len(keys), *keys, *args)
-        except FALL_BACK:
+        except (redis_errors.NoScriptError, redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
+            if not (isinstance(exc, redis_errors.NoScriptError) or is_connection_error(exc)):
+                raise  # refused credentials (a ConnectionError to redis-py): no retry heals them
             link.fallbacks += 1
     return await script(keys=list(keys), args=list(args))

@@ -5,6 +5,7 @@ database and TLS followed."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from redis.credentials import UsernamePasswordCredentialProvider
 from stageferry.broker.control import resp_link
 from stageferry.broker.control.redis_conn import connect, open_client
 from stageferry.broker.control.resp_link import RespLink, open_link, run_script
-from stageferry.embedded_redis import EmbeddedRedis
+from stageferry.embedded_redis import EmbeddedRedis, free_port
 from tests.security.servers import PrivateRedis, make_test_ca
 
 pytestmark = pytest.mark.anyio
@@ -113,16 +114,57 @@ async def _addr_of(redis: object, name: str) -> str:
     return next(c["addr"] for c in clients if c["name"] == name)
 
 
-async def test_a_reply_that_never_comes_times_out_and_frees_the_link(
-    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+async def test_a_reply_that_never_comes_times_out_after_the_client_s_socket_timeout(
+    redis_url: str, prefix: str
 ) -> None:
-    monkeypatch.setattr(resp_link, "REPLY_MARGIN_S", 0.2)
+    redis = aioredis.Redis.from_url(redis_url, socket_timeout=0.2)
+    link = link_of(redis)
+    with anyio.fail_after(5), pytest.raises(redis_errors.TimeoutError):
+        await link.call("BLPOP", f"{prefix}:never", 3)  # blocks 3 s, but the caller allowed 0 + 0.2
+    assert await link.call("PING") == b"PONG"
+    assert await link.call("BLPOP", f"{prefix}:never", 0.3, block_s=0.3) is None, "its own block time is allowed"
+    await link.aclose()
+    await redis.aclose()
+
+
+async def test_a_cancelled_call_that_does_not_block_leaves_the_others_alone() -> None:
+    """Its reply is dropped when it comes; the calls queued behind it run once and get their own."""
+    async with EmbeddedRedis() as server, open_client(server.url) as redis:
+        link = link_of(redis)
+        busy = """local function now() local t = redis.call('TIME') return t[1] * 1e6 + t[2] end
+        local t0 = now() repeat until now() - t0 > 200000 return 1"""  # 0.2 s of Lua
+        slow = asyncio.ensure_future(link.call("EVAL", busy, 0))
+        await anyio.sleep(0.02)
+        behind = asyncio.ensure_future(link.call("INCR", "n"))
+        await anyio.sleep(0.02)
+        slow.cancel()
+        assert await behind == 1
+        assert await link.call("GET", "n") == b"1", "ran once, in step"
+        await link.aclose()
+
+
+async def test_a_closed_link_stays_closed_even_mid_connect(redis_url: str) -> None:
     async with open_client(redis_url) as redis:
         link = link_of(redis)
-        with anyio.fail_after(5), pytest.raises(redis_errors.TimeoutError):
-            await link.call("BLPOP", f"{prefix}:never", 3)  # blocks 3 s, but the caller allowed 0 + 0.2
-        assert await link.call("PING") == b"PONG"
+        connecting = asyncio.ensure_future(link.call("PING"))
+        await asyncio.sleep(0)  # the call is in _connect now
         await link.aclose()
+        with pytest.raises(redis_errors.ConnectionError):
+            await connecting
+        with pytest.raises(redis_errors.ConnectionError):
+            await link.call("PING")
+        with pytest.raises(ValueError):
+            await link.send([])
+
+
+async def test_after_a_failed_connect_calls_fail_at_once_for_a_moment() -> None:
+    redis = connect(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    link = link_of(redis)
+    with pytest.raises(redis_errors.ConnectionError, match="cannot connect"):
+        await link.call("PING")
+    with pytest.raises(redis_errors.ConnectionError, match="moments ago"):
+        await link.call("PING")
+    await redis.aclose()
 
 
 async def test_the_link_follows_the_client_s_password_and_database() -> None:
@@ -137,6 +179,8 @@ async def test_the_link_follows_the_client_s_password_and_database() -> None:
             link = link_of(redis)
             with pytest.raises(redis_errors.AuthenticationError):
                 await link.call("PING")
+            with pytest.raises(redis_errors.AuthenticationError):
+                await run_script(link_of(redis), redis.register_script("return 1"), [], [])
 
 
 def test_no_link_where_it_cannot_follow_the_client(monkeypatch: pytest.MonkeyPatch) -> None:
