@@ -91,22 +91,30 @@ async def test_a_cancelled_wait_closes_the_link_and_what_was_queued_behind_it_ne
         await link.aclose()
 
 
-async def test_a_killed_connection_fails_the_call_and_the_next_one_reconnects(redis_url: str, prefix: str) -> None:
+async def test_a_killed_connection_fails_the_call_in_flight_and_the_next_one_reconnects(
+    redis_url: str, prefix: str
+) -> None:
     async with open_client(redis_url) as redis:
         link = link_of(redis)
         name = f"{prefix}-link"
         await link.call("CLIENT", "SETNAME", name)
+        waiting = asyncio.ensure_future(link.call("BLPOP", f"{prefix}:never", 5, block_s=5))
+        await anyio.sleep(0.05)
         await redis.client_kill_filter(_type=None, skipme=True, addr=await _addr_of(redis, name))
-        with pytest.raises(redis_errors.ConnectionError):
-            await link.call("PING")
+        with anyio.fail_after(2), pytest.raises(redis_errors.ConnectionError):
+            await waiting
         assert await link.call("PING") == b"PONG"
-        # run_script rides it out through redis-py: the caller never sees the broken connection
+        await link.aclose()
+
+
+async def test_run_script_rides_out_a_link_that_cannot_connect_through_redis_py(redis_url: str, prefix: str) -> None:
+    async with open_client(redis_url) as redis:
         script = redis.register_script("return ARGV[1]")
-        await link.call("CLIENT", "SETNAME", name)
-        await redis.client_kill_filter(_type=None, skipme=True, addr=await _addr_of(redis, name))
+        nowhere = connect(f"redis://127.0.0.1:{free_port()}/0")
+        link = link_of(nowhere)
         assert await run_script(link, script, [f"{prefix}:k"], ["after"]) == b"after"
         assert link.fallbacks == 1
-        await link.aclose()
+        await nowhere.aclose()
 
 
 async def _addr_of(redis: object, name: str) -> str:
