@@ -34,8 +34,14 @@ def configure_environment() -> Path | None:
     ``UCX_PROTO_INFO=y`` with ``UCX_LOG_FILE`` pointing at ``$TMP/stageferry-ucx-%p.log`` (UCX replaces
     ``%p`` with the pid, so child processes inheriting the variable get files of their own).  Set
     ``UCX_PROTO_INFO=n`` to turn it off; a ``UCX_LOG_FILE`` given by the operator is kept and read.
+
+    Also ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` unless set: the data plane READs (a GET), and UCX's ``auto``
+    turns cuda_ipc GETs off where it finds no NVLink (one GPU, PCIe-only hosts), so a READ between two
+    processes on the same GPU went over TCP emulation (``software emulation tcp/lo``; 0.83 ms for 359 KB
+    on a one-GPU H200 host, ``benchmarks/results/issue20_r5/``).  With it, cuda_ipc carries such READs.
     """
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
     os.environ.setdefault("UCX_PROTO_INFO", "y")
     proto_info = os.environ.get("UCX_PROTO_INFO", "n").lower()
     info_level = os.environ.get("UCX_LOG_LEVEL", "").lower() in {"info", "debug", "trace"}

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-from stageferry.broker.data.nixl.ucx_log import UcxLogTail, own_tables, parse_ucx_log, route_matches, transport_names
+import pytest
+
+from stageferry.broker.data.nixl.ucx_log import (
+    UcxLogTail,
+    configure_environment,
+    own_tables,
+    parse_ucx_log,
+    route_matches,
+    transport_names,
+)
 
 
 def test_parse_ucx_proto_info() -> None:
@@ -87,3 +97,18 @@ def test_an_agent_takes_only_the_ucx_tables_its_own_worker_printed() -> None:
     )
     assert own_tables([other, mine], "diffusion-a") == [mine]
     assert own_tables([other], "diffusion-a") == [other], "no table names this agent: nothing to tell them apart"
+
+
+def test_the_environment_turns_cuda_ipc_reads_on_unless_the_operator_said_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """UCX's ``auto`` turns cuda_ipc GETs off without NVLink: a same-GPU READ would go over TCP."""
+    for name in ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "UCX_RCACHE_MAX_UNRELEASED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("UCX_PROTO_INFO", "n")
+    configure_environment()
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+    assert os.environ["UCX_RCACHE_MAX_UNRELEASED"] == "1024"
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "auto")
+    configure_environment()
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "auto", "the operator's choice is kept"
