@@ -32,6 +32,7 @@ import structlog
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import translated
 from stageferry.broker.control.requests import ADMIT_FN, Admission, RequestStore
+from stageferry.broker.control.resp_link import RespLink, run_script
 from stageferry.broker.control.streams import Entry
 from stageferry.config import Limits
 from stageferry.errors import ControlPlaneError, GroupBrokenError, RejectedError, RequestIdTakenError, StageCrashedError
@@ -94,9 +95,18 @@ class EntryGuard:
     """One stage's ownership and crash checks (leader only; see the module docstring)."""
 
     def __init__(
-        self, *, redis: aioredis.Redis, keys: Keys, store: RequestStore, stage: str, limits: Limits, ttl_s: int
+        self,
+        *,
+        redis: aioredis.Redis,
+        keys: Keys,
+        store: RequestStore,
+        stage: str,
+        limits: Limits,
+        ttl_s: int,
+        link: RespLink | None = None,
     ) -> None:
         self.redis = redis
+        self._link = link  # the stage stream's script link: a first delivery's admission is on every hop
         self.keys = keys
         self.store = store
         self.stage = stage
@@ -128,7 +138,8 @@ class EntryGuard:
             keys, args = self.store.admit_write(rid, digest)
             mark = self.keys.crash_mark(rid, self.stage, entry.id)
             with translated():
-                outcome = Admission(int(await self._admit_and_mark(keys=[*keys, mark], args=[*args, self.ttl_s])))
+                reply = await run_script(self._link, self._admit_and_mark, [*keys, mark], [*args, self.ttl_s])
+                outcome = Admission(int(reply))
         if outcome is Admission.TAKEN:
             raise RequestIdTakenError("request id already in use by a different job")
         return entry.deliveries <= 1
@@ -146,8 +157,8 @@ class EntryGuard:
         mark = self.keys.crash_mark(rid, self.stage, entry.id)
         look_keys, look_args = look
         with translated():
-            reply = await self._admit_mark_and_look(
-                keys=[*keys, mark, *look_keys], args=[*args, self.ttl_s, *look_args]
+            reply = await run_script(
+                self._link, self._admit_mark_and_look, [*keys, mark, *look_keys], [*args, self.ttl_s, *look_args]
             )
         if Admission(int(reply[0])) is Admission.TAKEN:
             raise RequestIdTakenError("request id already in use by a different job")

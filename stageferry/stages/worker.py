@@ -177,6 +177,7 @@ class StageWorker:
             stage=stage.name,
             limits=pipeline.limits,
             ttl_s=pipeline.retention.request_ttl_s,
+            link=self.stream.script_link,
         )
         self.admission = Admission(
             redis=redis,

@@ -32,7 +32,13 @@ stage = test_admission.stage  # the same fixture: a diffusion stage's stream, st
 
 def guard_of(stage: Stage) -> EntryGuard:
     return EntryGuard(
-        redis=stage.redis, keys=stage.keys, store=stage.store, stage="diffusion", limits=Limits(), ttl_s=600
+        redis=stage.redis,
+        keys=stage.keys,
+        store=stage.store,
+        stage="diffusion",
+        limits=Limits(),
+        ttl_s=600,
+        link=stage.stream.script_link,  # as the worker wires it
     )
 
 

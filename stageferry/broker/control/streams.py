@@ -140,6 +140,11 @@ class StageStream:
         self._link = open_link(redis)
 
     @property
+    def script_link(self) -> RespLink | None:
+        """The link this stream's scripts take, for other scripts on the same entry's path (the admission)."""
+        return self._link
+
+    @property
     def links(self) -> tuple[RespLink, ...]:
         """The hot path's own connections (none where redis-py carries everything)."""
         return tuple(link for link in (self._wait_link, self._link) if link is not None)
