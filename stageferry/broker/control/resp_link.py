@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import hiredis
+import structlog
 from redis import exceptions as redis_errors
 from redis._parsers.base import BaseParser
 from redis.asyncio import Redis
@@ -39,6 +40,8 @@ from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocket
 
 from stageferry.broker.control.redis_conn import is_connection_error
 from stageferry.broker.control.tally import Tally, TallyMixin, process_tally
+
+log = structlog.get_logger(__name__)
 
 #: Set to ``0`` to send everything through redis-py (for comparison, or to rule the link out).
 ENV = "STAGEFERRY_REDIS_LINK"
@@ -83,8 +86,10 @@ _FOLLOWED = (Connection, SSLConnection, UnixDomainSocketConnection)
 
 def open_link(redis: Redis) -> RespLink | None:
     """A link to the server ``redis`` talks to, with its credentials and database; None where the link
-    cannot follow the client's configuration (see the module docstring).  Connects on first use."""
+    cannot follow the client's configuration (see the module docstring; logged as ``redis_link.off``, and
+    redis-py carries everything).  Connects on first use."""
     if os.environ.get(ENV, "1") == "0":
+        log.info("redis_link.off", reason=f"{ENV}=0")
         return None
     pool = redis.connection_pool
     conn = pool.connection_class(**pool.connection_kwargs)
@@ -92,6 +97,8 @@ def open_link(redis: Redis) -> RespLink | None:
     if issubclass(cls, TallyMixin):  # the tally's subclass (redis_conn.connect) of one of redis-py's
         cls = cls.__bases__[1]
     if conn.credential_provider is not None or cls not in _FOLLOWED:
+        why = "a credential provider" if conn.credential_provider is not None else f"connection class {cls.__name__}"
+        log.info("redis_link.off", reason=why)
         return None
     return RespLink(_Target(conn), process_tally())
 

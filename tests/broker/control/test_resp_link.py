@@ -14,6 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 from redis.credentials import UsernamePasswordCredentialProvider
+from structlog.testing import capture_logs
 
 from stageferry.broker.control import resp_link
 from stageferry.broker.control.redis_conn import connect, open_client
@@ -194,9 +195,14 @@ async def test_the_link_follows_the_client_s_password_and_database() -> None:
 def test_no_link_where_it_cannot_follow_the_client(monkeypatch: pytest.MonkeyPatch) -> None:
     assert open_link(connect("redis://127.0.0.1:6379/0")) is not None
     provider = UsernamePasswordCredentialProvider("u", "p")
-    assert open_link(aioredis.Redis(credential_provider=provider)) is None
-    monkeypatch.setenv(resp_link.ENV, "0")
-    assert open_link(connect("redis://127.0.0.1:6379/0")) is None
+    with capture_logs() as logs:
+        assert open_link(aioredis.Redis(credential_provider=provider)) is None
+        monkeypatch.setenv(resp_link.ENV, "0")
+        assert open_link(connect("redis://127.0.0.1:6379/0")) is None
+    assert [(e["event"], e["reason"]) for e in logs] == [
+        ("redis_link.off", "a credential provider"),
+        ("redis_link.off", f"{resp_link.ENV}=0"),
+    ]
 
 
 async def test_the_link_speaks_tls_with_the_client_s_own_context(tmp_path: Path) -> None:
