@@ -50,14 +50,14 @@ return n
 
 # The first delivery's admission and crash mark in one script (one round trip, was two).  KEYS: request
 # hash, crash mark.  ARGV: job digest, record ttl, mark ttl.  Returns what ADMIT_FN returns; a taken id
-# (-1) gets no mark.
+# (-1) gets no mark.  A first delivery's mark is set to 1, not counted up: nobody ran this entry before, and
+# a script run twice (a call repeated after a lost connection) must not count one crash as two.
 _ADMIT_AND_MARK = (
     ADMIT_FN
     + """
 local owner = admit({KEYS[1]}, {ARGV[1], ARGV[2]})
 if owner == -1 then return owner end
-local n = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
-redis.call('SET', KEYS[2], n, 'EX', ARGV[3])
+redis.call('SET', KEYS[2], 1, 'EX', ARGV[3])
 return owner
 """
 )
@@ -72,8 +72,7 @@ _ADMIT_MARK_AND_LOOK = (
     + """
 local owner = admit({KEYS[1]}, {ARGV[1], ARGV[2]})
 if owner == -1 then return {owner} end
-local n = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
-redis.call('SET', KEYS[2], n, 'EX', ARGV[3])
+redis.call('SET', KEYS[2], 1, 'EX', ARGV[3])
 local look_args = {}
 for i = 4, #ARGV do look_args[#look_args + 1] = ARGV[i] end
 local seen = look({KEYS[3], KEYS[4], KEYS[5], KEYS[6]}, look_args)

@@ -10,6 +10,7 @@ import pytest
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
 from stageferry.broker.control.requests import RequestStore
+from stageferry.broker.control.resp_link import open_link
 from stageferry.broker.control.streams import Entry
 from stageferry.config import Limits
 from stageferry.errors import RequestIdTakenError
@@ -61,3 +62,22 @@ async def test_unmark_takes_back_the_admissions_mark(guard: EntryGuard) -> None:
     assert await guard.admit(envelope("r2"), first) is True
     await guard.unmark(first, "r2")
     assert await guard.redis.get(guard.keys.crash_mark("r2", "diffusion", first.id)) is None
+
+
+async def test_a_first_delivery_s_admission_run_twice_counts_one_crash_mark_and_rides_the_link(
+    redis_url: str, prefix: str
+) -> None:
+    """A call repeated after a lost connection runs the script again: the mark must stay at 1 (with the
+    default limit of 2, a mark of 2 would dead-letter the request at its first real crash)."""
+    async with open_client(redis_url) as redis:
+        keys, link = Keys(prefix), open_link(redis)
+        store = RequestStore(redis, keys, ttl_s=600, events_maxlen=100)
+        guard = EntryGuard(
+            redis=redis, keys=keys, store=store, stage="diffusion", limits=Limits(), ttl_s=600, link=link
+        )
+        first = Entry("5-0", {}, deliveries=1)
+        assert await guard.admit(envelope("r5"), first) is True
+        assert await guard.admit(envelope("r5"), first) is True  # the same script, run again
+        assert await redis.get(keys.crash_mark("r5", "diffusion", first.id)) == b"1"
+        assert link is not None and link.fallbacks <= 1, "over the link (the first call may load the script)"
+        await link.aclose()

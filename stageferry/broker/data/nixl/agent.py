@@ -69,7 +69,7 @@ def _import_nixl() -> tuple[Any, Any]:
     global _nixl_api, _nixl_bind, _ucx_log_path
     if _nixl_api is not None:
         return _nixl_api, _nixl_bind
-    _ucx_log_path = configure_environment()
+    _ucx_log_path = configure_environment(cuda=torch.cuda.is_available())
     try:
         import nixl  # noqa: F401  (selects the CUDA-matching backend package)
         from nixl import _api, _bindings

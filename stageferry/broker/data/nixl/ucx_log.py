@@ -27,7 +27,7 @@ _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s+\[[^\]]*\]\s*")
 _LANES = re.compile(r"UCX\s+INFO\s+(\S+ (?:self|intra-node|inter-node) cfg#\d+ .*\(.*)$")
 
 
-def configure_environment() -> Path | None:
+def configure_environment(*, cuda: bool = False) -> Path | None:
     """Set UCX's environment before its library loads; returns the log file UCX will write, if any.
 
     Sets ``UCX_RCACHE_MAX_UNRELEASED`` (a known registration-cache leak) and, unless told otherwise,
@@ -35,13 +35,15 @@ def configure_environment() -> Path | None:
     ``%p`` with the pid, so child processes inheriting the variable get files of their own).  Set
     ``UCX_PROTO_INFO=n`` to turn it off; a ``UCX_LOG_FILE`` given by the operator is kept and read.
 
-    Also ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` unless set: the data plane READs (a GET), and UCX's ``auto``
-    turns cuda_ipc GETs off where it finds no NVLink (one GPU, PCIe-only hosts), so a READ between two
-    processes on the same GPU went over TCP emulation (``software emulation tcp/lo``; 0.83 ms for 359 KB
-    on a one-GPU H200 host, ``benchmarks/results/issue20_r5/``).  With it, cuda_ipc carries such READs.
+    With ``cuda`` (this process sees a GPU), also ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` unless set: the data
+    plane READs (a GET), and UCX's ``auto`` turns cuda_ipc GETs off where it finds no NVLink (one GPU,
+    PCIe-only hosts), so a READ between two processes on the same GPU went over TCP emulation (``software
+    emulation tcp/lo``; 0.83 ms for 359 KB on a one-GPU H200 host, ``benchmarks/results/issue20_r5/``).
+    With it, cuda_ipc carries such READs.  Without a GPU it is left out (UCX would warn that it is unused).
     """
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
-    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    if cuda:
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
     os.environ.setdefault("UCX_PROTO_INFO", "y")
     proto_info = os.environ.get("UCX_PROTO_INFO", "n").lower()
     info_level = os.environ.get("UCX_LOG_LEVEL", "").lower() in {"info", "debug", "trace"}

@@ -106,9 +106,11 @@ def test_the_environment_turns_cuda_ipc_reads_on_unless_the_operator_said_otherw
     for name in ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "UCX_RCACHE_MAX_UNRELEASED"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("UCX_PROTO_INFO", "n")
-    configure_environment()
-    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+    configure_environment(cuda=False)
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in os.environ, "no GPU: UCX would warn that it is unused"
     assert os.environ["UCX_RCACHE_MAX_UNRELEASED"] == "1024"
+    configure_environment(cuda=True)
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
     monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "auto")
-    configure_environment()
+    configure_environment(cuda=True)
     assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "auto", "the operator's choice is kept"
