@@ -525,13 +525,15 @@ def _slot_bytes(nbytes: int) -> int:
 
 def report(args: argparse.Namespace, results: dict[str, Any]) -> bool:
     gpu = args.device == "cuda"
-    base_name = "torch peer copy GPU0→GPU1" if gpu else "torch memcpy"
+    src_dev, dst_dev = devices(args.device)
+    route = f"GPU {src_dev.index} → GPU {dst_dev.index}" if gpu else ""
+    base_name = f"torch copy {route.replace(' ', '')}" if gpu else "torch memcpy"
     print(f"machine: {machine_facts()}")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, iters={args.iters}, warm-up {WARMUP}, "
         f"{'no gc.freeze' if args.no_settle else 'gc.freeze after start-up'}"
     )
-    print(f"payload memory: {'VRAM (GPU 0 → GPU 1)' if gpu else 'DRAM'}; consumer TP{args.tp} (gloo fan-out)")
+    print(f"payload memory: {f'VRAM ({route})' if gpu else 'DRAM'}; consumer TP{args.tp} (gloo fan-out)")
     print("times in ms, median / p99 of one run; NIXL with inline_max_bytes=0 (every size goes over NIXL)\n")
     print("## 1. Transfer\n")
     print(

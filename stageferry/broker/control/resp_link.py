@@ -89,7 +89,7 @@ def open_link(redis: Redis) -> RespLink | None:
     cannot follow the client's configuration (see the module docstring; logged as ``redis_link.off``, and
     redis-py carries everything).  Connects on first use."""
     if os.environ.get(ENV, "1") == "0":
-        log.info("redis_link.off", reason=f"{ENV}=0")
+        _say_off(f"{ENV}=0")
         return None
     pool = redis.connection_pool
     conn = pool.connection_class(**pool.connection_kwargs)
@@ -97,10 +97,21 @@ def open_link(redis: Redis) -> RespLink | None:
     if issubclass(cls, TallyMixin):  # the tally's subclass (redis_conn.connect) of one of redis-py's
         cls = cls.__bases__[1]
     if conn.credential_provider is not None or cls not in _FOLLOWED:
-        why = "a credential provider" if conn.credential_provider is not None else f"connection class {cls.__name__}"
-        log.info("redis_link.off", reason=why)
+        _say_off(
+            "a credential provider" if conn.credential_provider is not None else f"connection class {cls.__name__}"
+        )
         return None
     return RespLink(_Target(conn), process_tally())
+
+
+_said: set[str] = set()
+
+
+def _say_off(reason: str) -> None:
+    """Log ``redis_link.off`` once per process and reason (each stream asks for two links)."""
+    if reason not in _said:
+        _said.add(reason)
+        log.info("redis_link.off", reason=reason)
 
 
 #: What hiredis answers while a reply is still incomplete (a sentinel: ``False`` is a RESP3 reply).

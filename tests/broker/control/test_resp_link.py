@@ -195,10 +195,12 @@ async def test_the_link_follows_the_client_s_password_and_database() -> None:
 def test_no_link_where_it_cannot_follow_the_client(monkeypatch: pytest.MonkeyPatch) -> None:
     assert open_link(connect("redis://127.0.0.1:6379/0")) is not None
     provider = UsernamePasswordCredentialProvider("u", "p")
+    monkeypatch.setattr(resp_link, "_said", set())
     with capture_logs() as logs:
         assert open_link(aioredis.Redis(credential_provider=provider)) is None
         monkeypatch.setenv(resp_link.ENV, "0")
         assert open_link(connect("redis://127.0.0.1:6379/0")) is None
+        assert open_link(connect("redis://127.0.0.1:6379/0")) is None  # said once per process
     assert [(e["event"], e["reason"]) for e in logs] == [
         ("redis_link.off", "a credential provider"),
         ("redis_link.off", f"{resp_link.ENV}=0"),
