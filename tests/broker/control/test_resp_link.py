@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -25,97 +27,99 @@ from tests.security.servers import PrivateRedis, make_test_ca
 pytestmark = pytest.mark.anyio
 
 
+@dataclass
+class Linked:
+    redis: aioredis.Redis
+    link: RespLink
+
+
+@pytest.fixture
+async def linked(redis_url: str) -> AsyncIterator[Linked]:
+    """A client of the test Redis and a link that follows it (closed afterwards)."""
+    async with open_client(redis_url) as redis:
+        link = link_of(redis)
+        yield Linked(redis, link)
+        await link.aclose()
+
+
 def link_of(redis: object) -> RespLink:
     link = open_link(redis)  # type: ignore[arg-type]
     assert link is not None
     return link
 
 
-async def test_many_tasks_pipeline_on_one_link_and_each_gets_its_own_reply(redis_url: str, prefix: str) -> None:
-    async with open_client(redis_url) as redis:
-        link = link_of(redis)
-        got: dict[int, object] = {}
+async def test_many_tasks_pipeline_on_one_link_and_each_gets_its_own_reply(linked: Linked, prefix: str) -> None:
+    redis, link = linked.redis, linked.link
+    got: dict[int, object] = {}
 
-        async def one(i: int) -> None:
-            replies = await link.send(
-                [("SET", f"{prefix}:k{i}", i), ("GET", f"{prefix}:k{i}"), ("INCR", f"{prefix}:n")]
-            )
-            got[i] = replies[1]
+    async def one(i: int) -> None:
+        replies = await link.send([("SET", f"{prefix}:k{i}", i), ("GET", f"{prefix}:k{i}"), ("INCR", f"{prefix}:n")])
+        got[i] = replies[1]
 
-        async with anyio.create_task_group() as tg:
-            for i in range(200):
-                tg.start_soon(one, i)
-        assert got == {i: str(i).encode() for i in range(200)}
-        assert await redis.get(f"{prefix}:n") == b"200"
-        await link.aclose()
+    async with anyio.create_task_group() as tg:
+        for i in range(200):
+            tg.start_soon(one, i)
+    assert got == {i: str(i).encode() for i in range(200)}
+    assert await redis.get(f"{prefix}:n") == b"200"
 
 
-async def test_error_replies_are_redis_py_s_types_as_values_or_raised(redis_url: str, prefix: str) -> None:
-    async with open_client(redis_url) as redis:
-        link = link_of(redis)
-        await redis.set(f"{prefix}:s", "x")
-        ok, wrong = await link.send([("GET", f"{prefix}:s"), ("LPUSH", f"{prefix}:s", "y")])
-        assert ok == b"x" and isinstance(wrong, redis_errors.ResponseError) and "WRONGTYPE" in str(wrong)
-        with pytest.raises(redis_errors.NoScriptError):
-            await link.call("EVALSHA", "0" * 40, 0)
-        assert await link.call("PING") == b"PONG", "an error reply leaves the connection in step"
-        with pytest.raises(TypeError):
-            await link.call("SET", f"{prefix}:none", None)  # refused before anything is written
-        assert await link.call("PING") == b"PONG"
-        await link.aclose()
+async def test_error_replies_are_redis_py_s_types_as_values_or_raised(linked: Linked, prefix: str) -> None:
+    redis, link = linked.redis, linked.link
+    await redis.set(f"{prefix}:s", "x")
+    ok, wrong = await link.send([("GET", f"{prefix}:s"), ("LPUSH", f"{prefix}:s", "y")])
+    assert ok == b"x" and isinstance(wrong, redis_errors.ResponseError) and "WRONGTYPE" in str(wrong)
+    with pytest.raises(redis_errors.NoScriptError):
+        await link.call("EVALSHA", "0" * 40, 0)
+    assert await link.call("PING") == b"PONG", "an error reply leaves the connection in step"
+    with pytest.raises(TypeError):
+        await link.call("SET", f"{prefix}:none", None)  # refused before anything is written
+    assert await link.call("PING") == b"PONG"
 
 
-async def test_run_script_loads_an_unknown_script_through_redis_py(redis_url: str, prefix: str) -> None:
-    async with open_client(redis_url) as redis:
-        link = link_of(redis)
-        script = redis.register_script(f"return '{uuid.uuid4().hex}' .. ARGV[1]")  # never loaded before
-        assert (await run_script(link, script, [f"{prefix}:k"], ["!"])).endswith(b"!")
-        assert link.fallbacks == 1, "NOSCRIPT: redis-py's call loaded it"
-        assert (await run_script(link, script, [f"{prefix}:k"], ["?"])).endswith(b"?")
-        assert link.fallbacks == 1, "then it runs over the link"
-        await link.aclose()
+async def test_run_script_loads_an_unknown_script_through_redis_py(linked: Linked, prefix: str) -> None:
+    redis, link = linked.redis, linked.link
+    script = redis.register_script(f"return '{uuid.uuid4().hex}' .. ARGV[1]")  # never loaded before
+    assert (await run_script(link, script, [f"{prefix}:k"], ["!"])).endswith(b"!")
+    assert link.fallbacks == 1, "NOSCRIPT: redis-py's call loaded it"
+    assert (await run_script(link, script, [f"{prefix}:k"], ["?"])).endswith(b"?")
+    assert link.fallbacks == 1, "then it runs over the link"
 
 
 async def test_a_cancelled_wait_closes_the_link_and_what_was_queued_behind_it_never_runs(
-    redis_url: str, prefix: str
+    linked: Linked, prefix: str
 ) -> None:
-    async with open_client(redis_url) as redis:
-        link = link_of(redis)
-        wake, marker = f"{prefix}:wake", f"{prefix}:marker"
-        with anyio.move_on_after(0.2):
-            await link.send([("BLPOP", wake, 5), ("SET", marker, "ran")], block_s=5)
-        await redis.lpush(wake, "late")  # would unblock the old wait, were it still there
-        await anyio.sleep(0.1)
-        assert await redis.exists(marker) == 0, "the command queued behind the cancelled wait ran"
-        assert await redis.lrange(wake, 0, -1) == [b"late"], "a dead wait took the wake-up"
-        assert await link.call("PING") == b"PONG", "the next call connects afresh"
-        await link.aclose()
+    redis, link = linked.redis, linked.link
+    wake, marker = f"{prefix}:wake", f"{prefix}:marker"
+    with anyio.move_on_after(0.2):
+        await link.send([("BLPOP", wake, 5), ("SET", marker, "ran")], block_s=5)
+    await redis.lpush(wake, "late")  # would unblock the old wait, were it still there
+    await anyio.sleep(0.1)
+    assert await redis.exists(marker) == 0, "the command queued behind the cancelled wait ran"
+    assert await redis.lrange(wake, 0, -1) == [b"late"], "a dead wait took the wake-up"
+    assert await link.call("PING") == b"PONG", "the next call connects afresh"
 
 
 async def test_a_killed_connection_fails_the_call_in_flight_and_the_next_one_reconnects(
-    redis_url: str, prefix: str
+    linked: Linked, prefix: str
 ) -> None:
-    async with open_client(redis_url) as redis:
-        link = link_of(redis)
-        name = f"{prefix}-link"
-        await link.call("CLIENT", "SETNAME", name)
-        waiting = asyncio.ensure_future(link.call("BLPOP", f"{prefix}:never", 5, block_s=5))
-        await anyio.sleep(0.05)
-        await redis.client_kill_filter(_type=None, skipme=True, addr=await _addr_of(redis, name))
-        with anyio.fail_after(2), pytest.raises(redis_errors.ConnectionError):
-            await waiting
-        assert await link.call("PING") == b"PONG"
-        await link.aclose()
+    redis, link = linked.redis, linked.link
+    name = f"{prefix}-link"
+    await link.call("CLIENT", "SETNAME", name)
+    waiting = asyncio.ensure_future(link.call("BLPOP", f"{prefix}:never", 5, block_s=5))
+    await anyio.sleep(0.05)
+    await redis.client_kill_filter(_type=None, skipme=True, addr=await _addr_of(redis, name))
+    with anyio.fail_after(2), pytest.raises(redis_errors.ConnectionError):
+        await waiting
+    assert await link.call("PING") == b"PONG"
 
 
-async def test_run_script_rides_out_a_link_that_cannot_connect_through_redis_py(redis_url: str, prefix: str) -> None:
-    async with open_client(redis_url) as redis:
-        script = redis.register_script("return ARGV[1]")
-        nowhere = connect(f"redis://127.0.0.1:{free_port()}/0")
-        link = link_of(nowhere)
-        assert await run_script(link, script, [f"{prefix}:k"], ["after"]) == b"after"
-        assert link.fallbacks == 1
-        await nowhere.aclose()
+async def test_run_script_rides_out_a_link_that_cannot_connect_through_redis_py(linked: Linked, prefix: str) -> None:
+    script = linked.redis.register_script("return ARGV[1]")
+    nowhere = connect(f"redis://127.0.0.1:{free_port()}/0")
+    link = link_of(nowhere)
+    assert await run_script(link, script, [f"{prefix}:k"], ["after"]) == b"after"
+    assert link.fallbacks == 1
+    await nowhere.aclose()
 
 
 async def _addr_of(redis: object, name: str) -> str:
