@@ -8,9 +8,10 @@ Who calls what, and when (the consumer leader only):
   its seal; take slots of our own pool; post a READ per region, all at once, and claim the lease
   (:func:`stageferry.broker.data.nixl.leases.claim`) while they run — unless the stage's stream read
   claimed it already (``claimed=True``, :func:`~stageferry.broker.data.nixl.leases.claim_on_read`; False:
-  it found the lease taken, and the payload counts as gone); once both the claim is won and every READ
-  is DONE, notify the producer (the release that frees its slot); unpack as zero-copy views.  See
-  :meth:`Consumer.read` for why reading before the claim is won is safe.
+  it found the lease taken, and the payload counts as gone); once the claim is won, unpack as zero-copy
+  views over our slots while the READs still run (views need no bytes, and nothing sees them before
+  the READs are DONE); once every READ is DONE, notify the producer (the release that frees its slot).
+  See :meth:`Consumer.read` for why reading before the claim is won is safe.
   Inside the block ``incoming.payload`` and ``incoming.regions`` are views of our pool slots; on exit the
   slots go back to the pool (after a CUDA synchronize, so queued kernels finish first).  Nothing may
   keep a view past the block.
@@ -26,7 +27,8 @@ from __future__ import annotations
 import contextlib
 import hmac
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import anyio
 import structlog
@@ -71,6 +73,8 @@ from stageferry.schemas.nixl import (
 )
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 
 #: How long :meth:`Consumer._wait_all` yields without sleeping, and how long it then sleeps between looks.
@@ -181,9 +185,11 @@ class Consumer:
         except PoolExhaustedError:
             await self.claim(ref, claimed)  # ours before its producer is asked for it inline
             return await self.resend_inline(ref, reason="pool_exhausted"), {}
-        try:
-            await self.read(ref, peer, slots, claimed)  # claims the lease while the READs run
-            payload = unpack(ref.manifest, {kind: slot.view for kind, slot in slots.items()}, copy=False)
+        views = {kind: slot.view for kind, slot in slots.items()}
+        try:  # claims the lease, and makes the payload's views over our slots, while the READs run
+            payload = await self.read(
+                ref, peer, slots, claimed, meanwhile=lambda: unpack(ref.manifest, views, copy=False)
+            )
         except TransferError as exc:
             metrics.TRANSFER_FAILURES.labels(exc.code).inc()
             log.warning("nixl.read_failed", key=key, error=exc.message, peer=peer.name)
@@ -240,11 +246,19 @@ class Consumer:
             metrics.TRANSFER_SECONDS.labels(Transport.NIXL.value, "get").observe(incoming.seconds)
 
     async def read(
-        self, ref: NixlPayload, peer: Peer, slots: dict[DeviceKind, Slot], claimed: bool | None = None
-    ) -> None:
+        self,
+        ref: NixlPayload,
+        peer: Peer,
+        slots: dict[DeviceKind, Slot],
+        claimed: bool | None = None,
+        meanwhile: Callable[[], T] | None = None,
+    ) -> T | None:
         """Claim ``ref``'s lease while READing all its regions into ``slots`` (ours, already taken), then
         release the producer's slot.  The hop waits for the longer of the claim's round trip and the READs,
         not for their sum; with ``claimed`` (the stream read's claim, :meth:`claim`) there is no round trip.
+        Once the claim is won, ``meanwhile()`` runs while the READs do (the unpack: views over our slots,
+        which need no bytes yet) and its result is returned; if it raises, the READs are waited for first,
+        so no READ still writes into the slots the caller then gives back.
 
         In order: post one READ per non-empty region, all at once and without a notification; claim
         (Redis ``SET NX``) while they run; wait until every READ is DONE; only then notify the producer
@@ -276,7 +290,7 @@ class Consumer:
         if not pairs:  # zero-size payload: nothing to READ, release the producer explicitly
             await self.claim(ref, claimed)
             await self.discard(ref)
-            return
+            return meanwhile() if meanwhile is not None else None
         deadline = time.monotonic() + self._ep.timeouts.transfer
         # Claimed already and one READ: it carries the release itself (NIXL sends it once the bytes are
         # here).  Several READs each send their own notification on completion, so those are released
@@ -301,6 +315,16 @@ class Consumer:
                 raise
             if post_failed is not None:
                 raise post_failed
+            made = None
+            if meanwhile is not None:
+                try:
+                    made = meanwhile()
+                except BaseException:
+                    with contextlib.suppress(TransferError, ControlPlaneError):  # the caller's error is raised
+                        await self._wait_all(handles, deadline)
+                        if not carried:  # the claim is ours and the READs are over: free the producer's slot
+                            await self._release_producer(ref, peer)
+                    raise
             await self._wait_all(handles, deadline)
         finally:
             for handle in handles:
@@ -316,6 +340,7 @@ class Consumer:
             getattr(log, level)(
                 "nixl.transport", peer=peer.name, transport=transport or "unknown (set UCX_PROTO_INFO=y)"
             )
+        return made
 
     def _post(self, spec: RegionSpec, remote: RemoteRegion, local: Slot, peer: Peer, notif: bytes = b"") -> object:
         """Post the READ of one region, with ``notif`` for the producer on completion.  A DRAM region of at least

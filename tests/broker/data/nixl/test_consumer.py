@@ -25,10 +25,11 @@ import redis as sync_redis
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import connect
+from stageferry.broker.data.nixl import consumer as consumer_module
 from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.broker.data.nixl.consumer import lane_spans
 from stageferry.config import DataPlaneConfig, Timeouts
-from stageferry.errors import PayloadUnavailableError
+from stageferry.errors import ManifestError, PayloadUnavailableError
 from stageferry.schemas import NixlPayload, Transport
 from stageferry.schemas.nixl import released_token
 from stageferry.testing import assert_same, sized_payload
@@ -251,3 +252,36 @@ async def test_a_read_that_fails_with_the_claim_won_drops_the_peer_and_asks_for_
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+async def test_the_views_are_made_while_the_read_runs_and_a_failure_there_waits_for_it(
+    pair: tuple[NixlConnector, NixlConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The unpack (views over our slot) runs with the READ posted and not yet released; if it fails, the
+    slot goes back only after the READ ended, and the producer is still released (once)."""
+    producer, consumer = pair
+    agent = consumer.agent
+    assert agent is not None and consumer.pools is not None
+    open_during: list[int] = []
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        open_during.append(agent.open_handles())
+        return real_unpack(*args, **kwargs)
+
+    real_unpack = consumer_module.unpack
+    monkeypatch.setattr(consumer_module, "unpack", watched)
+    ref, payload = await put(producer, "k-1", seed=1)
+    async with consumer.get(ref, None, key="k-1") as incoming:
+        assert_same(incoming.payload, payload)
+    assert open_during == [1], "the views were made while the READ's handle was open"
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ManifestError("cannot view it")
+
+    monkeypatch.setattr(consumer_module, "unpack", broken)
+    second, _ = await put(producer, "k-2", seed=2)
+    with pytest.raises(ManifestError, match="cannot view it"):
+        async with consumer.get(second, None, key="k-2"):
+            pytest.fail("handed on")
+    assert consumer.pools.slots_in_use == 0 and agent.open_handles() == 0
+    assert (await releases_until(producer, second.token)).count(second.token) == 1
