@@ -319,11 +319,15 @@ class Consumer:
             if meanwhile is not None:
                 try:
                     made = meanwhile()
-                except BaseException:
-                    with contextlib.suppress(TransferError, ControlPlaneError):  # the caller's error is raised
+                except BaseException:  # the caller's error is the one raised, after the READs ended
+                    try:
                         await self._wait_all(handles, deadline)
+                    except TransferError:
+                        self._peers.forget(peer.name)  # a broken endpoint must not deliver late bytes later
+                    else:
                         if not carried:  # the claim is ours and the READs are over: free the producer's slot
-                            await self._release_producer(ref, peer)
+                            with contextlib.suppress(ControlPlaneError):
+                                await self._release_producer(ref, peer)
                     raise
             await self._wait_all(handles, deadline)
         finally:

@@ -26,6 +26,7 @@ import redis as sync_redis
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import connect
 from stageferry.broker.data.nixl import consumer as consumer_module
+from stageferry.broker.data.nixl.agent import XferState
 from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.broker.data.nixl.consumer import lane_spans
 from stageferry.config import DataPlaneConfig, Timeouts
@@ -257,8 +258,8 @@ async def test_a_read_that_fails_with_the_claim_won_drops_the_peer_and_asks_for_
 async def test_the_views_are_made_while_the_read_runs_and_a_failure_there_waits_for_it(
     pair: tuple[NixlConnector, NixlConnector], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The unpack (views over our slot) runs with the READ posted and not yet released; if it fails, the
-    slot goes back only after the READ ended, and the producer is still released (once)."""
+    """The unpack (views over our slot) runs with the READ's handle open; if it fails, the slot goes back
+    only after the READ is seen DONE, and the producer is still released (once)."""
     producer, consumer = pair
     agent = consumer.agent
     assert agent is not None and consumer.pools is not None
@@ -275,13 +276,27 @@ async def test_the_views_are_made_while_the_read_runs_and_a_failure_there_waits_
         assert_same(incoming.payload, payload)
     assert open_during == [1], "the views were made while the READ's handle was open"
 
+    # The unpack fails with the READ still running (its polls say PROC three more times): the slot stays
+    # ours until the READ is seen DONE.
+    after_failure: list[int] = []  # slots in use at each poll after the unpack failed
+    real_poll = agent.poll
+
     def broken(*args: Any, **kwargs: Any) -> Any:
+        after_failure.append(-1)
         raise ManifestError("cannot view it")
 
+    def slow_poll(handle: object) -> XferState:
+        if after_failure and len(after_failure) <= 3:
+            after_failure.append(consumer.pools.slots_in_use)  # type: ignore[union-attr]
+            return XferState.PROC
+        return real_poll(handle)
+
     monkeypatch.setattr(consumer_module, "unpack", broken)
+    monkeypatch.setattr(agent, "poll", slow_poll)
     second, _ = await put(producer, "k-2", seed=2)
     with pytest.raises(ManifestError, match="cannot view it"):
         async with consumer.get(second, None, key="k-2"):
             pytest.fail("handed on")
+    assert after_failure == [-1, 1, 1, 1], "the READ was waited for, the slot held meanwhile"
     assert consumer.pools.slots_in_use == 0 and agent.open_handles() == 0
     assert (await releases_until(producer, second.token)).count(second.token) == 1
