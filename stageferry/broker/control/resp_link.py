@@ -278,8 +278,32 @@ async def run_script(link: RespLink | None, script: Any, keys: Sequence[Any], ar
     if link is not None:
         try:
             return await link.call("EVALSHA", script.sha, len(keys), *keys, *args)
-        except (redis_errors.NoScriptError, redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
-            if not (isinstance(exc, redis_errors.NoScriptError) or is_connection_error(exc)):
-                raise  # refused credentials (a ConnectionError to redis-py): no retry heals them
+        except redis_errors.NoScriptError:
             link.fallbacks += 1
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
+            _fall_back(link, exc)
     return await script(keys=list(keys), args=list(args))
+
+
+async def run_pipeline(
+    link: RespLink | None, redis: Redis, commands: Sequence[Command], *, block_s: float
+) -> list[Any]:
+    """``commands`` in one write over ``link`` (see :meth:`RespLink.send`: error replies as values); as a
+    redis-py pipeline when there is no link or its connection fails (redis-py retries)."""
+    if link is not None:
+        try:
+            return await link.send(commands, block_s=block_s)
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
+            _fall_back(link, exc)
+    async with redis.pipeline(transaction=False) as pipe:
+        for command in commands:
+            pipe.execute_command(*command)
+        return await pipe.execute(raise_on_error=False)
+
+
+def _fall_back(link: RespLink, exc: Exception) -> None:
+    """Count a call that redis-py repeats, or raise ``exc`` when no retry can heal it (refused credentials
+    are a ``ConnectionError`` to redis-py)."""
+    if not is_connection_error(exc):
+        raise exc
+    link.fallbacks += 1

@@ -45,8 +45,8 @@ import structlog
 
 from stageferry.broker.control.dead_letter import DEAD_LETTER_LUA, DeadLetterPolicy
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import BLOCK_MS, is_connection_error, translated
-from stageferry.broker.control.resp_link import RespLink, open_link, run_script
+from stageferry.broker.control.redis_conn import BLOCK_MS, translated
+from stageferry.broker.control.resp_link import RespLink, open_link, run_pipeline, run_script
 from stageferry.broker.control.stream_scripts import ACK, FINISH, HANDOFF, HANDOFF_WITH_STATUS, READ_CAPPED, RENEW
 from stageferry.errors import CancelledRequestError, ControlPlaneError
 
@@ -204,28 +204,13 @@ class StageStream:
         as soon as it is unblocked), and the entries come back with the wake-up, not one round trip after
         it.  A script Redis has forgotten (a restart, ``SCRIPT FLUSH``) or any other failure of the read is
         retried alone, where :meth:`_read_via_script` loads the script and handles a lost group."""
-        wake, read = ("BLPOP", self._keys.wake(self.stage), timeout), self._read_command(">", count)
-        rows: Any = None
-        if self._wait_link is not None:
-            try:
-                with translated():
-                    _, rows = await self._wait_link.send([wake, read], block_s=timeout)
-            except ControlPlaneError as exc:
-                if not is_connection_error(exc):
-                    raise
-                rows = exc  # the link's connection failed: redis-py's pipeline below retries it
-        if rows is None or isinstance(rows, ControlPlaneError):
-            with translated():
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    pipe.execute_command(*wake)
-                    pipe.execute_command(*read)
-                    _, rows = await pipe.execute(raise_on_error=False)
+        wake = ("BLPOP", self._keys.wake(self.stage), timeout)
+        read = ("EVALSHA", self._read_capped.sha, len(self.streams), *self.streams, *self._read_args(">", count))
+        with translated():
+            _, rows = await run_pipeline(self._wait_link, self._redis, [wake, read], block_s=timeout)
         if isinstance(rows, Exception):
             return await self._read_via_script(">", count)
         return await self._entries(rows)
-
-    def _read_command(self, start: str, count: int) -> tuple[Any, ...]:
-        return ("EVALSHA", self._read_capped.sha, len(self.streams), *self.streams, *self._read_args(start, count))
 
     def _read_args(self, start: str, count: int) -> list[Any]:
         lc = self._lease_claim

@@ -320,14 +320,7 @@ class Consumer:
                 try:
                     made = meanwhile()
                 except BaseException:  # the caller's error is the one raised, after the READs ended
-                    try:
-                        await self._wait_all(handles, deadline)
-                    except TransferError:
-                        self._peers.forget(peer.name)  # a broken endpoint must not deliver late bytes later
-                    else:
-                        if not carried:  # the claim is ours and the READs are over: free the producer's slot
-                            with contextlib.suppress(ControlPlaneError):
-                                await self._release_producer(ref, peer)
+                    await self._end_reads(ref, peer, handles, deadline, released=bool(carried))
                     raise
             await self._wait_all(handles, deadline)
         finally:
@@ -345,6 +338,20 @@ class Consumer:
                 "nixl.transport", peer=peer.name, transport=transport or "unknown (set UCX_PROTO_INFO=y)"
             )
         return made
+
+    async def _end_reads(
+        self, ref: NixlPayload, peer: Peer, handles: list[object], deadline: float, *, released: bool
+    ) -> None:
+        """Wait for READs whose payload will not be used (the claim is ours), then free the producer's slot
+        unless the READ carried the release; a READ that failed drops the peer (no late bytes later)."""
+        try:
+            await self._wait_all(handles, deadline)
+        except TransferError:
+            self._peers.forget(peer.name)
+            return
+        if not released:
+            with contextlib.suppress(ControlPlaneError):
+                await self._release_producer(ref, peer)
 
     def _post(self, spec: RegionSpec, remote: RemoteRegion, local: Slot, peer: Peer, notif: bytes = b"") -> object:
         """Post the READ of one region, with ``notif`` for the producer on completion.  A DRAM region of at least
