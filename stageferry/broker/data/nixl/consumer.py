@@ -14,7 +14,8 @@ Who calls what, and when (the consumer leader only):
   See :meth:`Consumer.read` for why reading before the claim is won is safe.
   Inside the block ``incoming.payload`` and ``incoming.regions`` are views of our pool slots; on exit the
   slots go back to the pool (after a CUDA synchronize, so queued kernels finish first).  Nothing may
-  keep a view past the block.
+  keep a view past the block.  A get cancelled with READs in flight gives its slots back only once no
+  READ can still write into them (:meth:`Consumer._settle_cancelled`).
 * On handshake or transfer failure the producer is asked to resend inline (:meth:`Consumer.resend_inline`,
   up to ``inline_fallback_max_bytes``); if it cannot, :class:`PayloadUnavailableError` sends the request
   back to be recomputed.  Descriptors that fail validation raise :class:`ManifestError` before any
@@ -127,7 +128,8 @@ class Consumer:
             pools = self._ep.pools
             if slots and pools is not None:
                 if DeviceKind.CUDA in slots:  # kernels queued on the payload must finish before reuse
-                    await anyio.to_thread.run_sync(torch.cuda.synchronize, slots[DeviceKind.CUDA].view.device)
+                    with anyio.CancelScope(shield=True):  # a cancelled block still waits, or the slots leak
+                        await anyio.to_thread.run_sync(torch.cuda.synchronize, slots[DeviceKind.CUDA].view.device)
                 pools.release_all(slots)
 
     async def claim(self, ref: NixlPayload, claimed: bool | None = None) -> None:
@@ -323,6 +325,9 @@ class Consumer:
                     await self._end_reads(ref, peer, handles, deadline, released=bool(carried))
                     raise
             await self._wait_all(handles, deadline)
+        except anyio.get_cancelled_exc_class():
+            await self._settle_cancelled(peer, handles, deadline)
+            raise
         finally:
             for handle in handles:
                 agent.release(handle)
@@ -352,6 +357,19 @@ class Consumer:
         if not released:
             with contextlib.suppress(ControlPlaneError):
                 await self._release_producer(ref, peer)
+
+    async def _settle_cancelled(self, peer: Peer, handles: list[object], deadline: float) -> None:
+        """The caller was cancelled with READs posted: before our slots go back to the pool, wait (shielded,
+        up to the READs' deadline) until none can still write into them.  Releasing a handle only asks NIXL
+        to cancel an active READ, so that alone proves nothing.  A READ that fails or outlives the deadline,
+        or a wait cancelled again (a native ``Task.cancel`` breaks the shield), drops the peer: its endpoint
+        closes, and nothing of it lands in a reused slot."""
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._wait_all(handles, deadline)
+        except (TransferError, anyio.get_cancelled_exc_class()):
+            log.warning("nixl.read_abandoned", peer=peer.name, reads=len(handles))
+            self._peers.forget(peer.name)
 
     def _post(self, spec: RegionSpec, remote: RemoteRegion, local: Slot, peer: Peer, notif: bytes = b"") -> object:
         """Post the READ of one region, with ``notif`` for the producer on completion.  A DRAM region of at least

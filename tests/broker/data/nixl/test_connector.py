@@ -30,7 +30,7 @@ from stageferry.broker.data import metrics
 from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.config import DataPlaneConfig, Timeouts
 from stageferry.errors import ManifestError, PayloadUnavailableError
-from stageferry.schemas import InlinePayload, NixlPayload, PayloadRef, Transport
+from stageferry.schemas import DeviceKind, InlinePayload, NixlPayload, PayloadRef, Transport
 from stageferry.testing import assert_same
 from tests.peer_producer import build
 from tests.procs import ROOT, wait_for
@@ -280,6 +280,29 @@ async def test_cuda_leaves_land_on_the_consumer_gpu(start_producer: Any, redis_u
                 # each region's memory on both sides, and what UCX used for it: cuda_ipc on one host
                 assert incoming.route is not None and f"VRAM:0→VRAM:{dst.index} cuda_ipc" in incoming.route
                 assert "DRAM→DRAM " in incoming.route, incoming.route
+        producer.wait_stats(leases=0, slots_in_use=0)
+    producer.stop()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (runs on the device machine)")
+async def test_a_block_cancelled_with_cuda_slots_still_returns_them(
+    start_producer: Any, redis_url: str, prefix: str
+) -> None:
+    """The exit's CUDA synchronize runs shielded: a cancelled block waits for it, then gives the slots back
+    (a cancelled wait there used to skip the release and leak them)."""
+    dst = torch.device("cuda", torch.cuda.device_count() - 1)
+    producer = start_producer("--payloads", "mixed", "--device", "cuda:0")
+    async with consumer(redis_url, prefix, cuda_device=dst) as conn:
+        assert conn.pools is not None
+        item = producer.take()
+        ref, blob = ref_of(item)
+        with anyio.CancelScope() as scope:
+            async with conn.get(ref, blob, key=item["key"]) as incoming:
+                assert DeviceKind.CUDA in (incoming.regions or {})
+                scope.cancel()
+                await anyio.sleep(1)
+        assert scope.cancelled_caught
+        assert conn.pools.slots_in_use == 0, "the CUDA and CPU slots went back"
         producer.wait_stats(leases=0, slots_in_use=0)
     producer.stop()
 

@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import pytest
 import redis as sync_redis
+from structlog.testing import capture_logs
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import connect
@@ -300,3 +301,95 @@ async def test_the_views_are_made_while_the_read_runs_and_a_failure_there_waits_
     assert after_failure == [-1, 1, 1, 1], "the READ was waited for, the slot held meanwhile"
     assert consumer.pools.slots_in_use == 0 and agent.open_handles() == 0
     assert (await releases_until(producer, second.token)).count(second.token) == 1
+
+
+class HeldReads:
+    """Makes a connector's READs look in flight (PROC) while ``limit`` is None or not yet reached; each
+    held poll records how many of its pool's slots are in use at that moment."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, conn: NixlConnector) -> None:
+        agent, pools = conn.agent, conn.pools
+        assert agent is not None and pools is not None
+        self.slots_in_use: list[int] = []
+        self.limit: int | None = None
+        real_poll = agent.poll
+
+        def poll(handle: object) -> XferState:
+            if self.limit is None or len(self.slots_in_use) < self.limit:
+                self.slots_in_use.append(pools.slots_in_use)
+                return XferState.PROC
+            return real_poll(handle)
+
+        monkeypatch.setattr(agent, "poll", poll)
+
+
+async def cancel_once_held(consumer: NixlConnector, ref: NixlPayload, held: HeldReads, polls_after: int | None) -> int:
+    """Run a get, cancel it once its READ has been seen in flight, then let the READ end after
+    ``polls_after`` more polls (None: never); the number of polls seen before the cancel."""
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+
+            async def get() -> None:
+                async with consumer.get(ref, None, key="k"):
+                    pytest.fail("a cancelled get was handed on")
+
+            tg.start_soon(get)
+            while not held.slots_in_use:
+                await anyio.sleep(0.001)
+            before = len(held.slots_in_use)
+            tg.cancel_scope.cancel()
+            if polls_after is not None:
+                held.limit = before + polls_after
+    return before
+
+
+async def test_a_get_cancelled_during_its_read_keeps_the_slot_until_the_read_is_done(
+    pair: tuple[NixlConnector, NixlConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Releasing a handle only asks NIXL to cancel the READ: the slot goes back to the pool once the READ
+    is seen DONE, not before (the polls after the cancel still find it ours), and the peer stays."""
+    producer, consumer = pair
+    assert consumer.agent is not None and consumer.pools is not None and producer.agent is not None
+    held = HeldReads(monkeypatch, consumer)
+    ref, _ = await put(producer, "k-1", seed=1)
+    before = await cancel_once_held(consumer, ref, held, polls_after=5)
+    assert len(held.slots_in_use) == before + 5, "the READ was still polled after the cancel"
+    assert set(held.slots_in_use) == {1}, "every poll, after the cancel too, found the slot still ours"
+    assert consumer.pools.slots_in_use == 0 and consumer.agent.open_handles() == 0
+    assert producer.agent.name in consumer.agent.remotes(), "a READ seen DONE keeps the peer"
+    monkeypatch.undo()
+    second, payload = await put(producer, "k-2", seed=2)
+    async with consumer.get(second, None, key="k-2") as incoming:
+        assert_same(incoming.payload, payload)
+
+
+async def test_a_get_cancelled_with_a_read_that_never_ends_drops_the_peer_at_the_deadline(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    producer = make(redis_url, prefix, "encoder")
+    consumer = NixlConnector(
+        redis=connect(redis_url),
+        keys=Keys(prefix),
+        stage="diffusion",
+        replica="test",
+        config=DataPlaneConfig(inline_max_bytes=0, cpu_pool_bytes=16 << 20),
+        timeouts=Timeouts(resend=3.0, transfer=0.3),
+    )
+    consumer.open()
+    try:
+        assert consumer.agent is not None and consumer.pools is not None and producer.agent is not None
+        await producer.peers.publish_record()
+        held = HeldReads(monkeypatch, consumer)
+        ref, _ = await put(producer, "k-1", seed=1)
+        started = time.monotonic()
+        with capture_logs() as logs:
+            await cancel_once_held(consumer, ref, held, polls_after=None)
+        assert 0.2 < time.monotonic() - started < 5, "waited for the READ up to its deadline, no longer"
+        assert set(held.slots_in_use) == {1}, "the slot stayed ours while the READ could still write"
+        assert producer.agent.name not in consumer.agent.remotes(), "the peer was dropped"
+        assert [e["peer"] for e in logs if e["event"] == "nixl.read_abandoned"] == [producer.agent.name]
+        assert consumer.pools.slots_in_use == 0 and consumer.agent.open_handles() == 0
+    finally:
+        for conn in (consumer, producer):
+            await conn.aclose()
+            await conn.endpoint.redis.aclose()
