@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/issue20_device.sh [step ...]      # default: every step, in the order below
 #   STEPS=1 bash benchmarks/issue20_device.sh t2va_gpu # transfer.py also times the steps of put and get
+#   COLD=1 ...                                        # and the zero-copy hop without a ready payload, side by side
 # The *_redis_py steps repeat a hop with the hot path on redis-py alone (STAGEFERRY_REDIS_LINK=0).
 set -u
 cd "$(dirname "$0")/.."
@@ -21,13 +22,14 @@ run_step() {  # name, seconds, command...
     echo "rc=$?"
   } 2>&1 | tee "$out/$name.txt"
 }
-tx=(python3 benchmarks/transfer.py --scaling-sizes "" --inflight 1 ${STEPS:+--steps})
+tx=(python3 benchmarks/transfer.py --scaling-sizes "" --inflight 1 ${STEPS:+--steps} ${COLD:+--ready-cold})
 steps=${*:-gpu_tests shm_tests t2va_gpu ref2va_gpu t2va_cpu ref2va_cpu hop fanout fanout_nccl throughput}
 for s in $steps; do
   case $s in
     gpu_tests) run_step "$s" 200 python3 -m pytest -q -p no:cacheprovider -rs --tb=short --durations=8 \
                  tests/broker/data/nixl/test_staging.py tests/broker/data/nixl/test_connector.py \
                  tests/broker/data/nixl/test_consumer.py tests/broker/data/nixl/test_agent.py \
+                 tests/broker/data/nixl/test_ready.py \
                  tests/broker/data/test_pool.py tests/broker/data/test_payload_codec.py \
                  "tests/stages/test_reference_models.py::test_the_encoder_payload_stays_on_its_gpu_and_the_diffusion_stage_takes_it_there" ;;
     t2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 359024 --iters 300 --zero-copy ;;

@@ -84,6 +84,8 @@ from stageferry.testing import TASKS, sized_payload, tensor_bytes  # noqa: E402
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = sorted([4 * KiB * 4**i for i in range(9)] + list(TASK_BYTES.values()))  # 4 KiB..256 MiB
 WARMUP = 3
+#: The zero-copy hop with the consumer's ready payload dropped first (``--ready-cold``).
+COLD = "staged-cold"
 INLINE_CAP = 1 << 30
 STAGE = "bench"  #: the consumer's stage stream
 #: The entry and the stage's wake-up in one script, as a stage's hand-off script writes them (KEYS: the
@@ -364,7 +366,8 @@ class Consumer:
         await self.stream.ack(entry.id)  # untimed: a stage acknowledges once its output is handed on
         self.producer_registrations.append(int(fields["registrations"]))
         t0, t1 = int(fields["t0"]), int(fields["t1"])
-        assert (op == "staged") == bool(int(fields.get("staged", b"0"))), f"{op}: the put did not take the staging"
+        staged = op.startswith("staged")
+        assert staged == bool(int(fields.get("staged", b"0"))), f"{op}: the put did not take the staging"
         return {
             "put": (t1 - t0) / 1e6,
             "get": (t3 - t2) / 1e6,
@@ -379,7 +382,11 @@ class Consumer:
         """One lock-step hop; milliseconds of put, get, delivery, hop and hop to all ranks."""
         if self.timer is not None:
             self.timer.tag = f"{human(nbytes)} {op}: "
-        await self.redis.rpush(self.cmd_key, json.dumps({"op": op, "nbytes": nbytes, "i": i}))
+        sent = op
+        if op == COLD:  # the zero-copy hop with no payload made ready ahead: the get takes slots and unpacks
+            self.conn.consumer.ready.drop()
+            sent = "staged"
+        await self.redis.rpush(self.cmd_key, json.dumps({"op": sent, "nbytes": nbytes, "i": i}))
         t2, entry = await self._next()
         return await self._fetch(op, entry, t2, f"bench-{i}")
 
@@ -448,6 +455,8 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
             c.timer = timer
             await c.stream.ensure_group()
             ops = ("nixl", "staged", "inline") if args.zero_copy else ("nixl", "inline")
+            if args.zero_copy and args.ready_cold:  # after the copy put's hop, which leaves its shape ready
+                ops = ("nixl", COLD, "staged", "inline")
             for i in range(WARMUP):  # connection set-up to the peer, allocator and code paths; not counted
                 for op in ops:
                     await c.hop(op, args.sizes[0], i)
@@ -475,7 +484,7 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
                     row["baseline"]["copy"].append(baseline_ms(src, dst))
                 results["transfer"][nbytes] = row
                 if timer is not None:
-                    for op in ("nixl", "staged"):
+                    for op in [o for o in ops if o != "inline"]:
                         for step, name in (("put", "put (as the producer timed it)"), ("hop", "hop")):
                             timer.times[f"{human(nbytes)} {op}: {name}"] = row[op][step]
                         t1_to_t2 = [d - g for d, g in zip(row[op]["delivery"], row[op]["get"], strict=True)]
@@ -498,6 +507,7 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
                     results["scaling"].setdefault(nbytes, {})[k] = rounds
                     print(f"# scaling {human(nbytes)} K={k}", file=sys.stderr, flush=True)
             results["pool_slots"] = {n: pool_bytes // _slot_bytes(n) for n in args.scaling_sizes}
+            results["ready"] = {"hits": conn.consumer.ready.hits, "made": conn.consumer.ready.made}
             if timer is not None:
                 results["steps"] = dict(sorted(timer.times.items()))
             await bench.rpush(f"{prefix}:bench:cmd", json.dumps({"op": "stop"}))
@@ -554,7 +564,22 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> bool:
         )
     if args.zero_copy:
         report_zero_copy(transfer)
+        ready = results.get("ready", {})
+        print(f"\nconsumer: {ready.get('hits')} gets found their payload ready ({ready.get('made')} made ahead)")
     ok = True
+    if any(COLD in row for row in transfer.values()):
+        print(
+            "\nready slots (`nixl.ready`), zero-copy hop, side by side: slots and views made ready while idle "
+            "vs none (dropped before the hop)\n"
+        )
+        print("| bytes | ready: get | none: get | ready: hop | none: hop | none / ready hop p50 |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+        for nbytes, row in transfer.items():
+            z, c = row["staged"], row[COLD]
+            print(
+                f"| {human(nbytes)} | {cell(z['get'])} | {cell(c['get'])} | {cell(z['hop'])} | {cell(c['hop'])} "
+                f"| {median(c['hop']) / median(z['hop']):.3f} |"
+            )
     ref2va = TASK_BYTES["Ref2VA"]
     if ref2va in transfer:
         row = transfer[ref2va]
@@ -693,6 +718,11 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the raw series here (for benchmarks/chart.py)")
     parser.add_argument(
         "--zero-copy", action="store_true", help="also the zero-copy put: the model writes into the staged slot"
+    )
+    parser.add_argument(
+        "--ready-cold",
+        action="store_true",
+        help="with --zero-copy: also the zero-copy hop with no payload made ready ahead (side by side)",
     )
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument(

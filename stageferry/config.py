@@ -233,6 +233,10 @@ class DataPlaneConfig(Strict):
     ucx_threads: Annotated[int, Field(ge=0, le=64)] = 0
     """Threads of NIXL's UCX backend (its ``num_threads``); above 0 a transfer's descriptors are spread over
     them.  0 (NIXL's default engine) by measurement: 4 or 8 threads made no DRAM READ faster."""
+    ready_slots: bool = True
+    """A consumer leader keeps the slots and views of one more payload of the last shape it received ready,
+    made while idle, so a get of that shape skips taking slots and unpacking
+    (:mod:`stageferry.broker.data.nixl.ready`)."""
     agent_heartbeat_s: Annotated[float, Field(gt=0, le=60)] = 2.0
     """Seconds between refreshes of the agent record in Redis."""
     agent_ttl_s: Annotated[float, Field(gt=0, le=600)] = 6.0

@@ -60,6 +60,10 @@ class ArenaAllocator:
     def live(self) -> int:
         return len(self._live)
 
+    def size_of(self, offset: int) -> int:
+        """The rounded size of the live block at ``offset`` (0 if none): what it adds to :attr:`bytes_in_use`."""
+        return self._live.get(offset, 0)
+
     def free_blocks(self) -> list[tuple[int, int]]:
         """``(offset, size)`` of every free block, in address order (for tests and diagnostics)."""
         return list(zip(self._free_offsets, self._free_sizes, strict=True))
@@ -384,6 +388,27 @@ class PoolSet:
         except BaseException:
             self.release_all(taken.values())
             raise
+        return taken
+
+    def held_bytes(self, slots: Iterable[Slot]) -> int:
+        """What live ``slots`` add to :attr:`bytes_in_use` (their sizes rounded to the pools' alignment)."""
+        return sum(
+            pool._alloc.size_of(slot.offset)
+            for slot in slots
+            if (pool := self.pools[slot.kind])._slots.get(slot.offset) is slot
+        )
+
+    def take_regions_now(self, manifest: Manifest) -> dict[DeviceKind, Slot] | None:
+        """A slot for every region of ``manifest`` if each is free now and nobody waits ahead, else ``None``
+        with nothing taken (never waits).  The manifest is a checked one (one region per device kind)."""
+        taken: dict[DeviceKind, Slot] = {}
+        for region in manifest.regions:
+            pool = self.pools.get(region.device)
+            slot = pool.take_now(region.nbytes) if pool is not None else None
+            if slot is None:
+                self.release_all(taken)
+                return None
+            taken[region.device] = slot
         return taken
 
     def release_all(self, slots: Mapping[DeviceKind, Slot] | Iterable[Slot]) -> None:

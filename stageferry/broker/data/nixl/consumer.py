@@ -26,6 +26,7 @@ Who calls what, and when (the consumer leader only):
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import time
 from collections.abc import AsyncIterator, Callable
@@ -42,6 +43,7 @@ from stageferry.broker.data.nixl.agent import XferState
 from stageferry.broker.data.nixl.endpoint import Endpoint
 from stageferry.broker.data.nixl.leases import check_fresh, claim
 from stageferry.broker.data.nixl.peers import Peer, Peers
+from stageferry.broker.data.nixl.ready import ReadySlots
 from stageferry.broker.data.nixl.ucx_log import transport_names
 from stageferry.broker.data.payload_codec import unpack, validate_manifest, validate_remote_regions
 from stageferry.broker.data.pool import Slot
@@ -111,6 +113,7 @@ class Consumer:
     def __init__(self, endpoint: Endpoint, peers: Peers) -> None:
         self._ep = endpoint
         self._peers = peers
+        self.ready = ReadySlots(endpoint)
         self._transport_logged: set[str] = set()
         self.wakeups = 0  #: times a READ wait went back to the event loop (benchmarks show it per hop)
 
@@ -131,6 +134,8 @@ class Consumer:
                     with anyio.CancelScope(shield=True):  # a cancelled block still waits, or the slots leak
                         await anyio.to_thread.run_sync(torch.cuda.synchronize, slots[DeviceKind.CUDA].view.device)
                 pools.release_all(slots)
+                if isinstance(ref, NixlPayload):  # the next payload of this shape, made while we are idle
+                    self.ready.want(ref.manifest)
 
     async def claim(self, ref: NixlPayload, claimed: bool | None = None) -> None:
         """Claim ``ref``'s lease (see :func:`stageferry.broker.data.nixl.leases.claim`), unless the stream
@@ -182,16 +187,19 @@ class Consumer:
             # In the producer's pool but not what it leased under this token: another request's slot.
             raise ManifestError("descriptors are not the ones the producer leased", agent=ref.agent, token=ref.token)
         check_fresh(ref)
-        try:
-            slots = await pools.acquire_regions(ref.manifest, timeout=ep.timeouts.pool_wait)
-        except PoolExhaustedError:
-            await self.claim(ref, claimed)  # ours before its producer is asked for it inline
-            return await self.resend_inline(ref, reason="pool_exhausted"), {}
-        views = {kind: slot.view for kind, slot in slots.items()}
+        ready = self.ready.take(ref.manifest)  # slots and views made while idle, for this very structure
+        if ready is not None:
+            slots, views = ready.slots, ready.views
+        else:
+            try:
+                slots = await pools.acquire_regions(ref.manifest, timeout=ep.timeouts.pool_wait)
+            except PoolExhaustedError:
+                await self.claim(ref, claimed)  # ours before its producer is asked for it inline
+                return await self.resend_inline(ref, reason="pool_exhausted"), {}
+            buffers = {kind: slot.view for kind, slot in slots.items()}
+            views = functools.partial(unpack, ref.manifest, buffers, copy=False)
         try:  # claims the lease, and makes the payload's views over our slots, while the READs run
-            payload = await self.read(
-                ref, peer, slots, claimed, meanwhile=lambda: unpack(ref.manifest, views, copy=False)
-            )
+            payload = await self.read(ref, peer, slots, claimed, meanwhile=views)
         except TransferError as exc:
             metrics.TRANSFER_FAILURES.labels(exc.code).inc()
             log.warning("nixl.read_failed", key=key, error=exc.message, peer=peer.name)

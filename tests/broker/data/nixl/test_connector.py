@@ -206,7 +206,12 @@ async def test_a_thousand_transfers_leave_no_resources_behind(start_producer: An
                 assert incoming.payload["blob"].numel() == 100_000
         assert conn.agent.registrations == registrations == POOLS, "no registration per request"
         assert conn.counters.reads == count
-        assert conn.pools is not None and conn.pools.slots_in_use == 0 and conn.agent.open_handles() == 0
+        # At rest: no slot held but the next payload's, made ready while idle (counted apart), and every get
+        # that came after an idle moment found its payload ready.
+        resources = conn.resources()
+        assert resources["pool_slots_in_use"] == 0 and resources["open_handles"] == 0
+        assert resources["ready_slots"] == 1 and conn.pools is not None and conn.pools.slots_in_use == 1
+        assert conn.consumer.ready.hits >= count // 3, conn.consumer.ready.hits  # (this loop never idles)
         stats = producer.wait_stats(leases=0, slots_in_use=0, open_handles=0, registrations=POOLS)
         assert stats["puts"] == str(count)
         assert len(conn.agent.remotes()) == 1

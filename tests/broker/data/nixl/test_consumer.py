@@ -47,7 +47,7 @@ def make(redis_url: str, prefix: str, stage: str, **config: Any) -> NixlConnecto
         keys=Keys(prefix),
         stage=stage,
         replica="test",
-        config=DataPlaneConfig(inline_max_bytes=0, cpu_pool_bytes=16 << 20, **config),
+        config=DataPlaneConfig(**{"inline_max_bytes": 0, "cpu_pool_bytes": 16 << 20, **config}),
         timeouts=Timeouts(resend=3.0, transfer=10.0),
     )
     conn.open()

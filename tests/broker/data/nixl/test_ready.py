@@ -1,0 +1,150 @@
+"""Receive buffers posted ahead (``nixl.ready``): the next payload's slots and views, made while idle.
+
+Two real connectors (two NIXL agents, CPU DRAM over UCX, real Redis), as in ``test_consumer``; the
+consumer's ready loop runs in the test's task group, the producer's background loops do not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from stageferry.broker.data.nixl.connector import NixlConnector
+from stageferry.schemas import NixlPayload
+from stageferry.testing import assert_same, sized_payload
+from tests.broker.data.nixl.test_consumer import make
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+async def running(redis_url: str, prefix: str) -> AsyncIterator[tuple[NixlConnector, NixlConnector]]:
+    """(producer, consumer) with the consumer's ready loop running; a 4 MiB consumer pool."""
+    producer = make(redis_url, prefix, "encoder")
+    consumer = make(redis_url, prefix, "diffusion", cpu_pool_bytes=4 << 20)
+    await producer.peers.publish_record()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consumer.consumer.ready.run)
+        yield producer, consumer
+        tg.cancel_scope.cancel()
+    for conn in (consumer, producer):
+        await conn.aclose()
+        await conn.endpoint.redis.aclose()
+
+
+async def put(producer: NixlConnector, key: str, nbytes: int, seed: int) -> tuple[NixlPayload, Any]:
+    payload = sized_payload(nbytes, seed=seed)
+    out = await producer.put(key, payload)
+    assert isinstance(out.ref, NixlPayload)
+    return out.ref, payload
+
+
+async def idle() -> None:
+    """Let the event loop run its background tasks (as a worker's wait for the next entry does)."""
+    for _ in range(5):
+        await anyio.lowlevel.checkpoint()
+
+
+def count_acquires(monkeypatch: pytest.MonkeyPatch, conn: NixlConnector) -> list[int]:
+    assert conn.pools is not None
+    calls: list[int] = []
+    real = conn.pools.acquire_regions
+
+    async def acquire(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(conn.pools, "acquire_regions", acquire)
+    return calls
+
+
+async def test_the_next_payload_of_a_shape_lands_in_slots_made_ready_while_idle(
+    running: tuple[NixlConnector, NixlConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    producer, consumer = running
+    ready, pools = consumer.consumer.ready, consumer.pools
+    assert pools is not None
+    acquires = count_acquires(monkeypatch, consumer)
+    first, payload = await put(producer, "k-1", 1 << 20, seed=1)
+    async with consumer.get(first, None, key="k-1") as incoming:
+        assert_same(incoming.payload, payload)
+    assert acquires == [1] and ready.slots == 0, "the first get takes its own slot"
+    await idle()
+    assert ready.made == 1 and ready.slots == 1 and pools.slots_in_use == 1
+    resources = consumer.resources()
+    assert resources["pool_slots_in_use"] == 0 and resources["pool_bytes_in_use"] == 0, "counted apart"
+    assert resources["ready_slots"] == 1
+    for i in range(2, 5):  # each ends with the next one made ready
+        ref, payload = await put(producer, f"k-{i}", 1 << 20, seed=i)
+        async with consumer.get(ref, None, key=f"k-{i}") as incoming:
+            assert_same(incoming.payload, payload)
+            assert ready.slots == 0, "handed over, not kept"
+        await idle()
+    assert acquires == [1] and ready.hits == 3, "no slot taken, no unpack, in the gets that found them ready"
+    await consumer.aclose()
+    assert pools.slots_in_use == 0, "shutdown gives the ready slots back"
+
+
+async def test_a_get_of_another_shape_gets_the_ready_slots_back_first(
+    running: tuple[NixlConnector, NixlConnector],
+) -> None:
+    """The pool holds one 3 MiB payload at a time: a ready 3 MiB payload must not make a 2 MiB get wait."""
+    producer, consumer = running
+    ready, pools = consumer.consumer.ready, consumer.pools
+    assert pools is not None
+    ref, payload = await put(producer, "k-1", 3 << 20, seed=1)
+    async with consumer.get(ref, None, key="k-1"):
+        pass
+    await idle()
+    assert ready.slots == 1
+    with anyio.fail_after(5):  # a wait on the pool would last timeouts.pool_wait (10 s), then fall back
+        other, payload = await put(producer, "k-2", 2 << 20, seed=2)
+        async with consumer.get(other, None, key="k-2") as incoming:
+            assert_same(incoming.payload, payload)
+            assert incoming.transport.value == "nixl" and ready.hits == 0
+    await idle()
+    assert ready.slots == 1 and ready.made == 2, "now ready for the 2 MiB shape"
+
+
+async def test_nothing_is_made_ready_while_the_pool_has_waiters_or_when_turned_off(
+    redis_url: str, prefix: str, running: tuple[NixlConnector, NixlConnector]
+) -> None:
+    producer, consumer = running
+    pools = consumer.pools
+    assert pools is not None
+    big = (await put(producer, "k-0", 3 << 20, seed=0))[0].manifest
+    small = (await put(producer, "k-1", 1 << 20, seed=1))[0].manifest
+    held = await pools.acquire_regions(big, timeout=1)
+    got: list[Any] = []
+    async with anyio.create_task_group() as tg:
+
+        async def waiter() -> None:
+            got.append(await pools.acquire_regions(big, timeout=30))
+
+        tg.start_soon(waiter)  # queues behind the held slot
+        await idle()
+        consumer.consumer.ready.want(small)  # 1 MiB would fit, but somebody waits
+        await idle()
+        assert consumer.consumer.ready.slots == 0 and consumer.consumer.ready.made == 0, (
+            "nothing taken ahead of a waiter"
+        )
+        pools.release_all(held)
+    assert got and pools.slots_in_use == 1
+    pools.release_all(got[0])
+    off = make(redis_url, prefix, "diffusion-off", ready_slots=False)
+    try:
+        ref, _ = await put(producer, "k-2", 1 << 20, seed=2)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(off.consumer.ready.run)
+            async with off.get(ref, None, key="k-2"):
+                pass
+            await idle()
+            assert off.consumer.ready.made == 0 and off.pools is not None and off.pools.slots_in_use == 0
+            tg.cancel_scope.cancel()
+    finally:
+        await off.aclose()
+        await off.endpoint.redis.aclose()
