@@ -5,8 +5,9 @@ Who calls what, and when (the consumer leader only):
 * ``async with consumer.get(ref, blob, key=..., claimed=...) as incoming`` — once per envelope.  In
   order: validate the manifest; make sure the producer's agent is loaded
   (:mod:`stageferry.broker.data.nixl.peers`); check the descriptors lie in the producer's arenas and carry
-  its seal; take slots of our own pool; post a READ per region, all at once, and claim the lease
-  (:func:`stageferry.broker.data.nixl.leases.claim`) while they run — unless the stage's stream read
+  its seal; take slots of our own pool (or those made ready for this shape while we were idle, views
+  included: :mod:`stageferry.broker.data.nixl.ready`); post a READ per region, all at once, and claim the
+  lease (:func:`stageferry.broker.data.nixl.leases.claim`) while they run — unless the stage's stream read
   claimed it already (``claimed=True``, :func:`~stageferry.broker.data.nixl.leases.claim_on_read`; False:
   it found the lease taken, and the payload counts as gone); once the claim is won, unpack as zero-copy
   views over our slots while the READs still run (views need no bytes, and nothing sees them before
