@@ -46,7 +46,7 @@ from stageferry.schemas import RequestState  # noqa: E402
 STAGES = ("encoder", "diffusion")
 
 
-def pipeline_toml(connector: str, payload_bytes: int) -> str:
+def pipeline_toml(connector: str, payload_bytes: int, ready_slots: bool = True) -> str:
     stages = "".join(
         f'[[stages]]\nname = "{name}"\nmodel = "benchmarks.null_model:factory"\ntp = 1\ndevice = "cpu"\n\n'
         for name in STAGES
@@ -54,19 +54,27 @@ def pipeline_toml(connector: str, payload_bytes: int) -> str:
     pool = max(256 << 20, 8 * payload_bytes)
     return (
         f'[data_plane]\nconnector = "{connector}"\ninline_max_bytes = 65536\n'
-        f"inline_fallback_max_bytes = {128 << 20}\ncpu_pool_bytes = {pool}\n\n"
+        f"inline_fallback_max_bytes = {128 << 20}\ncpu_pool_bytes = {pool}\n"
+        f"ready_slots = {'true' if ready_slots else 'false'}\n\n"
         f"[limits]\nmax_entry_bytes = {256 << 20}\n\n{stages}"
     )
 
 
 async def run_config(
-    url: str, task: str, connector: str, replicas: int, requests: int, workdir: Path, output: str = "copy"
+    url: str,
+    task: str,
+    connector: str,
+    replicas: int,
+    requests: int,
+    workdir: Path,
+    output: str = "copy",
+    ready_slots: bool = True,
 ) -> dict[str, Any]:
     prefix = f"tput-{uuid.uuid4().hex[:8]}"
     tally_dir = workdir / f"{prefix}-tally"  # every process's round trips per call site (tally.py)
     os.environ[tally.ENV] = str(tally_dir)
     pipeline = workdir / f"{prefix}.toml"
-    pipeline.write_text(pipeline_toml(connector, TASK_BYTES[task]))
+    pipeline.write_text(pipeline_toml(connector, TASK_BYTES[task], ready_slots))
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -205,13 +213,20 @@ async def main_async(args: argparse.Namespace) -> None:
             for replicas in args.replicas:
                 for connector in args.edges:
                     r = await run_config(
-                        args.redis_url, task, connector, replicas, args.requests, Path(tmp), args.output
+                        args.redis_url,
+                        task,
+                        connector,
+                        replicas,
+                        args.requests,
+                        Path(tmp),
+                        args.output,
+                        args.ready_slots == "on",
                     )
                     rows.append((task, replicas, connector, r))
                     print(f"# {task} x{replicas} {connector}: {r['rps']:.1f} req/s", file=sys.stderr, flush=True)
     print(f"machine: {machine_facts()}")
     print(f"{args.requests} requests submitted at once per configuration; times in ms, median / p99")
-    print(f"first stage's output: {args.output} (benchmarks/null_model.py)\n")
+    print(f"first stage's output: {args.output} (benchmarks/null_model.py); ready slots {args.ready_slots}\n")
     print("## Throughput: encoder → diffusion, null models (payload only), TP1 services\n")
     print("| payload | replicas per stage | edge | requests/s | latency submit → done | payload hop (get) | failed |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
@@ -296,6 +311,12 @@ def main() -> None:
         default="copy",
         help="how the null encoder hands its payload over: the put copies it (default), or it asks for "
         "ctx.output_tensors and returns them (the zero-copy put of a model that writes its output in place)",
+    )
+    parser.add_argument(
+        "--ready-slots",
+        choices=["on", "off"],
+        default="on",
+        help="data_plane.ready_slots of both stages (the consumer's next payload made ready while idle)",
     )
     args = parser.parse_args()
     print(f"$ python {' '.join(sys.argv)}\n")

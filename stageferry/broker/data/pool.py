@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -323,6 +323,10 @@ class PoolSet:
             if pool.kind is not kind:
                 raise ValueError(f"pool of kind {pool.kind} filed under {kind}")
         self.pools: dict[DeviceKind, MemoryPool] = dict(pools)
+        #: Called before anyone waits on a pool: gives back slots held only ahead of need (a consumer's
+        #: ready payload, :mod:`stageferry.broker.data.nixl.ready`), so they never make a put, a staging
+        #: or a get wait.
+        self.on_pressure: Callable[[], None] = lambda: None
 
     @classmethod
     def from_config(
@@ -381,6 +385,9 @@ class PoolSet:
                 pool = self.pools[region.device]
                 slot = pool.take_now(region.nbytes)
                 if slot is None:
+                    self.on_pressure()
+                    slot = pool.take_now(region.nbytes)
+                if slot is None:
                     if deadline is None:
                         deadline = anyio.current_time() + timeout
                     slot = await pool.acquire(region.nbytes, timeout=max(0.0, deadline - anyio.current_time()))
@@ -399,8 +406,10 @@ class PoolSet:
         )
 
     def take_regions_now(self, manifest: Manifest) -> dict[DeviceKind, Slot] | None:
-        """A slot for every region of ``manifest`` if each is free now and nobody waits ahead, else ``None``
+        """A slot for every region of ``manifest`` if each is free now and nobody waits on any pool, else ``None``
         with nothing taken (never waits).  The manifest is a checked one (one region per device kind)."""
+        if any(pool.waiting for pool in self.pools.values()):
+            return None
         taken: dict[DeviceKind, Slot] = {}
         for region in manifest.regions:
             pool = self.pools.get(region.device)

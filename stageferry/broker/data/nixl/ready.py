@@ -15,8 +15,10 @@ one it was made for.  The views are fresh objects, made after the previous paylo
 nothing of an earlier request is handed on.
 
 Memory: at most one payload's slots are held ready, per consumer.  They are never taken while anybody waits
-on the pool (:meth:`~stageferry.broker.data.pool.PoolSet.take_regions_now`), and they go back before a get
-of another shape takes slots of its own, so a ready payload can never make a get wait.  They are released
+on a pool (:meth:`~stageferry.broker.data.pool.PoolSet.take_regions_now`); they go back before a get of
+another shape takes slots of its own, and whenever a put, a staging or a get would otherwise wait on the
+pool set, which a stage's input and output edges share (``PoolSet.on_pressure``), so a ready payload never
+makes anyone wait.  They are released
 at shutdown.  The connector's resources count them apart (``ready_slots``), so an idle leader's
 ``pool_slots_in_use`` is still 0.  ``DataPlaneConfig.ready_slots = false`` turns it off.
 
@@ -121,6 +123,7 @@ class ReadySlots:
         key = checked_key(manifest)
         if pools is None or key is None:
             return
+        pools.on_pressure = self.drop  # anyone about to wait on a pool gets the ready slots back first
         slots = pools.take_regions_now(manifest)
         if slots is None:  # the pool is busy: nothing is taken from a get that needs it
             return

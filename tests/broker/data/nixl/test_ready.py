@@ -12,7 +12,9 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
+import torch
 
+from stageferry.broker.data.nixl import consumer as consumer_module
 from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.schemas import NixlPayload
 from stageferry.testing import assert_same, sized_payload
@@ -69,6 +71,14 @@ async def test_the_next_payload_of_a_shape_lands_in_slots_made_ready_while_idle(
     ready, pools = consumer.consumer.ready, consumer.pools
     assert pools is not None
     acquires = count_acquires(monkeypatch, consumer)
+    unpacks: list[int] = []
+    real_unpack = consumer_module.unpack
+
+    def unpack(*args: Any, **kwargs: Any) -> Any:
+        unpacks.append(1)
+        return real_unpack(*args, **kwargs)
+
+    monkeypatch.setattr(consumer_module, "unpack", unpack)  # the get's own unpack, not the ready loop's
     first, payload = await put(producer, "k-1", 1 << 20, seed=1)
     async with consumer.get(first, None, key="k-1") as incoming:
         assert_same(incoming.payload, payload)
@@ -84,7 +94,7 @@ async def test_the_next_payload_of_a_shape_lands_in_slots_made_ready_while_idle(
             assert_same(incoming.payload, payload)
             assert ready.slots == 0, "handed over, not kept"
         await idle()
-    assert acquires == [1] and ready.hits == 3, "no slot taken, no unpack, in the gets that found them ready"
+    assert acquires == [1] and unpacks == [1] and ready.hits == 3, "no slot taken, no unpack, when found ready"
     await consumer.aclose()
     assert pools.slots_in_use == 0, "shutdown gives the ready slots back"
 
@@ -148,3 +158,46 @@ async def test_nothing_is_made_ready_while_the_pool_has_waiters_or_when_turned_o
     finally:
         await off.aclose()
         await off.endpoint.redis.aclose()
+
+
+async def test_a_put_or_a_staging_on_the_same_pools_gets_the_ready_slots_back_instead_of_waiting(
+    running: tuple[NixlConnector, NixlConnector],
+) -> None:
+    """A middle stage's input and output edges share one pool set: its puts must not wait on the ready slots."""
+    producer, consumer = running
+    ready = consumer.consumer.ready
+    for i, (what, stage_it) in enumerate([("staging", True), ("put", False)]):
+        ref, _ = await put(producer, f"k-{i}", 3 << 20, seed=i)
+        async with consumer.get(ref, None, key=f"k-{i}"):
+            pass
+        await idle()
+        assert ready.slots == 1, what
+        with anyio.fail_after(5):  # a wait would last timeouts.pool_wait (10 s), then go inline
+            if stage_it:
+                await consumer.stage("k-staged", sized_payload(2 << 20, seed=9))
+                assert len(consumer.stagings) == 1, "staged in the pool, not materialized"
+                consumer.unstage("k-staged")
+            else:
+                out = await consumer.put("k-out", sized_payload(2 << 20, seed=9))
+                assert isinstance(out.ref, NixlPayload), "over NIXL, not inline after a wait"
+                consumer.abandon(out)
+        assert ready.slots == 0, what
+
+
+async def test_a_payload_of_the_same_size_but_another_layout_is_not_read_into_ready_views(
+    running: tuple[NixlConnector, NixlConnector],
+) -> None:
+    producer, consumer = running
+    ready = consumer.consumer.ready
+    ref, _ = await put(producer, "k-1", 1 << 20, seed=1)
+    async with consumer.get(ref, None, key="k-1"):
+        pass
+    await idle()
+    assert ready.slots == 1
+    floats = {"blob": torch.randn(1 << 18, generator=torch.Generator().manual_seed(5)), "nbytes": 1 << 20}
+    out = await producer.put("k-2", floats)
+    assert isinstance(out.ref, NixlPayload) and out.ref.manifest.total_bytes == ref.manifest.total_bytes
+    async with consumer.get(out.ref, None, key="k-2") as incoming:
+        assert incoming.payload["blob"].dtype == torch.float32
+        assert_same(incoming.payload, floats)
+    assert ready.hits == 0, "same bytes, another dtype: the ready views were not used"
