@@ -309,6 +309,7 @@ class Consumer:
         carried = release_notification(ref.token) if claimed is True and len(pairs) == 1 else b""
         handles: list[object] = []
         post_failed: TransferError | None = None
+        won = False  # the claim is ours: only then may the producer be released
         try:
             try:
                 for spec, remote in pairs:
@@ -324,6 +325,7 @@ class Consumer:
                 except TransferError:
                     self._peers.forget(peer.name)
                 raise
+            won = True
             if post_failed is not None:
                 raise post_failed
             made = None
@@ -335,7 +337,9 @@ class Consumer:
                     raise
             await self._wait_all(handles, deadline)
         except anyio.get_cancelled_exc_class():
-            await self._settle_cancelled(peer, handles, deadline)
+            if await self._settle_cancelled(peer, handles, deadline) and won and not carried and not post_failed:
+                with anyio.CancelScope(shield=True), contextlib.suppress(ControlPlaneError):
+                    await self._release_producer(ref, peer)  # or its slot waits for the lease to expire
             raise
         finally:
             for handle in handles:
@@ -367,18 +371,20 @@ class Consumer:
             with contextlib.suppress(ControlPlaneError):
                 await self._release_producer(ref, peer)
 
-    async def _settle_cancelled(self, peer: Peer, handles: list[object], deadline: float) -> None:
+    async def _settle_cancelled(self, peer: Peer, handles: list[object], deadline: float) -> bool:
         """The caller was cancelled with READs posted: before our slots go back to the pool, wait (shielded,
         up to the READs' deadline) until none can still write into them.  Releasing a handle only asks NIXL
         to cancel an active READ, so that alone proves nothing.  A READ that fails or outlives the deadline,
         or a wait cancelled again (a native ``Task.cancel`` breaks the shield), drops the peer: its endpoint
-        closes, and nothing of it lands in a reused slot."""
+        closes, and nothing of it lands in a reused slot.  True when every READ was seen DONE."""
         try:
             with anyio.CancelScope(shield=True):
                 await self._wait_all(handles, deadline)
         except (TransferError, anyio.get_cancelled_exc_class()):
             log.warning("nixl.read_abandoned", peer=peer.name, reads=len(handles))
             self._peers.forget(peer.name)
+            return False
+        return True
 
     def _post(self, spec: RegionSpec, remote: RemoteRegion, local: Slot, peer: Peer, notif: bytes = b"") -> object:
         """Post the READ of one region, with ``notif`` for the producer on completion.  A DRAM region of at least

@@ -357,6 +357,8 @@ async def test_a_get_cancelled_during_its_read_keeps_the_slot_until_the_read_is_
     assert set(held.slots_in_use) == {1}, "every poll, after the cancel too, found the slot still ours"
     assert consumer.pools.slots_in_use == 0 and consumer.agent.open_handles() == 0
     assert producer.agent.name in consumer.agent.remotes(), "a READ seen DONE keeps the peer"
+    # Our claim had won and the bytes were here: the producer's slot is released now, not at lease expiry.
+    assert (await releases_until(producer, ref.token)).count(ref.token) == 1
     monkeypatch.undo()
     second, payload = await put(producer, "k-2", seed=2)
     async with consumer.get(second, None, key="k-2") as incoming:
