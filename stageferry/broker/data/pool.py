@@ -260,6 +260,10 @@ class MemoryPool:
             return None
         return self._try_take(nbytes)
 
+    def held_bytes(self, slot: Slot) -> int:
+        """What ``slot`` adds to :attr:`bytes_in_use` (its size rounded to the alignment); 0 once released."""
+        return self._alloc.size_of(slot.offset) if self._slots.get(slot.offset) is slot else 0
+
     def release(self, slot: Slot) -> bool:
         """Free ``slot`` and wake the next waiter; True if freed.
 
@@ -399,11 +403,7 @@ class PoolSet:
 
     def held_bytes(self, slots: Iterable[Slot]) -> int:
         """What live ``slots`` add to :attr:`bytes_in_use` (their sizes rounded to the pools' alignment)."""
-        return sum(
-            pool._alloc.size_of(slot.offset)
-            for slot in slots
-            if (pool := self.pools[slot.kind])._slots.get(slot.offset) is slot
-        )
+        return sum(self.pools[slot.kind].held_bytes(slot) for slot in slots)
 
     def take_regions_now(self, manifest: Manifest) -> dict[DeviceKind, Slot] | None:
         """A slot for every region of ``manifest`` if each is free now and nobody waits on any pool, else ``None``

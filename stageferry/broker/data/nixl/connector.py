@@ -136,6 +136,7 @@ class NixlConnector(Connector):
             if ep.agent is None:
                 ep.agent = NixlAgent(ep.name, backends=ep.config.nixl_backends, ucx_threads=ep.config.ucx_threads)
             ep.pools = PoolSet.from_config(ep.config, registrar=ep.agent, cuda_device=ep.cuda_device)
+            ep.pools.on_pressure = self.consumer.ready.drop  # anyone about to wait gets the ready slots first
             metrics.watch_resources(self.resources)
         except DataPlaneError as exc:
             ep.agent, ep.pools = None, None

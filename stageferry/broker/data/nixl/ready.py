@@ -17,10 +17,10 @@ nothing of an earlier request is handed on.
 Memory: at most one payload's slots are held ready, per consumer.  They are never taken while anybody waits
 on a pool (:meth:`~stageferry.broker.data.pool.PoolSet.take_regions_now`); they go back before a get of
 another shape takes slots of its own, and whenever a put, a staging or a get would otherwise wait on the
-pool set, which a stage's input and output edges share (``PoolSet.on_pressure``), so a ready payload never
-makes anyone wait.  They are released
-at shutdown.  The connector's resources count them apart (``ready_slots``), so an idle leader's
-``pool_slots_in_use`` is still 0.  ``DataPlaneConfig.ready_slots = false`` turns it off.
+pool set, which a stage's input and output edges share (``PoolSet.on_pressure``, wired by the connector),
+so a ready payload never makes anyone wait.  They are released at shutdown.  The connector's resources
+count them apart (``ready_slots``), so an idle leader's ``pool_slots_in_use`` is still 0.
+``DataPlaneConfig.ready_slots = false`` turns it off.
 
 Who calls: the consumer (:meth:`ReadySlots.take` per get, :meth:`ReadySlots.want` when a get's block ends),
 the connector (:meth:`ReadySlots.run` among its background loops, :meth:`ReadySlots.drop` at shutdown).
@@ -123,7 +123,6 @@ class ReadySlots:
         key = checked_key(manifest)
         if pools is None or key is None:
             return
-        pools.on_pressure = self.drop  # anyone about to wait on a pool gets the ready slots back first
         slots = pools.take_regions_now(manifest)
         if slots is None:  # the pool is busy: nothing is taken from a get that needs it
             return
