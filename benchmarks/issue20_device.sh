@@ -6,6 +6,8 @@
 #   bash benchmarks/issue20_device.sh [step ...]      # default: every step, in the order below
 #   STEPS=1 bash benchmarks/issue20_device.sh t2va_gpu # transfer.py also times the steps of put and get
 #   COLD=1 ...                                        # and the zero-copy hop without a ready payload, side by side
+#   HOT=1 ...                                         # and the zero-copy hop with the consumer's links asleep, side by side
+#   REF_ITERS=40 ...                                  # Ref2VA/FL2VA iterations (default 20: the inline hop takes ~1 s)
 # The *_redis_py steps repeat a hop with the hot path on redis-py alone (STAGEFERRY_REDIS_LINK=0).
 set -u
 cd "$(dirname "$0")/.."
@@ -22,7 +24,7 @@ run_step() {  # name, seconds, command...
     echo "rc=$?"
   } 2>&1 | tee "$out/$name.txt"
 }
-tx=(python3 benchmarks/transfer.py --scaling-sizes "" --inflight 1 ${STEPS:+--steps} ${COLD:+--ready-cold})
+tx=(python3 benchmarks/transfer.py --scaling-sizes "" --inflight 1 ${STEPS:+--steps} ${COLD:+--ready-cold} ${HOT:+--hot-asleep})
 steps=${*:-gpu_tests shm_tests t2va_gpu ref2va_gpu t2va_cpu ref2va_cpu hop fanout fanout_nccl throughput}
 for s in $steps; do
   case $s in
@@ -33,7 +35,7 @@ for s in $steps; do
                  tests/broker/data/test_pool.py tests/broker/data/test_payload_codec.py \
                  "tests/stages/test_reference_models.py::test_the_encoder_payload_stays_on_its_gpu_and_the_diffusion_stage_takes_it_there" ;;
     t2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 359024 --iters 300 --zero-copy ;;
-    ref2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 11158136,64963792 --iters 20 --zero-copy ;;
+    ref2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 11158136,64963792 --iters "${REF_ITERS:-20}" --zero-copy ;;
     t2va_cpu) run_step "$s" 90 "${tx[@]}" --sizes 359024 --iters 300 --zero-copy ;;
     t2va_cpu_redis_py) STAGEFERRY_REDIS_LINK=0 run_step "$s" 90 "${tx[@]}" --sizes 359024 --iters 300 --zero-copy ;;
     t2va_gpu_redis_py) STAGEFERRY_REDIS_LINK=0 run_step "$s" 90 "${tx[@]}" --device cuda --sizes 359024 \
@@ -51,6 +53,10 @@ for s in $steps; do
               --sizes 359024,11158136,64963792 --iters 200 --timeout 28 --hang-dump 28 ;;
     fanout_nccl) run_step "$s" 120 python3 benchmarks/fanout.py --backend nccl --ranks 2 \
                    --sizes 359024,64963792 --iters 200 --timeout 28 --hang-dump 28 ;;
+    tput_hot) for w in 0.002 0 0.002 0; do  # timeouts.hot_wait on and off, alternately, in one call
+                run_step "${s}_$w" 100 python3 benchmarks/throughput.py --tasks T2VA --replicas 1,4 \
+                  --requests "${REQUESTS:-2000}" --edges nixl --hot-wait "$w"
+              done ;;
     throughput) run_step "$s" 330 python3 benchmarks/throughput.py --tasks T2VA,Ref2VA --replicas 1,2,4 \
                   --requests "${REQUESTS:-600}" --edges nixl ;;
     *) echo "unknown step $s" >&2 ;;

@@ -46,17 +46,18 @@ from stageferry.schemas import RequestState  # noqa: E402
 STAGES = ("encoder", "diffusion")
 
 
-def pipeline_toml(connector: str, payload_bytes: int, ready_slots: bool = True) -> str:
+def pipeline_toml(connector: str, payload_bytes: int, ready_slots: bool = True, hot_wait: float | None = None) -> str:
     stages = "".join(
         f'[[stages]]\nname = "{name}"\nmodel = "benchmarks.null_model:factory"\ntp = 1\ndevice = "cpu"\n\n'
         for name in STAGES
     )
     pool = max(256 << 20, 8 * payload_bytes)
+    timeouts = "" if hot_wait is None else f"[timeouts]\nhot_wait = {hot_wait}\n\n"
     return (
         f'[data_plane]\nconnector = "{connector}"\ninline_max_bytes = 65536\n'
         f"inline_fallback_max_bytes = {128 << 20}\ncpu_pool_bytes = {pool}\n"
         f"ready_slots = {'true' if ready_slots else 'false'}\n\n"
-        f"[limits]\nmax_entry_bytes = {256 << 20}\n\n{stages}"
+        f"[limits]\nmax_entry_bytes = {256 << 20}\n\n{timeouts}{stages}"
     )
 
 
@@ -69,12 +70,13 @@ async def run_config(
     workdir: Path,
     output: str = "copy",
     ready_slots: bool = True,
+    hot_wait: float | None = None,
 ) -> dict[str, Any]:
     prefix = f"tput-{uuid.uuid4().hex[:8]}"
     tally_dir = workdir / f"{prefix}-tally"  # every process's round trips per call site (tally.py)
     os.environ[tally.ENV] = str(tally_dir)
     pipeline = workdir / f"{prefix}.toml"
-    pipeline.write_text(pipeline_toml(connector, TASK_BYTES[task], ready_slots))
+    pipeline.write_text(pipeline_toml(connector, TASK_BYTES[task], ready_slots, hot_wait))
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -221,12 +223,16 @@ async def main_async(args: argparse.Namespace) -> None:
                         Path(tmp),
                         args.output,
                         args.ready_slots == "on",
+                        args.hot_wait,
                     )
                     rows.append((task, replicas, connector, r))
                     print(f"# {task} x{replicas} {connector}: {r['rps']:.1f} req/s", file=sys.stderr, flush=True)
     print(f"machine: {machine_facts()}")
     print(f"{args.requests} requests submitted at once per configuration; times in ms, median / p99")
-    print(f"first stage's output: {args.output} (benchmarks/null_model.py); ready slots {args.ready_slots}\n")
+    print(
+        f"first stage's output: {args.output} (benchmarks/null_model.py); ready slots {args.ready_slots}; "
+        f"hot wait {'the default' if args.hot_wait is None else f'{args.hot_wait} s'}\n"
+    )
     print("## Throughput: encoder → diffusion, null models (payload only), TP1 services\n")
     print("| payload | replicas per stage | edge | requests/s | latency submit → done | payload hop (get) | failed |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
@@ -317,6 +323,9 @@ def main() -> None:
         choices=["on", "off"],
         default="on",
         help="data_plane.ready_slots of both stages (the consumer's next payload made ready while idle)",
+    )
+    parser.add_argument(
+        "--hot-wait", type=float, help="timeouts.hot_wait of both stages, seconds (default: the config's default)"
     )
     args = parser.parse_args()
     print(f"$ python {' '.join(sys.argv)}\n")

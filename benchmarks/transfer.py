@@ -60,7 +60,7 @@ from bench_stats import (  # noqa: E402
     rss_mib,
 )  # noqa: E402
 from step_timer import StepTimer, hop_steps  # noqa: E402
-from transfer_report import COLD, WARMUP, report  # noqa: E402
+from transfer_report import ASLEEP, COLD, WARMUP, report  # noqa: E402
 
 from stageferry.broker.control.keys import Keys  # noqa: E402
 from stageferry.broker.control.redis_conn import connect  # noqa: E402
@@ -320,6 +320,7 @@ class Consumer:
             visibility_ms=600_000,
             max_entry_bytes=2 * INLINE_CAP,
             lease_claim=conn.lease_claim(),
+            hot_wait_s=Timeouts().hot_wait,  # as a stage's worker takes it
         )
         self.producer_registrations: list[int] = []
         self.timer: StepTimer | None = None
@@ -376,9 +377,18 @@ class Consumer:
         if op == COLD:  # the zero-copy hop with no payload made ready ahead: the get takes slots and unpacks
             self.conn.consumer.ready.drop()
             sent = "staged"
+        hot_wait = self.stream.hot_wait_s
+        if op == ASLEEP:  # the zero-copy hop with the consumer's links sleeping while they wait
+            self.stream.hot_wait_s = 0.0
+            for link in self.stream.links:
+                link.hot_until = 0.0
+            sent = "staged"
         await self.redis.rpush(self.cmd_key, json.dumps({"op": sent, "nbytes": nbytes, "i": i}))
         t2, entry = await self._next()
-        return await self._fetch(op, entry, t2, f"bench-{i}")
+        try:
+            return await self._fetch(op, entry, t2, f"bench-{i}")
+        finally:
+            self.stream.hot_wait_s = hot_wait
 
     async def burst(self, nbytes: int, k: int, i0: int) -> dict[str, list[float]]:
         """K NIXL payloads in flight at once: every get starts as soon as its envelope arrives."""
@@ -444,9 +454,11 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
             c = Consumer(bench, conn, prefix, device, fanout)
             c.timer = timer
             await c.stream.ensure_group()
-            ops = ("nixl", "staged", "inline") if args.zero_copy else ("nixl", "inline")
+            ops: tuple[str, ...] = ("nixl", "staged", "inline") if args.zero_copy else ("nixl", "inline")
             if args.zero_copy and args.ready_cold:  # after the copy put's hop, which leaves its shape ready
                 ops = ("nixl", COLD, "staged", "inline")
+            if args.zero_copy and args.hot_asleep:
+                ops = (*ops[:-1], ASLEEP, "inline")
             for i in range(WARMUP):  # connection set-up to the peer, allocator and code paths; not counted
                 for op in ops:
                     await c.hop(op, args.sizes[0], i)
@@ -562,6 +574,12 @@ def main() -> int:
         "--ready-cold",
         action="store_true",
         help="with --zero-copy: also the zero-copy hop with no payload made ready ahead (side by side)",
+    )
+    parser.add_argument(
+        "--hot-asleep",
+        action="store_true",
+        help="with --zero-copy: also the zero-copy hop with the consumer's links sleeping while they wait "
+        "(no Timeouts.hot_wait; side by side)",
     )
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument(

@@ -12,6 +12,8 @@ from bench_stats import TASK_BYTES, cell, human, machine_facts, median, pct, ver
 WARMUP = 3
 #: The zero-copy hop with the consumer's ready payload dropped first (``--ready-cold``).
 COLD = "staged-cold"
+#: The zero-copy hop with the consumer's Redis links left to sleep while they wait (``--hot-asleep``).
+ASLEEP = "staged-asleep"
 HOP_TARGET_MS = 1.2  # T2VA hop, p50 (issue 20; was 2.0)
 HOP_P99_TARGET_MS = 2.0  # T2VA hop, p99 (issue 20, GPU)
 RATIO_TARGET = 20.0  # Ref2VA: inline through Redis / NIXL, CPU
@@ -58,14 +60,13 @@ def report(
             "\nready slots (`nixl.ready`), zero-copy hop, side by side: slots and views made ready while idle "
             "vs none (dropped before the hop)\n"
         )
-        print("| bytes | ready: get | none: get | ready: hop | none: hop | none / ready hop p50 |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-        for nbytes, row in transfer.items():
-            z, c = row["staged"], row[COLD]
-            print(
-                f"| {human(nbytes)} | {cell(z['get'])} | {cell(c['get'])} | {cell(z['hop'])} | {cell(c['hop'])} "
-                f"| {median(c['hop']) / median(z['hop']):.3f} |"
-            )
+        side_by_side(transfer, ("ready", "staged"), ("none", COLD))
+    if any(ASLEEP in row for row in transfer.values()):
+        print(
+            "\nhot wait (`Timeouts.hot_wait`), zero-copy hop, side by side: the consumer's links poll for "
+            "the next entry after the last one vs sleep in the selector\n"
+        )
+        side_by_side(transfer, ("hot", "staged"), ("asleep", ASLEEP))
     ref2va = TASK_BYTES["Ref2VA"]
     if ref2va in transfer:
         row = transfer[ref2va]
@@ -143,6 +144,19 @@ def report(
                     f"| {r['rss_producer_mib'][0]:.0f} / {r['rss_consumer_mib'][0]:.0f} |"
                 )
     return ok
+
+
+def side_by_side(transfer: dict[int, Any], a: tuple[str, str], b: tuple[str, str]) -> None:
+    """Per size, the get and the hop of two ops measured in the same iterations: (label, op) each."""
+    (la, oa), (lb, ob) = a, b
+    print(f"| bytes | {la}: get | {lb}: get | {la}: hop | {lb}: hop | {lb} / {la} hop p50 |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for nbytes, row in transfer.items():
+        x, y = row[oa], row[ob]
+        print(
+            f"| {human(nbytes)} | {cell(x['get'])} | {cell(y['get'])} | {cell(x['hop'])} | {cell(y['hop'])} "
+            f"| {median(y['hop']) / median(x['hop']):.3f} |"
+        )
 
 
 def report_zero_copy(transfer: dict[int, Any]) -> None:

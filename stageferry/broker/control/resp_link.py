@@ -173,6 +173,21 @@ class RespLink:
         self._down_until = 0.0  # after a failed connect, calls fail at once (to redis-py) until then
         #: Calls :func:`run_script` repeated through redis-py (unknown script, connection trouble).
         self.fallbacks = 0
+        #: Until this event-loop time a call polls for its reply instead of sleeping (:meth:`keep_hot`).
+        self.hot_until = 0.0
+
+    def keep_hot(self, seconds: float) -> None:
+        """For the next ``seconds``, a caller waiting for a reply keeps the event loop turning instead of
+        letting it sleep in the selector (:func:`poll_until_done`).
+
+        Why: a process that sleeps, even for the 50 µs of a round trip, wakes slowly.  On the GPU host (a
+        virtual machine) its Python then runs 2–3× slower for a few hundred µs, which a hop paid on every
+        step after the wake-up (issue 20's step timings).  A stage keeps its links hot for a moment after
+        each entry (``Timeouts.hot_wait``), so a next entry that follows closely finds it awake; the price
+        is one core busy for that moment, and nothing while the stage is idle.  Measured side by side
+        (``transfer.py --hot-asleep``, ``throughput.py --hot-wait``): the T2VA hop 8–10 % shorter, and
+        7 % more requests per second, on the GPU host; within the noise on a 2-core box."""
+        self.hot_until = asyncio.get_running_loop().time() + seconds
 
     async def call(self, *args: Any, block_s: float = 0.0) -> Any:
         """One command's reply; an error reply is raised (as redis-py's exception type)."""
@@ -200,8 +215,12 @@ class RespLink:
         wire.transport.write(packet)
         timer = loop.call_later(block_s + self._target.reply_timeout, _expire, wire, future)
         try:
+            if loop.time() < self.hot_until:
+                await poll_until_done(future, self.hot_until)
             return await future
         except asyncio.CancelledError:
+            if not future.done():  # cancelled while polling: as if while awaiting it
+                future.cancel()
             if block_s > 0 and future.cancelled():  # no reply yet: it, and what is queued behind it, must not run
                 wire.fail(redis_errors.ConnectionError("redis link: a blocked caller was cancelled"))
             raise
@@ -299,6 +318,15 @@ async def run_pipeline(
         for command in commands:
             pipe.execute_command(*command)
         return await pipe.execute(raise_on_error=False)
+
+
+async def poll_until_done(future: asyncio.Future[Any], until: float) -> None:
+    """Return once ``future`` is done or the event loop's clock passes ``until``, keeping the loop turning
+    meanwhile: each round yields to every other ready task and polls the selector without a timeout, so
+    the reply is read the moment it lands and no task waits longer than it would have."""
+    loop = asyncio.get_running_loop()
+    while not future.done() and loop.time() < until:  # noqa: ASYNC110 (polling is the point)
+        await asyncio.sleep(0)
 
 
 def _fall_back(link: RespLink, exc: Exception) -> None:

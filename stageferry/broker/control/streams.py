@@ -21,7 +21,10 @@ trip later.
 The wait and the scripts (read, hand-off, finish, ack, renew) go over two lean connections of this stream's
 own (:mod:`~stageferry.broker.control.resp_link`: one blocks in the wait, one carries the scripts), which
 cost a fraction of redis-py's Python per round trip; where they cannot be used, or their connection fails,
-the same commands go through redis-py and its retries.
+the same commands go through redis-py and its retries.  For ``hot_wait_s`` after an entry is delivered or
+settled, those links poll for their replies instead of letting the process sleep
+(:meth:`~stageferry.broker.control.resp_link.RespLink.keep_hot`), so an entry that follows closely finds
+the stage awake.
 
 The read can also take a *lease claim* for the entry (:class:`LeaseClaim`): a stage whose input comes over
 NIXL must claim the payload's lease (``SET NX`` on its claim key, :mod:`stageferry.broker.data.nixl.leases`)
@@ -112,8 +115,11 @@ class StageStream:
         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
         tenants: Sequence[str] = (),
         lease_claim: LeaseClaim | None = None,
+        hot_wait_s: float = 0.0,
     ) -> None:
         self._redis = redis
+        #: How long the links stay hot after an entry is delivered or settled (:meth:`_keep_hot`).
+        self.hot_wait_s = hot_wait_s
         self._lease_claim = lease_claim
         self._keys = keys
         self.stage = stage
@@ -138,6 +144,14 @@ class StageStream:
         # scripts (reads, hand-offs, acks); None where the link cannot follow the client (then redis-py).
         self._wait_link = open_link(redis)
         self._link = open_link(redis)
+
+    def _keep_hot(self) -> None:
+        """An entry was delivered or settled: for ``hot_wait_s`` the links poll for their replies instead
+        of sleeping (:meth:`RespLink.keep_hot`), so the next read, and an entry that follows closely, find
+        this process awake."""
+        if self.hot_wait_s > 0:
+            for link in self.links:
+                link.keep_hot(self.hot_wait_s)
 
     @property
     def script_link(self) -> RespLink | None:
@@ -170,6 +184,7 @@ class StageStream:
 
     def _settled(self, entry_id: str) -> None:
         self._source.pop(entry_id, None)
+        self._keep_hot()
 
     async def _owned_call(self, script: Any, keys: list[str], args: list[Any]) -> bool:
         """Run an ownership-checked script; a stream or group lost with Redis (NOGROUP) means the entry is
@@ -196,6 +211,7 @@ class StageStream:
             if remaining <= 0:
                 return entries
             entries = await self._wait_and_read(min(remaining, WAKE_POLL_S), count)
+        self._keep_hot()
         return entries
 
     async def _wait_and_read(self, timeout: float, count: int) -> list[Entry]:

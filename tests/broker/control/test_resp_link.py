@@ -99,6 +99,46 @@ async def test_a_cancelled_wait_closes_the_link_and_what_was_queued_behind_it_ne
     assert await link.call("PING") == b"PONG", "the next call connects afresh"
 
 
+async def test_a_hot_link_waits_without_letting_the_event_loop_sleep_and_only_while_hot(
+    linked: Linked, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    redis, link = linked.redis, linked.link
+    selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+    timeouts: list[float | None] = []
+    select = selector.select
+    monkeypatch.setattr(selector, "select", lambda timeout=None: timeouts.append(timeout) or select(timeout))
+
+    async def wait_for_push(wake: str) -> list[float | None]:
+        timeouts.clear()
+        waiting = asyncio.ensure_future(link.call("BLPOP", wake, 2, block_s=2))
+        await anyio.sleep(0.05)
+        seen = list(timeouts)
+        await redis.lpush(wake, "go")
+        assert await waiting == [wake.encode(), b"go"]
+        return seen
+
+    assert await link.call("PING") == b"PONG"  # connected: a connect itself is never polled for
+    link.keep_hot(1.0)
+    hot = await wait_for_push(f"{prefix}:hot")
+    assert hot and max(t or 0 for t in hot) == 0, "a hot wait let the selector sleep"
+    link.hot_until = 0.0
+    cold = await wait_for_push(f"{prefix}:cold")
+    assert max(t or 0 for t in cold) > 0, "a wait past the hot window still polls"
+
+
+async def test_a_hot_wait_that_is_cancelled_still_closes_the_link(linked: Linked, prefix: str) -> None:
+    redis, link = linked.redis, linked.link
+    wake, marker = f"{prefix}:wake", f"{prefix}:marker"
+    link.keep_hot(5.0)
+    with anyio.move_on_after(0.2):  # cancelled while polling, before the reply
+        await link.send([("BLPOP", wake, 5), ("SET", marker, "ran")], block_s=5)
+    await redis.lpush(wake, "late")
+    await anyio.sleep(0.1)
+    assert await redis.exists(marker) == 0, "the command queued behind the cancelled wait ran"
+    assert await redis.lrange(wake, 0, -1) == [b"late"], "a dead wait took the wake-up"
+    assert await link.call("PING") == b"PONG", "the next call connects afresh"
+
+
 async def test_a_killed_connection_fails_the_call_in_flight_and_the_next_one_reconnects(
     linked: Linked, prefix: str
 ) -> None:

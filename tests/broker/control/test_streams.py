@@ -3,6 +3,8 @@ Redis: won, taken already, not tried for redeliveries or without the field, and 
 
 from __future__ import annotations
 
+import asyncio
+
 import anyio
 import pytest
 
@@ -96,3 +98,28 @@ async def test_a_woken_read_survives_a_redis_that_forgot_its_script(prefix: str)
             (entry,) = await d.read(1, block_ms=5_000)
         assert entry.text("request_id") == "r1" and entry.claimed("tok-5") is True
         assert await redis.get(keys.claim("tok-5")) == b"agent-d"
+
+
+async def test_a_stream_keeps_its_links_hot_after_an_entry_is_delivered_or_settled(redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix)
+    async with open_client(redis_url) as redis:
+        hot = StageStream(redis, keys, "diffusion", "diffusion-hot", visibility_ms=60_000, hot_wait_s=5.0)
+        cold = StageStream(redis, keys, "diffusion", "diffusion-cold", visibility_ms=60_000)
+        assert len(hot.links) == 2, "the test needs the lean links"
+        await hot.ensure_group()
+        loop = asyncio.get_running_loop()
+        assert await hot.read(1, block_ms=0) == []
+        assert all(link.hot_until == 0 for link in hot.links), "nothing delivered: the links may sleep"
+        await redis.xadd(keys.stage_stream("diffusion"), {"request_id": "r1"})
+        await redis.xadd(keys.stage_stream("diffusion"), {"request_id": "r2"})
+        (entry,) = await hot.read(1, block_ms=0)
+        assert all(link.hot_until > loop.time() + 4 for link in hot.links), "delivered: hot"
+        for link in hot.links:
+            link.hot_until = 0.0
+        assert await hot.ack(entry.id)
+        assert all(link.hot_until > loop.time() + 4 for link in hot.links), "settled: hot again"
+        (other,) = await cold.read(1, block_ms=0)
+        assert await cold.ack(other.id)
+        assert all(link.hot_until == 0 for link in cold.links), "hot_wait_s 0: never hot"
+        for stream in (hot, cold):
+            await stream.aclose()
