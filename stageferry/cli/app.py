@@ -51,7 +51,9 @@ app = _App(
     add_completion=False,
     rich_markup_mode=None,  # plain help: flags show no `<bool>` value, defaults and ranges in brackets
 )
-stderr = Console(stderr=True)
+#: soft_wrap: lines are never broken by rich (the terminal wraps them), so a long path or an error stays one
+#: line that can be copied, and a log scraper reads it whole.
+stderr = Console(stderr=True, soft_wrap=True)
 
 P = ParamSpec("P")
 R = TypeVar("R")
