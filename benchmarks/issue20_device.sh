@@ -53,8 +53,8 @@ for s in $steps; do
               --sizes 359024,11158136,64963792 --iters 200 --timeout 28 --hang-dump 28 ;;
     fanout_nccl) run_step "$s" 120 python3 benchmarks/fanout.py --backend nccl --ranks 2 \
                    --sizes 359024,64963792 --iters 200 --timeout 28 --hang-dump 28 ;;
-    tput_hot) for w in 0.002 0 0.002 0; do  # timeouts.hot_wait on and off, alternately, in one call
-                run_step "${s}_$w" 100 python3 benchmarks/throughput.py --tasks T2VA --replicas 1,4 \
+    tput_hot) i=0; for w in 0.002 0 0.002 0; do  # timeouts.hot_wait on and off, alternately, in one call
+                i=$((i + 1)); run_step "${s}_${i}_$w" 100 python3 benchmarks/throughput.py --tasks T2VA --replicas 1,4 \
                   --requests "${REQUESTS:-2000}" --edges nixl --hot-wait "$w"
               done ;;
     throughput) run_step "$s" 330 python3 benchmarks/throughput.py --tasks T2VA,Ref2VA --replicas 1,2,4 \
