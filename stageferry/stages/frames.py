@@ -6,7 +6,8 @@ and broadcast into again, and a follower keeps the payload unpacked over a frame
 2 × H200 host every torch call costs 5–80 µs of host time, and allocating a frame, slicing views and
 unpacking the payload per job were most of a job's cost over a bare NCCL broadcast
 (``benchmarks/fanout_phases.py``).  A GPU rank moves a head between the frame and the host through
-:class:`Staging`'s pinned buffer.
+:class:`Staging`'s pinned buffer.  The next frame's size travels in each header; :func:`next_capacity`
+picks it and :func:`checked_capacity` / :func:`checked_carrier` bound what a follower accepts.
 """
 
 from __future__ import annotations
@@ -142,3 +143,32 @@ def to_host(buf: torch.Tensor) -> bytes:
         done.record()
         done.synchronize()
     return buf.cpu().numpy().tobytes()
+
+
+#: Frames grow in steps of this many bytes (a region's size rounded up), so near sizes share a frame.
+INLINE_GRAIN = 4096
+
+
+def next_capacity(capacity: int, inline: torch.Tensor | None, inline_max: int) -> int:
+    """The next frame's size: room for this job's region (its shape will likely repeat), or the same."""
+    if inline is None or not inline.numel():
+        return capacity
+    if inline.numel() > inline_max:
+        return FRAME_BYTES
+    return FRAME_BYTES + -(-inline.numel() // INLINE_GRAIN) * INLINE_GRAIN
+
+
+def checked_capacity(value: Any, inline_max: int) -> int:
+    """A next-frame size from the leader's header, within what a leader can announce."""
+    capacity = int(value)
+    if not FRAME_BYTES <= capacity <= FRAME_BYTES + inline_max + INLINE_GRAIN:
+        raise ValueError(f"next frame of {capacity} bytes from the leader")
+    return capacity
+
+
+def checked_carrier(value: Any, most: int) -> int:
+    """A next-carrier size from the leader's header, within what a leader can announce."""
+    capacity = int(value)
+    if not 1 <= capacity <= most:
+        raise ValueError(f"next carrier of {capacity} bytes from the leader")
+    return capacity

@@ -63,7 +63,16 @@ import torch.distributed as dist
 
 from stageferry.broker.data.payload_codec import unpack, validate_manifest
 from stageferry.schemas import DeviceKind, Manifest
-from stageferry.stages.frames import FRAME_BYTES, HEAD_LEN, Frame, Staging, to_host
+from stageferry.stages.frames import (
+    FRAME_BYTES,
+    HEAD_LEN,
+    Frame,
+    Staging,
+    checked_capacity,
+    checked_carrier,
+    next_capacity,
+    to_host,
+)
 from stageferry.stages.group_messages import Hop, Message, MessageKind, ModelGroups
 from stageferry.stages.mailbox import LONG, Mailbox, handshake
 
@@ -74,7 +83,6 @@ MAX_HEADER_BYTES = 64 << 20
 #: 11 MB and 65 MB regions were 0.1–0.3 ms *slower* (the leader's D2D copy, and a follower that reads the
 #: header only once the whole frame landed instead of while the region's broadcast runs).
 INLINE_MAX_BYTES = 2 << 20
-_INLINE_GRAIN = 4096
 MANIFEST_CACHE_SIZE = 64
 #: Frames a rank keeps, one per recent frame size (at most ``FRAME_BYTES + INLINE_MAX_BYTES`` each).
 FRAME_CACHE_SIZE = 4
@@ -180,7 +188,7 @@ class GroupChannel:
         body["media"] = {name: len(data) for name, data in media.items()} if media else {}
         body["manifest"] = self._manifest_json(manifest)
         body["inline"] = inline is not None and 0 < inline.numel() <= capacity - FRAME_BYTES
-        body["next"] = _next_capacity(capacity, inline)
+        body["next"] = next_capacity(capacity, inline, INLINE_MAX_BYTES)
         packed = msgpack.packb(body, use_bin_type=True)
         if body["inline"] and HEAD_LEN + len(packed) > FRAME_BYTES:  # a long header: its tail follows the frame
             body["inline"] = False
@@ -262,9 +270,9 @@ class GroupChannel:
         kind = MessageKind(body.pop("kind"))
         inline = bool(body.pop("inline", False))
         if self._mailbox is None:
-            self._capacity = _checked_capacity(body.pop("next", FRAME_BYTES))
+            self._capacity = checked_capacity(body.pop("next", FRAME_BYTES), INLINE_MAX_BYTES)
         else:
-            self._capacity = _checked_carrier(body.pop("next", CARRIER_MIN_BYTES), self._carrier_max)
+            self._capacity = checked_carrier(body.pop("next", CARRIER_MIN_BYTES), self._carrier_max)
         offset = FRAME_BYTES if self._mailbox is None else 0
         sizes = body.pop("media") or {}
         media = {name: self._broadcast_bytes(None, expect=int(sizes[name])) for name in sorted(sizes)}
@@ -474,28 +482,3 @@ class GroupChannel:
         if nbytes:
             self._propagate(buf, kind)
         return buf
-
-
-def _next_capacity(capacity: int, inline: torch.Tensor | None) -> int:
-    """The next frame's size: room for this job's region (its shape will likely repeat), or the same."""
-    if inline is None or not inline.numel():
-        return capacity
-    if inline.numel() > INLINE_MAX_BYTES:
-        return FRAME_BYTES
-    return FRAME_BYTES + -(-inline.numel() // _INLINE_GRAIN) * _INLINE_GRAIN
-
-
-def _checked_capacity(value: Any) -> int:
-    """A next-frame size from the leader's header, within what a leader can announce."""
-    capacity = int(value)
-    if not FRAME_BYTES <= capacity <= FRAME_BYTES + INLINE_MAX_BYTES + _INLINE_GRAIN:
-        raise ValueError(f"next frame of {capacity} bytes from the leader")
-    return capacity
-
-
-def _checked_carrier(value: Any, most: int) -> int:
-    """A next-carrier size from the leader's header, within what a leader can announce."""
-    capacity = int(value)
-    if not 1 <= capacity <= most:
-        raise ValueError(f"next carrier of {capacity} bytes from the leader")
-    return capacity
