@@ -329,9 +329,10 @@ class Consumer:
         self.refs: TypeAdapter[PayloadRef] = TypeAdapter(PayloadRef)
 
     async def _next(self) -> tuple[int, Entry]:
+        """The next new entry (a burst keeps earlier ones in hand, un-acked, while it reads on)."""
         entries: list[Entry] = []
         while not entries:
-            entries = await self.stream.read(1, block_ms=1000)
+            entries = await self.stream.read(1, block_ms=1000, new_only=True)
         return time.monotonic_ns(), entries[0]
 
     async def _fetch(self, op: str, entry: Entry, t2: int, key: str) -> dict[str, float]:

@@ -199,12 +199,16 @@ class StageStream:
             await self.ensure_group()
             return False
 
-    async def read(self, count: int = 1, *, block_ms: int = BLOCK_MS) -> list[Entry]:
+    async def read(self, count: int = 1, *, block_ms: int = BLOCK_MS, new_only: bool = False) -> list[Entry]:
         """Entries to work on: first this consumer's own un-acked ones (after a restart), then entries
         idle past the visibility timeout (reclaimed from dead replicas), then new ones — the three in one
         script, one round trip.  With nothing there, wait on the wake list (up to ``block_ms``) and read
-        new ones whenever woken (or every :data:`WAKE_POLL_S`)."""
-        entries = await self._read_via_script("0,claim,>", count)
+        new ones whenever woken (or every :data:`WAKE_POLL_S`).
+
+        ``new_only``: new entries alone, for a reader that keeps entries in hand while it reads more (its
+        own un-acked ones would otherwise come back first, and as redeliveries); such a reader takes its
+        own and reclaimed ones with a plain read when it starts."""
+        entries = await self._read_via_script(">" if new_only else "0,claim,>", count)
         deadline = time.monotonic() + block_ms / 1000
         while not entries:
             remaining = deadline - time.monotonic()

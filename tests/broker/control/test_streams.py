@@ -1,5 +1,6 @@
-"""A stage stream's read claims each new entry's lease in the same script (:class:`LeaseClaim`), on real
-Redis: won, taken already, not tried for redeliveries or without the field, and never outside the prefix."""
+"""A stage stream's read, on real Redis: it claims each new entry's lease in the same script
+(:class:`LeaseClaim`): won, taken already, not tried for redeliveries or without the field, and never
+outside the prefix; a new-only read skips the entries in hand; the links stay hot after an entry."""
 
 from __future__ import annotations
 
@@ -123,3 +124,21 @@ async def test_a_stream_keeps_its_links_hot_after_an_entry_is_delivered_or_settl
         assert all(link.hot_until == 0 for link in cold.links), "hot_wait_s 0: never hot"
         for stream in (hot, cold):
             await stream.aclose()
+
+
+async def test_a_new_only_read_skips_entries_in_hand_and_a_plain_read_returns_them(redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix)
+    claim = LeaseClaim(prefix=keys.claim(""), holder="agent-n", ttl_ms=30_000)
+    async with open_client(redis_url) as redis:
+        a = StageStream(redis, keys, "diffusion", "diffusion-a", visibility_ms=60_000, lease_claim=claim)
+        await a.ensure_group()
+        for n in (1, 2):
+            await redis.xadd(keys.stage_stream("diffusion"), {"request_id": f"r{n}", LEASE_FIELD: f"tok-{n}"})
+        (first,) = await a.read(1, block_ms=0, new_only=True)
+        (second,) = await a.read(1, block_ms=0, new_only=True)  # the first is still in hand, un-acked
+        assert (first.text("request_id"), second.text("request_id")) == ("r1", "r2")
+        assert first.claimed("tok-1") is True and second.claimed("tok-2") is True, "each new entry's lease claimed"
+        assert await a.read(1, block_ms=0, new_only=True) == []
+        (again,) = await a.read(1, block_ms=0)  # a plain read: its own un-acked entries first
+        assert again.id == first.id and again.deliveries == 2 and again.lease_claimed is None
+        await a.aclose()
