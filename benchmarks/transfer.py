@@ -165,6 +165,11 @@ async def producer(args: argparse.Namespace) -> None:
     cmd_key, keys = f"{args.prefix}:bench:cmd", Keys(args.prefix)
     stream_key, wake_key = keys.stage_stream(STAGE), keys.wake(STAGE)
     write, link = bench.register_script(WRITE_LUA), open_link(bench)
+    # The command wait stands in for a producer stage's stream wait, and is hot as that is: for
+    # Timeouts.hot_wait after a command comes and after its hand-off (StageStream), unless the consumer
+    # measures an ASLEEP hop (its command, and the one before it, say so).
+    cmd_link, hot_wait = open_link(bench), Timeouts().hot_wait
+    links = [x for x in (link, cmd_link) if x is not None]
     timer = hop_steps("producer") if args.steps else None
 
     async def send(op: str, nbytes: int, i: int) -> None:
@@ -205,7 +210,10 @@ async def producer(args: argparse.Namespace) -> None:
             settle_heap()  # as a stage's leader does once start-up is done
         await bench.rpush(f"{args.prefix}:bench:ready", json.dumps({"pid": os.getpid()}))
         while True:
-            item = await bench.blpop([cmd_key], timeout=1)
+            if cmd_link is not None:
+                item = await cmd_link.call("BLPOP", cmd_key, 1, block_s=1)
+            else:
+                item = await bench.blpop([cmd_key], timeout=1)
             if item is None:
                 continue
             cmd = json.loads(item[1])
@@ -214,15 +222,19 @@ async def producer(args: argparse.Namespace) -> None:
             if cmd["op"] == "steps-start" and timer is not None:
                 timer.clear()
                 continue
+            for x in links:  # a command came: hot, as a stage's stream is after a delivery
+                x.keep_hot(0.0 if cmd.get("asleep") else hot_wait)
             for j in range(cmd.get("k", 1)):  # a burst: K puts back to back
                 await send(cmd["op"], cmd["nbytes"], cmd["i"] + j)
+            for x in links:  # handed off: hot, as a stage's stream is after it settles an entry
+                x.keep_hot(0.0 if cmd.get("cool_after") or cmd.get("asleep") else hot_wait)
         tg.cancel_scope.cancel()
     if timer is not None:
         timer.print(f"producer steps ({args.device}; after warm-up)")
         sys.stdout.flush()
     await conn.aclose()
-    if link is not None:
-        await link.aclose()
+    for x in links:
+        await x.aclose()
     await redis.aclose()
     await bench.aclose()
 
@@ -370,8 +382,9 @@ class Consumer:
             "consumer_slots": float(held),
         }
 
-    async def hop(self, op: str, nbytes: int, i: int) -> dict[str, float]:
-        """One lock-step hop; milliseconds of put, get, delivery, hop and hop to all ranks."""
+    async def hop(self, op: str, nbytes: int, i: int, next_op: str | None = None) -> dict[str, float]:
+        """One lock-step hop; milliseconds of put, get, delivery, hop and hop to all ranks.  Before an
+        ``ASLEEP`` hop (``next_op``), the producer is told to let its links sleep after this one."""
         if self.timer is not None:
             self.timer.tag = f"{human(nbytes)} {op}: "
         sent = op
@@ -379,12 +392,13 @@ class Consumer:
             self.conn.consumer.ready.drop()
             sent = "staged"
         hot_wait = self.stream.hot_wait_s
-        if op == ASLEEP:  # the zero-copy hop with the consumer's links sleeping while they wait
+        if op == ASLEEP:  # the zero-copy hop with the links sleeping while they wait (the producer's too: cmd)
             self.stream.hot_wait_s = 0.0
             for link in self.stream.links:
                 link.hot_until = 0.0
             sent = "staged"
-        await self.redis.rpush(self.cmd_key, json.dumps({"op": sent, "nbytes": nbytes, "i": i}))
+        cmd = {"op": sent, "nbytes": nbytes, "i": i, "asleep": op == ASLEEP, "cool_after": next_op == ASLEEP}
+        await self.redis.rpush(self.cmd_key, json.dumps(cmd))
         t2, entry = await self._next()
         try:
             return await self._fetch(op, entry, t2, f"bench-{i}")
@@ -461,8 +475,8 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
             if args.zero_copy and args.hot_asleep:
                 ops = (*ops[:-1], ASLEEP, "inline")
             for i in range(WARMUP):  # connection set-up to the peer, allocator and code paths; not counted
-                for op in ops:
-                    await c.hop(op, args.sizes[0], i)
+                for op, nxt in zip(ops, (*ops[1:], ops[0]), strict=True):
+                    await c.hop(op, args.sizes[0], i, nxt)
             if not args.no_settle:
                 settle_heap()
             if timer is not None:
@@ -475,14 +489,14 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
                 src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=src_dev)
                 dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 for i in range(WARMUP):
-                    for op in ops:
-                        await c.hop(op, nbytes, i)
+                    for op, nxt in zip(ops, (*ops[1:], ops[0]), strict=True):
+                        await c.hop(op, nbytes, i, nxt)
                     baseline_ms(src, dst)
                 row: dict[str, dict[str, list[float]]] = {op: {} for op in ops}
                 row["baseline"] = {"copy": []}
                 for i in range(args.iters):  # side by side: one of each per iteration
-                    for op in ops:
-                        for k, v in (await c.hop(op, nbytes, i)).items():
+                    for op, nxt in zip(ops, (*ops[1:], ops[0]), strict=True):
+                        for k, v in (await c.hop(op, nbytes, i, nxt)).items():
                             row[op].setdefault(k, []).append(v)
                     row["baseline"]["copy"].append(baseline_ms(src, dst))
                 results["transfer"][nbytes] = row
@@ -579,7 +593,7 @@ def main() -> int:
     parser.add_argument(
         "--hot-asleep",
         action="store_true",
-        help="with --zero-copy: also the zero-copy hop with the consumer's links sleeping while they wait "
+        help="with --zero-copy: also the zero-copy hop with both processes' links sleeping while they wait "
         "(no Timeouts.hot_wait; side by side)",
     )
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")

@@ -12,7 +12,7 @@ from bench_stats import TASK_BYTES, cell, human, machine_facts, median, pct, ver
 WARMUP = 3
 #: The zero-copy hop with the consumer's ready payload dropped first (``--ready-cold``).
 COLD = "staged-cold"
-#: The zero-copy hop with the consumer's Redis links left to sleep while they wait (``--hot-asleep``).
+#: The zero-copy hop with both processes' Redis links left to sleep while they wait (``--hot-asleep``).
 ASLEEP = "staged-asleep"
 HOP_TARGET_MS = 1.2  # T2VA hop, p50 (issue 20; was 2.0)
 HOP_P99_TARGET_MS = 2.0  # T2VA hop, p99 (issue 20, GPU)
@@ -63,8 +63,8 @@ def report(
         side_by_side(transfer, ("ready", "staged"), ("none", COLD))
     if any(ASLEEP in row for row in transfer.values()):
         print(
-            "\nhot wait (`Timeouts.hot_wait`), zero-copy hop, side by side: the consumer's links poll for "
-            "the next entry after the last one vs sleep in the selector\n"
+            "\nhot wait (`Timeouts.hot_wait`), zero-copy hop, side by side: both processes' links poll for "
+            "replies for 2 ms after the last entry (as a stage's stream does) vs sleep in the selector\n"
         )
         side_by_side(transfer, ("hot", "staged"), ("asleep", ASLEEP))
     ref2va = TASK_BYTES["Ref2VA"]
