@@ -221,6 +221,8 @@ class RespLink:
         except asyncio.CancelledError:
             if not future.done():  # cancelled while polling: as if while awaiting it
                 future.cancel()
+            elif not future.cancelled():  # it failed meanwhile: nobody else reads its error
+                future.exception()
             if block_s > 0 and future.cancelled():  # no reply yet: it, and what is queued behind it, must not run
                 wire.fail(redis_errors.ConnectionError("redis link: a blocked caller was cancelled"))
             raise
@@ -322,7 +324,7 @@ async def run_pipeline(
 
 async def poll_until_done(future: asyncio.Future[Any], until: float) -> None:
     """Return once ``future`` is done or the event loop's clock passes ``until``, keeping the loop turning
-    meanwhile: each round yields to every other ready task and polls the selector without a timeout, so
+    meanwhile: each round yields to every other ready task and polls the selector with a zero timeout, so
     the reply is read the moment it lands and no task waits longer than it would have."""
     loop = asyncio.get_running_loop()
     while not future.done() and loop.time() < until:  # noqa: ASYNC110 (polling is the point)

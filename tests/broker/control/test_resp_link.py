@@ -6,12 +6,15 @@ database and TLS followed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import pytest
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
@@ -120,7 +123,7 @@ async def test_a_hot_link_waits_without_letting_the_event_loop_sleep_and_only_wh
     assert await link.call("PING") == b"PONG"  # connected: a connect itself is never polled for
     link.keep_hot(1.0)
     hot = await wait_for_push(f"{prefix}:hot")
-    assert hot and max(t or 0 for t in hot) == 0, "a hot wait let the selector sleep"
+    assert hot and all(t == 0 for t in hot), "a hot wait let the selector sleep"
     link.hot_until = 0.0
     cold = await wait_for_push(f"{prefix}:cold")
     assert max(t or 0 for t in cold) > 0, "a wait past the hot window still polls"
@@ -129,14 +132,58 @@ async def test_a_hot_link_waits_without_letting_the_event_loop_sleep_and_only_wh
 async def test_a_hot_wait_that_is_cancelled_still_closes_the_link(linked: Linked, prefix: str) -> None:
     redis, link = linked.redis, linked.link
     wake, marker = f"{prefix}:wake", f"{prefix}:marker"
+    assert await link.call("PING") == b"PONG"  # connected: the cancel lands in the polling, not the connect
     link.keep_hot(5.0)
     with anyio.move_on_after(0.2):  # cancelled while polling, before the reply
         await link.send([("BLPOP", wake, 5), ("SET", marker, "ran")], block_s=5)
+    assert asyncio.get_running_loop().time() < link.hot_until, "the cancel came after the hot window"
     await redis.lpush(wake, "late")
     await anyio.sleep(0.1)
     assert await redis.exists(marker) == 0, "the command queued behind the cancelled wait ran"
     assert await redis.lrange(wake, 0, -1) == [b"late"], "a dead wait took the wake-up"
     assert await link.call("PING") == b"PONG", "the next call connects afresh"
+
+
+async def test_a_hot_call_that_does_not_block_cancelled_mid_poll_leaves_the_others_alone() -> None:
+    async with EmbeddedRedis() as server, open_client(server.url) as redis:
+        link = link_of(redis)
+        assert await link.call("PING") == b"PONG"
+        link.keep_hot(5.0)
+        busy = """local function now() local t = redis.call('TIME') return t[1] * 1e6 + t[2] end
+        local t0 = now() repeat until now() - t0 > 200000 return 1"""  # 0.2 s of Lua
+        slow = asyncio.ensure_future(link.call("EVAL", busy, 0))
+        await anyio.sleep(0.02)
+        behind = asyncio.ensure_future(link.call("INCR", "n"))
+        await anyio.sleep(0.02)
+        slow.cancel()  # while it polls
+        assert await behind == 1
+        assert await link.call("GET", "n") == b"1", "ran once, in step"
+        await link.aclose()
+
+
+async def test_a_hot_call_whose_connection_dies_as_its_caller_is_cancelled_leaves_no_unread_error(
+    linked: Linked, prefix: str
+) -> None:
+    link = linked.link
+    assert await link.call("PING") == b"PONG"
+    link.keep_hot(5.0)
+    waiting = asyncio.ensure_future(link.call("BLPOP", f"{prefix}:never", 5, block_s=5))
+    await anyio.sleep(0.01)
+    unread: list[object] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: unread.append(context))
+    # The reply fails and the caller is cancelled in the same turn: the poll never sees the failure.
+    link._wire.fail(redis_errors.ConnectionError("cut"))  # type: ignore[union-attr]
+    waiting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiting
+    del waiting
+    for _ in range(3):
+        await anyio.lowlevel.checkpoint()
+        gc.collect()
+    loop.set_exception_handler(None)
+    assert unread == [], "a failed reply's error was never read"
+    assert await link.call("PING") == b"PONG"
 
 
 async def test_a_killed_connection_fails_the_call_in_flight_and_the_next_one_reconnects(
