@@ -266,10 +266,12 @@ class Timeouts(Strict):
     """A worker exits non-zero after Redis has been gone this long."""
     request: Annotated[float, Field(gt=0, le=86_400)] = 3600.0
     """A request's deadline; also the default wait of the gateway's sync endpoint."""
-    hot_wait: Annotated[float, Field(ge=0, le=10)] = 0.002
-    """After a stage's leader takes or settles an entry, how long its Redis connections poll for replies
-    instead of sleeping (one core busy meanwhile; 0: never), so a next entry that follows closely finds
-    it awake: a process woken from sleep runs its first few hundred µs slowly (issue 20)."""
+    hot_wait: Annotated[float, Field(ge=0, le=0.1)] = 0.002
+    """After a stage's leader takes or settles an entry, how long its stream's two lean Redis links poll for
+    replies instead of sleeping (one core busy meanwhile; 0: never), so a next entry that follows closely
+    finds it awake: a process woken from sleep runs its first few hundred µs slowly (issue 20).  Calls
+    through redis-py always sleep, and where the links are off (``STAGEFERRY_REDIS_LINK=0``, a credential
+    provider) this does nothing."""
 
 
 #: The default cost budget: 1344×768 for 10 s at 24 fps (241 frames).  Measured on the reference models

@@ -206,8 +206,9 @@ class StageStream:
         new ones whenever woken (or every :data:`WAKE_POLL_S`).
 
         ``new_only``: new entries alone, for a reader that keeps entries in hand while it reads more (its
-        own un-acked ones would otherwise come back first, and as redeliveries); such a reader takes its
-        own and reclaimed ones with a plain read when it starts."""
+        own un-acked ones would otherwise come back first, and as redeliveries).  It skips the reclaim of
+        dead replicas' entries too: such a reader takes its own and reclaimed ones with plain reads, when
+        it starts and whenever it has nothing in hand."""
         entries = await self._read_via_script(">" if new_only else "0,claim,>", count)
         deadline = time.monotonic() + block_ms / 1000
         while not entries:
