@@ -32,6 +32,12 @@ def _ours(directory: Path = mailbox.SHM_DIR) -> set[str]:
     return {p.name for p in directory.glob(mailbox.PREFIX + "*")}
 
 
+def _made_by(names: Any, pids: list[int]) -> set[str]:
+    """The mailbox files among ``names`` that these processes created (their names carry the creator's
+    pid): other tests, on another pytest worker, may have theirs in /dev/shm meanwhile."""
+    return {n for n in names if any(f"-{pid}-" in n for pid in pids)}
+
+
 def test_messages_arrive_in_order_across_many_wraps_of_the_ring(tmp_path: Path) -> None:
     leader = Mailbox.create(3, directory=tmp_path)
     one = Mailbox.attach(leader.path.name, leader.token, rank=1, directory=tmp_path)
@@ -180,32 +186,32 @@ def _run(elsewhere: str) -> dict[str, Any]:
         results[item[0]] = item
     for p in procs:
         p.join(30)
+    results["pids"] = [p.pid for p in procs]
     return results
 
 
 def test_a_group_sends_headers_by_mailbox_and_leaves_nothing_in_dev_shm() -> None:
-    before = _ours()
     results = _run("")
+    pids = results["pids"]
     _, used, linked_files = results["linked"]
     _, follower_used, first, long_ok, fails, short, exact, stop, follower_calls = results["follower"]
     assert used and follower_used
     # Unlinked as soon as the follower mapped it: nothing of this group's in /dev/shm even while it runs.
-    assert set(linked_files) <= before
+    assert _made_by(linked_files, pids) == set()
     assert first == "noop" and long_ok and fails == list(range(3 * SLOTS)) and short == "short"
     assert exact == [True, True] and stop == "stop"
     # One carrier per message, plus the long header's bytes; the payload's region rode the carrier on the
     # second job (the first announced its size), and had its own broadcast on the first.
     messages = 1 + 1 + 3 * SLOTS + 1 + 1
     assert results["leader"][1] == follower_calls == {"cpu": 1, "device": messages + 1}
-    assert _ours() <= before
+    assert _made_by(_ours(), pids) == set()
 
 
 def test_a_follower_that_cannot_map_the_mailbox_makes_the_whole_group_keep_frames(tmp_path: Path) -> None:
-    before = _ours()
     results = _run(str(tmp_path))
     _, used, _ = results["linked"]
     _, follower_used, first, long_ok, fails, short, exact, stop, _ = results["follower"]
     assert not used and not follower_used
     assert first == "noop" and long_ok and fails == list(range(3 * SLOTS)) and short == "short"
     assert exact == [True, True] and stop == "stop"
-    assert _ours() <= before
+    assert _made_by(_ours(), results["pids"]) == set()
