@@ -227,7 +227,7 @@ async def producer(args: argparse.Namespace) -> None:
             for j in range(cmd.get("k", 1)):  # a burst: K puts back to back
                 await send(cmd["op"], cmd["nbytes"], cmd["i"] + j)
             for x in links:  # handed off: hot, as a stage's stream is after it settles an entry
-                x.keep_hot(0.0 if cmd.get("cool_after") or cmd.get("asleep") else hot_wait)
+                x.keep_hot(0.0 if cmd.get("cool_after") else hot_wait)
         tg.cancel_scope.cancel()
     if timer is not None:
         timer.print(f"producer steps ({args.device}; after warm-up)")
@@ -398,12 +398,19 @@ class Consumer:
                 link.hot_until = 0.0
             sent = "staged"
         cmd = {"op": sent, "nbytes": nbytes, "i": i, "asleep": op == ASLEEP, "cool_after": next_op == ASLEEP}
-        await self.redis.rpush(self.cmd_key, json.dumps(cmd))
+        link = self.stream.script_link  # hot as the stream is (a stage has no command to send: no sleep)
+        if link is not None:
+            await link.call("RPUSH", self.cmd_key, json.dumps(cmd))
+        else:
+            await self.redis.rpush(self.cmd_key, json.dumps(cmd))
         t2, entry = await self._next()
         try:
             return await self._fetch(op, entry, t2, f"bench-{i}")
         finally:
-            self.stream.hot_wait_s = hot_wait
+            if op == ASLEEP:  # the next hop starts hot again, as after any other (the ack was cold)
+                self.stream.hot_wait_s = hot_wait
+                for x in self.stream.links:
+                    x.keep_hot(hot_wait)
 
     async def burst(self, nbytes: int, k: int, i0: int) -> dict[str, list[float]]:
         """K NIXL payloads in flight at once: every get starts as soon as its envelope arrives."""
