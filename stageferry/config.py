@@ -225,9 +225,7 @@ class DataPlaneConfig(Strict):
     """NIXL backends of each agent."""
     read_lanes: Annotated[int, Field(ge=1, le=64)] = 1
     """A DRAM region of at least ``read_lane_min_bytes`` is READ as this many descriptors in one transfer.
-    1 by measurement: on a 32-core host, 2-8 descriptors, with or without ``ucx_threads``, did not beat one
-    (UCX's CMA, 65 MB: 10.5 ms as one; 11.9-13.9 ms as 2-8 descriptors, 10.3-12.7 ms as 2-8 transfers;
-    memcpy 7.7 ms, 8 threads 1.3 ms; ``benchmarks/read_lanes.py``)."""
+    1 by measurement: 2-8, with or without ``ucx_threads``, never beat one (``benchmarks/read_lanes.py``)."""
     read_lane_min_bytes: Annotated[int, Field(ge=64 * KiB, le=16 * GiB)] = 8 * MiB
     """Smallest DRAM region split into ``read_lanes`` descriptors."""
     ucx_threads: Annotated[int, Field(ge=0, le=64)] = 0
@@ -267,11 +265,9 @@ class Timeouts(Strict):
     request: Annotated[float, Field(gt=0, le=86_400)] = 3600.0
     """A request's deadline; also the default wait of the gateway's sync endpoint."""
     hot_wait: Annotated[float, Field(ge=0, le=0.1)] = 0.002
-    """After a stage's leader takes or settles an entry, how long its stream's two lean Redis links poll for
-    replies instead of sleeping (one core busy meanwhile; 0: never), so a next entry that follows closely
-    finds it awake: a process woken from sleep runs its first few hundred µs slowly (issue 20).  Calls
-    through redis-py always sleep, and where the links are off (``STAGEFERRY_REDIS_LINK=0``, a credential
-    provider) this does nothing."""
+    """After a stage's leader takes or settles an entry, how long its stream's lean Redis links poll for
+    replies instead of sleeping (a core busy meanwhile; 0: never), so a next entry finds it awake (woken
+    Python runs slowly at first).  redis-py's calls, and streams without lean links, always sleep."""
 
 
 #: The default cost budget: 1344×768 for 10 s at 24 fps (241 frames).  Measured on the reference models
