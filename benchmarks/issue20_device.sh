@@ -7,7 +7,7 @@
 #   STEPS=1 bash benchmarks/issue20_device.sh t2va_gpu # transfer.py also times the steps of put and get
 #   COLD=1 ...                                        # and the zero-copy hop without a ready payload, side by side
 #   HOT=1 ...                                         # and the zero-copy hop with the consumer's links asleep, side by side
-#   REF_ITERS=40 ...                                  # Ref2VA/FL2VA iterations (default 20: the inline hop takes ~1 s)
+#   REF_ITERS=200 ...                                 # Ref2VA/FL2VA iterations (default 20; inline only in the first 20)
 # The *_redis_py steps repeat a hop with the hot path on redis-py alone (STAGEFERRY_REDIS_LINK=0).
 set -u
 cd "$(dirname "$0")/.."
@@ -35,7 +35,8 @@ for s in $steps; do
                  tests/broker/data/test_pool.py tests/broker/data/test_payload_codec.py \
                  "tests/stages/test_reference_models.py::test_the_encoder_payload_stays_on_its_gpu_and_the_diffusion_stage_takes_it_there" ;;
     t2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 359024 --iters 300 --zero-copy ;;
-    ref2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 11158136,64963792 --iters "${REF_ITERS:-20}" --zero-copy ;;
+    ref2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 11158136,64963792 --iters "${REF_ITERS:-20}" \
+                  --inline-iters 20 --zero-copy ;;
     t2va_cpu) run_step "$s" 90 "${tx[@]}" --sizes 359024 --iters 300 --zero-copy ;;
     t2va_cpu_redis_py) STAGEFERRY_REDIS_LINK=0 run_step "$s" 90 "${tx[@]}" --sizes 359024 --iters 300 --zero-copy ;;
     t2va_gpu_redis_py) STAGEFERRY_REDIS_LINK=0 run_step "$s" 90 "${tx[@]}" --device cuda --sizes 359024 \

@@ -503,6 +503,8 @@ async def consumer_main(args: argparse.Namespace, prefix: str, proc: subprocess.
                 row["baseline"] = {"copy": []}
                 for i in range(args.iters):  # side by side: one of each per iteration
                     for op, nxt in zip(ops, (*ops[1:], ops[0]), strict=True):
+                        if op == "inline" and i >= args.inline_iters:  # a 65 MB inline hop takes ~1 s
+                            continue
                         for k, v in (await c.hop(op, nbytes, i, nxt)).items():
                             row[op].setdefault(k, []).append(v)
                     row["baseline"]["copy"].append(baseline_ms(src, dst))
@@ -582,6 +584,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sizes = lambda s: sorted({int(x) for x in s.split(",") if x})  # noqa: E731
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument(
+        "--inline-iters", type=int, help="iterations that also take the inline hop (default: all of --iters)"
+    )
     parser.add_argument("--sizes", type=sizes, default=DEFAULT_SIZES, help="byte counts; task sizes use task payloads")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--tp", type=int, default=1, help="consumer TP size (gloo fan-out from the leader)")
@@ -624,6 +629,7 @@ def main() -> int:
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     parser.add_argument("--pool-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.inline_iters = args.iters if args.inline_iters is None else min(args.inline_iters, args.iters)
     torch.set_num_threads(1)  # each process one thread, as a leader's data-plane work is; memcpy gets one too
     configure_logging(fmt="json", level="warning", service=f"bench-{args.role}")  # as deployed; to stderr
     if args.cpus:  # before any thread starts (UCX's, torch's): they inherit it

@@ -30,7 +30,8 @@ def report(
     base_name = f"torch copy {route.replace(' ', '')}" if gpu else "torch memcpy"
     print(f"machine: {machine_facts()}")
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, iters={args.iters}, warm-up {WARMUP}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, iters={args.iters} "
+        f"(inline: the first {args.inline_iters}), warm-up {WARMUP}, "
         f"{'no gc.freeze' if args.no_settle else 'gc.freeze after start-up'}"
     )
     print(f"payload memory: {f'VRAM ({route})' if gpu else 'DRAM'}; consumer TP{args.tp} (gloo fan-out)")
