@@ -57,7 +57,10 @@ from stageferry.schemas.nixl import (
 
 log = structlog.get_logger(__name__)
 
+#: How often the notification loop drains NIXL's queue while any lease is held ...
 _NOTIF_POLL_S = 0.002
+#: ... and, with none held, the longest it waits for a lease before it looks anyway.
+_IDLE_POLL_S = 0.05
 
 
 class Producer:
@@ -71,6 +74,7 @@ class Producer:
         self._puts = metrics.PUTS.labels(nixl)
         self._put_bytes = metrics.BYTES.labels("put", nixl)
         self._put_seconds = metrics.TRANSFER_SECONDS.labels(nixl, "put")
+        self._new_lease = anyio.Event()  # set by each new lease: the idle notification loop polls again at once
 
     async def put(self, key: str, payload: Payload, *, force_inline: bool = False) -> Outgoing:
         """See the module docstring; raises :class:`PayloadTooLargeError` above ``max_payload_bytes`` and
@@ -169,6 +173,7 @@ class Producer:
         ep = self._ep
         assert ep.agent is not None
         held: Lease = self._leases.hold(key, manifest, slots)
+        self._new_lease.set()
         regions = [slots[r.device].remote_region() for r in manifest.regions]
         metadata = base64.b64encode(ep.agent.metadata()).decode() if ep.direct else None
         return NixlPayload(
@@ -203,11 +208,20 @@ class Producer:
     # ------------------------------------------------------------------ background loops
 
     async def run_notifications(self) -> None:
-        """The one consumer of NIXL notifications in this process; runs until cancelled."""
+        """The one consumer of NIXL notifications in this process; runs until cancelled.  It drains every
+        ``_NOTIF_POLL_S`` while a lease is held; with none, it waits for the next lease (or
+        ``_IDLE_POLL_S``).  A first put after an idle spell used to wait out that idle sleep before its
+        release was seen: its slot stayed taken up to 50 ms after the READ, and a put that needed it
+        waited as long (issue 20: 42 ms Ref2VA copy puts once a pool of four slots was busy)."""
         agent = self._ep.agent
         assert agent is not None
         while True:
-            await anyio.sleep(_NOTIF_POLL_S if len(self._leases) else 0.05)
+            if len(self._leases):
+                await anyio.sleep(_NOTIF_POLL_S)
+            else:
+                with anyio.move_on_after(_IDLE_POLL_S):
+                    await self._new_lease.wait()
+                self._new_lease = anyio.Event()
             for _remote, messages in agent.drain_notifs().items():
                 for message in messages:
                     token = released_token(message)
