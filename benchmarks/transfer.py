@@ -629,7 +629,7 @@ def main() -> int:
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     parser.add_argument("--pool-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.inline_iters = args.iters if args.inline_iters is None else min(args.inline_iters, args.iters)
+    args.inline_iters = args.iters if args.inline_iters is None else max(1, min(args.inline_iters, args.iters))
     torch.set_num_threads(1)  # each process one thread, as a leader's data-plane work is; memcpy gets one too
     configure_logging(fmt="json", level="warning", service=f"bench-{args.role}")  # as deployed; to stderr
     if args.cpus:  # before any thread starts (UCX's, torch's): they inherit it
