@@ -185,8 +185,8 @@ class RespLink:
         step after the wake-up (issue 20's step timings).  A stage keeps its links hot for a moment after
         each entry (``Timeouts.hot_wait``), so a next entry that follows closely finds it awake; the price
         is one core busy for that moment, and nothing while the stage is idle.  Measured side by side
-        (``transfer.py --hot-asleep``, ``throughput.py --hot-wait``): the T2VA hop 8–10 % shorter, and
-        7 % more requests per second, on the GPU host; within the noise on a 2-core box."""
+        (``transfer.py --hot-asleep``, ``throughput.py --hot-wait``; ``benchmarks/RESULTS.md`` §15): a hop
+        4–12 % shorter on the GPU host; within the noise on a 2-core box."""
         self.hot_until = asyncio.get_running_loop().time() + seconds
 
     async def call(self, *args: Any, block_s: float = 0.0) -> Any:
