@@ -318,24 +318,25 @@ class Consumer:
             sent = "staged"
         hot_wait = self.stream.hot_wait_s
         if op == ASLEEP:  # the zero-copy hop with the links sleeping while they wait (the producer's too: cmd)
-            self.stream.hot_wait_s = 0.0
-            for link in self.stream.links:
-                link.hot_until = 0.0
+            self._heat(0.0)
             sent = "staged"
-        cmd = {"op": sent, "nbytes": nbytes, "i": i, "asleep": op == ASLEEP, "cool_after": next_op == ASLEEP}
+        cmd = json.dumps(
+            {"op": sent, "nbytes": nbytes, "i": i, "asleep": op == ASLEEP, "cool_after": next_op == ASLEEP}
+        )
         link = self.stream.script_link  # hot as the stream is (a stage has no command to send: no sleep)
-        if link is not None:
-            await link.call("RPUSH", self.cmd_key, json.dumps(cmd))
-        else:
-            await self.redis.rpush(self.cmd_key, json.dumps(cmd))
+        await (link.call("RPUSH", self.cmd_key, cmd) if link is not None else self.redis.rpush(self.cmd_key, cmd))
         t2, entry = await self._next()
         try:
             return await self._fetch(op, entry, t2, f"bench-{i}")
         finally:
             if op == ASLEEP:  # the next hop starts hot again, as after any other (the ack was cold)
-                self.stream.hot_wait_s = hot_wait
-                for x in self.stream.links:
-                    x.keep_hot(hot_wait)
+                self._heat(hot_wait)
+
+    def _heat(self, seconds: float) -> None:
+        """The stream's hot wait from now on, and its links hot for that long now (0: asleep at once)."""
+        self.stream.hot_wait_s = seconds
+        for link in self.stream.links:
+            link.keep_hot(seconds)
 
     async def burst(self, nbytes: int, k: int, i0: int) -> dict[str, list[float]]:
         """K NIXL payloads in flight at once: every get starts as soon as its envelope arrives."""

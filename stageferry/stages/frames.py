@@ -160,15 +160,16 @@ def next_capacity(capacity: int, inline: torch.Tensor | None, inline_max: int) -
 
 def checked_capacity(value: Any, inline_max: int) -> int:
     """A next-frame size from the leader's header, within what a leader can announce."""
-    capacity = int(value)
-    if not FRAME_BYTES <= capacity <= FRAME_BYTES + inline_max + INLINE_GRAIN:
-        raise ValueError(f"next frame of {capacity} bytes from the leader")
-    return capacity
+    return _announced(value, FRAME_BYTES, FRAME_BYTES + inline_max + INLINE_GRAIN, "frame")
 
 
 def checked_carrier(value: Any, most: int) -> int:
     """A next-carrier size from the leader's header, within what a leader can announce."""
-    capacity = int(value)
-    if not 1 <= capacity <= most:
-        raise ValueError(f"next carrier of {capacity} bytes from the leader")
-    return capacity
+    return _announced(value, 1, most, "carrier")
+
+
+def _announced(value: Any, least: int, most: int, what: str) -> int:
+    size = int(value)
+    if not least <= size <= most:
+        raise ValueError(f"next {what} of {size} bytes from the leader")
+    return size
