@@ -22,6 +22,7 @@ from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, connect, translated
 from stageferry.broker.control.refusals import Refusal, Refusals
 from stageferry.broker.control.requests import RequestStore
+from stageferry.broker.control.resp_link import open_link
 from stageferry.config import PipelineConfig, Settings
 from stageferry.errors import ConfigError, JobValidationError, RequestLostError, field_error
 from stageferry.schemas import JobRequest, MediaInputs, RequestState, RequestStatus
@@ -112,6 +113,8 @@ class Client:
             self.redis, self.keys, ttl_s=retention.request_ttl_s, events_maxlen=retention.events_maxlen
         )
         self.refusals = Refusals(self.redis, self.keys, ttl_s=retention.request_ttl_s)
+        #: Submissions' lean connection (``resp_link``; connects on first use; None: redis-py alone).
+        self._link = open_link(self.redis)
         self._entries: dict[str, str] = {}  # request id → the stream entry this client added for it
 
     @classmethod
@@ -134,6 +137,8 @@ class Client:
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
+            if self._link is not None:
+                await self._link.aclose()
             await self.redis.aclose()
 
     async def submit(
@@ -167,6 +172,7 @@ class Client:
             tenant=self.tenant,
             uploads={self.keys.upload(rid, name): blob for name, blob in blobs.items()},
             upload_ttl_s=upload_ttl_s,
+            link=self._link,
         )
         if entry is not None:
             self._entries[rid] = entry

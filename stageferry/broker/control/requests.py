@@ -25,6 +25,7 @@ import structlog
 from stageferry.broker.control.fanin import EventFanIn, FieldReads
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, is_transient_error, reconnecting, translated
+from stageferry.broker.control.resp_link import RespLink, run_pipeline, run_script, run_transaction
 from stageferry.errors import (
     ControlPlaneError,
     DeadlineExceededError,
@@ -129,6 +130,14 @@ class Admission(enum.Enum):
     TAKEN = -1  #: a different job's: the entry must not touch the record
 
 
+def _raised(replies: list[Any]) -> list[Any]:
+    """A pipeline's replies, its first error reply raised (as redis-py's ``execute()`` does)."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
 def taken(request_id: str) -> RequestIdTakenError:
     """The conflict a second, different submission under a used id gets."""
     return RequestIdTakenError(
@@ -162,6 +171,7 @@ class RequestStore:
         tenant: str | None = None,
         uploads: Mapping[str, bytes] | None = None,
         upload_ttl_s: int = 3600,
+        link: RespLink | None = None,
     ) -> str | None:
         """Enqueue a job once, without scripts (a client's ACL user may not run any): the stream entry id,
         or None if ``request_id`` is already known (nothing is enqueued, nothing uploaded);
@@ -172,28 +182,32 @@ class RequestStore:
         is decided by the first stage (duplicates are acknowledged there), not by this client: two
         clients racing on one id both enqueue, and the stage runs it once.
         :class:`QueueFullError` when the stream is at ``stream_maxlen`` (checked just before, in the same
-        round trip as whether the id is known and whose it is)."""
+        round trip as whether the id is known and whose it is).  Both round trips go over ``link`` (the
+        client's lean connection) when given: redis-py's pipelines were most of a client's CPU per
+        submission (``benchmarks/throughput.py``)."""
         stream = self._keys.submission_stream(first_stage, tenant)
-        with translated():
-            async with self._redis.pipeline(transaction=False) as pipe:  # the three checks: one round trip
-                pipe.hget(self._keys.request(request_id), "job_sha")
-                pipe.exists(self._keys.request(request_id), self._keys.submitted(request_id))
-                pipe.xlen(stream)
-                owner, known, queued = await pipe.execute()
+        rkey = self._keys.request(request_id)
+        checks = [("HGET", rkey, "job_sha"), ("EXISTS", rkey, self._keys.submitted(request_id)), ("XLEN", stream)]
+        wake = self._keys.wake(first_stage)
+        with translated():  # the three checks: one round trip
+            owner, known, queued = _raised(await run_pipeline(link, self._redis, checks, block_s=0.0))
             if owner is not None and owner.decode() != job.digest():
                 raise taken(request_id)
             if known:
                 return None
             if queued >= stream_maxlen:
                 raise QueueFullError("the first stage's queue is full; retry later", stage=first_stage)
-            async with self._redis.pipeline(transaction=True) as pipe:
-                for key, blob in (uploads or {}).items():
-                    pipe.set(key, blob, ex=upload_ttl_s)
-                pipe.set(self._keys.submitted(request_id), first_stage, nx=True, ex=self._ttl)
-                pipe.xadd(stream, {"request_id": request_id, "job": job.model_dump_json()})
-                pipe.lpush(self._keys.wake(first_stage), b"1")
-                pipe.ltrim(self._keys.wake(first_stage), 0, 15)
-                replies = await pipe.execute()
+            replies = await run_transaction(
+                link,
+                self._redis,
+                [
+                    *(("SET", key, blob, "EX", upload_ttl_s) for key, blob in (uploads or {}).items()),
+                    ("SET", self._keys.submitted(request_id), first_stage, "NX", "EX", self._ttl),
+                    ("XADD", stream, "*", "request_id", request_id, "job", job.model_dump_json()),
+                    ("LPUSH", wake, b"1"),
+                    ("LTRIM", wake, 0, 15),
+                ],
+            )
         entry = replies[-3]
         return entry.decode() if isinstance(entry, bytes) else str(entry)
 
@@ -221,8 +235,11 @@ class RequestStore:
             digest = await self._redis.hget(self._keys.request(request_id), "job_sha")
         return digest.decode() if isinstance(digest, bytes) else None
 
-    async def set_status(self, status: RequestStatus, *, mode: WriteMode = "any", stage_index: int = 0) -> bool:
-        """Write a status unless the request is already terminal; True if written.  ``mode`` "create"
+    async def set_status(
+        self, status: RequestStatus, *, mode: WriteMode = "any", stage_index: int = 0, link: RespLink | None = None
+    ) -> bool:
+        """Write a status unless the request is already terminal; True if written; over ``link`` (a stage's
+        lean connection, :func:`~stageferry.broker.control.resp_link.run_script`) when given.  ``mode`` "create"
         writes only a first record; "update" only over an existing one — a progress or hand-on write after
         Redis lost the record must not bring back a request whose entry is gone (it would look running
         for ever; lost, its waiters are told instead); "unowned" only if no job owns the request.
@@ -232,7 +249,7 @@ class RequestStore:
         script, so a late write never moves a request back."""
         keys, args = self.status_write(status, mode=mode, stage_index=stage_index)
         with translated():
-            written = await self._set_status(keys=keys, args=args)
+            written = await run_script(link, self._set_status, keys, args)
         return int(written) == 1
 
     def status_write(

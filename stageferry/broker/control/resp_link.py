@@ -322,6 +322,30 @@ async def run_pipeline(
         return await pipe.execute(raise_on_error=False)
 
 
+async def run_transaction(link: RespLink | None, redis: Redis, commands: Sequence[Command]) -> list[Any]:
+    """``commands`` as one ``MULTI``/``EXEC`` in one write over ``link`` (a link writes each send at once,
+    so other callers' commands never land inside it); their replies, the first error raised as redis-py's
+    ``pipeline(transaction=True)`` raises it.  Through that redis-py pipeline when there is no link or its
+    connection fails (redis-py retries).  As with :func:`run_pipeline`, a link's replies are RESP's own
+    (``b"OK"`` where redis-py's callbacks say ``True``): read only replies whose two forms agree (bytes,
+    integers, an entry id)."""
+    if link is not None:
+        try:
+            replies = await link.send([("MULTI",), *commands, ("EXEC",)])
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
+            _fall_back(link, exc)
+        else:
+            executed = replies[-1]
+            for reply in (*replies[:-1], executed, *(executed if isinstance(executed, list) else ())):
+                if isinstance(reply, Exception):
+                    raise reply
+            return list(executed)
+    async with redis.pipeline(transaction=True) as pipe:
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(await pipe.execute())
+
+
 async def poll_until_done(future: asyncio.Future[Any], until: float) -> None:
     """Return once ``future`` is done or the event loop's clock passes ``until``, keeping the loop turning
     meanwhile: each round yields to every other ready task and polls the selector with a zero timeout, so

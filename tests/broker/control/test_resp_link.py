@@ -23,7 +23,7 @@ from structlog.testing import capture_logs
 
 from stageferry.broker.control import resp_link
 from stageferry.broker.control.redis_conn import connect, open_client
-from stageferry.broker.control.resp_link import RespLink, open_link, run_script
+from stageferry.broker.control.resp_link import RespLink, open_link, run_script, run_transaction
 from stageferry.embedded_redis import EmbeddedRedis, free_port
 from tests.security.servers import PrivateRedis, make_test_ca
 
@@ -302,3 +302,53 @@ async def test_the_link_speaks_tls_with_the_client_s_own_context(tmp_path: Path)
         async with open_client(untrusted) as redis:
             with pytest.raises(redis_errors.ConnectionError):
                 await link_of(redis).call("PING")
+
+
+@pytest.mark.parametrize("over", ["link", "redis-py"])
+async def test_run_transaction_applies_all_or_nothing_and_raises_the_first_error(
+    linked: Linked, prefix: str, over: str
+) -> None:
+    redis, link = linked.redis, (linked.link if over == "link" else None)
+    key, counter = f"{prefix}:t", f"{prefix}:n"
+    assert await run_transaction(link, redis, [("SET", key, "v", "EX", 60), ("INCR", counter), ("GET", key)]) == [
+        True if link is None else b"OK",
+        1,
+        b"v",
+    ]
+    await redis.set(f"{prefix}:s", "x")
+    with pytest.raises(redis_errors.ResponseError, match="WRONGTYPE"):  # fails at EXEC: the others ran
+        await run_transaction(link, redis, [("INCR", counter), ("LPUSH", f"{prefix}:s", "y")])
+    assert await redis.get(counter) == b"2"
+    with pytest.raises(redis_errors.ResponseError):  # refused while queued: EXEC runs nothing
+        await run_transaction(link, redis, [("INCR", counter), ("NO-SUCH-COMMAND",)])
+    assert await redis.get(counter) == b"2"
+    if link is not None:
+        assert await link.call("PING") == b"PONG", "the link is in step after both failures"
+
+
+async def test_transactions_and_plain_calls_share_a_link_without_interleaving(linked: Linked, prefix: str) -> None:
+    redis, link = linked.redis, linked.link
+    got: dict[int, list[object]] = {}
+
+    async def transaction(i: int) -> None:
+        got[i] = await run_transaction(link, redis, [("INCR", f"{prefix}:a"), ("RPUSH", f"{prefix}:l", i)])
+
+    async def plain(i: int) -> None:
+        await link.call("INCR", f"{prefix}:b")
+
+    async with anyio.create_task_group() as tg:
+        for i in range(100):
+            tg.start_soon(transaction, i)
+            tg.start_soon(plain, i)
+    assert sorted(int(r[0]) for r in got.values()) == list(range(1, 101))  # type: ignore[call-overload]
+    assert await redis.get(f"{prefix}:b") == b"100" and await redis.llen(f"{prefix}:l") == 100
+
+
+async def test_run_transaction_rides_out_a_link_that_cannot_connect_through_redis_py(
+    linked: Linked, prefix: str
+) -> None:
+    nowhere = connect(f"redis://127.0.0.1:{free_port()}/0")
+    link = link_of(nowhere)
+    assert await run_transaction(link, linked.redis, [("SET", f"{prefix}:k", "after")]) == [True]
+    assert link.fallbacks == 1 and await linked.redis.get(f"{prefix}:k") == b"after"
+    await nowhere.aclose()
