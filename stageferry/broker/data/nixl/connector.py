@@ -34,6 +34,7 @@ import structlog
 import torch
 
 from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.resp_link import open_link
 from stageferry.broker.control.streams import LeaseClaim
 from stageferry.broker.data import metrics
 from stageferry.broker.data.connector import Connector, Incoming, Outgoing, Payload
@@ -138,6 +139,7 @@ class NixlConnector(Connector):
             ep.pools = PoolSet.from_config(ep.config, registrar=ep.agent, cuda_device=ep.cuda_device)
             ep.pools.on_pressure = self.consumer.ready.drop  # anyone about to wait gets the ready slots first
             metrics.watch_resources(self.resources)
+            ep.link = open_link(ep.redis)
         except DataPlaneError as exc:
             ep.agent, ep.pools = None, None
             ep.unavailable_reason = exc.code
@@ -182,6 +184,9 @@ class NixlConnector(Connector):
     async def aclose(self) -> None:
         """Drop the agent record, free every lease, release remotes and pools (NIXL's clean-up order)."""
         ep = self.endpoint
+        if ep.link is not None:
+            await ep.link.aclose()
+            ep.link = None
         if ep.agent is None:
             return
         await self.peers.withdraw_record()

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 import torch
 
 from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.resp_link import RespLink
 from stageferry.broker.data.inline import InlineConnector
 from stageferry.broker.data.nixl.agent import NixlAgent
 from stageferry.broker.data.pool import PoolSet
@@ -60,6 +61,9 @@ class Endpoint:
     agent: NixlAgent | None = None
     pools: PoolSet | None = None
     unavailable_reason: str | None = None
+    link: RespLink | None = None
+    """A lean connection (:mod:`~stageferry.broker.control.resp_link`) for the per-payload commands that
+    are not a stage stream's (a lease's release marks); made by ``open()``; None: redis-py carries them."""
     counters: Counters = field(default_factory=Counters)
 
     @property

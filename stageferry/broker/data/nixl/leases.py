@@ -31,6 +31,7 @@ import anyio
 import structlog
 
 from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.control.resp_link import run_pipeline
 from stageferry.broker.control.streams import LeaseClaim
 from stageferry.broker.data.nixl.endpoint import Endpoint
 from stageferry.broker.data.pool import Slot
@@ -43,6 +44,21 @@ log = structlog.get_logger(__name__)
 #: consumer whose clock runs behind the producer's still finds it gone (and recomputes).
 GONE_SLACK_S = 60.0
 _LEASE_SCAN_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class _Mark:
+    """What a freed lease's claim key is set to, and on what condition."""
+
+    value: bytes
+    condition: tuple[str, ...]  #: ``("NX",)``: only if nobody claimed the lease
+    reason: str  #: why the slot is freed, when the lease was not settled
+
+
+#: A consumer is done with the payload: overwrites its claim (the READ is over).
+_RELEASED = _Mark(b"released", (), "released")
+#: The lease ran out: only if nobody claimed it.
+_EXPIRED = _Mark(b"expired", ("NX",), "lease_expired")
 
 
 @dataclass(slots=True)
@@ -99,18 +115,17 @@ class LeaseTable:
         if token in self._leases:
             self._leases[token].settled = "abandoned"
 
-    async def settle(self, token: str, *, reason: str) -> None:
-        """Free a slot that a consumer is done with (READ complete, sent inline, dropped), but mark its
+    async def settle(self, *tokens: str, reason: str) -> None:
+        """Free slots that consumers are done with (READ complete, sent inline, dropped), but mark each
         claim key ``released`` first: the envelope naming it may be delivered again (its consumer died
         after the READ, before acknowledging), and that consumer must find the payload gone instead of
-        claiming anew and READing memory that now holds another payload.  If Redis is away the slot
+        claiming anew and READing memory that now holds another payload.  The marks of all ``tokens`` go
+        in one round trip (a notification drain settles every READ it found).  If Redis is away a slot
         stays held; the expiry loop retries."""
-        lease = self._leases.get(token)
-        if lease is None:
-            return
-        lease.settled = reason
-        if await self._mark_gone(lease, b"released", overwrite=True):
-            self.free(token, reason=reason)
+        leases = [lease for token in tokens if (lease := self._leases.get(token)) is not None]
+        for lease in leases:
+            lease.settled = reason
+        await self._free_marked([(lease, _RELEASED) for lease in leases])
 
     async def run_expiry(self) -> None:
         """Free leases that ran out unclaimed (a claimed one waits for its claim to expire), and settled
@@ -120,14 +135,14 @@ class LeaseTable:
             await self.scan()
 
     async def scan(self) -> None:
-        """One pass of the expiry loop over every lease."""
+        """One pass of the expiry loop over every lease (its marks in one round trip)."""
         now = time.time()
-        for token, lease in list(self._leases.items()):
-            if lease.settled is not None:
-                if await self._mark_gone(lease, b"released", overwrite=True):
-                    self.free(token, reason=lease.settled)
-            elif lease.expires_at <= now and await self._mark_gone(lease, b"expired", overwrite=False):
-                self.free(token, reason="lease_expired")
+        due = [
+            (lease, _RELEASED if lease.settled is not None else _EXPIRED)
+            for lease in self._leases.values()
+            if lease.settled is not None or lease.expires_at <= now
+        ]
+        await self._free_marked(due)
 
     def free(self, token: str, *, reason: str) -> bool:
         """Give the lease's slots back to the pool now, without touching its claim key."""
@@ -143,17 +158,35 @@ class LeaseTable:
         for token in list(self._leases):
             self.free(token, reason=reason)
 
-    async def _mark_gone(self, lease: Lease, value: bytes, *, overwrite: bool) -> bool:
-        """Set the lease's claim key to ``value`` until no consumer may still try it (the lease's end
-        plus slack); with ``overwrite`` False only if nobody claimed it.  False if not set."""
+    async def _free_marked(self, due: list[tuple[Lease, _Mark]]) -> None:
+        """Mark each lease's claim key as its :data:`_Mark` says, then free the leases whose mark was set
+        (an ``expired`` mark is not set over a consumer's claim: that lease waits for the claim to end)."""
+        if not due:
+            return
+        for (lease, mark), marked in zip(due, await self._mark_gone(due), strict=True):
+            if marked:
+                self.free(lease.token, reason=lease.settled or mark.reason)
+
+    async def _mark_gone(self, due: list[tuple[Lease, _Mark]]) -> list[bool]:
+        """Set each lease's claim key to its mark until no consumer may still try it (the lease's end plus
+        slack), all in one round trip over the endpoint's link; which marks were set (none if Redis is
+        away)."""
         ep = self._ep
-        ttl_ms = int((max(0.0, lease.expires_at - time.time()) + ep.timeouts.claim + GONE_SLACK_S) * 1000)
+        now = time.time()
+        commands = []
+        for lease, mark in due:
+            ttl_ms = int((max(0.0, lease.expires_at - now) + ep.timeouts.claim + GONE_SLACK_S) * 1000)
+            commands.append(("SET", ep.keys.claim(lease.token), mark.value, "PX", ttl_ms, *mark.condition))
         try:
             with translated():
-                return bool(await ep.redis.set(ep.keys.claim(lease.token), value, nx=not overwrite, px=ttl_ms))
+                replies = await run_pipeline(ep.link, ep.redis, commands, block_s=0.0)
         except ControlPlaneError as exc:
             log.warning("payload.mark_gone_failed", error=exc.message)
-            return False
+            return [False] * len(due)
+        for reply in replies:
+            if isinstance(reply, Exception):  # a client's key of another type, say: the lease stays held
+                log.warning("payload.mark_gone_failed", error=str(reply))
+        return [reply is not None and not isinstance(reply, Exception) for reply in replies]
 
 
 def claim_on_read(endpoint: Endpoint) -> LeaseClaim:

@@ -222,11 +222,14 @@ class Producer:
                 with anyio.move_on_after(_IDLE_POLL_S):
                     await self._new_lease.wait()
                 self._new_lease = anyio.Event()
-            for _remote, messages in agent.drain_notifs().items():
-                for message in messages:
-                    token = released_token(message)
-                    if token is not None:
-                        await self._leases.settle(token, reason="read_done")
+            tokens = [
+                token
+                for messages in agent.drain_notifs().values()
+                for message in messages
+                if (token := released_token(message)) is not None
+            ]
+            if tokens:  # every READ this drain found, marked released in one round trip
+                await self._leases.settle(*tokens, reason="read_done")
 
     async def run_resends(self) -> None:
         """Answer consumers that could not READ: send the bytes inline (or refuse), then free the slot."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -15,6 +16,7 @@ from redis.backoff import NoBackoff
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import connect
+from stageferry.broker.control.resp_link import open_link
 from stageferry.broker.data.inline import InlineConnector
 from stageferry.broker.data.nixl.endpoint import Endpoint
 from stageferry.broker.data.nixl.leases import GONE_SLACK_S, LeaseTable, claim
@@ -28,12 +30,13 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 MANIFEST = Manifest(tree={"v": None}, tensors=[], regions=[RegionSpec(device=DeviceKind.CPU, nbytes=1024)])
 
 
-@pytest.fixture
-async def endpoint(redis_url: str, prefix: str) -> AsyncIterator[Endpoint]:
+@pytest.fixture(params=["link", "redis-py"])
+async def endpoint(redis_url: str, prefix: str, request: pytest.FixtureRequest) -> AsyncIterator[Endpoint]:
+    """An endpoint whose marks go over its lean link (as a connector opens it), or through redis-py."""
     redis = connect(redis_url)
     incarnation = uuid.uuid4().hex[:16]
     pool = MemoryPool(DeviceKind.CPU, 1 << 16, device=torch.device("cpu"), registrar=None)
-    yield Endpoint(
+    ep = Endpoint(
         redis=redis,
         keys=Keys(prefix),
         stage="encoder",
@@ -44,7 +47,11 @@ async def endpoint(redis_url: str, prefix: str) -> AsyncIterator[Endpoint]:
         timeouts=Timeouts(lease=60, claim=30),
         inline=InlineConnector(max_bytes=1 << 20, max_payload_bytes=1 << 20, cuda_device=None),
         pools=PoolSet({DeviceKind.CPU: pool}),
+        link=open_link(redis) if request.param == "link" else None,
     )
+    yield ep
+    if ep.link is not None:
+        await ep.link.aclose()
     await redis.aclose()
 
 
@@ -79,6 +86,25 @@ async def test_settling_marks_the_claim_released_then_frees_the_slot(endpoint: E
     assert ttl > (ep.timeouts.claim + GONE_SLACK_S) * 1000 - 5000, "outlives every consumer that may retry"
     with pytest.raises(PayloadUnavailableError):  # the envelope delivered again finds it gone
         await claim(ep, ref)
+
+
+async def test_the_releases_one_drain_finds_take_one_round_trip(endpoint: Endpoint) -> None:
+    ep, table = endpoint, LeaseTable(endpoint)
+    refs = [await held(ep, table, key=f"r-{i}_0_0") for i in range(3)]
+    trips: list[list[str]] = []
+    if ep.link is not None:  # count what the link sends
+        send = ep.link.send
+
+        async def counted(commands: Any, **kw: Any) -> list[Any]:
+            trips.append([str(c[0]) for c in commands])
+            return await send(commands, **kw)
+
+        ep.link.send = counted  # type: ignore[method-assign]
+    await table.settle(*(r.token for r in refs), "no-such-token", reason="read_done")
+    assert len(table) == 0 and ep.pools is not None and ep.pools.slots_in_use == 0
+    assert [await claim_key(ep, r) for r in refs] == [b"released"] * 3
+    if ep.link is not None:
+        assert trips == [["SET", "SET", "SET"]], "the three marks in one round trip, none for the unknown token"
 
 
 async def test_an_unclaimed_lease_expires_and_the_payload_is_then_gone(endpoint: Endpoint) -> None:
@@ -119,14 +145,15 @@ async def test_an_abandoned_lease_is_freed_by_the_next_scan_and_marked_released(
 async def test_without_redis_a_settled_slot_stays_held_until_its_mark_is_written(endpoint: Endpoint) -> None:
     ep, table = endpoint, LeaseTable(endpoint)
     ref = await held(ep, table)
-    working = ep.redis
+    working, working_link = ep.redis, ep.link
     ep.redis = aioredis.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))  # nothing listens there
+    ep.link = open_link(ep.redis) if working_link is not None else None
     try:
         await table.settle(ref.token, reason="read_done")
         await table.scan()
     finally:
         await ep.redis.aclose()
-        ep.redis = working
+        ep.redis, ep.link = working, working_link
     assert ref.token in table and ep.pools is not None and ep.pools.slots_in_use == 1
     await table.scan()
     assert ref.token not in table and ep.pools.slots_in_use == 0 and await claim_key(ep, ref) == b"released"
