@@ -197,10 +197,11 @@ class Outcomes:
         return await self.set_status(rid, state, stage=self.stage, **fields)
 
     async def set_status(self, rid: str, state: RequestState, *, mode: WriteMode = "any", **fields: Any) -> bool:
-        """Write a status; a late one (an earlier attempt, stage or state than the record's) is dropped."""
+        """Write a status; a late one (an earlier attempt, stage or state than the record's) is dropped.
+        Over the stream's script link, as the hot path's other scripts."""
         status = RequestStatus(request_id=rid, state=state, **fields)
         index = self.stages.index(status.stage) if status.stage in self.stages else 0
-        return await self.store.set_status(status, mode=mode, stage_index=index)
+        return await self.store.set_status(status, mode=mode, stage_index=index, link=self.stream.script_link)
 
     def status_write(
         self, rid: str, state: RequestState, *, mode: WriteMode = "any", **fields: Any

@@ -4,6 +4,7 @@ its request in the table's state and disposes of the stream entry as the table s
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -147,3 +148,25 @@ async def test_a_refused_entry_gets_a_refusal_record_under_its_entry_id(stage: S
     assert isinstance(refusal.error(), InvalidRequestIdError)
     assert not await stage.redis.exists(stage.keys.request("victim"), stage.keys.cancel("victim"))
     assert [f[b"error_code"] for f in await stage.dead_letters()] == [b"invalid_request_id"]
+
+
+async def test_status_writes_take_the_streams_script_link(stage: Stage) -> None:
+    """The stage's own status writes (``running``, a terminal state) go over the stream's lean link, as
+    its other per-entry scripts do, not through redis-py's pool."""
+    link = stage.stream.script_link
+    assert link is not None
+    sent: list[str] = []
+    send = link.send
+
+    async def spied(commands: Any, **kw: Any) -> list[Any]:
+        sent.extend(str(c[0]) for c in commands)
+        return await send(commands, **kw)
+
+    link.send = spied  # type: ignore[method-assign]
+    entry = await stage.entry("req-link")
+    sent.clear()  # the read above took the link too
+    assert await stage.outcomes.finish("req-link", RequestState.DONE)
+    assert sent == ["EVALSHA"]
+    status = await stage.store.get("req-link")
+    assert status is not None and status.state is RequestState.DONE
+    await stage.stream.ack(entry.id)
