@@ -40,6 +40,8 @@ from bench_stats import TASK_BYTES, cell, machine_facts, median  # noqa: E402
 
 from stageferry.broker.control import tally  # noqa: E402
 from stageferry.client import Client  # noqa: E402
+from stageferry.config import Timeouts  # noqa: E402
+from stageferry.cpus import usable_cpus  # noqa: E402
 from stageferry.launcher import ServiceGroup, wait_for_workers  # noqa: E402
 from stageferry.schemas import RequestState  # noqa: E402
 
@@ -59,6 +61,14 @@ def pipeline_toml(connector: str, payload_bytes: int, ready_slots: bool = True, 
         f"ready_slots = {'true' if ready_slots else 'false'}\n\n"
         f"[limits]\nmax_entry_bytes = {256 << 20}\n\n{timeouts}{stages}"
     )
+
+
+def hot_wait_text(hot_wait: float | None) -> str:
+    """The hot wait the stages run with: the one asked for, or the default this box gives them (its usable
+    CPUs, which the stage processes inherit from this one)."""
+    if hot_wait is not None:
+        return f"{hot_wait} s"
+    return f"the default ({Timeouts().hot_wait_s()} s on {usable_cpus()} usable CPUs)"
 
 
 async def run_config(
@@ -231,7 +241,7 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"{args.requests} requests submitted at once per configuration; times in ms, median / p99")
     print(
         f"first stage's output: {args.output} (benchmarks/null_model.py); ready slots {args.ready_slots}; "
-        f"hot wait {'the default' if args.hot_wait is None else f'{args.hot_wait} s'}\n"
+        f"hot wait {hot_wait_text(args.hot_wait)}\n"
     )
     print("## Throughput: encoder → diffusion, null models (payload only), TP1 services\n")
     print("| payload | replicas per stage | edge | requests/s | latency submit → done | payload hop (get) | failed |")

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from bench_stats import TASK_BYTES, cell, human, machine_facts, median, pct, verdict
 
-from stageferry.config import Timeouts
+from stageferry.cpus import HOT_WAIT_S
 
 WARMUP = 3
 #: The zero-copy hop with the consumer's ready payload dropped first (``--ready-cold``).
@@ -67,7 +67,7 @@ def report(
     if any(ASLEEP in row for row in transfer.values()):
         print(
             "\nhot wait (`Timeouts.hot_wait`), zero-copy hop, side by side: both processes' links poll for "
-            f"replies for {Timeouts().hot_wait * 1000:g} ms after the last entry (as a stage's stream does) vs "
+            f"replies for {HOT_WAIT_S * 1000:g} ms after the last entry (as a stage's stream does) vs "
             "sleep in the selector\n"
         )
         side_by_side(transfer, ("hot", "staged"), ("asleep", ASLEEP))

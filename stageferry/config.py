@@ -18,12 +18,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from stageferry.cpus import default_hot_wait
 from stageferry.errors import ConfigError
 from stageferry.schemas.job import TENANT_PATTERN
 
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
 class Strict(BaseModel):
@@ -232,9 +231,8 @@ class DataPlaneConfig(Strict):
     """Threads of NIXL's UCX backend (its ``num_threads``); above 0 a transfer's descriptors are spread over
     them.  0 (NIXL's default engine) by measurement: 4 or 8 threads made no DRAM READ faster."""
     ready_slots: bool = True
-    """A consumer leader keeps the slots and views of one more payload of the last shape it received ready,
-    made while idle, so a get of that shape skips taking slots and unpacking
-    (:mod:`stageferry.broker.data.nixl.ready`)."""
+    """A consumer leader keeps the slots and views of one more payload of its last shape ready, made while
+    idle, so a get of that shape skips taking slots and unpacking (:mod:`stageferry.broker.data.nixl.ready`)."""
     agent_heartbeat_s: Annotated[float, Field(gt=0, le=60)] = 2.0
     """Seconds between refreshes of the agent record in Redis."""
     agent_ttl_s: Annotated[float, Field(gt=0, le=600)] = 6.0
@@ -264,10 +262,13 @@ class Timeouts(Strict):
     """A worker exits non-zero after Redis has been gone this long."""
     request: Annotated[float, Field(gt=0, le=86_400)] = 3600.0
     """A request's deadline; also the default wait of the gateway's sync endpoint."""
-    hot_wait: Annotated[float, Field(ge=0, le=0.1)] = 0.002
+    hot_wait: Annotated[float, Field(ge=0, le=0.1)] | None = None
     """After a stage's leader takes or settles an entry, how long its stream's lean Redis links poll for
-    replies instead of sleeping (a core busy meanwhile; 0: never), so a next entry finds it awake (woken
-    Python runs slowly at first).  redis-py's calls, and streams without lean links, always sleep."""
+    replies instead of sleeping (0: never), so a next entry finds it awake (woken Python runs slowly at
+    first).  Unset: 0.002 on 8 usable CPUs or more, else 0 (fewer: the spin takes others' CPU)."""
+
+    def hot_wait_s(self) -> float:  # ``hot_wait`` as this process uses it (unset: by its usable CPUs)
+        return default_hot_wait() if self.hot_wait is None else self.hot_wait
 
 
 #: The default cost budget: 1344×768 for 10 s at 24 fps (241 frames).  Measured on the reference models
@@ -463,8 +464,7 @@ class PipelineConfig(Strict):
         if path is None:
             return cls()
         try:
-            data = tomllib.loads(Path(path).read_text())
-            return cls.model_validate(data)
+            return cls.model_validate(tomllib.loads(Path(path).read_text()))
         except (OSError, tomllib.TOMLDecodeError, ValidationError) as exc:
             raise ConfigError(f"cannot load pipeline config {path}: {exc}", path=str(path)) from exc
 

@@ -157,7 +157,7 @@ class StageWorker:
             tenants=pipeline.security.tenants if pipeline.index_of(stage.name) == 0 else (),
             # the input payload's lease is claimed by the read itself (one round trip fewer per hop)
             lease_claim=input_connector.lease_claim() if input_connector is not None else None,
-            hot_wait_s=timeouts.hot_wait,
+            hot_wait_s=timeouts.hot_wait_s(),
         )
         self.store = RequestStore(
             redis, keys, ttl_s=pipeline.retention.request_ttl_s, events_maxlen=pipeline.retention.events_maxlen
