@@ -8,6 +8,7 @@
 #   COLD=1 ...                                        # and the zero-copy hop without a ready payload, side by side
 #   HOT=1 ...                                         # and the zero-copy hop with the consumer's links asleep, side by side
 #   REF_ITERS=200 ...                                 # Ref2VA/FL2VA iterations (default 20; inline only in the first 20)
+#   BASE_TREE=DIR ... tput_vs hop_vs                  # throughput / GPU hops of this tree and of DIR (another commit's), alternating
 # The *_redis_py steps repeat a hop with the hot path on redis-py alone (STAGEFERRY_REDIS_LINK=0).
 set -u
 cd "$(dirname "$0")/.."
@@ -58,6 +59,18 @@ for s in $steps; do
                 i=$((i + 1)); run_step "${s}_${i}_$w" 100 python3 benchmarks/throughput.py --tasks T2VA --replicas 1,4 \
                   --requests "${REQUESTS:-2000}" --edges nixl --hot-wait "$w"
               done ;;
+    hop_vs) for i in 1 2; do for tree in . "${BASE_TREE:?BASE_TREE: a checkout of the code to compare with}"; do
+              n=$([ "$tree" = . ] && echo this || echo base)  # GPU hops of the two trees alternately, in one call
+              run_step "t2va_gpu_${i}_$n" 90 python3 "$tree/benchmarks/transfer.py" --scaling-sizes "" --inflight 1 \
+                --device cuda --sizes 359024 --iters 300 --zero-copy
+              run_step "ref2va_gpu_${i}_$n" 90 python3 "$tree/benchmarks/transfer.py" --scaling-sizes "" --inflight 1 \
+                --device cuda --sizes 64963792 --iters "${REF_ITERS:-200}" --inline-iters 10 --zero-copy
+            done; done ;;
+    tput_vs) i=0; for tree in . "${BASE_TREE:?BASE_TREE: a checkout of the code to compare with}" . "$BASE_TREE"; do
+               i=$((i + 1)); n=$([ "$tree" = . ] && echo this || echo base)  # the two trees alternately, in one call
+               run_step "${s}_${i}_$n" 100 python3 "$tree/benchmarks/throughput.py" --tasks T2VA --replicas 1,4 \
+                 --requests "${REQUESTS:-2000}" --edges nixl
+             done ;;
     throughput) run_step "$s" 330 python3 benchmarks/throughput.py --tasks T2VA,Ref2VA --replicas 1,2,4 \
                   --requests "${REQUESTS:-600}" --edges nixl ;;
     *) echo "unknown step $s" >&2 ;;
