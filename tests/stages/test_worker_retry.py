@@ -8,21 +8,18 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from structlog.testing import capture_logs
 
-from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import connect, translated
 from stageferry.config import PipelineConfig
 from stageferry.embedded_redis import free_port
 from stageferry.errors import RequestIdTakenError
-from stageferry.stages.group import GroupCompute
-from stageferry.stages.group_channel import GroupChannel
 from stageferry.stages.worker import StageWorker
 from tests.models import factory
 from tests.procs import write_pipeline
+from tests.stages.workers import first_stage_worker
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -35,19 +32,8 @@ async def worker(tmp_path: Path, redis_url: str, prefix: str) -> AsyncIterator[S
         timeouts={"redis_unreachable": 5.0},
     )
     pipeline = PipelineConfig.load(path)
-    stage = pipeline.stages[0]
     redis = connect(redis_url)
-    model = factory(stage=stage, pipeline=pipeline)
-    yield StageWorker(
-        redis=redis,
-        keys=Keys(prefix),
-        pipeline=pipeline,
-        stage=stage,
-        replica="a",
-        compute=GroupCompute(model, stage, pipeline, GroupChannel.solo(torch.device("cpu"))),  # type: ignore[arg-type]
-        input_connector=None,
-        output_connector=None,
-    )
+    yield first_stage_worker(redis, prefix, pipeline, factory(stage=pipeline.stages[0], pipeline=pipeline))
     await redis.aclose()
 
 
