@@ -38,7 +38,7 @@ import structlog
 from stageferry.broker.control.dead_letter import DeadLetterPolicy
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import Heartbeat
-from stageferry.broker.control.redis_conn import is_connection_error, is_transient_error, reconnecting
+from stageferry.broker.control.redis_conn import is_connection_error, is_transient_error, with_reconnects
 from stageferry.broker.control.refusals import Refusals
 from stageferry.broker.control.requests import RequestStore
 from stageferry.broker.control.streams import Entry, StageStream
@@ -240,29 +240,23 @@ class StageWorker:
             tg.cancel_scope.cancel()
 
     async def _with_redis_retry(self, op: Callable[[], Awaitable[Any]]) -> Any:
-        """Run ``op``, riding out Redis outages up to ``timeouts.redis_unreachable`` (5 s once draining).
-        The first attempt runs bare: the retry policy's machinery (tenacity) costs about 14 µs of Python a
-        call built (two or three calls an entry); it is built only once an attempt has failed (that failure
-        is logged as the retry policy logs its own, as attempt 0, and the policy's first attempt follows)."""
-        try:
-            return await op()
-        except ControlPlaneError as exc:
-            if not is_transient_error(exc):
-                raise
-            log.warning("worker.redis_retry", attempt=0, error=exc.message, retry_in=0.0)
-        within = self.pipeline.timeouts.redis_unreachable
+        """Run ``op``, riding out Redis outages up to ``timeouts.redis_unreachable`` (5 s once draining),
+        both counted from its first attempt, which runs without building the retry policy (two or three
+        calls an entry: :func:`~stageferry.broker.control.redis_conn.with_reconnects`)."""
         started = time.monotonic()
         try:
-            async for attempt in reconnecting(
-                within=within, event="worker.redis_retry", initial=0.1, cap=5.0, abandon=lambda: self._stopping
-            ):
-                with attempt:
-                    return await op()
+            return await with_reconnects(
+                op,
+                within=self.pipeline.timeouts.redis_unreachable,
+                event="worker.redis_retry",
+                initial=0.1,
+                cap=5.0,
+                abandon=lambda: self._stopping,
+            )
         except ControlPlaneError as exc:
             if is_connection_error(exc):
                 log.error("worker.redis_gone", seconds=round(time.monotonic() - started, 1), error=exc.message)
             raise
-        raise AssertionError("unreachable: tenacity re-raises the last error")  # pragma: no cover
 
     # ---------------------------------------------------------------- one entry
 

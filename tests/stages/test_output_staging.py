@@ -22,9 +22,11 @@ from stageferry.broker.data.staging import blank
 from stageferry.client import Client
 from stageferry.config import PipelineConfig
 from stageferry.schemas import JobRequest, RequestState
+from stageferry.stages.group import GroupCompute
+from stageferry.stages.group_channel import GroupChannel
 from stageferry.stages.model import StageContext
+from stageferry.stages.worker import StageWorker
 from tests.procs import write_pipeline
-from tests.stages.workers import first_stage_worker
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -57,6 +59,7 @@ async def encoder(tmp_path: Path, redis_url: str, prefix: str) -> AsyncIterator[
         data_plane={"connector": "nixl"},
     )
     pipeline = PipelineConfig.load(path)
+    stage = pipeline.stages[0]
     redis = connect(redis_url)
     producer = NixlConnector(
         redis=redis,
@@ -68,7 +71,16 @@ async def encoder(tmp_path: Path, redis_url: str, prefix: str) -> AsyncIterator[
     )
     await anyio.to_thread.run_sync(producer.open)
     model = Staging()
-    worker = first_stage_worker(redis, prefix, pipeline, model, producer)
+    worker = StageWorker(
+        redis=redis,
+        keys=Keys(prefix),
+        pipeline=pipeline,
+        stage=stage,
+        replica="a",
+        compute=GroupCompute(model, stage, pipeline, GroupChannel.solo(torch.device("cpu"))),  # type: ignore[arg-type]
+        input_connector=None,
+        output_connector=producer,
+    )
     async with Client(redis_url, prefix=prefix, pipeline=pipeline) as client, anyio.create_task_group() as tg:
         await tg.start(producer.run)
         tg.start_soon(worker.run)
