@@ -56,7 +56,9 @@ def _cgroup_path(proc_cgroup: Path, root: Path) -> list[Path]:
     own = next((line[3:] for line in lines if line.startswith("0::")), None)
     if own is None:
         return []
-    parts = [p for p in own.strip().split("/") if p and p != ".."]
+    parts = [p for p in own.strip().split("/") if p]
+    if ".." in parts:  # outside this namespace's root (``0::/../x``): none of its files is on our path
+        return []
     return [root.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
 
 

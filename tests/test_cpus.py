@@ -62,6 +62,13 @@ def test_no_usable_quota_leaves_the_affinity(tmp_path: Path, own: str, quotas: d
     assert usable_cpus(proc_cgroup=proc, cgroup_root=root) == AFFINITY
 
 
+def test_a_cgroup_outside_the_namespace_root_reads_no_quota(tmp_path: Path) -> None:
+    """``0::/../ctrB``: the process sits outside the mounted tree, so ``root/ctrB`` and ``root`` are not its
+    ancestors and their quotas are not its own."""
+    proc, root = cgroup(tmp_path, "/../ctrB", {"ctrB": "100000 100000", "": "100000 100000"})
+    assert usable_cpus(proc_cgroup=proc, cgroup_root=root) == AFFINITY
+
+
 def test_cgroup_v1_or_no_proc_file_leaves_the_affinity(tmp_path: Path) -> None:
     v1 = tmp_path / "v1"
     v1.write_text("4:memory:/x\n1:cpu:/\n")

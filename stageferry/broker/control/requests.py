@@ -49,6 +49,10 @@ _TERMINAL_NAMES = frozenset(state.value for state in TERMINAL_STATES)
 #: A waiter that heard nothing for this long reads the status itself (events may have expired, or Redis
 #: restarted empty); jittered so that many waiters do not check at once.
 QUIET_CHECK_S = 2.0
+#: A submission whose uploads add up to more than this goes through redis-py's pool, not a client's lean
+#: link: a link is one socket, so a large write would queue every other caller's commands behind it, and
+#: its reply timer starts at the write.
+LINK_MAX_UPLOAD_BYTES = 64 * 1024
 _TERMINAL_LUA = "local t = {done=true, failed=true, rejected=true, cancelled=true}\n"
 
 # KEYS: request hash, events stream. ARGV: state, status json, ttl, events maxlen, mode ('any', 'create':
@@ -183,12 +187,17 @@ class RequestStore:
         clients racing on one id both enqueue, and the stage runs it once.
         :class:`QueueFullError` when the stream is at ``stream_maxlen`` (checked just before, in the same
         round trip as whether the id is known and whose it is).  Both round trips go over ``link`` (the
-        client's lean connection) when given: redis-py's pipelines were most of a client's CPU per
-        submission (``benchmarks/throughput.py``)."""
+        client's lean connection) when given and the uploads are small (:data:`LINK_MAX_UPLOAD_BYTES`):
+        redis-py's pipelines were most of a client's CPU per submission (``benchmarks/throughput.py``).  A
+        connection lost after the MULTI was sent repeats it through redis-py, as redis-py's own retries
+        would: the entry may then be on the stream twice, and the first stage runs it once."""
         stream = self._keys.submission_stream(first_stage, tenant)
         rkey = self._keys.request(request_id)
         checks = [("HGET", rkey, "job_sha"), ("EXISTS", rkey, self._keys.submitted(request_id)), ("XLEN", stream)]
         wake = self._keys.wake(first_stage)
+        uploads = uploads or {}
+        if sum(len(blob) for blob in uploads.values()) > LINK_MAX_UPLOAD_BYTES:
+            link = None
         with translated():  # the three checks: one round trip
             owner, known, queued = _raised(await run_pipeline(link, self._redis, checks, block_s=0.0))
             if owner is not None and owner.decode() != job.digest():
@@ -201,7 +210,7 @@ class RequestStore:
                 link,
                 self._redis,
                 [
-                    *(("SET", key, blob, "EX", upload_ttl_s) for key, blob in (uploads or {}).items()),
+                    *(("SET", key, blob, "EX", upload_ttl_s) for key, blob in uploads.items()),
                     ("SET", self._keys.submitted(request_id), first_stage, "NX", "EX", self._ttl),
                     ("XADD", stream, "*", "request_id", request_id, "job", job.model_dump_json()),
                     ("LPUSH", wake, b"1"),

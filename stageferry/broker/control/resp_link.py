@@ -326,9 +326,10 @@ async def run_transaction(link: RespLink | None, redis: Redis, commands: Sequenc
     """``commands`` as one ``MULTI``/``EXEC`` in one write over ``link`` (a link writes each send at once,
     so other callers' commands never land inside it); their replies, the first error raised as redis-py's
     ``pipeline(transaction=True)`` raises it.  Through that redis-py pipeline when there is no link or its
-    connection fails (redis-py retries).  As with :func:`run_pipeline`, a link's replies are RESP's own
-    (``b"OK"`` where redis-py's callbacks say ``True``): read only replies whose two forms agree (bytes,
-    integers, an entry id)."""
+    connection fails (redis-py retries).  As with redis-py's own retries, a connection lost after ``EXEC``
+    was written may run the commands twice: give it only commands that may.  As with :func:`run_pipeline`,
+    a link's replies are RESP's own (``b"OK"`` where redis-py's callbacks say ``True``): read only replies
+    whose two forms agree (bytes, integers, an entry id)."""
     if link is not None:
         try:
             replies = await link.send([("MULTI",), *commands, ("EXEC",)])

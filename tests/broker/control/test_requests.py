@@ -6,13 +6,15 @@ the comparison happens inside the writing script, so whatever arrives late chang
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import pytest
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import connect
-from stageferry.broker.control.requests import Admission, RequestStore
+from stageferry.broker.control.requests import LINK_MAX_UPLOAD_BYTES, Admission, RequestStore
+from stageferry.broker.control.resp_link import open_link
 from stageferry.schemas import ErrorInfo, JobRequest, Progress, RequestState, RequestStatus
 
 pytestmark = pytest.mark.anyio
@@ -129,3 +131,30 @@ async def test_a_wait_ends_with_the_status_its_terminal_event_carries(store: Req
             pipe.delete(keys.request("r-1"))
             await pipe.execute()
     assert [(s.state, s.stage) for s in result] == [(RequestState.DONE, "diffusion")]
+
+
+@pytest.mark.parametrize(("upload_bytes", "over_link"), [(0, True), (LINK_MAX_UPLOAD_BYTES, True), (1 << 20, False)])
+async def test_a_submission_takes_the_lean_link_unless_its_uploads_are_large(
+    store: RequestStore, prefix: str, upload_bytes: int, over_link: bool
+) -> None:
+    """A link is one socket shared by every submit of a client (the gateway's): a megabyte of uploads goes
+    through redis-py's pool instead, and the submission lands the same either way."""
+    link = open_link(store._redis)
+    assert link is not None
+    sent: list[str] = []
+    send = link.send
+
+    async def spied(commands: Any, **kw: Any) -> list[Any]:
+        sent.extend(str(c[0]) for c in commands)
+        return await send(commands, **kw)
+
+    link.send = spied  # type: ignore[method-assign]
+    keys = Keys(prefix)
+    uploads = {keys.upload("r-1", "ref"): b"x" * upload_bytes} if upload_bytes else {}
+    try:
+        entry = await store.submit("r-1", JOB, "encoder", stream_maxlen=10, uploads=uploads, link=link)
+    finally:
+        await link.aclose()
+    assert entry is not None and await store._redis.xlen(keys.stage_stream("encoder")) == 1
+    assert (await store._redis.strlen(keys.upload("r-1", "ref"))) == upload_bytes
+    assert ("EXEC" in sent) is over_link and ("XLEN" in sent) is over_link

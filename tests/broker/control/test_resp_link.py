@@ -305,7 +305,7 @@ async def test_the_link_speaks_tls_with_the_client_s_own_context(tmp_path: Path)
 
 
 @pytest.mark.parametrize("over", ["link", "redis-py"])
-async def test_run_transaction_applies_all_or_nothing_and_raises_the_first_error(
+async def test_run_transaction_raises_the_first_error_as_redis_py_does_and_a_queued_error_runs_nothing(
     linked: Linked, prefix: str, over: str
 ) -> None:
     redis, link = linked.redis, (linked.link if over == "link" else None)

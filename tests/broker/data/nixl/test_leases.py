@@ -133,6 +133,27 @@ async def test_a_claimed_lease_outlives_its_expiry_until_the_claim_expires(endpo
     assert ref.token not in table and await claim_key(ep, ref) == b"expired"
 
 
+async def test_one_scan_marks_each_lease_as_its_own_state_says(endpoint: Endpoint) -> None:
+    """A scan's marks go in one round trip, each lease freed by its own reply: a claimed expired lease
+    stays (its READ may be in flight), an unclaimed one is marked expired, an abandoned one released, and
+    one neither expired nor settled is left alone."""
+    ep, table = endpoint, LeaseTable(endpoint)
+    claimed, unclaimed, abandoned, fresh = [await held(ep, table, key=f"r-{i}_0_0") for i in range(4)]
+    await claim(ep, claimed)
+    for ref in (claimed, unclaimed):
+        table.get(ref.token).expires_at = time.time() - 1  # type: ignore[union-attr]
+    table.abandon(abandoned.token)
+    await table.scan()
+    assert [ref.token in table for ref in (claimed, unclaimed, abandoned, fresh)] == [True, False, False, True]
+    assert [await claim_key(ep, ref) for ref in (claimed, unclaimed, abandoned, fresh)] == [
+        ep.name.encode(),
+        b"expired",
+        b"released",
+        None,
+    ]
+    assert ep.pools is not None and ep.pools.slots_in_use == 2
+
+
 async def test_an_abandoned_lease_is_freed_by_the_next_scan_and_marked_released(endpoint: Endpoint) -> None:
     ep, table = endpoint, LeaseTable(endpoint)
     ref = await held(ep, table)
