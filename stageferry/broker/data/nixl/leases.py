@@ -184,7 +184,7 @@ class LeaseTable:
             log.warning("payload.mark_gone_failed", error=exc.message)
             return [False] * len(due)
         for reply in replies:
-            if isinstance(reply, Exception):  # a client's key of another type, say: the lease stays held
+            if isinstance(reply, Exception):  # refused (an ACL, OOM): the lease stays held, the scan retries
                 log.warning("payload.mark_gone_failed", error=str(reply))
         return [reply is not None and not isinstance(reply, Exception) for reply in replies]
 
