@@ -79,6 +79,14 @@ WAITERS = _Waiters()
 Row = tuple[str, dict[str, str]]
 
 
+def text_rows(raw: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Row]:
+    """A stream reply's rows as the shared reader hands them out: ids and fields as text."""
+    return [
+        (eid.decode(), {k.decode(errors="replace"): v.decode(errors="replace") for k, v in fields.items()})
+        for eid, fields in raw
+    ]
+
+
 def _id_key(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
@@ -221,10 +229,7 @@ class EventFanIn:
             by_key.setdefault(sub.key, []).append(sub)
         for raw_key, raw_rows in reply:
             key = raw_key.decode(errors="replace")
-            rows = [
-                (eid.decode(), {k.decode(errors="replace"): v.decode(errors="replace") for k, v in fields.items()})
-                for eid, fields in raw_rows
-            ]
+            rows = text_rows(raw_rows)
             for sub in by_key.get(key, []):
                 after = _id_key(sub.last_id)
                 fresh = [row for row in rows if _id_key(row[0]) > after]

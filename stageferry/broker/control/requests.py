@@ -22,7 +22,7 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 import structlog
 
-from stageferry.broker.control.fanin import EventFanIn, FieldReads
+from stageferry.broker.control.fanin import EventFanIn, FieldReads, Row, text_rows
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, is_transient_error, reconnecting, translated
 from stageferry.broker.control.resp_link import RespLink, run_pipeline, run_script, run_transaction
@@ -140,6 +140,10 @@ def _raised(replies: list[Any]) -> list[Any]:
         if isinstance(reply, Exception):
             raise reply
     return replies
+
+
+def _is_terminal(fields: Mapping[str, str]) -> bool:
+    return fields.get("kind") == "status" and fields.get("state") in _TERMINAL_NAMES
 
 
 def taken(request_id: str) -> RequestIdTakenError:
@@ -338,7 +342,7 @@ class RequestStore:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         unknown_since = started
-        seen = False
+        seen, last = False, "0-0"
         next_check = started + QUIET_CHECK_S * random.random()
         async with self.fanin.subscribe(self._keys.events(request_id)) as events:
             while True:
@@ -348,9 +352,9 @@ class RequestStore:
                 wait_s = BLOCK_MS / 1000 if deadline is None else min(BLOCK_MS / 1000, deadline - now)
                 rows = await events.next_rows(min(wait_s, max(0.0, next_check - now)) or 0.001)
                 for entry_id, fields in rows:
-                    seen = True
+                    seen, last = True, entry_id
                     yield entry_id, fields
-                    if fields.get("kind") == "status" and fields.get("state") in _TERMINAL_NAMES:
+                    if _is_terminal(fields):
                         return
                 if rows or time.monotonic() < next_check:
                     continue
@@ -358,11 +362,19 @@ class RequestStore:
                 try:  # a quiet spell: the events may have expired while the request ended, or Redis lost it
                     current = await self.get(request_id)
                     known = current is not None or await self.known(request_id)
+                    # A terminal record's event went on the stream with it (one script) and may not have
+                    # reached the shared reader yet: the rest of the trace is read here, not skipped.
+                    ended = current is not None and current.state.terminal
+                    rest = await self._rows_after(request_id, last) if ended else []
                 except ControlPlaneError as exc:
                     if not is_transient_error(exc):
                         raise
                     continue  # Redis is away or busy: keep waiting within the deadline
-                if current is not None and current.state.terminal:
+                if ended:
+                    for entry_id, fields in rest:
+                        yield entry_id, fields
+                        if _is_terminal(fields):
+                            break
                     return
                 now = time.monotonic()
                 if known:
@@ -373,6 +385,11 @@ class RequestStore:
                     raise _not_found(request_id)
                 if on_quiet is not None:
                     await on_quiet()
+
+    async def _rows_after(self, request_id: str, last: str) -> list[Row]:
+        """The trace's rows after entry ``last``, as the shared reader hands them out."""
+        with translated():
+            return text_rows(await self._redis.xrange(self._keys.events(request_id), min=f"({last}"))
 
     async def wait(
         self,

@@ -158,3 +158,22 @@ async def test_a_submission_takes_the_lean_link_unless_its_uploads_are_large(
     assert entry is not None and await store._redis.xlen(keys.stage_stream("encoder")) == 1
     assert (await store._redis.strlen(keys.upload("r-1", "ref"))) == upload_bytes
     assert ("EXEC" in sent) is over_link and ("XLEN" in sent) is over_link
+
+
+async def test_a_follower_whose_shared_reader_lags_still_gets_the_terminal_event(store: RequestStore) -> None:
+    """The record turns terminal in the same script that appends its event, but the shared reader may not
+    have handed that event out when a quiet spell's check finds the record terminal: the follower reads
+    the rest of the trace itself.  Here the reader never hands anything out (as if every row were still in
+    flight)."""
+    for state, stage, index in [(RequestState.QUEUED, "encoder", 0), (RequestState.RUNNING, "encoder", 0)]:
+        assert await store.set_status(status(state, stage), stage_index=index)
+    assert await store.set_status(status(RequestState.DONE, "diffusion"), stage_index=1)
+
+    async def in_flight(sub: object, timeout: float) -> list[object]:
+        await anyio.sleep(timeout)
+        return []
+
+    store.fanin._next_rows = in_flight  # type: ignore[method-assign,assignment]
+    with anyio.fail_after(10):
+        rows = [fields async for _, fields in store.follow("r-1", timeout=30)]
+    assert [(f["state"], f["kind"]) for f in rows] == [("queued", "status"), ("running", "status"), ("done", "status")]
