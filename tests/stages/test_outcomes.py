@@ -4,7 +4,6 @@ its request in the table's state and disposes of the stream entry as the table s
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -29,6 +28,7 @@ from stageferry.errors import (
 )
 from stageferry.schemas import Envelope, JobRequest, RequestState, request_key
 from stageferry.stages.outcomes import Outcomes
+from tests.links import record_sends
 
 pytestmark = pytest.mark.anyio
 
@@ -155,18 +155,11 @@ async def test_status_writes_take_the_streams_script_link(stage: Stage) -> None:
     its other per-entry scripts do, not through redis-py's pool."""
     link = stage.stream.script_link
     assert link is not None
-    sent: list[str] = []
-    send = link.send
-
-    async def spied(commands: Any, **kw: Any) -> list[Any]:
-        sent.extend(str(c[0]) for c in commands)
-        return await send(commands, **kw)
-
-    link.send = spied  # type: ignore[method-assign]
+    trips = record_sends(link)
     entry = await stage.entry("req-link")
-    sent.clear()  # the read above took the link too
+    trips.clear()  # the read above took the link too
     assert await stage.outcomes.finish("req-link", RequestState.DONE)
-    assert sent == ["EVALSHA"]
+    assert trips == [["EVALSHA"]]
     status = await stage.store.get("req-link")
     assert status is not None and status.state is RequestState.DONE
     await stage.stream.ack(entry.id)

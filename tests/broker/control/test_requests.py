@@ -6,7 +6,6 @@ the comparison happens inside the writing script, so whatever arrives late chang
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import anyio
 import pytest
@@ -16,6 +15,7 @@ from stageferry.broker.control.redis_conn import connect
 from stageferry.broker.control.requests import LINK_MAX_UPLOAD_BYTES, Admission, RequestStore
 from stageferry.broker.control.resp_link import open_link
 from stageferry.schemas import ErrorInfo, JobRequest, Progress, RequestState, RequestStatus
+from tests.links import record_sends
 
 pytestmark = pytest.mark.anyio
 
@@ -141,14 +141,7 @@ async def test_a_submission_takes_the_lean_link_unless_its_uploads_are_large(
     through redis-py's pool instead, and the submission lands the same either way."""
     link = open_link(store._redis)
     assert link is not None
-    sent: list[str] = []
-    send = link.send
-
-    async def spied(commands: Any, **kw: Any) -> list[Any]:
-        sent.extend(str(c[0]) for c in commands)
-        return await send(commands, **kw)
-
-    link.send = spied  # type: ignore[method-assign]
+    trips = record_sends(link)
     keys = Keys(prefix)
     uploads = {keys.upload("r-1", "ref"): b"x" * upload_bytes} if upload_bytes else {}
     try:
@@ -157,6 +150,7 @@ async def test_a_submission_takes_the_lean_link_unless_its_uploads_are_large(
         await link.aclose()
     assert entry is not None and await store._redis.xlen(keys.stage_stream("encoder")) == 1
     assert (await store._redis.strlen(keys.upload("r-1", "ref"))) == upload_bytes
+    sent = [name for trip in trips for name in trip]
     assert ("EXEC" in sent) is over_link and ("XLEN" in sent) is over_link
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -24,6 +23,7 @@ from stageferry.broker.data.pool import MemoryPool, PoolSet
 from stageferry.config import DataPlaneConfig, Timeouts
 from stageferry.errors import PayloadUnavailableError
 from stageferry.schemas import DeviceKind, Manifest, NixlPayload, RegionSpec
+from tests.links import record_sends
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -91,15 +91,7 @@ async def test_settling_marks_the_claim_released_then_frees_the_slot(endpoint: E
 async def test_the_releases_one_drain_finds_take_one_round_trip(endpoint: Endpoint) -> None:
     ep, table = endpoint, LeaseTable(endpoint)
     refs = [await held(ep, table, key=f"r-{i}_0_0") for i in range(3)]
-    trips: list[list[str]] = []
-    if ep.link is not None:  # count what the link sends
-        send = ep.link.send
-
-        async def counted(commands: Any, **kw: Any) -> list[Any]:
-            trips.append([str(c[0]) for c in commands])
-            return await send(commands, **kw)
-
-        ep.link.send = counted  # type: ignore[method-assign]
+    trips = record_sends(ep.link) if ep.link is not None else []  # count what the link sends
     await table.settle(*(r.token for r in refs), "no-such-token", reason="read_done")
     assert len(table) == 0 and ep.pools is not None and ep.pools.slots_in_use == 0
     assert [await claim_key(ep, r) for r in refs] == [b"released"] * 3
