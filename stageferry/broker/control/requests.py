@@ -12,12 +12,13 @@ MULTI, and until the first stage picks it up the request is known by its "submit
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
 import structlog
@@ -37,6 +38,7 @@ from stageferry.errors import (
 from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestState, RequestStatus
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 #: How a status write treats a missing record (see :meth:`RequestStore.set_status`).
 WriteMode = Literal["any", "create", "update", "unowned"]
@@ -402,8 +404,10 @@ class RequestStore:
         """Block until the request is terminal (see :meth:`follow` for the errors); with
         ``exists_within=0`` an unknown id is :class:`RequestNotFoundError` at once."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        status = await self.get(request_id)  # Redis away at the start: say so at once (one error line)
-        if status is None and exists_within is not None and exists_within <= 0 and not await self.known(request_id):
+        # Redis away at the start is an outage like any other: waited out within the timeout.
+        status = await self._get_retrying(request_id, deadline)
+        at_once = status is None and exists_within is not None and exists_within <= 0
+        if at_once and not await self._retrying(functools.partial(self.known, request_id), deadline):
             raise _not_found(request_id)
         if status is None or not status.state.terminal:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -421,10 +425,13 @@ class RequestStore:
 
     async def _get_retrying(self, request_id: str, deadline: float | None) -> RequestStatus | None:
         """:meth:`get`, retried (:func:`reconnecting`) while Redis is unreachable and ``deadline`` is ahead."""
+        return await self._retrying(functools.partial(self.get, request_id), deadline)
+
+    async def _retrying(self, op: Callable[[], Awaitable[T]], deadline: float | None) -> T:
         within = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
         async for attempt in reconnecting(within=within, event="request.status_retry"):
             with attempt:
-                return await self.get(request_id)
+                return await op()
         raise AssertionError("unreachable: reconnecting() returns or raises")
 
 
