@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from stageferry.errors import EnvelopeError, JobValidationError, field_error
+from stageferry.errors import EnvelopeError, JobValidationError, StatusCorruptError, field_error
 from stageferry.schemas.envelope import ENTRY_FIELDS, Envelope
 from stageferry.schemas.job import JobRequest
+from stageferry.schemas.status import RequestStatus
 
 if TYPE_CHECKING:
     from stageferry.config import Limits
@@ -40,6 +41,18 @@ def parse_job(raw: bytes | str) -> JobRequest:
     except ValidationError as exc:
         errors = field_errors(exc)
         raise JobValidationError(f"invalid job: {errors[0]['field']}: {errors[0]['message']}", errors) from exc
+
+
+def parse_status(raw: bytes | str, request_id: str) -> RequestStatus:
+    """The status stored in ``request_id``'s record; :class:`StatusCorruptError` when it does not parse
+    or names another request (a forged record must not hand out someone else's result)."""
+    try:
+        status = RequestStatus.model_validate_json(raw)
+    except ValidationError as exc:
+        raise StatusCorruptError(f"the stored status of {request_id[:80]} does not parse") from exc
+    if status.request_id != request_id:
+        raise StatusCorruptError(f"the stored status of {request_id[:80]} names another request")
+    return status
 
 
 def parse_envelope(raw: bytes | str) -> Envelope:

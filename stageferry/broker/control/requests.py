@@ -36,6 +36,7 @@ from stageferry.errors import (
     RequestNotFoundError,
 )
 from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestState, RequestStatus
+from stageferry.schemas.validation import parse_status
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -280,9 +281,10 @@ class RequestStore:
         return [self._keys.request(rid), self._keys.events(rid)], args
 
     async def get(self, request_id: str) -> RequestStatus | None:
-        """The request's status (None: no record); reads asked for at once share a round trip."""
+        """The request's status (None: no record); reads asked for at once share a round trip.
+        :class:`StatusCorruptError` when the record's status does not parse or names another request."""
         raw = await self.status_reads.get(self._keys.request(request_id))
-        return None if raw is None else RequestStatus.model_validate_json(raw)
+        return None if raw is None else parse_status(raw, request_id)
 
     async def request_cancel(self, request_id: str) -> bool:
         """Flag the request; stages stop it at their next boundary. False if it is unknown or finished."""
@@ -418,7 +420,7 @@ class RequestStore:
                 last = fields
             # The terminal status event carries the status JSON the same script wrote to the record (a
             # terminal status is written once): read it from there, not with one more HGET per wait.
-            status = _terminal_status(last) or await self._get_retrying(request_id, deadline)
+            status = _terminal_status(last, request_id) or await self._get_retrying(request_id, deadline)
         if status is None:  # its terminal event came, then the record went (expired, or Redis lost it)
             raise _lost(request_id)
         return status
@@ -435,16 +437,16 @@ class RequestStore:
         raise AssertionError("unreachable: reconnecting() returns or raises")
 
 
-def _terminal_status(fields: Mapping[str, str]) -> RequestStatus | None:
-    """The status a terminal status event carries; None for any other row (or one that does not parse:
-    then the record is read instead)."""
+def _terminal_status(fields: Mapping[str, str], request_id: str) -> RequestStatus | None:
+    """The status a terminal status event of ``request_id`` carries; None for any other row (or one that
+    does not parse, or names another request: then the record is read instead, and judged)."""
     if fields.get("kind") != "status" or fields.get("state") not in _TERMINAL_NAMES or "status" not in fields:
         return None
     try:
         status = RequestStatus.model_validate_json(fields["status"])
     except ValueError:
         return None
-    return status if status.state.terminal else None
+    return status if status.state.terminal and status.request_id == request_id else None
 
 
 def _not_found(request_id: str) -> RequestNotFoundError:
