@@ -305,7 +305,8 @@ def chaos(
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="Logs and Redis data (kept).")] = None,
 ) -> None:
     """Fault-injection soak: the pipeline on a private AOF Redis under random SIGKILLs, Redis restarts
-    and stalls; prints the summary table and exits 1 if anything was lost, duplicated or stuck."""
+    and stalls; prints the summary table and exits 1 if anything was lost, duplicated or stuck, 2 if nothing
+    was but a planned fault was missed (it had nothing to hit: the run did not test it)."""
     from stageferry.chaos.faults import FaultKind
     from stageferry.chaos.soak import SoakConfig, render, run_soak
 
@@ -317,8 +318,12 @@ def chaos(
     typer.echo(f"chaos soak: {requests} requests, seed {cfg.seed if seed is not None else '(drawn)'}", err=True)
     result = anyio.run(run_soak, cfg)
     typer.echo(render(result))
-    if not result.audit.ok:
+    if result.verdict == "FAIL":
         typer.echo(f"soak FAILED; logs in {result.work_dir}", err=True)
         raise typer.Exit(1)
+    if result.verdict == "INCOMPLETE":
+        typer.echo(f"soak INCOMPLETE: {len(result.faults.misses)} faults had nothing to hit; logs in {result.work_dir}",
+                   err=True)  # fmt: skip
+        raise typer.Exit(2)
 
 
