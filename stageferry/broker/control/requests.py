@@ -203,9 +203,10 @@ class RequestStore:
         :class:`RequestIdTakenError` if a stage admitted the id for a *different* job (nothing enqueued).
 
         One MULTI writes the uploads, the "submitted" marker (``SET NX``), the entry on the first stage's
-        stream (``tenant``'s intake when given) and the stage's wake-up.  Which submission of an id wins
-        is decided by the first stage (duplicates are acknowledged there), not by this client: two
-        clients racing on one id both enqueue, and the stage runs it once.
+        stream (``tenant``'s intake when given) and the stage's wake-up; when its XADD fails the uploads
+        and the marker it wrote are withdrawn (:meth:`_withdraw`) and the XADD's error raised.  Which
+        submission of an id wins is decided by the first stage (duplicates are acknowledged there), not by
+        this client: two clients racing on one id both enqueue, and the stage runs it once.
         :class:`QueueFullError` when the stream is at ``stream_maxlen`` (checked just before, in the same
         round trip as whether the id is known and whose it is).  Both round trips go over ``link`` (the
         client's lean connection) when given and the uploads are small (:data:`LINK_MAX_UPLOAD_BYTES`):
@@ -227,19 +228,44 @@ class RequestStore:
                 return None
             if queued >= stream_maxlen:
                 raise QueueFullError("the first stage's queue is full; retry later", stage=first_stage)
+            marker = self._keys.submitted(request_id)
             replies = await run_transaction(
                 link,
                 self._redis,
                 [
                     *(("SET", key, blob, "EX", upload_ttl_s) for key, blob in uploads.items()),
-                    ("SET", self._keys.submitted(request_id), first_stage, "NX", "EX", self._ttl),
+                    ("SET", marker, first_stage, "NX", "EX", self._ttl),
                     ("XADD", stream, "*", "request_id", request_id, "job", job.model_dump_json()),
                     ("LPUSH", wake, b"1"),
                     ("LTRIM", wake, 0, 15),
                 ],
+                raise_errors=False,
             )
-        entry = replies[-3]
+            entry = replies[-3]
+            if isinstance(entry, Exception):  # a MULTI does not roll back: undo what it wrote, then fail
+                await self._withdraw(link, [*uploads, marker], replies[: len(uploads) + 1], request_id)
+                raise entry
+            _raised(replies)
         return entry.decode() if isinstance(entry, bytes) else str(entry)
+
+    async def _withdraw(self, link: RespLink | None, keys: Sequence[str], replies: Sequence[Any], rid: str) -> None:
+        """A submission whose XADD failed: its uploads and its "submitted" marker, where this submission
+        wrote them (a marker another submission holds stays), are deleted — with the client user's own
+        command (``SET ... XX PXAT 1``, a time long past: Redis deletes the key; it may not ``DEL``), so
+        that no ``queued`` request is left that no entry holds (issue 34: the gateway's 503 named an id
+        whose status said ``queued`` for 24 h).  A failure here is logged; the submission's own error is
+        what the caller gets."""
+        undo = [
+            ("SET", key, b"", "XX", "PXAT", 1)
+            for key, reply in zip(keys, replies, strict=True)
+            if reply is not None and not isinstance(reply, Exception)
+        ]
+        try:
+            _raised(await run_pipeline(link, self._redis, undo, block_s=0.0))
+        except Exception as exc:  # noqa: BLE001 - the XADD's error is raised by the caller
+            log.warning("request.submit_not_withdrawn", request_id=rid, error=str(exc))
+        else:
+            log.warning("request.submit_withdrawn", request_id=rid, keys=len(undo))
 
     async def known(self, request_id: str) -> bool:
         """True if the request has a record, or a client marked it submitted (not yet picked up)."""
