@@ -229,7 +229,13 @@ class Client:
 
         check = raise_if_refused if request_id in self._entries else None
         try:
-            return await self.store.wait(request_id, timeout=timeout, on_quiet=check, exists_within=exists_within)
+            return await self.store.wait(
+                request_id,
+                timeout=timeout,
+                on_quiet=check,
+                exists_within=exists_within,
+                seen=request_id in self._entries,  # this client's own submission: it existed
+            )
         except (RequestLostError, RequestNotFoundError):
             await raise_if_refused()
             raise

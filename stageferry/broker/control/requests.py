@@ -384,6 +384,7 @@ class RequestStore:
         timeout: float | None = None,
         on_quiet: Callable[[], Awaitable[None]] | None = None,
         exists_within: float | None = None,
+        seen: bool = False,
     ) -> AsyncIterator[tuple[str, dict[str, str]]]:
         """Yield the request's events (entry id, fields) as they arrive, from the first, through the shared
         reader; stop after a terminal status.  :class:`DeadlineExceededError` if not terminal within
@@ -392,10 +393,12 @@ class RequestStore:
         :class:`RequestNotFoundError` if it stays unknown for ``exists_within`` seconds (default
         :data:`UNKNOWN_GRACE_S`: a raw client's entry that no stage picked up, or an id never submitted).
         ``on_quiet`` runs after each quiet spell (a caller's own check, e.g. for its entry's refusal).
-        Redis being unreachable is waited out within ``timeout``."""
+        ``seen``: the caller knows the request existed (it submitted it), so it is lost, not unknown, if
+        it vanishes before this waiter first finds it.  Redis being unreachable is waited out within
+        ``timeout``."""
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
-        seen, last = False, "0-0"
+        last = "0-0"
         next_check = started + QUIET_CHECK_S * random.random()
         async with self.fanin.subscribe(self._keys.events(request_id)) as events:
             while True:
@@ -451,8 +454,9 @@ class RequestStore:
         timeout: float | None = None,
         on_quiet: Callable[[], Awaitable[None]] | None = None,
         exists_within: float | None = None,
+        seen: bool = False,
     ) -> RequestStatus:
-        """Block until the request is terminal (see :meth:`follow` for the errors); with
+        """Block until the request is terminal (see :meth:`follow` for the errors and ``seen``); with
         ``exists_within=0`` an unknown id is :class:`RequestNotFoundError` at once."""
         deadline = None if timeout is None else time.monotonic() + timeout
         status = await self.get(request_id)  # Redis away at the start: say so at once (one error line)
@@ -462,7 +466,7 @@ class RequestStore:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             last: dict[str, str] = {}
             async for _entry_id, fields in self.follow(
-                request_id, timeout=remaining, on_quiet=on_quiet, exists_within=exists_within
+                request_id, timeout=remaining, on_quiet=on_quiet, exists_within=exists_within, seen=seen
             ):
                 last = fields
             # The terminal status event carries the status JSON the same script wrote to the record (a
