@@ -9,6 +9,12 @@ outcome table (:data:`stageferry.errors.OUTCOMES`) decides the rest:
   entry under the same id with a *different* job — or one that does not parse at all — raises
   :class:`RequestIdTakenError`: dead-lettered, nothing written, so the owner's state, result and events
   stay as they are.  The same job again is admitted (the run-owner key dedupes it downstream).
+* **Held.**  Every admission is an owned write (:mod:`stageferry.broker.control.held`): it writes only
+  while this stage still holds the entry in its group's pending list.  One it no longer holds (another
+  replica reclaimed it, or Redis restarted empty and lost it while the stage ran it) raises
+  :class:`RequestLostError`: nothing written, and the outcome decides whether the request is lost for
+  good (``broker/control/record_loss``) — an admission that made the record again left a ``running``
+  request that nothing held (issue 34).
 * **Crash marks.**  Before the work on an entry starts, its crash mark
   ``<p>:req-crash:<id>:<stage>:<entry>`` is incremented (a first delivery's in its admission's script);
   when the work returns or raises, it is deleted — by the script that settles the entry (the hand-off,

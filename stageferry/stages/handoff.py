@@ -244,6 +244,8 @@ class HandOn:
                 rid, RequestState.QUEUED, mode="update", stage=target.name, attempt=back.attempt
             )
             metrics.ENTRIES.labels(self.stage.name, "recomputed").inc()
+        else:  # not held any more: another replica settles it, or Redis lost it (then so is the request)
+            await self.outcomes.lost(entry, rid)
         return True
 
 
