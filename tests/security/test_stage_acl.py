@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stageferry.acl import STAGE_COMMANDS
+from stageferry.acl import STAGE_COMMANDS, acl_file
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import Heartbeat
 from stageferry.broker.control.record_loss import Loss, RecordLoss
@@ -139,3 +139,12 @@ async def test_every_control_plane_script_runs_as_the_stage_user(tmp_path: Path,
             await stream.aclose()
             await other.aclose()
         assert server.refusals() == []
+
+
+def test_the_shipped_acl_file_is_what_stageferry_acl_prints() -> None:
+    """``compose/redis-acl.conf`` is written by hand from ``stageferry acl``: a grant added to one (the
+    stage user's ``+xtrim``) must reach the other."""
+    shipped = [
+        line for line in (ROOT / "compose" / "redis-acl.conf").read_text().splitlines() if line.startswith("user ")
+    ]
+    assert shipped == acl_file("sf", "encoder").splitlines()
