@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import copy
 import os
 import sys
@@ -60,7 +61,9 @@ def _data(obj: Obj) -> dict[str, str]:
 class Cluster:
     def __init__(self, docs: list[Obj], out: Path) -> None:
         self.out = out
-        self.stores = {(d["kind"], d["metadata"]["name"]): _data(d) for d in docs if d["kind"] in ("Secret", "ConfigMap")}
+        self.stores = {
+            (d["kind"], d["metadata"]["name"]): _data(d) for d in docs if d["kind"] in ("Secret", "ConfigMap")
+        }
         self.workloads = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
         self.services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
         self.skipped = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs if d["kind"] in NOT_PLAYED)
@@ -88,7 +91,11 @@ class Cluster:
                 if ref is None:
                     continue
                 if "secretKeyRef" in ref or "configMapKeyRef" in ref:
-                    kind, r = ("Secret", ref["secretKeyRef"]) if "secretKeyRef" in ref else ("ConfigMap", ref["configMapKeyRef"])
+                    kind, r = (
+                        ("Secret", ref["secretKeyRef"])
+                        if "secretKeyRef" in ref
+                        else ("ConfigMap", ref["configMapKeyRef"])
+                    )
                     if r.get("optional") and (kind, r["name"]) not in self.stores:
                         env["value"] = None  # an optional Secret that does not exist: no variable
                         continue
@@ -111,9 +118,15 @@ class Cluster:
         mounts_by_volume: dict[str, str] = {}
         for vol in spec.get("volumes", []):
             if "configMap" in vol or "secret" in vol:
-                kind, ref_name = ("ConfigMap", vol["configMap"]["name"]) if "configMap" in vol else ("Secret", vol["secret"]["secretName"])
+                kind, ref_name = (
+                    ("ConfigMap", vol["configMap"]["name"])
+                    if "configMap" in vol
+                    else ("Secret", vol["secret"]["secretName"])
+                )
                 items = (vol.get("configMap") or vol.get("secret") or {}).get("items")
-                keys = [(i["key"], i["path"]) for i in items] if items else [(k, k) for k in self.stores[(kind, ref_name)]]
+                keys = (
+                    [(i["key"], i["path"]) for i in items] if items else [(k, k) for k in self.stores[(kind, ref_name)]]
+                )
                 where = files / name / vol["name"]
                 where.mkdir(parents=True, exist_ok=True)
                 for key, path in keys:
@@ -124,7 +137,8 @@ class Cluster:
             elif "emptyDir" in vol:  # podman 4.3 makes a named volume of it, shared by every pod: one per pod here
                 where = files / name / vol["name"]
                 where.mkdir(parents=True, exist_ok=True)
-                os.chown(where, 10001, 10001)  # the pod's fsGroup owns it, as the kubelet makes it
+                with contextlib.suppress(PermissionError):  # as root (smoke.sh): the pod's user owns it
+                    os.chown(where, 10001, 10001)
                 if vol["emptyDir"].get("medium") == "Memory":  # a tmpfs of its sizeLimit, mounted by the caller
                     size = vol["emptyDir"].get("sizeLimit", "64Mi").replace("Mi", "m").replace("Gi", "g")
                     with (self.out / "tmpfs.txt").open("a") as f:
@@ -134,7 +148,14 @@ class Cluster:
                 volumes.append(vol)
         for claim in workload["spec"].get("volumeClaimTemplates", []):
             claim_name = f"{claim['metadata']['name']}-{name}"
-            docs.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim_name}, "spec": claim["spec"]})
+            docs.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "PersistentVolumeClaim",
+                    "metadata": {"name": claim_name},
+                    "spec": claim["spec"],
+                }
+            )
             volumes.append({"name": claim["metadata"]["name"], "persistentVolumeClaim": {"claimName": claim_name}})
         spec["volumes"] = volumes
         for container in spec.get("containers", []):

@@ -122,6 +122,7 @@ play() {  # pod: its in-memory volumes first (tmpfs, as the kubelet mounts them)
 }
 container() { echo "$1-$(podman pod inspect -f '{{range .Containers}}{{.Name}} {{end}}' "$1" | tr ' ' '\n' | grep -v infra | grep -m1 . | sed "s/^$1-//")"; }
 in_pod() { local pod=$1; shift; podman exec "$(container "$pod")" "$@"; }
+pod_at() { local p; for p in "${pods[@]}"; do if [[ "${ip_of[$p]}" == "$1" ]]; then echo "$p"; return 0; fi; done; }
 
 say "playing Redis, then the stages and the gateway (each pod on $net with its own IP)"
 play stageferry-redis
@@ -192,7 +193,7 @@ sed 's/^/    /' "$work/trace.txt" | cut -c1-220
 read -r src dst <<<"$(hop_of "$rid")"
 [[ "$src" == "${ip_of[$encoder_pod]}" ]] || fail "the NIXL hop's source is '$src', not the encoder pod's IP ${ip_of[$encoder_pod]}"
 dst_pod=""
-for pod in $stage_pods; do [[ "${ip_of[$pod]}" == "$dst" ]] && dst_pod=$pod; done
+dst_pod="$(pod_at "$dst")"
 [[ "${workload_of[$dst_pod]:-}" == stageferry-diffusion ]] || fail "the NIXL hop's destination '$dst' is no diffusion pod"
 grep -Eq 'running +diffusion .*via .*nixl' "$work/trace.txt" || fail "the diffusion hop is not via nixl"
 grep -Eq 'nixl\.transport +inter-node .*tcp' "$work/trace.txt" || fail "UCX did not report an inter-node TCP transport"
@@ -209,8 +210,7 @@ until read -r _ victim_ip <<<"$(hop_of "$vid")" && [[ -n "${victim_ip:-}" ]]; do
   ((SECONDS < deadline)) || fail "$vid never reached diffusion"
   sleep 1
 done
-victim=""
-for pod in $stage_pods; do [[ "${ip_of[$pod]}" == "$victim_ip" ]] && victim=$pod; done
+victim="$(pod_at "$victim_ip")"
 [[ -n "$victim" ]] || fail "no diffusion pod at $victim_ip"
 progress="$(curl -fsS "$gw/v1/videos/$vid" | "$py" -c 'import json,sys; d=json.load(sys.stdin); print(d["status"], d.get("progress"))')"
 say "  $vid is in $victim ($victim_ip), $progress: podman pod kill -s KILL $victim, then remove it"
@@ -238,11 +238,13 @@ curl -fsS -m 60 -o "$work/kill.mp4" "$gw/v1/videos/$vid/content" || fail "no MP4
 say "  $vid ended done ($(stat -c %s "$work/kill.mp4") bytes) $(( $(date +%s) - killed_at ))s after the kill; its trace without the step lines:"
 grep -Ev 'status\.running .* step [0-9]+/' "$work/trace-kill.txt" | sed 's/^/    /' | cut -c1-200
 last_dst="$(awk '/payload\.get/ && / nixl / {for (i = 1; i <= NF; i++) if ($i == "->") d = $(i+1)} END {print d}' "$work/trace-kill.txt")"
-for pod in $stage_pods; do [[ "${ip_of[$pod]}" == "$last_dst" ]] && took_work[$pod]=1; done
-[[ "$last_dst" != "$victim_ip" ]] || fail "the job's last READ was by the killed pod"
+[[ -n "$last_dst" && "$last_dst" != "$victim_ip" ]] || fail "the job's last READ was not by a live pod ($last_dst)"
+took_work[$(pod_at "$last_dst")]=1
+say "  after the kill its payload was READ by $(pod_at "$last_dst") ($last_dst)"
 
 # --- 4. a second diffusion replica takes work ---------------------------------------------------------------
-say "4. four jobs at once: both live diffusion replicas take work"
+wait_healthy "$replacement"
+say "4. the replacement $replacement is healthy; four jobs at once: both live diffusion replicas take work"
 ids=()
 for n in 1 2 3 4; do
   ids+=("$(curl -fsS -m 30 "$gw/v1/videos" -F "prompt=job $n" -F width=320 -F height=192 -F num_inference_steps=8 \
@@ -257,9 +259,12 @@ for r in "${ids[@]}"; do
   [[ "$(in_pod "$gateway" stageferry status "$r" | "$py" -c 'import json,sys; print(json.load(sys.stdin)["state"])')" == done ]] \
     || fail "$r did not end done"
   read -r s d <<<"$(hop_of "$r")"
-  for pod in $stage_pods; do [[ "${ip_of[$pod]}" == "$d" ]] && took_work[$pod]=1 && say "  $r done: hop $s -> $d ($pod)"; done
+  pod="$(pod_at "$d")"
+  [[ -n "$pod" ]] || fail "$r: its hop ended at $d, no pod of ours"
+  took_work[$pod]=1
+  say "  $r done: hop $s -> $d ($pod)"
 done
-live=$(for p in "${!took_work[@]}"; do [[ "$p" != "$victim" ]] && echo "$p"; done | sort | tr '\n' ' ')
+live=$(for p in "${!took_work[@]}"; do if [[ "$p" != "$victim" ]]; then echo "$p"; fi; done | sort | tr '\n' ' ')
 say "  diffusion pods that took work: $(for p in "${!took_work[@]}"; do echo -n "$p(${ip_of[$p]}) "; done)"
 (( $(echo "$live" | wc -w) >= 2 )) || fail "fewer than two live diffusion replicas took work: $live"
 say "every check passed: MP4 through the gateway, NIXL hops between pod IPs over TCP, killed pod replaced and its job done, two live diffusion replicas took work"

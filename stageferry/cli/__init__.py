@@ -7,7 +7,6 @@ exit 1; stdout carries only results (request ids, JSON, tables), so that scripts
 
 
 from stageferry.cli import ops as _ops  # noqa: F401 - registers the operator commands (after the client ones)
-from stageferry.cli import kube as _kube  # noqa: F401 - registers `stageferry kube`
 from stageferry.cli.app import app
 from stageferry.cli.jobs import build_job, read_job_json, sample_media
 from stageferry.cli.ops import job_schema

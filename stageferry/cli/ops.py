@@ -325,3 +325,4 @@ def chaos(
         raise typer.Exit(1)
 
 
+from stageferry.cli import kube as _kube  # noqa: E402,F401 - registers `stageferry kube`, after these commands

@@ -24,7 +24,12 @@ KEDA = {
     "ScaledObject": json.loads((SCHEMAS / "keda-scaledobject-v1alpha1.json").read_text()),
     "TriggerAuthentication": json.loads((SCHEMAS / "keda-triggerauthentication-v1alpha1.json").read_text()),
 }
-RECOMMENDED = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component", "app.kubernetes.io/part-of")
+RECOMMENDED = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/part-of",
+)
 PIPELINE = PipelineConfig.load(TREE / "base" / "pipeline.toml")
 VALUES = Values.load(TREE / "values.toml")
 
@@ -142,7 +147,9 @@ def test_keda_scales_each_stage_on_its_consumer_group(profile: tuple[str, list[d
         assert lag["metadata"]["lagCount"] == str(v.lag_per_replica)
     auth = by_kind(objects, "TriggerAuthentication")["stageferry-redis-scaler"]["spec"]["secretTargetRef"]
     assert {(a["parameter"], a["key"]) for a in auth} == {
-        ("address", "address"), ("username", "scaler-username"), ("password", "scaler-password")
+        ("address", "address"),
+        ("username", "scaler-username"),
+        ("password", "scaler-password"),
     }
 
 
@@ -162,7 +169,9 @@ def test_network_policy(profile: tuple[str, list[dict[str, Any]]]) -> None:
     low, high = (int(p) for p in VALUES.ucx_tcp_ports.split("-"))
     stage_pods = {"matchLabels": {"app.kubernetes.io/instance": "stageferry", "stageferry.io/role": "stage"}}
     assert nixl["podSelector"] == stage_pods
-    assert nixl["ingress"] == [{"from": [{"podSelector": stage_pods}], "ports": [{"protocol": "TCP", "port": low, "endPort": high}]}]
+    assert nixl["ingress"] == [
+        {"from": [{"podSelector": stage_pods}], "ports": [{"protocol": "TCP", "port": low, "endPort": high}]}
+    ]
     for d in by_kind(objects, "Deployment").values():
         labels = d["spec"]["template"]["metadata"]["labels"]
         is_stage = d["metadata"]["name"] != "stageferry-gateway"
@@ -195,13 +204,16 @@ def test_components_render_and_validate(tmp_path: Path, components: list[str]) -
     overlay.mkdir()
     listed = ", ".join(f"../../components/{c}" for c in components)
     overlay.joinpath("kustomization.yaml").write_text(
-        f"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [../cpu]\ncomponents: [{listed}]\n"
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [../cpu]\ncomponents: [{listed}]\n"
     )
     objects = render(overlay)
     for obj in objects:
         validate(obj)
     if components == ["external-redis"]:
-        assert "StatefulSet" not in {o["kind"] for o in objects} and "stageferry-redis" not in by_kind(objects, "Service")
+        assert "StatefulSet" not in {o["kind"] for o in objects} and "stageferry-redis" not in by_kind(
+            objects, "Service"
+        )
     else:
         args = by_kind(objects, "StatefulSet")["stageferry-redis"]["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[:4] == ["--port", "0", "--tls-port", "6379"]
