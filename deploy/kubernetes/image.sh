@@ -49,7 +49,8 @@ if [[ "${REBUILD_BASE:-0}" == 1 ]] || ! podman image exists "$base"; then
   trap 'rm -rf "$rootfs"' EXIT
   say "debootstrap bookworm (minbase + python3, python3-venv, redis) into $rootfs"
   debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,redis-server,redis-tools \
-    bookworm "$rootfs" "$mirror"
+    bookworm "$rootfs" "$mirror" >"$rootfs.log" 2>&1 || { tail -n 20 "$rootfs.log"; exit 1; }
+  rm -f "$rootfs.log"
   rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
   say "podman import -> $base"
   tar -C "$rootfs" -c . | podman import - "$base" >/dev/null
@@ -80,5 +81,5 @@ podman build --network none -f "$root/compose/Dockerfile" \
   --build-arg PIP_SPEC="$pip_spec" \
   --build-arg PIP_EXTRA_OPTS="--no-index" \
   -t "$image" "$root"
-podman image prune -f --filter label=stageferry.stage=build >/dev/null 2>&1 || true
+# The build stage's layers stay (the next build reuses them): `podman image prune -f` removes them.
 say "built $image: $(podman image inspect -f '{{.Size}}' "$image" | "$python" -c 'import sys; print(f"{int(sys.stdin.read())/1e9:.2f} GB")')"

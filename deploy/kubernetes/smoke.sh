@@ -160,7 +160,12 @@ say "healthy; gateway at $gw: $(curl -fsS -m 10 "$gw/health" | cut -c1-200)"
 for pod in $stage_pods; do
   line="$(podman logs "$(container "$pod")" 2>&1 | grep '"nixl.address"' | head -n 1 || true)"
   [[ -n "$line" ]] || fail "$pod logged no nixl.address (STAGEFERRY_ADVERTISE_ADDRESS from the downward API)"
-  say "  $pod: $(echo "$line" | "$py" -c 'import json,sys; e=json.loads(sys.stdin.read()); print("NIXL advertises", e["address"], "on", e["net_devices"])'); /dev/shm $(in_pod "$pod" df -h /dev/shm | awk 'NR == 2 {print $1, $2}')"
+  # UCX's TCP listener in UCX_TCP_PORT_RANGE: the only port the NetworkPolicy opens between stage pods
+  range="$(in_pod "$pod" printenv UCX_TCP_PORT_RANGE)"
+  ucx_ports="$(in_pod "$pod" cat /proc/net/tcp | awk -v lo="${range%-*}" -v hi="${range#*-}" \
+    '$4 == "0A" {split($2, a, ":"); p = strtonum("0x" a[2]); if (p >= lo && p <= hi) printf "%s%d", (n++ ? "," : ""), p}')"
+  [[ -n "$ucx_ports" ]] || fail "$pod: no listener in UCX_TCP_PORT_RANGE $range"
+  say "  $pod: $(echo "$line" | "$py" -c 'import json,sys; e=json.loads(sys.stdin.read()); print("NIXL advertises", e["address"], "on", e["net_devices"])'), UCX listens on :$ucx_ports ($range); /dev/shm $(in_pod "$pod" df -h /dev/shm | awk 'NR == 2 {print $1, $2}')"
 done
 
 # --- 1. the seed's curl, small ---------------------------------------------------------------------------
