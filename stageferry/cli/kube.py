@@ -29,6 +29,14 @@ ValuesOpt = Annotated[
 ]
 
 
+def _require_yaml() -> None:
+    """The manifests are YAML: without PyYAML (the ``kube`` extra) say so in one line, not a traceback."""
+    try:
+        import yaml  # noqa: F401
+    except ImportError:
+        raise ConfigError("stageferry kube needs PyYAML: pip install 'stageferry[kube]'") from None
+
+
 def _values_path(root: Path, values: Path | None) -> Path | None:
     if values is not None:
         return values
@@ -46,6 +54,7 @@ def generate(
 ) -> None:
     """Write the per-stage files under DIR from the pipeline file (--pipeline; default DIR/base/pipeline.toml):
     each stage's Deployment, PodDisruptionBudget, KEDA ScaledObject and the CPU and GPU profiles' patches."""
+    _require_yaml()
     from stageferry.kube.generate import generated_files, stale, write
 
     pipeline = _settings(ctx).pipeline or root / "base" / "pipeline.toml"
@@ -75,6 +84,7 @@ def secret(
 ) -> None:
     """Print the Secret stageferry-redis (kubectl apply -f -): the Redis ACL file (`stageferry acl --scaler`)
     with fresh passwords, the services' URL, the autoscaler's and the clients' passwords."""
+    _require_yaml()
     from stageferry.kube.generate import redis_secret, secret_yaml
     from stageferry.kube.values import Values
 

@@ -25,7 +25,7 @@ import yaml
 
 from stageferry.acl import acl_file
 from stageferry.config import PipelineConfig
-from stageferry.kube.manifests import APP, REDIS_SECRET, cpu_patch, gpu_patch, scaled_object, stage_objects
+from stageferry.kube.manifests import REDIS_SECRET, cpu_patch, gpu_patch, labels, scaled_object, stage_objects
 from stageferry.kube.values import Values
 
 _HEADER = (
@@ -111,15 +111,7 @@ def redis_secret(
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {
-            "name": REDIS_SECRET,
-            "labels": {
-                "app.kubernetes.io/name": APP,
-                "app.kubernetes.io/instance": APP,
-                "app.kubernetes.io/component": "redis",
-                "app.kubernetes.io/part-of": APP,
-            },
-        },
+        "metadata": {"name": REDIS_SECRET, "labels": labels("redis")},
         "type": "Opaque",
         "stringData": data,
     }

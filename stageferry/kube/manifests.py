@@ -6,9 +6,9 @@ profiles' patches (:func:`cpu_patch`, :func:`gpu_patch`) size it; :func:`scaled_
 stream's backlog with KEDA.  What is the same for every deployment (Redis, the gateway, the
 NetworkPolicy) is written by hand under ``deploy/kubernetes/`` and only referenced here by name.
 
-Every object carries the recommended labels: ``app.kubernetes.io/component`` here, ``name``,
-``instance`` and ``part-of`` from the kustomization's ``labels`` (so an overlay can rename the
-instance in one place).  Selectors name ``instance`` and ``component`` explicitly.
+Every object carries the four recommended labels (:func:`labels`; the base's kustomization sets
+``name``, ``instance`` and ``part-of`` again on the hand-written ones and on pod templates).  Selectors
+name ``instance`` and ``component``.
 """
 
 from __future__ import annotations

@@ -81,3 +81,16 @@ def test_values_for_a_stage_the_file_lacks_are_refused(tmp_path: Path) -> None:
     values.write_text((TREE / "values.toml").read_text() + "\n[stages.upscaler]\nmax_replicas = 2\n")
     with pytest.raises(ConfigError, match="upscaler"):
         generated_files(TREE / "base" / "pipeline.toml", values)
+
+
+def test_without_pyyaml_the_command_says_which_extra_it_needs() -> None:
+    code = "import sys; sys.modules['yaml'] = None; from stageferry.cli import main; main()"
+    out = subprocess.run(
+        [sys.executable, "-c", code, "kube", "generate", "--check"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "stageferry kube needs PyYAML: pip install 'stageferry[kube]'" in out.stderr
