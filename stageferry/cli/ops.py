@@ -100,13 +100,16 @@ def acl(
     tenant: Annotated[
         list[str] | None, typer.Option("--tenant", help="A tenant (repeatable); default: the pipeline's.")
     ] = None,
+    scaler: Annotated[
+        bool, typer.Option("--scaler", help="Also an autoscaler's user (KEDA): the stage streams' backlog only.")
+    ] = False,
 ) -> None:
     """Print the Redis ACL users for this deployment (redis.conf syntax; passwords CHANGE-ME): the
     services' user and least-privilege client users, one per tenant."""
     settings = _settings(ctx)
     pipeline = settings.load_pipeline()
     tenants = tenant if tenant else list(pipeline.security.tenants)
-    typer.echo(acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants), nl=False)
+    typer.echo(acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants, scaler=scaler), nl=False)
 
 @app.command()
 @_expected_errors
@@ -329,3 +332,4 @@ def chaos(
         raise typer.Exit(2)
 
 
+from stageferry.cli import kube as _kube  # noqa: E402,F401 - registers `stageferry kube`, after these commands
