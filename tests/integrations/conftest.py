@@ -63,7 +63,9 @@ def first_frame_png(width: int = 80, height: int = 48) -> bytes:
     return buf.getvalue()
 
 
-def baseline(path: Path, family: str, job: dict[str, Any], device: str = "cpu", image: bytes | None = None) -> dict[str, Any]:
+def baseline(
+    path: Path, family: str, job: dict[str, Any], device: str = "cpu", image: bytes | None = None
+) -> dict[str, Any]:
     """The plain diffusers pipeline in one process, called as its own docs call it: the prompts as text."""
     import diffusers
     from PIL import Image

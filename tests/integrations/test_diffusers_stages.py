@@ -27,16 +27,16 @@ def hop(payload: Any) -> Any:
     return decode_inline(manifest, blob, cuda_device=None)
 
 
-def pair(path: Path, family: str, **opts: Any) -> tuple[DiffusersEncoder, DiffusersDiffusion]:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
+
+
+def pair(path: Path, family: str, device: str = "cpu", **opts: Any) -> tuple[DiffusersEncoder, DiffusersDiffusion]:
     o = {**options(path, family), **opts}
-    pipeline = PipelineConfig.model_validate(
-        {
-            "stages": [
-                {"name": "encoder", "model": "stageferry.integrations.diffusers:encoder", "options": o},
-                {"name": "diffusion", "model": "stageferry.integrations.diffusers:diffusion", "options": o},
-            ]
-        }
-    )
+    stages = [
+        {"name": "encoder", "model": "stageferry.integrations.diffusers:encoder", "options": o, "device": device},
+        {"name": "diffusion", "model": "stageferry.integrations.diffusers:diffusion", "options": o, "device": device},
+    ]
+    pipeline = PipelineConfig.model_validate({"stages": stages})
     return encoder(stage=pipeline.stages[0], pipeline=pipeline), diffusion(stage=pipeline.stages[1], pipeline=pipeline)
 
 
@@ -47,9 +47,12 @@ def ctx(stage: str, tmp_path: Path, media: dict[str, bytes] | None = None) -> St
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def pairs(checkpoints: dict[str, Path]) -> dict[str, tuple[DiffusersEncoder, DiffusersDiffusion]]:
-    return {family: pair(path, family) for family, path in checkpoints.items()}
+@pytest.fixture(scope="module", params=DEVICES)
+def pairs(request: pytest.FixtureRequest, checkpoints: dict[str, Path]) -> dict[str, Any]:
+    """Both families' pairs on the CPU, and (on a GPU host) on CUDA; ``pairs["device"]`` says which."""
+    made: dict[str, Any] = {family: pair(path, family, request.param) for family, path in checkpoints.items()}
+    made["device"] = request.param
+    return made
 
 
 @pytest.mark.parametrize(
@@ -83,7 +86,7 @@ def test_the_pair_over_the_inline_codec_equals_the_plain_pipeline(
     dif.input_contract.check(job, sent)
     result = dif(job, sent, ctx("diffusion", tmp_path))
     assert result is not None and result.path is not None and result.path.exists()
-    plain = baseline(checkpoints[family], family, JOBS[family])
+    plain = baseline(checkpoints[family], family, JOBS[family], pairs["device"])
     assert result.info["frames_sha256"] == plain["frames_sha256"]
     assert result.info["audio_sha256"] == plain["audio_sha256"]
     assert result.media["frames"] == JOBS[family]["num_frames"] and result.media["width"] == 64
@@ -103,9 +106,12 @@ def test_ltx2_image_to_video_from_a_first_frame_equals_the_plain_pipeline(
     assert payload["image"].shape == (48, 80, 3) and payload["image_crf"] == 33  # Gemma 3's default CRF
     dif.input_contract.check(job, payload)
     result = dif(job, payload, ctx("diffusion", tmp_path))
-    plain = baseline(checkpoints["ltx2"], "ltx2", JOBS["ltx2"], image=png)
+    plain = baseline(checkpoints["ltx2"], "ltx2", JOBS["ltx2"], pairs["device"], image=png)
     assert result is not None and result.info["model"] == "diffusers:LTX2ImageToVideoPipeline"
-    assert (result.info["frames_sha256"], result.info["audio_sha256"]) == (plain["frames_sha256"], plain["audio_sha256"])
+    assert (result.info["frames_sha256"], result.info["audio_sha256"]) == (
+        plain["frames_sha256"],
+        plain["audio_sha256"],
+    )
 
 
 def test_wan_drops_the_padding_and_ltx2_sends_the_connector_outputs(pairs: dict[str, Any], tmp_path: Path) -> None:
@@ -190,9 +196,9 @@ def test_bad_options_stop_the_service_at_start(checkpoints: dict[str, Path], tmp
 
 
 def test_i2va_is_a_job_of_its_own_and_the_reference_models_refuse_it(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="i2va needs media.first_frame"):
+    with pytest.raises(ValueError, match=r"i2va needs media\.first_frame"):
         JobRequest.model_validate({"prompt": "x", "task": "i2va"})
-    with pytest.raises(ValueError, match="i2va takes media.first_frame only"):
+    with pytest.raises(ValueError, match=r"i2va takes media\.first_frame only"):
         JobRequest.model_validate(
             {"prompt": "x", "task": "i2va", "media": {"first_frame": {"path": "/a"}, "last_frame": {"path": "/b"}}}
         )

@@ -26,7 +26,7 @@ import torch
 
 from stageferry.errors import ConfigError, JobValidationError, PayloadContractError, field_error
 from stageferry.integrations.diffusers.contract import DiffusersContract, ltx2_contract, wan_contract
-from stageferry.integrations.diffusers.options import DiffusersOptions, components_of
+from stageferry.integrations.diffusers.options import DTYPES, DiffusersOptions, components_of
 from stageferry.schemas import JobRequest, Task
 from stageferry.stages.reference.media_input import bad_media
 
@@ -109,7 +109,7 @@ class Family:
         )
         skip = {c: None for c in components_of(self.opts.model_path) if c not in keep and c != "scheduler"}
         base_class = self._pipeline_class(Task.T2VA)
-        base = base_class.from_pretrained(self.opts.model_path, dtype=self.opts.torch_dtype, **skip)
+        base = base_class.from_pretrained(self.opts.model_path, dtype=self.opts.load_dtype(), **skip)
         base.to(device)
         base.set_progress_bar_config(disable=True)
         pipes = {Task.T2VA: base}
@@ -222,7 +222,8 @@ class LTX2(Family):
 
     def _adapt(self, pipes: dict[Task, Any], part: str) -> None:
         if part == "diffusion":
-            connectors = PrecomputedConnectors(pipes[Task.T2VA].device, self.opts.torch_dtype)
+            dtype = DTYPES[self.opts.dtypes.get("connectors", self.opts.dtype)]
+            connectors = PrecomputedConnectors(pipes[Task.T2VA].device, dtype)
             for pipe in pipes.values():
                 pipe.connectors = connectors
 

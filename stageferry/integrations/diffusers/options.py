@@ -39,6 +39,8 @@ class DiffusersOptions(BaseModel):
     """A local diffusers checkpoint directory (with `model_index.json`): nothing is downloaded."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """The dtype the stage's components are loaded in (`torch_dtype`)."""
+    dtypes: Annotated[dict[str, Literal["float32", "bfloat16", "float16"]], Field(max_length=16)] = {}
+    """Per-component dtypes over `dtype`, e.g. `{vae = "float32"}` (Wan's VAE is usually kept in float32)."""
     max_sequence_length: Annotated[int, Field(ge=1, le=4096)] | None = None
     """Text tokens the encoder pads and truncates to (default: the pipeline's own: LTX-2 1024, Wan 512)."""
     call: Annotated[dict[str, CallValue], Field(max_length=32)] = {}
@@ -50,6 +52,12 @@ class DiffusersOptions(BaseModel):
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    def load_dtype(self) -> torch.dtype | dict[str, torch.dtype]:
+        """``dtype`` for ``from_pretrained``: one for all, or per component with the rest at ``dtype``."""
+        if not self.dtypes:
+            return self.torch_dtype
+        return {"default": self.torch_dtype, **{name: DTYPES[d] for name, d in self.dtypes.items()}}
 
 
 def options_of(stage: StageConfig) -> DiffusersOptions:

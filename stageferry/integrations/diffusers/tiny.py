@@ -255,3 +255,45 @@ def write_checkpoint(family: str, path: str | Path, *, seed: int = 0, **kwargs: 
     path = Path(path)
     pipe.save_pretrained(path)
     return path
+
+
+#: UMT5-XXL's encoder (Wan's text encoder, ``text_encoder/config.json``), for random weights at the real size.
+UMT5_XXL: dict[str, Any] = {
+    "vocab_size": 256_384,
+    "d_model": 4096,
+    "d_kv": 64,
+    "d_ff": 10_240,
+    "num_layers": 24,
+    "num_heads": 64,
+    "relative_attention_num_buckets": 32,
+    "feed_forward_proj": "gated-gelu",
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "decoder_start_token_id": 0,
+}
+
+
+def write_wan_1_3b(path: str | Path, *, dtype: str = "bfloat16", device: str = "cpu", seed: int = 0) -> Path:
+    """A Wan2.1-T2V-1.3B-sized checkpoint with random weights: its DiT, UMT5-XXL's encoder, the Wan VAE at
+    its default (real) configuration and Wan's UniPC flow scheduler; the tokenizer is the offline one (its
+    ids are a few dozen of the 256k the embedding holds, which sets no size).  For measuring each stage's
+    memory and time where no weights can be downloaded."""
+    import transformers
+
+    import diffusers
+
+    wan: Any = diffusers  # the library's classes, untyped at this depth
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    torch.manual_seed(seed)
+    with torch.device(device):
+        umt5: Any = transformers.UMT5EncoderModel(transformers.UMT5Config(**UMT5_XXL))
+        text_encoder = umt5.to(torch_dtype).eval()
+        transformer = wan.WanTransformer3DModel(**WAN21_1_3B_TRANSFORMER).to(torch_dtype)
+        vae = wan.AutoencoderKLWan().to(torch.float32)  # Wan keeps its VAE in float32
+    scheduler = wan.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = wan.WanPipeline(
+        tokenizer=_t5_tokenizer(), text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
+    )
+    path = Path(path)
+    pipe.save_pretrained(path)
+    return path
