@@ -21,17 +21,23 @@ run_step() {  # name, seconds, command...
   } 2>&1 | tee "$out/$name.txt"
 }
 big=/tmp/wan-1.3b
-for s in ${*:-probe tests big up_big}; do
+for s in ${*:-probe tests big up_big e2e}; do
   case $s in
     probe) run_step "$s" 60 python3 -c "import torch, diffusers, transformers, nixl; print(torch.__version__, diffusers.__version__, transformers.__version__, torch.cuda.get_device_name(0))" ;;
     tests) (LD_LIBRARY_PATH=$PWD/.whl/redis .whl/redis/redis-server --port 6379 --save '' --daemonize yes >/dev/null)
-           run_step "$s" 200 python3 -m pytest -q -p no:cacheprovider -rs --tb=short --durations=6 tests/integrations ;;
+           run_step "$s" 150 python3 -m pytest -v -p no:cacheprovider -rs --tb=short --durations=6 --timeout 120 \
+             tests/integrations/test_diffusers_stages.py ;;
+    e2e) (LD_LIBRARY_PATH=$PWD/.whl/redis .whl/redis/redis-server --port 6379 --save '' --daemonize yes >/dev/null)
+         run_step "$s" 280 python3 -m pytest -v -p no:cacheprovider -rs --tb=short --durations=6 --timeout 200 \
+           tests/integrations/test_diffusers_pipeline.py ;;
+    make_big) run_step "$s" 120 python3 examples/diffusers/make_checkpoint.py wan-1.3b "$big" --dtype bfloat16 --device cuda ;;
     big) run_step make_big 120 python3 examples/diffusers/make_checkpoint.py wan-1.3b "$big" --dtype bfloat16 --device cuda
          run_step "$s" 240 python3 benchmarks/diffusers_gpu.py --checkpoint "$big" --family wan --width 832 \
            --height 480 --frames 33 --steps 10 --dtype bfloat16 --dtypes vae=float32 --json "$out/big.json" ;;
     up_big) sed -e "s#/tmp/stageferry-tiny/wan#$big#" -e 's#dtype = "float32"#dtype = "bfloat16"\ndtypes = { vae = "float32" }#' \
               -e '/max_sequence_length = 16/d' -e '/inline_max_bytes = 0/d' examples/diffusers/wan-tiny.toml > /tmp/wan-big.toml
-            run_step "$s" 300 python3 -m stageferry --pipeline /tmp/wan-big.toml up --width 832 --height 480 --fps 16 \
-              --duration 2 --steps 10 --startup-timeout 200 --timeout 250 --log-dir "$out/up_logs" ;;
+            run_step "$s" 260 python3 -m stageferry --pipeline /tmp/wan-big.toml up --width 832 --height 480 --fps 16 \
+              --duration 2 --steps 10 --startup-timeout 150 --timeout 200 --log-dir /tmp/up_logs
+            tail -c 6000 /tmp/up_logs/*.log > "$out/up_big_logs.txt" ;;
   esac
 done
