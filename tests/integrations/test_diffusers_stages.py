@@ -207,3 +207,18 @@ def test_i2va_is_a_job_of_its_own_and_the_reference_models_refuse_it(tmp_path: P
     with pytest.raises(JobValidationError) as info:
         model(job, None, ctx("encoder", tmp_path))
     assert info.value.field_errors[0]["field"] == "task" and "does not generate i2va" in str(info.value)
+
+
+def test_the_planner_says_a_diffusers_group_computes_on_rank_0(checkpoints: dict[str, Path]) -> None:
+    from stageferry.stages.placement import plan
+
+    o = options(checkpoints["wan"], "wan")
+    stages = [
+        {"name": "encoder", "model": "stageferry.integrations.diffusers:encoder", "options": o},
+        {"name": "diffusion", "model": "stageferry.integrations.diffusers:diffusion", "options": o, "tp": 2},
+    ]
+    the_plan = plan(PipelineConfig.model_validate({"stages": stages}), 0)
+    assert [s["computing_ranks"] for s in the_plan.to_json()["stages"]] == [1, 1]
+    assert "compute: rank 0 only (its model runs on one device; ranks 1..1 idle)" in the_plan.render()
+    reference = plan(PipelineConfig(), 0).to_json()["stages"]
+    assert [s["computing_ranks"] for s in reference] == [2, 4]
