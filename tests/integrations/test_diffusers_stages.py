@@ -24,7 +24,8 @@ pytestmark = pytest.mark.timeout(300)
 def hop(payload: Any) -> Any:
     """The payload as the inline hop carries it: encoded to its manifest and bytes, decoded as a consumer does."""
     manifest, blob = encode_inline(payload)
-    return decode_inline(manifest, blob, cuda_device=None)
+    cuda = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    return decode_inline(manifest, blob, cuda_device=cuda)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
