@@ -15,7 +15,16 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StrictInt,
+    ValidationError,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from stageferry.broker.data.nixl.address import parse_address
@@ -137,6 +146,8 @@ class StageConfig(Strict):
     devices: _Devices | None = None
     """GPU indices, one per rank: rank i on GPU ``devices[i]`` (default: placed by the planner)."""
     parts: Annotated[tuple[StageConfig, ...], Field(max_length=16)] = ()
+    options: Annotated[dict[str, JsonValue], Field(max_length=64)] = {}
+    """Plain values the stage's model reads (a TOML table), e.g. the diffusers pair's `model_path`, `dtype`."""
 
     @model_validator(mode="before")
     @classmethod
