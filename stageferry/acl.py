@@ -35,7 +35,7 @@ STAGE_COMMANDS = (
     "hello", "auth", "ping", "select", "multi", "exec", "discard", "evalsha", "script|load", "exists", "get",
     "set", "strlen", "del", "expire", "pexpire", "hget", "hset", "hdel", "hgetall", "rpush", "lpush", "ltrim",
     "blpop", "xadd", "xack", "xdel", "xclaim", "xautoclaim", "xgroup|create", "xlen", "xpending", "xrange",
-    "xread", "xreadgroup",
+    "xrevrange", "xread", "xreadgroup",
 )  # fmt: skip
 _CONNECTION = "+hello +auth +ping +select +multi +exec +discard"
 

@@ -173,7 +173,11 @@ def map_form(form: ParsedForm) -> MappedJob:
             b.put(EXTRA_PARAMS[key], value.lower() if key == "task" and isinstance(value, str) else value, source)
     if aspect is not None:
         _apply_aspect(b, *aspect)
+    inferred = "task" not in b.job and _infer_task(b, form, parsed)
     _map_media(b, form, parsed)
+    if inferred and b.job["task"] == "fl2va" and "first_frame" in b.uploads and "last_frame" not in b.uploads:
+        b.uploads["last_frame"] = b.uploads["first_frame"]  # one image: the clip starts and ends on it
+        b.origin["media.last_frame"] = b.origin["media.first_frame"]
     if b.errors:
         raise invalid_fields(b.errors)
     return MappedJob(job=b.job, uploads=b.uploads, origin=b.origin, model=parsed.model)
@@ -243,6 +247,25 @@ def _apply_aspect(b: _Builder, ratio: str, source: str) -> None:
         and abs(width / height - wanted) / wanted > ASPECT_TOLERANCE
     ):
         b.errors.append(field_error(source, f"{ratio} does not match width×height {width}×{height}", "aspect_ratio"))
+
+
+#: Upload fields whose media kind their name says.
+_KIND_OF_FIELD = {"first_frame": "image", "last_frame": "image", "last_image": "image", "reference_audio": "audio",
+                  "reference_video": "video", "image_reference": "image", "audio_reference": "audio"}  # fmt: skip
+
+
+def _infer_task(b: _Builder, form: ParsedForm, parsed: VideoForm) -> bool:
+    """With no task named, the one the uploads imply (an OpenAI client cannot name one): images alone are
+    an image-to-video job (fl2va; a single image is its first and last frame), a video or audio is ref2va.
+    True when a task was inferred; no upload leaves the default (t2va)."""
+    kinds = [(_KIND_OF_FIELD.get(up.field) or media_kind(up.content_type, up.data), up.field) for up in form.files]
+    kinds += [(_KIND_OF_FIELD[name], name) for name in DATA_URL_FIELDS if getattr(parsed, name) is not None]
+    if not kinds:
+        return False
+    other = [source for kind, source in kinds if kind != "image"]
+    task, source = ("ref2va", other[0]) if other else ("fl2va", kinds[0][1])
+    b.put("task", task, f"{source} (task inferred)")
+    return True
 
 
 def _map_media(b: _Builder, form: ParsedForm, parsed: VideoForm) -> None:
