@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 import typer.core
 
+from stageferry.broker.control.liveness import unheld_note
 from stageferry.cli.app import _expected_errors, _print_status, _settings, _with_client, app, stderr
 from stageferry.client import DEFAULT_REDIS_URL, Client
 from stageferry.console import follow, render_status
@@ -207,11 +208,18 @@ def submit(
 @_expected_errors
 def status(ctx: typer.Context, request_id: RequestIdArg) -> None:
     """Print a request's status as JSON."""
-    found = _with_client(ctx, lambda c: c.status(request_id))
+
+    async def act(client: Client) -> tuple[RequestStatus | None, str | None]:
+        found = await client.status(request_id)
+        return found, (await unheld_note(client.redis, client.keys, found) if found is not None else None)
+
+    found, note = _with_client(ctx, act)
     if found is None:
         typer.echo(f"error [not_found]: no request {request_id!r} (unknown or expired)", err=True)
         raise typer.Exit(1)
     _print_status(found)
+    if note is not None:  # stdout stays the status's JSON
+        typer.echo(f"note: {note}", err=True)
 
 
 @app.command("wait")
@@ -264,9 +272,6 @@ def cancel(ctx: typer.Context, request_id: RequestIdArg) -> None:
     raise typer.Exit(1)
 
 
-
-
-
 @app.command()
 @_expected_errors
 def trace(
@@ -317,5 +322,3 @@ def _find_trace(ctx: typer.Context, request_id: str) -> list[TraceEvent]:
     looked = f"Redis {url} (prefix {settings.prefix!r})" + (f" and {saved}" if saved is not None else "")
     typer.echo(f"error [not_found]: no events for {request_id!r} in {looked}", err=True)
     raise typer.Exit(1)
-
-

@@ -86,7 +86,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
             if config.trace_events:  # the gateway's events (submitted, timed out, ...) join each request's trace
                 await tg.start(EventSink(client.store).run)
             results = ResultFiles(config.output_dir or config.pipeline.output_dir)
-            app.state.videos = VideoService(client, model_name=config.model_name, results=results)
+            app.state.videos = VideoService(
+                client, model_name=config.model_name, results=results, fresh_s=config.health_fresh_s
+            )
             app.state.sync_timeout_s = config.sync_timeout_s or config.pipeline.timeouts.request
             app.state.health_fresh_s = config.health_fresh_s  # the console's stage panel
             health_redis = health_connection(config.redis_url)

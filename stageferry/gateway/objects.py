@@ -75,6 +75,9 @@ class VideoObject(BaseModel):
     inference_time_s: float | None = None
     stage_durations: dict[str, float] = Field(default_factory=dict)
     stageferry_state: RequestState
+    stageferry_note: str | None = Field(
+        None, description="Set while the job waits on a stage with no live worker (the status alone says running)."
+    )
     task: str | None = Field(
         None,
         description="Which task ran: t2va, fl2va or ref2va (inferred from the upload when the request named none).",
@@ -118,7 +121,13 @@ def progress_percent(status: RequestStatus, stages: list[str]) -> int:
 
 
 def video_object(
-    status: RequestStatus, meta: VideoMeta | None, *, stages: list[str], default_model: str, ttl_s: int
+    status: RequestStatus,
+    meta: VideoMeta | None,
+    *,
+    stages: list[str],
+    default_model: str,
+    ttl_s: int,
+    note: str | None = None,
 ) -> VideoObject:
     """The video object for a request; ``meta`` is absent for requests enqueued without the gateway."""
     created = meta.created_at if meta is not None else int(status.updated_at)
@@ -151,5 +160,6 @@ def video_object(
         inference_time_s=round(sum(t.seconds for t in status.timings), 3) if status.timings else None,
         stage_durations={t.stage: round(t.seconds, 3) for t in status.timings},
         stageferry_state=status.state,
+        stageferry_note=note,
         task=meta.task if meta is not None and meta.task else None,
     )

@@ -19,6 +19,7 @@ import time
 
 import anyio
 
+from stageferry.broker.control.liveness import FRESH_S, unheld_note
 from stageferry.broker.control.redis_conn import translated
 from stageferry.client import Client, new_request_id, validate_job, with_upload_refs
 from stageferry.errors import ControlPlaneError, QueueFullError, RejectedError, StageferryError
@@ -37,8 +38,12 @@ from stageferry.schemas.validation import check_job_limits
 class VideoService:
     """Submit, wait for, describe, fetch and delete video jobs of one deployment."""
 
-    def __init__(self, client: Client, *, model_name: str, results: ResultFiles | None = None) -> None:
+    def __init__(
+        self, client: Client, *, model_name: str, results: ResultFiles | None = None, fresh_s: float = FRESH_S
+    ) -> None:
         self.client = client
+        #: A stage counts as live while a worker's heartbeat is at most this old.
+        self.fresh_s = fresh_s
         self.model_name = model_name
         #: Where result files too large for Redis may be served from (nowhere else, whatever a status says).
         self.results = results or ResultFiles(client.pipeline.output_dir)
@@ -126,15 +131,17 @@ class VideoService:
 
     async def describe(self, request_id: str) -> VideoObject:
         status, meta = await self.video(request_id)
-        return self._object(status, meta)
+        note = await unheld_note(self.client.redis, self.client.keys, status, fresh_s=self.fresh_s)
+        return self._object(status, meta, note)
 
-    def _object(self, status: RequestStatus, meta: VideoMeta | None) -> VideoObject:
+    def _object(self, status: RequestStatus, meta: VideoMeta | None, note: str | None = None) -> VideoObject:
         return video_object(
             status,
             meta,
             stages=self.stages,
             default_model=self.model_name,
             ttl_s=self.client.pipeline.retention.request_ttl_s,
+            note=note,
         )
 
     async def content(self, status: RequestStatus) -> bytes | ResultFile:
