@@ -16,6 +16,9 @@ from stageferry.errors import JobValidationError, StageferryError
 from stageferry.schemas import RequestState, RequestStatus
 from stageferry.trace import TraceEvent
 
+#: How the console names a stage's phases after its steps (others are shown as reported).
+PHASES = {"decode": "decoding", "mux": "writing the MP4"}
+
 
 class RequestProgress:
     """A live line per request: state, stage and denoising step, fed with :class:`TraceEvent`s."""
@@ -53,6 +56,7 @@ class RequestProgress:
             return
         step: int | None = None
         total: int | None = None
+        phase: str | None = None
         stage = self._stage
         status = event.status
         if status is not None:
@@ -60,7 +64,7 @@ class RequestProgress:
             stage = status.stage or stage
             if status.progress is not None:
                 stage = status.progress.stage or stage
-                step, total = status.progress.step, status.progress.total
+                step, total, phase = status.progress.step, status.progress.total, status.progress.phase
         elif "step" in event.raw and "total" in event.raw:
             stage = event.stage or stage
             step, total = int(event.raw["step"]), int(event.raw["total"])
@@ -68,7 +72,10 @@ class RequestProgress:
             self._stage = stage
             self._progress.update(self._task, completed=0, total=None, step="")
         if step is not None and total:
-            self._progress.update(self._task, completed=step, total=total, step=f"{stage} step {step}/{total}")
+            label = f"{stage} step {step}/{total}"
+            if phase:
+                label = f"{stage} {PHASES.get(phase, phase)} (after step {step}/{total})"
+            self._progress.update(self._task, completed=step, total=total, step=label)
         if status is not None and status.state is RequestState.DONE:
             self._progress.update(self._task, completed=1, total=1)
         self._progress.update(self._task, description=self._description())

@@ -97,7 +97,8 @@ def test_delete_makes_a_finished_video_gone(deployment: Deployment, sdk: openai.
         sdk.videos.delete(video.id)
     assert video.id not in [v.id for v in sdk.videos.list(limit=100)]
     with sync_redis.Redis.from_url(deployment.redis_url) as r:  # the output and previews are freed
-        assert not r.exists(keys.result(video.id), *(keys.video_preview(video.id, v) for v in ("thumbnail", "spritesheet")))
+        previews = [keys.video_preview(video.id, v) for v in ("thumbnail", "spritesheet")]
+        assert not r.exists(keys.result(video.id), *previews)
 
 
 def test_delete_cancels_a_running_job(sdk: openai.OpenAI) -> None:

@@ -1,8 +1,10 @@
-"""A stage that dies mid-job: its request's status still says ``running`` (its last writer is gone), so
-the gateway's video object and ``stageferry status`` say that no live worker holds it, until one is back.
+"""What a running job's readers see besides steps: a phase after the steps (decode, mux) in the status
+the stage publishes; and, when its stage dies mid-job — the status still says ``running``, its last
+writer is gone — that no live worker holds it (the gateway's video object and ``stageferry status``),
+until one is back.
 
-A module of its own: it kills the diffusion stage of its module's deployment (real processes, Redis,
-uvicorn).
+A module of its own: its last test kills the diffusion stage of its module's deployment (real
+processes, Redis, uvicorn).
 """
 
 from __future__ import annotations
@@ -26,6 +28,20 @@ SMALL = {"width": "64", "height": "64", "fps": "8", "num_frames": "1", "num_infe
 def video(http: httpx.Client, vid: str) -> dict[str, Any]:
     body: dict[str, Any] = http.get(f"/v1/videos/{vid}").json()
     return body
+
+
+def test_a_phase_after_the_steps_is_in_the_status(deployment: Deployment, http: httpx.Client) -> None:
+    vid = http.post("/v1/videos", data={"prompt": "phase:60 a long decode", **SMALL}).json()["id"]
+    client = deployment.services.client()
+
+    def in_phase() -> Any:
+        status = client.status(vid)
+        return status if status is not None and status.progress is not None and status.progress.phase else None
+
+    status = wait_for(in_phase, 60, "the phase in the status")
+    assert status.progress.stage == "diffusion" and status.progress.phase == "decode"
+    http.delete(f"/v1/videos/{vid}")
+    wait_for(lambda: video(http, vid)["stageferry_state"] == "cancelled", 60, "the cancel")
 
 
 def test_a_job_whose_stage_died_says_no_live_worker_holds_it(deployment: Deployment, http: httpx.Client) -> None:
