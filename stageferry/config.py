@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from stageferry.config_errors import describe
 from stageferry.cpus import default_hot_wait
 from stageferry.errors import ConfigError
 from stageferry.schemas.job import TENANT_PATTERN
@@ -465,7 +466,9 @@ class PipelineConfig(Strict):
             return cls()
         try:
             return cls.model_validate(tomllib.loads(Path(path).read_text()))
-        except (OSError, tomllib.TOMLDecodeError, ValidationError) as exc:
+        except ValidationError as exc:
+            raise ConfigError(f"cannot load pipeline config {path}: {describe(exc, cls)}", path=str(path)) from exc
+        except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot load pipeline config {path}: {exc}", path=str(path)) from exc
 
 

@@ -390,3 +390,31 @@ def test_hops_ignore_a_hand_off_queued_that_lands_after_the_next_stage_started()
         ("done", "diffusion"),
     ]
     assert found[1].seconds == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("submit", "--task", "foo", "--prompt", "x"), "'--task': 'foo' is not one of 't2va', 'fl2va', 'ref2va'"),
+        (("submit", "--steps", "many"), "'--steps'"),
+        (("no-such-command",), "No such command 'no-such-command'"),
+    ],
+)
+def test_a_command_line_that_does_not_parse_is_one_line(args: tuple[str, ...], says: str, tmp_path: Path) -> None:
+    """Not click's usage block: the one-line `error [code]` every other refusal prints."""
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error [usage]: ") and says in line and "--help" in line, line
+
+
+def test_a_typo_in_the_pipeline_file_says_what_was_meant(tmp_path: Path) -> None:
+    pipeline = tmp_path / "pipeline.toml"
+    pipeline.write_text('[[stages]]\nname = "encoder"\nmodle = "x:factory"\n\n[limits]\nmax_stepz = 3\n')
+    result = run_cli("--pipeline", str(pipeline), "plan", cwd=tmp_path)
+    assert result.returncode == 1
+    (line,) = result.stderr.splitlines()  # one line, not pydantic's dump
+    assert line.startswith("error [config]: cannot load pipeline config")
+    assert "stages.0.modle: unknown key; did you mean `model`?" in line
+    assert "limits.max_stepz: unknown key; did you mean `max_steps`?" in line
+    assert "pydantic.dev" not in line
