@@ -85,6 +85,13 @@ def test_invalid_job_is_one_line_without_traceback(redis_url: str, prefix: str) 
     result = invoke(redis_url, prefix, "submit", "--json", "-", stdin="{not json")
     assert result.exit_code == 1 and result.stderr.startswith("error [invalid_job]")
     assert "Traceback" not in result.output
+    # a bound the deployment sets tighter than the schema is quoted as the deployment's
+    result = invoke(redis_url, prefix, "submit", "--prompt", "x" * 9000)
+    assert result.stderr.strip().splitlines() == [
+        "error [invalid_job]: prompt: at most 4096 characters (this deployment's limits.max_prompt_chars)"
+    ]
+    result = invoke(redis_url, prefix, "submit", "--prompt", "x", "--steps", "201")
+    assert "must be at most 100 (this deployment's limits.max_steps)" in result.stderr
 
 
 def test_an_id_that_would_alias_another_requests_keys_is_refused(redis_url: str, prefix: str) -> None:

@@ -319,14 +319,22 @@ def _data_url(raw: str, source: str, key: str) -> bytes:
     """The bytes of ``{"<key>": "data:...;base64,..."}``; remote URLs are refused (the gateway fetches nothing)."""
     try:
         value = json.loads(raw)
-    except ValueError:
+    except json.JSONDecodeError as exc:
+        if raw.lstrip().startswith("{"):  # JSON meant, and broken: often a base64 wrapped onto several lines
+            hint = " (a line break inside the base64? send it on one line)" if "control character" in exc.msg else ""
+            raise invalid(source, f"not valid JSON: {exc.msg}{hint}", "json_invalid") from None
         value = raw  # a bare URL is accepted too
     url = value.get(key) if isinstance(value, dict) else value
     if not isinstance(url, str):
         raise invalid(source, f"give JSON {{{key!r}: 'data:...;base64,...'}}", "reference_type")
     match = re.fullmatch(r"data:[\w.+/-]*(?:;[\w=.-]+)*;base64,(.*)", url.strip(), flags=re.DOTALL)
     if match is None:
-        message = "only base64 data URLs are accepted (upload the file instead)"
+        if url.strip().startswith("data:") and ";base64," in url:
+            message = "a malformed data URL (data:<media type>;base64,<data>)"
+        elif url.strip().startswith("data:"):
+            message = "only base64 data URLs are accepted (data:<media type>;base64,<data>)"
+        else:
+            message = "only base64 data URLs are accepted: the gateway fetches no URL (upload the file instead)"
         raise invalid(f"{source}.{key}", message, "reference_url")
     try:
         return base64.b64decode(match[1], validate=True)

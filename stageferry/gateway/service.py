@@ -67,7 +67,7 @@ class VideoService:
         keys = self.client.keys
         try:
             refs = {name: keys.upload("precheck", name) for name in mapped.uploads}
-            checked = validate_job(with_upload_refs(mapped.job, refs))
+            checked = validate_job(with_upload_refs(mapped.job, refs), limits)
             check_job_limits(checked, limits, upload_prefix=keys.upload_prefix())
             rid, created = new_request_id(self.client.tenant, kind=id_kind), True
             if idempotency is not None:
