@@ -63,6 +63,16 @@ def test_submit_then_status(redis_url: str, prefix: str) -> None:
     assert status.state is RequestState.QUEUED and status.stage == "encoder"
 
 
+def test_submit_takes_a_negative_prompt(redis_url: str, prefix: str) -> None:
+    result = invoke(redis_url, prefix, "submit", "--prompt", "a boat", "--negative-prompt", "blurry, text",
+                    "--request-id", "cli-neg")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    with sync_redis.Redis.from_url(redis_url) as r:  # what the first stage will read
+        ((_entry, fields),) = r.xrange(Keys(prefix).stage_stream("encoder"))
+    job = json.loads(fields[b"job"])
+    assert job["prompt"] == "a boat" and job["negative_prompt"] == "blurry, text"
+
+
 def test_submit_from_json_on_stdin_with_env_settings(redis_url: str, prefix: str) -> None:
     job = json.dumps({"prompt": "from stdin", "width": 320, "height": 192})
     env = {"STAGEFERRY_REDIS_URL": redis_url, "STAGEFERRY_PREFIX": prefix}

@@ -33,7 +33,7 @@ def _job_help(field: str, what: str | None = None) -> str:
     prop = _JOB_SCHEMA["properties"][field]
     text = what or prop.get("description", "")
     default = prop.get("default")
-    if default is not None:
+    if default not in (None, ""):
         text += f" Job default: {default}."
     if allowed_range := allowed(_JOB_SCHEMA, field):
         text += f" Allowed: {allowed_range}."
@@ -53,6 +53,9 @@ SeedOpt = Annotated[int | None, typer.Option("--seed", help=_job_help("seed"))]
 FlowShiftOpt = Annotated[float | None, typer.Option("--flow-shift", help=_job_help("flow_shift"))]
 AudioFlowShiftOpt = Annotated[float | None, typer.Option("--audio-flow-shift", help=_job_help("audio_flow_shift"))]
 GuidanceOpt = Annotated[float | None, typer.Option("--guidance", help=_job_help("guidance"))]
+NegativePromptOpt = Annotated[
+    str | None, typer.Option("--negative-prompt", metavar="TEXT", help=_job_help("negative_prompt"))
+]
 LoraOpt = Annotated[str | None, typer.Option("--lora", metavar="NAME", help=_job_help("lora"))]
 _MEDIA_HELP = (
     "upload:LOCAL_FILE to upload the bytes, or a path the encoder stage reads (only under the deployment's "
@@ -139,6 +142,7 @@ def submit(
     ctx: typer.Context,
     task: TaskOpt = None,
     prompt: PromptOpt = None,
+    negative_prompt: NegativePromptOpt = None,
     width: WidthOpt = None,
     height: HeightOpt = None,
     fps: FpsOpt = None,
@@ -180,7 +184,8 @@ def submit(
 ) -> None:
     """Submit a job; prints its request id (with --wait: follows it and prints the final status)."""
     fields = {
-        "task": task, "prompt": prompt, "width": width, "height": height, "fps": fps, "duration": duration,
+        "task": task, "prompt": prompt, "negative_prompt": negative_prompt, "width": width, "height": height,
+        "fps": fps, "duration": duration,
         "num_inference_steps": steps, "seed": seed, "flow_shift": flow_shift,
         "audio_flow_shift": audio_flow_shift, "guidance": guidance, "lora": lora,
     }  # fmt: skip

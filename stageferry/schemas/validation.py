@@ -98,6 +98,9 @@ def check_job_limits(job: JobRequest, limits: Limits, *, upload_prefix: str) -> 
     Messages quote the deployment's limit (``limits.<name> = <value>``), not the schema's: a client
     learns what *this* deployment serves."""
     errors: list[dict[str, Any]] = []
+    if job.task not in limits.tasks:
+        served = ", ".join(t.value for t in limits.tasks)
+        errors.append(field_error("task", f"this deployment serves {served} only (limits.tasks)", "unsupported_task"))
     if job.num_inference_steps > limits.max_steps:
         errors.append(field_error("num_inference_steps", f"must be at most {limits.max_steps}", "less_than_equal"))
     if len(job.prompt) > limits.max_prompt_chars:
