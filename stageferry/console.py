@@ -76,8 +76,8 @@ class RequestProgress:
             if phase:
                 label = f"{stage} {PHASES.get(phase, phase)} (after step {step}/{total})"
             self._progress.update(self._task, completed=step, total=total, step=label)
-        if status is not None and status.state is RequestState.DONE:
-            self._progress.update(self._task, completed=1, total=1)
+        if status is not None and status.state is RequestState.DONE:  # no phase of a finished stage lingers
+            self._progress.update(self._task, completed=1, total=1, step=f"{stage} done")
         self._progress.update(self._task, description=self._description())
 
 

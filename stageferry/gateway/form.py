@@ -29,6 +29,11 @@ from stageferry.schemas.validation import field_errors
 
 #: Text fields whose value may carry a whole upload as a data URL.
 DATA_URL_FIELDS = ("image_reference", "audio_reference")
+#: OpenAI's ``input_reference`` given as an object (the SDK sends ``input_reference={"image_url": ...}``
+#: as these form fields): a data URL of an image, or an uploaded file's id (which this gateway has none of).
+IMAGE_URL_FIELD, FILE_ID_FIELD = "input_reference[image_url]", "input_reference[file_id]"
+#: Text fields that may be as large as an upload.
+LARGE_TEXT_FIELDS = (*DATA_URL_FIELDS, IMAGE_URL_FIELD)
 #: vLLM-Omni fields with no equivalent in this pipeline: refused by name rather than ignored.
 UNSUPPORTED_FIELDS = frozenset({
     "guidance_scale_2", "boundary_ratio", "true_cfg_scale", "enable_frame_interpolation", "frame_interpolation_exp",
@@ -132,7 +137,12 @@ class _Builder:
 
 def map_form(form: ParsedForm) -> MappedJob:
     """The job for a parsed form; :class:`ApiError` (400) naming every field that cannot be mapped."""
-    unknown = [name for name in form.fields if name not in VideoForm.model_fields]
+    fields = dict(form.fields)
+    image_url, file_id = fields.pop(IMAGE_URL_FIELD, None), fields.pop(FILE_ID_FIELD, None)
+    if file_id is not None:
+        message = "file ids are not supported: upload the image, or give input_reference.image_url as a data URL"
+        raise invalid("input_reference.file_id", message, "unsupported")
+    unknown = [name for name in fields if name not in VideoForm.model_fields]
     errors = [
         field_error(n, "not supported by this deployment", "unsupported")
         if n in UNSUPPORTED_FIELDS
@@ -144,7 +154,7 @@ def map_form(form: ParsedForm) -> MappedJob:
     if errors:
         raise invalid_fields(errors)
     try:
-        parsed = VideoForm.model_validate(form.fields)
+        parsed = VideoForm.model_validate(fields)
     except ValidationError as exc:
         raise invalid_fields(field_errors(exc)) from exc
 
@@ -173,8 +183,16 @@ def map_form(form: ParsedForm) -> MappedJob:
             b.put(EXTRA_PARAMS[key], value.lower() if key == "task" and isinstance(value, str) else value, source)
     if aspect is not None:
         _apply_aspect(b, *aspect)
-    inferred = "task" not in b.job and _infer_task(b, form, parsed)
+    inferred = "task" not in b.job and _infer_task(b, form, parsed, image_url is not None)
     _map_media(b, form, parsed)
+    if image_url is not None:  # the image of an input_reference object: where an uploaded one would go
+        data = _data_url(json.dumps({"image_url": image_url}), "input_reference", "image_url")
+        if str(b.job.get("task", "t2va")).lower() == "ref2va":
+            _reference_media(
+                b, UploadedFile("input_reference.image_url", "", "image/*", data), "input_reference.image_url"
+            )
+        else:
+            b.media("first_frame", data, "input_reference.image_url")
     if inferred and b.job["task"] == "fl2va" and "first_frame" in b.uploads and "last_frame" not in b.uploads:
         b.uploads["last_frame"] = b.uploads["first_frame"]  # one image: the clip starts and ends on it
         b.origin["media.last_frame"] = b.origin["media.first_frame"]
@@ -254,12 +272,13 @@ _KIND_OF_FIELD = {"first_frame": "image", "last_frame": "image", "last_image": "
                   "reference_video": "video", "image_reference": "image", "audio_reference": "audio"}  # fmt: skip
 
 
-def _infer_task(b: _Builder, form: ParsedForm, parsed: VideoForm) -> bool:
+def _infer_task(b: _Builder, form: ParsedForm, parsed: VideoForm, image_url: bool) -> bool:
     """With no task named, the one the uploads imply (an OpenAI client cannot name one): images alone are
     an image-to-video job (fl2va; a single image is its first and last frame), a video or audio is ref2va.
     True when a task was inferred; no upload leaves the default (t2va)."""
     kinds = [(_KIND_OF_FIELD.get(up.field) or media_kind(up.content_type, up.data), up.field) for up in form.files]
     kinds += [(_KIND_OF_FIELD[name], name) for name in DATA_URL_FIELDS if getattr(parsed, name) is not None]
+    kinds += [("image", "input_reference.image_url")] if image_url else []
     if not kinds:
         return False
     other = [source for kind, source in kinds if kind != "image"]

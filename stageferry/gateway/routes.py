@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 from stageferry.errors import DeadlineExceededError, StageferryError
 from stageferry.gateway import listing
 from stageferry.gateway.errors import ApiError, from_exception, from_status_error, invalid, with_request_id
-from stageferry.gateway.form import DATA_URL_FIELDS, MEDIA_FIELDS, MappedJob, map_form, openapi_request_body
+from stageferry.gateway.form import LARGE_TEXT_FIELDS, MEDIA_FIELDS, MappedJob, map_form, openapi_request_body
 from stageferry.gateway.idempotency import HEADER as IDEMPOTENCY_HEADER
 from stageferry.gateway.idempotency import IdempotencyKey
 from stageferry.gateway.metrics import JOBS, UPLOAD_BYTES
@@ -64,7 +64,7 @@ async def _read_job(request: Request, service: VideoService) -> MappedJob:
             request.stream(),
             max_file_bytes=limit,
             max_body_bytes=body_cap(limit, len(MediaInputs.model_fields)),
-            large_text_fields=DATA_URL_FIELDS,
+            large_text_fields=LARGE_TEXT_FIELDS,
         )
     except ClientDisconnect:
         raise ApiError(400, "invalid_form", "the client went away before sending the whole form") from None
