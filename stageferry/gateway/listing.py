@@ -7,7 +7,8 @@ time; each job's gateway record (:class:`~.objects.VideoMeta`) keeps its entry i
 at video ``X`` resumes with ``after=X`` at an exclusive range bound — one XRANGE/XREVRANGE per page,
 however long the index.  The index is trimmed, with every append, to the request TTL (``MINID``):
 expired jobs fall off; a deleted job's entry is removed at once (its record stays, as a tombstone, so
-that a cursor naming it still works).
+that a cursor naming it still works).  The same round trip notes the job in the console's recent list
+(:mod:`.recent`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pydantic import ValidationError
 
 from stageferry.broker.control.redis_conn import translated
 from stageferry.client import Client
+from stageferry.gateway import recent
 from stageferry.gateway.errors import invalid
 from stageferry.gateway.objects import VideoMeta
 from stageferry.schemas import RequestState, RequestStatus
@@ -50,13 +52,16 @@ def index_key(client: Client) -> str:
 
 
 async def append(client: Client, request_id: str) -> str:
-    """Index an accepted job (its entry id comes back, for its record); entries older than the request TTL
-    are trimmed in the same command."""
+    """Index an accepted job (its entry id comes back, for its record), and note it in the console's recent
+    list, in one round trip; index entries older than the request TTL are trimmed in the same command."""
     ttl_ms = client.pipeline.retention.request_ttl_s * 1000
     with translated():
-        entry = await client.redis.xadd(
-            index_key(client), {"id": request_id}, minid=max(0, int(time.time() * 1000) - ttl_ms), approximate=True
-        )
+        async with client.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(
+                index_key(client), {"id": request_id}, minid=max(0, int(time.time() * 1000) - ttl_ms), approximate=True
+            )
+            recent.record(pipe, client, request_id)
+            entry, _ = await pipe.execute()
     return entry.decode() if isinstance(entry, bytes) else str(entry)
 
 

@@ -23,7 +23,7 @@ from stageferry.broker.control.liveness import FRESH_S, unheld_note
 from stageferry.broker.control.redis_conn import translated
 from stageferry.client import Client, new_request_id, validate_job, with_upload_refs
 from stageferry.errors import ControlPlaneError, QueueFullError, RejectedError, StageferryError
-from stageferry.gateway import listing, recent
+from stageferry.gateway import listing
 from stageferry.gateway.errors import ApiError, from_exception, from_status_error, invalid, with_request_id
 from stageferry.gateway.form import MappedJob
 from stageferry.gateway.idempotency import IdempotencyKey, IdempotencyStore, fingerprint
@@ -102,8 +102,6 @@ class VideoService:
                     ex=self.client.pipeline.retention.request_ttl_s,
                     nx=not created,
                 )
-            if created:
-                await recent.record(self.client, rid)  # the console's list of recent requests
         except StageferryError as exc:  # the job is in: the answer must still name it
             raise with_request_id(from_exception(exc), rid) from exc
         return rid, created
