@@ -31,7 +31,7 @@ from stageferry.gateway.objects import VideoDeleted, VideoList, VideoMeta, Video
 from stageferry.gateway.previews import PreviewError, Previews, render
 from stageferry.gateway.results import ResultFile, ResultFiles, ResultRefused, refuse_logged
 from stageferry.schemas import RequestState, RequestStatus
-from stageferry.schemas.job import REQUEST_ID_PATTERN
+from stageferry.schemas.job import REQUEST_ID_PATTERN, tenant_of
 from stageferry.schemas.validation import check_job_limits
 
 
@@ -168,7 +168,8 @@ class VideoService:
         """A page of this gateway's (tenant's) videos; ``after`` is the last id of the previous page."""
         cursor = None
         if after is not None:
-            cursor = await self.meta(after) if re.fullmatch(REQUEST_ID_PATTERN, after) else None
+            ours = re.fullmatch(REQUEST_ID_PATTERN, after) and tenant_of(after) == self.client.tenant
+            cursor = await self.meta(after) if ours else None
             if cursor is None or cursor.index_entry is None:
                 raise invalid(
                     "after", f"no video {after!r} to page from (unknown, expired or not a video id)", "unknown"
