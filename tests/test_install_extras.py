@@ -10,7 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = (
-    "torch", "nixl", "msgpack", "av", "numpy", "PIL", "fastapi", "starlette", "uvicorn", "multipart", "prometheus_client",
+    "torch", "nixl", "msgpack", "av", "numpy", "PIL", "fastapi", "starlette", "uvicorn", "multipart",
+    "prometheus_client",
 )  # fmt: skip
 
 CLIENT_SIDE = f"""
