@@ -8,16 +8,20 @@ from __future__ import annotations
 
 from types import TracebackType
 
+import anyio
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from stageferry.broker.control.liveness import unheld_note
 from stageferry.client import Client
-from stageferry.errors import JobValidationError, StageferryError
+from stageferry.errors import ControlPlaneError, JobValidationError, StageferryError
 from stageferry.schemas import RequestState, RequestStatus
 from stageferry.trace import TraceEvent
 
 #: How the console names a stage's phases after its steps (others are shown as reported).
 PHASES = {"decode": "decoding", "mux": "writing the MP4"}
+#: How often :func:`follow` checks that a live worker can hold the request (one HGETALL).
+LIVENESS_EVERY_S = 5.0
 
 
 class RequestProgress:
@@ -36,6 +40,7 @@ class RequestProgress:
         self._task: TaskID | None = None
         self._state = "queued"
         self._stage = "-"
+        self._note: str | None = None
 
     def __enter__(self) -> RequestProgress:
         self._progress.__enter__()
@@ -48,7 +53,14 @@ class RequestProgress:
         self._progress.__exit__(exc_type, exc, tb)
 
     def _description(self) -> str:
-        return f"{self._request_id}  {self._state:<9} {self._stage:<10}"
+        note = f"  ({self._note})" if self._note else ""
+        return f"{self._request_id}  {self._state:<9} {self._stage:<10}{note}"
+
+    def on_note(self, note: str | None) -> None:
+        """Show (or, with ``None``, clear) a note after the state, e.g. that no live worker holds it."""
+        if self._task is not None:
+            self._note = note
+            self._progress.update(self._task, description=self._description())
 
     def on_event(self, event: TraceEvent) -> None:
         """Update from one event: status rows set state/stage/step, log rows with ``step`` set the step."""
@@ -84,7 +96,30 @@ class RequestProgress:
 async def follow(client: Client, request_id: str, *, timeout: float | None, console: Console) -> RequestStatus:
     """Wait for ``request_id`` while showing its progress; the final status."""
     with RequestProgress(console, request_id) as view:
-        return await client.wait_with_events(request_id, view.on_event, timeout=timeout)
+        failure: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_liveness, client, request_id, view)
+            try:
+                status = await client.wait_with_events(request_id, view.on_event, timeout=timeout)
+            except Exception as exc:  # raised as it is, not wrapped in the task group's ExceptionGroup
+                failure = exc
+            tg.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        view.on_note(None)
+        return status
+
+
+async def _watch_liveness(client: Client, request_id: str, view: RequestProgress) -> None:
+    """Every :data:`LIVENESS_EVERY_S`: note on the line when the request waits on a stage with no live
+    worker (its status alone still says running); Redis trouble skips a round."""
+    while True:
+        await anyio.sleep(LIVENESS_EVERY_S)
+        try:
+            status = await client.status(request_id)
+            view.on_note(await unheld_note(client.redis, client.keys, status) if status is not None else None)
+        except ControlPlaneError:
+            continue
 
 
 def render_status(status: RequestStatus) -> str:

@@ -9,7 +9,10 @@ processes, Redis, uvicorn).
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 from typing import Any
 
 import httpx
@@ -58,6 +61,13 @@ def test_a_job_whose_stage_died_says_no_live_worker_holds_it(deployment: Deploym
     cli = CliRunner().invoke(app, ["--redis-url", deployment.redis_url, "--prefix", deployment.prefix, "status", vid])
     assert cli.exit_code == 0, cli.output
     assert '"state": "running"' in cli.stdout and "no live worker holds it: stage 'diffusion'" in cli.stderr
+    # `submit --wait` follows a new job to the stage that has no worker: its live line says so
+    command = [sys.executable, "-m", "stageferry", "--redis-url", deployment.redis_url, "--prefix", deployment.prefix,
+               "submit", "--prompt", "x", "--width", "64", "--height", "64", "--fps", "8", "--duration", "0.125",
+               "--steps", "1", "--wait", "--timeout", "15"]  # fmt: skip
+    waited = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "400"})
+    assert waited.returncode == 1 and "error [deadline_exceeded]" in waited.stderr, waited.stderr
+    assert "no live worker holds it: stage 'diffusion'" in waited.stderr, waited.stderr
     deployment.services.start("diffusion", "b")  # a worker of that stage is back: the note goes
     deployment.services.wait_live("diffusion", "diffusion-b", timeout=180)
     back = wait_for(lambda: (v := video(http, vid))["stageferry_note"] is None and v, 60, "the note to go")
