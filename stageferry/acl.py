@@ -30,12 +30,13 @@ from stageferry.errors import ConfigError
 from stageferry.schemas.job import TENANT_SEPARATOR, is_tenant
 
 #: Every command the stage services send, directly or from their Lua scripts (taken from MONITOR during
-#: full pipeline runs and from reading ``broker/``).
+#: full pipeline runs and from reading ``broker/``; ``tests/security/test_stage_acl.py`` holds every Lua
+#: script in the package to this list and runs the control plane's scripts as this user).
 STAGE_COMMANDS = (
     "hello", "auth", "ping", "select", "multi", "exec", "discard", "evalsha", "script|load", "exists", "get",
     "set", "strlen", "del", "expire", "pexpire", "hget", "hset", "hdel", "hgetall", "rpush", "lpush", "ltrim",
-    "blpop", "xadd", "xack", "xdel", "xclaim", "xautoclaim", "xgroup|create", "xlen", "xpending", "xrange",
-    "xrevrange", "xread", "xreadgroup",
+    "blpop", "xadd", "xack", "xdel", "xtrim", "xclaim", "xautoclaim", "xgroup|create", "xlen", "xpending",
+    "xrange", "xrevrange", "xread", "xreadgroup",
 )  # fmt: skip
 _CONNECTION = "+hello +auth +ping +select +multi +exec +discard"
 
@@ -76,13 +77,30 @@ def client_user(
     return f"user {user} on {password} resetkeys resetchannels -@all {_CONNECTION} {body}"
 
 
+def scaler_user(prefix: str, *, name: str = "sfscaler", password: str = ">CHANGE-ME") -> str:
+    """An autoscaler's user (KEDA's ``redis-streams`` trigger): it reads the stage streams' backlog only
+    (``XPENDING`` for pending entries, ``XINFO GROUPS`` for the group's lag, ``XLEN``), no entry's body."""
+    keys = Keys(prefix)
+    commands = "+xpending +xinfo|groups +xinfo|stream +xlen"
+    streams = f"%R~{keys.stage_stream('*')}"
+    return f"user {name} on {password} resetkeys resetchannels -@all {_CONNECTION} {streams} {commands}"
+
+
 def acl_file(
-    prefix: str, first_stage: str, *, tenants: Sequence[str] = (), passwords: dict[str, str] | None = None
+    prefix: str,
+    first_stage: str,
+    *,
+    tenants: Sequence[str] = (),
+    passwords: dict[str, str] | None = None,
+    scaler: bool = False,
 ) -> str:
     """A whole ACL file: the default user off, the services' user, and one client user per tenant (or the
-    single-tenant client user when there are none).  ``passwords`` maps user → ``>password``/``#sha256``."""
+    single-tenant client user when there are none); with ``scaler`` also :func:`scaler_user`.
+    ``passwords`` maps user → ``>password``/``#sha256``."""
     pw = passwords or {}
     lines = ["user default off", stage_user(prefix, password=pw.get("stageferry", ">CHANGE-ME"))]
+    if scaler:
+        lines.append(scaler_user(prefix, password=pw.get("sfscaler", ">CHANGE-ME")))
     if not tenants:
         lines.append(client_user(prefix, first_stage, password=pw.get("sfclient", ">CHANGE-ME")))
     for tenant in tenants:
@@ -91,4 +109,4 @@ def acl_file(
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["STAGE_COMMANDS", "acl_file", "client_user", "stage_user"]
+__all__ = ["STAGE_COMMANDS", "acl_file", "client_user", "scaler_user", "stage_user"]

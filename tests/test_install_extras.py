@@ -10,9 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = (
-    "torch", "nixl", "msgpack", "av", "numpy", "PIL", "fastapi", "starlette", "uvicorn", "multipart",
-    "prometheus_client",
-)  # fmt: skip
+    "torch", "nixl", "msgpack",
+    "av", "numpy", "PIL", "fastapi", "starlette", "uvicorn", "multipart", "prometheus_client",
+)
 
 CLIENT_SIDE = f"""
 import sys

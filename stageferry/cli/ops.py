@@ -100,13 +100,16 @@ def acl(
     tenant: Annotated[
         list[str] | None, typer.Option("--tenant", help="A tenant (repeatable); default: the pipeline's.")
     ] = None,
+    scaler: Annotated[
+        bool, typer.Option("--scaler", help="Also an autoscaler's user (KEDA): the stage streams' backlog only.")
+    ] = False,
 ) -> None:
     """Print the Redis ACL users for this deployment (redis.conf syntax; passwords CHANGE-ME): the
     services' user and least-privilege client users, one per tenant."""
     settings = _settings(ctx)
     pipeline = settings.load_pipeline()
     tenants = tenant if tenant else list(pipeline.security.tenants)
-    typer.echo(acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants), nl=False)
+    typer.echo(acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants, scaler=scaler), nl=False)
 
 @app.command()
 @_expected_errors
@@ -304,7 +307,9 @@ def chaos(
     enc_tp: Annotated[int, typer.Option("--enc-tp", min=1, max=64, help="TP size of each encoder replica.")] = 2,
     dif_tp: Annotated[int, typer.Option("--dif-tp", min=1, max=64, help="TP size of each diffusion replica.")] = 4,
     window: Annotated[float | None, typer.Option("--window", help="Seconds to submit over (0.6 s/job).")] = None,
-    faults: Annotated[int | None, typer.Option("--faults", min=0, help="Faults of each kind (default 2).")] = None,
+    faults: Annotated[
+        int | None, typer.Option("--faults", min=0, help="Faults of each kind (default 2; empty_restart 1).")
+    ] = None,
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="Logs and Redis data (kept).")] = None,
 ) -> None:
     """Fault-injection soak: the pipeline on a private AOF Redis under random SIGKILLs, Redis restarts
@@ -325,3 +330,4 @@ def chaos(
         raise typer.Exit(1)
 
 
+from stageferry.cli import kube as _kube  # noqa: E402,F401 - registers `stageferry kube`, after these commands
