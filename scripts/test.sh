@@ -35,7 +35,8 @@ fi
 # The console's browser test drives Debian's chromium (Playwright's own browser downloads are not used).
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "test: installing chromium" >&2
+    echo "test: installing Debian's chromium for the console's browser test (apt-get, about 6 minutes the first" >&2
+    echo "test: time; install it yourself beforehand, or put a chromium on PATH, to skip this step)" >&2
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
       || echo "test: chromium could not be installed; the console's browser test will skip" >&2
   else

@@ -6,7 +6,7 @@ reached through its module (``stageferry.broker``, ``stageferry.schemas``, ...).
 
 from stageferry.client import Client, SyncClient
 from stageferry.config import PipelineConfig, Settings
-from stageferry.errors import StageferryError
+from stageferry.errors import JobValidationError, StageferryError
 from stageferry.schemas import JobRequest, RequestState, RequestStatus, Task
 
 __version__ = "0.1.0"
@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Client",
     "JobRequest",
+    "JobValidationError",
     "PipelineConfig",
     "RequestState",
     "RequestStatus",

@@ -36,7 +36,7 @@ STAGE_COMMANDS = (
     "hello", "auth", "ping", "select", "multi", "exec", "discard", "evalsha", "script|load", "exists", "get",
     "set", "strlen", "del", "expire", "pexpire", "hget", "hset", "hdel", "hgetall", "rpush", "lpush", "ltrim",
     "blpop", "xadd", "xack", "xdel", "xtrim", "xclaim", "xautoclaim", "xgroup|create", "xlen", "xpending",
-    "xrange", "xread", "xreadgroup",
+    "xrange", "xrevrange", "xread", "xreadgroup",
 )  # fmt: skip
 _CONNECTION = "+hello +auth +ping +select +multi +exec +discard"
 

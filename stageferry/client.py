@@ -23,7 +23,7 @@ from stageferry.broker.control.redis_conn import BLOCK_MS, connect, translated
 from stageferry.broker.control.refusals import Refusal, Refusals
 from stageferry.broker.control.requests import RequestStore
 from stageferry.broker.control.resp_link import open_link
-from stageferry.config import PipelineConfig, Settings
+from stageferry.config import Limits, PipelineConfig, Settings
 from stageferry.errors import ConfigError, JobValidationError, RequestLostError, RequestNotFoundError, field_error
 from stageferry.schemas import JobRequest, MediaInputs, RequestState, RequestStatus
 from stageferry.schemas.job import (
@@ -65,16 +65,17 @@ def check_request_id(rid: str, tenant: str | None = None) -> None:
         )
 
 
-def validate_job(data: Mapping[str, Any]) -> JobRequest:
+def validate_job(data: Mapping[str, Any], limits: Limits | None = None) -> JobRequest:
     """A job from plain data, or :class:`JobValidationError` naming each bad field.
 
     Only the schema is checked here; deployment limits (step cap, LoRA adapters, ...) are checked by
-    the first stage, which rejects the request with the same kind of field errors.
+    the first stage, which rejects the request with the same kind of field errors.  Given the
+    deployment's ``limits``, a schema bound they make tighter is quoted as the deployment's.
     """
     try:
         return JobRequest.model_validate(data)
     except ValidationError as exc:
-        errors = field_errors(exc)
+        errors = field_errors(exc, limits)
         summary = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
         raise JobValidationError(f"invalid job: {summary}", errors) from exc
 
@@ -161,7 +162,9 @@ class Client:
         check_request_id(rid, self.tenant)
         data = job.model_dump(mode="json") if isinstance(job, JobRequest) else dict(job)
         blobs = await self._read_uploads(uploads or {})
-        checked = validate_job(with_upload_refs(data, {name: self.keys.upload(rid, name) for name in blobs}))
+        checked = validate_job(
+            with_upload_refs(data, {name: self.keys.upload(rid, name) for name in blobs}), self.pipeline.limits
+        )
         check_job_limits(checked, self.pipeline.limits, upload_prefix=self.keys.upload(rid, ""))
         first = self.pipeline.stages[0].name
         entry = await self.store.submit(

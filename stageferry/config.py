@@ -28,9 +28,10 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from stageferry.broker.data.nixl.address import parse_address
+from stageferry.config_errors import describe
 from stageferry.cpus import default_hot_wait
 from stageferry.errors import ConfigError
-from stageferry.schemas.job import TENANT_PATTERN
+from stageferry.schemas.job import TENANT_PATTERN, Task
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -326,6 +327,8 @@ class Limits(Strict):
     """A lost payload is recomputed upstream at most this often."""
     lora_adapters: tuple[Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")], ...] = ()
     """Names a job's `lora` may use."""
+    tasks: Annotated[tuple[Task, ...], Field(min_length=1)] = (Task.T2VA, Task.FL2VA, Task.REF2VA)
+    """Tasks this deployment serves (a text-only encoder: `["t2va"]`); others are refused on submission."""
 
     @model_validator(mode="after")
     def _absolute_roots(self) -> Limits:
@@ -477,7 +480,9 @@ class PipelineConfig(Strict):
             return cls()
         try:
             return cls.model_validate(tomllib.loads(Path(path).read_text()))
-        except (OSError, tomllib.TOMLDecodeError, ValidationError) as exc:
+        except ValidationError as exc:
+            raise ConfigError(f"cannot load pipeline config {path}: {describe(exc, cls)}", path=str(path)) from exc
+        except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot load pipeline config {path}: {exc}", path=str(path)) from exc
 
 

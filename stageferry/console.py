@@ -8,13 +8,20 @@ from __future__ import annotations
 
 from types import TracebackType
 
+import anyio
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from stageferry.broker.control.liveness import unheld_note
 from stageferry.client import Client
-from stageferry.errors import JobValidationError, StageferryError
+from stageferry.errors import ControlPlaneError, JobValidationError, StageferryError
 from stageferry.schemas import RequestState, RequestStatus
 from stageferry.trace import TraceEvent
+
+#: How the console names a stage's phases after its steps (others are shown as reported).
+PHASES = {"decode": "decoding", "mux": "writing the MP4"}
+#: How often :func:`follow` checks that a live worker can hold the request (one HGETALL).
+LIVENESS_EVERY_S = 5.0
 
 
 class RequestProgress:
@@ -33,6 +40,7 @@ class RequestProgress:
         self._task: TaskID | None = None
         self._state = "queued"
         self._stage = "-"
+        self._note: str | None = None
 
     def __enter__(self) -> RequestProgress:
         self._progress.__enter__()
@@ -45,7 +53,14 @@ class RequestProgress:
         self._progress.__exit__(exc_type, exc, tb)
 
     def _description(self) -> str:
-        return f"{self._request_id}  {self._state:<9} {self._stage:<10}"
+        note = f"  ({self._note})" if self._note else ""
+        return f"{self._request_id}  {self._state:<9} {self._stage:<10}{note}"
+
+    def on_note(self, note: str | None) -> None:
+        """Show (or, with ``None``, clear) a note after the state, e.g. that no live worker holds it."""
+        if self._task is not None:
+            self._note = note
+            self._progress.update(self._task, description=self._description())
 
     def on_event(self, event: TraceEvent) -> None:
         """Update from one event: status rows set state/stage/step, log rows with ``step`` set the step."""
@@ -53,6 +68,7 @@ class RequestProgress:
             return
         step: int | None = None
         total: int | None = None
+        phase: str | None = None
         stage = self._stage
         status = event.status
         if status is not None:
@@ -60,7 +76,7 @@ class RequestProgress:
             stage = status.stage or stage
             if status.progress is not None:
                 stage = status.progress.stage or stage
-                step, total = status.progress.step, status.progress.total
+                step, total, phase = status.progress.step, status.progress.total, status.progress.phase
         elif "step" in event.raw and "total" in event.raw:
             stage = event.stage or stage
             step, total = int(event.raw["step"]), int(event.raw["total"])
@@ -68,16 +84,42 @@ class RequestProgress:
             self._stage = stage
             self._progress.update(self._task, completed=0, total=None, step="")
         if step is not None and total:
-            self._progress.update(self._task, completed=step, total=total, step=f"{stage} step {step}/{total}")
-        if status is not None and status.state is RequestState.DONE:
-            self._progress.update(self._task, completed=1, total=1)
+            label = f"{stage} step {step}/{total}"
+            if phase:
+                label = f"{stage} {PHASES.get(phase, phase)} (after step {step}/{total})"
+            self._progress.update(self._task, completed=step, total=total, step=label)
+        if status is not None and status.state is RequestState.DONE:  # no phase of a finished stage lingers
+            self._progress.update(self._task, completed=1, total=1, step=f"{stage} done")
         self._progress.update(self._task, description=self._description())
 
 
 async def follow(client: Client, request_id: str, *, timeout: float | None, console: Console) -> RequestStatus:
     """Wait for ``request_id`` while showing its progress; the final status."""
     with RequestProgress(console, request_id) as view:
-        return await client.wait_with_events(request_id, view.on_event, timeout=timeout)
+        failure: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_liveness, client, request_id, view)
+            try:
+                status = await client.wait_with_events(request_id, view.on_event, timeout=timeout)
+            except Exception as exc:  # raised as it is, not wrapped in the task group's ExceptionGroup
+                failure = exc
+            tg.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        view.on_note(None)
+        return status
+
+
+async def _watch_liveness(client: Client, request_id: str, view: RequestProgress) -> None:
+    """Every :data:`LIVENESS_EVERY_S`: note on the line when the request waits on a stage with no live
+    worker (its status alone still says running); Redis trouble skips a round."""
+    while True:
+        await anyio.sleep(LIVENESS_EVERY_S)
+        try:
+            status = await client.status(request_id)
+            view.on_note(await unheld_note(client.redis, client.keys, status) if status is not None else None)
+        except ControlPlaneError:
+            continue
 
 
 def render_status(status: RequestStatus) -> str:

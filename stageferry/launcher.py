@@ -27,6 +27,7 @@ from rich.console import Console
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import live_by_stage
 from stageferry.broker.control.redis_conn import translated
+from stageferry.cli_hints import cli_command, submit_command
 from stageferry.client import Client, validate_job, with_upload_refs
 from stageferry.config import DEFAULT_STAGES, Settings
 from stageferry.console import follow, render_status
@@ -115,7 +116,7 @@ async def _save_trace(client: Client, request_id: str, output_dir: Path, url: st
     except (StageferryError, OSError, TimeoutError) as exc:
         console.print(f"trace not saved: {exc}")
         return
-    console.print(f"trace: stageferry trace {request_id}  (saved in {path})")
+    console.print(f"trace: {cli_command()} trace {request_id}  (saved in {path})", soft_wrap=True, highlight=False)
 
 
 def _signal_group(proc: Process, signum: signal.Signals) -> None:
@@ -212,6 +213,10 @@ async def run_up(
             exit_code = 0 if status.state is RequestState.DONE else 1
             if serve:
                 console.print(f"serving at {url} with prefix {settings.prefix!r}; Ctrl-C to stop")
+                hint = submit_command(
+                    cli_command(), redis_url=url, prefix=settings.prefix, pipeline=settings.pipeline, job=job
+                )
+                console.print(f"submit another job: {hint}", soft_wrap=True, markup=False, highlight=False)
                 await anyio.sleep_forever()
             tg.cancel_scope.cancel()
         await services.stop()  # their last events reach the trace before it is saved

@@ -20,6 +20,7 @@ import contextvars
 import json
 import logging
 import os
+import re
 import sys
 import threading
 from collections import deque
@@ -114,6 +115,11 @@ def adopt_library_logger(name: str) -> None:
     logger.propagate = True
 
 
+#: The CLI's one-line expected error (``stageferry.console.error_line``), and words that make a line an error.
+_ERROR_LINE = re.compile(r"error \[([a-z0-9_]{1,64})\]: (.*)")
+_ERROR_WORD = re.compile(r"\b(error|fatal)\b")
+
+
 class _NativeOutput:
     """fds 1 and 2 turned into a pipe whose lines come out on the real stderr as JSON lines.
 
@@ -150,11 +156,13 @@ class _NativeOutput:
             else:
                 os.write(self.real_fd, (line + "\n").encode())
                 return
+        fatal = _ERROR_LINE.fullmatch(line)
         lowered = line.lower()
-        level = "error" if " error" in lowered or "fatal" in lowered else "warning" if " warn" in lowered else "info"
-        event = {
-            "event": "native.output",
-            "line": line.replace("\r", " ")[-4000:],
+        level = "error" if fatal or _ERROR_WORD.search(lowered) else "warning" if " warn" in lowered else "info"
+        event: dict[str, Any] = {"event": "native.output", "line": line.replace("\r", " ")[-4000:]}
+        if fatal:  # the CLI's own one-line error (a service that cannot start): an error event, not output
+            event = {"event": "service.error", "code": fatal[1], "message": fatal[2][-4000:]}
+        event |= {
             "level": level,
             "service": self.service,
             "pid": os.getpid(),

@@ -32,10 +32,11 @@ def prefix(redis_url: str) -> Iterator[str]:
 
 
 def delete_prefix(redis_url: str, name: str) -> None:
-    """Delete every key under ``name:`` (a test's own prefix)."""
+    """Delete every key under ``name:`` (a test's own prefix) and under the prefixes derived from it
+    (``name-a:``, as tests that run several deployments name theirs)."""
     client = sync_redis.Redis.from_url(redis_url)
     try:
-        keys = list(client.scan_iter(match=f"{name}:*", count=1000))
+        keys = [*client.scan_iter(match=f"{name}:*", count=1000), *client.scan_iter(match=f"{name}-*:*", count=1000)]
         for start in range(0, len(keys), 500):
             client.delete(*keys[start : start + 500])
     finally:

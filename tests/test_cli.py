@@ -67,6 +67,16 @@ def test_submit_then_status(redis_url: str, prefix: str) -> None:
     assert status.state is RequestState.QUEUED and status.stage == "encoder"
 
 
+def test_submit_takes_a_negative_prompt(redis_url: str, prefix: str) -> None:
+    result = invoke(redis_url, prefix, "submit", "--prompt", "a boat", "--negative-prompt", "blurry, text",
+                    "--request-id", "cli-neg")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    with sync_redis.Redis.from_url(redis_url) as r:  # what the first stage will read
+        ((_entry, fields),) = r.xrange(Keys(prefix).stage_stream("encoder"))
+    job = json.loads(fields[b"job"])
+    assert job["prompt"] == "a boat" and job["negative_prompt"] == "blurry, text"
+
+
 def test_submit_from_json_on_stdin_with_env_settings(redis_url: str, prefix: str) -> None:
     job = json.dumps({"prompt": "from stdin", "width": 320, "height": 192})
     env = {"STAGEFERRY_REDIS_URL": redis_url, "STAGEFERRY_PREFIX": prefix}
@@ -89,6 +99,13 @@ def test_invalid_job_is_one_line_without_traceback(redis_url: str, prefix: str) 
     result = invoke(redis_url, prefix, "submit", "--json", "-", stdin="{not json")
     assert result.exit_code == 1 and result.stderr.startswith("error [invalid_job]")
     assert "Traceback" not in result.output
+    # a bound the deployment sets tighter than the schema is quoted as the deployment's
+    result = invoke(redis_url, prefix, "submit", "--prompt", "x" * 9000)
+    assert result.stderr.strip().splitlines() == [
+        "error [invalid_job]: prompt: at most 4096 characters (this deployment's limits.max_prompt_chars)"
+    ]
+    result = invoke(redis_url, prefix, "submit", "--prompt", "x", "--steps", "201")
+    assert "must be at most 100 (this deployment's limits.max_steps)" in result.stderr
 
 
 def test_an_id_that_would_alias_another_requests_keys_is_refused(redis_url: str, prefix: str) -> None:
@@ -424,3 +441,31 @@ def test_wait_started_while_redis_is_down_retries_until_its_timeout(tmp_path: Pa
             proc.kill()
             proc.wait()
         anyio.run(server.stop)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("submit", "--task", "foo", "--prompt", "x"), "'--task': 'foo' is not one of 't2va', 'fl2va', 'ref2va'"),
+        (("submit", "--steps", "many"), "'--steps'"),
+        (("no-such-command",), "No such command 'no-such-command'"),
+    ],
+)
+def test_a_command_line_that_does_not_parse_is_one_line(args: tuple[str, ...], says: str, tmp_path: Path) -> None:
+    """Not click's usage block: the one-line `error [code]` every other refusal prints."""
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error [usage]: ") and says in line and "--help" in line, line
+
+
+def test_a_typo_in_the_pipeline_file_says_what_was_meant(tmp_path: Path) -> None:
+    pipeline = tmp_path / "pipeline.toml"
+    pipeline.write_text('[[stages]]\nname = "encoder"\nmodle = "x:factory"\n\n[limits]\nmax_stepz = 3\n')
+    result = run_cli("--pipeline", str(pipeline), "plan", cwd=tmp_path)
+    assert result.returncode == 1
+    (line,) = result.stderr.splitlines()  # one line, not pydantic's dump
+    assert line.startswith("error [config]: cannot load pipeline config")
+    assert "stages.0.modle: unknown key; did you mean `model`?" in line
+    assert "limits.max_stepz: unknown key; did you mean `max_steps`?" in line
+    assert "pydantic.dev" not in line

@@ -35,6 +35,26 @@ def test_the_line_names_the_stage_and_a_new_stage_starts_empty() -> None:
         assert task.fields["step"] == "diffusion step 2/8" and task.completed == 2 and task.total == 8
 
 
+def test_a_phase_after_the_steps_is_named() -> None:
+    """The decode and mux after the last step (a third of a large request on a CPU) are not "step 8/8"."""
+    view = RequestProgress(Console(file=io.StringIO(), force_terminal=False), "r")
+    with view:
+        task = view._progress.tasks[0]
+        for t, phase in ((1, None), (2, "decode"), (3, "mux")):
+            status = RequestStatus(request_id="r", state=RequestState.RUNNING, stage="diffusion",
+                                   progress=Progress(stage="diffusion", step=8, total=8, phase=phase))  # fmt: skip
+            view.on_event(TraceEvent(timestamp=t, event="status.running", kind="status",
+                                     raw={"state": "running", "status": status.model_dump(mode="json")}))  # fmt: skip
+            assert (
+                task.fields["step"]
+                == {
+                    None: "diffusion step 8/8",
+                    "decode": "diffusion decoding (after step 8/8)",
+                    "mux": "diffusion writing the MP4 (after step 8/8)",
+                }[phase]
+            )
+
+
 def test_each_hop_shows_its_route() -> None:
     route = "VRAM:0→VRAM:1 cuda_ipc, DRAM→DRAM cma"
     hop = StageTiming(

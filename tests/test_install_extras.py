@@ -77,3 +77,20 @@ def test_the_image_lock_pins_every_requirement_within_its_range() -> None:
     # Debian bookworm's python3 is 3.11.2: redis needs async-timeout below 3.11.3, whatever Python locked it
     lock_text = (ROOT / "compose" / "requirements.lock").read_text()
     assert 'async-timeout==5.0.1 ; python_full_version < "3.11.3"' in lock_text
+
+
+def test_the_build_is_pinned_and_the_license_an_spdx_string() -> None:
+    """setuptools deprecates ``license = {text = ...}`` (builds stop after 2027-02-18); an unpinned backend
+    builds differently from one day to the next."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "Apache-2.0"
+    (backend,) = meta["build-system"]["requires"]
+    assert re.fullmatch(r"setuptools==\d+\.\d+\.\d+", backend), backend
+    assert int(backend.split("==")[1].split(".")[0]) >= 77  # the first to read PEP 639 license strings
+
+
+def test_what_a_build_leaves_is_ignored() -> None:
+    """`pip install .` leaves build/ (and *.egg-info) in the checkout: not untracked noise for git."""
+    for path in ("build/lib/stageferry/client.py", "dist/stageferry-0.1.0.tar.gz", "stageferry.egg-info/PKG-INFO"):
+        ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, check=False)
+        assert ignored.returncode == 0, f"{path} is not ignored"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +18,7 @@ from typer.testing import CliRunner
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
 from stageferry.cli import app
+from stageferry.cli_hints import cli_command
 from stageferry.errors import StageFailedError
 from stageferry.launcher import ServiceGroup, wait_for_workers
 
@@ -78,3 +82,60 @@ def test_up_runs_one_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     traced = CliRunner().invoke(app, ["trace", request_id], env={"STAGEFERRY_REDIS_URL": None})
     assert traced.exit_code == 0, traced.output
     assert "payload.put" in traced.stdout and "status.done" in traced.stdout
+
+
+def test_cli_command_names_the_program_as_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up` is usually `.venv/bin/stageferry` with no `stageferry` on PATH: the printed command says so."""
+    program = tmp_path / ".venv" / "bin" / "stageferry"
+    program.parent.mkdir(parents=True)
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert cli_command(str(program)) == ".venv/bin/stageferry"
+    assert cli_command(".venv/bin/stageferry") == ".venv/bin/stageferry"
+    monkeypatch.chdir("/")
+    assert cli_command(str(program)) == str(program)
+    monkeypatch.setenv("PATH", str(program.parent))
+    assert cli_command(str(program)) == "stageferry"
+    assert cli_command("/x/stageferry/__main__.py").endswith(" -m stageferry")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_up_serve_prints_a_submit_and_a_trace_command_that_work(tmp_path: Path) -> None:
+    """The newcomer's path as printed: `up --serve` (the real program, not on PATH), the submit command it
+    prints run as printed, Ctrl-C, then the printed trace command; no raw log line on up's console."""
+    program = Path(sys.executable).parent / "stageferry"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STAGEFERRY_")}
+    env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
+    env["PATH"] = "/usr/bin:/bin"  # no stageferry on PATH, as after scripts/up.sh
+    up = subprocess.Popen(
+        [str(program), "--prefix", "t-up-serve", "up", "--serve", "--steps", "2", "--startup-timeout", "240"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert up.stderr is not None
+    lines: list[str] = []
+    try:
+        while not any(line.startswith("submit another job: ") for line in lines):
+            line = up.stderr.readline()
+            assert line, f"up ended early: {''.join(lines)}"
+            lines.append(line)
+        hint = lines[-1].removeprefix("submit another job: ").strip()
+        assert " --width 320 --height 192 " in hint and shlex.split(hint)[0] == str(program)
+        submitted = subprocess.run(shlex.split(hint), cwd=tmp_path, env=env, capture_output=True, text=True,
+                                   timeout=400)  # fmt: skip
+        assert submitted.returncode == 0, submitted.stderr
+        assert "done" in submitted.stdout, submitted.stdout
+    finally:
+        up.send_signal(signal.SIGINT)
+        rest = up.communicate(timeout=120)[1]
+    lines.append(rest)
+    console = "".join(lines)
+    assert "embedded_redis" not in console and not any(line.startswith("{") for line in console.splitlines())
+    (trace_line,) = [line for line in console.splitlines() if line.startswith("trace: ")]
+    command = shlex.split(trace_line.removeprefix("trace: ").split("  (saved in")[0])
+    assert command[0] == str(program)
+    traced = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert traced.returncode == 0, traced.stderr
+    assert "status.done" in traced.stdout

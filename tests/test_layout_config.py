@@ -45,7 +45,7 @@ layout = {tp = 2, sp = 4}
         ("layout = {}", "exactly one of the two forms"),
         ("layout = {tp = 16, sp = 8}", "at most 64 ranks"),
         ("layout = {tp = 0}", "greater than or equal to 1"),
-        ("layout = {tp = 2, pp = 2}", "Extra inputs"),
+        ("layout = {tp = 2, pp = 2}", r"pp: unknown key"),
         ("tp = 4\nlayout = {tp = 2, sp = 2}", "disagrees with layout"),
     ],
 )

@@ -88,6 +88,8 @@ NATIVE_SCRIPT = textwrap.dedent(
     os.write(2, b"[1700000000.1] ucp_worker.c:1 UCX  WARN  a native warning\\n")
     os.write(1, b"50%|#####     | 5/10\\r100%|##########| 10/10\\n")
     print("a stray print")
+    os.write(2, b"error [config]: cannot load the model x\\n")  # what _expected_errors prints for a serve
+    os.write(2, b"some library: fatal: gone\\n")
     warnings.warn("careful")
     logging.getLogger("nixl").info("Initialized NIXL agent: x")
     structlog.get_logger().info("ours", n=1)
@@ -106,6 +108,10 @@ def test_native_output_of_a_service_is_wrapped_into_json(tmp_path: Path) -> None
     assert any("UCX  WARN  a native warning" in line for line in native)
     assert any("10/10" in line for line in native) and "a stray print" in native
     assert next(e for e in events if "UCX  WARN" in e.get("line", ""))["level"] == "warning"
+    assert next(e for e in events if "fatal: gone" in e.get("line", ""))["level"] == "error"
+    (fatal,) = [e for e in events if e["event"] == "service.error"]  # a service that cannot start
+    assert fatal["level"] == "error" and fatal["code"] == "config" and fatal["message"] == "cannot load the model x"
+    assert not any("cannot load" in e.get("line", "") for e in events)
     library = {e["message"] for e in events if e["event"] == "library.log"}
     assert "Initialized NIXL agent: x" in library and any("careful" in m for m in library)
     assert any(e["event"] == "ours" and e["service"] == "encoder-rank0" for e in events)

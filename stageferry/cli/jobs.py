@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 import typer.core
 
+from stageferry.broker.control.liveness import unheld_note
 from stageferry.cli.app import _expected_errors, _print_status, _settings, _with_client, app, stderr
 from stageferry.client import DEFAULT_REDIS_URL, Client
 from stageferry.console import follow, render_status
@@ -32,7 +33,7 @@ def _job_help(field: str, what: str | None = None) -> str:
     prop = _JOB_SCHEMA["properties"][field]
     text = what or prop.get("description", "")
     default = prop.get("default")
-    if default is not None:
+    if default not in (None, ""):
         text += f" Job default: {default}."
     if allowed_range := allowed(_JOB_SCHEMA, field):
         text += f" Allowed: {allowed_range}."
@@ -52,6 +53,9 @@ SeedOpt = Annotated[int | None, typer.Option("--seed", help=_job_help("seed"))]
 FlowShiftOpt = Annotated[float | None, typer.Option("--flow-shift", help=_job_help("flow_shift"))]
 AudioFlowShiftOpt = Annotated[float | None, typer.Option("--audio-flow-shift", help=_job_help("audio_flow_shift"))]
 GuidanceOpt = Annotated[float | None, typer.Option("--guidance", help=_job_help("guidance"))]
+NegativePromptOpt = Annotated[
+    str | None, typer.Option("--negative-prompt", metavar="TEXT", help=_job_help("negative_prompt"))
+]
 LoraOpt = Annotated[str | None, typer.Option("--lora", metavar="NAME", help=_job_help("lora"))]
 _MEDIA_HELP = (
     "upload:LOCAL_FILE to upload the bytes, or a path the encoder stage reads (only under the deployment's "
@@ -142,6 +146,7 @@ def submit(
     ctx: typer.Context,
     task: TaskOpt = None,
     prompt: PromptOpt = None,
+    negative_prompt: NegativePromptOpt = None,
     width: WidthOpt = None,
     height: HeightOpt = None,
     fps: FpsOpt = None,
@@ -183,7 +188,8 @@ def submit(
 ) -> None:
     """Submit a job; prints its request id (with --wait: follows it and prints the final status)."""
     fields = {
-        "task": task, "prompt": prompt, "width": width, "height": height, "fps": fps, "duration": duration,
+        "task": task, "prompt": prompt, "negative_prompt": negative_prompt, "width": width, "height": height,
+        "fps": fps, "duration": duration,
         "num_inference_steps": steps, "seed": seed, "flow_shift": flow_shift,
         "audio_flow_shift": audio_flow_shift, "guidance": guidance, "lora": lora,
     }  # fmt: skip
@@ -211,11 +217,18 @@ def submit(
 @_expected_errors
 def status(ctx: typer.Context, request_id: RequestIdArg) -> None:
     """Print a request's status as JSON."""
-    found = _with_client(ctx, lambda c: c.status(request_id))
+
+    async def act(client: Client) -> tuple[RequestStatus | None, str | None]:
+        found = await client.status(request_id)
+        return found, (await unheld_note(client.redis, client.keys, found) if found is not None else None)
+
+    found, note = _with_client(ctx, act)
     if found is None:
         typer.echo(f"error [not_found]: no request {request_id!r} (unknown or expired)", err=True)
         raise typer.Exit(1)
     _print_status(found)
+    if note is not None:  # stdout stays the status's JSON
+        typer.echo(f"note: {note}", err=True)
 
 
 @app.command("wait")
@@ -268,9 +281,6 @@ def cancel(ctx: typer.Context, request_id: RequestIdArg) -> None:
     raise typer.Exit(1)
 
 
-
-
-
 @app.command()
 @_expected_errors
 def trace(
@@ -321,5 +331,3 @@ def _find_trace(ctx: typer.Context, request_id: str) -> list[TraceEvent]:
     looked = f"Redis {url} (prefix {settings.prefix!r})" + (f" and {saved}" if saved is not None else "")
     typer.echo(f"error [not_found]: no events for {request_id!r} in {looked}", err=True)
     raise typer.Exit(1)
-
-

@@ -240,7 +240,10 @@ def up(
     settings = _settings(ctx)
     if settings.pipeline is not None:  # the services run with the same file wherever they start
         settings = settings.model_copy(update={"pipeline": settings.pipeline.resolve()})
-    configure_logging(fmt=settings.log_format, level=settings.log_level, service="up")
+    # up's own events (embedded_redis.started, ...) would interleave raw log lines with its console
+    # output: only warnings and errors show, unless a log level was asked for (the services log to files)
+    level = settings.log_level if "log_level" in settings.model_fields_set else "warning"
+    configure_logging(fmt=settings.log_format, level=level, service="up")
     fields = {
         "task": task, "prompt": prompt, "width": width, "height": height, "fps": fps, "duration": duration,
         "num_inference_steps": steps, "seed": seed,

@@ -61,6 +61,9 @@ class GatewayConfig:
     event_streams: int = MAX_EVENT_STREAMS
     #: Stage ``/metrics`` URLs whose counters the console shows next to the gateway's own.
     metrics_urls: tuple[str, ...] = ()
+    #: The tenant this gateway submits as (``STAGEFERRY_TENANT``): its ids are ``<tenant>.video-…``, its
+    #: jobs go through the tenant's intake, and ``GET /v1/videos`` lists that tenant's jobs only.
+    tenant: str | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, **overrides: object) -> GatewayConfig:
@@ -70,6 +73,7 @@ class GatewayConfig:
             prefix=settings.prefix,
             pipeline=settings.load_pipeline(),
             api_token=settings.gateway_token,
+            tenant=settings.tenant,
         )
         return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
@@ -80,13 +84,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with (
-            Client(config.redis_url, prefix=config.prefix, pipeline=config.pipeline) as client,
+            Client(config.redis_url, prefix=config.prefix, pipeline=config.pipeline, tenant=config.tenant) as client,
             anyio.create_task_group() as tg,
         ):
             if config.trace_events:  # the gateway's events (submitted, timed out, ...) join each request's trace
                 await tg.start(EventSink(client.store).run)
             results = ResultFiles(config.output_dir or config.pipeline.output_dir)
-            app.state.videos = VideoService(client, model_name=config.model_name, results=results)
+            app.state.videos = VideoService(
+                client, model_name=config.model_name, results=results, fresh_s=config.health_fresh_s
+            )
             app.state.sync_timeout_s = config.sync_timeout_s or config.pipeline.timeouts.request
             app.state.health_fresh_s = config.health_fresh_s  # the console's stage panel
             health_redis = health_connection(config.redis_url)

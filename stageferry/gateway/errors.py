@@ -143,7 +143,17 @@ def from_exception(exc: StageferryError, *, origin: Mapping[str, str] | None = N
     errors = rename_fields(errors or [], origin or {})
     status = status_for(exc)
     headers = {"Retry-After": "5"} if status == 503 else None
-    return ApiError(status, exc.code, exc.message, field_errors=errors, headers=headers)
+    return ApiError(status, exc.code, _renamed_message(exc.message, errors), field_errors=errors, headers=headers)
+
+
+def _renamed_message(message: str, errors: Sequence[Mapping[str, Any]]) -> str:
+    """``message`` with each renamed job field written as the form's name (longest names first)."""
+    pairs = sorted(
+        ((str(e["job_field"]), str(e["field"])) for e in errors if "job_field" in e), key=lambda p: -len(p[0])
+    )
+    for job_field, sent_as in pairs:
+        message = message.replace(job_field, sent_as)
+    return message
 
 
 def from_status_error(error: ErrorInfo | None, *, origin: Mapping[str, str] | None = None) -> ApiError:
@@ -151,20 +161,25 @@ def from_status_error(error: ErrorInfo | None, *, origin: Mapping[str, str] | No
     if error is None:
         return ApiError(500, "internal", "the request ended without a result or an error")
     errors = rename_fields(error.details.get("field_errors") or [], origin or {})
-    return ApiError(status_for(error.code), error.code, error.message, field_errors=errors)
+    return ApiError(status_for(error.code), error.code, _renamed_message(error.message, errors), field_errors=errors)
 
 
 def rename_fields(errors: Sequence[Mapping[str, Any]], origin: Mapping[str, str]) -> list[dict[str, Any]]:
     """Field errors named as the client sent them: ``guidance`` → ``guidance_scale`` and so on.
 
-    The job's own name is kept as ``job_field`` when it differs, so both vocabularies are visible.
+    The job's own name is kept as ``job_field`` when it differs, so both vocabularies are visible.  A
+    media input the client did not send (``fl2va needs media.first_frame``) is named as the upload field
+    that would carry it (``first_frame``).
     """
     out = []
     for err in errors:
         job_field = str(err.get("field", ""))
         sent_as = origin.get(job_field) or origin.get(job_field.split(".upload_key")[0])
+        if sent_as is None and job_field.startswith("media."):
+            sent_as = job_field.removeprefix("media.").split(".")[0]
         renamed = {**err, "field": sent_as or job_field}
         if sent_as and sent_as != job_field:
             renamed["job_field"] = job_field
+            renamed["message"] = str(err.get("message", "")).replace(job_field, sent_as)
         out.append(renamed)
     return out

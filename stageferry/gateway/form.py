@@ -29,6 +29,11 @@ from stageferry.schemas.validation import field_errors
 
 #: Text fields whose value may carry a whole upload as a data URL.
 DATA_URL_FIELDS = ("image_reference", "audio_reference")
+#: OpenAI's ``input_reference`` given as an object (the SDK sends ``input_reference={"image_url": ...}``
+#: as these form fields): a data URL of an image, or an uploaded file's id (which this gateway has none of).
+IMAGE_URL_FIELD, FILE_ID_FIELD = "input_reference[image_url]", "input_reference[file_id]"
+#: Text fields that may be as large as an upload.
+LARGE_TEXT_FIELDS = (*DATA_URL_FIELDS, IMAGE_URL_FIELD)
 #: vLLM-Omni fields with no equivalent in this pipeline: refused by name rather than ignored.
 UNSUPPORTED_FIELDS = frozenset({
     "guidance_scale_2", "boundary_ratio", "true_cfg_scale", "enable_frame_interpolation", "frame_interpolation_exp",
@@ -132,7 +137,12 @@ class _Builder:
 
 def map_form(form: ParsedForm) -> MappedJob:
     """The job for a parsed form; :class:`ApiError` (400) naming every field that cannot be mapped."""
-    unknown = [name for name in form.fields if name not in VideoForm.model_fields]
+    fields = dict(form.fields)
+    image_url, file_id = fields.pop(IMAGE_URL_FIELD, None), fields.pop(FILE_ID_FIELD, None)
+    if file_id is not None:
+        message = "file ids are not supported: upload the image, or give input_reference.image_url as a data URL"
+        raise invalid("input_reference.file_id", message, "unsupported")
+    unknown = [name for name in fields if name not in VideoForm.model_fields]
     errors = [
         field_error(n, "not supported by this deployment", "unsupported")
         if n in UNSUPPORTED_FIELDS
@@ -144,7 +154,7 @@ def map_form(form: ParsedForm) -> MappedJob:
     if errors:
         raise invalid_fields(errors)
     try:
-        parsed = VideoForm.model_validate(form.fields)
+        parsed = VideoForm.model_validate(fields)
     except ValidationError as exc:
         raise invalid_fields(field_errors(exc)) from exc
 
@@ -173,7 +183,19 @@ def map_form(form: ParsedForm) -> MappedJob:
             b.put(EXTRA_PARAMS[key], value.lower() if key == "task" and isinstance(value, str) else value, source)
     if aspect is not None:
         _apply_aspect(b, *aspect)
+    inferred = "task" not in b.job and _infer_task(b, form, parsed, image_url is not None)
     _map_media(b, form, parsed)
+    if image_url is not None:  # the image of an input_reference object: where an uploaded one would go
+        data = _data_url(json.dumps({"image_url": image_url}), "input_reference", "image_url")
+        if str(b.job.get("task", "t2va")).lower() == "ref2va":
+            _reference_media(
+                b, UploadedFile("input_reference.image_url", "", "image/*", data), "input_reference.image_url"
+            )
+        else:
+            b.media("first_frame", data, "input_reference.image_url")
+    if inferred and b.job["task"] == "fl2va" and "first_frame" in b.uploads and "last_frame" not in b.uploads:
+        b.uploads["last_frame"] = b.uploads["first_frame"]  # one image: the clip starts and ends on it
+        b.origin["media.last_frame"] = b.origin["media.first_frame"]
     if b.errors:
         raise invalid_fields(b.errors)
     return MappedJob(job=b.job, uploads=b.uploads, origin=b.origin, model=parsed.model)
@@ -245,6 +267,26 @@ def _apply_aspect(b: _Builder, ratio: str, source: str) -> None:
         b.errors.append(field_error(source, f"{ratio} does not match width×height {width}×{height}", "aspect_ratio"))
 
 
+#: Upload fields whose media kind their name says.
+_KIND_OF_FIELD = {"first_frame": "image", "last_frame": "image", "last_image": "image", "reference_audio": "audio",
+                  "reference_video": "video", "image_reference": "image", "audio_reference": "audio"}  # fmt: skip
+
+
+def _infer_task(b: _Builder, form: ParsedForm, parsed: VideoForm, image_url: bool) -> bool:
+    """With no task named, the one the uploads imply (an OpenAI client cannot name one): images alone are
+    an image-to-video job (fl2va; a single image is its first and last frame), a video or audio is ref2va.
+    True when a task was inferred; no upload leaves the default (t2va)."""
+    kinds = [(_KIND_OF_FIELD.get(up.field) or media_kind(up.content_type, up.data), up.field) for up in form.files]
+    kinds += [(_KIND_OF_FIELD[name], name) for name in DATA_URL_FIELDS if getattr(parsed, name) is not None]
+    kinds += [("image", "input_reference.image_url")] if image_url else []
+    if not kinds:
+        return False
+    other = [source for kind, source in kinds if kind != "image"]
+    task, source = ("ref2va", other[0]) if other else ("fl2va", kinds[0][1])
+    b.put("task", task, f"{source} (task inferred)")
+    return True
+
+
 def _map_media(b: _Builder, form: ParsedForm, parsed: VideoForm) -> None:
     """Uploads (and data URLs) → media slots, following the task as vLLM-Omni's H3 server does."""
     task = str(b.job.get("task", "t2va")).lower()
@@ -296,14 +338,22 @@ def _data_url(raw: str, source: str, key: str) -> bytes:
     """The bytes of ``{"<key>": "data:...;base64,..."}``; remote URLs are refused (the gateway fetches nothing)."""
     try:
         value = json.loads(raw)
-    except ValueError:
+    except json.JSONDecodeError as exc:
+        if raw.lstrip().startswith("{"):  # JSON meant, and broken: often a base64 wrapped onto several lines
+            hint = " (a line break inside the base64? send it on one line)" if "control character" in exc.msg else ""
+            raise invalid(source, f"not valid JSON: {exc.msg}{hint}", "json_invalid") from None
         value = raw  # a bare URL is accepted too
     url = value.get(key) if isinstance(value, dict) else value
     if not isinstance(url, str):
         raise invalid(source, f"give JSON {{{key!r}: 'data:...;base64,...'}}", "reference_type")
     match = re.fullmatch(r"data:[\w.+/-]*(?:;[\w=.-]+)*;base64,(.*)", url.strip(), flags=re.DOTALL)
     if match is None:
-        message = "only base64 data URLs are accepted (upload the file instead)"
+        if url.strip().startswith("data:") and ";base64," in url:
+            message = "a malformed data URL (data:<media type>;base64,<data>)"
+        elif url.strip().startswith("data:"):
+            message = "only base64 data URLs are accepted (data:<media type>;base64,<data>)"
+        else:
+            message = "only base64 data URLs are accepted: the gateway fetches no URL (upload the file instead)"
         raise invalid(f"{source}.{key}", message, "reference_url")
     try:
         return base64.b64decode(match[1], validate=True)

@@ -39,6 +39,13 @@ class VideoMeta(BaseModel):
     created_at: int = Field(default_factory=lambda: int(time.time()))
     #: Job field → the form field it came from, so that later errors name what the client sent.
     origin: dict[str, str] = Field(default_factory=dict)
+    #: The task that ran (named by the client, or inferred from its upload).
+    task: str | None = None
+    #: The job's entry in the gateways' video index (:meth:`Keys.video_index`): where ``GET /v1/videos``
+    #: resumes after this video.
+    index_entry: str | None = None
+    #: Set by ``DELETE``: the video is gone (404), the record stays as the list's cursor until it expires.
+    deleted_at: int | None = None
 
 
 class VideoError(BaseModel):
@@ -68,6 +75,23 @@ class VideoObject(BaseModel):
     inference_time_s: float | None = None
     stage_durations: dict[str, float] = Field(default_factory=dict)
     stageferry_state: RequestState
+    stageferry_note: str | None = Field(
+        None, description="Set while the job waits on a stage with no live worker (the status alone says running)."
+    )
+    task: str | None = Field(
+        None,
+        description="Which task ran: t2va, fl2va or ref2va (inferred from the upload when the request named none).",
+    )
+
+
+class VideoList(BaseModel):
+    """One page of ``GET /v1/videos`` (OpenAI's cursor page: pass ``last_id`` as ``after`` for the next)."""
+
+    object: Literal["list"] = "list"
+    data: list[VideoObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
 
 
 class VideoDeleted(BaseModel):
@@ -100,7 +124,13 @@ def progress_percent(status: RequestStatus, stages: list[str]) -> int:
 
 
 def video_object(
-    status: RequestStatus, meta: VideoMeta | None, *, stages: list[str], default_model: str, ttl_s: int
+    status: RequestStatus,
+    meta: VideoMeta | None,
+    *,
+    stages: list[str],
+    default_model: str,
+    ttl_s: int,
+    note: str | None = None,
 ) -> VideoObject:
     """The video object for a request; ``meta`` is absent for requests enqueued without the gateway."""
     created = meta.created_at if meta is not None else int(status.updated_at)
@@ -133,4 +163,6 @@ def video_object(
         inference_time_s=round(sum(t.seconds for t in status.timings), 3) if status.timings else None,
         stage_durations={t.stage: round(t.seconds, 3) for t in status.timings},
         stageferry_state=status.state,
+        stageferry_note=note,
+        task=meta.task if meta is not None and meta.task else None,
     )

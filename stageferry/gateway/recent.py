@@ -10,6 +10,7 @@ costs one XRANGE and one pipelined round trip for the statuses and the gateway's
 from __future__ import annotations
 
 from pydantic import ValidationError
+from redis.asyncio.client import Pipeline
 
 from stageferry.broker.control.redis_conn import translated
 from stageferry.client import Client
@@ -21,10 +22,9 @@ from stageferry.schemas.console import RecentReport, RecentRequest
 RECENT_MAX = 200
 
 
-async def record(client: Client, request_id: str) -> None:
-    """Note an accepted job (newest last); the oldest fall off past :data:`RECENT_MAX`."""
-    with translated():
-        await client.redis.xadd(client.keys.recent_videos(), {"id": request_id}, maxlen=RECENT_MAX, approximate=False)
+def record(pipe: Pipeline, client: Client, request_id: str) -> None:
+    """Note an accepted job (newest last) on ``pipe``; the oldest fall off past :data:`RECENT_MAX`."""
+    pipe.xadd(client.keys.recent_videos(), {"id": request_id}, maxlen=RECENT_MAX, approximate=False)
 
 
 async def recent(client: Client, *, limit: int) -> RecentReport:
@@ -56,7 +56,7 @@ async def recent(client: Client, *, limit: int) -> RecentReport:
             meta = VideoMeta.model_validate_json(raw_meta) if raw_meta else None
         except ValidationError:  # a record that is not ours: skip it rather than fail the page
             continue
-        if status is None:
+        if status is None or (meta is not None and meta.deleted_at is not None):  # deleted: gone, as in the API
             continue
         out.append(
             RecentRequest(

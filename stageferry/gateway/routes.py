@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import anyio
 import structlog
@@ -20,12 +20,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.requests import ClientDisconnect
 
 from stageferry.errors import DeadlineExceededError, StageferryError
+from stageferry.gateway import listing
 from stageferry.gateway.errors import ApiError, from_exception, from_status_error, invalid, with_request_id
-from stageferry.gateway.form import DATA_URL_FIELDS, MEDIA_FIELDS, MappedJob, map_form, openapi_request_body
+from stageferry.gateway.form import LARGE_TEXT_FIELDS, MEDIA_FIELDS, MappedJob, map_form, openapi_request_body
 from stageferry.gateway.idempotency import HEADER as IDEMPOTENCY_HEADER
 from stageferry.gateway.idempotency import IdempotencyKey
 from stageferry.gateway.metrics import JOBS, UPLOAD_BYTES
-from stageferry.gateway.objects import Health, VideoDeleted, VideoObject
+from stageferry.gateway.objects import Health, VideoDeleted, VideoList, VideoObject
+from stageferry.gateway.previews import MEDIA_TYPES
 from stageferry.gateway.results import ResultFile
 from stageferry.gateway.service import VideoService
 from stageferry.gateway.uploads import body_cap, read_form
@@ -62,7 +64,7 @@ async def _read_job(request: Request, service: VideoService) -> MappedJob:
             request.stream(),
             max_file_bytes=limit,
             max_body_bytes=body_cap(limit, len(MediaInputs.model_fields)),
-            large_text_fields=DATA_URL_FIELDS,
+            large_text_fields=LARGE_TEXT_FIELDS,
         )
     except ClientDisconnect:
         raise ApiError(400, "invalid_form", "the client went away before sending the whole form") from None
@@ -207,6 +209,16 @@ async def create_video(
         raise with_request_id(from_exception(exc), rid) from exc
 
 
+@router.get("/v1/videos", responses={400: _ERROR}, summary="This gateway's video jobs, in cursor pages")
+async def list_videos(
+    request: Request,
+    limit: Annotated[int, Query(ge=1, le=listing.MAX_LIMIT)] = listing.DEFAULT_LIMIT,
+    after: Annotated[str | None, Query(max_length=200, description="The last id of the previous page.")] = None,
+    order: Annotated[Literal["asc", "desc"], Query(description="By creation time.")] = "desc",
+) -> VideoList:
+    return await _service(request).list(limit=limit, order=order, after=after)
+
+
 @router.get("/v1/videos/{video_id}", responses={404: _ERROR}, summary="A video job's status and progress")
 async def retrieve_video(request: Request, video_id: str) -> VideoObject:
     return await _service(request).describe(video_id)
@@ -215,14 +227,23 @@ async def retrieve_video(request: Request, video_id: str) -> VideoObject:
 @router.get(
     "/v1/videos/{video_id}/content",
     response_class=Response,
-    responses={200: {"content": {"video/mp4": {}}}, 404: _ERROR, 409: _ERROR, 422: _ERROR},
-    summary="Download a finished video",
+    responses={
+        200: {"content": {"video/mp4": {}, "image/webp": {}, "image/jpeg": {}}},
+        404: _ERROR,
+        409: _ERROR,
+        422: _ERROR,
+    },
+    summary="Download a finished video (variant=video), its thumbnail (WebP) or its spritesheet (JPEG)",
 )
 async def download_video(request: Request, video_id: str, variant: Annotated[str, Query()] = "video") -> Response:
-    if variant != "video":
-        raise invalid("variant", "only the 'video' variant is produced", "unsupported")
     service = _service(request)
-    content = await service.content(await service.status(video_id))
+    if variant in MEDIA_TYPES:
+        image = await service.preview(video_id, variant)
+        return Response(image, media_type=MEDIA_TYPES[variant])
+    if variant != "video":
+        raise invalid("variant", "one of 'video', 'thumbnail', 'spritesheet'", "unsupported")
+    status, _meta = await service.video(video_id)
+    content = await service.content(status)
     return _video_response(content, {"Content-Disposition": f'attachment; filename="{video_id}.mp4"'})
 
 
@@ -234,7 +255,9 @@ def _video_response(content: bytes | ResultFile, headers: dict[str, str]) -> Res
     return Response(content, media_type="video/mp4", headers=headers)
 
 
-@router.delete("/v1/videos/{video_id}", responses={404: _ERROR}, summary="Cancel a job, or delete its output")
+@router.delete(
+    "/v1/videos/{video_id}", responses={404: _ERROR}, summary="Cancel a job in flight, or delete a finished video"
+)
 async def delete_video(request: Request, video_id: str) -> VideoDeleted:
     return await _service(request).delete(video_id)
 

@@ -15,33 +15,42 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 
 import anyio
 
+from stageferry.broker.control.liveness import FRESH_S, unheld_note
 from stageferry.broker.control.redis_conn import translated
 from stageferry.client import Client, new_request_id, validate_job, with_upload_refs
 from stageferry.errors import ControlPlaneError, QueueFullError, RejectedError, StageferryError
-from stageferry.gateway import recent
-from stageferry.gateway.errors import ApiError, clip, from_exception, from_status_error, with_request_id
+from stageferry.gateway import listing
+from stageferry.gateway.errors import ApiError, clip, from_exception, from_status_error, invalid, with_request_id
 from stageferry.gateway.form import MappedJob
 from stageferry.gateway.idempotency import IdempotencyKey, IdempotencyStore, fingerprint
-from stageferry.gateway.objects import VideoDeleted, VideoMeta, VideoObject, video_object
+from stageferry.gateway.objects import VideoDeleted, VideoList, VideoMeta, VideoObject, video_object
+from stageferry.gateway.previews import PreviewError, Previews, render
 from stageferry.gateway.results import ResultFile, ResultFiles, ResultRefused, refuse_logged
 from stageferry.schemas import RequestState, RequestStatus
-from stageferry.schemas.job import REQUEST_ID_PATTERN
+from stageferry.schemas.job import REQUEST_ID_PATTERN, tenant_of
 from stageferry.schemas.validation import check_job_limits
 
 
 class VideoService:
     """Submit, wait for, describe, fetch and delete video jobs of one deployment."""
 
-    def __init__(self, client: Client, *, model_name: str, results: ResultFiles | None = None) -> None:
+    def __init__(
+        self, client: Client, *, model_name: str, results: ResultFiles | None = None, fresh_s: float = FRESH_S
+    ) -> None:
         self.client = client
+        #: A stage counts as live while a worker's heartbeat is at most this old.
+        self.fresh_s = fresh_s
         self.model_name = model_name
         #: Where result files too large for Redis may be served from (nowhere else, whatever a status says).
         self.results = results or ResultFiles(client.pipeline.output_dir)
         self.idempotency = IdempotencyStore(client.redis, client.keys, ttl_s=client.pipeline.retention.request_ttl_s)
         self.stages = [s.name for s in client.pipeline.stages]
+        #: One preview rendering at a time per gateway (each decodes a whole video).
+        self._rendering = anyio.Lock()
 
     def meta_key(self, request_id: str) -> str:
         return self.client.keys.video_meta(request_id)
@@ -58,7 +67,7 @@ class VideoService:
         keys = self.client.keys
         try:
             refs = {name: keys.upload("precheck", name) for name in mapped.uploads}
-            checked = validate_job(with_upload_refs(mapped.job, refs))
+            checked = validate_job(with_upload_refs(mapped.job, refs), limits)
             check_job_limits(checked, limits, upload_prefix=keys.upload_prefix())
             rid, created = new_request_id(self.client.tenant, kind=id_kind), True
             if idempotency is not None:
@@ -76,14 +85,16 @@ class VideoService:
                 raise with_request_id(from_exception(exc), rid) from exc
         except StageferryError as exc:
             raise from_exception(exc, origin=mapped.origin) from exc
-        meta = VideoMeta(
-            model=mapped.model or self.model_name,
-            prompt=checked.prompt,
-            size=f"{checked.width}x{checked.height}",
-            seconds=f"{checked.frame_count / checked.fps:g}",
-            origin=mapped.origin,
-        )
         try:
+            meta = VideoMeta(
+                model=mapped.model or self.model_name,
+                prompt=checked.prompt,
+                size=f"{checked.width}x{checked.height}",
+                seconds=f"{checked.frame_count / checked.fps:g}",
+                origin=mapped.origin,
+                task=checked.task.value,
+                index_entry=await listing.append(self.client, rid) if created else None,
+            )
             with translated():
                 await self.client.redis.set(
                     self.meta_key(rid),
@@ -91,8 +102,6 @@ class VideoService:
                     ex=self.client.pipeline.retention.request_ttl_s,
                     nx=not created,
                 )
-            if created:
-                await recent.record(self.client, rid)  # the console's list of recent requests
         except StageferryError as exc:  # the job is in: the answer must still name it
             raise with_request_id(from_exception(exc), rid) from exc
         return rid, created
@@ -104,17 +113,33 @@ class VideoService:
             raise ApiError(404, "not_found", f"no video {clip(request_id, 100)!r} (unknown or expired)")
         return status
 
-    async def describe(self, request_id: str) -> VideoObject:
-        status = await self.status(request_id)
+    async def meta(self, request_id: str) -> VideoMeta | None:
+        """The gateway's record of a job; ``None`` for a job enqueued without a gateway."""
         with translated():
             raw = await self.client.redis.get(self.meta_key(request_id))
-        meta = VideoMeta.model_validate_json(raw) if raw else None
+        return VideoMeta.model_validate_json(raw) if raw else None
+
+    async def video(self, request_id: str) -> tuple[RequestStatus, VideoMeta | None]:
+        """The status and record of a video that exists: 404 when unknown, expired or deleted."""
+        status = await self.status(request_id)
+        meta = await self.meta(request_id)
+        if meta is not None and meta.deleted_at is not None:
+            raise ApiError(404, "not_found", f"no video {clip(request_id, 100)!r} (deleted)")
+        return status, meta
+
+    async def describe(self, request_id: str) -> VideoObject:
+        status, meta = await self.video(request_id)
+        note = await unheld_note(self.client.redis, self.client.keys, status, fresh_s=self.fresh_s)
+        return self._object(status, meta, note)
+
+    def _object(self, status: RequestStatus, meta: VideoMeta | None, note: str | None = None) -> VideoObject:
         return video_object(
             status,
             meta,
             stages=self.stages,
             default_model=self.model_name,
             ttl_s=self.client.pipeline.retention.request_ttl_s,
+            note=note,
         )
 
     async def content(self, status: RequestStatus) -> bytes | ResultFile:
@@ -139,12 +164,73 @@ class VideoService:
                 refuse_logged(status.request_id, result.location, exc)
         raise ApiError(404, "not_found", f"the output of {status.request_id} is not available (deleted or expired)")
 
+    async def list(self, *, limit: int, order: listing.Order, after: str | None) -> VideoList:
+        """A page of this gateway's (tenant's) videos; ``after`` is the last id of the previous page."""
+        cursor = None
+        if after is not None:
+            ours = re.fullmatch(REQUEST_ID_PATTERN, after) and tenant_of(after) == self.client.tenant
+            cursor = await self.meta(after) if ours else None
+            if cursor is None or cursor.index_entry is None:
+                raise invalid(
+                    "after", f"no video {after!r} to page from (unknown, expired or not a video id)", "unknown"
+                )
+        page = await listing.page(self.client, limit=limit, order=order, after=cursor)
+        data = [self._object(item.status, item.meta) for item in page.items]
+        return VideoList(
+            data=data,
+            first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+            has_more=page.has_more,
+        )
+
+    async def preview(self, request_id: str, variant: str) -> bytes:
+        """A finished video's thumbnail or spritesheet, made once (:mod:`.previews`) and kept in Redis."""
+        status, _meta = await self.video(request_id)
+        key = self.client.keys.video_preview(request_id, variant)
+        with translated():
+            stored = await self.client.redis.get(key)
+        if stored:
+            return bytes(stored)
+        async with self._rendering:
+            with translated():  # another request may have made it while this one waited
+                stored = await self.client.redis.get(key)
+            if stored:
+                return bytes(stored)
+            content = await self.content(status)
+            source = content.file if isinstance(content, ResultFile) else content
+            try:
+                previews: Previews = await anyio.to_thread.run_sync(render, source)
+            except PreviewError as exc:
+                raise ApiError(422, "generation_failed", f"no {variant} for {request_id}: {exc}") from None
+            finally:
+                if isinstance(content, ResultFile):
+                    content.close()
+            ttl = self.client.pipeline.retention.request_ttl_s
+            with translated():
+                async with self.client.redis.pipeline(transaction=False) as pipe:
+                    for name in ("thumbnail", "spritesheet"):
+                        pipe.set(self.client.keys.video_preview(request_id, name), previews.variant(name), ex=ttl)
+                    await pipe.execute()
+        return previews.variant(variant)
+
     async def delete(self, request_id: str) -> VideoDeleted:
-        """Cancel a job still in flight; for a finished one drop its stored output (the status stays)."""
-        status = await self.status(request_id)
+        """Cancel a job still in flight (it stays, as cancelled); a finished one is gone: its output and
+        previews are dropped, and its record becomes a tombstone (404 from now on; a list cursor still)."""
+        status, meta = await self.video(request_id)
         if not status.state.terminal:
             await self.client.cancel(request_id)
-        else:
-            with translated():
-                await self.client.redis.delete(self.client.keys.result(request_id), self.meta_key(request_id))
+            return VideoDeleted(id=request_id, deleted=True)
+        keys, ttl = self.client.keys, self.client.pipeline.retention.request_ttl_s
+        tomb = (meta or VideoMeta(model=self.model_name, prompt="")).model_copy(update={"deleted_at": int(time.time())})
+        with translated():
+            async with self.client.redis.pipeline(transaction=True) as pipe:
+                pipe.delete(keys.result(request_id), *(keys.video_preview(request_id, v) for v in PREVIEW_VARIANTS))
+                pipe.set(self.meta_key(request_id), tomb.model_dump_json(), ex=ttl)
+                await pipe.execute()
+        if meta is not None and meta.index_entry is not None:
+            await listing.remove(self.client, meta.index_entry)
         return VideoDeleted(id=request_id, deleted=True)
+
+
+#: What ``?variant=`` may ask for besides the video.
+PREVIEW_VARIANTS = ("thumbnail", "spritesheet")

@@ -42,6 +42,9 @@ class Progress(Frozen):
     stage: str
     step: Annotated[int, Field(ge=0)]
     total: Annotated[int, Field(ge=0)]
+    phase: Annotated[str, Field(max_length=64)] | None = None
+    """What the stage does once its steps are done (the reference diffusion stage: `decode`, then `mux`);
+    absent while it steps."""
 
 
 class StageTiming(Frozen):

@@ -24,14 +24,29 @@ if TYPE_CHECKING:
 _MAX_FIELD_ERRORS = 20
 
 
-def field_errors(exc: ValidationError) -> list[dict[str, Any]]:
-    """pydantic's errors as ``[{"field": "a.b", "message": ..., "type": ...}]`` (bounded, no input echo)."""
+def field_errors(exc: ValidationError, limits: Limits | None = None) -> list[dict[str, Any]]:
+    """pydantic's errors as ``[{"field": "a.b", "message": ..., "type": ...}]`` (bounded, no input echo).
+
+    With the deployment's ``limits``, a bound the deployment sets tighter than the schema is quoted as
+    the deployment's (a 9,000-character prompt is "at most 4096", not the schema's 8192)."""
     out = []
     for err in exc.errors(include_input=False, include_url=False)[:_MAX_FIELD_ERRORS]:
         ctx = err.get("ctx") or {}
         field = ".".join(str(p) for p in err.get("loc", ())) or str(ctx.get("field", "__root__"))
-        out.append(field_error(field, str(err.get("msg", ""))[:300], str(err.get("type", ""))))
+        message, kind = str(err.get("msg", ""))[:300], str(err.get("type", ""))
+        if limits is not None:
+            message = _deployment_bound(field, kind, message, limits)
+        out.append(field_error(field, message, kind))
     return out
+
+
+def _deployment_bound(field: str, kind: str, message: str, limits: Limits) -> str:
+    """The message of a schema bound that the deployment's limits make tighter, quoting the limit."""
+    if field == "prompt" and kind == "string_too_long":
+        return f"at most {limits.max_prompt_chars} characters (this deployment's limits.max_prompt_chars)"
+    if field == "num_inference_steps" and kind == "less_than_equal":
+        return f"must be at most {limits.max_steps} (this deployment's limits.max_steps)"
+    return message
 
 
 def parse_job(raw: bytes | str) -> JobRequest:
@@ -96,6 +111,9 @@ def check_job_limits(job: JobRequest, limits: Limits, *, upload_prefix: str) -> 
     Messages quote the deployment's limit (``limits.<name> = <value>``), not the schema's: a client
     learns what *this* deployment serves."""
     errors: list[dict[str, Any]] = []
+    if job.task not in limits.tasks:
+        served = ", ".join(t.value for t in limits.tasks)
+        errors.append(field_error("task", f"this deployment serves {served} only (limits.tasks)", "unsupported_task"))
     if job.num_inference_steps > limits.max_steps:
         errors.append(field_error("num_inference_steps", f"must be at most {limits.max_steps}", "less_than_equal"))
     if len(job.prompt) > limits.max_prompt_chars:

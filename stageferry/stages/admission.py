@@ -166,8 +166,13 @@ class Admission:
                 job=job,
                 deadline=time.time() + self.pipeline.timeouts.request,
             )
+        elif self.index == 0:
+            raise EnvelopeError(
+                "missing field 'job': a client's entry carries its job as JSON in 'job' (see `stageferry schema`)",
+                fields=sorted(entry.fields)[:10],
+            )
         else:
-            raise EnvelopeError("entry has neither a job nor an envelope field", fields=sorted(entry.fields)[:10])
+            raise EnvelopeError("missing field 'envelope'", fields=sorted(entry.fields)[:10])
         return envelope
 
     def check_limits(self, envelope: Envelope) -> None:

@@ -103,7 +103,7 @@ def rank_context(
         request_id=request_id,
         key=key,
         output_dir=Path(pipeline.output_dir),
-        report_progress=progress.report if progress is not None else (lambda step, total: None),
+        report_progress=progress.report if progress is not None else (lambda step, total, phase=None: None),
         is_cancelled=(lambda: progress.cancelled) if progress is not None else (lambda: False),
         media=media,
         **placement(channel),

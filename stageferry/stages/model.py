@@ -54,7 +54,9 @@ class StageContext:
     request_id: str
     key: str
     output_dir: Path
-    report_progress: Callable[[int, int], None] = lambda step, total: None
+    #: ``report_progress(step, total)`` after each step; ``report_progress(step, total, phase="decode")``
+    #: for work after the steps (a decode, a mux), which the status and the console then name.
+    report_progress: Callable[..., None] = lambda step, total, phase=None: None
     is_cancelled: Callable[[], bool] = lambda: False
     process_group: Any = None
     media: dict[str, bytes] = field(default_factory=dict)

@@ -110,11 +110,11 @@ class ProgressSink:
     model that checks it per step (``StageContext.is_cancelled``) stops within one step."""
 
     def __init__(self) -> None:
-        self.latest: tuple[int, int] | None = None
+        self.latest: tuple[int, int, str | None] | None = None
         self.cancelled = False
 
-    def report(self, step: int, total: int) -> None:
-        self.latest = (step, total)
+    def report(self, step: int, total: int, phase: str | None = None) -> None:
+        self.latest = (step, total, phase)
 
 
 class StageWorker:
@@ -417,7 +417,7 @@ class StageWorker:
         :data:`PUBLISH_EVERY_S`) and renew the entry's claim.  Redis trouble here is logged and retried on
         the next round: it must not fail a job that is computing fine."""
         every = self.pipeline.timeouts.claim_renew_every
-        published: tuple[int, int] | None = None
+        published: tuple[int, int, str | None] | None = None
         next_renew = time.monotonic() + every
         next_publish = time.monotonic() + PUBLISH_EVERY_S
         while True:
@@ -428,11 +428,11 @@ class StageWorker:
                     log.info("worker.cancel_seen", entry=entry.id, step=progress.latest)
                 now = time.monotonic()
                 if now >= next_publish and progress.latest is not None and progress.latest != published:
-                    step, total = progress.latest
+                    step, total, phase = progress.latest
                     await self.outcomes.running(
-                        entry, envelope, Progress(stage=self.stage.name, step=step, total=total)
+                        entry, envelope, Progress(stage=self.stage.name, step=step, total=total, phase=phase)
                     )
-                    published = (step, total)
+                    published = progress.latest
                     next_publish = now + PUBLISH_EVERY_S
                 if now >= next_renew:
                     if not await self.stream.renew(entry.id):

@@ -1,5 +1,6 @@
 """The reference diffusion model, made slow on request: a prompt ``sleep:<seconds> ...`` waits that long
-(in 0.1 s steps, reporting progress and stopping early when cancelled) before the real model runs.
+(in 0.1 s steps, reporting progress and stopping early when cancelled) before the real model runs;
+``phase:<seconds> ...`` spends that long in a reported ``decode`` phase first.
 
 Timeouts and cancellation need a job that is still running when the client gives up; everything else
 runs the reference model unchanged.
@@ -21,6 +22,11 @@ class SlowOnRequest:
         self.inner = inner
 
     def __call__(self, job: JobRequest, payload: Any | None, ctx: StageContext) -> Any:
+        if job.prompt.startswith("phase:"):  # a long phase after the steps: 'phase:<seconds> ...'
+            ctx.report_progress(1, 1, phase="decode")
+            deadline = time.monotonic() + float(job.prompt.split(":", 1)[1].split()[0])
+            while time.monotonic() < deadline and not ctx.is_cancelled():
+                time.sleep(0.1)
         if job.prompt.startswith("sleep:"):
             steps = max(1, int(float(job.prompt.split(":", 1)[1].split()[0]) / 0.1))
             for step in range(1, steps + 1):

@@ -212,6 +212,8 @@ def test_recent_lists_accepted_jobs(http: httpx.Client) -> None:
     refused = http.post("/v1/videos", files={"prompt": (None, "too many steps"), "num_inference_steps": (None, "999")})
     assert refused.status_code == 400  # refused jobs are not listed
     assert http.get("/console/api/requests", params={"limit": 1}).json()["requests"][0]["id"] == second
+    assert http.delete(f"/v1/videos/{second}").json()["deleted"] is True  # a deleted video is gone here too
+    assert second not in [r["id"] for r in http.get("/console/api/requests").json()["requests"]]
     for bad in ("0", "101", "x"):
         reply = http.get("/console/api/requests", params={"limit": bad})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "limit", reply.text

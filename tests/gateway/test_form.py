@@ -130,3 +130,42 @@ async def test_form_reader_refusals() -> None:
     with pytest.raises(ApiError) as caught:
         await read_form(HEADERS, _chunks(b"--xx\r\ngarbage"), max_file_bytes=1024, max_body_bytes=1 << 20)
     assert caught.value.status == 400
+
+
+def test_an_input_reference_object_gives_its_image_or_is_refused() -> None:
+    """OpenAI's input_reference object ({"image_url": ...} / {"file_id": ...}) as multipart fields
+    (input_reference[image_url]): the image is the first frame of an inferred image-to-video job; a file
+    id, which needs OpenAI's files API, is refused naming it."""
+    first = SAMPLES["first_frame"].read_bytes()
+    url = "data:image/png;base64," + base64.b64encode(first).decode()
+    mapped = map_form(ParsedForm({"prompt": "p", "input_reference[image_url]": url}))
+    assert mapped.job["task"] == "fl2va" and mapped.uploads == {"first_frame": first, "last_frame": first}
+    assert mapped.origin["media.first_frame"] == "input_reference.image_url"
+    with pytest.raises(ApiError) as refused:
+        map_form(ParsedForm({"prompt": "p", "input_reference[file_id]": "file-abc"}))
+    assert refused.value.field_errors[0]["field"] == "input_reference.file_id"
+    with pytest.raises(ApiError) as remote:
+        map_form(ParsedForm({"prompt": "p", "input_reference[image_url]": "https://example.invalid/a.png"}))
+    assert remote.value.field_errors[0]["field"] == "input_reference.image_url"
+    assert "fetches no URL" in remote.value.field_errors[0]["message"]
+
+
+def test_no_task_named_is_inferred_from_the_uploads() -> None:
+    """An OpenAI client cannot name a task: images make it fl2va (one image is both frames), a video or
+    audio ref2va, nothing t2va; a named task is never overridden."""
+    first, last = SAMPLES["first_frame"].read_bytes(), SAMPLES["last_frame"].read_bytes()
+    video, audio = SAMPLES["reference_video"].read_bytes(), SAMPLES["reference_audio"].read_bytes()
+    one = map_form(ParsedForm({"prompt": "p"}, [UploadedFile("input_reference", "a.png", "image/png", first)]))
+    assert one.job["task"] == "fl2va" and one.uploads == {"first_frame": first, "last_frame": first}
+    two = map_form(ParsedForm({"prompt": "p"}, [UploadedFile("input_reference", "a", "image/png", first),
+                                               UploadedFile("last_image", "b", "image/png", last)]))  # fmt: skip
+    assert two.uploads == {"first_frame": first, "last_frame": last}
+    for data, slot in ((video, "reference_video"), (audio, "reference_audio")):
+        ref = map_form(
+            ParsedForm({"prompt": "p"}, [UploadedFile("input_reference", "x", "application/octet-stream", data)])
+        )
+        assert ref.job["task"] == "ref2va" and ref.uploads == {slot: data}
+    assert "task" not in map_form(ParsedForm({"prompt": "p"})).job  # the schema's t2va
+    with pytest.raises(ApiError):  # named ref2va: an image is refused, not taken as fl2va
+        map_form(ParsedForm({"prompt": "p", "extra_params": '{"task": "ref2va"}'},
+                            [UploadedFile("input_reference", "a.png", "image/png", first)]))  # fmt: skip

@@ -278,6 +278,31 @@ def test_invalid_media_is_400_naming_the_field(http: httpx.Client) -> None:
     assert lora_ok.status_code == 200, lora_ok.text
 
 
+def test_refusals_say_what_the_client_sent_and_this_deployment_allows(
+    deployment: Deployment, http: httpx.Client
+) -> None:
+    """Issue 37: fl2va without media names the form field (not the job's media.first_frame); a prompt over
+    the deployment's limit quotes that limit (not the schema's 8192); a data URL whose base64 was wrapped
+    onto lines says the JSON broke, not that only base64 data URLs are accepted."""
+    fl2va = assert_names_field(http.post("/v1/videos", data=form(extra_params={"task": "fl2va"})), 400, "first_frame")
+    assert "media." not in fl2va["message"] and fl2va["field_errors"][0]["message"] == "fl2va needs first_frame"
+    assert fl2va["field_errors"][0]["job_field"] == "media.first_frame"
+
+    limit = deployment.pipeline.limits.max_prompt_chars
+    long = assert_names_field(http.post("/v1/videos", data=form(prompt="x" * 9000)), 400, "prompt", "string_too_long")
+    assert f"at most {limit} characters" in long["message"] and "8192" not in long["message"], long
+
+    wrapped = base64.encodebytes(SAMPLES["first_frame"].read_bytes()).decode()  # 76-character lines
+    reference = '{"image_url": "data:image/png;base64,' + wrapped + '"}'
+    bad = assert_names_field(http.post("/v1/videos", data=form(image_reference=reference)), 400, "image_reference")
+    assert "not valid JSON" in bad["message"] and "line break" in bad["message"], bad
+    garbled = json.dumps({"image_url": "data:image/png;base64,@@not-base64@@"})
+    bad64 = assert_names_field(
+        http.post("/v1/videos", data=form(image_reference=garbled)), 400, "image_reference.image_url"
+    )
+    assert bad64["field_errors"][0]["message"] == "not valid base64"
+
+
 def test_oversized_upload_is_413(deployment: Deployment, http: httpx.Client) -> None:
     big = {"input_reference": ("big.png", b"\x89PNG" + b"\x00" * MAX_UPLOAD_BYTES, "image/png")}
     fl2va = form(extra_params={"task": "fl2va", "duration": 1.0})

@@ -313,12 +313,13 @@ def test_prompt_and_first_last_frames_steer_the_output(runs: dict[int, list[dict
 def test_call_reports_progress_and_returns_final_output(tmp_path: Path) -> None:
     enc = encoder.factory(stage=PIPE.stages[0], pipeline=PIPE, hidden=256)
     dif = diffusion.factory(stage=PIPE.stages[1], pipeline=PIPE, **SMALL)
-    steps: list[tuple[int, int]] = []
-    ctx = context(tmp_path, request_id="req-mp4", report_progress=lambda s, t: steps.append((s, t)))
+    steps: list[tuple[int, int, str | None]] = []
+    ctx = context(tmp_path, request_id="req-mp4", report_progress=lambda s, t, phase=None: steps.append((s, t, phase)))
     j = job("t2va", num_inference_steps=4, guidance=1.0)
     out = dif(j, enc(j, None, ctx), ctx)
     assert isinstance(out, FinalOutput) and out.path == tmp_path / "req-mp4.mp4" and out.path.exists()
-    assert steps[-4:] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    # the steps, then the decode and the mux (which took a third of a large request's time on a CPU)
+    assert steps[-6:] == [(1, 4, None), (2, 4, None), (3, 4, None), (4, 4, None), (4, 4, "decode"), (4, 4, "mux")]
     assert out.media["frames"] == j.frame_count and out.media["video_codec"] == "h264"
     assert out.info["steps"] == 4 and out.info["tp"] == 1 and set(out.info["timings"]) >= {"denoise_s", "mp4_s"}
 
@@ -337,7 +338,8 @@ def test_cancel_stops_within_one_step(tmp_path: Path) -> None:
     enc = encoder.factory(stage=PIPE.stages[0], pipeline=PIPE, hidden=256)
     dif = diffusion.factory(stage=PIPE.stages[1], pipeline=PIPE, **SMALL)
     steps: list[int] = []
-    ctx = context(tmp_path, report_progress=lambda s, t: steps.append(s), is_cancelled=lambda: len(steps) >= 3)
+    ctx = context(tmp_path, report_progress=lambda s, t, phase=None: steps.append(s),
+                  is_cancelled=lambda: len(steps) >= 3)  # fmt: skip
     j = job("t2va", num_inference_steps=12)
     payload = enc(j, None, dataclasses.replace(ctx, is_cancelled=lambda: False))
     steps.clear()

@@ -75,16 +75,20 @@ def test_rejections_and_dead_letters_name_the_request_key(tmp_path: Path, redis_
         redis.xadd(stream, {"request_id": "bad-json", "job": "{not json"})
         redis.xadd(stream, {"request_id": "bad-field", "job": json.dumps({"prompt": "x", "width": 1})})
         redis.xadd(stream, {"request_id": "bad-entry", "junk": "neither a job nor an envelope"})
+        redis.xadd(stream, {"request_id": "only-id"})
         redis.close()
         client = services.client()
-        for rid in ("bad-json", "bad-field", "bad-entry"):
+        for rid in ("bad-json", "bad-field", "bad-entry", "only-id"):
             assert client.wait(rid, timeout=60).state is RequestState.REJECTED
+        only_id = client.status("only-id")
+        assert only_id is not None and only_id.error is not None
+        assert only_id.error.message.startswith("missing field 'job'"), only_id.error.message
         log = next(tmp_path.glob("encoder-r1-*.log"))
-        wait_for(lambda: '"stream.dead_lettered"' in log.read_text(), 30, "the dead letter logged")
+        wait_for(lambda: log.read_text().count('"stream.dead_lettered"') >= 2, 30, "the dead letters logged")
         events = [json.loads(line) for line in log.read_text().splitlines()]
     rejected = {e["request_id"]: e for e in events if e["event"] == "request.rejected"}
     assert rejected["bad-json"]["key"] == "bad-json_-1_0" and rejected["bad-json"]["code"] == "invalid_job"
     assert rejected["bad-field"]["key"] == "bad-field_-1_0"
     assert rejected["bad-entry"]["code"] == "invalid_envelope"
-    (dead,) = [e for e in events if e["event"] == "stream.dead_lettered"]
+    (dead,) = [e for e in events if e["event"] == "stream.dead_lettered" and e["request_id"] == "bad-entry"]
     assert dead["key"] == "bad-entry_-1_0" and dead["request_id"] == "bad-entry"

@@ -13,7 +13,8 @@ that owns a run), ``<p>:req-crash:<id>:<stage>:<entry>`` (deliveries of an entry
 the dead-letter streams ``<p>:stage:<stage>:dlq``, heartbeats ``<p>:stage:<stage>:workers`` and the NIXL keys
 ``<p>:nixl:agent:<name>``, ``<p>:nixl:claim:<token>``, ``<p>:nixl:resend:<agent>``,
 ``<p>:nixl:reply:<token>``; by the gateway: ``<p>:req-video:<id>``, ``<p>:gateway:recent`` (a capped stream
-of the job ids it accepted, for the web console) and ``<p>:idem:<digest>`` (which request an
+of the job ids it accepted, for the web console), ``<p>:gateway:videos`` (the index ``GET /v1/videos``
+pages through), ``<p>:req-preview:<id>:<variant>`` and ``<p>:idem:<digest>`` (which request an
 ``Idempotency-Key`` created, TTL).
 
 Written by clients: ``<p>:req-cancel:<id>`` (cancel flag), ``<p>:req-submitted:<id>`` ("submitted, not yet
@@ -91,6 +92,14 @@ class Keys:
         """The gateways' capped list of the jobs they accepted, newest last, for the web console."""
         return f"{self.prefix}:gateway:recent"
 
+    def video_index(self, tenant: str | None = None) -> str:
+        """The gateways' index of the video jobs they accepted (``GET /v1/videos``), oldest first."""
+        return f"{self.prefix}:gateway:videos" if tenant is None else f"{self.prefix}:gateway:videos:{tenant}"
+
+    def video_preview(self, request_id: str, variant: str) -> str:
+        """A finished video's ``thumbnail`` or ``spritesheet`` image, made once by a gateway."""
+        return f"{self.prefix}:req-preview:{request_id}:{variant}"
+
     def upload(self, request_id: str, name: str) -> str:
         return f"{self.prefix}:upload:{request_id}:{name}"
 
@@ -137,6 +146,10 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "video_meta": "string (JSON): the HTTP gateway's record of a video job (model, prompt, size, seconds), "
     "with the request's TTL",
     "recent_videos": "list: the gateways' capped list of the jobs they accepted, newest last (web console)",
+    "video_index": "stream: `id` of each video job the gateways accepted, oldest first, trimmed to the request "
+    "TTL (`GET /v1/videos`; `<p>:gateway:videos:<tenant>` for a tenant's gateway)",
+    "video_preview": "string: a finished video's `thumbnail` (WebP) or `spritesheet` (JPEG), made once, with the "
+    "request's TTL",
     "idempotency": "string: the request id an `Idempotency-Key` created at the gateway (versioned JSON), TTL",
     "upload": "string: media bytes uploaded by a client, with a TTL",
     "upload_prefix": "the prefix of every upload key (what a job's `upload_key` must start with)",

@@ -13,7 +13,9 @@ restarted) or the hash expires.
 
 Everyone who asks reads it through this module, with the same rule: ``stageferry up`` waiting for its
 services, ``stageferry health`` (the container check), the gateway's ``/health``, the soak's cluster,
-and the tests.  Nothing else writes the hash.
+and the tests.  Nothing else writes the hash.  :func:`unheld_note` turns it into what a request's reader
+needs to know while a stage is down mid-job: the status still says ``running`` (its last writer is gone),
+so ``stageferry status`` and the gateway's video object add that no live worker holds it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import structlog
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import translated
 from stageferry.errors import ControlPlaneError
+from stageferry.schemas import RequestState, RequestStatus
 
 log = structlog.get_logger(__name__)
 
@@ -119,6 +122,22 @@ async def record_gave_up(redis: aioredis.Redis, keys: Keys, stage: str, replica:
     with translated():
         await redis.hset(keys.workers(stage), replica_id(stage, replica), f"{GAVE_UP} {time.time():.3f}")
         await redis.expire(keys.workers(stage), _HASH_TTL_S)
+
+
+async def unheld_note(
+    redis: aioredis.Redis, keys: Keys, status: RequestStatus, *, fresh_s: float = FRESH_S
+) -> str | None:
+    """For a request queued or running at a stage with no live replica, a sentence saying so (one round
+    trip); ``None`` when a live worker can hold it, or the request has ended."""
+    if status.state not in (RequestState.QUEUED, RequestState.RUNNING) or not status.stage:
+        return None
+    live = (await live_by_stage(redis, keys, [status.stage], fresh_s=fresh_s))[status.stage]
+    if live:
+        return None
+    return (
+        f"no live worker holds it: stage {status.stage!r} has no worker with a heartbeat in the last "
+        f"{fresh_s:g} s; the request stays {status.state.value} and resumes when a worker of that stage is back"
+    )
 
 
 async def is_live(redis: aioredis.Redis, keys: Keys, stage: str, replica: str, *, fresh_s: float = FRESH_S) -> bool:

@@ -114,6 +114,8 @@ class ReferenceDiffusion:
                 nets.dit, job, layout, cond, nets.tp, report=ctx.report_progress, cancelled=ctx.is_cancelled
             )
             denoised = time.perf_counter()
+            steps = job.num_inference_steps
+            ctx.report_progress(steps, steps, phase="decode")  # minutes on a CPU at a large size
             frames = nets.vae.decode(xv, layout.frames)
             wave = nets.audio.decode(xa, layout.audio_samples, seed=job.seed)
         done = time.perf_counter()
@@ -156,6 +158,7 @@ class ReferenceDiffusion:
     def finish(self, job: JobRequest, gen: Generated, ctx: StageContext) -> FinalOutput:
         """Rank 0: write the MP4 and describe it."""
         started = time.perf_counter()
+        ctx.report_progress(job.num_inference_steps, job.num_inference_steps, phase="mux")
         path = write_mp4(
             Path(ctx.output_dir) / f"{ctx.request_id}.mp4",
             gen.frames,

@@ -1,0 +1,35 @@
+"""The compose file's published Redis: not the host's usual 6379 (a Redis already there would take the
+docs' host commands), the GPU services' URL following it, and the docs' host commands using it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = (ROOT / "compose" / "docker-compose.yml").read_text()
+
+
+def _default(variable: str) -> str:
+    match = re.search(r"\$\{" + variable + r":-((?:[^${}]|\$\{[^}]*\})*)\}", COMPOSE)
+    assert match is not None, variable
+    return match[1]
+
+
+def test_redis_is_published_off_the_usual_port_and_the_gpu_services_follow() -> None:
+    published = _default("REDIS_PUBLISH")
+    assert published == "127.0.0.1:16379"
+    assert f'"${{REDIS_PUBLISH:-{published}}}:6379"' in COMPOSE
+    assert _default("GPU_REDIS_URL") == f"redis://${{REDIS_PUBLISH:-{published}}}/0"  # follows REDIS_PUBLISH
+    smoke = (ROOT / "compose" / "smoke.sh").read_text()
+    assert f'REDIS_PUBLISH="${{REDIS_PUBLISH:-{published}}}"' in smoke
+
+
+def test_the_documented_host_commands_use_the_published_port_and_a_small_size() -> None:
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    host_submits = [line for line in docs.splitlines() if line.startswith("stageferry --redis-url")]
+    assert host_submits and all("127.0.0.1:16379" in line and "--width 320 --height 192" in line
+                                for line in host_submits)  # fmt: skip
+    assert "redis-cli -p 16379 XADD" in docs and "redis-cli XADD" not in docs
+    for line in (line for line in docs.splitlines() if "stageferry submit -" in line):
+        assert "--width" in line, line  # the schema's default 1344×768 takes minutes on a CPU
