@@ -44,10 +44,10 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
 
-from stageferry.broker.control.redis_url import Replication, SentinelTarget, parse_url
+from stageferry.broker.control.redis_url import Durability, SentinelTarget, parse_url
 from stageferry.broker.control.redis_url import check_url as check_url  # re-exported: the URL check of record
 from stageferry.broker.control.tally import process_tally, tallied
-from stageferry.errors import AccessDeniedError, ControlPlaneError
+from stageferry.errors import AccessDeniedError, ControlPlaneError, NotReplicatedError
 
 log = structlog.get_logger(__name__)
 
@@ -92,17 +92,17 @@ def connect(url: str, *, retries: int = 4, max_connections: int = MAX_CONNECTION
         pool.connection_class = tallied(pool.connection_class, tally)
     client = aioredis.Redis(connection_pool=pool)
     client.auto_close_connection_pool = True  # aclose() closes the pool too, as with from_url
-    _REPLICATION[client] = parsed.replication
+    _DURABILITY[client] = parsed.durability
     return client
 
 
-def replication_of(client: aioredis.Redis) -> Replication:
+def durability_of(client: aioredis.Redis) -> Durability:
     """How many replicas the durable writes over ``client`` wait for (its URL's ``wait_replicas``)."""
-    return _REPLICATION.get(client, _NO_WAIT)
+    return _DURABILITY.get(client, _NO_WAIT)
 
 
-_NO_WAIT = Replication()
-_REPLICATION: WeakKeyDictionary[aioredis.Redis, Replication] = WeakKeyDictionary()
+_NO_WAIT = Durability()
+_DURABILITY: WeakKeyDictionary[aioredis.Redis, Durability] = WeakKeyDictionary()
 
 
 class BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):  # type: ignore[misc]
@@ -162,8 +162,9 @@ _TRANSIENT_TYPES = (
 
 
 def is_transient_error(exc: BaseException) -> bool:
-    """True for failures worth waiting out with backoff: connection trouble, or a transient reply."""
-    if is_connection_error(exc):
+    """True for failures worth waiting out with backoff: connection trouble, a transient reply, or a
+    submission not yet on enough replicas (resubmitting it is idempotent)."""
+    if is_connection_error(exc) or isinstance(exc, NotReplicatedError):
         return True
     cause = exc.__cause__ if isinstance(exc, ControlPlaneError) else exc
     if not isinstance(cause, redis_errors.RedisError) or isinstance(cause, redis_errors.NoPermissionError):

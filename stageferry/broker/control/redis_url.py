@@ -16,6 +16,9 @@ Durability rides in the URL too, so every process of a deployment agrees on it:
 ``wait_replicas=N`` (default 1 on a sentinel URL, 0 — off — on the others) is how many replicas a
 submission and a stage's hand-off, result and terminal status must reach before they count
 (``WAIT N wait_timeout_ms``, default :data:`DEFAULT_WAIT_TIMEOUT_MS`); see :mod:`.replication`.
+``failover_wait_s`` (default :data:`DEFAULT_FAILOVER_WAIT_S` on a sentinel URL, 0 on the others: no
+change to how a single server's outage is reported) is how long a client's submission rides through a
+failover before its error is shown.
 """
 
 from __future__ import annotations
@@ -35,19 +38,23 @@ TLS_QUERY_OPTIONS = TLS_QUERY_FILES | {"ssl_cert_reqs", "ssl_ca_path", "ssl_chec
 SENTINEL_SCHEME = "redis+sentinel"
 _SCHEMES = frozenset({"redis", "rediss", "unix", SENTINEL_SCHEME})
 #: Options that are ours, not redis-py's (taken out of the URL before redis-py sees it).
-WAIT_OPTIONS = frozenset({"wait_replicas", "wait_timeout_ms"})
+WAIT_OPTIONS = frozenset({"wait_replicas", "wait_timeout_ms", "failover_wait_s"})
 _SENTINEL_OPTIONS = frozenset({"ssl", "sentinel_username", "sentinel_password"})
 #: How long a durable write waits for its replicas by default (``WAIT``'s timeout).
 DEFAULT_WAIT_TIMEOUT_MS = 2000
+#: How long a submission behind Sentinel rides through a failover by default.
+DEFAULT_FAILOVER_WAIT_S = 30
 _TRUE, _FALSE = frozenset({"true", "1", "yes"}), frozenset({"false", "0", "no"})
 
 
 @dataclass(frozen=True, slots=True)
-class Replication:
-    """How many replicas a durable write must reach (``WAIT replicas timeout_ms``); 0: not waited for."""
+class Durability:
+    """How many replicas a durable write must reach (``WAIT replicas timeout_ms``; 0: not waited for),
+    and how long a submission rides through a failover (``failover_s``; 0: it fails as redis-py does)."""
 
     replicas: int = 0
     timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS
+    failover_s: int = 0
 
     @property
     def on(self) -> bool:
@@ -75,7 +82,7 @@ class RedisUrl:
     """A checked URL: for redis-py as is (``url``: our own options taken out), or a sentinel target."""
 
     url: str
-    replication: Replication
+    durability: Durability
     sentinel: SentinelTarget | None = None
 
 
@@ -104,15 +111,18 @@ def parse_url(url: str) -> RedisUrl:
             raise ConfigError(f"redis URL option {name} is for redis+sentinel:// URLs", option=name)
         elif name not in URL_QUERY_ARGUMENT_PARSERS and name not in WAIT_OPTIONS | _SENTINEL_OPTIONS:
             raise ConfigError(f"unknown redis URL option {name!r}", option=name)
-    replication = Replication(
+    durability = Durability(
         replicas=_count(query.get("wait_replicas", "1" if sentinel else "0"), "wait_replicas", low=0),
         timeout_ms=_count(query.get("wait_timeout_ms", str(DEFAULT_WAIT_TIMEOUT_MS)), "wait_timeout_ms", low=1),
+        failover_s=_count(
+            query.get("failover_wait_s", str(DEFAULT_FAILOVER_WAIT_S if sentinel else 0)), "failover_wait_s", low=0
+        ),
     )
     ours = {name: value for name, value in query.items() if name not in WAIT_OPTIONS}
     plain = urlunsplit(parts._replace(query=urlencode(ours)))
     if not sentinel:
-        return RedisUrl(plain, replication)
-    return RedisUrl(plain, replication, _sentinel_target(parts.netloc, parts.path, ours, tls=tls))
+        return RedisUrl(plain, durability)
+    return RedisUrl(plain, durability, _sentinel_target(parts.netloc, parts.path, ours, tls=tls))
 
 
 def check_url(url: str) -> None:
@@ -181,4 +191,4 @@ def _flag(text: str, what: str) -> bool:
     raise ConfigError(f"redis URL option {what} must be true or false (got {text!r})", option=what)
 
 
-__all__ = ["RedisUrl", "Replication", "SentinelTarget", "check_url", "parse_url"]
+__all__ = ["Durability", "RedisUrl", "SentinelTarget", "check_url", "parse_url"]

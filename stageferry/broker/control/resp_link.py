@@ -340,7 +340,7 @@ async def run_script(link: RespLink | None, script: Any, keys: Sequence[Any], ar
         except redis_errors.NoScriptError:
             link.fallbacks += 1
         except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
-            _fall_back(link, exc)
+            fall_back(link, exc)
     return await script(keys=list(keys), args=list(args))
 
 
@@ -353,7 +353,7 @@ async def run_pipeline(
         try:
             return await link.send(commands, block_s=block_s)
         except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
-            _fall_back(link, exc)
+            fall_back(link, exc)
     async with redis.pipeline(transaction=False) as pipe:
         for command in commands:
             pipe.execute_command(*command)
@@ -372,7 +372,7 @@ async def run_transaction(link: RespLink | None, redis: Redis, commands: Sequenc
         try:
             replies = await link.send([("MULTI",), *commands, ("EXEC",)])
         except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
-            _fall_back(link, exc)
+            fall_back(link, exc)
         else:
             executed = replies[-1]
             for reply in (*replies[:-1], executed, *(executed if isinstance(executed, list) else ())):
@@ -394,7 +394,7 @@ async def poll_until_done(future: asyncio.Future[Any], until: float) -> None:
         await asyncio.sleep(0)
 
 
-def _fall_back(link: RespLink, exc: Exception) -> None:
+def fall_back(link: RespLink, exc: Exception) -> None:
     """Count a call that redis-py repeats, or raise ``exc`` when no retry can heal it (refused credentials
     are a ``ConnectionError`` to redis-py)."""
     if not is_connection_error(exc):

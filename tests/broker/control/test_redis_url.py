@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stageferry.broker.control.redis_conn import check_url, connect, replication_of
-from stageferry.broker.control.redis_url import DEFAULT_WAIT_TIMEOUT_MS, Replication, parse_url
+from stageferry.broker.control.redis_conn import check_url, connect, durability_of
+from stageferry.broker.control.redis_url import DEFAULT_FAILOVER_WAIT_S, DEFAULT_WAIT_TIMEOUT_MS, Durability, parse_url
 from stageferry.errors import ConfigError
 
 
@@ -19,7 +19,7 @@ def test_a_sentinel_url_names_its_sentinels_service_database_and_the_data_nodes_
     assert target.sentinels == (("10.0.0.1", 26379), ("s2", 26380), ("::1", 26381))
     assert (target.service, target.db, target.username, target.password) == ("stageferry", 3, "svc", "p@ss")
     assert not target.ssl and target.sentinel_password is None
-    assert parsed.replication == Replication(replicas=1, timeout_ms=DEFAULT_WAIT_TIMEOUT_MS)  # on by default
+    assert parsed.durability == Durability(1, DEFAULT_WAIT_TIMEOUT_MS, DEFAULT_FAILOVER_WAIT_S)  # on by default
 
 
 def test_tls_and_sentinel_credentials_ride_in_the_query(tmp_path: Path) -> None:
@@ -34,11 +34,11 @@ def test_tls_and_sentinel_credentials_ride_in_the_query(tmp_path: Path) -> None:
 
 
 def test_durability_options_default_off_without_sentinels_and_are_taken_out_for_redis_py() -> None:
-    assert parse_url("redis://h:6379/0").replication == Replication(0)
-    parsed = parse_url("redis://h:6379/0?wait_replicas=2&wait_timeout_ms=500&socket_timeout=3")
-    assert parsed.replication == Replication(2, 500)
+    assert parse_url("redis://h:6379/0").durability == Durability(0)
+    parsed = parse_url("redis://h:6379/0?wait_replicas=2&wait_timeout_ms=500&failover_wait_s=9&socket_timeout=3")
+    assert parsed.durability == Durability(2, 500, 9)
     assert parsed.url == "redis://h:6379/0?socket_timeout=3"
-    assert parse_url("redis+sentinel://s:1/svc?wait_replicas=0").replication == Replication(0)
+    assert parse_url("redis+sentinel://s:1/svc?wait_replicas=0").durability.replicas == 0
 
 
 @pytest.mark.parametrize(
@@ -57,6 +57,7 @@ def test_durability_options_default_off_without_sentinels_and_are_taken_out_for_
         "redis://h:1/0?sentinel_password=x",  # a sentinel option on a plain URL
         "redis://h:1/0?wait_replicas=-1",
         "redis://h:1/0?wait_timeout_ms=0",
+        "redis://h:1/0?failover_wait_s=soon",
         "rediss+sentinel://s1/svc",
     ],
 )
@@ -68,6 +69,6 @@ def test_malformed_sentinel_urls_are_config_errors_before_any_io(url: str) -> No
 
 
 def test_the_factory_records_each_clients_durability() -> None:
-    client = connect("redis+sentinel://127.0.0.1:1/svc?wait_replicas=2&wait_timeout_ms=300")
-    assert replication_of(client) == Replication(2, 300)
-    assert replication_of(connect("redis://127.0.0.1:1/0")) == Replication(0)
+    client = connect("redis+sentinel://127.0.0.1:1/svc?wait_replicas=2&wait_timeout_ms=300&failover_wait_s=5")
+    assert durability_of(client) == Durability(2, 300, 5)
+    assert durability_of(connect("redis://127.0.0.1:1/0")) == Durability(0)
