@@ -21,8 +21,12 @@ from pathlib import Path
 
 import anyio
 import redis as sync_redis
+import redis.backoff
+import redis.retry
+import redis.sentinel
 import structlog
 
+from stageferry.broker.control.redis_url import parse_url
 from stageferry.embedded_redis import EmbeddedRedis, free_port
 
 log = structlog.get_logger(__name__)
@@ -262,6 +266,25 @@ class SentinelGroup:
                 await node.start()
 
 
+def sync_client(url: str, *, socket_timeout: float = 15) -> sync_redis.Redis:
+    """A synchronous redis-py client for any of our URLs (a ``redis+sentinel://`` one through redis-py's
+    Sentinel client: it follows the master), for the soak's bookkeeping and for tests."""
+    parsed = parse_url(url)
+    target = parsed.sentinel
+    if target is None:
+        return sync_redis.Redis.from_url(parsed.url, socket_timeout=socket_timeout)
+    manager = sync_redis.sentinel.Sentinel(list(target.sentinels), socket_timeout=2)
+    return manager.master_for(
+        target.service,
+        db=target.db,
+        username=target.username,
+        password=target.password,
+        socket_timeout=socket_timeout,
+        retry=sync_redis.retry.Retry(sync_redis.backoff.ExponentialBackoff(cap=1.0, base=0.05), 20),
+        retry_on_error=[sync_redis.ConnectionError, sync_redis.TimeoutError],
+    )
+
+
 def iptables_unavailable() -> str | None:
     """Why :meth:`SentinelGroup.cut_primary` cannot work here (None when it can)."""
     try:
@@ -271,4 +294,4 @@ def iptables_unavailable() -> str | None:
     return None if probe.returncode == 0 else f"iptables refused: {probe.stderr.strip()}"
 
 
-__all__ = ["SERVICE", "SentinelGroup", "SentinelProcess", "iptables_unavailable"]
+__all__ = ["SERVICE", "SentinelGroup", "SentinelProcess", "iptables_unavailable", "sync_client"]

@@ -81,6 +81,11 @@ class Health(BaseModel):
     redis: bool
     stages: dict[str, list[str]] = Field(description="Each stage's replicas with a fresh heartbeat.")
     problems: list[str] = Field(default_factory=list)
+    failover: str | None = Field(
+        None,
+        description="Behind Sentinel: what the sentinels say of the Redis master while a failover runs "
+        "(e.g. 'o_down,failover_in_progress'); requests in flight wait for the new master, none is lost.",
+    )
 
 
 def progress_percent(status: RequestStatus, stages: list[str]) -> int:

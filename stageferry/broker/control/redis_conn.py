@@ -116,6 +116,33 @@ class BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPo
                 await sentinel.connection_pool.disconnect()
 
 
+#: Sentinel's flags on a master that mean a failover is running or about to (``SENTINEL MASTER``).
+FAILOVER_FLAGS = ("failover_in_progress", "promoted", "o_down", "s_down")
+
+
+async def failover_state(client: aioredis.Redis) -> str | None:
+    """What the sentinels say of ``client``'s master while a failover runs (``"o_down,failover_in_progress"``,
+    ``"no master known"``, ...); None when the master is plain up, or ``client`` is not behind Sentinel.
+    Asks the sentinels one by one (2 s each at most); never raises."""
+    pool = client.connection_pool
+    if not isinstance(pool, SentinelConnectionPool):
+        return None
+    reachable = False
+    for sentinel in pool.sentinel_manager.sentinels:
+        try:
+            with anyio.fail_after(2):
+                reply = await sentinel.execute_command("SENTINEL", "MASTER", pool.service_name)
+        except (redis_errors.RedisError, OSError, TimeoutError):
+            continue
+        reachable = True
+        fields = reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2], strict=False))
+        flags = {str(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}.get("flags", b"")
+        text = flags.decode() if isinstance(flags, bytes) else str(flags)
+        state = [flag for flag in text.split(",") if flag in FAILOVER_FLAGS]
+        return ",".join(state) or None
+    return "no sentinel answers" if not reachable else None
+
+
 def _sentinel_pool(target: SentinelTarget, common: dict[str, Any]) -> BlockingSentinelPool:
     tls = {name: value for name, value in target.options.items() if name.startswith("ssl_")}
     to_sentinels: dict[str, Any] = {
