@@ -17,6 +17,7 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -32,6 +33,15 @@ from stageferry.embedded_redis import EmbeddedRedis, free_port
 log = structlog.get_logger(__name__)
 
 SERVICE = "stageferry"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupAuth:
+    """The users a group with ACLs needs on its data nodes: (user, password) of each."""
+
+    admin: tuple[str, str]  #: this module's own checks (roles, replication state)
+    replica: tuple[str, str]  #: ``masteruser`` of the replicas
+    sentinel: tuple[str, str]  #: ``sentinel auth-user`` of the sentinels
 
 
 class SentinelProcess(EmbeddedRedis):
@@ -63,7 +73,7 @@ class SentinelGroup:
         max_lag_s: int = 2,
         service: str = SERVICE,
         data_args: Sequence[str] = (),
-        auth: tuple[str, str] | None = None,
+        auth: GroupAuth | None = None,
     ) -> None:
         self.work_dir = work_dir
         self.service = service
@@ -85,7 +95,8 @@ class SentinelGroup:
             f"sentinel down-after-milliseconds {service} {down_after_ms}",
             f"sentinel failover-timeout {service} {failover_timeout_ms}",
             f"sentinel parallel-syncs {service} {replicas}",
-            *([f"sentinel auth-user {service} {auth[0]}", f"sentinel auth-pass {service} {auth[1]}"] if auth else []),
+            *([f"sentinel auth-user {service} {auth.sentinel[0]}", f"sentinel auth-pass {service} {auth.sentinel[1]}"]
+              if auth else []),
             "",
         ])  # fmt: skip
         self.sentinels = [SentinelProcess(data_dir=work_dir / f"sentinel-{i}", conf=conf) for i in range(sentinels)]
@@ -96,7 +107,7 @@ class SentinelGroup:
                 "--min-replicas-max-lag", str(self.max_lag_s), "--repl-diskless-sync", "yes",
                 "--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1", *extra]  # fmt: skip
         if self.auth is not None:
-            args += ["--masteruser", self.auth[0], "--masterauth", self.auth[1]]
+            args += ["--masteruser", self.auth.replica[0], "--masterauth", self.auth.replica[1]]
         if index > 0:
             args += ["--replicaof", "127.0.0.1", str(primary)]
         return args
@@ -112,7 +123,7 @@ class SentinelGroup:
         return sync_redis.Redis(host="127.0.0.1", port=self.sentinels[index].port, socket_timeout=2)
 
     def node_client(self, node: EmbeddedRedis) -> sync_redis.Redis:
-        user, password = self.auth if self.auth is not None else (None, None)
+        user, password = self.auth.admin if self.auth is not None else (None, None)
         return sync_redis.Redis(host="127.0.0.1", port=node.port, username=user, password=password, socket_timeout=2)
 
     def master_port(self) -> int | None:
@@ -294,4 +305,4 @@ def iptables_unavailable() -> str | None:
     return None if probe.returncode == 0 else f"iptables refused: {probe.stderr.strip()}"
 
 
-__all__ = ["SERVICE", "SentinelGroup", "SentinelProcess", "iptables_unavailable", "sync_client"]
+__all__ = ["SERVICE", "GroupAuth", "SentinelGroup", "SentinelProcess", "iptables_unavailable", "sync_client"]

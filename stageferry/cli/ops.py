@@ -100,13 +100,17 @@ def acl(
     tenant: Annotated[
         list[str] | None, typer.Option("--tenant", help="A tenant (repeatable); default: the pipeline's.")
     ] = None,
+    sentinel: Annotated[
+        bool, typer.Option("--sentinel", help="Also the replicas' and the sentinels' users (a Sentinel group).")
+    ] = False,
 ) -> None:
     """Print the Redis ACL users for this deployment (redis.conf syntax; passwords CHANGE-ME): the
-    services' user and least-privilege client users, one per tenant."""
+    services' user and least-privilege client users, one per tenant (with ``--sentinel``, the users a
+    Sentinel group's replicas and sentinels log in as; load the file on every data node)."""
     settings = _settings(ctx)
     pipeline = settings.load_pipeline()
     tenants = tenant if tenant else list(pipeline.security.tenants)
-    typer.echo(acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants), nl=False)
+    typer.echo(acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants, sentinel=sentinel), nl=False)
 
 @app.command()
 @_expected_errors
