@@ -100,10 +100,10 @@ class SentinelGroup:
             "",
         ])  # fmt: skip
         self.sentinels = [SentinelProcess(data_dir=work_dir / f"sentinel-{i}", conf=conf) for i in range(sentinels)]
-        self._cut: int | None = None
+        self._cut: tuple[int, str | None] | None = None
 
     def _data_args(self, index: int, primary: int, extra: Sequence[str]) -> list[str]:
-        args = ["--appendfsync", "everysec", "--min-replicas-to-write", "1",
+        args = ["--appendfsync", "everysec", "--min-replicas-to-write", "1", "--protected-mode", "no",
                 "--min-replicas-max-lag", str(self.max_lag_s), "--repl-diskless-sync", "yes",
                 "--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1", *extra]  # fmt: skip
         if self.auth is not None:
@@ -248,26 +248,31 @@ class SentinelGroup:
         log.info("sentinels.failover_asked", old=old)
         return old
 
-    def cut_primary(self) -> int:
-        """Drop every packet to and from the master's port (iptables, loopback): a partition that leaves
-        it running; the old master's port.  Undone by :meth:`restore_primary`."""
+    def cut_primary(self, *, spare: str | None = None) -> int:
+        """Drop every packet to and from the master's port on loopback (iptables): a partition that leaves
+        it running — except for packets from and to the address ``spare`` (a client on the master's side
+        of the partition); the old master's port.  Undone by :meth:`restore_primary`."""
         port = self.primary().port
-        for chain, match in (("INPUT", "--dport"), ("OUTPUT", "--sport")):
-            subprocess.run(["iptables", "-I", chain, "-i" if chain == "INPUT" else "-o", "lo", "-p", "tcp",
-                            match, str(port), "-j", "DROP"], check=True, capture_output=True)  # fmt: skip
-        self._cut = port
-        log.info("sentinels.primary_cut", port=port)
+        self._cut = (port, spare)
+        for rule in self._cut_rules(port, spare):
+            subprocess.run(["iptables", "-I", *rule], check=True, capture_output=True)
+        log.info("sentinels.primary_cut", port=port, spare=spare)
         return port
+
+    @staticmethod
+    def _cut_rules(port: int, spare: str | None) -> list[list[str]]:
+        into = ["INPUT", "-i", "lo", "-p", "tcp", "--dport", str(port), *(["!", "-s", spare] if spare else [])]
+        out = ["OUTPUT", "-o", "lo", "-p", "tcp", "--sport", str(port), *(["!", "-d", spare] if spare else [])]
+        return [[*into, "-j", "DROP"], [*out, "-j", "DROP"]]
 
     def restore_primary(self) -> None:
         """Undo :meth:`cut_primary` (the old master rejoins; the sentinels make it a replica)."""
-        port, self._cut = self._cut, None
-        if port is None:
+        cut, self._cut = self._cut, None
+        if cut is None:
             return
-        for chain, match in (("INPUT", "--dport"), ("OUTPUT", "--sport")):
-            subprocess.run(["iptables", "-D", chain, "-i" if chain == "INPUT" else "-o", "lo", "-p", "tcp",
-                            match, str(port), "-j", "DROP"], check=False, capture_output=True)  # fmt: skip
-        log.info("sentinels.primary_restored", port=port)
+        for rule in self._cut_rules(*cut):
+            subprocess.run(["iptables", "-D", *rule], check=False, capture_output=True)
+        log.info("sentinels.primary_restored", port=cut[0])
 
     async def heal(self) -> None:
         """Start every stopped node again (it comes back as a replica of the new master) and undo a cut."""
@@ -277,7 +282,7 @@ class SentinelGroup:
                 await node.start()
 
 
-def sync_client(url: str, *, socket_timeout: float = 15) -> sync_redis.Redis:
+def sync_client(url: str, *, socket_timeout: float = 15, retries: int = 20) -> sync_redis.Redis:
     """A synchronous redis-py client for any of our URLs (a ``redis+sentinel://`` one through redis-py's
     Sentinel client: it follows the master), for the soak's bookkeeping and for tests."""
     parsed = parse_url(url)
@@ -291,7 +296,7 @@ def sync_client(url: str, *, socket_timeout: float = 15) -> sync_redis.Redis:
         username=target.username,
         password=target.password,
         socket_timeout=socket_timeout,
-        retry=sync_redis.retry.Retry(sync_redis.backoff.ExponentialBackoff(cap=1.0, base=0.05), 20),
+        retry=sync_redis.retry.Retry(sync_redis.backoff.ExponentialBackoff(cap=1.0, base=0.05), retries),
         retry_on_error=[sync_redis.ConnectionError, sync_redis.TimeoutError],
     )
 

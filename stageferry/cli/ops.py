@@ -112,6 +112,7 @@ def acl(
     tenants = tenant if tenant else list(pipeline.security.tenants)
     typer.echo(acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants, sentinel=sentinel), nl=False)
 
+
 @app.command()
 @_expected_errors
 def health(
@@ -307,16 +308,30 @@ def chaos(
     window: Annotated[float | None, typer.Option("--window", help="Seconds to submit over (0.6 s/job).")] = None,
     faults: Annotated[int | None, typer.Option("--faults", min=0, help="Faults of each kind (default 2).")] = None,
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="Logs and Redis data (kept).")] = None,
+    sentinel: Annotated[
+        bool,
+        typer.Option(
+            "--sentinel",
+            help="Redis as a Sentinel group (1 primary, 2 replicas, 3 sentinels) under failover faults: kill -9 "
+            "the primary, SENTINEL FAILOVER, a network cut of the primary (iptables; needs root).",
+        ),
+    ] = False,
 ) -> None:
     """Fault-injection soak: the pipeline on a private AOF Redis under random SIGKILLs, Redis restarts
-    and stalls; prints the summary table and exits 1 if anything was lost, duplicated or stuck."""
-    from stageferry.chaos.faults import FaultKind
-    from stageferry.chaos.soak import SoakConfig, render, run_soak
+    and stalls (with ``--sentinel``: on a Sentinel group under failovers, timed); prints the summary table
+    and exits 1 if anything was lost, duplicated or stuck."""
+    from stageferry.chaos.faults import FAILOVER_KINDS, FaultKind
+    from stageferry.chaos.soak import FAILOVER_FAULTS, SoakConfig, render, run_soak
 
     configure_logging(fmt="auto", level="warning", service="chaos")
-    cfg = SoakConfig(requests=requests, seed=seed, replicas=replicas, enc_tp=enc_tp, dif_tp=dif_tp, window_s=window)
-    if faults is not None:
-        cfg.faults = {kind: faults for kind in FaultKind}
+    cfg = SoakConfig(
+        requests=requests, seed=seed, replicas=replicas, enc_tp=enc_tp, dif_tp=dif_tp, window_s=window,
+        sentinel=sentinel,
+    )  # fmt: skip
+    if sentinel:
+        cfg.faults = dict(FAILOVER_FAULTS) if faults is None else {kind: faults for kind in FAILOVER_KINDS}
+    elif faults is not None:
+        cfg.faults = {kind: faults for kind in FaultKind if kind not in FAILOVER_KINDS}
     cfg.work_dir = work_dir
     typer.echo(f"chaos soak: {requests} requests, seed {cfg.seed if seed is not None else '(drawn)'}", err=True)
     result = anyio.run(run_soak, cfg)
@@ -324,5 +339,3 @@ def chaos(
     if not result.audit.ok:
         typer.echo(f"soak FAILED; logs in {result.work_dir}", err=True)
         raise typer.Exit(1)
-
-
