@@ -75,7 +75,7 @@ def _write_once(group: SentinelGroup, old_port: int, key: str) -> int | None:
     try:
         client = sync_client(group.url(), socket_timeout=1, retries=0)
         try:
-            client.set(key, str(time.time()))
+            client.set(key, str(time.time()), ex=120)
             port = int(client.connection_pool.get_master_address()[1])  # type: ignore[attr-defined]
         finally:
             client.close()
@@ -138,7 +138,7 @@ def _stale_writer(port: int, prefix: str, started: float, out: StaleWrites, stop
                 reader = hiredis.Reader()
                 while not stop.is_set():
                     key = f"{prefix}:chaos-stale:{i}"
-                    sock.sendall(f"SET {key} 1\r\nWAIT 1 100\r\n".encode())
+                    sock.sendall(f"SET {key} 1 EX 120\r\nWAIT 1 100\r\n".encode())
                     set_reply, acked = _replies(sock, reader, 2)
                     i += 1
                     if isinstance(set_reply, hiredis.ReplyError):

@@ -40,8 +40,9 @@ import redis.asyncio as aioredis
 import structlog
 import tenacity
 from redis import exceptions as redis_errors
+from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import ExponentialWithJitterBackoff
 
 from stageferry.broker.control.redis_url import Durability, SentinelTarget, parse_url
@@ -143,6 +144,31 @@ async def failover_state(client: aioredis.Redis) -> str | None:
     return "no sentinel answers" if not reachable else None
 
 
+def is_stale_master_reply(exc: BaseException) -> bool:
+    """``NOREPLICAS`` from a server behind Sentinel: it may be a master that lost its role without knowing
+    yet (cut off, then back; the sentinels have not reconfigured it), so ask the sentinels again."""
+    return isinstance(exc, redis_errors.ResponseError) and str(exc).lstrip().startswith("NOREPLICAS")
+
+
+class FollowingConnection(SentinelManagedConnection):
+    """redis-py's Sentinel connection, which reconnects (to the master the sentinels name) on ``READONLY``,
+    doing the same on ``NOREPLICAS``: a client still connected to a deposed master would otherwise retry
+    on it until the sentinels get round to demoting it (seconds), every write refused meanwhile."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except redis_errors.ResponseError as exc:
+            if not (self.connection_pool.is_master and is_stale_master_reply(exc)):
+                raise
+            await self.disconnect()
+            raise redis_errors.ConnectionError(f"{exc} (asking the sentinels for the master again)") from exc
+
+
+class FollowingSSLConnection(FollowingConnection, SSLConnection):
+    pass
+
+
 def _sentinel_pool(target: SentinelTarget, common: dict[str, Any]) -> BlockingSentinelPool:
     tls = {name: value for name, value in target.options.items() if name.startswith("ssl_")}
     to_sentinels: dict[str, Any] = {
@@ -159,10 +185,10 @@ def _sentinel_pool(target: SentinelTarget, common: dict[str, Any]) -> BlockingSe
     return BlockingSentinelPool(
         target.service,
         manager,
+        connection_class=FollowingSSLConnection if target.ssl else FollowingConnection,
         db=target.db,
         username=target.username,
         password=target.password,
-        ssl=target.ssl,
         **options,
     )
 

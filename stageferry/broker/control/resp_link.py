@@ -49,7 +49,12 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.sentinel import SentinelConnectionPool, SentinelManagedConnection, SentinelManagedSSLConnection
 
-from stageferry.broker.control.redis_conn import is_connection_error
+from stageferry.broker.control.redis_conn import (
+    FollowingConnection,
+    FollowingSSLConnection,
+    is_connection_error,
+    is_stale_master_reply,
+)
 from stageferry.broker.control.tally import Tally, TallyMixin, process_tally
 
 log = structlog.get_logger(__name__)
@@ -105,7 +110,8 @@ class _Target:
 
 #: The redis-py connection classes a link can stand in for.
 _FOLLOWED = (
-    Connection, SSLConnection, UnixDomainSocketConnection, SentinelManagedConnection, SentinelManagedSSLConnection
+    Connection, SSLConnection, UnixDomainSocketConnection, SentinelManagedConnection, SentinelManagedSSLConnection,
+    FollowingConnection, FollowingSSLConnection,
 )  # fmt: skip
 
 
@@ -253,9 +259,9 @@ class RespLink:
             raise
         finally:
             timer.cancel()
-        if any(_demoted(reply) for reply in replies):
-            wire.fail(redis_errors.ConnectionError("redis link: the master was demoted (READONLY)"))
-            raise redis_errors.ConnectionError("redis link: the master was demoted (READONLY): reconnecting")
+        if any(_demoted(reply, behind_sentinel=self._target.sentinel is not None) for reply in replies):
+            wire.fail(redis_errors.ConnectionError("redis link: not the master (READONLY or NOREPLICAS)"))
+            raise redis_errors.ConnectionError("redis link: not the master (READONLY or NOREPLICAS): reconnecting")
         return replies
 
     async def aclose(self) -> None:
@@ -315,13 +321,15 @@ class RespLink:
         return wire
 
 
-def _demoted(reply: Any) -> bool:
+def _demoted(reply: Any, *, behind_sentinel: bool) -> bool:
     """A ``READONLY`` error reply, also inside an ``EXEC``'s (``EXECABORT`` carries it in its text) or a
-    script's: the server is a replica now."""
+    script's: the server is a replica now.  Behind Sentinel ``NOREPLICAS`` too: the server may be a master
+    deposed without knowing it yet (see ``redis_conn.FollowingConnection``)."""
     if isinstance(reply, list):
-        return any(_demoted(item) for item in reply)
+        return any(_demoted(item, behind_sentinel=behind_sentinel) for item in reply)
     return isinstance(reply, redis_errors.ReadOnlyError) or (
-        isinstance(reply, redis_errors.ResponseError) and "READONLY" in str(reply)
+        isinstance(reply, redis_errors.ResponseError)
+        and ("READONLY" in str(reply) or (behind_sentinel and is_stale_master_reply(reply)))
     )
 
 

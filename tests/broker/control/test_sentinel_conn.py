@@ -4,6 +4,8 @@ unreachable group leaves as our error with redis-py's kept as the cause."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import anyio
@@ -134,3 +136,48 @@ async def test_closing_a_sentinel_client_closes_its_connections_to_the_sentinels
     await redis.aclose()
     await anyio.lowlevel.checkpoint()
     assert connected() == 0
+
+
+async def test_noreplicas_behind_sentinel_sends_the_client_back_to_the_sentinels(sentinel_group: SentinelGroup) -> None:
+    """A master refusing writes for want of good replicas may be one the sentinels have deposed (cut off,
+    then back, not yet demoted): the connection is dropped and the sentinels asked again, on the client
+    and on the link alike — a transient connection failure, retried — and writes resume once replicas do."""
+    group = sentinel_group
+    primary = group.primary()
+    redis = connect(group.url(), retries=1)
+    link = open_link(redis)
+    assert link is not None
+    stopped = [n.pid for n in group.nodes if n is not primary and n.pid is not None]
+    try:
+        assert await link.call("SET", "k", b"1") == b"OK"
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+
+        async def refused() -> bool:
+            with group.node_client(primary) as direct:
+                try:
+                    direct.set("probe", b"1")
+                except sync_redis.ResponseError as exc:
+                    return "NOREPLICAS" in str(exc)
+            return False
+
+        await eventually(refused, timeout=30, what="the master refusing writes (min-replicas-max-lag)")
+        with pytest.raises(redis_errors.ConnectionError, match="not the master"):
+            await link.call("SET", "k", b"2")
+        with pytest.raises(ControlPlaneError) as caught, translated():
+            await redis.set("k", b"3")
+        assert isinstance(caught.value.__cause__, redis_errors.ConnectionError)
+        assert "asking the sentinels" in str(caught.value) and is_connection_error(caught.value)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+
+    async def writes_again() -> bool:
+        with translated():
+            return bool(await redis.set("k", b"4")) and await link.call("SET", "k", b"5") == b"OK"
+
+    try:
+        await eventually(writes_again, timeout=30, what="writes once the replicas are back")
+    finally:
+        await link.aclose()
+        await redis.aclose()
