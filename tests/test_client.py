@@ -131,7 +131,9 @@ async def test_wait_returns_when_another_task_finishes_the_request(client: Clien
     rid = await client.submit(JOB)
 
     async def finish() -> None:
-        await anyio.sleep(0.2)
+        with anyio.fail_after(30):
+            while client.store.fanin.waiters < 1:  # the wait is under way
+                await anyio.sleep(0.01)
         async with Client(redis_url, prefix=client.keys.prefix) as other:
             done = RequestStatus(
                 request_id=rid, state=RequestState.DONE, result=OutputInfo(location="redis:x", bytes=3)

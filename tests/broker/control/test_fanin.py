@@ -98,7 +98,10 @@ async def test_a_key_of_the_wrong_type_fails_only_its_own_waiter(redis_url: str,
             # A hostile client replaces the events stream of "bad-1" with a plain string.
             await client.redis.delete(client.keys.events(bad))
             await client.redis.set(client.keys.events(bad), b"not a stream")
-            await anyio.sleep(0.3)
+            with anyio.fail_after(30):
+                while bad not in outcome:  # the bad waiter has failed; the good one still waits
+                    await anyio.sleep(0.02)
+            assert good not in outcome
             await finish(client, good)
         assert isinstance(outcome[good], RequestStatus) and outcome[good].state is RequestState.DONE
         assert isinstance(outcome[bad], ControlPlaneError)
