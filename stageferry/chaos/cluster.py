@@ -82,6 +82,7 @@ class Cluster:
         stage_seconds: float,
         extra_env: dict[str, str] | None = None,
         sentinel: bool = False,
+        url_query: str = "",
     ) -> None:
         self.work_dir = work_dir
         self.prefix = prefix
@@ -95,12 +96,13 @@ class Cluster:
         self.redis = EmbeddedRedis(appendonly=True, data_dir=work_dir / "redis", extra_args=("--appendfsync", "always"))
         #: The Sentinel group that replaces ``redis`` when asked for.
         self.group = SentinelGroup(work_dir / "redis-ha") if sentinel else None
+        self.url_query = url_query  #: options of the sentinel URL every process gets (``wait_replicas=2``)
         self.replicas = [Replica(stage, name, tp, free_port()) for stage, name, tp in replicas]
         self.redis_restarts = 0
 
     @property
     def url(self) -> str:
-        return self.redis.url if self.group is None else self.group.url()
+        return self.redis.url if self.group is None else self.group.url(query=self.url_query)
 
     def client(self) -> sync_redis.Redis:
         return sync_client(self.url, socket_timeout=15)

@@ -76,6 +76,8 @@ class SoakConfig:
     keep_work_dir: bool = False
     #: Redis as a Sentinel group (failover faults); else one AOF server.
     sentinel: bool = False
+    #: Replicas a durable write waits for behind Sentinel (the URL's ``wait_replicas``; None: its default, 1).
+    wait_replicas: int | None = None
 
     @property
     def window(self) -> float:
@@ -269,6 +271,7 @@ async def run_soak(cfg: SoakConfig) -> SoakResult:
     cluster = Cluster(
         work_dir, prefix=f"soak-{uuid.uuid4().hex[:8]}", pipeline_file=pipeline_file, replicas=replicas,
         stage_seconds=cfg.stage_seconds, sentinel=cfg.sentinel,
+        url_query="" if cfg.wait_replicas is None else f"wait_replicas={cfg.wait_replicas}",
     )  # fmt: skip
     if not cfg.sentinel and any(cfg.faults.get(kind) for kind in FAILOVER_KINDS):
         raise ValueError("failover faults need a Sentinel group: SoakConfig(sentinel=True)")
@@ -344,7 +347,8 @@ def render(result: SoakResult) -> str:
         rows.append((name, str(value)))
 
     row("seed", result.seed)
-    redis = "Sentinel group (1 primary, 2 replicas, 3 sentinels; AOF, WAIT 1)" if cfg.sentinel else "AOF Redis"
+    wait = 1 if cfg.wait_replicas is None else cfg.wait_replicas
+    redis = f"Sentinel group (1 primary, 2 replicas, 3 sentinels; AOF, WAIT {wait})" if cfg.sentinel else "AOF Redis"
     row(
         "deployment",
         f"encoder TP{cfg.enc_tp} x{cfg.replicas}, diffusion TP{cfg.dif_tp} x{cfg.replicas}, CPU, {redis}",

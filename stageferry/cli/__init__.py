@@ -5,7 +5,6 @@ Expected errors (every :class:`StageferryError`) print one ``error [code]: messa
 exit 1; stdout carries only results (request ids, JSON, tables), so that scripts can use it.
 """
 
-
 from stageferry.cli import ops as _ops  # noqa: F401 - registers the operator commands (after the client ones)
 from stageferry.cli.app import app
 from stageferry.cli.jobs import build_job, read_job_json, sample_media

@@ -264,9 +264,6 @@ def cancel(ctx: typer.Context, request_id: RequestIdArg) -> None:
     raise typer.Exit(1)
 
 
-
-
-
 @app.command()
 @_expected_errors
 def trace(
@@ -317,5 +314,3 @@ def _find_trace(ctx: typer.Context, request_id: str) -> list[TraceEvent]:
     looked = f"Redis {url} (prefix {settings.prefix!r})" + (f" and {saved}" if saved is not None else "")
     typer.echo(f"error [not_found]: no events for {request_id!r} in {looked}", err=True)
     raise typer.Exit(1)
-
-

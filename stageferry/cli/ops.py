@@ -316,6 +316,9 @@ def chaos(
             "the primary, SENTINEL FAILOVER, a network cut of the primary (iptables; needs root).",
         ),
     ] = False,
+    wait_replicas: Annotated[
+        int | None, typer.Option("--wait-replicas", min=0, max=2, help="With --sentinel: replicas a write waits for.")
+    ] = None,
 ) -> None:
     """Fault-injection soak: the pipeline on a private AOF Redis under random SIGKILLs, Redis restarts
     and stalls (with ``--sentinel``: on a Sentinel group under failovers, timed); prints the summary table
@@ -326,7 +329,7 @@ def chaos(
     configure_logging(fmt="auto", level="warning", service="chaos")
     cfg = SoakConfig(
         requests=requests, seed=seed, replicas=replicas, enc_tp=enc_tp, dif_tp=dif_tp, window_s=window,
-        sentinel=sentinel,
+        sentinel=sentinel, wait_replicas=wait_replicas,
     )  # fmt: skip
     if sentinel:
         cfg.faults = dict(FAILOVER_FAULTS) if faults is None else {kind: faults for kind in FAILOVER_KINDS}
