@@ -146,7 +146,7 @@ def _raw_submit(sentinels: list[tuple[str, int]], prefix: str, rid: str) -> None
     (the first stage runs it once)."""
     master = redis.sentinel.Sentinel(sentinels, socket_timeout=2).master_for("stageferry", socket_timeout=5)
     job = json.dumps({k: v for k, v in JOB.items()})
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 150  # a loaded 2-core box: the election and a full resync take a while
     while True:
         try:
             with master.pipeline(transaction=True) as pipe:
