@@ -35,12 +35,13 @@ from stageferry.errors import ConfigError
 from stageferry.schemas.job import TENANT_SEPARATOR, is_tenant
 
 #: Every command the stage services send, directly or from their Lua scripts (taken from MONITOR during
-#: full pipeline runs and from reading ``broker/``).
+#: full pipeline runs and from reading ``broker/``; ``tests/security/test_stage_acl.py`` holds every Lua
+#: script in the package to this list and runs the control plane's scripts as this user).
 STAGE_COMMANDS = (
     "hello", "auth", "ping", "select", "multi", "exec", "discard", "evalsha", "script|load", "exists", "get",
     "set", "strlen", "del", "expire", "pexpire", "hget", "hset", "hdel", "hgetall", "rpush", "lpush", "ltrim",
-    "blpop", "xadd", "xack", "xdel", "xclaim", "xautoclaim", "xgroup|create", "xlen", "xpending", "xrange",
-    "xread", "xreadgroup", "wait",
+    "blpop", "xadd", "xack", "xdel", "xtrim", "xclaim", "xautoclaim", "xgroup|create", "xlen", "xpending",
+    "xrange", "xread", "xreadgroup", "wait",
 )  # fmt: skip
 _CONNECTION = "+hello +auth +ping +select +multi +exec +discard +wait"
 #: What a replica sends its master (``masteruser``), and what Sentinel sends the data nodes

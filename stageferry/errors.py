@@ -241,7 +241,9 @@ class DeadlineExceededError(StageferryError):
 
 
 class RequestLostError(StageferryError):
-    """A waited-on request's record (and its submission marker) disappeared: Redis lost it."""
+    """A waited-on request's record (and its submission marker) disappeared: Redis lost it.  At a stage:
+    the entry in hand is no longer held (:mod:`stageferry.broker.control.held`), and its request is ended
+    ``failed`` with this code only when nothing else holds it (``broker/control/record_loss``)."""
 
     code = "request_lost"
 
@@ -296,6 +298,9 @@ class EntryAction(enum.StrEnum):
     DEAD_LETTER = "dead_letter"  #: move it to the stage's dead-letter stream, with the error code
     RECOMPUTE = "recompute"  #: hand the request back upstream (its payload is gone); failed past the limit
     KEEP = "keep"  #: leave it pending, write nothing: the replica stops and another one reclaims it
+    #: not this replica's any more (reclaimed elsewhere, or lost with Redis): touch nothing, and end the
+    #: request ``request_lost`` only if nothing else can (no record, no entry: ``broker/control/record_loss``)
+    DROP = "drop"
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +327,7 @@ OUTCOMES: Mapping[type[StageferryError], Outcome] = MappingProxyType(
         DeadLetteredError: Outcome(RequestState.FAILED, EntryAction.DEAD_LETTER, "dead_lettered"),
         DeadlineExceededError: Outcome(RequestState.FAILED, EntryAction.ACK, "deadline_exceeded"),
         CancelledRequestError: Outcome(RequestState.CANCELLED, EntryAction.ACK, "cancelled"),
+        RequestLostError: Outcome(RequestState.FAILED, EntryAction.DROP, "lost"),
     }
 )
 

@@ -9,7 +9,10 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("torch", "nixl", "msgpack", "av", "numpy", "PIL", "fastapi", "starlette", "uvicorn", "multipart", "prometheus_client")
+HEAVY = (
+    "torch", "nixl", "msgpack",
+    "av", "numpy", "PIL", "fastapi", "starlette", "uvicorn", "multipart", "prometheus_client",
+)
 
 CLIENT_SIDE = f"""
 import sys

@@ -306,7 +306,9 @@ def chaos(
     enc_tp: Annotated[int, typer.Option("--enc-tp", min=1, max=64, help="TP size of each encoder replica.")] = 2,
     dif_tp: Annotated[int, typer.Option("--dif-tp", min=1, max=64, help="TP size of each diffusion replica.")] = 4,
     window: Annotated[float | None, typer.Option("--window", help="Seconds to submit over (0.6 s/job).")] = None,
-    faults: Annotated[int | None, typer.Option("--faults", min=0, help="Faults of each kind (default 2).")] = None,
+    faults: Annotated[
+        int | None, typer.Option("--faults", min=0, help="Faults of each kind (default 2; empty_restart 1).")
+    ] = None,
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="Logs and Redis data (kept).")] = None,
     sentinel: Annotated[
         bool,

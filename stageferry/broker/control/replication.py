@@ -79,17 +79,28 @@ def _raise_first(replies: Sequence[Any]) -> None:
 
 
 async def replicated_transaction(
-    link: RespLink | None, redis: aioredis.Redis, commands: Sequence[Command], durability: Durability, *, what: str
+    link: RespLink | None,
+    redis: aioredis.Redis,
+    commands: Sequence[Command],
+    durability: Durability,
+    *,
+    what: str,
+    raise_errors: bool = True,
 ) -> list[Any]:
     """``commands`` as one ``MULTI``/``EXEC`` followed by ``WAIT`` on the same connection; the EXEC's
-    replies (the first error raised, as :func:`~.resp_link.run_transaction` does).  Fewer replicas than
-    asked: :class:`NotReplicatedError` (the commands did run, on the master)."""
+    replies, the first error raised — or with ``raise_errors=False`` the errors of commands that ran as
+    values, for a caller that undoes the rest (then the count is not checked) — as
+    :func:`~.resp_link.run_transaction` does.  Fewer replicas than asked: :class:`NotReplicatedError`
+    (the commands did run, on the master)."""
     replies = await exchange(
         link, redis, [("MULTI",), *commands, ("EXEC",), wait_command(durability)], block_s=durability.timeout_ms / 1000
     )
     *queued, executed, acked = replies
-    _raise_first([*queued, executed])
-    _raise_first(executed)
+    _raise_first([*queued, executed])  # nothing ran (a refused MULTI, EXECABORT)
+    if raise_errors:
+        _raise_first(executed)
+    elif any(isinstance(reply, Exception) for reply in executed):
+        return list(executed)
     check_submission(int(acked), durability, what=what)
     return list(executed)
 
