@@ -100,19 +100,32 @@ def client_user(
     return f"user {user} on {password} resetkeys resetchannels -@all {_CONNECTION} {body}"
 
 
+def scaler_user(prefix: str, *, name: str = "sfscaler", password: str = ">CHANGE-ME") -> str:
+    """An autoscaler's user (KEDA's ``redis-streams`` trigger): it reads the stage streams' backlog only
+    (``XPENDING`` for pending entries, ``XINFO GROUPS`` for the group's lag, ``XLEN``), no entry's body."""
+    keys = Keys(prefix)
+    commands = "+xpending +xinfo|groups +xinfo|stream +xlen"
+    streams = f"%R~{keys.stage_stream('*')}"
+    return f"user {name} on {password} resetkeys resetchannels -@all {_CONNECTION} {streams} {commands}"
+
+
 def acl_file(
     prefix: str,
     first_stage: str,
     *,
     tenants: Sequence[str] = (),
     passwords: dict[str, str] | None = None,
+    scaler: bool = False,
     sentinel: bool = False,
 ) -> str:
     """A whole ACL file: the default user off, the services' user, and one client user per tenant (or the
-    single-tenant client user when there are none); with ``sentinel``, the replicas' and the sentinels'
-    users too.  ``passwords`` maps user → ``>password``/``#sha256``."""
+    single-tenant client user when there are none); with ``scaler`` also :func:`scaler_user`; with
+    ``sentinel``, the replicas' and the sentinels' users too.  ``passwords`` maps user →
+    ``>password``/``#sha256``."""
     pw = passwords or {}
     lines = ["user default off", stage_user(prefix, password=pw.get("stageferry", ">CHANGE-ME"))]
+    if scaler:
+        lines.append(scaler_user(prefix, password=pw.get("sfscaler", ">CHANGE-ME")))
     if sentinel:
         lines.append(replica_user(password=pw.get("sfreplica", ">CHANGE-ME")))
         lines.append(sentinel_user(password=pw.get("sfsentinel", ">CHANGE-ME")))
@@ -131,6 +144,7 @@ __all__ = [
     "acl_file",
     "client_user",
     "replica_user",
+    "scaler_user",
     "sentinel_user",
     "stage_user",
 ]

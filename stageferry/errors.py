@@ -37,6 +37,7 @@ a request's failed/rejected status shows, so that clients branch on codes, never
     │                                reclaimed elsewhere (never a request failure)
     ├── DeadLetteredError            an entry delivered too often: the stage keeps dying on it
     │   └── StageCrashedError        the stage process died holding it, max_crashes times in a row
+    ├── StatusCorruptError           a request's stored status does not parse, or names another request
     ├── DeadlineExceededError        the request's deadline passed
     ├── RequestLostError             the request's record vanished (a Redis without persistence restarted)
     ├── RequestNotFoundError         no such request, and the caller would not wait for it to appear
@@ -236,6 +237,14 @@ class StageCrashedError(DeadLetteredError):
     code = "stage_crashed"
 
 
+class StatusCorruptError(StageferryError):
+    """A request's record holds a status that does not parse, or that names another request (a record
+    is data in Redis, written by anyone with a stage's credentials): nothing is read from it, and a stage
+    that meets it dead-letters its entry."""
+
+    code = "status_corrupt"
+
+
 class DeadlineExceededError(StageferryError):
     code = "deadline_exceeded"
 
@@ -325,6 +334,7 @@ OUTCOMES: Mapping[type[StageferryError], Outcome] = MappingProxyType(
         DataPlaneError: Outcome(RequestState.FAILED, EntryAction.RECOMPUTE, "recomputed"),
         GroupBrokenError: Outcome(None, EntryAction.KEEP, "group_broken"),
         DeadLetteredError: Outcome(RequestState.FAILED, EntryAction.DEAD_LETTER, "dead_lettered"),
+        StatusCorruptError: Outcome(RequestState.FAILED, EntryAction.DEAD_LETTER, "dead_lettered"),
         DeadlineExceededError: Outcome(RequestState.FAILED, EntryAction.ACK, "deadline_exceeded"),
         CancelledRequestError: Outcome(RequestState.CANCELLED, EntryAction.ACK, "cancelled"),
         RequestLostError: Outcome(RequestState.FAILED, EntryAction.DROP, "lost"),

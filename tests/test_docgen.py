@@ -74,5 +74,5 @@ def test_ranges_come_from_the_validators() -> None:
     schema = JobRequest.model_json_schema()
     assert docgen.allowed(schema, "width") == "64–2048"
     assert docgen.allowed(schema, "duration") == "> 0, ≤ 30"
-    assert docgen.allowed(schema, "task") == "t2va | fl2va | ref2va"
+    assert docgen.allowed(schema, "task") == "t2va | fl2va | ref2va | i2va"
     assert docgen.allowed(Limits.model_json_schema(), "max_upload_bytes") == "1 KiB–1 GiB"

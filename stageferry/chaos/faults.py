@@ -87,15 +87,20 @@ class FaultPlan:
 
 @dataclass
 class FaultLog:
-    """What was injected (by kind) and what could not be (nobody reached a failpoint in time, etc.)."""
+    """What was injected (by kind) and what was *missed*: a fault that came due but had nothing to hit —
+    no group fully up to kill or stop, nobody reaching its failpoint within the wait, Redis already down
+    for another restart — so the run did not test it (:attr:`misses` says which and why)."""
 
     injected: Counter[str] = field(default_factory=Counter)
     missed: Counter[str] = field(default_factory=Counter)
     lines: list[str] = field(default_factory=list)
+    misses: list[str] = field(default_factory=list)
 
     def note(self, fault: Fault, started: float, ok: bool, detail: str) -> None:
         kind = fault.kind
         (self.injected if ok else self.missed)[kind.value] += 1
+        if not ok:
+            self.misses.append(f"{kind.value} at {fault.at_s:.1f}s: {detail}")
         took = time.monotonic() - started - fault.at_s
         self.lines.append(f"{fault.at_s:7.1f}s {kind.value:<24} {'ok  ' if ok else 'miss'} {detail} (+{took:.1f}s)")
         log.info("chaos.fault", kind=kind.value, injected=ok, detail=detail)

@@ -33,7 +33,7 @@ from stageferry.broker.control.keys import Keys
 from stageferry.chaos import audit, blip
 from stageferry.chaos.cluster import Cluster
 from stageferry.chaos.failover import Failover
-from stageferry.chaos.faults import FAILOVER_KINDS, FaultKind, FaultPlan, Injector
+from stageferry.chaos.faults import FAILOVER_KINDS, FaultKind, FaultLog, FaultPlan, Injector
 from stageferry.client import Client
 from stageferry.config import PipelineConfig
 from stageferry.errors import ControlPlaneError, StageferryError
@@ -90,12 +90,21 @@ class SoakResult:
     config: SoakConfig
     seed: int
     audit: audit.Audit
-    faults: Any
+    faults: FaultLog
     restarts: dict[str, int]
     seconds: float
     work_dir: Path
     blips: list[blip.Blip] = field(default_factory=list)
     failovers: list[Failover] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        """``FAIL`` when the audit found anything lost, duplicated, stuck, corrupted or leaked;
+        ``INCOMPLETE`` when it found nothing but a planned fault was missed (it had nothing to hit, see
+        :class:`~stageferry.chaos.faults.FaultLog`: the run did not test it); else ``PASS``."""
+        if not self.audit.ok:
+            return "FAIL"
+        return "INCOMPLETE" if self.faults.misses else "PASS"
 
 
 def pipeline_toml(cfg: SoakConfig) -> str:
@@ -458,7 +467,13 @@ def render(result: SoakResult) -> str:
         for b in result.blips:
             row(f"  latency {b.what}", b.row())
     row("wall seconds", f"{result.seconds:.0f}")
-    row("verdict", "PASS" if a.ok else "FAIL")
+    verdict = result.verdict
+    if verdict == "INCOMPLETE":
+        planned = sum(result.faults.injected.values()) + len(result.faults.misses)
+        verdict += f": nothing lost, but {len(result.faults.misses)} of {planned} faults missed (not tested)"
+    row("verdict", verdict)
+    for miss in result.faults.misses:
+        row("  missed", miss)
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]
     bar = "-" * max(len(line) for line in lines)

@@ -118,7 +118,11 @@ def read_job_json(source: str | None) -> dict[str, Any]:
 
 def sample_media(task: Task) -> dict[str, Path]:
     """The bundled sample inputs for ``task`` (none for t2va)."""
-    names = {Task.FL2VA: ("first_frame", "last_frame"), Task.REF2VA: ("reference_video", "reference_audio")}
+    names = {
+        Task.FL2VA: ("first_frame", "last_frame"),
+        Task.I2VA: ("first_frame",),
+        Task.REF2VA: ("reference_video", "reference_audio"),
+    }
     root = Path(str(importlib.resources.files("stageferry") / "samples"))
     suffix = {"first_frame": ".png", "last_frame": ".png", "reference_video": ".mp4", "reference_audio": ".wav"}
     return {name: root / f"{name}{suffix[name]}" for name in names.get(task, ())}

@@ -100,6 +100,9 @@ def acl(
     tenant: Annotated[
         list[str] | None, typer.Option("--tenant", help="A tenant (repeatable); default: the pipeline's.")
     ] = None,
+    scaler: Annotated[
+        bool, typer.Option("--scaler", help="Also an autoscaler's user (KEDA): the stage streams' backlog only.")
+    ] = False,
     sentinel: Annotated[
         bool, typer.Option("--sentinel", help="Also the replicas' and the sentinels' users (a Sentinel group).")
     ] = False,
@@ -110,7 +113,10 @@ def acl(
     settings = _settings(ctx)
     pipeline = settings.load_pipeline()
     tenants = tenant if tenant else list(pipeline.security.tenants)
-    typer.echo(acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants, sentinel=sentinel), nl=False)
+    typer.echo(
+        acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants, scaler=scaler, sentinel=sentinel),
+        nl=False,
+    )
 
 
 @app.command()
@@ -324,7 +330,8 @@ def chaos(
 ) -> None:
     """Fault-injection soak: the pipeline on a private AOF Redis under random SIGKILLs, Redis restarts
     and stalls (with ``--sentinel``: on a Sentinel group under failovers, timed); prints the summary table
-    and exits 1 if anything was lost, duplicated or stuck."""
+    and exits 1 if anything was lost, duplicated or stuck, 2 if nothing was but a planned fault was missed
+    (it had nothing to hit: the run did not test it)."""
     from stageferry.chaos.faults import FAILOVER_KINDS, FaultKind
     from stageferry.chaos.soak import FAILOVER_FAULTS, SoakConfig, render, run_soak
 
@@ -341,6 +348,13 @@ def chaos(
     typer.echo(f"chaos soak: {requests} requests, seed {cfg.seed if seed is not None else '(drawn)'}", err=True)
     result = anyio.run(run_soak, cfg)
     typer.echo(render(result))
-    if not result.audit.ok:
+    if result.verdict == "FAIL":
         typer.echo(f"soak FAILED; logs in {result.work_dir}", err=True)
         raise typer.Exit(1)
+    if result.verdict == "INCOMPLETE":
+        typer.echo(f"soak INCOMPLETE: {len(result.faults.misses)} faults had nothing to hit; logs in {result.work_dir}",
+                   err=True)  # fmt: skip
+        raise typer.Exit(2)
+
+
+from stageferry.cli import kube as _kube  # noqa: E402,F401 - registers `stageferry kube`, after these commands

@@ -61,6 +61,7 @@ class Task(enum.StrEnum):
     T2VA = "t2va"  #: text → video + audio
     FL2VA = "fl2va"  #: first/last frame (+ text) → video + audio
     REF2VA = "ref2va"  #: reference video and/or audio (+ text) → video + audio
+    I2VA = "i2va"  #: a first frame (+ text) → video + audio (models that can: the diffusers LTX-2 pair)
 
 
 class Frozen(BaseModel):
@@ -102,7 +103,7 @@ class JobRequest(Frozen):
     """One generation job. Every field is bounded; see ``stageferry schema`` for the JSON Schema."""
 
     task: Task = Task.T2VA
-    """t2va: text → video + audio; fl2va: first/last frame; ref2va: reference video and/or audio."""
+    """t2va: text → video + audio; fl2va: first/last frame; ref2va: reference video and/or audio; i2va: first frame."""
     prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
     """What to generate (the deployment may allow fewer characters: `limits.max_prompt_chars`)."""
     negative_prompt: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] = ""
@@ -130,7 +131,7 @@ class JobRequest(Frozen):
     lora: Annotated[str, Field(pattern=ADAPTER_NAME_PATTERN)] | None = None
     """A LoRA adapter by name, one of the deployment's `limits.lora_adapters`."""
     media: MediaInputs = MediaInputs()
-    """Media inputs: fl2va needs first_frame and last_frame, ref2va reference_video and/or reference_audio."""
+    """Media inputs: fl2va needs first_frame and last_frame, i2va first_frame, ref2va reference_video and/or audio."""
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -150,6 +151,12 @@ class JobRequest(Frozen):
             for name in ("first_frame", "last_frame"):
                 if getattr(media, name) is None:
                     raise _field_error(f"media.{name}", f"fl2va needs media.{name}")
+        if self.task is Task.I2VA:
+            if media.first_frame is None:
+                raise _field_error("media.first_frame", "i2va needs media.first_frame")
+            for name in ("last_frame", "reference_video", "reference_audio"):
+                if getattr(media, name) is not None:
+                    raise _field_error(f"media.{name}", "i2va takes media.first_frame only")
         if self.task is Task.REF2VA and media.reference_video is None and media.reference_audio is None:
             raise _field_error("media.reference_video", "ref2va needs media.reference_video and/or reference_audio")
         if self.task is Task.T2VA:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -119,7 +119,7 @@ class Conditioning:
 
 
 def _k(layout: Layout) -> tuple[int, int]:
-    return {Task.T2VA: (0, 0), Task.FL2VA: (2, 2), Task.REF2VA: (0, 1)}[layout.task]
+    return {Task.FL2VA: (2, 2), Task.REF2VA: (0, 1)}.get(layout.task, (0, 0))
 
 
 def _t(layout: Layout) -> tuple[int, int]:
@@ -198,6 +198,18 @@ PLAIN: tuple[PlainEntry, ...] = (
     PlainEntry("seed", int, "informational"),
     PlainEntry("meta", dict, "informational plain values (encoder name, token counts, layout facts)"),
 )
+
+
+@runtime_checkable
+class InputContract(Protocol):
+    """What a consumer model's ``input_contract`` is: an id for logs and errors, and a check its stage's
+    leader runs on every fetched payload before the fan-out, raising :class:`PayloadContractError` (one
+    field error per violation).  :class:`PayloadContract` is one; an integration may bring its own."""
+
+    @property
+    def id(self) -> str: ...
+
+    def check(self, job: JobRequest, payload: Any) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)

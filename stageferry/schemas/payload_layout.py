@@ -33,7 +33,7 @@ from stageferry.schemas.job import JobRequest, Task
 
 LAYOUT_VERSION = 1
 HEADER = 11
-TASK_CODES: dict[Task, int] = {Task.T2VA: 0, Task.FL2VA: 1, Task.REF2VA: 2}
+TASK_CODES: dict[Task, int] = {Task.T2VA: 0, Task.FL2VA: 1, Task.REF2VA: 2, Task.I2VA: 3}
 _TASKS = {code: task for task, code in TASK_CODES.items()}
 
 LATENT_CHANNELS = 16  #: video latent channels
@@ -45,7 +45,7 @@ AUDIO_BANDS = 64  #: audio latent channels
 #: The layout tensor's values in order, with what each holds (the docs' table is made from this).
 FIELDS: tuple[tuple[str, str], ...] = (
     ("version", f"layout version ({LAYOUT_VERSION})"),
-    ("task", "0 t2va, 1 fl2va, 2 ref2va"),
+    ("task", "0 t2va, 1 fl2va, 2 ref2va, 3 i2va"),
     ("width", "W, pixels"),
     ("height", "H, pixels"),
     ("fps", "frames per second"),

@@ -38,7 +38,7 @@ from stageferry.broker.data.staging import materialize
 from stageferry.config import GroupLayout, Mode, PipelineConfig, StageConfig
 from stageferry.errors import ConfigError, StageFailedError
 from stageferry.schemas import JobRequest
-from stageferry.schemas.payload_contract import PayloadContract
+from stageferry.schemas.payload_contract import InputContract
 from stageferry.stages.grid import build_channel
 from stageferry.stages.group import cpu_threads, pack_payload, placement
 from stageferry.stages.group_channel import GroupChannel, MessageKind
@@ -73,7 +73,7 @@ class Aggregated:
         self.models = [load_model(part, declared) for part in stage.parts]
         self.contracts = [input_contract_of(model) for model in self.models]
         #: The first part's: the stage's worker checks incoming payloads against it.
-        self.input_contract: PayloadContract | None = self.contracts[0]
+        self.input_contract: InputContract | None = self.contracts[0]
         self._group: _Group | None = None
 
     def group(self, ctx: StageContext) -> _Group:
@@ -122,7 +122,7 @@ class Aggregated:
         ctx: StageContext,
         *,
         pack: bool,
-        contract: PayloadContract | None = None,
+        contract: InputContract | None = None,
     ) -> tuple[Any, Any, Exception | None]:
         """Run one part on this rank (if it is one of the part's) and, on the leader, check its output
         against the next part's ``contract`` and pack it."""

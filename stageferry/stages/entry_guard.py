@@ -21,7 +21,9 @@ outcome table (:data:`stageferry.errors.OUTCOMES`) decides the rest:
   the last stage's finish) when the work got that far, else by a ``DEL`` of its own.
   A mark therefore survives only a process that died (out of memory, a native crash) or a group that
   broke while holding the entry.  An entry found with ``limits.max_crashes`` such marks raises
-  :class:`StageCrashedError`: dead-lettered, the request ``failed``, instead of killing every replica.
+  :class:`StageCrashedError`: dead-lettered, the request ``failed``, instead of killing every replica;
+  the deaths it caused are reported to the replica's supervisor, which stops counting them towards
+  giving up (:func:`~stageferry.stages.supervisor.report_settled_crashes`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from stageferry.errors import (
 )
 from stageferry.schemas import Envelope
 from stageferry.stages.admission import LOOK_FN, Look
+from stageferry.stages.supervisor import report_settled_crashes
 
 log = structlog.get_logger(__name__)
 
@@ -234,6 +237,7 @@ class EntryGuard:
         if crashes < limit:
             return
         await self._clear(key, entry)
+        report_settled_crashes(crashes)  # its supervisor takes these deaths off its count of restarts
         reason = f"the {self.stage} stage died {crashes} times in a row running this request (limit {limit})"
         raise StageCrashedError(reason, crashes=crashes, limit=limit)
 

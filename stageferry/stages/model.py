@@ -7,11 +7,12 @@ thread (never on the event loop), with the validated job and the payload the pre
 and plain values — or, on the last stage, a :class:`FinalOutput`.  Only the leader's return value is
 used; followers compute their shard and return whatever they like.
 
-A model may declare what it reads with an ``input_contract`` attribute (a
-:class:`~stageferry.schemas.payload_contract.PayloadContract`, e.g. ``CONDITIONING`` for a diffusion
-model).  The stage's leader then checks every payload against it before the fan-out, and a violation
-ends the request ``rejected`` with one field error per entry; the model reads its inputs with
-``contract.read``.  What a model raises itself ends the request as ``errors.OUTCOMES`` says (a
+A model may declare what it reads with an ``input_contract`` attribute (an
+:class:`~stageferry.schemas.payload_contract.InputContract`: the conditioning contract ``CONDITIONING``
+of the reference diffusion model, or an integration's own, e.g. the diffusers pair's).  The stage's
+leader then checks every payload against it before the fan-out, and a violation ends the request
+``rejected`` with one field error per entry; the model reads its inputs with ``contract.read``.  What
+a model raises itself ends the request as ``errors.OUTCOMES`` says (a
 :class:`~stageferry.errors.RejectedError` — bad media, a job it refuses — ``rejected``; an untyped
 exception ``failed``).
 
@@ -28,7 +29,7 @@ returns; the stage frees it if the model raises or the request ends otherwise.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,9 +38,9 @@ import torch
 
 from stageferry.broker.data.staging import materialize
 from stageferry.config import PipelineConfig, StageConfig
-from stageferry.errors import ConfigError
-from stageferry.schemas import JobRequest
-from stageferry.schemas.payload_contract import PayloadContract
+from stageferry.errors import ConfigError, JobValidationError, field_error
+from stageferry.schemas import JobRequest, Task
+from stageferry.schemas.payload_contract import InputContract
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,14 +95,23 @@ class StageModel(Protocol):
 ModelFactory = Callable[..., StageModel]
 
 
-def input_contract_of(model: Any) -> PayloadContract | None:
+def input_contract_of(model: Any) -> InputContract | None:
     """The contract a model declares for its input payload (``model.input_contract``), if any."""
     contract = getattr(model, "input_contract", None)
-    if contract is not None and not isinstance(contract, PayloadContract):
+    if contract is not None and not isinstance(contract, InputContract):
         raise ConfigError(
-            f"input_contract of {type(model).__name__} must be a PayloadContract, got {type(contract).__name__}"
+            f"input_contract of {type(model).__name__} must be an InputContract (id, check), got "
+            f"{type(contract).__name__}"
         )
     return contract
+
+
+def refuse_task(job: JobRequest, tasks: Collection[Task], *, model: str) -> None:
+    """Refuse a job whose task ``model`` does not serve, naming the field (``rejected``, ``invalid_job``)."""
+    if job.task not in tasks:
+        served = ", ".join(t.value for t in Task if t in tasks)
+        message = f"{model} does not generate {job.task.value} (it serves {served})"
+        raise JobValidationError(f"invalid job: task: {message}", [field_error("task", message, "unsupported_task")])
 
 
 def load_model(stage: StageConfig, pipeline: PipelineConfig) -> StageModel:

@@ -92,6 +92,7 @@ class StagePlacement:
     ranks: tuple[RankPlacement, ...]
     groups: tuple[GroupPlacement, ...]
     pools: tuple[PoolPlacement, ...]
+    computing: int = 1  #: ranks that compute: all, or 1 for a model that runs on rank 0 alone
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -100,6 +101,10 @@ class StagePlacement:
     @property
     def gpus(self) -> tuple[int, ...]:
         return tuple(g for g in (r.gpu for r in self.ranks) if g is not None)
+
+
+#: Models whose group computes on rank 0 alone (a diffusers pipeline runs on one device: docs/diffusers.md).
+RANK0_MODELS = ("stageferry.integrations.diffusers:",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +139,7 @@ class Plan:
                         {"name": g.name, "ranks": list(g.ranks), "backends": list(g.backends)} for g in s.groups
                     ],
                     "pools": [{"kind": p.kind, "device": p.device, "bytes": p.nbytes} for p in s.pools],
+                    "computing_ranks": s.computing,
                 }
                 for s in self.stages
             ],
@@ -158,6 +164,8 @@ class Plan:
                 lines.append("  group:  none (one rank)")
             pools = ", ".join(f"{p.kind} {p.nbytes / 2**20:.0f} MiB on {p.device}" for p in s.pools)
             lines.append(f"  pools:  {pools or 'none (no NIXL edge)'}")
+            if s.computing < len(s.ranks):
+                lines.append(f"  compute: rank 0 only (its model runs on one device; ranks 1..{len(s.ranks) - 1} idle)")
         for gpu, ranks in sorted(self.shared.items()):
             lines.append(f"shared: GPU {gpu} runs {', '.join(ranks)}")
         return "\n".join(lines)
@@ -224,6 +232,7 @@ def plan(pipeline: PipelineConfig, gpus: int, *, strict: bool = True) -> Plan:
                 ranks=ranks,
                 groups=_groups(s, cuda=bool(devs)),
                 pools=_pools(pipeline, pipeline.index_of(s.name), ranks[0].device, gpus),
+                computing=1 if s.model.startswith(RANK0_MODELS) else s.world_size,
             )
         )
     return Plan(gpus=gpus, stages=tuple(placed), shared=_shared(placed), refused=refused)

@@ -60,7 +60,7 @@ from stageferry.errors import (
 )
 from stageferry.logs import bound_request
 from stageferry.schemas import DeviceKind, Envelope, JobRequest, Manifest, Progress, StageTiming, Transport, request_key
-from stageferry.schemas.payload_contract import PayloadContract
+from stageferry.schemas.payload_contract import InputContract
 from stageferry.stages.admission import Admission, Look
 from stageferry.stages.entry_guard import CrashMark, EntryGuard
 from stageferry.stages.handoff import HandOn
@@ -131,7 +131,7 @@ class StageWorker:
         compute: Compute,
         input_connector: Connector | None,
         output_connector: Connector | None,
-        input_contract: PayloadContract | None = None,
+        input_contract: InputContract | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys

@@ -247,7 +247,7 @@ def test_the_json_form_lists_every_entry_and_dimension() -> None:
     names = [t["name"] for t in doc["tensors"]]
     assert names == ["text.hidden_states", "text.role_ids", "visual_latents", "audio_latents", "audio_style", "layout"]
     hidden = doc["tensors"][0]
-    assert hidden["shape"] == ["n", "hidden"] and hidden["required_for"] == ["t2va", "fl2va", "ref2va"]
+    assert hidden["shape"] == ["n", "hidden"] and hidden["required_for"] == ["t2va", "fl2va", "ref2va", "i2va"]
     assert doc["dimensions"]["hidden"]["kind"] == "free" and doc["dimensions"]["h"]["kind"] == "job"
     assert doc["tensors"][2]["required_for"] == ["fl2va"]
     assert [f["name"] for f in doc["layout_fields"]][:3] == ["version", "task", "width"]

@@ -12,12 +12,13 @@ MULTI, and until the first stage picks it up the request is known by its "submit
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
 import structlog
@@ -49,8 +50,10 @@ from stageferry.errors import (
     RequestNotFoundError,
 )
 from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestState, RequestStatus
+from stageferry.schemas.validation import parse_status
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 #: How a status write treats a missing record (see :meth:`RequestStore.set_status`).
 WriteMode = Literal["any", "create", "update", "unowned"]
@@ -372,9 +375,10 @@ class RequestStore:
         return [self._keys.request(rid), self._keys.events(rid)], args
 
     async def get(self, request_id: str) -> RequestStatus | None:
-        """The request's status (None: no record); reads asked for at once share a round trip."""
+        """The request's status (None: no record); reads asked for at once share a round trip.
+        :class:`StatusCorruptError` when the record's status does not parse or names another request."""
         raw = await self.status_reads.get(self._keys.request(request_id))
-        return None if raw is None else RequestStatus.model_validate_json(raw)
+        return None if raw is None else parse_status(raw, request_id)
 
     async def request_cancel(self, request_id: str) -> bool:
         """Flag the request; stages stop it at their next boundary. False if it is unknown or finished."""
@@ -500,8 +504,10 @@ class RequestStore:
         """Block until the request is terminal (see :meth:`follow` for the errors and ``seen``); with
         ``exists_within=0`` an unknown id is :class:`RequestNotFoundError` at once."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        status = await self.get(request_id)  # Redis away at the start: say so at once (one error line)
-        if status is None and exists_within is not None and exists_within <= 0 and not await self.known(request_id):
+        # Redis away at the start is an outage like any other: waited out within the timeout.
+        status = await self._get_retrying(request_id, deadline)
+        at_once = status is None and exists_within is not None and exists_within <= 0
+        if at_once and not await self._retrying(functools.partial(self.known, request_id), deadline):
             raise _not_found(request_id)
         if status is None or not status.state.terminal:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -512,30 +518,33 @@ class RequestStore:
                 last = fields
             # The terminal status event carries the status JSON the same script wrote to the record (a
             # terminal status is written once): read it from there, not with one more HGET per wait.
-            status = _terminal_status(last) or await self._get_retrying(request_id, deadline)
+            status = _terminal_status(last, request_id) or await self._get_retrying(request_id, deadline)
         if status is None:  # its terminal event came, then the record went (expired, or Redis lost it)
             raise _lost(request_id)
         return status
 
     async def _get_retrying(self, request_id: str, deadline: float | None) -> RequestStatus | None:
         """:meth:`get`, retried (:func:`reconnecting`) while Redis is unreachable and ``deadline`` is ahead."""
+        return await self._retrying(functools.partial(self.get, request_id), deadline)
+
+    async def _retrying(self, op: Callable[[], Awaitable[T]], deadline: float | None) -> T:
         within = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
         async for attempt in reconnecting(within=within, event="request.status_retry"):
             with attempt:
-                return await self.get(request_id)
+                return await op()
         raise AssertionError("unreachable: reconnecting() returns or raises")
 
 
-def _terminal_status(fields: Mapping[str, str]) -> RequestStatus | None:
-    """The status a terminal status event carries; None for any other row (or one that does not parse:
-    then the record is read instead)."""
+def _terminal_status(fields: Mapping[str, str], request_id: str) -> RequestStatus | None:
+    """The status a terminal status event of ``request_id`` carries; None for any other row (or one that
+    does not parse, or names another request: then the record is read instead, and judged)."""
     if fields.get("kind") != "status" or fields.get("state") not in _TERMINAL_NAMES or "status" not in fields:
         return None
     try:
         status = RequestStatus.model_validate_json(fields["status"])
     except ValueError:
         return None
-    return status if status.state.terminal else None
+    return status if status.state.terminal and status.request_id == request_id else None
 
 
 def _not_found(request_id: str) -> RequestNotFoundError:

@@ -38,10 +38,11 @@ from stageferry.schemas import JobRequest
 from stageferry.schemas.payload_contract import CONDITIONING, PayloadContract
 from stageferry.schemas.payload_contract import Conditioning as Inputs
 from stageferry.schemas.payload_layout import Layout
-from stageferry.stages.model import FinalOutput, StageContext
+from stageferry.stages.model import FinalOutput, StageContext, refuse_task
 from stageferry.stages.reference import audio, conditioning
 from stageferry.stages.reference.audio import AudioCodec
 from stageferry.stages.reference.dit import DiT, DiTConfig
+from stageferry.stages.reference.encoder import REFERENCE_TASKS
 from stageferry.stages.reference.mp4 import probe_mp4, write_mp4
 from stageferry.stages.reference.sampler import Conditioning, sample
 from stageferry.stages.reference.text_encoder import ROLE_NEGATIVE
@@ -101,6 +102,7 @@ class ReferenceDiffusion:
 
     def generate(self, job: JobRequest, payload: Any | None, ctx: StageContext) -> Generated:
         """Denoise and decode (every rank, in step): the same result on every rank of the group."""
+        refuse_task(job, REFERENCE_TASKS, model="the reference diffusion model")
         inputs = _on(self.input_contract.read(job, payload), ctx.device)
         layout = inputs.layout
         nets = self.nets(ctx, int(inputs.hidden_states.shape[1]))

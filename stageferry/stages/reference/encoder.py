@@ -30,7 +30,7 @@ from stageferry.config import PipelineConfig, StageConfig
 from stageferry.schemas import JobRequest, Task
 from stageferry.schemas.payload_contract import build_payload
 from stageferry.schemas.payload_layout import Layout, latent_frames
-from stageferry.stages.model import StageContext
+from stageferry.stages.model import StageContext, refuse_task
 from stageferry.stages.reference import audio, vae
 from stageferry.stages.reference.audio import AudioCodec
 from stageferry.stages.reference.media_input import bad_media, load_audio, load_image, load_video
@@ -59,6 +59,10 @@ class _Nets:
         self.audio = AudioCodec(seed=cfg.seed, device=tp.device)
 
 
+#: The tasks the reference models generate (i2va is an integration's: docs/diffusers.md).
+REFERENCE_TASKS = frozenset({Task.T2VA, Task.FL2VA, Task.REF2VA})
+
+
 class ReferenceEncoder:
     """Called on every rank with the same job and media; returns the same payload on every rank, its
     tensors on the rank's device (VRAM on a GPU: the data plane moves them GPU to GPU), except the small
@@ -79,6 +83,7 @@ class ReferenceEncoder:
         """Encode; once every shape is known, ask the stage for the output tensors
         (``ctx.output_tensors``: on the leader, the next hop's pool slot), let the VAE write the visual
         latents — the payload's bulk — straight into them, and copy the small rest in."""
+        refuse_task(job, REFERENCE_TASKS, model="the reference encoder")
         nets = self.nets(ctx)
         layout = Layout.for_job(job)
         on = ctx.device  # tensors stay on the rank's device (VRAM on a GPU); the layout is built on the host
