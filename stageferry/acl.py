@@ -14,11 +14,16 @@ stream key would let ``SET`` replace the stream).  Read (``%R~``) and write (``%
 * read ``<p>:refused:<entry>`` (``HGETALL``): why an entry was refused;
 
 where ``ID`` is ``*`` for the single-tenant client and ``<tenant>.*`` for a tenant's; plus ``HELLO AUTH
-PING SELECT MULTI EXEC DISCARD``.  Nothing else: no scripts (``EVAL``/``EVALSHA``/``FUNCTION``/
+PING SELECT MULTI EXEC DISCARD WAIT`` (``WAIT``: a submission counts once replicas have it, see
+``docs/high-availability.md``).  Nothing else: no scripts (``EVAL``/``EVALSHA``/``FUNCTION``/
 ``SCRIPT``: a slow script answers ``BUSY`` to everyone), no ``DEL``/``EXPIRE``, no writes to
 statuses, events or results (only stages write those), no read of any stream a prompt sits in, no
-``KEYS``/``SCAN``.  The submission stream is the first stage's own stream for a single-tenant deployment,
-and ``<p>:stage:<first>:intake:<tenant>`` for a tenant (see :class:`~stageferry.config.Security`).
+``KEYS``/``SCAN``.  Behind Sentinel every data node loads the same file, and two more users let the
+group run itself: the replicas' (:func:`replica_user`: replication only) and the sentinels'
+(:func:`sentinel_user`: exactly what Sentinel sends to monitor and fail over).
+
+The submission stream is the first stage's own stream for a single-tenant deployment, and
+``<p>:stage:<first>:intake:<tenant>`` for a tenant (see :class:`~stageferry.config.Security`).
 """
 
 from __future__ import annotations
@@ -36,15 +41,33 @@ STAGE_COMMANDS = (
     "hello", "auth", "ping", "select", "multi", "exec", "discard", "evalsha", "script|load", "exists", "get",
     "set", "strlen", "del", "expire", "pexpire", "hget", "hset", "hdel", "hgetall", "rpush", "lpush", "ltrim",
     "blpop", "xadd", "xack", "xdel", "xtrim", "xclaim", "xautoclaim", "xgroup|create", "xlen", "xpending",
-    "xrange", "xrevrange", "xread", "xreadgroup",
+    "xrange", "xrevrange", "xread", "xreadgroup", "wait",
 )  # fmt: skip
-_CONNECTION = "+hello +auth +ping +select +multi +exec +discard"
+_CONNECTION = "+hello +auth +ping +select +multi +exec +discard +wait"
+#: What a replica sends its master (``masteruser``), and what Sentinel sends the data nodes
+#: (``sentinel auth-user``), from the Redis manual's ACL guidance for each.
+REPLICA_COMMANDS = ("psync", "replconf", "ping")
+SENTINEL_COMMANDS = (
+    "multi", "exec", "slaveof", "replicaof", "ping", "subscribe", "publish", "config|rewrite", "role", "info",
+    "client|setname", "client|kill", "script|kill",
+)  # fmt: skip
 
 
 def stage_user(prefix: str, *, name: str = "stageferry", password: str = ">CHANGE-ME") -> str:
     """The services' user (stages, gateway, trusted tools): every key under ``prefix``, our commands only."""
     commands = " ".join(f"+{c}" for c in STAGE_COMMANDS)
     return f"user {name} on {password} resetkeys ~{prefix}:* resetchannels -@all {commands}"
+
+
+def replica_user(*, name: str = "sfreplica", password: str = ">CHANGE-ME") -> str:
+    """The replicas' user on every data node (their ``masteruser``): replication, nothing else."""
+    return f"user {name} on {password} resetkeys resetchannels -@all " + " ".join(f"+{c}" for c in REPLICA_COMMANDS)
+
+
+def sentinel_user(*, name: str = "sfsentinel", password: str = ">CHANGE-ME") -> str:
+    """The sentinels' user on every data node (``sentinel auth-user``): monitor, reconfigure, fail over."""
+    commands = " ".join(f"+{c}" for c in SENTINEL_COMMANDS)
+    return f"user {name} on {password} resetkeys allchannels -@all {commands}"
 
 
 def client_user(
@@ -93,14 +116,19 @@ def acl_file(
     tenants: Sequence[str] = (),
     passwords: dict[str, str] | None = None,
     scaler: bool = False,
+    sentinel: bool = False,
 ) -> str:
     """A whole ACL file: the default user off, the services' user, and one client user per tenant (or the
-    single-tenant client user when there are none); with ``scaler`` also :func:`scaler_user`.
-    ``passwords`` maps user → ``>password``/``#sha256``."""
+    single-tenant client user when there are none); with ``scaler`` also :func:`scaler_user`; with
+    ``sentinel``, the replicas' and the sentinels' users too.  ``passwords`` maps user →
+    ``>password``/``#sha256``."""
     pw = passwords or {}
     lines = ["user default off", stage_user(prefix, password=pw.get("stageferry", ">CHANGE-ME"))]
     if scaler:
         lines.append(scaler_user(prefix, password=pw.get("sfscaler", ">CHANGE-ME")))
+    if sentinel:
+        lines.append(replica_user(password=pw.get("sfreplica", ">CHANGE-ME")))
+        lines.append(sentinel_user(password=pw.get("sfsentinel", ">CHANGE-ME")))
     if not tenants:
         lines.append(client_user(prefix, first_stage, password=pw.get("sfclient", ">CHANGE-ME")))
     for tenant in tenants:
@@ -109,4 +137,14 @@ def acl_file(
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["STAGE_COMMANDS", "acl_file", "client_user", "scaler_user", "stage_user"]
+__all__ = [
+    "REPLICA_COMMANDS",
+    "SENTINEL_COMMANDS",
+    "STAGE_COMMANDS",
+    "acl_file",
+    "client_user",
+    "replica_user",
+    "scaler_user",
+    "sentinel_user",
+    "stage_user",
+]

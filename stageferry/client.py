@@ -19,7 +19,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from pydantic import ValidationError
 
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import BLOCK_MS, connect, translated
+from stageferry.broker.control.redis_conn import BLOCK_MS, connect, durability_of, translated, with_reconnects
 from stageferry.broker.control.refusals import Refusal, Refusals
 from stageferry.broker.control.requests import RequestStore
 from stageferry.broker.control.resp_link import open_link
@@ -157,6 +157,10 @@ class Client:
         that a stage has admitted for a *different* job raises :class:`RequestIdTakenError` (one still
         waiting to be picked up is settled by the first stage: a different job under it is dead-lettered).
         A tenant's ids start with ``<tenant>.``; a fresh id gets that prefix, a given one must have it.
+
+        Behind Sentinel the call rides through a failover (for the URL's ``failover_wait_s``): the
+        submission is repeated under the same id until the new master has it on ``wait_replicas``
+        replicas, and it returns only then (:mod:`~stageferry.broker.control.replication`).
         """
         rid = request_id or new_request_id(self.tenant)
         check_request_id(rid, self.tenant)
@@ -167,16 +171,24 @@ class Client:
         )
         check_job_limits(checked, self.pipeline.limits, upload_prefix=self.keys.upload(rid, ""))
         first = self.pipeline.stages[0].name
-        entry = await self.store.submit(
-            rid,
-            checked,
-            first,
-            stream_maxlen=self.pipeline.retention.stream_maxlen,
-            tenant=self.tenant,
-            uploads={self.keys.upload(rid, name): blob for name, blob in blobs.items()},
-            upload_ttl_s=upload_ttl_s,
-            link=self._link,
-        )
+
+        async def enqueue() -> str | None:
+            return await self.store.submit(
+                rid,
+                checked,
+                first,
+                stream_maxlen=self.pipeline.retention.stream_maxlen,
+                tenant=self.tenant,
+                uploads={self.keys.upload(rid, name): blob for name, blob in blobs.items()},
+                upload_ttl_s=upload_ttl_s,
+                link=self._link,
+            )
+
+        ride_s = durability_of(self.redis).failover_s
+        if ride_s > 0:
+            entry = await with_reconnects(enqueue, within=ride_s, event="client.submit_retry", cap=0.5)
+        else:
+            entry = await enqueue()
         if entry is not None:
             self._entries[rid] = entry
         return rid

@@ -19,6 +19,8 @@ a request's failed/rejected status shows, so that clients branch on codes, never
     │       └── TenantMismatchError  the id is not the submitting tenant's
     ├── ControlPlaneError            Redis unreachable, timed out, protocol trouble
     │   ├── QueueFullError           the first stage's stream is at its bound (back-pressure)
+    │   ├── NotReplicatedError       a write reached fewer replicas than asked in time (may be lost
+    │   │                            in a failover): retry it, it is idempotent
     │   └── AccessDeniedError        Redis refused our credentials or an ACL forbids a command/key
     ├── DataPlaneError               moving payload bytes failed (may fall back or recompute)
     │   ├── NixlUnavailableError     NIXL could not be loaded or no agent could be made
@@ -150,6 +152,14 @@ class ControlPlaneError(StageferryError):
 
 class QueueFullError(ControlPlaneError):
     code = "queue_full"
+
+
+class NotReplicatedError(ControlPlaneError):
+    """A submission is on the master but on fewer replicas than ``wait_replicas`` asks within
+    ``wait_timeout_ms``: a failover now could lose it, so it is not acknowledged.  Submitting it again
+    (same id) is safe, and is what the client does while it rides through a failover."""
+
+    code = "not_replicated"
 
 
 class AccessDeniedError(ControlPlaneError):

@@ -11,10 +11,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import redis as sync_redis
-
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import is_fresh
+from stageferry.chaos.sentinels import sync_client
 from stageferry.client import SyncClient
 from stageferry.config import PipelineConfig
 
@@ -96,7 +95,7 @@ class Services:
 
     def wait_live(self, stage: str, consumer: str, timeout: float = 60.0) -> None:
         """Until ``consumer`` of ``stage`` heartbeats (the process is up and reading)."""
-        client = sync_redis.Redis.from_url(self.redis_url)
+        client = sync_client(self.redis_url)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if is_fresh(client.hget(self.keys.workers(stage), consumer)):

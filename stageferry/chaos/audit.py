@@ -78,6 +78,8 @@ class RequestOutcome:
     result_ok: bool
     held: bool
     fallback: bool
+    #: When its (first) terminal status reached Redis: the event's entry id, ms since the epoch.
+    ended_ms: int | None = None
     #: Its state when an empty restart wiped Redis (``submitted``: only the client's marker), or None.
     wiped: str | None = None
     #: What its waiter was told: a terminal state, or an error code (``request_lost``, ``deadline_exceeded``).
@@ -231,9 +233,11 @@ def outcomes(
         raw = client.hget(keys.request(rid), "status")
         status = None if raw is None else RequestStatus.model_validate_json(raw)
         terminal_events = 0
-        for _eid, fields in client.xrange(keys.events(rid)):
+        ended_ms = None
+        for eid, fields in client.xrange(keys.events(rid)):
             if fields.get(b"kind") == b"status" and fields.get(b"state") in (b"done", b"failed", b"rejected"):
                 terminal_events += 1
+                ended_ms = ended_ms or int(eid.split(b"-")[0])
         result_ok = False
         fallback = False
         if status is not None and status.state.value == "done":
@@ -252,6 +256,7 @@ def outcomes(
                 result_ok=result_ok,
                 held=rid in held,
                 fallback=fallback,
+                ended_ms=ended_ms,
                 wiped=wiped.get(rid),
                 told=told.get(rid),
             )

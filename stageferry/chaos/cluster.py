@@ -1,5 +1,9 @@
 """The soak's deployment: a private AOF Redis and stage replicas, with the runner as their supervisor.
 
+With ``sentinel`` the Redis is a Sentinel group instead (:class:`~stageferry.chaos.sentinels.SentinelGroup`:
+a primary, two replicas, three sentinels) and every process connects through its ``redis+sentinel://``
+URL, so the failover faults (:mod:`.faults`) move the master under a running pipeline.
+
 Each replica is one ``python -m stageferry serve <stage>`` process (a TP group's supervisor, or the
 leader itself for TP1) in its own session, logging JSON lines to ``<work_dir>/logs/<replica>.log``.
 :meth:`Cluster.revive` restarts replicas that died (under the same replica name, so a restarted one
@@ -23,6 +27,7 @@ import structlog
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import is_fresh, replica_id
 from stageferry.chaos.model import RECORD_ENV, STAGE_SECONDS_ENV
+from stageferry.chaos.sentinels import SentinelGroup, sync_client
 from stageferry.embedded_redis import EmbeddedRedis, free_port
 from stageferry.failpoints import ENV as FAILPOINTS_ENV
 
@@ -76,6 +81,8 @@ class Cluster:
         replicas: list[tuple[str, str, int]],
         stage_seconds: float,
         extra_env: dict[str, str] | None = None,
+        sentinel: bool = False,
+        url_query: str = "",
     ) -> None:
         self.work_dir = work_dir
         self.prefix = prefix
@@ -87,15 +94,24 @@ class Cluster:
         self.stage_seconds = stage_seconds
         self.extra_env = dict(extra_env or {})
         self.redis = EmbeddedRedis(appendonly=True, data_dir=work_dir / "redis", extra_args=("--appendfsync", "always"))
+        #: The Sentinel group that replaces ``redis`` when asked for.
+        self.group = SentinelGroup(work_dir / "redis-ha") if sentinel else None
+        self.url_query = url_query  #: options of the sentinel URL every process gets (``wait_replicas=2``)
         self.replicas = [Replica(stage, name, tp, free_port()) for stage, name, tp in replicas]
         self.redis_restarts = 0
 
     @property
     def url(self) -> str:
-        return self.redis.url
+        return self.redis.url if self.group is None else self.group.url(query=self.url_query)
 
     def client(self) -> sync_redis.Redis:
-        return sync_redis.Redis.from_url(self.url, socket_timeout=15)
+        return sync_client(self.url, socket_timeout=15)
+
+    async def start_redis(self) -> None:
+        await (self.redis.start() if self.group is None else self.group.start())
+
+    async def stop_redis(self) -> None:
+        await (self.redis.stop() if self.group is None else self.group.stop())
 
     # ------------------------------------------------------------------ processes
 

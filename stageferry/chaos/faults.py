@@ -13,7 +13,9 @@ fault gets a kind and a random moment in the run window.  :class:`Injector` carr
 * ``empty_restart`` — SIGKILL Redis, delete its data (AOF and snapshot) and start it again empty after a
   few seconds, as a Redis without persistence (or with a lost disk) comes back; which requests it had
   then, and in which state, is kept (:attr:`Injector.wiped`) for the audit's accounting;
-* ``stall`` — SIGSTOP a random leader for longer than the visibility timeout, then SIGCONT it.
+* ``stall`` — SIGSTOP a random leader for longer than the visibility timeout, then SIGCONT it;
+* ``primary_kill`` / ``sentinel_failover`` / ``primary_cut`` — behind Sentinel only: move the master
+  under the running pipeline (:mod:`.failover`, which also measures each failover).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import redis as sync_redis
 import structlog
 
 from stageferry import failpoints
+from stageferry.chaos import failover
 from stageferry.chaos.cluster import Cluster, Replica, signal_pid
 
 log = structlog.get_logger(__name__)
@@ -44,6 +47,13 @@ class FaultKind(enum.StrEnum):
     REDIS_RESTART = "redis_restart"
     EMPTY_RESTART = "empty_restart"
     STALL = "stall"
+    PRIMARY_KILL = "primary_kill"
+    SENTINEL_FAILOVER = "sentinel_failover"
+    PRIMARY_CUT = "primary_cut"
+
+
+#: The faults that need a Sentinel group (``Cluster(sentinel=True)``).
+FAILOVER_KINDS = frozenset({FaultKind.PRIMARY_KILL, FaultKind.SENTINEL_FAILOVER, FaultKind.PRIMARY_CUT})
 
 
 _FAILPOINT_OF = {
@@ -107,6 +117,9 @@ class Injector:
         self.rng = random.Random(plan.seed + 1)
         self.log = FaultLog()
         self._stopped: set[int] = set()
+        #: Each failover fault's measurements, in the order they ran.
+        self.failovers: list[failover.Failover] = []
+        self._one_failover = anyio.Lock()  # the group settles between two failovers
         #: Request id → its state (``submitted``: only the client's marker) when an empty restart wiped it;
         #: the first wipe of an id counts.
         self.wiped: dict[str, str] = {}
@@ -128,6 +141,8 @@ class Injector:
         self.log.note(fault, started, ok, detail)
 
     async def inject(self, kind: FaultKind) -> tuple[bool, str]:
+        if kind in FAILOVER_KINDS:
+            return await self._failover(kind)
         if kind is FaultKind.REDIS_RESTART:
             return await self._restart_redis()
         if kind is FaultKind.EMPTY_RESTART:
@@ -186,6 +201,29 @@ class Injector:
         await self.cluster.redis.start()
         self.cluster.redis_restarts += 1
         return True, f"SIGKILL + restart on port {self.cluster.redis.port} (AOF)"
+
+    async def _failover(self, kind: FaultKind) -> tuple[bool, str]:
+        group = self.cluster.group
+        if group is None:
+            return False, "no Sentinel group (run the soak with --sentinel)"
+        async with self._one_failover:
+            try:
+                done = await failover.inject(
+                    group, kind.value, prefix=self.cluster.prefix, settle_s=self.failpoint_wait_s,
+                    rng_pause=self.rng.uniform(0.2, 1.5),
+                )  # fmt: skip
+            except TimeoutError as exc:
+                return False, str(exc)
+        self.failovers.append(done)
+        detail = f"master {done.old_port} -> {done.new_port}, first write after {done.first_write_s:.2f}s"
+        if done.stale is not None:
+            st = done.stale
+            refused = "never" if st.refused_after_s is None else f"{st.refused_after_s:.1f}s"
+            detail += (
+                f"; stale writer: {st.accepted} taken, {len(st.acknowledged)} acknowledged"
+                f" ({st.lost_acknowledged} of them lost), NOREPLICAS after {refused}"
+            )
+        return True, detail
 
     async def _restart_redis_empty(self) -> tuple[bool, str]:
         redis = self.cluster.redis

@@ -6,6 +6,11 @@
 :class:`~stageferry.chaos.faults.FaultPlan` drawn from ``seed`` meanwhile — restarting replicas that
 die, as an orchestrator would — waits until every request is terminal (or the drain bound passes),
 lets leases run out, and audits (:mod:`stageferry.chaos.audit`).  :func:`render` prints the summary.
+
+With ``sentinel`` the Redis is a Sentinel group (:mod:`stageferry.chaos.sentinels`) and the faults are
+failovers by default (:data:`FAILOVER_FAULTS`: kill the primary, ``SENTINEL FAILOVER``, cut the primary
+off with writes still arriving); the summary adds each failover's time (the fault → the first successful
+write on the new master) and the latency blip (:mod:`stageferry.chaos.blip`).
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import redis as sync_redis
 import structlog
 
 from stageferry.broker.control.keys import Keys
-from stageferry.chaos import audit
+from stageferry.chaos import audit, blip
 from stageferry.chaos.cluster import Cluster
-from stageferry.chaos.faults import FaultKind, FaultLog, FaultPlan, Injector
+from stageferry.chaos.failover import Failover
+from stageferry.chaos.faults import FAILOVER_KINDS, FaultKind, FaultLog, FaultPlan, Injector
 from stageferry.client import Client
 from stageferry.config import PipelineConfig
 from stageferry.errors import ControlPlaneError, StageferryError
@@ -37,6 +43,8 @@ SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 
 #: The mix of submitted jobs: (kind, weight).  ``fail`` must end failed, ``invalid`` rejected.
 MIX = (("t2va", 55), ("fl2va", 25), ("ref2va", 12), ("fail", 4), ("invalid", 4))
+#: The faults of a soak behind Sentinel unless told otherwise: six failovers, two of each kind.
+FAILOVER_FAULTS = {FaultKind.PRIMARY_KILL: 2, FaultKind.SENTINEL_FAILOVER: 2, FaultKind.PRIMARY_CUT: 2}
 
 
 @dataclass
@@ -67,6 +75,10 @@ class SoakConfig:
     drain_s: float = 300.0
     work_dir: Path | None = None
     keep_work_dir: bool = False
+    #: Redis as a Sentinel group (failover faults); else one AOF server.
+    sentinel: bool = False
+    #: Replicas a durable write waits for behind Sentinel (the URL's ``wait_replicas``; None: its default, 1).
+    wait_replicas: int | None = None
 
     @property
     def window(self) -> float:
@@ -82,6 +94,8 @@ class SoakResult:
     restarts: dict[str, int]
     seconds: float
     work_dir: Path
+    blips: list[blip.Blip] = field(default_factory=list)
+    failovers: list[Failover] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -156,11 +170,17 @@ def job_for(kind: str, i: int, steps: int) -> dict[str, Any]:
 
 
 async def _submit_all(
-    cfg: SoakConfig, cluster: Cluster, rng: random.Random, started: float, told: dict[str, str]
+    cfg: SoakConfig,
+    cluster: Cluster,
+    rng: random.Random,
+    started: float,
+    told: dict[str, str],
+    submitted: list[blip.Submitted],
 ) -> dict[str, str]:
     """Submit at a steady pace; Redis may be down for a moment (a fault): retry the same id.  Each request
     gets a waiter (``Client.wait``) from its submission on; what it was told goes into ``told``, and this
-    returns once every waiter has its answer (or ``drain_s`` after the window)."""
+    returns once every waiter has its answer (or ``drain_s`` after the window).  Each submission's start
+    and acknowledgement go to ``submitted`` (wall clock)."""
     expected: dict[str, str] = {}
     kinds = [k for k, _ in MIX]
     weights = [w for _, w in MIX]
@@ -176,6 +196,7 @@ async def _submit_all(
                 await anyio.sleep(delay)
             kind = rng.choices(kinds, weights)[0]
             rid = f"soak-{i:04d}-{kind}"
+            began = time.time()
             for attempt in range(60):
                 try:
                     if kind == "invalid":  # a raw entry, as a non-Python client could send: rejected
@@ -188,6 +209,7 @@ async def _submit_all(
                     await anyio.sleep(0.5)
             else:
                 raise RuntimeError(f"could not submit {rid}: Redis stayed away")
+            submitted.append(blip.Submitted(rid, began, time.time()))
             expected[rid] = {"fail": "failed", "invalid": "rejected"}.get(kind, "done")
             waits.start_soon(_wait_one, client, rid, told, wait_s)
     return expected
@@ -283,12 +305,16 @@ async def run_soak(cfg: SoakConfig) -> SoakResult:
     ]
     cluster = Cluster(
         work_dir, prefix=f"soak-{uuid.uuid4().hex[:8]}", pipeline_file=pipeline_file, replicas=replicas,
-        stage_seconds=cfg.stage_seconds,
+        stage_seconds=cfg.stage_seconds, sentinel=cfg.sentinel,
+        url_query="" if cfg.wait_replicas is None else f"wait_replicas={cfg.wait_replicas}",
     )  # fmt: skip
+    if not cfg.sentinel and any(cfg.faults.get(kind) for kind in FAILOVER_KINDS):
+        raise ValueError("failover faults need a Sentinel group: SoakConfig(sentinel=True)")
     plan = FaultPlan.draw(seed, cfg.faults, window_s=cfg.window * 0.85)
     injector = Injector(cluster, plan, stall_s=cfg.visibility_s * 1.6 + 1, failpoint_wait_s=cfg.fault_wait_s)
-    await cluster.redis.start()
+    await cluster.start_redis()
     t0 = time.monotonic()
+    submitted: list[blip.Submitted] = []
     try:
         cluster.start_all()
         await anyio.to_thread.run_sync(cluster.wait_live)
@@ -300,7 +326,7 @@ async def run_soak(cfg: SoakConfig) -> SoakResult:
             tg.start_soon(_keep_alive, cluster, stop)
             async with anyio.create_task_group() as load:  # faults land while jobs flow
                 load.start_soon(injector.run, started)
-                expected = await _submit_all(cfg, cluster, random.Random(seed), started, told)
+                expected = await _submit_all(cfg, cluster, random.Random(seed), started, told, submitted)
             await _drain(cfg, cluster, list(expected), injector.wiped)
             tg.cancel_scope.cancel()
         injector.resume_all()
@@ -312,10 +338,14 @@ async def run_soak(cfg: SoakConfig) -> SoakResult:
     finally:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(cluster.stop_all)
-            await cluster.redis.stop()
+            await cluster.stop_redis()
     if not cfg.keep_work_dir and cfg.work_dir is None and result.ok:
         shutil.rmtree(work_dir, ignore_errors=True)
-    return SoakResult(cfg, seed, result, injector.log, restarts, time.monotonic() - t0, work_dir)
+    wins = blip.windows(injector.failovers, wall_minus_mono=time.time() - time.monotonic())
+    blips = blip.blips(submitted, {o.request_id: o.ended_ms for o in result.outcomes}, wins) if wins else []
+    return SoakResult(
+        cfg, seed, result, injector.log, restarts, time.monotonic() - t0, work_dir, blips, injector.failovers
+    )
 
 
 def _audit(
@@ -358,15 +388,19 @@ def render(result: SoakResult) -> str:
         rows.append((name, str(value)))
 
     row("seed", result.seed)
+    wait = 1 if cfg.wait_replicas is None else cfg.wait_replicas
+    redis = f"Sentinel group (1 primary, 2 replicas, 3 sentinels; AOF, WAIT {wait})" if cfg.sentinel else "AOF Redis"
     row(
         "deployment",
-        f"encoder TP{cfg.enc_tp} x{cfg.replicas}, diffusion TP{cfg.dif_tp} x{cfg.replicas}, CPU, AOF Redis",
+        f"encoder TP{cfg.enc_tp} x{cfg.replicas}, diffusion TP{cfg.dif_tp} x{cfg.replicas}, CPU, {redis}",
     )
     row("requests", len(outs))
     mix = Counter(o.request_id.rsplit("-", 1)[1] for o in outs)
     row("  by kind", ", ".join(f"{k} {mix[k]}" for k, _ in MIX if mix[k]))
     row("faults injected", sum(result.faults.injected.values()))
     for kind in FaultKind:
+        if kind in FAILOVER_KINDS and not cfg.sentinel:
+            continue
         missed = result.faults.missed[kind.value]
         row(f"  {kind.value}", f"{result.faults.injected[kind.value]}" + (f"  (missed {missed})" if missed else ""))
     row("replica restarts", sum(result.restarts.values()))
@@ -418,6 +452,20 @@ def render(result: SoakResult) -> str:
         if now is not None:
             row(f"  {replica}", ", ".join(f"{k}={int(now.get(k, 0))}" for k in ("leases", "pool_slots_in_use",
                 "open_handles", "registrations", "registered_bytes", "remote_agents")))  # fmt: skip
+    if cfg.sentinel:
+        times = [f.first_write_s for f in result.failovers]
+        row("failovers", len(times))
+        if times:
+            row("  failover time", f"median {blip.pct(times, 50):.2f}s, max {max(times):.2f}s (fault -> first write)")
+        for f in result.failovers:
+            row(f"  {f.kind}", f"{f.first_write_s:.2f}s, master {f.old_port} -> {f.new_port}")
+            if f.stale is not None:
+                st = f.stale
+                refused = "never" if st.refused_after_s is None else f"after {st.refused_after_s:.1f}s"
+                row("    stale writer on the old master", f"{st.accepted} writes taken, {len(st.acknowledged)} "
+                    f"acknowledged by WAIT ({st.lost_acknowledged} of those lost), NOREPLICAS {refused}")  # fmt: skip
+        for b in result.blips:
+            row(f"  latency {b.what}", b.row())
     row("wall seconds", f"{result.seconds:.0f}")
     verdict = result.verdict
     if verdict == "INCOMPLETE":

@@ -168,4 +168,3 @@ def _print_status(status: RequestStatus) -> None:
 
 
 # -- job options, shared by `submit` and `up` -------------------------------------------------------------
-

@@ -103,13 +103,21 @@ def acl(
     scaler: Annotated[
         bool, typer.Option("--scaler", help="Also an autoscaler's user (KEDA): the stage streams' backlog only.")
     ] = False,
+    sentinel: Annotated[
+        bool, typer.Option("--sentinel", help="Also the replicas' and the sentinels' users (a Sentinel group).")
+    ] = False,
 ) -> None:
     """Print the Redis ACL users for this deployment (redis.conf syntax; passwords CHANGE-ME): the
-    services' user and least-privilege client users, one per tenant."""
+    services' user and least-privilege client users, one per tenant (with ``--sentinel``, the users a
+    Sentinel group's replicas and sentinels log in as; load the file on every data node)."""
     settings = _settings(ctx)
     pipeline = settings.load_pipeline()
     tenants = tenant if tenant else list(pipeline.security.tenants)
-    typer.echo(acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants, scaler=scaler), nl=False)
+    typer.echo(
+        acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants, scaler=scaler, sentinel=sentinel),
+        nl=False,
+    )
+
 
 @app.command()
 @_expected_errors
@@ -311,17 +319,34 @@ def chaos(
         int | None, typer.Option("--faults", min=0, help="Faults of each kind (default 2; empty_restart 1).")
     ] = None,
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="Logs and Redis data (kept).")] = None,
+    sentinel: Annotated[
+        bool,
+        typer.Option(
+            "--sentinel",
+            help="Redis as a Sentinel group (1 primary, 2 replicas, 3 sentinels) under failover faults: kill -9 "
+            "the primary, SENTINEL FAILOVER, a network cut of the primary (iptables; needs root).",
+        ),
+    ] = False,
+    wait_replicas: Annotated[
+        int | None, typer.Option("--wait-replicas", min=0, max=2, help="With --sentinel: replicas a write waits for.")
+    ] = None,
 ) -> None:
     """Fault-injection soak: the pipeline on a private AOF Redis under random SIGKILLs, Redis restarts
-    and stalls; prints the summary table and exits 1 if anything was lost, duplicated or stuck, 2 if nothing
-    was but a planned fault was missed (it had nothing to hit: the run did not test it)."""
-    from stageferry.chaos.faults import FaultKind
-    from stageferry.chaos.soak import SoakConfig, render, run_soak
+    and stalls (with ``--sentinel``: on a Sentinel group under failovers, timed); prints the summary table
+    and exits 1 if anything was lost, duplicated or stuck, 2 if nothing was but a planned fault was missed
+    (it had nothing to hit: the run did not test it)."""
+    from stageferry.chaos.faults import FAILOVER_KINDS, FaultKind
+    from stageferry.chaos.soak import FAILOVER_FAULTS, SoakConfig, render, run_soak
 
     configure_logging(fmt="auto", level="warning", service="chaos")
-    cfg = SoakConfig(requests=requests, seed=seed, replicas=replicas, enc_tp=enc_tp, dif_tp=dif_tp, window_s=window)
-    if faults is not None:
-        cfg.faults = {kind: faults for kind in FaultKind}
+    cfg = SoakConfig(
+        requests=requests, seed=seed, replicas=replicas, enc_tp=enc_tp, dif_tp=dif_tp, window_s=window,
+        sentinel=sentinel, wait_replicas=wait_replicas,
+    )  # fmt: skip
+    if sentinel:
+        cfg.faults = dict(FAILOVER_FAULTS) if faults is None else {kind: faults for kind in FAILOVER_KINDS}
+    elif faults is not None:
+        cfg.faults = {kind: faults for kind in FaultKind if kind not in FAILOVER_KINDS}
     cfg.work_dir = work_dir
     typer.echo(f"chaos soak: {requests} requests, seed {cfg.seed if seed is not None else '(drawn)'}", err=True)
     result = anyio.run(run_soak, cfg)

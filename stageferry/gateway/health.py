@@ -1,6 +1,10 @@
 """Health: Redis answers, every stage of the pipeline has a worker with a fresh heartbeat, and no replica's
 supervisor gave up restarting it (``gave_up``: until that replica is started again).
 
+Behind Sentinel the report also says when a failover of the Redis master runs (``failover``, from the
+sentinels' own flags for the master: ``s_down``, ``o_down``, ``failover_in_progress``, ...), so the
+moment the master is gone is told as what it is, not as a plain outage.
+
 Liveness is :mod:`stageferry.broker.control.liveness`'s, the rule ``stageferry up`` and ``stageferry
 health`` use too: a stage whose workers were killed outright drops out once its last heartbeat is older
 than the freshness bound, a drained one at once.
@@ -24,7 +28,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from stageferry.broker.control.liveness import FRESH_S, replicas_by_stage
-from stageferry.broker.control.redis_conn import connect, translated
+from stageferry.broker.control.redis_conn import connect, failover_state, translated
 from stageferry.client import Client
 from stageferry.errors import ControlPlaneError
 from stageferry.gateway.objects import Health
@@ -68,8 +72,14 @@ async def check_health(client: Client, *, fresh_s: float = FRESH_S, redis: aiore
         problems.append(f"{_TIMED_OUT} {HEALTH_TIMEOUT_S:g}s")
     problems += [f"stage {s}: no live worker" for s in stages if redis_ok and not live.get(s)]
     problems += [f"stage {s}: replica {r} gave up restarting" for s, replicas in gave_up.items() for r in replicas]
+    failover = await failover_state(redis)
+    if failover is not None:
+        problems.append(f"redis: Sentinel failover in progress ({failover}); requests wait for the new master")
     ok = redis_ok and not problems
-    return Health(status="ok" if ok else "unhealthy", redis=redis_ok, stages=live, gave_up=gave_up, problems=problems)
+    return Health(
+        status="ok" if ok else "unhealthy", redis=redis_ok, stages=live, gave_up=gave_up, problems=problems,
+        failover=failover,
+    )  # fmt: skip
 
 
 class HealthMonitor:

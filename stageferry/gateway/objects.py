@@ -108,6 +108,11 @@ class Health(BaseModel):
         default_factory=dict, description="Replicas whose supervisor gave up restarting them (until started again)."
     )
     problems: list[str] = Field(default_factory=list)
+    failover: str | None = Field(
+        None,
+        description="Behind Sentinel: what the sentinels say of the Redis master while a failover runs "
+        "(e.g. 'o_down,failover_in_progress'); requests in flight wait for the new master, none is lost.",
+    )
 
 
 def progress_percent(status: RequestStatus, stages: list[str]) -> int:

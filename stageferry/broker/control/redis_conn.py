@@ -1,15 +1,23 @@
 """The Redis boundary: one connection factory, and the one place redis-py errors become ours.
 
-URLs may be ``redis://`` or ``rediss://`` (TLS), with ``user:password@`` for an ACL user.  TLS options
-ride in the URL's query, so one ``STAGEFERRY_REDIS_URL`` configures every process alike::
+URLs may be ``redis://`` or ``rediss://`` (TLS), with ``user:password@`` for an ACL user, or
+``redis+sentinel://host:port,host:port/<service>`` for the master of a Sentinel-managed group
+(:mod:`.redis_url` has the forms).  Options ride in the URL's query, so one ``STAGEFERRY_REDIS_URL``
+configures every process alike::
 
     rediss://stageferry:secret@redis.internal:6380/0?ssl_ca_certs=/etc/stageferry/ca.crt
     rediss://...?ssl_ca_certs=ca.crt&ssl_certfile=client.crt&ssl_keyfile=client.key   (mutual TLS)
+    redis+sentinel://stageferry:secret@s1:26379,s2:26379,s3:26379/stageferry/0?wait_replicas=1
 
 The URL is checked before any I/O: an unknown query parameter, a TLS option on a plain ``redis://`` URL
 or a certificate file that does not exist is a :class:`ConfigError` at start-up, not a TypeError at the
-first command.  Each client's connection pool is bounded (:data:`MAX_CONNECTIONS`) and *blocking*: a
-burst of commands beyond it waits its turn for a connection (up to :data:`POOL_WAIT_S`) instead of
+first command.  A sentinel URL's client is redis-py's own (a ``SentinelConnectionPool``, here a blocking
+one): each new connection asks the sentinels for the master, and a ``READONLY`` reply (the master it
+talked to was demoted) closes the connection and is retried on the new master like a broken
+connection — a failover signal, never an error shown to a caller.
+
+Each client's connection pool is bounded (:data:`MAX_CONNECTIONS`) and *blocking*: a burst of commands
+beyond it waits its turn for a connection (up to :data:`POOL_WAIT_S`) instead of
 failing with ``MaxConnectionsError`` or opening connections without bound.  Commands are retried by
 redis-py with exponential backoff and jitter on connection and timeout errors (a few times, within
 seconds); longer outages are ridden out by :func:`reconnecting`, the one retry loop on top of that.
@@ -24,21 +32,23 @@ import functools
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
-from typing import TypeVar
-from urllib.parse import parse_qs, urlsplit
+from typing import Any, TypeVar
+from weakref import WeakKeyDictionary
 
 import anyio
 import redis.asyncio as aioredis
 import structlog
 import tenacity
 from redis import exceptions as redis_errors
-from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS
+from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import ExponentialWithJitterBackoff
 
+from stageferry.broker.control.redis_url import Durability, SentinelTarget, parse_url
+from stageferry.broker.control.redis_url import check_url as check_url  # re-exported: the URL check of record
 from stageferry.broker.control.tally import process_tally, tallied
-from stageferry.errors import AccessDeniedError, ConfigError, ControlPlaneError
+from stageferry.errors import AccessDeniedError, ControlPlaneError, NotReplicatedError
 
 log = structlog.get_logger(__name__)
 
@@ -55,50 +65,132 @@ MAX_CONNECTIONS = 64
 #: Longest a command waits for a free pooled connection before it fails (as unreachable).
 POOL_WAIT_S = 30.0
 
-#: TLS options that redis-py takes from a ``rediss://`` URL's query (certificate files are checked).
-TLS_QUERY_FILES = frozenset({"ssl_ca_certs", "ssl_certfile", "ssl_keyfile"})
-TLS_QUERY_OPTIONS = TLS_QUERY_FILES | {"ssl_cert_reqs", "ssl_ca_path", "ssl_check_hostname", "ssl_min_version"}
-_SCHEMES = frozenset({"redis", "rediss", "unix"})
-
-
-def check_url(url: str) -> None:
-    """Refuse (:class:`ConfigError`) a URL that redis-py would only choke on later, or mis-handle silently."""
-    parts = urlsplit(url)
-    if parts.scheme not in _SCHEMES:
-        raise ConfigError(f"redis URL must start with redis://, rediss:// or unix:// (got {parts.scheme!r})")
-    for name, values in parse_qs(parts.query, keep_blank_values=True).items():
-        if name in TLS_QUERY_OPTIONS:
-            if parts.scheme != "rediss":
-                raise ConfigError(f"redis URL option {name} needs a rediss:// (TLS) URL", option=name)
-            if name in TLS_QUERY_FILES and not Path(values[-1]).is_file():
-                raise ConfigError(f"redis URL option {name}: no such file {values[-1]!r}", option=name)
-        elif name not in URL_QUERY_ARGUMENT_PARSERS:
-            raise ConfigError(f"unknown redis URL option {name!r}", option=name)
-
 
 def connect(url: str, *, retries: int = 4, max_connections: int = MAX_CONNECTIONS) -> aioredis.Redis:
     """A client for ``url`` with bounded, jittered retries and a bounded, blocking pool; no I/O happens
-    until first use.
+    until first use.  For a ``redis+sentinel://`` URL the pool is redis-py's Sentinel one (each new
+    connection goes to the current master).
 
     :class:`ConfigError` at once for a malformed URL (see :func:`check_url`)."""
-    check_url(url)
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=POOL_WAIT_S,
-        decode_responses=False,
-        socket_timeout=_SOCKET_TIMEOUT_S,
-        socket_connect_timeout=5,
-        health_check_interval=15,
-        retry=Retry(ExponentialWithJitterBackoff(cap=2.0, base=0.05), retries),
-        retry_on_error=[redis_errors.ConnectionError, redis_errors.TimeoutError],
-    )
+    parsed = parse_url(url)
+    common: dict[str, Any] = {
+        "max_connections": max_connections,
+        "timeout": POOL_WAIT_S,
+        "decode_responses": False,
+        "socket_timeout": _SOCKET_TIMEOUT_S,
+        "socket_connect_timeout": 5,
+        "health_check_interval": 15,
+        "retry": Retry(ExponentialWithJitterBackoff(cap=2.0, base=0.05), retries),
+        "retry_on_error": [redis_errors.ConnectionError, redis_errors.TimeoutError],
+    }
+    pool: aioredis.ConnectionPool
+    if parsed.sentinel is None:
+        pool = aioredis.BlockingConnectionPool.from_url(parsed.url, **common)
+    else:
+        pool = _sentinel_pool(parsed.sentinel, common)
     tally = process_tally()
     if tally is not None:  # opt-in profiling (STAGEFERRY_REDIS_TALLY): round trips per call site
         pool.connection_class = tallied(pool.connection_class, tally)
     client = aioredis.Redis(connection_pool=pool)
     client.auto_close_connection_pool = True  # aclose() closes the pool too, as with from_url
+    _DURABILITY[client] = parsed.durability
     return client
+
+
+def durability_of(client: aioredis.Redis) -> Durability:
+    """How many replicas the durable writes over ``client`` wait for (its URL's ``wait_replicas``)."""
+    return _DURABILITY.get(client, _NO_WAIT)
+
+
+_NO_WAIT = Durability()
+_DURABILITY: WeakKeyDictionary[aioredis.Redis, Durability] = WeakKeyDictionary()
+
+
+class BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):  # type: ignore[misc]
+    """redis-py's Sentinel pool (master looked up on each connect, ``READONLY`` → reconnect), bounded and
+    blocking as every other pool here; closing it closes its connections to the sentinels too."""
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        await super().disconnect(inuse_connections)
+        if inuse_connections:  # closing for good (not the idle sweep after a master change)
+            for sentinel in self.sentinel_manager.sentinels:
+                await sentinel.connection_pool.disconnect()
+
+
+#: Sentinel's flags on a master that mean a failover is running or about to (``SENTINEL MASTER``).
+FAILOVER_FLAGS = ("failover_in_progress", "promoted", "o_down", "s_down")
+
+
+async def failover_state(client: aioredis.Redis) -> str | None:
+    """What the sentinels say of ``client``'s master while a failover runs (``"o_down,failover_in_progress"``,
+    ``"no master known"``, ...); None when the master is plain up, or ``client`` is not behind Sentinel.
+    Asks the sentinels one by one (2 s each at most); never raises."""
+    pool = client.connection_pool
+    if not isinstance(pool, SentinelConnectionPool):
+        return None
+    reachable = False
+    for sentinel in pool.sentinel_manager.sentinels:
+        try:
+            with anyio.fail_after(2):
+                reply = await sentinel.execute_command("SENTINEL", "MASTER", pool.service_name)
+        except (redis_errors.RedisError, OSError, TimeoutError):
+            continue
+        reachable = True
+        fields = reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2], strict=False))
+        flags = {str(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}.get("flags", b"")
+        text = flags.decode() if isinstance(flags, bytes) else str(flags)
+        state = [flag for flag in text.split(",") if flag in FAILOVER_FLAGS]
+        return ",".join(state) or None
+    return "no sentinel answers" if not reachable else None
+
+
+def is_stale_master_reply(exc: BaseException) -> bool:
+    """``NOREPLICAS`` from a server behind Sentinel: it may be a master that lost its role without knowing
+    yet (cut off, then back; the sentinels have not reconfigured it), so ask the sentinels again."""
+    return isinstance(exc, redis_errors.ResponseError) and str(exc).lstrip().startswith("NOREPLICAS")
+
+
+class FollowingConnection(SentinelManagedConnection):
+    """redis-py's Sentinel connection, which reconnects (to the master the sentinels name) on ``READONLY``,
+    doing the same on ``NOREPLICAS``: a client still connected to a deposed master would otherwise retry
+    on it until the sentinels get round to demoting it (seconds), every write refused meanwhile."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except redis_errors.ResponseError as exc:
+            if not (self.connection_pool.is_master and is_stale_master_reply(exc)):
+                raise
+            await self.disconnect()
+            raise redis_errors.ConnectionError(f"{exc} (asking the sentinels for the master again)") from exc
+
+
+class FollowingSSLConnection(FollowingConnection, SSLConnection):
+    pass
+
+
+def _sentinel_pool(target: SentinelTarget, common: dict[str, Any]) -> BlockingSentinelPool:
+    tls = {name: value for name, value in target.options.items() if name.startswith("ssl_")}
+    to_sentinels: dict[str, Any] = {
+        "socket_timeout": 5,
+        "socket_connect_timeout": 2,
+        "username": target.sentinel_username,
+        "password": target.sentinel_password,
+        "decode_responses": False,
+    }
+    if target.ssl:
+        to_sentinels.update(ssl=True, **tls)
+    manager = Sentinel(list(target.sentinels), sentinel_kwargs=to_sentinels)
+    options = {**common, **target.options}
+    return BlockingSentinelPool(
+        target.service,
+        manager,
+        connection_class=FollowingSSLConnection if target.ssl else FollowingConnection,
+        db=target.db,
+        username=target.username,
+        password=target.password,
+        **options,
+    )
 
 
 def is_connection_error(exc: BaseException) -> bool:
@@ -112,16 +204,26 @@ def is_connection_error(exc: BaseException) -> bool:
 #: Replies that mean "Redis is up but cannot serve this right now": waited out, never a request failure.
 #: BUSY: a script runs past lua-time-limit; LOADING: a restart is reading its dataset; MASTERDOWN,
 #: TRYAGAIN: a replica or cluster in transition.
-_TRANSIENT_REPLIES = ("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN")
+#: READONLY: the server was a master and is now a replica (a failover; redis-py's Sentinel pool turns it
+#: into a reconnect itself); NOREPLICAS: a master short of ``min-replicas-to-write`` good replicas.
+_TRANSIENT_REPLIES = ("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "READONLY", "NOREPLICAS")
+
+#: The same replies as redis-py's own exception types (which keep only the text after the word).
+_TRANSIENT_TYPES = (
+    redis_errors.ReadOnlyError, redis_errors.BusyLoadingError, redis_errors.TryAgainError, redis_errors.MasterDownError
+)  # fmt: skip
 
 
 def is_transient_error(exc: BaseException) -> bool:
-    """True for failures worth waiting out with backoff: connection trouble, or a transient reply."""
-    if is_connection_error(exc):
+    """True for failures worth waiting out with backoff: connection trouble, a transient reply, or a
+    submission not yet on enough replicas (resubmitting it is idempotent)."""
+    if is_connection_error(exc) or isinstance(exc, NotReplicatedError):
         return True
     cause = exc.__cause__ if isinstance(exc, ControlPlaneError) else exc
     if not isinstance(cause, redis_errors.RedisError) or isinstance(cause, redis_errors.NoPermissionError):
         return False
+    if isinstance(cause, _TRANSIENT_TYPES):  # redis-py parsed the word off the reply
+        return True
     text = str(cause).lstrip()  # a script's error reply quotes the command's: "... BUSY Redis is busy"
     return any(text.startswith(word) or f" {word} " in text for word in _TRANSIENT_REPLIES)
 

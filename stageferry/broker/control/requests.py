@@ -26,7 +26,20 @@ import structlog
 from stageferry.broker.control.fanin import EventFanIn, FieldReads, Row, text_rows
 from stageferry.broker.control.held import HELD_FN, Held
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import BLOCK_MS, is_transient_error, reconnecting, translated
+from stageferry.broker.control.redis_conn import (
+    BLOCK_MS,
+    durability_of,
+    is_transient_error,
+    reconnecting,
+    translated,
+)
+from stageferry.broker.control.replication import (
+    check_submission,
+    exchange,
+    replicated_script,
+    replicated_transaction,
+    wait_command,
+)
 from stageferry.broker.control.resp_link import RespLink, run_pipeline, run_script, run_transaction
 from stageferry.errors import (
     ControlPlaneError,
@@ -184,6 +197,8 @@ class RequestStore:
         self._maxlen = events_maxlen
         self._set_status = redis.register_script(_SET_STATUS)
         self._admit = redis.register_script(_ADMIT)
+        #: How many replicas a submission and a terminal status must reach (the URL's ``wait_replicas``).
+        self.durability = durability_of(redis)
         #: The one blocking reader every wait and follow of this store shares.
         self.fanin = EventFanIn(redis)
         #: Status reads asked for at once (a thousand waits starting) share round trips.
@@ -215,7 +230,12 @@ class RequestStore:
         client's lean connection) when given and the uploads are small (:data:`LINK_MAX_UPLOAD_BYTES`):
         redis-py's pipelines were most of a client's CPU per submission (``benchmarks/throughput.py``).  A
         connection lost after the MULTI was sent repeats it through redis-py, as redis-py's own retries
-        would: the entry may then be on the stream twice, and the first stage runs it once."""
+        would: the entry may then be on the stream twice, and the first stage runs it once.
+
+        With ``wait_replicas`` (:mod:`.replication`) the MULTI is followed by ``WAIT`` on its connection,
+        and fewer replicas than asked is :class:`NotReplicatedError`; a known id then proves its earlier
+        write the same way (its marker rewritten as it is, ``SET XX KEEPTTL``, then ``WAIT``) before it is
+        acknowledged, so a resubmission never acknowledges a write that a failover could still lose."""
         stream = self._keys.submission_stream(first_stage, tenant)
         rkey = self._keys.request(request_id)
         checks = [("HGET", rkey, "job_sha"), ("EXISTS", rkey, self._keys.submitted(request_id)), ("XLEN", stream)]
@@ -228,28 +248,43 @@ class RequestStore:
             if owner is not None and owner.decode() != job.digest():
                 raise taken(request_id)
             if known:
+                if self.durability.on:
+                    await self._prove_replicated(request_id, first_stage, link)
                 return None
             if queued >= stream_maxlen:
                 raise QueueFullError("the first stage's queue is full; retry later", stage=first_stage)
             marker = self._keys.submitted(request_id)
-            replies = await run_transaction(
-                link,
-                self._redis,
-                [
-                    *(("SET", key, blob, "EX", upload_ttl_s) for key, blob in uploads.items()),
-                    ("SET", marker, first_stage, "NX", "EX", self._ttl),
-                    ("XADD", stream, "*", "request_id", request_id, "job", job.model_dump_json()),
-                    ("LPUSH", wake, b"1"),
-                    ("LTRIM", wake, 0, 15),
-                ],
-                raise_errors=False,
-            )
+            writes: list[tuple[Any, ...]] = [
+                *(("SET", key, blob, "EX", upload_ttl_s) for key, blob in uploads.items()),
+                ("SET", marker, first_stage, "NX", "EX", self._ttl),
+                ("XADD", stream, "*", "request_id", request_id, "job", job.model_dump_json()),
+                ("LPUSH", wake, b"1"),
+                ("LTRIM", wake, 0, 15),
+            ]
+            if self.durability.on:
+                replies = await replicated_transaction(
+                    link, self._redis, writes, self.durability, what=f"submission {request_id}", raise_errors=False
+                )
+            else:
+                replies = await run_transaction(link, self._redis, writes, raise_errors=False)
             entry = replies[-3]
             if isinstance(entry, Exception):  # a MULTI does not roll back: undo what it wrote, then fail
                 await self._withdraw(link, [*uploads, marker], replies[: len(uploads) + 1], request_id)
                 raise entry
             _raised(replies)
         return entry.decode() if isinstance(entry, bytes) else str(entry)
+
+    async def _prove_replicated(self, request_id: str, first_stage: str, link: RespLink | None) -> None:
+        """An id submitted before is on enough replicas (:class:`NotReplicatedError` if not): its marker is
+        rewritten as it is (a write, so ``WAIT`` on this connection covers every earlier one), then
+        ``WAIT``.  A marker already gone means a stage took the request: its own writes waited."""
+        marker = ("SET", self._keys.submitted(request_id), first_stage, "XX", "KEEPTTL")
+        _, acked = await exchange(
+            link, self._redis, [marker, wait_command(self.durability)], block_s=self.durability.timeout_ms / 1000
+        )
+        if isinstance(acked, Exception):
+            raise acked
+        check_submission(int(acked), self.durability, what=f"submission {request_id}")
 
     async def _withdraw(self, link: RespLink | None, keys: Sequence[str], replies: Sequence[Any], rid: str) -> None:
         """A submission whose XADD failed: its uploads and its "submitted" marker, where this submission
@@ -318,7 +353,13 @@ class RequestStore:
         if held is not None:
             keys, args = [*keys, held.stream], [*args, *held.args()]
         with translated():
-            written = await run_script(link, self._set_status, keys, args)
+            if status.state.terminal and self.durability.on:  # nobody repeats the work after it
+                what = f"status {status.state.value} of {status.request_id}"
+                written = await replicated_script(
+                    link, self._redis, self._set_status, keys, args, self.durability, what=what
+                )
+            else:
+                written = await run_script(link, self._set_status, keys, args)
         return int(written) == 1
 
     def status_write(

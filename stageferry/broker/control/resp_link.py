@@ -19,8 +19,18 @@ and any command queued behind it, must not reach the next caller (Redis drops a 
 commands, so a read script queued behind the wait never runs).
 
 Where it cannot follow the client's configuration it is not used (:func:`open_link` returns None, and
-the caller uses redis-py alone): a credential provider, a connection class other than redis-py's TCP, TLS
-and Unix-socket ones, or ``STAGEFERRY_REDIS_LINK=0``.  TLS reuses the client's own SSL context.
+the caller uses redis-py alone): a credential provider, a connection class other than redis-py's TCP, TLS,
+Unix-socket and Sentinel-managed ones, or ``STAGEFERRY_REDIS_LINK=0``.  TLS reuses the client's own SSL
+context.
+
+Behind Sentinel (a ``redis+sentinel://`` URL) the link follows the master: each connect asks the client's
+own Sentinel pool where the master is now (``SentinelConnectionPool.get_master_address``), so after a
+failover it reconnects to the new one.  While no master is known (the sentinels are still electing one) the
+connect fails and the calls go to redis-py, whose Sentinel client waits for the election with its retries;
+after :data:`CONNECT_COOLDOWN_S` the link tries again.  A ``READONLY`` reply — the server this link talks
+to was a master and has been demoted — closes the connection and fails the call as a broken connection
+would (nothing of it ran: Redis refuses a write before running it, a ``MULTI`` with one aborts whole), so
+it too is repeated through redis-py, on the new master.
 """
 
 from __future__ import annotations
@@ -37,8 +47,14 @@ from redis import exceptions as redis_errors
 from redis._parsers.base import BaseParser
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.asyncio.sentinel import SentinelConnectionPool, SentinelManagedConnection, SentinelManagedSSLConnection
 
-from stageferry.broker.control.redis_conn import is_connection_error
+from stageferry.broker.control.redis_conn import (
+    FollowingConnection,
+    FollowingSSLConnection,
+    is_connection_error,
+    is_stale_master_reply,
+)
 from stageferry.broker.control.tally import Tally, TallyMixin, process_tally
 
 log = structlog.get_logger(__name__)
@@ -57,9 +73,13 @@ Command = Sequence[Any]
 class _Target:
     """Where and how to connect, taken from a redis-py client's pool (no I/O)."""
 
-    __slots__ = ("connect_timeout", "db", "host", "password", "path", "port", "reply_timeout", "ssl", "username")
+    __slots__ = (
+        "connect_timeout", "db", "host", "password", "path", "port", "reply_timeout", "sentinel", "ssl", "username"
+    )  # fmt: skip
 
     def __init__(self, conn: Connection) -> None:
+        #: The client's Sentinel pool, asked where the master is on each connect (None: a fixed address).
+        self.sentinel: SentinelConnectionPool | None = getattr(conn, "connection_pool", None)
         self.path: str | None = conn.path if isinstance(conn, UnixDomainSocketConnection) else None
         self.host: str = getattr(conn, "host", "")
         self.port: int = int(getattr(conn, "port", 0) or 0)
@@ -69,6 +89,14 @@ class _Target:
         self.db = int(conn.db or 0)
         self.connect_timeout = conn.socket_connect_timeout or REPLY_MARGIN_S
         self.reply_timeout = conn.socket_timeout or REPLY_MARGIN_S
+
+    async def address(self) -> tuple[str, int]:
+        """Where to connect now: the fixed address, or the master the sentinels name (redis-py's
+        ``MasterNotFoundError``, a ``ConnectionError``, while they name none)."""
+        if self.sentinel is None:
+            return self.host, self.port
+        host, port = await self.sentinel.get_master_address()
+        return str(host), int(port)
 
     def hello(self) -> list[Command]:
         """The commands a fresh connection sends first (RESP2: the replies are plain arrays)."""
@@ -80,8 +108,11 @@ class _Target:
         return cmds
 
 
-#: The redis-py connection classes a link can stand in for (not, say, a Sentinel-managed one).
-_FOLLOWED = (Connection, SSLConnection, UnixDomainSocketConnection)
+#: The redis-py connection classes a link can stand in for.
+_FOLLOWED = (
+    Connection, SSLConnection, UnixDomainSocketConnection, SentinelManagedConnection, SentinelManagedSSLConnection,
+    FollowingConnection, FollowingSSLConnection,
+)  # fmt: skip
 
 
 def open_link(redis: Redis) -> RespLink | None:
@@ -217,7 +248,7 @@ class RespLink:
         try:
             if loop.time() < self.hot_until:
                 await poll_until_done(future, self.hot_until)
-            return await future
+            replies = await future
         except asyncio.CancelledError:
             if not future.done():  # cancelled while polling: as if while awaiting it
                 future.cancel()
@@ -228,6 +259,10 @@ class RespLink:
             raise
         finally:
             timer.cancel()
+        if any(_demoted(reply, behind_sentinel=self._target.sentinel is not None) for reply in replies):
+            wire.fail(redis_errors.ConnectionError("redis link: not the master (READONLY or NOREPLICAS)"))
+            raise redis_errors.ConnectionError("redis link: not the master (READONLY or NOREPLICAS): reconnecting")
+        return replies
 
     async def aclose(self) -> None:
         """Close the socket for good (calls in flight fail; later ones too, and fall back to redis-py)."""
@@ -266,10 +301,9 @@ class RespLink:
                 if target.path is not None:
                     _, wire = await loop.create_unix_connection(_Wire, target.path)
                 else:
-                    host = target.host if target.ssl else None
-                    _, wire = await loop.create_connection(
-                        _Wire, target.host, target.port, ssl=target.ssl, server_hostname=host
-                    )
+                    address, port = await target.address()
+                    host = address if target.ssl else None
+                    _, wire = await loop.create_connection(_Wire, address, port, ssl=target.ssl, server_hostname=host)
                 hello = target.hello()
                 if hello:
                     future: asyncio.Future[list[Any]] = loop.create_future()
@@ -287,6 +321,18 @@ class RespLink:
         return wire
 
 
+def _demoted(reply: Any, *, behind_sentinel: bool) -> bool:
+    """A ``READONLY`` error reply, also inside an ``EXEC``'s (``EXECABORT`` carries it in its text) or a
+    script's: the server is a replica now.  Behind Sentinel ``NOREPLICAS`` too: the server may be a master
+    deposed without knowing it yet (see ``redis_conn.FollowingConnection``)."""
+    if isinstance(reply, list):
+        return any(_demoted(item, behind_sentinel=behind_sentinel) for item in reply)
+    return isinstance(reply, redis_errors.ReadOnlyError) or (
+        isinstance(reply, redis_errors.ResponseError)
+        and ("READONLY" in str(reply) or (behind_sentinel and is_stale_master_reply(reply)))
+    )
+
+
 def _expire(wire: _Wire, future: asyncio.Future[list[Any]]) -> None:
     if not future.done():
         wire.fail(redis_errors.TimeoutError("redis link: no reply in time"))
@@ -302,7 +348,7 @@ async def run_script(link: RespLink | None, script: Any, keys: Sequence[Any], ar
         except redis_errors.NoScriptError:
             link.fallbacks += 1
         except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
-            _fall_back(link, exc)
+            fall_back(link, exc)
     return await script(keys=list(keys), args=list(args))
 
 
@@ -315,7 +361,7 @@ async def run_pipeline(
         try:
             return await link.send(commands, block_s=block_s)
         except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
-            _fall_back(link, exc)
+            fall_back(link, exc)
     async with redis.pipeline(transaction=False) as pipe:
         for command in commands:
             pipe.execute_command(*command)
@@ -339,7 +385,7 @@ async def run_transaction(
         try:
             replies = await link.send([("MULTI",), *commands, ("EXEC",)])
         except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
-            _fall_back(link, exc)
+            fall_back(link, exc)
         else:
             executed = replies[-1]
             ran = executed if isinstance(executed, list) and raise_errors else ()
@@ -362,7 +408,7 @@ async def poll_until_done(future: asyncio.Future[Any], until: float) -> None:
         await asyncio.sleep(0)
 
 
-def _fall_back(link: RespLink, exc: Exception) -> None:
+def fall_back(link: RespLink, exc: Exception) -> None:
     """Count a call that redis-py repeats, or raise ``exc`` when no retry can heal it (refused credentials
     are a ``ConnectionError`` to redis-py)."""
     if not is_connection_error(exc):

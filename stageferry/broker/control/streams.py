@@ -49,7 +49,8 @@ import structlog
 from stageferry.broker.control.dead_letter import DEAD_LETTER_LUA, DeadLetterPolicy
 from stageferry.broker.control.held import Held
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import BLOCK_MS, translated
+from stageferry.broker.control.redis_conn import BLOCK_MS, durability_of, translated
+from stageferry.broker.control.replication import replicated_script
 from stageferry.broker.control.resp_link import RespLink, open_link, run_pipeline, run_script
 from stageferry.broker.control.stream_scripts import ACK, FINISH, HANDOFF, HANDOFF_WITH_STATUS, READ_CAPPED, RENEW
 from stageferry.errors import CancelledRequestError, ControlPlaneError
@@ -141,6 +142,8 @@ class StageStream:
         self._renew = redis.register_script(RENEW)
         self._read_capped = redis.register_script(READ_CAPPED)
         self._max_entry_bytes = max_entry_bytes
+        #: How many replicas a hand-off and a last stage's ending must reach (the URL's ``wait_replicas``).
+        self.durability = durability_of(redis)
         # The hot path's own connections (resp_link.py): one that blocks in the wake-up wait, one for the
         # scripts (reads, hand-offs, acks); None where the link cannot follow the client (then redis-py).
         self._wait_link = open_link(redis)
@@ -319,7 +322,7 @@ class StageStream:
             args = [self.group, self.consumer, entry_id, *status_args, *flat]
         try:
             with translated():
-                done = int(await run_script(self._link, script, keys, args))
+                done = int(await self._durable(script, keys, args, what=f"hand-off of {entry_id} to {next_stage}"))
         except ControlPlaneError as exc:
             if not _group_lost(exc):
                 raise
@@ -352,7 +355,9 @@ class StageStream:
         keys = [self._key_of(entry_id), record, events, cancel, crash_mark, result_key]
         args = [self.group, self.consumer, entry_id, *status_args, "1" if result is not None else "0", ttl, data]
         with translated():
-            owned, written = (int(x) for x in await run_script(self._link, self._finish, keys, args))
+            owned, written = (
+                int(x) for x in await self._durable(self._finish, keys, args, what=f"result of {entry_id}")
+            )
         if owned == -2:
             raise CancelledRequestError("cancelled by the client")
         if owned == -1:  # its stream or group went with Redis: the entry is gone too
@@ -360,6 +365,13 @@ class StageStream:
             await self.ensure_group()
         self._settled(entry_id)
         return owned == 1, written == 1
+
+    async def _durable(self, script: Any, keys: list[str], args: list[Any], *, what: str) -> Any:
+        """A write after which this stage cannot repeat its work: on ``wait_replicas`` replicas
+        (:func:`~stageferry.broker.control.replication.replicated_script`) when asked, else as any script."""
+        if self.durability.on:
+            return await replicated_script(self._link, self._redis, script, keys, args, self.durability, what=what)
+        return await run_script(self._link, script, keys, args)
 
     async def ack(self, entry_id: str) -> bool:
         """Ack and delete an entry this consumer owns (its result is stored, or it was refused)."""

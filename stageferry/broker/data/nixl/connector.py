@@ -34,6 +34,7 @@ import structlog
 import torch
 
 from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import durability_of
 from stageferry.broker.control.resp_link import open_link
 from stageferry.broker.control.streams import LeaseClaim
 from stageferry.broker.data import metrics
@@ -224,7 +225,11 @@ class NixlConnector(Connector):
     ) -> contextlib.AbstractAsyncContextManager[Incoming]:
         return self.consumer.get(ref, blob, key=key, claimed=claimed)
 
-    def lease_claim(self) -> LeaseClaim:
+    def lease_claim(self) -> LeaseClaim | None:
+        """The claim the stream read takes for each entry; None behind ``wait_replicas`` (a claim must be
+        on a replica before the READ, which :func:`~.leases.claim` waits for and the read script cannot)."""
+        if durability_of(self.endpoint.redis).on:
+            return None
         return claim_on_read(self.endpoint)
 
     def abandon(self, outgoing: Outgoing) -> None:

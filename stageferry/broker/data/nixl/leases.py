@@ -16,6 +16,12 @@ if nobody claimed it), for longer than any consumer may still try; so a late or 
 the payload gone and recomputes, instead of READing memory that now holds another payload.  If Redis is
 away the mark fails and the slot stays held; the expiry loop retries.
 
+Behind Sentinel (``wait_replicas``) both sides of that meeting wait for a replica (``WAIT``, on the
+connection that wrote): a claim or a mark that a failover could lose would let the new master answer a
+consumer "unclaimed" for a slot its producer has already freed and filled with another payload (seen in
+the failover soak: a READ of another request's bytes).  A claim not on a replica counts as refused (the
+payload is recomputed); a mark not on a replica leaves the slot held, and the expiry loop tries again.
+
 Memory: while a lease exists its slots belong to it (the consumer READs them); once freed they are back
 in the pool.  Who calls: the producer (hold, settle, abandon), the consumer (claim), the connector (the
 expiry loop, shutdown).
@@ -30,7 +36,8 @@ from dataclasses import dataclass
 import anyio
 import structlog
 
-from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.control.redis_conn import durability_of, translated
+from stageferry.broker.control.replication import exchange, wait_command
 from stageferry.broker.control.resp_link import run_pipeline
 from stageferry.broker.control.streams import LeaseClaim
 from stageferry.broker.data.nixl.endpoint import Endpoint
@@ -177,9 +184,18 @@ class LeaseTable:
         for lease, mark in due:
             ttl_ms = int((max(0.0, lease.expires_at - now) + ep.timeouts.claim + GONE_SLACK_S) * 1000)
             commands.append(("SET", ep.keys.claim(lease.token), mark.value, "PX", ttl_ms, *mark.condition))
+        durability = durability_of(ep.redis)
         try:
             with translated():
-                replies = await run_pipeline(ep.link, ep.redis, commands, block_s=0.0)
+                if durability.on:
+                    *replies, acked = await exchange(
+                        ep.link, ep.redis, [*commands, wait_command(durability)], block_s=durability.timeout_ms / 1000
+                    )
+                    if not isinstance(acked, int) or acked < durability.replicas:
+                        log.warning("payload.mark_gone_unreplicated", replicas=acked, leases=len(due))
+                        return [False] * len(due)  # the slots stay held; the expiry loop marks them again
+                else:
+                    replies = await run_pipeline(ep.link, ep.redis, commands, block_s=0.0)
         except ControlPlaneError as exc:
             log.warning("payload.mark_gone_failed", error=exc.message)
             return [False] * len(due)
@@ -207,8 +223,20 @@ async def claim(endpoint: Endpoint, ref: NixlPayload) -> None:
     as gone (:class:`PayloadUnavailableError`, as when the claim is refused)."""
     check_fresh(ref)
     ep = endpoint
+    durability = durability_of(ep.redis)
     with translated():
-        ok = await ep.redis.set(ep.keys.claim(ref.token), ep.name.encode(), nx=True, px=int(ep.timeouts.claim * 1000))
+        if durability.on:  # on a replica before the READ (see the module docstring)
+            set_nx = ("SET", ep.keys.claim(ref.token), ep.name.encode(), "NX", "PX", int(ep.timeouts.claim * 1000))
+            reply, acked = await exchange(
+                ep.link, ep.redis, [set_nx, wait_command(durability)], block_s=durability.timeout_ms / 1000
+            )
+            if isinstance(reply, Exception):
+                raise reply
+            ok = reply is not None and isinstance(acked, int) and acked >= durability.replicas
+        else:
+            ok = await ep.redis.set(
+                ep.keys.claim(ref.token), ep.name.encode(), nx=True, px=int(ep.timeouts.claim * 1000)
+            )
     if not ok:
         raise PayloadUnavailableError("payload lease expired or already claimed", token=ref.token)
 

@@ -1,0 +1,313 @@
+"""A Sentinel-managed Redis group on loopback — a primary, its replicas, three sentinels — for the
+failover soak and the tests: real ``redis-server`` processes, the sentinels in sentinel mode.
+
+Every data node runs with the settings that bound what a failover can lose (the ones
+``compose/docker-compose.yml``'s ``ha`` profile ships): AOF (``appendfsync everysec``),
+``min-replicas-to-write 1`` and a short ``min-replicas-max-lag`` (a primary cut off from its replicas
+stops taking writes), diskless full syncs.  The sentinels' ``down-after-milliseconds`` and
+``failover-timeout`` are short so a failover takes seconds, not a minute.  The faults:
+:meth:`SentinelGroup.kill_primary` (SIGKILL, as a crash), :meth:`SentinelGroup.failover`
+(``SENTINEL FAILOVER``: a clean hand-over) and :meth:`SentinelGroup.cut_primary` (its port's packets
+dropped, both ways: a network partition, the primary still running and still answering whoever reaches
+it — nobody, here).  :meth:`SentinelGroup.heal` brings a killed primary back (it rejoins as a replica).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import redis as sync_redis
+import redis.backoff
+import redis.retry
+import redis.sentinel
+import structlog
+
+from stageferry.broker.control.redis_url import parse_url
+from stageferry.embedded_redis import EmbeddedRedis, free_port
+
+log = structlog.get_logger(__name__)
+
+SERVICE = "stageferry"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupAuth:
+    """The users a group with ACLs needs on its data nodes: (user, password) of each."""
+
+    admin: tuple[str, str]  #: this module's own checks (roles, replication state)
+    replica: tuple[str, str]  #: ``masteruser`` of the replicas
+    sentinel: tuple[str, str]  #: ``sentinel auth-user`` of the sentinels
+
+
+class SentinelProcess(EmbeddedRedis):
+    """``redis-server <conf> --sentinel`` watching one service (its config file is its state)."""
+
+    def __init__(self, *, data_dir: Path, conf: str) -> None:
+        super().__init__(data_dir=data_dir)
+        self._conf = conf
+
+    def _command(self, binary: str, data_dir: Path) -> list[str]:
+        path = data_dir / "sentinel.conf"
+        if not path.exists():
+            path.write_text(self._conf)
+        return [binary, str(path), "--sentinel", "--port", str(self.port), "--bind", "127.0.0.1",
+                "--daemonize", "no", "--logfile", str(data_dir / "sentinel.log")]  # fmt: skip
+
+
+class SentinelGroup:
+    """A primary, ``replicas`` replicas and ``sentinels`` sentinels; ``async with`` starts and stops all."""
+
+    def __init__(
+        self,
+        work_dir: Path,
+        *,
+        replicas: int = 2,
+        sentinels: int = 3,
+        down_after_ms: int = 800,
+        failover_timeout_ms: int = 4000,
+        max_lag_s: int = 2,
+        service: str = SERVICE,
+        data_args: Sequence[str] = (),
+        auth: GroupAuth | None = None,
+    ) -> None:
+        self.work_dir = work_dir
+        self.service = service
+        self.auth = auth
+        self.max_lag_s = max_lag_s
+        ports = [free_port() for _ in range(replicas + 1)]
+        self.nodes = [
+            EmbeddedRedis(
+                port=port,
+                appendonly=True,
+                data_dir=work_dir / f"node-{port}",
+                extra_args=self._data_args(i, ports[0], data_args),
+            )
+            for i, port in enumerate(ports)
+        ]
+        quorum = sentinels // 2 + 1
+        conf = "\n".join([
+            f"sentinel monitor {service} 127.0.0.1 {ports[0]} {quorum}",
+            f"sentinel down-after-milliseconds {service} {down_after_ms}",
+            f"sentinel failover-timeout {service} {failover_timeout_ms}",
+            f"sentinel parallel-syncs {service} {replicas}",
+            *([f"sentinel auth-user {service} {auth.sentinel[0]}", f"sentinel auth-pass {service} {auth.sentinel[1]}"]
+              if auth else []),
+            "",
+        ])  # fmt: skip
+        self.sentinels = [SentinelProcess(data_dir=work_dir / f"sentinel-{i}", conf=conf) for i in range(sentinels)]
+        self._cut: tuple[int, str | None] | None = None
+
+    def _data_args(self, index: int, primary: int, extra: Sequence[str]) -> list[str]:
+        args = ["--appendfsync", "everysec", "--min-replicas-to-write", "1", "--protected-mode", "no",
+                "--min-replicas-max-lag", str(self.max_lag_s), "--repl-diskless-sync", "yes",
+                "--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1", *extra]  # fmt: skip
+        if self.auth is not None:
+            args += ["--masteruser", self.auth.replica[0], "--masterauth", self.auth.replica[1]]
+        if index > 0:
+            args += ["--replicaof", "127.0.0.1", str(primary)]
+        return args
+
+    # ------------------------------------------------------------------ where things are
+
+    def url(self, *, userinfo: str = "", db: int = 0, query: str = "") -> str:
+        """The ``redis+sentinel://`` URL of this group's master (``userinfo``: ``user:pass@``)."""
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{userinfo}{hosts}/{self.service}/{db}" + (f"?{query}" if query else "")
+
+    def _sentinel(self, index: int = 0) -> sync_redis.Redis:
+        return sync_redis.Redis(host="127.0.0.1", port=self.sentinels[index].port, socket_timeout=2)
+
+    def node_client(self, node: EmbeddedRedis) -> sync_redis.Redis:
+        user, password = self.auth.admin if self.auth is not None else (None, None)
+        return sync_redis.Redis(host="127.0.0.1", port=node.port, username=user, password=password, socket_timeout=2)
+
+    def master_port(self) -> int | None:
+        """The master's port as the sentinels agree on it now (a majority of those answering), or None."""
+        votes: dict[int, int] = {}
+        for i in range(len(self.sentinels)):
+            if not self.sentinels[i].running:
+                continue
+            try:
+                with self._sentinel(i) as client:
+                    _host, port = client.sentinel_get_master_addr_by_name(self.service)
+            except (sync_redis.RedisError, TypeError):
+                continue
+            votes[int(port)] = votes.get(int(port), 0) + 1
+        best = max(votes.items(), key=lambda kv: kv[1], default=None)
+        return best[0] if best is not None and best[1] > len(self.sentinels) // 2 else None
+
+    def primary(self) -> EmbeddedRedis:
+        port = self.master_port()
+        for node in self.nodes:
+            if node.port == port:
+                return node
+        raise RuntimeError(f"the sentinels agree on no master of {self.service}")
+
+    def role(self, node: EmbeddedRedis) -> tuple[str, int]:
+        """(``master``/``slave``, connected replicas or link-up flag) as the node itself says."""
+        with self.node_client(node) as client:
+            info = client.info("replication")
+        if info["role"] == "master":
+            return "master", int(info.get("connected_slaves", 0))
+        return "slave", int(info.get("master_link_status") == "up")
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def start(self, timeout: float = 30.0) -> None:
+        for node in self.nodes:
+            await node.start()
+        for sentinel in self.sentinels:
+            await sentinel.start()
+        await self.wait_settled(timeout=timeout)
+        log.info("sentinels.started", url=self.url(), primary=self.nodes[0].port)
+
+    async def stop(self) -> None:
+        self.restore_primary()
+        for process in (*self.sentinels, *self.nodes):
+            await process.stop()
+
+    async def __aenter__(self) -> SentinelGroup:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def wait_settled(self, *, timeout: float = 30.0, replicas: int | None = None) -> EmbeddedRedis:
+        """Until the sentinels agree on a master that has ``replicas`` (default: all other running nodes)
+        replicas online and every sentinel knows the others; the master."""
+        deadline = time.monotonic() + timeout
+        last = "nothing checked"
+        while time.monotonic() < deadline:
+            last = await anyio.to_thread.run_sync(self._settled, replicas)
+            if not last:
+                return self.primary()
+            await anyio.sleep(0.05)
+        raise TimeoutError(f"the sentinel group did not settle in {timeout:.0f}s: {last}")
+
+    def _settled(self, replicas: int | None) -> str:
+        """Why the group is not settled yet ('' when it is)."""
+        try:
+            primary = self.primary()
+            role, connected = self.role(primary)
+            want = replicas if replicas is not None else sum(1 for n in self.nodes if n.running) - 1
+            if role != "master" or connected < want:
+                return f"master {primary.port} is {role} with {connected}/{want} replicas"
+            for node in self.nodes:
+                if node is not primary and node.running and self.role(node) != ("slave", 1):
+                    return f"node {node.port} is not a linked replica yet"
+            for i, sentinel in enumerate(self.sentinels):
+                with self._sentinel(i) as client:
+                    state = client.sentinel_master(self.service)
+                if int(state.get("num-other-sentinels", 0)) < len(self.sentinels) - 1:
+                    return f"sentinel {sentinel.port} knows {state.get('num-other-sentinels')} others"
+                if int(state.get("num-slaves", 0)) < want:
+                    return f"sentinel {sentinel.port} knows {state.get('num-slaves')} replicas"
+        except (sync_redis.RedisError, RuntimeError, OSError) as exc:
+            return repr(exc)
+        return ""
+
+    async def wait_new_master(self, old_port: int, *, timeout: float = 30.0) -> EmbeddedRedis:
+        """Until the sentinels agree on a master other than ``old_port`` that takes writes; that master."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            port = await anyio.to_thread.run_sync(self.master_port)
+            if port is not None and port != old_port:
+                node = next(n for n in self.nodes if n.port == port)
+                try:
+                    if (await anyio.to_thread.run_sync(self.role, node))[0] == "master":
+                        return node
+                except (sync_redis.RedisError, OSError):
+                    pass
+            await anyio.sleep(0.02)
+        raise TimeoutError(f"no new master in {timeout:.0f}s (old one: {old_port})")
+
+    # ------------------------------------------------------------------ faults
+
+    async def kill_primary(self) -> EmbeddedRedis:
+        """SIGKILL the master (as a crash); the killed node (see :meth:`heal`)."""
+        primary = self.primary()
+        await primary.kill()
+        log.info("sentinels.primary_killed", port=primary.port)
+        return primary
+
+    def failover(self) -> int:
+        """``SENTINEL FAILOVER``: hand the master role to a replica now; the old master's port."""
+        old = self.primary().port
+        with self._sentinel() as client:
+            client.execute_command("SENTINEL", "FAILOVER", self.service)
+        log.info("sentinels.failover_asked", old=old)
+        return old
+
+    def cut_primary(self, *, spare: str | None = None) -> int:
+        """Drop every packet to and from the master's port on loopback (iptables): a partition that leaves
+        it running — except for packets from and to the address ``spare`` (a client on the master's side
+        of the partition); the old master's port.  Undone by :meth:`restore_primary`."""
+        port = self.primary().port
+        self._cut = (port, spare)
+        for rule in self._cut_rules(port, spare):
+            subprocess.run(["iptables", "-I", *rule], check=True, capture_output=True)
+        log.info("sentinels.primary_cut", port=port, spare=spare)
+        return port
+
+    @staticmethod
+    def _cut_rules(port: int, spare: str | None) -> list[list[str]]:
+        into = ["INPUT", "-i", "lo", "-p", "tcp", "--dport", str(port), *(["!", "-s", spare] if spare else [])]
+        out = ["OUTPUT", "-o", "lo", "-p", "tcp", "--sport", str(port), *(["!", "-d", spare] if spare else [])]
+        return [[*into, "-j", "DROP"], [*out, "-j", "DROP"]]
+
+    def restore_primary(self) -> None:
+        """Undo :meth:`cut_primary` (the old master rejoins; the sentinels make it a replica)."""
+        cut, self._cut = self._cut, None
+        if cut is None:
+            return
+        for rule in self._cut_rules(*cut):
+            subprocess.run(["iptables", "-D", *rule], check=False, capture_output=True)
+        log.info("sentinels.primary_restored", port=cut[0])
+
+    async def heal(self) -> None:
+        """Start every stopped node again (it comes back as a replica of the new master) and undo a cut."""
+        self.restore_primary()
+        for node in self.nodes:
+            if not node.running:
+                await node.start()
+
+
+def sync_client(url: str, *, socket_timeout: float = 15, retries: int = 20) -> sync_redis.Redis:
+    """A synchronous redis-py client for any of our URLs (a ``redis+sentinel://`` one through redis-py's
+    Sentinel client: it follows the master), for the soak's bookkeeping and for tests."""
+    parsed = parse_url(url)
+    target = parsed.sentinel
+    if target is None:
+        return sync_redis.Redis.from_url(parsed.url, socket_timeout=socket_timeout)
+    manager = sync_redis.sentinel.Sentinel(list(target.sentinels), socket_timeout=2)
+    return manager.master_for(
+        target.service,
+        db=target.db,
+        username=target.username,
+        password=target.password,
+        socket_timeout=socket_timeout,
+        retry=sync_redis.retry.Retry(sync_redis.backoff.ExponentialBackoff(cap=1.0, base=0.05), retries),
+        retry_on_error=[sync_redis.ConnectionError, sync_redis.TimeoutError],
+    )
+
+
+def iptables_unavailable() -> str | None:
+    """Why :meth:`SentinelGroup.cut_primary` cannot work here (None when it can)."""
+    try:
+        probe = subprocess.run(["iptables", "-S", "INPUT"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"cannot run iptables: {exc}"
+    return None if probe.returncode == 0 else f"iptables refused: {probe.stderr.strip()}"
+
+
+__all__ = ["SERVICE", "GroupAuth", "SentinelGroup", "SentinelProcess", "iptables_unavailable", "sync_client"]
