@@ -33,3 +33,17 @@ def test_the_documented_host_commands_use_the_published_port_and_a_small_size() 
     assert "redis-cli -p 16379 XADD" in docs and "redis-cli XADD" not in docs
     for line in (line for line in docs.splitlines() if "stageferry submit -" in line):
         assert "--width" in line, line  # the schema's default 1344×768 takes minutes on a CPU
+
+
+def test_the_ha_profile_waits_for_every_replica_it_runs() -> None:
+    """With fewer, an acknowledged write can be lost when back-to-back failovers promote the other replica
+    (docs/high-availability.md); the 0-lost soak ran with every replica."""
+    from stageferry.broker.control.redis_url import parse_url
+
+    env = dict(
+        line.split("=", 1) for line in (ROOT / "compose" / "ha.env").read_text().splitlines() if "=" in line
+        and not line.startswith("#")
+    )  # fmt: skip
+    replicas = len(re.findall(r"^  redis-replica-\d+:", COMPOSE, re.M))
+    assert replicas == 2
+    assert parse_url(env["STAGEFERRY_REDIS_URL"]).durability.replicas == replicas
