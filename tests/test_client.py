@@ -28,8 +28,18 @@ async def client(redis_url: str, prefix: str) -> AsyncIterator[Client]:
 
 
 async def stream_entries(client: Client) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    rows = await client.redis.xrange(client.keys.stage_stream("encoder"))
-    return [(bytes(eid), dict(fields)) for eid, fields in rows or []]  # type: ignore[arg-type]
+    """The submissions queued on the first stage's intake, as (ticket, fields) in a stream entry's shape."""
+    out = []
+    for item in await client.redis.lrange(client.keys.intake("encoder"), 0, -1):  # type: ignore[misc]
+        sub = json.loads(item)
+        assert list(sub)[:2] == ["v", "ticket"] and sub["v"] == 1 and re.fullmatch(r"[0-9a-f]{32}", sub["ticket"])
+        out.append(
+            (
+                sub["ticket"].encode(),
+                {b"request_id": sub["request_id"].encode(), b"job": json.dumps(sub["job"]).encode()},
+            )
+        )
+    return out
 
 
 async def test_submit_twice_enqueues_once(client: Client) -> None:

@@ -13,7 +13,7 @@ import anyio
 import typer
 import typer.core
 
-from stageferry.acl import acl_file
+from stageferry.acl import acl_file, redis_db
 from stageferry.cli.app import _expected_errors, _settings, app, stderr
 from stageferry.cli.jobs import (
     DurationOpt,
@@ -32,9 +32,11 @@ from stageferry.cli.jobs import (
     build_job,
     sample_media,
 )
+from stageferry.client import DEFAULT_REDIS_URL
 from stageferry.logs import configure_logging
 from stageferry.schemas import JobRequest, Task
 from stageferry.schemas.job import REQUEST_ID_PATTERN, TENANT_PATTERN, TENANT_SEPARATOR
+from stageferry.schemas.submission import TICKET_PATTERN, Submission
 
 
 class SchemaName(enum.StrEnum):
@@ -88,7 +90,10 @@ def job_schema() -> dict[str, Any]:
             "pattern": TENANT_PATTERN,
             "description": f"a tenant's request ids are '<tenant>{TENANT_SEPARATOR}<rest>'",
         },
-        "refusal": "HGETALL <prefix>:refused:<entry id> (tenant: <prefix>:refused:<tenant>.<entry id>)",
+        "ticket": {"type": "string", "pattern": TICKET_PATTERN, "description": "128 random bits, hex"},
+        "submission": Submission.model_json_schema(),
+        "intake": "RPUSH <prefix>:stage:<first stage>:submit <submission JSON> (tenant: ...:submit:<tenant>)",
+        "refusal": "HGETALL <prefix>:refused:<ticket> (tenant: <prefix>:refused:<tenant>.<ticket>)",
     }
     return out
 
@@ -102,11 +107,13 @@ def acl(
     ] = None,
 ) -> None:
     """Print the Redis ACL users for this deployment (redis.conf syntax; passwords CHANGE-ME): the
-    services' user and least-privilege client users, one per tenant."""
+    services' user and least-privilege client users, one per tenant, held to the database of
+    STAGEFERRY_REDIS_URL (0 by default)."""
     settings = _settings(ctx)
     pipeline = settings.load_pipeline()
     tenants = tenant if tenant else list(pipeline.security.tenants)
-    typer.echo(acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants), nl=False)
+    db = redis_db(settings.redis_url or DEFAULT_REDIS_URL)
+    typer.echo(acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants, db=db), nl=False)
 
 @app.command()
 @_expected_errors

@@ -35,6 +35,7 @@ from stageferry.errors import (
     RequestNotFoundError,
 )
 from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestState, RequestStatus
+from stageferry.schemas.submission import new_ticket, submission_item
 
 log = structlog.get_logger(__name__)
 
@@ -168,6 +169,8 @@ class RequestStore:
         self.fanin = EventFanIn(redis)
         #: Status reads asked for at once (a thousand waits starting) share round trips.
         self.status_reads = FieldReads(redis, "status")
+        #: Owner reads likewise (a client checks ``job_sha`` after each wait of its own submissions).
+        self.owner_reads = FieldReads(redis, "job_sha")
 
     async def submit(
         self,
@@ -180,28 +183,31 @@ class RequestStore:
         uploads: Mapping[str, bytes] | None = None,
         upload_ttl_s: int = 3600,
         link: RespLink | None = None,
+        ticket: str | None = None,
     ) -> str | None:
-        """Enqueue a job once, without scripts (a client's ACL user may not run any): the stream entry id,
-        or None if ``request_id`` is already known (nothing is enqueued, nothing uploaded);
+        """Enqueue a job once, without scripts (a client's ACL user may not run any): the submission's
+        ticket (:mod:`stageferry.schemas.submission`: where a refusal of it is recorded), or None if
+        ``request_id`` is already known (nothing is enqueued, nothing uploaded);
         :class:`RequestIdTakenError` if a stage admitted the id for a *different* job (nothing enqueued).
 
-        One MULTI writes the uploads, the "submitted" marker (``SET NX``), the entry on the first stage's
-        stream (``tenant``'s intake when given) and the stage's wake-up.  Which submission of an id wins
-        is decided by the first stage (duplicates are acknowledged there), not by this client: two
-        clients racing on one id both enqueue, and the stage runs it once.
-        :class:`QueueFullError` when the stream is at ``stream_maxlen`` (checked just before, in the same
-        round trip as whether the id is known and whose it is).  Both round trips go over ``link`` (the
-        client's lean connection) when given and the uploads are small (:data:`LINK_MAX_UPLOAD_BYTES`):
-        redis-py's pipelines were most of a client's CPU per submission (``benchmarks/throughput.py``).  A
-        connection lost after the MULTI was sent repeats it through redis-py, as redis-py's own retries
-        would: the entry may then be on the stream twice, and the first stage runs it once."""
-        stream = self._keys.submission_stream(first_stage, tenant)
+        One MULTI writes the uploads, the "submitted" marker (``SET NX``) and the submission, pushed onto
+        the first stage's intake list (``tenant``'s when given; the stage moves it into its stream).  Which
+        submission of an id wins is decided by the first stage (duplicates are acknowledged there), not by
+        this client: two clients racing on one id both enqueue, and the stage runs it once.
+        :class:`QueueFullError` when the intake holds ``stream_maxlen`` submissions (checked just before,
+        in the same round trip as whether the id is known and whose it is).  Both round trips go over
+        ``link`` (the client's lean connection) when given and the uploads are small
+        (:data:`LINK_MAX_UPLOAD_BYTES`): redis-py's pipelines were most of a client's CPU per submission
+        (``benchmarks/throughput.py``).  A connection lost after the MULTI was sent repeats it through
+        redis-py, as redis-py's own retries would: the submission may then be queued twice, and the first
+        stage runs it once."""
+        intake = self._keys.intake(first_stage, tenant)
         rkey = self._keys.request(request_id)
-        checks = [("HGET", rkey, "job_sha"), ("EXISTS", rkey, self._keys.submitted(request_id)), ("XLEN", stream)]
-        wake = self._keys.wake(first_stage)
+        checks = [("HGET", rkey, "job_sha"), ("EXISTS", rkey, self._keys.submitted(request_id)), ("LLEN", intake)]
         uploads = uploads or {}
         if sum(len(blob) for blob in uploads.values()) > LINK_MAX_UPLOAD_BYTES:
             link = None
+        ticket = ticket or new_ticket()
         with translated():  # the three checks: one round trip
             owner, known, queued = _raised(await run_pipeline(link, self._redis, checks, block_s=0.0))
             if owner is not None and owner.decode() != job.digest():
@@ -210,19 +216,16 @@ class RequestStore:
                 return None
             if queued >= stream_maxlen:
                 raise QueueFullError("the first stage's queue is full; retry later", stage=first_stage)
-            replies = await run_transaction(
+            await run_transaction(
                 link,
                 self._redis,
                 [
                     *(("SET", key, blob, "EX", upload_ttl_s) for key, blob in uploads.items()),
                     ("SET", self._keys.submitted(request_id), first_stage, "NX", "EX", self._ttl),
-                    ("XADD", stream, "*", "request_id", request_id, "job", job.model_dump_json()),
-                    ("LPUSH", wake, b"1"),
-                    ("LTRIM", wake, 0, 15),
+                    ("RPUSH", intake, submission_item(ticket, request_id, job.model_dump_json())),
                 ],
             )
-        entry = replies[-3]
-        return entry.decode() if isinstance(entry, bytes) else str(entry)
+        return ticket
 
     async def known(self, request_id: str) -> bool:
         """True if the request has a record, or a client marked it submitted (not yet picked up)."""
@@ -244,8 +247,7 @@ class RequestStore:
 
     async def owner(self, request_id: str) -> str | None:
         """The digest of the job ``request_id`` belongs to, once a stage admitted it."""
-        with translated():
-            digest = await self._redis.hget(self._keys.request(request_id), "job_sha")
+        digest = await self.owner_reads.get(self._keys.request(request_id))
         return digest.decode() if isinstance(digest, bytes) else None
 
     async def set_status(

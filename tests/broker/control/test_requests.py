@@ -148,10 +148,10 @@ async def test_a_submission_takes_the_lean_link_unless_its_uploads_are_large(
         entry = await store.submit("r-1", JOB, "encoder", stream_maxlen=10, uploads=uploads, link=link)
     finally:
         await link.aclose()
-    assert entry is not None and await store._redis.xlen(keys.stage_stream("encoder")) == 1
+    assert entry is not None and await store._redis.llen(keys.intake("encoder")) == 1  # type: ignore[misc]
     assert (await store._redis.strlen(keys.upload("r-1", "ref"))) == upload_bytes
     sent = [name for trip in trips for name in trip]
-    assert ("EXEC" in sent) is over_link and ("XLEN" in sent) is over_link
+    assert ("EXEC" in sent) is over_link and ("LLEN" in sent) is over_link
 
 
 async def test_a_follower_whose_shared_reader_lags_still_gets_the_terminal_event(store: RequestStore) -> None:
