@@ -38,9 +38,9 @@ from stageferry.schemas.job import TENANT_SEPARATOR, is_tenant
 #: full pipeline runs and from reading ``broker/``).
 STAGE_COMMANDS = (
     "hello", "auth", "ping", "select", "multi", "exec", "discard", "evalsha", "script|load", "exists", "get",
-    "set", "strlen", "del", "expire", "pexpire", "hget", "hset", "hdel", "hgetall", "rpush", "lpush", "lpop", "ltrim",
-    "llen", "blpop", "xadd", "xack", "xdel", "xclaim", "xautoclaim", "xgroup|create", "xlen", "xpending", "xrange",
-    "xread", "xreadgroup",
+    "set", "strlen", "del", "expire", "pexpire", "pttl", "scan", "hget", "hset", "hdel", "hgetall", "rpush",
+    "lpush", "lpop", "ltrim", "llen", "blpop", "xadd", "xack", "xdel", "xclaim", "xautoclaim", "xgroup|create",
+    "xlen", "xpending", "xrange", "xread", "xreadgroup",
 )  # fmt: skip
 _CONNECTION = "+hello +auth +ping +select +multi +exec +discard"
 _CLIENT_CONNECTION = "+hello +auth +ping +multi +exec +discard"
@@ -104,6 +104,27 @@ def client_user(
     return f"user {user} on {password} resetkeys resetchannels -@all {_CLIENT_CONNECTION}{_pinned_db(db)} {body}"
 
 
+#: Jobs whose worst-case uploads and entries the default ``maxmemory`` makes room for at once.
+MEMORY_JOBS = 8
+#: Media inputs a job may upload (``MediaInputs``: first/last frame, reference video/audio).
+_MEDIA_PER_JOB = 4
+#: Room for everything else: records, traces, queues, dead letters, NIXL records.
+_MEMORY_BASE = 256 << 20
+
+
+def default_maxmemory(*, max_upload_bytes: int, max_entry_bytes: int) -> int:
+    """The ``maxmemory`` the generated config sets: :data:`MEMORY_JOBS` jobs each with every upload at
+    ``limits.max_upload_bytes`` and an entry at ``limits.max_entry_bytes``, plus 256 MiB (2.5 GiB for the
+    default limits)."""
+    return MEMORY_JOBS * (_MEDIA_PER_JOB * max_upload_bytes + max_entry_bytes) + _MEMORY_BASE
+
+
+def memory_config(maxmemory: int) -> str:
+    """Redis config lines that bound its memory: ``maxmemory`` and ``noeviction`` (a full Redis refuses
+    writes, with an error every writer handles; it never evicts a queued job, a record or a result)."""
+    return f"maxmemory {maxmemory}\nmaxmemory-policy noeviction\n"
+
+
 def acl_file(
     prefix: str,
     first_stage: str,
@@ -111,12 +132,17 @@ def acl_file(
     tenants: Sequence[str] = (),
     passwords: dict[str, str] | None = None,
     db: int = 0,
+    maxmemory: int | None = None,
 ) -> str:
     """A whole ACL file: the default user off, the services' user, and one client user per tenant (or the
-    single-tenant client user when there are none), clients held to database ``db``.  ``passwords`` maps
-    user → ``>password``/``#sha256``."""
+    single-tenant client user when there are none), clients held to database ``db``; with ``maxmemory``,
+    the memory bound first (:func:`memory_config`).  ``passwords`` maps user → ``>password``/``#sha256``."""
     pw = passwords or {}
-    lines = ["user default off", stage_user(prefix, password=pw.get("stageferry", ">CHANGE-ME"))]
+    lines = [
+        *([memory_config(maxmemory).rstrip()] if maxmemory is not None else []),
+        "user default off",
+        stage_user(prefix, password=pw.get("stageferry", ">CHANGE-ME")),
+    ]
     if not tenants:
         lines.append(client_user(prefix, first_stage, password=pw.get("sfclient", ">CHANGE-ME"), db=db))
     for tenant in tenants:
@@ -125,4 +151,13 @@ def acl_file(
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["STAGE_COMMANDS", "acl_file", "client_user", "redis_db", "stage_user"]
+__all__ = [
+    "MEMORY_JOBS",
+    "STAGE_COMMANDS",
+    "acl_file",
+    "client_user",
+    "default_maxmemory",
+    "memory_config",
+    "redis_db",
+    "stage_user",
+]

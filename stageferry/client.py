@@ -34,6 +34,7 @@ from stageferry.schemas.job import (
     is_tenant,
     tenant_of,
 )
+from stageferry.schemas.submission import new_ticket
 from stageferry.schemas.validation import check_job_limits, field_errors
 from stageferry.trace import TraceEvent, parse_events, parse_row
 
@@ -162,21 +163,26 @@ class Client:
         check_request_id(rid, self.tenant)
         data = job.model_dump(mode="json") if isinstance(job, JobRequest) else dict(job)
         blobs = await self._read_uploads(uploads or {})
-        checked = validate_job(with_upload_refs(data, {name: self.keys.upload(rid, name) for name in blobs}))
+        # Upload keys carry the submission's ticket (128 random bits): another holder of the client user,
+        # who may SET any id's uploads, cannot name them to overwrite them before the stage reads them.
+        ticket = new_ticket()
+        keys = {name: self.keys.upload(rid, f"{name}.{ticket}") for name in blobs}
+        checked = validate_job(with_upload_refs(data, keys))
         check_job_limits(checked, self.pipeline.limits, upload_prefix=self.keys.upload(rid, ""))
         first = self.pipeline.stages[0].name
-        ticket = await self.store.submit(
+        queued = await self.store.submit(
             rid,
             checked,
             first,
             stream_maxlen=self.pipeline.retention.stream_maxlen,
             tenant=self.tenant,
-            uploads={self.keys.upload(rid, name): blob for name, blob in blobs.items()},
+            uploads={keys[name]: blob for name, blob in blobs.items()},
             upload_ttl_s=upload_ttl_s,
             link=self._link,
+            ticket=ticket,
         )
-        if ticket is not None:
-            self._tickets[rid] = (ticket, checked.digest())
+        if queued is not None:
+            self._tickets[rid] = (queued, checked.digest())
         return rid
 
     async def _read_uploads(self, uploads: Mapping[str, bytes | Path]) -> dict[str, bytes]:

@@ -111,14 +111,14 @@ async def test_uploads_land_under_upload_keys_with_ttl(client: Client, tmp_path:
     rid = await client.submit(
         job, request_id="up-1", uploads={"first_frame": b"\x89PNG first", "last_frame": last}, upload_ttl_s=120
     )
+    ticket, fields = (await stream_entries(client))[0]
+    media = json.loads(fields[b"job"])["media"]
     for name, body in (("first_frame", b"\x89PNG first"), ("last_frame", b"\x89PNG last")):
-        key = client.keys.upload(rid, name)
+        # under the request's id and the submission's ticket: nobody else can name (and overwrite) them
+        key = client.keys.upload(rid, f"{name}.{ticket.decode()}")
+        assert media[name] == {"path": None, "upload_key": key}
         assert await client.redis.get(key) == body
         assert 0 < await client.redis.ttl(key) <= 120
-    entry = (await stream_entries(client))[0][1]
-    media = json.loads(entry[b"job"])["media"]
-    assert media["first_frame"] == {"path": None, "upload_key": client.keys.upload(rid, "first_frame")}
-    assert media["last_frame"]["upload_key"] == client.keys.upload(rid, "last_frame")
 
 
 async def test_upload_to_unknown_media_is_rejected(client: Client) -> None:

@@ -13,7 +13,7 @@ import anyio
 import typer
 import typer.core
 
-from stageferry.acl import acl_file, redis_db
+from stageferry.acl import acl_file, default_maxmemory, redis_db
 from stageferry.cli.app import _expected_errors, _settings, app, stderr
 from stageferry.cli.jobs import (
     DurationOpt,
@@ -105,15 +105,25 @@ def acl(
     tenant: Annotated[
         list[str] | None, typer.Option("--tenant", help="A tenant (repeatable); default: the pipeline's.")
     ] = None,
+    maxmemory: Annotated[
+        int | None,
+        typer.Option("--maxmemory", metavar="BYTES", help="Redis's memory bound; default: sized from the limits."),
+    ] = None,
 ) -> None:
-    """Print the Redis ACL users for this deployment (redis.conf syntax; passwords CHANGE-ME): the
-    services' user and least-privilege client users, one per tenant, held to the database of
-    STAGEFERRY_REDIS_URL (0 by default)."""
+    """Print the Redis config for this deployment (redis.conf syntax; passwords CHANGE-ME): maxmemory with
+    noeviction, the services' user and least-privilege client users, one per tenant, held to the
+    database of STAGEFERRY_REDIS_URL (0 by default)."""
     settings = _settings(ctx)
     pipeline = settings.load_pipeline()
     tenants = tenant if tenant else list(pipeline.security.tenants)
     db = redis_db(settings.redis_url or DEFAULT_REDIS_URL)
-    typer.echo(acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants, db=db), nl=False)
+    limits = pipeline.limits
+    memory = maxmemory or default_maxmemory(
+        max_upload_bytes=limits.max_upload_bytes, max_entry_bytes=limits.max_entry_bytes
+    )
+    typer.echo(
+        acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants, db=db, maxmemory=memory), nl=False
+    )
 
 @app.command()
 @_expected_errors

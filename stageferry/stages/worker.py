@@ -35,6 +35,7 @@ import anyio
 import redis.asyncio as aioredis
 import structlog
 
+from stageferry.broker.control.client_keys import ClientKeySweeper, client_key_bounds
 from stageferry.broker.control.dead_letter import DeadLetterPolicy
 from stageferry.broker.control.intake import Intake
 from stageferry.broker.control.keys import Keys
@@ -207,6 +208,18 @@ class StageWorker:
             outcomes=self.outcomes,
             output_connector=output_connector,
         )
+        self.sweeper = (
+            ClientKeySweeper(
+                redis,
+                client_key_bounds(
+                    keys,
+                    request_ttl_s=pipeline.retention.request_ttl_s,
+                    max_upload_bytes=pipeline.limits.max_upload_bytes,
+                ),
+            )
+            if first
+            else None
+        )
         self._stopping = False
         self.processed = 0
 
@@ -238,6 +251,8 @@ class StageWorker:
         await self._with_redis_retry(self.stream.ensure_group)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.heartbeat.run)
+            if self.sweeper is not None:  # the first stage holds the client-written keys to their bounds
+                tg.start_soon(self.sweeper.run)
             task_status.started()
             log.info("worker.started", stage=self.stage.name, consumer=self.stream.consumer)
             while not self._stopping:

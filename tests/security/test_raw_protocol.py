@@ -125,6 +125,9 @@ def test_a_raw_client_cannot_stop_or_trim_the_queue_and_sees_its_refusals(deploy
         "run a Redis Function": lambda: raw.fcall("anything", 1, stream),
     }
     assert [name for name, attack in attacks.items() if not refused(attack)] == []
+    # What the ACL lets through but cannot bound: a 1 MiB cancel flag and a marker, both without a TTL.
+    raw.set(KEYS.cancel("hog"), b"x" * (1 << 20))
+    raw.set(KEYS.submitted("ageless"), b"encoder")
 
     # The first job runs (sleep:4 holds it in the encoder); a second, different job reuses its id.
     first_ticket, second_ticket = uuid.uuid4().hex, uuid.uuid4().hex
@@ -159,6 +162,9 @@ def test_a_raw_client_cannot_stop_or_trim_the_queue_and_sees_its_refusals(deploy
     ok = uuid.uuid4().hex
     raw.rpush(intake, item("after-1", JOB, ok))
     assert wait_terminal(raw, "after-1") == b"done"
+    # The first stage's sweep bounded them (clients' keys: size and TTL; it runs as the services' user).
+    wait_for(lambda: not admin.exists(KEYS.cancel("hog")), 90, "the oversized cancel flag deleted")
+    wait_for(lambda: 0 < admin.ttl(KEYS.submitted("ageless")) <= 86_400, 90, "the marker given a TTL")
     # The stages were never refused (but for the dead-letter script's TIME/XTRIM: issue 34 item 2, fixed apart).
     stage_refusals = [
         e for e in admin.acl_log() if e["username"] != "sfclient" and e["object"] not in ("time", "xtrim")
@@ -167,3 +173,34 @@ def test_a_raw_client_cannot_stop_or_trim_the_queue_and_sees_its_refusals(deploy
     assert all(p.poll() is None for p in svc.procs)
     raw.close()
     admin.close()
+
+
+def test_the_generated_config_caps_memory_without_eviction(tmp_path: Path) -> None:
+    """``stageferry acl``'s memory lines on a real redis-server: a client's write past ``maxmemory`` is
+    refused (OOM), and nothing already stored is evicted to make room."""
+    config = tmp_path / "redis.conf"
+    text = acl_file(PREFIX, "encoder", passwords=PASSWORDS, maxmemory=16 << 20)
+    assert text.startswith("maxmemory 16777216\nmaxmemory-policy noeviction\n")
+    config.write_text(text + "user admin on >admin-pw ~* &* +@all\n")
+    work = tmp_path / "redis"
+    work.mkdir()
+    with PrivateRedis(work, config=config) as server:
+        server.start(f"redis://admin:admin-pw@127.0.0.1:{server.port}/0")
+        admin = sync_redis.Redis.from_url(f"redis://admin:admin-pw@127.0.0.1:{server.port}/0")
+        raw = sync_redis.Redis.from_url(url(server.port, "sfclient"))
+        assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        raw.rpush(KEYS.intake("encoder"), item("kept-1", JOB, uuid.uuid4().hex))
+        raw.set(KEYS.upload("hog-0", "first_frame"), b"x" * (4 << 20))
+        with pytest.raises(sync_redis.exceptions.OutOfMemoryError):
+            for i in range(1, 16):
+                raw.set(KEYS.upload(f"hog-{i}", "first_frame"), b"x" * (4 << 20))
+        assert admin.strlen(KEYS.upload("hog-0", "first_frame")) == 4 << 20  # nothing evicted
+        assert admin.llen(KEYS.intake("encoder")) == 1  # the queued submission stayed
+        raw.close()
+        admin.close()
+
+
+def test_the_shipped_config_caps_memory() -> None:
+    shipped = (ROOT / "compose" / "redis-acl.conf").read_text()
+    assert "\nmaxmemory 2684354560\nmaxmemory-policy noeviction\n" in shipped
+    assert "${REDIS_MAXMEMORY:-2560mb}" in (ROOT / "compose" / "docker-compose.yml").read_text()
