@@ -56,6 +56,7 @@ class SoakConfig:
             FaultKind.CONSUMER_MID_READ: 2,
             FaultKind.REDIS_RESTART: 2,
             FaultKind.STALL: 2,
+            FaultKind.HOSTILE_CLIENT: 2,
         }
     )
     visibility_s: float = 5.0
@@ -254,7 +255,13 @@ async def run_soak(cfg: SoakConfig) -> SoakResult:
         stage_seconds=cfg.stage_seconds,
     )  # fmt: skip
     plan = FaultPlan.draw(seed, cfg.faults, window_s=cfg.window * 0.85)
-    injector = Injector(cluster, plan, stall_s=cfg.visibility_s * 1.6 + 1, failpoint_wait_s=cfg.fault_wait_s)
+    injector = Injector(
+        cluster,
+        plan,
+        stall_s=cfg.visibility_s * 1.6 + 1,
+        failpoint_wait_s=cfg.fault_wait_s,
+        max_entry_bytes=PipelineConfig.load(cluster.pipeline_file).limits.max_entry_bytes,
+    )
     await cluster.redis.start()
     t0 = time.monotonic()
     try:
