@@ -8,6 +8,11 @@ wait-and-read shape (``BLPOP`` + ``EVALSHA`` in one pipeline).  Printed per clie
 * ``write → in hand``: the writer's send to the waiter holding both replies (the hop's "hand-off write →
   entry in hand").
 
+Three clients: ``redis-py`` (its pooled client, as the stages use it without the link), ``redis-py 1-conn``
+(redis-py without its pool: a ``single_connection_client`` for the writer's script, and one dedicated
+connection for the waiter's pipeline, written with one ``send_packed_command`` and read reply by reply),
+and ``link``.
+
 Both clients run in the same invocation, in alternating blocks (redis-py, link, redis-py, link), each
 block its own pair of processes::
 
@@ -26,6 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from redis.asyncio import Redis  # noqa: E402
+
 from stageferry.broker.control.redis_conn import connect  # noqa: E402
 from stageferry.broker.control.resp_link import open_link, run_script  # noqa: E402
 
@@ -34,8 +41,11 @@ READ = "return redis.call('LRANGE', KEYS[1], 0, -1)"  # a small script, as the r
 KEY, STOP = "bench:resp_link:wake", b"stop"
 
 
+CLIENTS = ("redis-py", "redis-py 1-conn", "link")
+
+
 async def _writer(url: str, client: str, rounds: int, gap_s: float, out: mp.Queue) -> None:
-    redis = connect(url)
+    redis = Redis.from_url(url, single_connection_client=True) if client == "redis-py 1-conn" else connect(url)
     link = open_link(redis) if client == "link" else None
     script = redis.register_script(WRITE)
     await asyncio.sleep(0.3)  # the waiter is waiting
@@ -58,10 +68,14 @@ async def _waiter(url: str, client: str, out: mp.Queue) -> None:
     read = redis.register_script(READ)
     await read(keys=["bench:resp_link:none"], args=[])  # loaded
     wait, cmd = ("BLPOP", KEY, 1), ("EVALSHA", read.sha, 1, "bench:resp_link:none")
+    own = await redis.connection_pool.get_connection() if client == "redis-py 1-conn" else None
     lags = []
     while True:
         if link is not None:
             woken, _ = await link.send([wait, cmd], block_s=1)
+        elif own is not None:  # one dedicated connection: both commands in one write, replies in order
+            await own.send_packed_command(own.pack_commands([wait, cmd]))
+            woken, _ = await own.read_response(), await own.read_response()
         else:
             async with redis.pipeline(transaction=False) as pipe:
                 pipe.execute_command(*wait)
@@ -76,6 +90,8 @@ async def _waiter(url: str, client: str, out: mp.Queue) -> None:
     out.put(lags)
     if link is not None:
         await link.aclose()
+    if own is not None:
+        await redis.connection_pool.release(own)
     await redis.aclose()
 
 
@@ -109,7 +125,7 @@ def main() -> None:
     parser.add_argument("--gap-us", type=int, default=1000, help="idle time between rounds (a hop's idle)")
     parser.add_argument("--blocks", type=int, default=2, help="alternating blocks per client")
     args = parser.parse_args()
-    got: dict[str, tuple[list[float], list[float]]] = {"redis-py": ([], []), "link": ([], [])}
+    got: dict[str, tuple[list[float], list[float]]] = {client: ([], []) for client in CLIENTS}
     for _ in range(args.blocks):
         for client in got:
             writes, lags = block(args.redis_url, client, args.rounds, args.gap_us / 1e6)
@@ -122,8 +138,10 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: |")
     for client, (writes, lags) in got.items():
         print(f"| {client} | {pcts(writes)} | {pcts(lags)} |")
-    ratio = statistics.median(got["redis-py"][1]) / statistics.median(got["link"][1])
-    print(f"\nwrite → in hand, redis-py / link (p50): {ratio:.2f}×")
+    link_p50 = statistics.median(got["link"][1])
+    for client in CLIENTS[:-1]:
+        print(f"\nwrite → in hand, {client} / link (p50): {statistics.median(got[client][1]) / link_p50:.2f}×", end="")
+    print()
 
 
 if __name__ == "__main__":

@@ -35,12 +35,13 @@ from stageferry.errors import ConfigError
 from stageferry.schemas.job import TENANT_SEPARATOR, is_tenant
 
 #: Every command the stage services send, directly or from their Lua scripts (taken from MONITOR during
-#: full pipeline runs and from reading ``broker/``).
+#: full pipeline runs and from reading ``broker/``; ``tests/security/test_stage_acl.py`` holds every Lua
+#: script in the package to this list and runs the control plane's scripts as this user).
 STAGE_COMMANDS = (
     "hello", "auth", "ping", "select", "multi", "exec", "discard", "evalsha", "script|load", "exists", "get",
     "set", "strlen", "del", "expire", "pexpire", "pttl", "scan", "hget", "hset", "hdel", "hgetall", "rpush",
-    "lpush", "lpop", "ltrim", "llen", "blpop", "xadd", "xack", "xdel", "xclaim", "xautoclaim", "xgroup|create",
-    "xlen", "xpending", "xrange", "xread", "xreadgroup",
+    "lpush", "lpop", "ltrim", "llen", "blpop", "xadd", "xack", "xdel", "xtrim", "xclaim", "xautoclaim",
+    "xgroup|create", "xlen", "xpending", "xrange", "xread", "xreadgroup",
 )  # fmt: skip
 _CONNECTION = "+hello +auth +ping +select +multi +exec +discard"
 _CLIENT_CONNECTION = "+hello +auth +ping +multi +exec +discard"
@@ -125,6 +126,15 @@ def memory_config(maxmemory: int) -> str:
     return f"maxmemory {maxmemory}\nmaxmemory-policy noeviction\n"
 
 
+def scaler_user(prefix: str, *, name: str = "sfscaler", password: str = ">CHANGE-ME") -> str:
+    """An autoscaler's user (KEDA's ``redis-streams`` trigger): it reads the stage streams' backlog only
+    (``XPENDING`` for pending entries, ``XINFO GROUPS`` for the group's lag, ``XLEN``), no entry's body."""
+    keys = Keys(prefix)
+    commands = "+xpending +xinfo|groups +xinfo|stream +xlen"
+    streams = f"%R~{keys.stage_stream('*')}"
+    return f"user {name} on {password} resetkeys resetchannels -@all {_CONNECTION} {streams} {commands}"
+
+
 def acl_file(
     prefix: str,
     first_stage: str,
@@ -133,16 +143,20 @@ def acl_file(
     passwords: dict[str, str] | None = None,
     db: int = 0,
     maxmemory: int | None = None,
+    scaler: bool = False,
 ) -> str:
     """A whole ACL file: the default user off, the services' user, and one client user per tenant (or the
-    single-tenant client user when there are none), clients held to database ``db``; with ``maxmemory``,
-    the memory bound first (:func:`memory_config`).  ``passwords`` maps user → ``>password``/``#sha256``."""
+    single-tenant client user when there are none), clients held to database ``db``; with ``scaler`` also
+    :func:`scaler_user`; with ``maxmemory``, the memory bound first (:func:`memory_config`).
+    ``passwords`` maps user → ``>password``/``#sha256``."""
     pw = passwords or {}
     lines = [
         *([memory_config(maxmemory).rstrip()] if maxmemory is not None else []),
         "user default off",
         stage_user(prefix, password=pw.get("stageferry", ">CHANGE-ME")),
     ]
+    if scaler:
+        lines.append(scaler_user(prefix, password=pw.get("sfscaler", ">CHANGE-ME")))
     if not tenants:
         lines.append(client_user(prefix, first_stage, password=pw.get("sfclient", ">CHANGE-ME"), db=db))
     for tenant in tenants:
@@ -159,5 +173,6 @@ __all__ = [
     "default_maxmemory",
     "memory_config",
     "redis_db",
+    "scaler_user",
     "stage_user",
 ]

@@ -24,7 +24,7 @@ from stageferry.broker.control.refusals import Refusal, Refusals
 from stageferry.broker.control.requests import RequestStore, taken
 from stageferry.broker.control.resp_link import open_link
 from stageferry.config import PipelineConfig, Settings
-from stageferry.errors import ConfigError, JobValidationError, RequestLostError, field_error
+from stageferry.errors import ConfigError, JobValidationError, RequestLostError, RequestNotFoundError, field_error
 from stageferry.schemas import JobRequest, MediaInputs, RequestState, RequestStatus
 from stageferry.schemas.job import (
     REQUEST_ID_PATTERN,
@@ -227,7 +227,8 @@ class Client:
         outage is ridden through within ``timeout``.  With ``exists_within`` (``0``: at once) an id that
         is not known by then is :class:`RequestNotFoundError`; without it an unknown id is given
         :data:`~stageferry.broker.control.requests.UNKNOWN_GRACE_S` (a raw-protocol entry is known only
-        once the first stage reads it)."""
+        once the first stage reads it).  ``request_lost`` is final: a request it was said of never ends
+        otherwise."""
 
         async def raise_if_refused() -> None:
             refusal = await self.refusal_of(request_id)
@@ -237,8 +238,14 @@ class Client:
         mine = self._tickets.get(request_id)
         check = raise_if_refused if mine is not None else None
         try:
-            status = await self.store.wait(request_id, timeout=timeout, on_quiet=check, exists_within=exists_within)
-        except RequestLostError:
+            status = await self.store.wait(
+                request_id,
+                timeout=timeout,
+                on_quiet=check,
+                exists_within=exists_within,
+                seen=mine is not None,  # this client's own submission: it existed
+            )
+        except (RequestLostError, RequestNotFoundError):
             await raise_if_refused()
             raise
         if mine is not None:  # a status under this id, but is it this client's job's? (``job_sha``)

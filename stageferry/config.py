@@ -15,9 +15,10 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from stageferry.broker.data.nixl.address import parse_address
 from stageferry.cpus import default_hot_wait
 from stageferry.errors import ConfigError
 from stageferry.schemas.job import TENANT_PATTERN
@@ -495,6 +496,10 @@ class Settings(BaseSettings):
     """The tenant a client process submits as (``STAGEFERRY_TENANT``); None: single-tenant."""
     gateway_token: Annotated[str, Field(min_length=8, max_length=512)] | None = None
     """The HTTP gateway's bearer token (``STAGEFERRY_GATEWAY_TOKEN``); unset: no token needed."""
+    advertise_address: Annotated[str, AfterValidator(parse_address)] | None = None
+    """The IP address NIXL peers reach this stage at (Kubernetes: the pod IP, `status.podIP` from the downward
+    API). UCX is held to the interface that has it (`UCX_NET_DEVICES`, unless set) and the agent record
+    carries it, so a hop's trace names both ends. Unset: UCX advertises every interface it opens."""
 
     def load_pipeline(self) -> PipelineConfig:
         return PipelineConfig.load(self.pipeline)

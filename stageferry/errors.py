@@ -35,6 +35,7 @@ a request's failed/rejected status shows, so that clients branch on codes, never
     │                                reclaimed elsewhere (never a request failure)
     ├── DeadLetteredError            an entry delivered too often: the stage keeps dying on it
     │   └── StageCrashedError        the stage process died holding it, max_crashes times in a row
+    ├── StatusCorruptError           a request's stored status does not parse, or names another request
     ├── DeadlineExceededError        the request's deadline passed
     ├── RequestLostError             the request's record vanished (a Redis without persistence restarted)
     ├── RequestNotFoundError         no such request, and the caller would not wait for it to appear
@@ -226,12 +227,22 @@ class StageCrashedError(DeadLetteredError):
     code = "stage_crashed"
 
 
+class StatusCorruptError(StageferryError):
+    """A request's record holds a status that does not parse, or that names another request (a record
+    is data in Redis, written by anyone with a stage's credentials): nothing is read from it, and a stage
+    that meets it dead-letters its entry."""
+
+    code = "status_corrupt"
+
+
 class DeadlineExceededError(StageferryError):
     code = "deadline_exceeded"
 
 
 class RequestLostError(StageferryError):
-    """A waited-on request's record (and its submission marker) disappeared: Redis lost it."""
+    """A waited-on request's record (and its submission marker) disappeared: Redis lost it.  At a stage:
+    the entry in hand is no longer held (:mod:`stageferry.broker.control.held`), and its request is ended
+    ``failed`` with this code only when nothing else holds it (``broker/control/record_loss``)."""
 
     code = "request_lost"
 
@@ -286,6 +297,9 @@ class EntryAction(enum.StrEnum):
     DEAD_LETTER = "dead_letter"  #: move it to the stage's dead-letter stream, with the error code
     RECOMPUTE = "recompute"  #: hand the request back upstream (its payload is gone); failed past the limit
     KEEP = "keep"  #: leave it pending, write nothing: the replica stops and another one reclaims it
+    #: not this replica's any more (reclaimed elsewhere, or lost with Redis): touch nothing, and end the
+    #: request ``request_lost`` only if nothing else can (no record, no entry: ``broker/control/record_loss``)
+    DROP = "drop"
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,8 +324,10 @@ OUTCOMES: Mapping[type[StageferryError], Outcome] = MappingProxyType(
         DataPlaneError: Outcome(RequestState.FAILED, EntryAction.RECOMPUTE, "recomputed"),
         GroupBrokenError: Outcome(None, EntryAction.KEEP, "group_broken"),
         DeadLetteredError: Outcome(RequestState.FAILED, EntryAction.DEAD_LETTER, "dead_lettered"),
+        StatusCorruptError: Outcome(RequestState.FAILED, EntryAction.DEAD_LETTER, "dead_lettered"),
         DeadlineExceededError: Outcome(RequestState.FAILED, EntryAction.ACK, "deadline_exceeded"),
         CancelledRequestError: Outcome(RequestState.CANCELLED, EntryAction.ACK, "cancelled"),
+        RequestLostError: Outcome(RequestState.FAILED, EntryAction.DROP, "lost"),
     }
 )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import anyio
 
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.liveness import is_live, replica_id
+from stageferry.broker.control.liveness import GAVE_UP, heartbeat_of, is_fresh, replica_id
 from stageferry.broker.control.redis_conn import open_client, translated
 from stageferry.config import Settings
 from stageferry.errors import ControlPlaneError
@@ -27,13 +27,15 @@ async def check_health(settings: Settings, *, stage: str | None, timeout: float)
                     await redis.ping()
                 if stage is None:
                     return None
-                live = await is_live(redis, Keys(settings.prefix), stage, settings.replica)
+                beat = await heartbeat_of(redis, Keys(settings.prefix), stage, settings.replica)
     except TimeoutError:
         return f"redis did not answer within {timeout:g}s"
     except ControlPlaneError as exc:
         return exc.message
-    if not live:
-        name = replica_id(stage, settings.replica)
+    name = replica_id(stage, settings.replica)
+    if beat is not None and beat.startswith(GAVE_UP.encode()):
+        return f"{name!r} gave up: its supervisor restarted it too often (stage {stage!r})"
+    if not is_fresh(beat):
         return f"no fresh heartbeat from {name!r} (replica {settings.replica!r} of stage {stage!r})"
     return None
 

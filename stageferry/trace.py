@@ -73,6 +73,8 @@ class TraceEvent:
             return ""
         parts = [f"step {raw['step']}/{raw.get('total', '?')}"] if "step" in raw else []
         parts += [f"{k}={raw[k]}" for k in ("reason", "error", "code") if k in raw]
+        if raw.get("source") or raw.get("destination"):  # a payload's two ends (their advertised addresses)
+            parts.append(f"{raw.get('source') or '?'} -> {raw.get('destination') or '?'}")
         return " ".join(parts)
 
 

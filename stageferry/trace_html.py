@@ -21,14 +21,20 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from stageferry.schemas import RequestStatus, Transport
+from stageferry.schemas import RequestState, RequestStatus, Transport
 from stageferry.trace import TraceEvent, hops, short_transport
 
 _LABEL_W = 150
 _PLOT_W = 900
 _LANE_H = 34
-_STATE_COLOURS = {"queued": "#c9ccd1", "running": "#4a7fd4", "done": "#3a9a5b", "failed": "#c8463d",
-                  "rejected": "#c8463d", "cancelled": "#9a8f3a"}  # fmt: skip
+_STATE_COLOURS: dict[str, str] = {
+    RequestState.QUEUED: "#c9ccd1",
+    RequestState.RUNNING: "#4a7fd4",
+    RequestState.DONE: "#3a9a5b",
+    RequestState.FAILED: "#c8463d",
+    RequestState.REJECTED: "#c8463d",
+    RequestState.CANCELLED: "#9a8f3a",
+}
 _TRANSPORT_COLOURS = {"nixl": "#6a3fb5", "inline": "#d9822b", "in_process": "#2b8fa0"}
 
 
@@ -72,7 +78,7 @@ def _bars(events: Sequence[TraceEvent]) -> tuple[list[str], list[_Bar], list[tup
         bars.append(
             _Bar("request", hop.start, max(end, hop.start), colour, label, f"{label}: {_fmt_s(end - hop.start)}")
         )
-        if hop.state == "running" and hop.stage:
+        if hop.state == RequestState.RUNNING and hop.stage:
             lane = f"stage {hop.stage}"
             if lane not in lanes:
                 lanes.append(lane)

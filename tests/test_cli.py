@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import redis as sync_redis
 import typer.main
@@ -18,8 +19,11 @@ from typer.testing import CliRunner
 
 from stageferry.broker.control.keys import Keys
 from stageferry.cli import app, build_job
-from stageferry.schemas import RequestState, RequestStatus, StageTiming, Transport
+from stageferry.client import Client
+from stageferry.embedded_redis import EmbeddedRedis
+from stageferry.schemas import OutputInfo, RequestState, RequestStatus, StageTiming, Transport
 from stageferry.trace import format_trace, hops, parse_events, save_trace
+from tests.procs import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -306,7 +310,8 @@ def test_up_with_unreachable_redis_is_one_line_and_starts_nothing(tmp_path: Path
 def test_client_commands_with_unreachable_redis_are_one_line(args: tuple[str, ...], tmp_path: Path) -> None:
     result = invoke(UNREACHABLE, "sf", *args)
     assert result.exit_code == 1, result.output
-    lines = result.stderr.strip().splitlines()
+    # a wait retries the outage until its timeout, logging each retry; the error itself is one line
+    lines = [ln for ln in result.stderr.strip().splitlines() if '"event": "request.status_retry"' not in ln]
     assert 1 <= len(lines) <= 2 and "Traceback" not in result.output, result.output
     assert lines[0].startswith(("error [control_plane]", "unhealthy: ")), lines
 
@@ -390,3 +395,32 @@ def test_hops_ignore_a_hand_off_queued_that_lands_after_the_next_stage_started()
         ("done", "diffusion"),
     ]
     assert found[1].seconds == pytest.approx(1.5)
+
+
+def test_wait_started_while_redis_is_down_retries_until_its_timeout(tmp_path: Path) -> None:
+    """``wait --timeout`` started while Redis is down rides the outage out (it gave up after 6 s with
+    ``control_plane``): Redis comes back after 10 s, the request ends, and the wait prints it."""
+    server = EmbeddedRedis(data_dir=tmp_path / "redis")  # its port is chosen; nothing listens there yet
+    base = {k: v for k, v in os.environ.items() if not k.startswith("STAGEFERRY_")} | {"PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "stageferry", "--redis-url", server.url, "wait", "w-4", "--timeout", "120"]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started = time.monotonic()
+        wait_for(lambda: proc.poll() is not None or time.monotonic() - started > 10, 30, "the wait to end or last")
+        assert proc.poll() is None, proc.communicate()
+
+        async def come_back_and_finish() -> None:
+            await server.start()
+            async with Client(server.url) as client:
+                done = RequestStatus(request_id="w-4", state=RequestState.DONE, result=OutputInfo(location="redis:x"))
+                assert await client.store.set_status(done)
+
+        anyio.run(come_back_and_finish)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert json.loads(out)["state"] == "done"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        anyio.run(server.stop)

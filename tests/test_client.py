@@ -13,7 +13,7 @@ import pytest
 
 from stageferry import Client, JobRequest, RequestState, RequestStatus, SyncClient
 from stageferry.config import Limits, PipelineConfig
-from stageferry.errors import DeadlineExceededError, JobValidationError, RequestIdTakenError
+from stageferry.errors import DeadlineExceededError, JobValidationError, RequestIdTakenError, StatusCorruptError
 from stageferry.schemas import OutputInfo
 
 pytestmark = pytest.mark.anyio
@@ -141,7 +141,9 @@ async def test_wait_returns_when_another_task_finishes_the_request(client: Clien
     rid = await client.submit(JOB)
 
     async def finish() -> None:
-        await anyio.sleep(0.2)
+        with anyio.fail_after(30):
+            while client.store.fanin.waiters < 1:  # the wait is under way
+                await anyio.sleep(0.01)
         async with Client(redis_url, prefix=client.keys.prefix) as other:
             done = RequestStatus(
                 request_id=rid, state=RequestState.DONE, result=OutputInfo(location="redis:x", bytes=3)
@@ -192,3 +194,25 @@ def test_sync_client(redis_url: str, prefix: str) -> None:
         assert client.trace(rid) == []  # no stage has taken it yet
         with pytest.raises(DeadlineExceededError):
             client.wait(rid, timeout=0.1)
+
+
+async def test_a_record_that_names_another_request_is_corrupt_not_that_request(client: Client) -> None:
+    """A record is data in Redis: one forged under ``forged-1`` naming ``victim-1`` (or junk) is refused
+    as :class:`StatusCorruptError`, never answered as the victim's status; a forged terminal event in
+    ``forged-1``'s trace naming the victim does not end ``forged-1``'s wait as the victim's either."""
+    victim = RequestStatus(request_id="victim-1", state=RequestState.DONE, result=OutputInfo(location="redis:v"))
+    await client.store.set_status(victim)
+    await client.redis.hset(
+        client.keys.request("forged-1"), mapping={"state": "done", "status": victim.model_dump_json()}
+    )
+    await client.redis.hset(client.keys.request("junk-1"), mapping={"state": "running", "status": "{not json"})
+    for rid in ("forged-1", "junk-1"):
+        with pytest.raises(StatusCorruptError) as info:
+            await client.status(rid)
+        assert info.value.code == "status_corrupt" and rid in info.value.message
+    assert (await client.status("victim-1")) == victim
+
+    forged_event = {"kind": "status", "state": "done", "status": victim.model_dump_json()}
+    await client.redis.xadd(client.keys.events("forged-1"), forged_event)  # type: ignore[arg-type]
+    with pytest.raises(StatusCorruptError):  # the event is not taken at its word: the record is read, and judged
+        await client.wait("forged-1", timeout=10)

@@ -17,6 +17,7 @@ from stageferry.errors import (
     PayloadContractError,
     PeerDisconnectedError,
     QueueFullError,
+    RequestLostError,
     StageFailedError,
     StageferryError,
     error_class,
@@ -50,6 +51,7 @@ def test_codes_are_unique_and_name_their_class() -> None:
         (QueueFullError("full"), RequestState.FAILED, EntryAction.ACK),
         (StageFailedError("model raised"), RequestState.FAILED, EntryAction.ACK),
         (GroupBrokenError("a rank died"), None, EntryAction.KEEP),
+        (RequestLostError("no longer held"), RequestState.FAILED, EntryAction.DROP),
     ],
     ids=lambda v: type(v).__name__ if isinstance(v, StageferryError) else str(v),
 )

@@ -9,7 +9,10 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("torch", "nixl", "av", "numpy", "PIL", "fastapi", "starlette", "uvicorn", "multipart", "prometheus_client")
+HEAVY = (
+    "torch", "nixl", "msgpack",
+    "av", "numpy", "PIL", "fastapi", "starlette", "uvicorn", "multipart", "prometheus_client",
+)
 
 CLIENT_SIDE = f"""
 import sys
@@ -40,8 +43,8 @@ def test_extras_split_the_service_stack_from_the_base_install() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     base = _names(project["dependencies"])
     extras = {name: _names(reqs) for name, reqs in project["optional-dependencies"].items()}
-    assert not base & {"torch", "nixl", "av", "numpy", "pillow", "fastapi", "uvicorn", "python-multipart"}
-    assert {"torch", "nixl", "av", "numpy", "pillow"} <= extras["stage"]
+    assert not base & {"torch", "nixl", "msgpack", "av", "numpy", "pillow", "fastapi", "uvicorn", "python-multipart"}
+    assert {"torch", "nixl", "msgpack", "av", "numpy", "pillow"} <= extras["stage"]
     assert {"fastapi", "uvicorn", "python-multipart", "httpx"} <= extras["gateway"]  # httpx: console counters
     assert project["optional-dependencies"]["all"] == ["stageferry[stage,gateway]"]
     # The two README commands install everything: bootstrap takes [all,dev].

@@ -6,7 +6,18 @@ Per request (``expected`` is what its submission asked for: done, failed or reje
 * **duplicated** — more than one terminal status event in its events stream (the status script writes
   a terminal state once, so a second one would mean two deliveries of the result);
 * **stuck** — not terminal after the drain, yet still held somewhere (a stage stream or pending list);
-* **lost** — not terminal, and held nowhere (or its record is gone altogether).
+* **lost** — not terminal, and held nowhere (or its record is gone altogether) — except as follows;
+* **lost to an empty restart** — Redis had the request, not yet terminal, when an ``empty_restart``
+  wiped it, and it ended visibly lost: ``failed`` ``request_lost`` (a stage that held its entry ended it),
+  or no record at all (its entry was waiting in a stream: nobody holds it; its waiter was told
+  ``request_lost``).  The documented outcome of an empty restart (docs/reliability.md), not a loss of the
+  soak's: counted on its own line.  A wiped request still ``queued``/``running`` afterwards is stuck or
+  lost (a zombie), one that ends ``done`` or otherwise after all is fine only if no waiter was told
+  ``request_lost``;
+* **wiped after it ended** — terminal before the empty restart took its record: its waiter had its answer;
+* **contradicted** — its waiter (one ``Client.wait`` per request, from its submission) was told one thing
+  and the request ended another: ``request_lost`` and then anything but lost, or one terminal state and
+  then another.
 
 Deployment-wide: stage stream lengths and pending entries (must be 0: acknowledged entries are
 deleted), dead-letter contents, resend streams, and each live leader's data-plane resources (leases,
@@ -18,7 +29,7 @@ from __future__ import annotations
 import json
 import urllib.request
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +41,7 @@ from stageferry.broker.control.keys import Keys
 from stageferry.schemas import RequestStatus
 
 _RESOURCES = "stageferry_dataplane_resources"
+_TERMINAL = frozenset({"done", "failed", "rejected", "cancelled"})
 #: Resources that must be back exactly where they started once a leader is idle.
 AT_REST = ("leases", "pool_slots_in_use", "pool_bytes_in_use", "open_handles", "registrations", "registered_bytes")
 
@@ -66,6 +78,10 @@ class RequestOutcome:
     result_ok: bool
     held: bool
     fallback: bool
+    #: Its state when an empty restart wiped Redis (``submitted``: only the client's marker), or None.
+    wiped: str | None = None
+    #: What its waiter was told: a terminal state, or an error code (``request_lost``, ``deadline_exceeded``).
+    told: str | None = None
 
     @property
     def duplicated(self) -> bool:
@@ -76,12 +92,40 @@ class RequestOutcome:
         return self.state in {"done", "failed", "rejected", "cancelled"}
 
     @property
+    def ended_lost(self) -> bool:
+        """No record, or ``failed`` ``request_lost``: lost, and visibly so."""
+        return self.state is None or (self.state == "failed" and self.code == "request_lost")
+
+    @property
+    def lost_to_restart(self) -> bool:
+        """Wiped in flight by an empty restart and ended visibly lost (the documented outcome)."""
+        return self.wiped is not None and self.wiped not in _TERMINAL and self.ended_lost
+
+    @property
+    def wiped_after_end(self) -> bool:
+        return self.wiped in _TERMINAL and self.state is None
+
+    @property
+    def accounted(self) -> bool:
+        """Terminal, or accounted for by an empty restart."""
+        return self.terminal or self.lost_to_restart or self.wiped_after_end
+
+    @property
     def lost(self) -> bool:
-        return not self.terminal and not self.held
+        return not self.accounted and not self.held
 
     @property
     def stuck(self) -> bool:
-        return not self.terminal and self.held
+        return not self.accounted and self.held
+
+    @property
+    def contradicted(self) -> bool:
+        """Its waiter was told something the request's end does not agree with."""
+        if self.told == "request_lost":
+            return not self.ended_lost
+        if self.told in _TERMINAL and self.state is not None:
+            return self.told != self.state and not (self.state == "failed" and self.code == "request_lost")
+        return False
 
 
 @dataclass
@@ -113,6 +157,14 @@ class Audit:
         return self.count(lambda o: o.stuck)
 
     @property
+    def lost_to_restart(self) -> int:
+        return self.count(lambda o: o.lost_to_restart)
+
+    @property
+    def contradicted(self) -> int:
+        return self.count(lambda o: o.contradicted)
+
+    @property
     def wrong_results(self) -> int:
         return self.count(lambda o: o.state == "done" and not o.result_ok)
 
@@ -123,7 +175,7 @@ class Audit:
     @property
     def unexpected(self) -> int:
         """Scripted outcomes that did not happen (a ``fail`` job done, an invalid job not rejected...)."""
-        return self.count(lambda o: o.terminal and o.expected != "done" and o.state != o.expected)
+        return self.count(lambda o: o.terminal and o.expected != "done" and o.state != o.expected and not o.wiped)
 
     def resource_leaks(self) -> list[str]:
         leaks = []
@@ -151,6 +203,7 @@ class Audit:
             self.lost
             or self.duplicated
             or self.stuck
+            or self.contradicted
             or self.wrong_results
             or self.corrupted
             or self.unexpected
@@ -161,9 +214,17 @@ class Audit:
 
 
 def outcomes(
-    client: sync_redis.Redis, keys: Keys, expected: dict[str, str], stages: Iterable[str]
+    client: sync_redis.Redis,
+    keys: Keys,
+    expected: dict[str, str],
+    stages: Iterable[str],
+    *,
+    wiped: Mapping[str, str] | None = None,
+    told: Mapping[str, str] | None = None,
 ) -> list[RequestOutcome]:
-    """Every submitted request's outcome, read from Redis."""
+    """Every submitted request's outcome, read from Redis; ``wiped``: what empty restarts took (id → its
+    state then), ``told``: what each request's waiter was told."""
+    wiped, told = wiped or {}, told or {}
     held = _held_requests(client, keys, stages)
     out = []
     for rid, want in expected.items():
@@ -191,6 +252,8 @@ def outcomes(
                 result_ok=result_ok,
                 held=rid in held,
                 fallback=fallback,
+                wiped=wiped.get(rid),
+                told=told.get(rid),
             )
         )
     return out

@@ -10,6 +10,9 @@ fault gets a kind and a random moment in the run window.  :class:`Injector` carr
 * ``consumer_mid_read`` — arm ``consumer_read_posted``; the first consumer leader that posts a READ
   freezes with it in flight, and is SIGKILLed there;
 * ``redis_restart`` — SIGKILL the AOF Redis (as a crash would) and start it again on the same port;
+* ``empty_restart`` — SIGKILL Redis, delete its data (AOF and snapshot) and start it again empty after a
+  few seconds, as a Redis without persistence (or with a lost disk) comes back; which requests it had
+  then, and in which state, is kept (:attr:`Injector.wiped`) for the audit's accounting;
 * ``stall`` — SIGSTOP a random leader for longer than the visibility timeout, then SIGCONT it;
 * ``hostile_client`` — push what a client user can still push at everyone's intake
   (:mod:`stageferry.chaos.hostile`): an oversized item, junk, stage fields, another job's id.
@@ -19,12 +22,14 @@ from __future__ import annotations
 
 import enum
 import random
+import shutil
 import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import anyio
+import redis as sync_redis
 import structlog
 
 from stageferry import failpoints
@@ -40,6 +45,7 @@ class FaultKind(enum.StrEnum):
     PRODUCER_AFTER_PUBLISH = "producer_after_publish"
     CONSUMER_MID_READ = "consumer_mid_read"
     REDIS_RESTART = "redis_restart"
+    EMPTY_RESTART = "empty_restart"
     STALL = "stall"
     HOSTILE_CLIENT = "hostile_client"
 
@@ -75,15 +81,20 @@ class FaultPlan:
 
 @dataclass
 class FaultLog:
-    """What was injected (by kind) and what could not be (nobody reached a failpoint in time, etc.)."""
+    """What was injected (by kind) and what was *missed*: a fault that came due but had nothing to hit —
+    no group fully up to kill or stop, nobody reaching its failpoint within the wait, Redis already down
+    for another restart — so the run did not test it (:attr:`misses` says which and why)."""
 
     injected: Counter[str] = field(default_factory=Counter)
     missed: Counter[str] = field(default_factory=Counter)
     lines: list[str] = field(default_factory=list)
+    misses: list[str] = field(default_factory=list)
 
     def note(self, fault: Fault, started: float, ok: bool, detail: str) -> None:
         kind = fault.kind
         (self.injected if ok else self.missed)[kind.value] += 1
+        if not ok:
+            self.misses.append(f"{kind.value} at {fault.at_s:.1f}s: {detail}")
         took = time.monotonic() - started - fault.at_s
         self.lines.append(f"{fault.at_s:7.1f}s {kind.value:<24} {'ok  ' if ok else 'miss'} {detail} (+{took:.1f}s)")
         log.info("chaos.fault", kind=kind.value, injected=ok, detail=detail)
@@ -109,6 +120,9 @@ class Injector:
         self.rng = random.Random(plan.seed + 1)
         self.log = FaultLog()
         self._stopped: set[int] = set()
+        #: Request id → its state (``submitted``: only the client's marker) when an empty restart wiped it;
+        #: the first wipe of an id counts.
+        self.wiped: dict[str, str] = {}
 
     async def run(self, started: float) -> None:
         """Inject every fault at its moment (relative to ``started``, a ``time.monotonic()``)."""
@@ -129,6 +143,8 @@ class Injector:
     async def inject(self, kind: FaultKind) -> tuple[bool, str]:
         if kind is FaultKind.REDIS_RESTART:
             return await self._restart_redis()
+        if kind is FaultKind.EMPTY_RESTART:
+            return await self._restart_redis_empty()
         if kind in _FAILPOINT_OF:
             return await self._at_failpoint(_FAILPOINT_OF[kind])
         if kind is FaultKind.STALL:
@@ -185,6 +201,46 @@ class Injector:
         await self.cluster.redis.start()
         self.cluster.redis_restarts += 1
         return True, f"SIGKILL + restart on port {self.cluster.redis.port} (AOF)"
+
+    async def _restart_redis_empty(self) -> tuple[bool, str]:
+        redis = self.cluster.redis
+        if not redis.running:
+            return False, "Redis is down already (another restart)"
+        try:
+            seen = await anyio.to_thread.run_sync(self._requests_now)
+        except sync_redis.RedisError as exc:
+            return False, f"could not read the requests before the wipe: {exc}"
+        await redis.kill()
+        assert redis.data_dir is not None
+        for path in (redis.data_dir / "appendonlydir", *redis.data_dir.glob("*.rdb")):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        down_s = self.rng.uniform(1.0, 5.0)
+        await anyio.sleep(down_s)
+        await redis.start()
+        self.cluster.redis_restarts += 1
+        for rid, state in seen.items():
+            self.wiped.setdefault(rid, state)
+        return True, f"SIGKILL, data deleted, restart empty after {down_s:.1f}s ({len(seen)} requests wiped)"
+
+    def _requests_now(self) -> dict[str, str]:
+        """Every request Redis knows now (a record, or only a client's marker), with its state."""
+        keys = self.cluster.keys
+        client = self.cluster.client()
+        try:
+            out: dict[str, str] = {}
+            for pattern, state_of in ((keys.submitted("*"), None), (keys.request("*"), "state")):
+                stem = pattern[:-1]
+                for raw in client.scan_iter(match=pattern, count=1000):
+                    key = raw.decode(errors="replace")
+                    rid = key[len(stem) :]
+                    state = client.hget(key, state_of) if state_of else None
+                    out[rid] = state.decode() if state else out.get(rid, "submitted")
+            return out
+        finally:
+            client.close()
 
     async def _stall(self) -> tuple[bool, str]:
         target = await self._pick(follower=False)

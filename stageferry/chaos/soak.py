@@ -27,10 +27,10 @@ import structlog
 from stageferry.broker.control.keys import Keys
 from stageferry.chaos import audit
 from stageferry.chaos.cluster import Cluster
-from stageferry.chaos.faults import FaultKind, FaultPlan, Injector
+from stageferry.chaos.faults import FaultKind, FaultLog, FaultPlan, Injector
 from stageferry.client import Client
 from stageferry.config import PipelineConfig
-from stageferry.errors import ControlPlaneError
+from stageferry.errors import ControlPlaneError, StageferryError
 
 log = structlog.get_logger(__name__)
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
@@ -55,6 +55,7 @@ class SoakConfig:
             FaultKind.PRODUCER_AFTER_PUBLISH: 2,
             FaultKind.CONSUMER_MID_READ: 2,
             FaultKind.REDIS_RESTART: 2,
+            FaultKind.EMPTY_RESTART: 1,
             FaultKind.STALL: 2,
             FaultKind.HOSTILE_CLIENT: 2,
         }
@@ -78,10 +79,19 @@ class SoakResult:
     config: SoakConfig
     seed: int
     audit: audit.Audit
-    faults: Any
+    faults: FaultLog
     restarts: dict[str, int]
     seconds: float
     work_dir: Path
+
+    @property
+    def verdict(self) -> str:
+        """``FAIL`` when the audit found anything lost, duplicated, stuck, corrupted or leaked;
+        ``INCOMPLETE`` when it found nothing but a planned fault was missed (it had nothing to hit, see
+        :class:`~stageferry.chaos.faults.FaultLog`: the run did not test it); else ``PASS``."""
+        if not self.audit.ok:
+            return "FAIL"
+        return "INCOMPLETE" if self.faults.misses else "PASS"
 
 
 def pipeline_toml(cfg: SoakConfig) -> str:
@@ -146,13 +156,21 @@ def job_for(kind: str, i: int, steps: int) -> dict[str, Any]:
     return base
 
 
-async def _submit_all(cfg: SoakConfig, cluster: Cluster, rng: random.Random, started: float) -> dict[str, str]:
-    """Submit at a steady pace; Redis may be down for a moment (a fault): retry the same id."""
+async def _submit_all(
+    cfg: SoakConfig, cluster: Cluster, rng: random.Random, started: float, told: dict[str, str]
+) -> dict[str, str]:
+    """Submit at a steady pace; Redis may be down for a moment (a fault): retry the same id.  Each request
+    gets a waiter (``Client.wait``) from its submission on; what it was told goes into ``told``, and this
+    returns once every waiter has its answer (or ``drain_s`` after the window)."""
     expected: dict[str, str] = {}
     kinds = [k for k, _ in MIX]
     weights = [w for _, w in MIX]
     pipeline = PipelineConfig.load(cluster.pipeline_file)
-    async with Client(cluster.url, prefix=cluster.prefix, pipeline=pipeline) as client:
+    wait_s = cfg.window + cfg.drain_s
+    async with (
+        Client(cluster.url, prefix=cluster.prefix, pipeline=pipeline) as client,
+        anyio.create_task_group() as waits,
+    ):
         for i in range(cfg.requests):
             delay = started + i * cfg.window / cfg.requests - time.monotonic()
             if delay > 0:
@@ -172,7 +190,19 @@ async def _submit_all(cfg: SoakConfig, cluster: Cluster, rng: random.Random, sta
             else:
                 raise RuntimeError(f"could not submit {rid}: Redis stayed away")
             expected[rid] = {"fail": "failed", "invalid": "rejected"}.get(kind, "done")
+            waits.start_soon(_wait_one, client, rid, told, wait_s)
     return expected
+
+
+async def _wait_one(client: Client, rid: str, told: dict[str, str], timeout: float) -> None:
+    """What a waiter of ``rid`` is told: its terminal state, or the error code (``request_lost``, ...)."""
+    try:
+        status = await client.wait(rid, timeout=timeout)
+    except StageferryError as exc:
+        told[rid] = exc.code
+        return
+    lost = status.error is not None and status.error.code == "request_lost"
+    told[rid] = "request_lost" if lost else status.state.value
 
 
 async def _submit_raw(cluster: Cluster, rid: str) -> None:
@@ -198,7 +228,7 @@ async def _keep_alive(cluster: Cluster, stop: anyio.Event) -> None:
         await anyio.sleep(0.5)
 
 
-def _states(cluster: Cluster, rids: list[str]) -> Counter[str]:
+def _states(cluster: Cluster, rids: list[str]) -> dict[str, str]:
     client = cluster.client()
     try:
         with client.pipeline(transaction=False) as pipe:
@@ -207,11 +237,12 @@ def _states(cluster: Cluster, rids: list[str]) -> Counter[str]:
             states = pipe.execute()
     finally:
         client.close()
-    return Counter((s or b"missing").decode() for s in states)
+    return {rid: (s or b"missing").decode() for rid, s in zip(rids, states, strict=True)}
 
 
-async def _drain(cfg: SoakConfig, cluster: Cluster, rids: list[str]) -> None:
-    """Until every request is terminal, or ``drain_s`` passes (the audit then reports the rest)."""
+async def _drain(cfg: SoakConfig, cluster: Cluster, rids: list[str], wiped: dict[str, str]) -> None:
+    """Until every request is terminal — or has no record after an empty restart wiped it (nothing will
+    write it again) — or ``drain_s`` passes (the audit then reports the rest)."""
     deadline = time.monotonic() + cfg.drain_s
     while time.monotonic() < deadline:
         try:
@@ -219,7 +250,8 @@ async def _drain(cfg: SoakConfig, cluster: Cluster, rids: list[str]) -> None:
         except sync_redis.RedisError:
             await anyio.sleep(1)
             continue
-        if sum(states[s] for s in ("done", "failed", "rejected", "cancelled")) == len(rids):
+        ended = ("done", "failed", "rejected", "cancelled")
+        if all(s in ended or (s == "missing" and rid in wiped) for rid, s in states.items()):
             return
         await anyio.sleep(1)
 
@@ -270,18 +302,19 @@ async def run_soak(cfg: SoakConfig) -> SoakResult:
         baseline = {k: v for k, v in (await anyio.to_thread.run_sync(_resources, cluster)).items() if v is not None}
         started = time.monotonic()
         stop = anyio.Event()
+        told: dict[str, str] = {}
         async with anyio.create_task_group() as tg:
             tg.start_soon(_keep_alive, cluster, stop)
             async with anyio.create_task_group() as load:  # faults land while jobs flow
                 load.start_soon(injector.run, started)
-                expected = await _submit_all(cfg, cluster, random.Random(seed), started)
-            await _drain(cfg, cluster, list(expected))
+                expected = await _submit_all(cfg, cluster, random.Random(seed), started, told)
+            await _drain(cfg, cluster, list(expected), injector.wiped)
             tg.cancel_scope.cancel()
         injector.resume_all()
         await anyio.to_thread.run_sync(cluster.revive)
         await anyio.to_thread.run_sync(cluster.wait_live)
         await _settle(cluster, baseline, bound_s=60.0)
-        result = await anyio.to_thread.run_sync(_audit, cfg, cluster, expected, baseline)
+        result = await anyio.to_thread.run_sync(_audit, cfg, cluster, expected, baseline, injector.wiped, told)
         restarts = {r.consumer: r.restarts for r in cluster.replicas}
     finally:
         with anyio.CancelScope(shield=True):
@@ -293,7 +326,12 @@ async def run_soak(cfg: SoakConfig) -> SoakResult:
 
 
 def _audit(
-    cfg: SoakConfig, cluster: Cluster, expected: dict[str, str], baseline: dict[str, dict[str, float]]
+    cfg: SoakConfig,
+    cluster: Cluster,
+    expected: dict[str, str],
+    baseline: dict[str, dict[str, float]],
+    wiped: dict[str, str],
+    told: dict[str, str],
 ) -> audit.Audit:
     client = cluster.client()
     stages = ("encoder", "diffusion")
@@ -301,7 +339,7 @@ def _audit(
     try:
         events, reasons = audit.log_tallies(cluster.log_dir)
         return audit.Audit(
-            outcomes=audit.outcomes(client, keys, expected, stages),
+            outcomes=audit.outcomes(client, keys, expected, stages, wiped=wiped, told=told),
             streams=audit.stream_state(client, keys, stages),
             dead_letters=audit.dead_letters(client, keys, stages),
             resend_backlog=audit.resend_backlog(client, keys),
@@ -356,6 +394,15 @@ def render(result: SoakResult) -> str:
     row("reclaimed entries", a.log_events["reclaimed"])
     row("final-stage runs beyond one", sum(max(0, n - 1) for n in a.final_runs.values()))
     row("late results discarded", a.log_events["done_duplicate"] + a.log_events["handoff_lost"])
+    wiped_in_flight = a.count(lambda o: o.wiped is not None and o.wiped not in ("done", "failed", "rejected"))
+    row("wiped by empty restarts", f"{a.count(lambda o: o.wiped is not None)} ({wiped_in_flight} in flight)")
+    row("  lost to an empty restart", f"{a.lost_to_restart}  (ended request_lost, or no record: documented)")
+    row("  of them failed request_lost", a.count(lambda o: o.lost_to_restart and o.state == "failed"))
+    lost_told = Counter(o.told or "nothing" for o in outs if o.lost_to_restart)
+    row("  their waiters were told", ", ".join(f"{k} {n}" for k, n in sorted(lost_told.items())) or "-")
+    row("  wiped after they ended", a.count(lambda o: o.wiped_after_end))
+    row("waiters told request_lost", a.count(lambda o: o.told == "request_lost"))
+    row("waiters told otherwise than the end", a.contradicted)
     row("lost", a.lost)
     row("duplicated", a.duplicated)
     row("stuck", a.stuck)
@@ -379,7 +426,13 @@ def render(result: SoakResult) -> str:
             row(f"  {replica}", ", ".join(f"{k}={int(now.get(k, 0))}" for k in ("leases", "pool_slots_in_use",
                 "open_handles", "registrations", "registered_bytes", "remote_agents")))  # fmt: skip
     row("wall seconds", f"{result.seconds:.0f}")
-    row("verdict", "PASS" if a.ok else "FAIL")
+    verdict = result.verdict
+    if verdict == "INCOMPLETE":
+        planned = sum(result.faults.injected.values()) + len(result.faults.misses)
+        verdict += f": nothing lost, but {len(result.faults.misses)} of {planned} faults missed (not tested)"
+    row("verdict", verdict)
+    for miss in result.faults.misses:
+        row("  missed", miss)
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]
     bar = "-" * max(len(line) for line in lines)

@@ -23,7 +23,7 @@ from stageferry.config import PipelineConfig, Settings
 from stageferry.errors import StageferryError, field_error
 from stageferry.gateway.auth import require_token
 from stageferry.gateway.console import install_console
-from stageferry.gateway.errors import ApiError, from_exception
+from stageferry.gateway.errors import ApiError, clip, from_exception
 from stageferry.gateway.events_sse import MAX_EVENT_STREAMS
 from stageferry.gateway.health import HealthMonitor, health_connection
 from stageferry.gateway.metrics import MetricsMiddleware
@@ -127,7 +127,7 @@ def _refused(request: Request, exc: ApiError | StageferryError) -> JSONResponse:
             rid = api.headers["X-Refusal-Id"] = new_request_id(kind="refused")
         first = api.field_errors[0].get("field") if api.field_errors else None
         log.info("gateway.refused", key=request_key(rid, -1), status=api.status, code=api.code,
-                 method=request.method, path=request.url.path, field=first)  # fmt: skip
+                 method=request.method, path=clip(request.url.path, 300), field=first)  # fmt: skip
     return error_response(api)
 
 

@@ -49,8 +49,30 @@ STATUS_BY_CLASS: Mapping[type[StageferryError], int] = MappingProxyType(
 )
 
 
+#: An error body is bounded whatever the client sent: a message, a field's name and its message are cut
+#: to these many characters, and at most :data:`MAX_FIELD_ERRORS` fields are named (a 100,000-character
+#: id in a path was echoed whole into its 404).
+MAX_MESSAGE_CHARS = 500
+MAX_FIELD_CHARS = 200
+MAX_FIELD_ERRORS = 20
+
+
+def clip(text: str, limit: int) -> str:
+    """``text``, cut to ``limit`` characters (the cut marked with an ellipsis)."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _bounded(error: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(error)
+    for key, limit in (("field", MAX_FIELD_CHARS), ("message", MAX_MESSAGE_CHARS)):
+        if isinstance(out.get(key), str):
+            out[key] = clip(out[key], limit)
+    return out
+
+
 class ApiError(Exception):
-    """An answer other than success: HTTP status, stable code, message and the fields at fault."""
+    """An answer other than success: HTTP status, stable code, message and the fields at fault — each
+    bounded (:data:`MAX_MESSAGE_CHARS`), since any of them may quote what the client sent."""
 
     def __init__(
         self,
@@ -61,11 +83,12 @@ class ApiError(Exception):
         field_errors: Sequence[Mapping[str, Any]] = (),
         headers: Mapping[str, str] | None = None,
     ) -> None:
+        message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
-        self.field_errors = [dict(e) for e in field_errors]
+        self.field_errors = [_bounded(e) for e in field_errors[:MAX_FIELD_ERRORS]]
         self.headers = dict(headers or {})
         #: Set by :func:`with_request_id` when a job was accepted before the answer went wrong.
         self.request_id: str | None = None

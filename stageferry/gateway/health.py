@@ -1,4 +1,5 @@
-"""Health: Redis answers, and every stage of the pipeline has a worker with a fresh heartbeat.
+"""Health: Redis answers, every stage of the pipeline has a worker with a fresh heartbeat, and no replica's
+supervisor gave up restarting it (``gave_up``: until that replica is started again).
 
 Liveness is :mod:`stageferry.broker.control.liveness`'s, the rule ``stageferry up`` and ``stageferry
 health`` use too: a stage whose workers were killed outright drops out once its last heartbeat is older
@@ -22,7 +23,7 @@ import anyio.abc
 import redis.asyncio as aioredis
 import structlog
 
-from stageferry.broker.control.liveness import FRESH_S, live_by_stage
+from stageferry.broker.control.liveness import FRESH_S, replicas_by_stage
 from stageferry.broker.control.redis_conn import connect, translated
 from stageferry.client import Client
 from stageferry.errors import ControlPlaneError
@@ -50,6 +51,7 @@ async def check_health(client: Client, *, fresh_s: float = FRESH_S, redis: aiore
     redis = redis if redis is not None else client.redis
     stages = [s.name for s in client.pipeline.stages]
     live: dict[str, list[str]] = {}
+    gave_up: dict[str, list[str]] = {}
     problems: list[str] = []
     redis_ok = False
     with anyio.move_on_after(HEALTH_TIMEOUT_S) as scope:
@@ -57,14 +59,17 @@ async def check_health(client: Client, *, fresh_s: float = FRESH_S, redis: aiore
             with translated():
                 await redis.ping()
             redis_ok = True
-            live = await live_by_stage(redis, client.keys, stages, fresh_s=fresh_s)
+            by_stage = await replicas_by_stage(redis, client.keys, stages, fresh_s=fresh_s)
+            live = {s: r.live for s, r in by_stage.items()}
+            gave_up = {s: r.gave_up for s, r in by_stage.items() if r.gave_up}
         except ControlPlaneError as exc:
             problems.append(f"redis: {exc.message}")
     if scope.cancelled_caught:
         problems.append(f"{_TIMED_OUT} {HEALTH_TIMEOUT_S:g}s")
     problems += [f"stage {s}: no live worker" for s in stages if redis_ok and not live.get(s)]
+    problems += [f"stage {s}: replica {r} gave up restarting" for s, replicas in gave_up.items() for r in replicas]
     ok = redis_ok and not problems
-    return Health(status="ok" if ok else "unhealthy", redis=redis_ok, stages=live, problems=problems)
+    return Health(status="ok" if ok else "unhealthy", redis=redis_ok, stages=live, gave_up=gave_up, problems=problems)
 
 
 class HealthMonitor:

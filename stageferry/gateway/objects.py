@@ -80,6 +80,9 @@ class Health(BaseModel):
     status: Literal["ok", "unhealthy"]
     redis: bool
     stages: dict[str, list[str]] = Field(description="Each stage's replicas with a fresh heartbeat.")
+    gave_up: dict[str, list[str]] = Field(
+        default_factory=dict, description="Replicas whose supervisor gave up restarting them (until started again)."
+    )
     problems: list[str] = Field(default_factory=list)
 
 

@@ -9,6 +9,7 @@ import uvicorn
 
 from stageferry.errors import ConfigError
 from stageferry.gateway.app import GatewayConfig, create_app
+from stageferry.heap import GATEWAY_YOUNG_THRESHOLD, settle_heap
 
 
 class _Server(uvicorn.Server):
@@ -43,6 +44,8 @@ def serve(config: GatewayConfig, *, host: str = "127.0.0.1", port: int = 8091, l
             log_config=None,
         )
     )
+    # Collections mid-burst stalled every request, /health too (see stageferry.heap for the figures).
+    settle_heap("gateway.heap_settled", young_threshold=GATEWAY_YOUNG_THRESHOLD)
     try:
         server.run()
     except SystemExit:  # uvicorn exits when it cannot bind: one typed line, not a stray exit status

@@ -22,7 +22,7 @@ from stageferry.broker.control.redis_conn import translated
 from stageferry.client import Client, new_request_id, validate_job, with_upload_refs
 from stageferry.errors import ControlPlaneError, QueueFullError, RejectedError, StageferryError
 from stageferry.gateway import recent
-from stageferry.gateway.errors import ApiError, from_exception, from_status_error, with_request_id
+from stageferry.gateway.errors import ApiError, clip, from_exception, from_status_error, with_request_id
 from stageferry.gateway.form import MappedJob
 from stageferry.gateway.idempotency import IdempotencyKey, IdempotencyStore, fingerprint
 from stageferry.gateway.objects import VideoDeleted, VideoMeta, VideoObject, video_object
@@ -101,7 +101,7 @@ class VideoService:
         """The request's status; 404 when unknown, expired or not a request id at all."""
         status = await self.client.status(request_id) if re.fullmatch(REQUEST_ID_PATTERN, request_id) else None
         if status is None:
-            raise ApiError(404, "not_found", f"no video {request_id!r} (unknown or expired)")
+            raise ApiError(404, "not_found", f"no video {clip(request_id, 100)!r} (unknown or expired)")
         return status
 
     async def describe(self, request_id: str) -> VideoObject:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stageferry.config import PipelineConfig
-from stageferry.schemas import RequestStatus, Transport
+from stageferry.schemas import RequestState, RequestStatus, Transport
 from stageferry.schemas.console import StageSpan, TraceHop, TraceReport, TraceRow
 from stageferry.trace import TraceEvent, hops
 
@@ -65,12 +65,12 @@ def _spans(
     waits: dict[str, float] = {}
     pending_wait = 0.0
     for hop in hop_rows:
-        if hop.state == "queued":
+        if hop.state == RequestState.QUEUED:
             pending_wait += hop.seconds or 0.0
-        elif hop.state == "running" and hop.stage is not None:
+        elif hop.state == RequestState.RUNNING and hop.stage is not None:
             waits[hop.stage] = waits.get(hop.stage, 0.0) + pending_wait
             pending_wait = 0.0
-    running = {h.stage: h.seconds for h in hop_rows if h.state == "running" and h.stage is not None}
+    running = {h.stage: h.seconds for h in hop_rows if h.state == RequestState.RUNNING and h.stage is not None}
     timings = {t.stage: t for t in status.timings}
     spans = []
     for stage in pipeline.stages:

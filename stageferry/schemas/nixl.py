@@ -61,6 +61,8 @@ class AgentRecord(Frozen):
     arenas: Annotated[list[RemoteRegion], Field(max_length=MAX_ARENAS)]
     seal_key: Annotated[bytes, Field(min_length=SEAL_KEY_BYTES, max_length=SEAL_KEY_BYTES)]
     started_at: float
+    address: Annotated[str, Field(max_length=64, pattern=r"^[0-9A-Fa-f.:]+$")] | None = None
+    """The IP its peers reach it at (``STAGEFERRY_ADVERTISE_ADDRESS``); absent when not configured."""
 
     def to_redis(self) -> dict[str, str | bytes]:
         """The hash fields to ``HSET`` (metadata raw, arenas as JSON, the seal key in hex)."""
@@ -73,6 +75,7 @@ class AgentRecord(Frozen):
             "arenas": json.dumps([a.model_dump(mode="json") for a in self.arenas]),
             "seal_key": self.seal_key.hex(),
             "started_at": repr(self.started_at),
+            **({"address": self.address} if self.address else {}),
         }
 
     @classmethod
@@ -93,6 +96,7 @@ class AgentRecord(Frozen):
                 arenas=arenas,
                 seal_key=bytes.fromhex(_text(raw[b"seal_key"])),
                 started_at=float(raw[b"started_at"]),
+                address=_text(raw[b"address"]) if b"address" in raw else None,
             )
         except (KeyError, ValueError, ValidationError) as exc:  # JSON, hex, UTF-8 and float errors are ValueErrors
             raise HandshakeError(f"agent record is malformed: {_brief(exc)}") from exc

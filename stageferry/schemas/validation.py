@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from stageferry.errors import EnvelopeError, JobValidationError, field_error
+from stageferry.errors import EnvelopeError, JobValidationError, StatusCorruptError, field_error
 from stageferry.schemas.envelope import ENTRY_FIELDS, Envelope
 from stageferry.schemas.job import JobRequest
 from stageferry.schemas.payload import PayloadRef
+from stageferry.schemas.status import RequestStatus
 
 if TYPE_CHECKING:
     from stageferry.config import Limits
@@ -41,6 +42,18 @@ def parse_job(raw: bytes | str) -> JobRequest:
     except ValidationError as exc:
         errors = field_errors(exc)
         raise JobValidationError(f"invalid job: {errors[0]['field']}: {errors[0]['message']}", errors) from exc
+
+
+def parse_status(raw: bytes | str, request_id: str) -> RequestStatus:
+    """The status stored in ``request_id``'s record; :class:`StatusCorruptError` when it does not parse
+    or names another request (a forged record must not hand out someone else's result)."""
+    try:
+        status = RequestStatus.model_validate_json(raw)
+    except ValidationError as exc:
+        raise StatusCorruptError(f"the stored status of {request_id[:80]} does not parse") from exc
+    if status.request_id != request_id:
+        raise StatusCorruptError(f"the stored status of {request_id[:80]} names another request")
+    return status
 
 
 def parse_envelope(raw: bytes | str) -> Envelope:
@@ -123,7 +136,8 @@ def check_job_limits(job: JobRequest, limits: Limits, *, upload_prefix: str) -> 
                 field_error(f"media.{name}.upload_key", f"must start with {upload_prefix!r}", "bad_upload_key")
             )
         if ref.path is not None and not path_may_be_allowed(ref.path, limits.media_roots):
-            errors.append(field_error(f"media.{name}.path", path_refusal(limits.media_roots), "path_not_allowed"))
+            refusal = path_refusal(limits.media_roots, limits.max_upload_bytes)
+            errors.append(field_error(f"media.{name}.path", refusal, "path_not_allowed"))
     if errors:
         raise JobValidationError(f"invalid job: {errors[0]['field']}: {errors[0]['message']}", errors)
 
@@ -165,9 +179,9 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def path_refusal(roots: tuple[str, ...]) -> str:
+def path_refusal(roots: tuple[str, ...], max_bytes: int) -> str:
     """The one message for every refused path: it says nothing about the file (whether it exists, what
-    it is), only what the deployment accepts."""
+    it is, how large), only what the deployment accepts."""
     if not roots:
         return "local paths are not accepted by this deployment; upload the file instead"
-    return "not a readable regular file under this deployment's media_roots"
+    return f"not a readable regular file of at most {max_bytes} bytes under this deployment's media_roots"

@@ -51,7 +51,7 @@ from stageferry.errors import (
     SubmissionRefusedError,
     TenantMismatchError,
 )
-from stageferry.schemas import Envelope, RequestStatus, request_key
+from stageferry.schemas import Envelope, request_key
 from stageferry.schemas.job import REQUEST_ID_PATTERN, is_request_id, tenant_of
 from stageferry.schemas.submission import TICKET_WINDOW, Submission
 from stageferry.schemas.validation import (
@@ -61,6 +61,7 @@ from stageferry.schemas.validation import (
     field_errors,
     parse_envelope,
     parse_job,
+    parse_status,
 )
 from stageferry.stages.media import load_media
 
@@ -279,7 +280,7 @@ class Admission:
                     pipe.set(owner_key, entry.id, nx=True, ex=self.pipeline.retention.request_ttl_s)
                     pipe.get(owner_key)
                     raw_status, cancelled, claimed, owner = await pipe.execute()
-        status = None if raw_status is None else RequestStatus.model_validate_json(raw_status)
+        status = None if raw_status is None else parse_status(raw_status, rid)  # corrupt: dead-lettered
         if status is not None and status.state.terminal:
             log.info("worker.skip_terminal", entry=entry.id, state=status.state.value)
             await self.release_input(envelope)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
-import gc
 import os
 import signal
 import threading
@@ -43,6 +42,7 @@ from stageferry.errors import (
     StageferryError,
     error_from_code,
 )
+from stageferry.heap import settle_heap
 from stageferry.logs import bound_request
 from stageferry.schemas import DeviceKind, JobRequest, Manifest
 from stageferry.stages.grid import build_channel
@@ -78,21 +78,6 @@ def init_group(rank: int, layout: GroupLayout, device: torch.device) -> GroupCha
     channel = build_channel(layout, rank, device)
     assert channel is not None  # every rank of the world is in its stage's layout
     return channel
-
-
-def settle_heap() -> int:
-    """Move everything start-up made (torch, models, pydantic schemas, NIXL and Redis clients) out of the
-    collector's reach, once, before the first request; returns how many objects were frozen.
-
-    Why: a full (generation 2) collection walks every object the process holds — a few hundred thousand
-    after importing torch — and took ≈ 86 ms in the middle of a hop (the p99 spike of short runs, on CPU
-    and on GPUs, NIXL and inline alike).  Frozen objects are never scanned again; what requests allocate
-    is still collected as before."""
-    gc.collect()
-    gc.freeze()
-    frozen = gc.get_freeze_count()
-    log.info("group.heap_settled", frozen_objects=frozen)
-    return frozen
 
 
 def cpu_threads(ranks: int) -> int:

@@ -152,9 +152,10 @@ class HandOn:
             self.output_connector.abandon(outgoing)
             raise
         mark.cleared = True
-        if not handed:
+        if not handed:  # not held any more: another replica has it, or Redis lost it (then so is the request)
             log.warning("worker.handoff_lost", entry=entry.id)
             self.output_connector.abandon(outgoing)
+            await self.outcomes.lost(entry, envelope.request_id)
             return
         if outgoing.transport is Transport.NIXL:
             failpoint(PRODUCER_PUBLISHED)  # fault injection: the payload is out, only our pool holds it
@@ -177,7 +178,7 @@ class HandOn:
             timings=[*envelope.trace.timings, timing],
             attempt=envelope.attempt,
         )
-        _acked, written = await self.stream.finish(
+        acked, written = await self.stream.finish(
             entry.id,
             status=status,
             cancel=self.keys.cancel(rid),
@@ -186,6 +187,10 @@ class HandOn:
             result=None if data is None else (data, self.pipeline.retention.request_ttl_s),
         )
         mark.cleared = True
+        if not acked:  # not held any more: nothing was written (owned), and the request may be lost
+            log.info("request.done_duplicate", bytes=info.bytes, location=info.location, held=False)
+            await self.outcomes.lost(entry, rid)
+            return
         log.info("request.done" if written else "request.done_duplicate", bytes=info.bytes, location=info.location)
         metrics.ENTRIES.labels(self.stage.name, "done").inc()
 
@@ -234,9 +239,13 @@ class HandOn:
             trace=trace,
         )
         fields = {"request_id": rid, "envelope": back.model_dump_json()}
-        if await self.stream.hand_off(entry.id, target.name, fields):
-            await self.outcomes.set_status(rid, RequestState.QUEUED, stage=target.name, attempt=back.attempt)
+        if await self.stream.hand_off(entry.id, target.name, fields):  # then "update": an entry holds it
+            await self.outcomes.set_status(
+                rid, RequestState.QUEUED, mode="update", stage=target.name, attempt=back.attempt
+            )
             metrics.ENTRIES.labels(self.stage.name, "recomputed").inc()
+        else:  # not held any more: another replica settles it, or Redis lost it (then so is the request)
+            await self.outcomes.lost(entry, rid)
         return True
 
 

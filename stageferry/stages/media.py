@@ -16,6 +16,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import av
@@ -50,19 +51,27 @@ async def load_media(
 ) -> LoadedMedia:
     """Read and validate every media input of ``job``; :class:`JobValidationError` names the field."""
     items: dict[str, bytes] = {}
+    refused: list[dict[str, Any]] = []  # every refused path, as the lexical check reports them
     for name in type(job.media).model_fields:
         ref: MediaRef | None = getattr(job.media, name)
         if ref is None:
             continue
         field = f"media.{name}"
         if ref.upload_key is not None:
-            data = await _read_upload(ref.upload_key, field, redis=redis, upload_prefix=upload_prefix,
-                                      max_bytes=max_bytes)  # fmt: skip
-        else:
-            assert ref.path is not None
-            data = await anyio.to_thread.run_sync(read_local_file, ref.path, f"{field}.path", media_roots, max_bytes)
-        await anyio.to_thread.run_sync(_probe, name, field, data, min_audio_s, max_pixels)
-        items[name] = data
+            items[name] = await _read_upload(ref.upload_key, field, redis=redis, upload_prefix=upload_prefix,
+                                             max_bytes=max_bytes)  # fmt: skip
+            continue
+        assert ref.path is not None
+        try:
+            items[name] = await anyio.to_thread.run_sync(
+                read_local_file, ref.path, f"{field}.path", media_roots, max_bytes
+            )
+        except JobValidationError as exc:
+            refused += exc.field_errors
+    if refused:
+        raise JobValidationError(f"invalid job: {refused[0]['field']}: {refused[0]['message']}", refused)
+    for name, data in items.items():
+        await anyio.to_thread.run_sync(_probe, name, f"media.{name}", data, min_audio_s, max_pixels)
     return LoadedMedia(items)
 
 
@@ -87,8 +96,9 @@ def read_local_file(path: str, field: str, roots: tuple[str, ...], max_bytes: in
     the file opens with ``O_NOFOLLOW | O_NONBLOCK`` (a symlink swapped in after resolving is refused; a
     FIFO does not block the stage) and the *opened* descriptor is a regular file (no FIFO, device or
     directory, whatever the path said a moment before).  The read is bounded whatever ``st_size`` says.
-    Every refusal has the same message, which tells nothing about the file (existence, kind, content)."""
-    refused = _invalid(field, path_refusal(roots), "path_not_allowed")
+    Every refusal — a file above ``max_bytes`` too — has the same message, which tells nothing about the
+    file (existence, kind, size, content)."""
+    refused = _invalid(field, path_refusal(roots, max_bytes), "path_not_allowed")
     if not path_may_be_allowed(path, roots):
         raise refused
     real = os.path.realpath(path)
@@ -104,7 +114,7 @@ def read_local_file(path: str, field: str, roots: tuple[str, ...], max_bytes: in
         if not stat.S_ISREG(info.st_mode):
             raise refused
         if info.st_size > max_bytes:
-            raise _invalid(field, f"file is {info.st_size} bytes; the limit is {max_bytes}", "too_large")
+            raise refused
         chunks, total = [], 0
         while total <= max_bytes:
             chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
@@ -117,7 +127,7 @@ def read_local_file(path: str, field: str, roots: tuple[str, ...], max_bytes: in
     finally:
         os.close(fd)
     if total > max_bytes:  # it grew after fstat
-        raise _invalid(field, f"file is larger than the limit of {max_bytes} bytes", "too_large")
+        raise refused
     return b"".join(chunks)
 
 

@@ -10,7 +10,10 @@ add a class and, if its default is wrong, a row; they do not add branches here.
 
 Status writes for the normal path (``queued`` when the first stage takes a client's entry, ``running``,
 ``queued`` on the next stage, ``done``) live here too, so that every write of a request record by a stage
-goes through :meth:`Outcomes.set_status`.
+goes through :meth:`Outcomes.set_status`.  They are owned writes (:mod:`stageferry.broker.control.held`):
+made only while the stage holds the entry.  An entry it no longer holds (:attr:`EntryAction.DROP`: the
+guard's :class:`~stageferry.errors.RequestLostError`, a hand-off or finish that found it gone) is left
+alone, and its request ended ``request_lost`` only when nothing else can settle it (:meth:`Outcomes.lost`).
 
 Nothing a client writes may stop a stage: when the terminal status itself cannot be written (the
 request's key is of another type, its status no longer parses), the entry is dead-lettered with both
@@ -29,6 +32,8 @@ from typing import Any
 
 import structlog
 
+from stageferry.broker.control.held import Held
+from stageferry.broker.control.record_loss import Loss, RecordLoss
 from stageferry.broker.control.redis_conn import is_transient_error
 from stageferry.broker.control.refusals import Refusals
 from stageferry.broker.control.requests import RequestStore, WriteMode
@@ -74,6 +79,7 @@ class Outcomes:
         self.store = store
         self.refusals = refusals  #: the first stage's: where clients learn why an entry was refused
         self.stages = stages  #: the pipeline's stage names in order: statuses are ordered by stage index
+        self.loss = RecordLoss(store.redis, store)
 
     async def settle(
         self,
@@ -94,6 +100,11 @@ class Outcomes:
         outcome = outcome_of(error)
         if outcome.entry is EntryAction.KEEP:
             raise error
+        if outcome.entry is EntryAction.DROP:
+            if rid is not None:
+                await self.lost(entry, rid)
+            metrics.ENTRIES.labels(self.stage, outcome.label).inc()
+            return
         if (
             outcome.entry is EntryAction.RECOMPUTE
             and isinstance(error, DataPlaneError)
@@ -108,7 +119,7 @@ class Outcomes:
             level, event = _LOGGED.get(outcome.state, ("error", "request.failed"))
             getattr(log, level)(event, code=error.code, error=error.message)
             try:
-                await self.finish(rid, outcome.state, error=ErrorInfo(**error.to_dict()))
+                await self.finish(rid, outcome.state, error=ErrorInfo(**error.to_dict()), held=self.stream.held(entry))
             except Exception as write_error:  # what a client wrote under its id must not stop the stage
                 if isinstance(write_error, ControlPlaneError) and is_transient_error(write_error):
                     raise
@@ -160,7 +171,13 @@ class Outcomes:
         """Start a client's request's record (if it has none): ``queued`` at this stage as of its XADD (the
         entry id's milliseconds), so that a trace shows the time it waited.  Clients cannot write records
         (their ACL user may not), so the first stage writes it when it takes the entry."""
-        await self.set_status(envelope.request_id, RequestState.QUEUED, mode="create", **self._submitted(entry))
+        await self.set_status(
+            envelope.request_id,
+            RequestState.QUEUED,
+            mode="create",
+            held=self.stream.held(entry),
+            **self._submitted(entry),
+        )
 
     def _submitted(self, entry: Entry) -> dict[str, Any]:
         try:
@@ -187,28 +204,45 @@ class Outcomes:
             )
         return None
 
-    async def running(self, envelope: Envelope, progress: Progress | None) -> None:
-        """Only over an existing record: a request lost with Redis must not come back as running."""
+    async def running(self, entry: Entry, envelope: Envelope, progress: Progress | None) -> None:
+        """Only over an existing record, and only while ``entry`` is held: a request lost with Redis must
+        not come back as running."""
         await self.set_status(
             envelope.request_id,
             RequestState.RUNNING,
             mode="update",
+            held=self.stream.held(entry),
             stage=self.stage,
             progress=progress,
             attempt=envelope.attempt,
             timings=envelope.trace.timings,
         )
 
-    async def finish(self, rid: str, state: RequestState, **fields: Any) -> bool:
+    async def finish(self, rid: str, state: RequestState, *, held: Held | None = None, **fields: Any) -> bool:
         """Write a terminal status (once: a second writer finds it terminal and changes nothing)."""
-        return await self.set_status(rid, state, stage=self.stage, **fields)
+        return await self.set_status(rid, state, stage=self.stage, held=held, **fields)
 
-    async def set_status(self, rid: str, state: RequestState, *, mode: WriteMode = "any", **fields: Any) -> bool:
-        """Write a status; a late one (an earlier attempt, stage or state than the record's) is dropped.
-        Over the stream's script link, as the hot path's other scripts."""
+    async def lost(self, entry: Entry, rid: str) -> Loss:
+        """``entry`` is not held any more: end its request ``request_lost`` if nothing else can settle it
+        (:class:`~stageferry.broker.control.record_loss.RecordLoss`).  Never raises but for Redis trouble."""
+        index = self.stages.index(self.stage) if self.stage in self.stages else 0
+        loss = await self.loss.end_if_lost(
+            self.stream.held(entry), rid, stage=self.stage, stage_index=index, link=self.stream.script_link
+        )
+        log.warning("worker.entry_unheld", entry=entry.id, stream=entry.stream, loss=loss.value)
+        return loss
+
+    async def set_status(
+        self, rid: str, state: RequestState, *, mode: WriteMode = "any", held: Held | None = None, **fields: Any
+    ) -> bool:
+        """Write a status; a late one (an earlier attempt, stage or state than the record's) is dropped, and
+        with ``held`` (an owned write) one for an entry this stage no longer holds.  Over the stream's script
+        link, as the hot path's other scripts."""
         status = RequestStatus(request_id=rid, state=state, **fields)
         index = self.stages.index(status.stage) if status.stage in self.stages else 0
-        return await self.store.set_status(status, mode=mode, stage_index=index, link=self.stream.script_link)
+        return await self.store.set_status(
+            status, mode=mode, stage_index=index, link=self.stream.script_link, held=held
+        )
 
     def status_write(
         self, rid: str, state: RequestState, *, mode: WriteMode = "any", **fields: Any

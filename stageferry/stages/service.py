@@ -230,6 +230,7 @@ async def serve_leader(
                 keys=keys,
                 replica=settings.replica,
                 device=compute.channel.device,
+                address=settings.advertise_address,
             )
             worker = StageWorker(
                 redis=redis,

@@ -189,6 +189,7 @@ class StageWorker:
             limits=pipeline.limits,
             ttl_s=pipeline.retention.request_ttl_s,
             link=self.stream.script_link,
+            holder=self.stream.held,
         )
         self.admission = Admission(
             redis=redis,
@@ -359,7 +360,7 @@ class StageWorker:
             await self.outcomes.submitted(entry, envelope)
         media = await self.admission.load_media(envelope)
         if envelope.from_stage == "client" or not begun:
-            await self.outcomes.running(envelope, None)
+            await self.outcomes.running(entry, envelope, None)
         started = time.perf_counter()
         progress = ProgressSink()
         try:
@@ -452,7 +453,9 @@ class StageWorker:
                 now = time.monotonic()
                 if now >= next_publish and progress.latest is not None and progress.latest != published:
                     step, total = progress.latest
-                    await self.outcomes.running(envelope, Progress(stage=self.stage.name, step=step, total=total))
+                    await self.outcomes.running(
+                        entry, envelope, Progress(stage=self.stage.name, step=step, total=total)
+                    )
                     published = (step, total)
                     next_publish = now + PUBLISH_EVERY_S
                 if now >= next_renew:

@@ -1,5 +1,5 @@
 """The soak audit's metrics scrape: a real exposition (prometheus_client's own writer and HTTP server)
-read back with prometheus_client's parser."""
+read back with prometheus_client's parser; and how a request's outcome is counted."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from stageferry.chaos.audit import resources_in, scrape_resources
+from stageferry.chaos.audit import RequestOutcome, resources_in, scrape_resources
 from stageferry.embedded_redis import free_port
 
 RESOURCES = {"leases": 0.0, "pool_bytes_in_use": 3.5e9, "registrations": 2.0, "open_handles": 1.0}
@@ -46,3 +46,27 @@ def test_resources_are_read_from_a_served_exposition() -> None:
 def test_nothing_listening_is_none_and_other_families_are_ignored() -> None:
     assert scrape_resources(free_port(), timeout=1) is None
     assert resources_in('# TYPE x gauge\nx{what="leases"} 4\n') == {}
+
+
+def outcome(state: str | None, *, code: str | None = None, held: bool = False, **extra: str) -> RequestOutcome:
+    return RequestOutcome(
+        request_id="r", expected="done", state=state, code=code, attempt=0, terminal_events=int(state is not None),
+        result_ok=True, held=held, fallback=False, **extra,
+    )  # fmt: skip
+
+
+def test_how_an_empty_restart_counts() -> None:
+    """Issue 34: a request an empty restart wiped in flight counts as lost to the restart (documented) when it
+    ended visibly lost — no record, or failed request_lost — and as lost or stuck (a zombie) otherwise; one
+    that had ended counts apart; a waiter told request_lost of a request that then ended otherwise fails."""
+    for visibly_lost in (outcome(None, wiped="running"), outcome("failed", code="request_lost", wiped="queued")):
+        assert visibly_lost.lost_to_restart and visibly_lost.accounted
+        assert not (visibly_lost.lost or visibly_lost.stuck or visibly_lost.contradicted)
+    zombie = outcome("running", wiped="running")
+    assert zombie.lost and not zombie.lost_to_restart
+    assert outcome("running", wiped="running", held=True).stuck
+    assert outcome(None, wiped="done").wiped_after_end and not outcome(None, wiped="done").lost
+    assert outcome(None).lost, "no record and no empty restart: a real loss"
+    assert outcome("done", wiped="running", told="request_lost").contradicted, "lost, then done"
+    assert not outcome("failed", code="request_lost", told="request_lost").contradicted
+    assert outcome("failed", code="stage_failed", told="done").contradicted

@@ -3,6 +3,7 @@ symlinks out of the directory, FIFOs and swapped files are refused, through a re
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -11,11 +12,14 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
+import redis as sync_redis
 from structlog.testing import capture_logs
 
+from stageferry.broker.control.keys import Keys
 from stageferry.client import Client
 from stageferry.config import PipelineConfig
 from stageferry.gateway import GatewayConfig
+from stageferry.gateway.errors import MAX_FIELD_CHARS
 from stageferry.gateway.results import ResultFiles, ResultRefused
 from stageferry.schemas import OutputInfo, RequestState, RequestStatus
 from tests.conftest import delete_prefix
@@ -123,3 +127,47 @@ def test_forged_statuses_never_serve_host_files(
         assert served.headers["content-type"] == "video/mp4"
     refused = [e for e in logs if e["event"] == "gateway.result_refused"]
     assert {e["request_id"] for e in refused} == {"forged-passwd", "forged-shadow", "forged-link", "forged-dotdot"}
+
+
+def test_a_forged_status_naming_another_request_never_serves_its_bytes(
+    gateway: tuple[str, str], redis_url: str
+) -> None:
+    """The victim's result is in Redis under its own id; a record under another id whose status names the
+    victim (a stage user's HSET) is corrupt: the gateway serves nothing of the victim's through it."""
+    base, prefix = gateway
+    keys = Keys(prefix)
+    secret = b"\x00\x00\x00\x18ftypmp42victim-bytes"
+    victim = RequestStatus(
+        request_id="victim-2",
+        state=RequestState.DONE,
+        result=OutputInfo(location="redis:x", redis_key=keys.result("victim-2"), bytes=len(secret)),
+    )
+    with sync_redis.Redis.from_url(redis_url) as r:
+        r.set(keys.result("victim-2"), secret)
+        r.hset(keys.request("victim-2"), mapping={"state": "done", "status": victim.model_dump_json()})
+        r.hset(keys.request("forged-2"), mapping={"state": "done", "status": victim.model_dump_json()})
+    with httpx.Client(base_url=base, timeout=30) as http:
+        assert http.get("/v1/videos/victim-2/content").content == secret  # the owner still gets it
+        for path in ("/v1/videos/forged-2/content", "/v1/videos/forged-2"):
+            answer = http.get(path)
+            assert answer.status_code == 500 and answer.json()["error"]["code"] == "status_corrupt", answer.text
+            assert b"victim-bytes" not in answer.content and b"victim-2" not in answer.content
+
+
+def test_error_answers_never_echo_client_input_unbounded(gateway: tuple[str, str]) -> None:
+    """A 100,000-character id was echoed whole into its 404 (a 100 kB answer); a form key of that size
+    into its 400 (twice).  Every error body is bounded, whatever the client sent."""
+    base, _prefix = gateway
+    long_id = "v" * 60_000  # (httpx sends at most 64 KiB of URL)
+    with httpx.Client(base_url=base, timeout=30) as http:
+        for path in (f"/v1/videos/{long_id}", f"/v1/videos/{long_id}/content"):
+            answer = http.get(path)
+            assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found"
+            assert len(answer.content) < 2_000, len(answer.content)
+            assert sum(len(k) + len(v) for k, v in answer.headers.items()) < 2_000
+        lora = json.dumps({"name": "style-a", "k" * 60_000: 1})  # (a form field holds at most 64 KiB)
+        answer = http.post("/v1/videos", files={"prompt": (None, "a cat"), "lora": (None, lora)})
+        assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_form", answer.text[:300]
+        assert len(answer.content) < 2_000, len(answer.content)
+        [error] = answer.json()["error"]["field_errors"]
+        assert error["field"].startswith("lora.kkk") and len(error["field"]) <= MAX_FIELD_CHARS

@@ -1,5 +1,6 @@
 """The fault-injection soak, short: one replica per stage (encoder TP1, diffusion TP2) on a private AOF
-Redis, every fault kind once at a random moment, then the full accounting.  The long run (≥ 200
+Redis, every fault kind once at a random moment (``empty_restart`` too: Redis comes back without its
+data), then the full accounting.  The long run (≥ 200
 requests, two replicas of TP2 and TP4 groups) is ``stageferry chaos``; this keeps the same checks in CI."""
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ def test_short_soak_loses_nothing_duplicates_nothing_and_returns_to_baseline(tmp
     assert len(a.outcomes) == 24
     assert (a.lost, a.duplicated, a.stuck) == (0, 0, 0), table
     assert a.wrong_results == 0 and a.corrupted == 0 and a.unexpected == 0, table
-    assert all(o.terminal for o in a.outcomes), table
+    assert all(o.accounted for o in a.outcomes), table  # terminal, or taken by the empty restart
+    assert a.contradicted == 0, table  # no waiter told request_lost saw the request end otherwise
+    assert all(o.ended_lost for o in a.outcomes if o.told == "request_lost"), table
+    assert all(o.wiped is not None for o in a.outcomes if o.told == "request_lost"), table
+    assert result.faults.injected[FaultKind.EMPTY_RESTART.value] == 1
     assert sum(result.faults.injected.values()) == len(FaultKind), table  # every planned fault landed
     assert result.faults.injected[FaultKind.REDIS_RESTART.value] == 1
     assert {s: (i["length"], i["pending"]) for s, i in a.streams.items()} == {

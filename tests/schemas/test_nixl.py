@@ -160,3 +160,13 @@ def test_the_lease_seal_signs_the_compact_json_body(agent: str, token: str) -> N
         [agent, token, [[r.address, r.length, r.device_id, r.mem_kind.value] for r in regions]], separators=(",", ":")
     )
     assert lease_seal(key, agent, token, regions) == hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+
+
+def test_an_agent_record_carries_its_advertised_address() -> None:
+    """``address`` (``STAGEFERRY_ADVERTISE_ADDRESS``) round-trips; a record without one (an older peer,
+    or the setting unset) reads as None; a malformed one is a handshake error."""
+    rec = record().model_copy(update={"address": "10.89.42.13"})
+    assert AgentRecord.from_redis(as_read(rec)).address == "10.89.42.13"
+    assert "address" not in record().to_redis() and AgentRecord.from_redis(as_read(record())).address is None
+    with pytest.raises(HandshakeError):
+        AgentRecord.from_redis(as_read(rec, address=b"10.0.0.1; rm -rf /"))

@@ -82,3 +82,46 @@ def make_test_ca(work: Path) -> tuple[Path, Path, Path]:
     for step in steps:
         subprocess.run([str(s) for s in step], check=True, capture_output=True)
     return ca, cert, key
+
+
+#: What the ACL helpers set for each user the shipped ACL has (``stageferry acl`` prints ``>CHANGE-ME``).
+ACL_PASSWORDS = {"stageferry": "stage-pw", "sfclient": "client-pw", "admin": "admin-pw"}
+
+
+class AclRedis(PrivateRedis):
+    """A private redis-server loaded with the ACL that ``stageferry acl --prefix <prefix>`` prints (the real
+    CLI, passwords set from :data:`ACL_PASSWORDS`), plus an ``admin`` user for the test's own checks."""
+
+    def __init__(self, work: Path, prefix: str, args: Sequence[str] = ()) -> None:
+        from typer.testing import CliRunner
+
+        from stageferry.cli import app
+
+        printed = CliRunner().invoke(app, ["--prefix", prefix, "acl"])
+        assert printed.exit_code == 0, printed.output
+        lines = [
+            line.replace(">CHANGE-ME", f">{ACL_PASSWORDS.get(line.split()[1], 'unused')}")
+            for line in printed.stdout.splitlines()
+            if line.startswith("user ")
+        ]
+        config = work / "acl.conf"
+        config.write_text("\n".join([*lines, f"user admin on >{ACL_PASSWORDS['admin']} ~* &* +@all", ""]))
+        super().__init__(work, args, config=config)
+
+    def url(self, user: str) -> str:
+        return f"redis://{user}:{ACL_PASSWORDS[user]}@127.0.0.1:{self.port}/0"
+
+    def __enter__(self) -> AclRedis:
+        self.start(self.url("admin"))
+        return self
+
+    def admin(self) -> sync_redis.Redis:
+        return sync_redis.Redis.from_url(self.url("admin"))
+
+    def refusals(self) -> list[dict[str, object]]:
+        """What Redis refused any user since the start (``ACL LOG``)."""
+        admin = self.admin()
+        try:
+            return list(admin.acl_log())
+        finally:
+            admin.close()

@@ -248,3 +248,24 @@ def test_a_request_that_kills_its_stage_twice_is_dead_lettered(tmp_path: Path, r
         svc.start("diffusion", "a")
         assert client.wait(client.submit(JOB), timeout=60).state is RequestState.DONE
         assert_streams_empty(svc)
+
+
+# -- issue 34 item 16: a record whose status does not parse ---------------------------------------------
+
+
+@pytest.mark.parametrize("stored", ["{not json", "victim"], ids=["junk", "names-another-request"])
+def test_a_corrupt_status_dead_letters_the_entry(deployment: Deployment, stored: str) -> None:
+    """A record whose status does not parse (or names another request: a stage user's HSET) is corrupt:
+    the entry is dead-lettered (``status_corrupt``) and the request ends failed — it used to end
+    ``stage_failed`` as an internal error, the entry merely acked."""
+    dep, r = deployment, rid()
+    if stored == "victim":
+        stored = RequestStatus(request_id=rid(), state=RequestState.RUNNING, stage="encoder").model_dump_json()
+    dep.redis.hset(dep.svc.keys.request(r), mapping={"state": "running", "status": stored})
+    dep.xadd("encoder", {"request_id": r, "job": json.dumps(JOB)})
+    [dead] = wait_for(lambda: dep.dead_letters("encoder", r), 60, "the dead letter")
+    assert dead[b"error_code"] == b"status_corrupt", dead
+    status = dep.client.status(r)
+    assert status is not None and status.state is RequestState.FAILED and status.error is not None
+    assert status.error.code == "status_corrupt"
+    assert "worker.internal_error" not in dep.svc.logs()

@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from stageferry.broker.control.redis_conn import open_client
 from stageferry.cli import sample_media
+from stageferry.config import Limits
 from stageferry.errors import JobValidationError
-from stageferry.schemas import Task
-from stageferry.stages.media import _probe, describe, probe_image, probe_video_frames, read_local_file
+from stageferry.schemas import JobRequest, Task
+from stageferry.schemas.validation import check_job_limits
+from stageferry.stages.media import _probe, describe, load_media, probe_image, probe_video_frames, read_local_file
 from stageferry.stages.reference.media_input import load_image, load_video
 
 FIELD = "media.first_frame.path"
@@ -93,9 +96,38 @@ def test_a_root_that_is_a_symlink_is_resolved(root: Path, tmp_path: Path) -> Non
     assert read_local_file(str(link / "frame.png"), FIELD, (str(link),), 1 << 20) == PNG
 
 
-def test_reads_are_bounded(root: Path) -> None:
-    error = refusal(str(root / "frame.png"), (str(root),), max_bytes=100)
-    assert error["type"] == "too_large"
+def test_reads_are_bounded_and_a_file_too_large_is_refused_like_any_other(root: Path) -> None:
+    """A file above the bound reads as every other refusal: its size (so its existence) stays unsaid."""
+    big = refusal(str(root / "frame.png"), (str(root),), max_bytes=100)
+    missing = refusal(str(root / "missing.png"), (str(root),), max_bytes=100)
+    outside = refusal("/etc/passwd", (str(root),), max_bytes=100)
+    assert big == missing == outside and big["type"] == "path_not_allowed", (big, missing, outside)
+    assert str(len(PNG)) not in str(big["message"])
+
+
+@pytest.mark.anyio
+async def test_every_refused_path_of_a_job_is_reported_the_same_way(root: Path, redis_url: str) -> None:
+    """The stage reports each refused path, as the lexical check before it does: two refused fields are
+    two identical field errors, whether the paths lie outside the roots, are missing, or too large."""
+    limits = Limits(media_roots=(str(root),), max_upload_bytes=1024)
+    (root / "big.png").write_bytes(PNG * 3)  # above the limit
+
+    def job(first: str, last: str) -> JobRequest:
+        media = {"first_frame": {"path": first}, "last_frame": {"path": last}}
+        return JobRequest.model_validate({"task": "fl2va", "prompt": "x", "width": 320, "height": 192, "media": media})
+
+    with pytest.raises(JobValidationError) as lexical:
+        check_job_limits(job("/etc/passwd", "/etc/shadow"), limits, upload_prefix="p:upload:x:")
+    async with open_client(redis_url) as redis:
+        with pytest.raises(JobValidationError) as read:
+            await load_media(
+                job(str(root / "big.png"), str(root / "missing.png")),
+                redis=redis, upload_prefix="p:upload:x:", max_bytes=1024, min_audio_s=0.0,
+                media_roots=limits.media_roots,
+            )  # fmt: skip
+    assert read.value.field_errors == lexical.value.field_errors
+    assert [e["field"] for e in read.value.field_errors] == ["media.first_frame.path", "media.last_frame.path"]
+    assert read.value.message == lexical.value.message
 
 
 def test_probe_errors_show_no_object_reprs() -> None:

@@ -6,8 +6,8 @@
 * The hand-off script looks at the cancel flag first (cancelled: nothing handed on, the entry still in
   hand) and deletes the crash mark with the hand-off.
 * The last stage's finish script stores the result, writes ``done``, acks the entry and deletes the
-  crash mark — or, cancelled, writes nothing; an entry no longer ours still gets its terminal status
-  written (first writer wins), but is not acked.
+  crash mark — or, cancelled, writes nothing; for an entry no longer ours it writes nothing either (an
+  owned write: its holder finishes the request), and only deletes the crash mark.
 """
 
 from __future__ import annotations
@@ -193,15 +193,24 @@ async def test_finish_stores_the_result_writes_done_and_acks_in_one_round_trip(s
     assert await stage.redis.get(keys["result_key"]) == b"video"
 
 
-async def test_finish_of_an_entry_no_longer_ours_still_writes_the_terminal_status(stage: Stage) -> None:
+async def test_finish_of_an_entry_no_longer_ours_writes_nothing(stage: Stage) -> None:
+    """An owned write (issue 34): a replica that lost its entry to another one writes neither the result nor
+    the terminal status (the holder does); only its crash mark goes.  Without it, a run after Redis lost the
+    request wrote ``done`` for a request its waiters had been told was lost."""
     [entry] = await stage.entries("req-7", 1)
     await stage.redis.xclaim(stage.keys.stage_stream("diffusion"), "diffusion", "diffusion-b", 0, [entry.id])
     status = outcomes_of(stage).status_write("req-7", RequestState.DONE, stage="diffusion")
     mark = stage.keys.crash_mark("req-7", "diffusion", entry.id)
+    await stage.redis.set(mark, 1)
     finished = await stage.stream.finish(
-        entry.id, status=status, cancel=stage.keys.cancel("req-7"), crash_mark=mark, result_key=stage.keys.result("r")
+        entry.id,
+        status=status,
+        cancel=stage.keys.cancel("req-7"),
+        crash_mark=mark,
+        result_key=stage.keys.result("req-7"),
+        result=(b"video", 60),
     )
-    assert finished == (False, True)
+    assert finished == (False, False)
     assert await stage.stream.pending_count() == 1  # the other replica's to settle
-    got = await stage.store.get("req-7")
-    assert got is not None and got.state is RequestState.DONE
+    assert await stage.store.get("req-7") is None
+    assert not await stage.redis.exists(stage.keys.result("req-7"), mark)

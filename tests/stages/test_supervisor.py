@@ -7,14 +7,20 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
+from stageferry.client import Client
+from stageferry.config import PipelineConfig
+from stageferry.gateway.health import check_health
+from stageferry.gateway.objects import Health
 from stageferry.schemas import RequestState
 from stageferry.stages.supervisor import RestartPolicy
-from tests.procs import Services, wait_for, write_pipeline
+from tests.procs import ROOT, Services, wait_for, write_pipeline
 
 pytestmark = pytest.mark.timeout(400)
 JOB = {"prompt": "a cat", "width": 320, "height": 192, "num_inference_steps": 1}
@@ -96,3 +102,83 @@ def test_a_group_that_keeps_dying_gives_up(tmp_path: Path, redis_url: str, prefi
         assert supervisor.wait(timeout=60) == 1
         (gave_up,) = events(svc, "group.gave_up")
         assert gave_up["restarts"] == 1
+
+
+def one_stage(tmp_path: Path, redis_url: str, prefix: str) -> Services:
+    path = write_pipeline(
+        tmp_path / "pipeline.toml",
+        [{"name": "encoder", "model": "tests.models:factory", "tp": 1}],
+        data_plane={"connector": "inline"},
+    )
+    return Services(tmp_path, redis_url=redis_url, prefix=prefix, pipeline=path, extra_env={})
+
+
+def test_poison_jobs_are_dead_letters_not_a_replica_that_gives_up(tmp_path: Path, redis_url: str, prefix: str) -> None:
+    """Three poison jobs, each killing the stage ``max_crashes`` (2) times: six deaths, more than
+    ``--max-restarts`` (5) — but every pair is charged to an entry that is then dead-lettered, so the
+    supervisor takes them off its count: the replica stays up and the next job completes."""
+    with one_stage(tmp_path, redis_url, prefix) as svc:
+        supervisor = svc.start("encoder", "a", "--supervise")
+        client = svc.client()
+        poisoned = [client.submit({**JOB, "prompt": f"poison {n}"}) for n in range(3)]
+
+        def settled() -> bool:
+            statuses = [client.status(r) for r in poisoned]
+            return supervisor.poll() is not None or all(s is not None and s.state.terminal for s in statuses)
+
+        wait_for(settled, 300, "the poison jobs to end")
+        assert not events(svc, "group.gave_up"), svc.logs()
+        for rid in poisoned:
+            status = client.status(rid)
+            assert status is not None
+            assert status.state is RequestState.FAILED and status.error is not None, (status, svc.logs())
+            assert status.error.code == "stage_crashed", status
+        assert len(events(svc, "group.rank_died")) == 6
+        assert not events(svc, "group.gave_up"), svc.logs()
+        assert supervisor.poll() is None, "the supervisor still heals its replica"
+        settled = events(svc, "group.crashes_settled")
+        assert [e["crashes"] for e in settled] == [2, 2], settled  # the third pair is settled with no death after
+        assert max(e["attempt"] for e in events(svc, "group.restarting")) == 2  # the count never ran up
+
+        after = client.submit(JOB)
+        assert client.wait(after, timeout=120).state is RequestState.DONE, svc.logs()
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=60) == 0
+
+
+def gateway_health(svc: Services) -> Health:
+    async def check() -> Health:
+        async with Client(svc.redis_url, prefix=svc.prefix, pipeline=PipelineConfig.load(svc.pipeline)) as client:
+            return await check_health(client)
+
+    return anyio.run(check)
+
+
+def test_a_replica_that_gave_up_is_named_by_the_health_checks(tmp_path: Path, redis_url: str, prefix: str) -> None:
+    """A supervisor that gives up puts ``gave-up`` in place of its heartbeat: the gateway's check and
+    ``stageferry health --stage`` say so at once (not ``ok`` until the heartbeat goes stale)."""
+    with one_stage(tmp_path, redis_url, prefix) as svc:
+        supervisor = svc.start("encoder", "a", "--supervise", "--max-restarts", "0")
+        svc.wait_live("encoder", "encoder-a", timeout=120)
+        client = svc.client()
+        health = gateway_health(svc)
+        assert health.status == "ok" and health.gave_up == {}, health
+        client.submit({**JOB, "prompt": "poison"})
+        assert supervisor.wait(timeout=120) == 1
+        (gave_up,) = events(svc, "group.gave_up")
+        assert gave_up["restarts"] == 0
+
+        health = gateway_health(svc)
+        assert health.status == "unhealthy" and health.gave_up == {"encoder": ["encoder-a"]}, health
+        assert "stage encoder: replica encoder-a gave up restarting" in health.problems
+        env = {**svc.env("a"), "PYTHONPATH": str(ROOT)}
+        cli = subprocess.run(
+            [sys.executable, "-m", "stageferry", "health", "--stage", "encoder"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert cli.returncode == 1 and "'encoder-a' gave up" in cli.stderr, cli
+
+        svc.start("encoder", "a")  # started again: its heartbeat replaces the mark
+        svc.wait_live("encoder", "encoder-a", timeout=120)
+        health = gateway_health(svc)
+        assert health.status == "ok" and health.gave_up == {}, health

@@ -2,8 +2,9 @@
 
 * an entry whose request cannot even be failed (its status key is of another type) is dead-lettered with
   its reason, and the stage goes on — also on the max-deliveries path;
-* after Redis restarts empty with an entry in hand (``NOGROUP``), the stage re-creates its group and
-  goes on, and a waiting client is told that the request was lost;
+* after Redis restarts empty with an entry in hand (``NOGROUP``, or a run of the entry again once Redis is
+  back), the stage re-creates its group and goes on, writes nothing for the entry it no longer holds, and
+  ends its request ``failed`` ``request_lost``: a waiting client is told so, and it stays so;
 * a slow script (``BUSY``) is waited out.
 """
 
@@ -20,10 +21,9 @@ import redis as sync_redis
 from stageferry.client import Client
 from stageferry.config import PipelineConfig
 from stageferry.embedded_redis import EmbeddedRedis
-from stageferry.errors import RequestLostError
-from stageferry.schemas import RequestState
-from tests.broker.control.test_control_plane import JOB, make_services
-from tests.procs import wait_for
+from stageferry.schemas import RequestState, RequestStatus
+from tests.broker.control.test_control_plane import JOB, completions, make_services
+from tests.procs import Services, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -95,8 +95,39 @@ def test_max_deliveries_dead_letters_even_when_the_status_write_fails(
     r.close()
 
 
+def told(outcome: RequestStatus | BaseException) -> str:
+    """What a waiter was told: a state, or an error's code (``request_lost`` either way for a lost one)."""
+    if isinstance(outcome, BaseException):
+        return getattr(outcome, "code", type(outcome).__name__)
+    return outcome.error.code if outcome.error is not None else outcome.state.value
+
+
+async def wait_outcome(client: Client, rid: str, timeout: float) -> RequestStatus | BaseException:
+    try:
+        return await client.wait(rid, timeout=timeout)
+    except Exception as exc:
+        return exc
+
+
+async def lost_for_good(client: Client, svc: Services, server: EmbeddedRedis, rid: str) -> None:
+    """The request the empty restart took: its record is gone or ``failed`` ``request_lost`` — never a
+    ``running`` left behind (issue 34: admission made it again, held by nothing, so waits hung) nor a
+    ``done`` after its waiters were told it was lost — and a wait started now says ``request_lost`` too."""
+    status = await client.store.get(rid)
+    assert status is None or (status.state is RequestState.FAILED and status.error is not None), (status, svc.logs())
+    if status is not None:
+        assert status.error is not None and status.error.code == "request_lost", status
+    assert told(await wait_outcome(client, rid, 10)) in {"request_lost", "not_found"}
+    admin = sync_redis.Redis.from_url(server.url)
+    states = [f.get(b"state") for _, f in admin.xrange(client.keys.events(rid)) if f.get(b"kind") == b"status"]
+    admin.close()
+    assert b"done" not in states and b"running" not in states, states
+
+
 @pytest.mark.anyio
 async def test_redis_restarting_empty_with_an_entry_in_hand(tmp_path: Path, prefix: str) -> None:
+    """The encoder holds an entry when Redis restarts empty: its hand-off meets ``NOGROUP``, the group is
+    made again, and the request, held by nothing now, ends ``failed`` ``request_lost``; the stage goes on."""
     async with EmbeddedRedis(appendonly=False, data_dir=tmp_path / "redis-data") as server:
         svc = make_services(tmp_path, server.url, prefix, STAGEFERRY_TEST_SLOW_STAGE="encoder")
         with svc:
@@ -108,24 +139,93 @@ async def test_redis_restarting_empty_with_an_entry_in_hand(tmp_path: Path, pref
                 lost = await client.submit({**JOB, "prompt": "sleep:3"})
                 while (s := await client.status(lost)) is None or s.state is not RequestState.RUNNING:
                     await anyio.sleep(0.05)
-                outcome: list[BaseException] = []
+                outcome: list[RequestStatus | BaseException] = []
 
                 async def waiter() -> None:
-                    try:
-                        await client.wait(lost, timeout=60)
-                    except Exception as exc:
-                        outcome.append(exc)
+                    outcome.append(await wait_outcome(client, lost, 60))
 
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(waiter)
                     await anyio.sleep(0.5)
                     await server.restart()  # no persistence: streams, groups and the request are gone
-                assert len(outcome) == 1 and isinstance(outcome[0], RequestLostError), outcome
-                await anyio.sleep(4)  # the encoder finishes the lost entry: its hand-off meets NOGROUP
+                assert [told(o) for o in outcome] == ["request_lost"], outcome
+                await anyio.to_thread.run_sync(
+                    wait_for, lambda: "worker.entry_unheld" in svc.logs(), 60, "the encoder finds its entry gone"
+                )
+                await lost_for_good(client, svc, server, lost)
                 rid = await client.submit(JOB)
                 assert (await client.wait(rid, timeout=90)).state is RequestState.DONE, svc.logs()
             assert all(p.poll() is None for p in svc.procs), svc.logs()
             assert "stream.group_lost" in svc.logs()
+
+
+def encoder_log(tmp_path: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in tmp_path.glob("encoder-a-*.log"))
+
+
+@pytest.mark.anyio
+async def test_an_entry_run_again_after_redis_came_back_empty_is_not_admitted(tmp_path: Path, prefix: str) -> None:
+    """Issue 34's repro: Redis goes away for seconds while the encoder computes, and comes back empty.  The
+    worker runs its entry again (the hand-off failed on the connection); the entry is not held any more,
+    so admission writes nothing (it used to make the record again, ``running`` for 24 h and held by
+    nothing: waits hung) and the request ends ``failed`` ``request_lost``."""
+    async with EmbeddedRedis(appendonly=False, data_dir=tmp_path / "redis-data") as server:
+        svc = make_services(tmp_path, server.url, prefix, STAGEFERRY_TEST_SLOW_STAGE="encoder")
+        with svc:
+            svc.start("encoder", "a")
+            svc.start("diffusion", "a")
+            await anyio.to_thread.run_sync(svc.wait_live, "encoder", "encoder-a")
+            pipeline = PipelineConfig.load(svc.pipeline)
+            async with Client(server.url, prefix=prefix, pipeline=pipeline) as client:
+                lost = await client.submit({**JOB, "prompt": "sleep:2"})
+                while (s := await client.status(lost)) is None or s.state is not RequestState.RUNNING:
+                    await anyio.sleep(0.05)
+                await server.kill()
+                await anyio.to_thread.run_sync(
+                    wait_for, lambda: "worker.redis_retry" in encoder_log(tmp_path), 60, "the encoder retries its entry"
+                )
+                await server.start()  # empty: no persistence
+                await anyio.to_thread.run_sync(
+                    wait_for, lambda: "worker.entry_unheld" in svc.logs(), 90, "the entry's new run is not admitted"
+                )
+                await lost_for_good(client, svc, server, lost)
+                rid = await client.submit(JOB)
+                assert (await client.wait(rid, timeout=90)).state is RequestState.DONE, svc.logs()
+            assert all(p.poll() is None for p in svc.procs), svc.logs()
+
+
+@pytest.mark.anyio
+async def test_told_lost_stays_lost_when_the_last_stage_finishes_it(tmp_path: Path, prefix: str) -> None:
+    """Issue 34, "lost then done": the diffusion stage holds the entry when Redis restarts empty and then
+    finishes it.  Its finish is an owned write: it writes no ``done`` (it used to, after the waiter had
+    been told ``request_lost``), and the request ends ``failed`` ``request_lost`` — one answer."""
+    async with EmbeddedRedis(appendonly=False, data_dir=tmp_path / "redis-data") as server:
+        svc = make_services(tmp_path, server.url, prefix, STAGEFERRY_TEST_SLOW_STAGE="diffusion")
+        with svc:
+            svc.start("encoder", "a")
+            svc.start("diffusion", "a")
+            await anyio.to_thread.run_sync(svc.wait_live, "diffusion", "diffusion-a")
+            pipeline = PipelineConfig.load(svc.pipeline)
+            async with Client(server.url, prefix=prefix, pipeline=pipeline) as client:
+                lost = await client.submit({**JOB, "prompt": "sleep:3"})
+                while (s := await client.status(lost)) is None or s.stage != "diffusion" or s.state.value != "running":
+                    await anyio.sleep(0.05)
+                outcome: list[RequestStatus | BaseException] = []
+
+                async def waiter() -> None:
+                    outcome.append(await wait_outcome(client, lost, 60))
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(waiter)
+                    await anyio.sleep(0.3)
+                    await server.restart()
+                assert [told(o) for o in outcome] == ["request_lost"], outcome
+                await anyio.to_thread.run_sync(
+                    wait_for, lambda: "worker.entry_unheld" in svc.logs(), 60, "diffusion finds its entry gone"
+                )
+                await lost_for_good(client, svc, server, lost)
+                assert completions(tmp_path, "diffusion", lost) == 1  # it did run to the end
+            assert all(p.poll() is None for p in svc.procs), svc.logs()
 
 
 @pytest.mark.anyio

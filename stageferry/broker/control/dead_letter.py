@@ -33,13 +33,14 @@ BODY_FIELDS = ("job", "envelope")
 _FIXED_CAP = 1024  # field names, error code, entry id, counts, sizes, digests
 
 # KEYS: dlq stream. ARGV: maxlen, max age ms, ttl s, field, value, field, value, ...
-# XADD with an exact MAXLEN, then drop what is older than the age bound by the server's clock.
+# XADD with an exact MAXLEN, then drop what is older than the age bound by the server's clock: the new
+# entry's id is that clock's milliseconds (``*``), so no TIME is needed.  Only commands the stage ACL user
+# is granted (``stageferry.acl.STAGE_COMMANDS``; tests/security/test_stage_acl.py runs it as that user).
 DEAD_LETTER_LUA = """
 local fields = {}
 for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
 local id = redis.call('XADD', KEYS[1], 'MAXLEN', ARGV[1], '*', unpack(fields))
-local now = redis.call('TIME')
-local oldest = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - tonumber(ARGV[2])
+local oldest = tonumber(string.match(id, '^%d+')) - tonumber(ARGV[2])
 if oldest > 0 then redis.call('XTRIM', KEYS[1], 'MINID', tostring(oldest)) end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 return id

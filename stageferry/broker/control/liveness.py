@@ -6,6 +6,11 @@ A stage leader writes its heartbeat — the unix time, as text — into the hash
 :data:`HEARTBEAT_EVERY_S`, and removes it when it drains.  A replica is *live* while its last heartbeat
 is at most :data:`FRESH_S` old: a killed process drops out after that, a drained one at once.
 
+A replica whose supervisor gave up restarting it (:mod:`stageferry.stages.supervisor`) writes
+``gave-up <unix time>`` in place of its heartbeat (:func:`record_gave_up`): not a time, so it is not live
+at once, and the health checks name it (:func:`replicas_by_stage`) until the replica beats again (it was
+restarted) or the hash expires.
+
 Everyone who asks reads it through this module, with the same rule: ``stageferry up`` waiting for its
 services, ``stageferry health`` (the container check), the gateway's ``/health``, the soak's cluster,
 and the tests.  Nothing else writes the hash.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import anyio
 import redis.asyncio as aioredis
@@ -33,6 +39,16 @@ HEARTBEAT_EVERY_S = 2.0
 FRESH_S = 10.0
 #: The workers hash outlives its last writer by this much, so a stage that is gone leaves nothing behind.
 _HASH_TTL_S = 3600
+#: What stands in a replica's field once its supervisor gave up on it: ``gave-up <unix time>``.
+GAVE_UP = "gave-up"
+
+
+@dataclass(frozen=True, slots=True)
+class StageReplicas:
+    """One stage's replicas as the workers hash has them: live ones, and those whose supervisor gave up."""
+
+    live: list[str]
+    gave_up: list[str]
 
 
 def replica_id(stage: str, replica: str) -> str:
@@ -63,24 +79,58 @@ def live_replicas(
     ]
 
 
-async def live_by_stage(
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def gave_up_replicas(heartbeats: Mapping[bytes | str, bytes | str]) -> list[str]:
+    """The replica ids in a workers hash whose supervisor gave up on them (:func:`record_gave_up`)."""
+    return [_text(name) for name, value in heartbeats.items() if _text(value).startswith(GAVE_UP)]
+
+
+async def replicas_by_stage(
     redis: aioredis.Redis, keys: Keys, stages: Sequence[str], *, fresh_s: float = FRESH_S
-) -> dict[str, list[str]]:
-    """Each stage's live replica ids, sorted (one round trip); :class:`ControlPlaneError` on Redis trouble."""
+) -> dict[str, StageReplicas]:
+    """Each stage's live and given-up replica ids, sorted (one round trip); :class:`ControlPlaneError` on
+    Redis trouble."""
     with translated():
         async with redis.pipeline(transaction=False) as pipe:
             for stage in stages:
                 pipe.hgetall(keys.workers(stage))
             hashes = await pipe.execute()
     now = time.time()
-    return {s: sorted(live_replicas(h, now=now, fresh_s=fresh_s)) for s, h in zip(stages, hashes, strict=True)}
+    return {
+        s: StageReplicas(sorted(live_replicas(h, now=now, fresh_s=fresh_s)), sorted(gave_up_replicas(h)))
+        for s, h in zip(stages, hashes, strict=True)
+    }
+
+
+async def live_by_stage(
+    redis: aioredis.Redis, keys: Keys, stages: Sequence[str], *, fresh_s: float = FRESH_S
+) -> dict[str, list[str]]:
+    """Each stage's live replica ids, sorted (one round trip); :class:`ControlPlaneError` on Redis trouble."""
+    by_stage = await replicas_by_stage(redis, keys, stages, fresh_s=fresh_s)
+    return {stage: replicas.live for stage, replicas in by_stage.items()}
+
+
+async def record_gave_up(redis: aioredis.Redis, keys: Keys, stage: str, replica: str) -> None:
+    """Put ``gave-up <now>`` in place of this replica's heartbeat: it is not live from now on, and the
+    health checks say why (written by its supervisor as it gives up)."""
+    with translated():
+        await redis.hset(keys.workers(stage), replica_id(stage, replica), f"{GAVE_UP} {time.time():.3f}")
+        await redis.expire(keys.workers(stage), _HASH_TTL_S)
 
 
 async def is_live(redis: aioredis.Redis, keys: Keys, stage: str, replica: str, *, fresh_s: float = FRESH_S) -> bool:
     """Whether this one replica of ``stage`` has a fresh heartbeat."""
+    return is_fresh(await heartbeat_of(redis, keys, stage, replica), fresh_s=fresh_s)
+
+
+async def heartbeat_of(redis: aioredis.Redis, keys: Keys, stage: str, replica: str) -> bytes | None:
+    """This one replica's field in the workers hash as stored (a heartbeat, ``gave-up ...``, or ``None``)."""
     with translated():
-        beat = await redis.hget(keys.workers(stage), replica_id(stage, replica))
-    return is_fresh(beat, fresh_s=fresh_s)
+        beat: bytes | None = await redis.hget(keys.workers(stage), replica_id(stage, replica))
+    return beat
 
 
 class Heartbeat:

@@ -12,17 +12,19 @@ MULTI, and until the first stage picks it up the request is known by its "submit
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
 import structlog
 
 from stageferry.broker.control.fanin import EventFanIn, FieldReads, Row, text_rows
+from stageferry.broker.control.held import HELD_FN, Held
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, is_transient_error, reconnecting, translated
 from stageferry.broker.control.resp_link import RespLink, run_pipeline, run_script, run_transaction
@@ -36,15 +38,19 @@ from stageferry.errors import (
 )
 from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestState, RequestStatus
 from stageferry.schemas.submission import new_ticket, submission_item
+from stageferry.schemas.validation import parse_status
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 #: How a status write treats a missing record (see :meth:`RequestStore.set_status`).
 WriteMode = Literal["any", "create", "update", "unowned"]
 
 #: How long a waiter gives an id that it never saw (neither a record nor a "submitted" marker) before
-#: calling it lost: a raw client's XADD carries no marker, and is known only once a first stage (maybe
-#: still starting) takes it.  An id seen and then gone is lost at once.
+#: calling it not found: a raw client's submission may carry no marker, and is known only once a first stage (maybe
+#: still starting) takes it.  Not "lost": such an entry may still run, and a waiter told ``request_lost``
+#: must never see the request end otherwise (issue 34).  An id seen and then gone is lost at once (nothing
+#: can bring it back: stages write records only for entries they hold, ``held.py``).
 UNKNOWN_GRACE_S = 30.0
 _TERMINAL_NAMES = frozenset(state.value for state in TERMINAL_STATES)
 #: A waiter that heard nothing for this long reads the status itself (events may have expired, or Redis
@@ -94,7 +100,19 @@ end
 )
 #: How many arguments a status write takes (:meth:`RequestStore.status_write`).
 STATUS_ARGS = 9
-_SET_STATUS = SET_STATUS_FN + "return set_status(KEYS, ARGV)\n"
+# The write on its own: KEYS and ARGV as above, and for an owned write (``held``) the source stream as
+# KEYS[3] and its group, consumer and entry id after the status arguments.  Returns -2, nothing written,
+# when that consumer does not hold that entry (:mod:`.held`).
+_SET_STATUS = (
+    HELD_FN
+    + SET_STATUS_FN
+    + f"""
+if #KEYS > 2 and not held(KEYS[3], ARGV[{STATUS_ARGS + 1}], ARGV[{STATUS_ARGS + 2}], ARGV[{STATUS_ARGS + 3}]) then
+  return -2
+end
+return set_status(KEYS, ARGV)
+"""
+)
 
 
 # KEYS: request hash.  ARGV: job digest, ttl.
@@ -133,6 +151,7 @@ class Admission(enum.Enum):
     NEW = 2  #: no job's: the record now belongs to this entry's job
     SAME_JOB = 1  #: this same job's (its submission, or a duplicate of it)
     TAKEN = -1  #: a different job's: the entry must not touch the record
+    UNHELD = 0  #: the stage no longer holds the entry (reclaimed elsewhere, or lost with Redis): nothing written
 
 
 def _raised(replies: list[Any]) -> list[Any]:
@@ -160,6 +179,7 @@ class RequestStore:
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_s: int, events_maxlen: int) -> None:
         self._redis = redis
+        self.redis = redis  #: the client this store's scripts are registered on
         self._keys = keys
         self._ttl = ttl_s
         self._maxlen = events_maxlen
@@ -191,12 +211,13 @@ class RequestStore:
         :class:`RequestIdTakenError` if a stage admitted the id for a *different* job (nothing enqueued).
 
         One MULTI writes the uploads, the "submitted" marker (``SET NX``) and the submission, pushed onto
-        the first stage's intake list (``tenant``'s when given; the stage moves it into its stream).  Which
-        submission of an id wins is decided by the first stage (duplicates are acknowledged there), not by
-        this client: two clients racing on one id both enqueue, and the stage runs it once.
-        :class:`QueueFullError` when the intake holds ``stream_maxlen`` submissions (checked just before,
-        in the same round trip as whether the id is known and whose it is).  Both round trips go over
-        ``link`` (the client's lean connection) when given and the uploads are small
+        the first stage's intake list (``tenant``'s when given; the stage moves it into its stream); when
+        its push fails the uploads and the marker it wrote are withdrawn (:meth:`_withdraw`) and the
+        push's error raised.  Which submission of an id wins is decided by the first stage (duplicates are
+        acknowledged there), not by this client: two clients racing on one id both enqueue, and the stage
+        runs it once.  :class:`QueueFullError` when the intake holds ``stream_maxlen`` submissions
+        (checked just before, in the same round trip as whether the id is known and whose it is).  Both
+        round trips go over ``link`` (the client's lean connection) when given and the uploads are small
         (:data:`LINK_MAX_UPLOAD_BYTES`): redis-py's pipelines were most of a client's CPU per submission
         (``benchmarks/throughput.py``).  A connection lost after the MULTI was sent repeats it through
         redis-py, as redis-py's own retries would: the submission may then be queued twice, and the first
@@ -216,16 +237,42 @@ class RequestStore:
                 return None
             if queued >= stream_maxlen:
                 raise QueueFullError("the first stage's queue is full; retry later", stage=first_stage)
-            await run_transaction(
+            marker = self._keys.submitted(request_id)
+            replies = await run_transaction(
                 link,
                 self._redis,
                 [
                     *(("SET", key, blob, "EX", upload_ttl_s) for key, blob in uploads.items()),
-                    ("SET", self._keys.submitted(request_id), first_stage, "NX", "EX", self._ttl),
+                    ("SET", marker, first_stage, "NX", "EX", self._ttl),
                     ("RPUSH", intake, submission_item(ticket, request_id, job.model_dump_json())),
                 ],
+                raise_errors=False,
             )
+            pushed = replies[-1]
+            if isinstance(pushed, Exception):  # a MULTI does not roll back: undo what it wrote, then fail
+                await self._withdraw(link, [*uploads, marker], replies[: len(uploads) + 1], request_id)
+                raise pushed
+            _raised(replies)
         return ticket
+
+    async def _withdraw(self, link: RespLink | None, keys: Sequence[str], replies: Sequence[Any], rid: str) -> None:
+        """A submission whose push failed: its uploads and its "submitted" marker, where this submission
+        wrote them (a marker another submission holds stays), are deleted — with the client user's own
+        command (``SET ... XX PXAT 1``, a time long past: Redis deletes the key; it may not ``DEL``), so
+        that no ``queued`` request is left that no entry holds (issue 34: the gateway's 503 named an id
+        whose status said ``queued`` for 24 h).  A failure here is logged; the submission's own error is
+        what the caller gets."""
+        undo = [
+            ("SET", key, b"", "XX", "PXAT", 1)
+            for key, reply in zip(keys, replies, strict=True)
+            if reply is not None and not isinstance(reply, Exception)
+        ]
+        try:
+            _raised(await run_pipeline(link, self._redis, undo, block_s=0.0))
+        except Exception as exc:  # noqa: BLE001 - the push's error is raised by the caller
+            log.warning("request.submit_not_withdrawn", request_id=rid, error=str(exc))
+        else:
+            log.warning("request.submit_withdrawn", request_id=rid, keys=len(undo))
 
     async def known(self, request_id: str) -> bool:
         """True if the request has a record, or a client marked it submitted (not yet picked up)."""
@@ -251,18 +298,28 @@ class RequestStore:
         return digest.decode() if isinstance(digest, bytes) else None
 
     async def set_status(
-        self, status: RequestStatus, *, mode: WriteMode = "any", stage_index: int = 0, link: RespLink | None = None
+        self,
+        status: RequestStatus,
+        *,
+        mode: WriteMode = "any",
+        stage_index: int = 0,
+        link: RespLink | None = None,
+        held: Held | None = None,
     ) -> bool:
         """Write a status unless the request is already terminal; True if written; over ``link`` (a stage's
         lean connection, :func:`~stageferry.broker.control.resp_link.run_script`) when given.  ``mode`` "create"
         writes only a first record; "update" only over an existing one — a progress or hand-on write after
         Redis lost the record must not bring back a request whose entry is gone (it would look running
         for ever; lost, its waiters are told instead); "unowned" only if no job owns the request.
+        ``held``: an owned write (a stage's, on behalf of the entry it holds, :mod:`.held`): written only
+        while that entry is still held, in the same script.
 
         ``stage_index`` is where ``status.stage`` sits in the pipeline: non-terminal statuses are ordered
         by attempt, stage index, state (queued < running) and progress step, compared inside the writing
         script, so a late write never moves a request back."""
         keys, args = self.status_write(status, mode=mode, stage_index=stage_index)
+        if held is not None:
+            keys, args = [*keys, held.stream], [*args, *held.args()]
         with translated():
             written = await run_script(link, self._set_status, keys, args)
         return int(written) == 1
@@ -280,9 +337,10 @@ class RequestStore:
         return [self._keys.request(rid), self._keys.events(rid)], args
 
     async def get(self, request_id: str) -> RequestStatus | None:
-        """The request's status (None: no record); reads asked for at once share a round trip."""
+        """The request's status (None: no record); reads asked for at once share a round trip.
+        :class:`StatusCorruptError` when the record's status does not parse or names another request."""
         raw = await self.status_reads.get(self._keys.request(request_id))
-        return None if raw is None else RequestStatus.model_validate_json(raw)
+        return None if raw is None else parse_status(raw, request_id)
 
     async def request_cancel(self, request_id: str) -> bool:
         """Flag the request; stages stop it at their next boundary. False if it is unknown or finished."""
@@ -333,18 +391,21 @@ class RequestStore:
         timeout: float | None = None,
         on_quiet: Callable[[], Awaitable[None]] | None = None,
         exists_within: float | None = None,
+        seen: bool = False,
     ) -> AsyncIterator[tuple[str, dict[str, str]]]:
         """Yield the request's events (entry id, fields) as they arrive, from the first, through the shared
         reader; stop after a terminal status.  :class:`DeadlineExceededError` if not terminal within
-        ``timeout``; :class:`RequestLostError` if its record and marker vanish (after being seen), or stay
-        unknown for :data:`UNKNOWN_GRACE_S` (a raw client's entry that no stage picked up, or an id never
-        submitted) — or :class:`RequestNotFoundError` if unknown after ``exists_within`` seconds, when
-        given.  ``on_quiet`` runs after each quiet spell (a caller's own check, e.g. for its entry's
-        refusal).  Redis being unreachable is waited out within ``timeout``."""
+        ``timeout``; :class:`RequestLostError` if its record and marker vanish after being seen (final:
+        nothing writes a vanished request's record again but a stage's ``failed`` ``request_lost``);
+        :class:`RequestNotFoundError` if it stays unknown for ``exists_within`` seconds (default
+        :data:`UNKNOWN_GRACE_S`: a raw client's entry that no stage picked up, or an id never submitted).
+        ``on_quiet`` runs after each quiet spell (a caller's own check, e.g. for its entry's refusal).
+        ``seen``: the caller knows the request existed (it submitted it), so it is lost, not unknown, if
+        it vanishes before this waiter first finds it.  Redis being unreachable is waited out within
+        ``timeout``."""
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
-        unknown_since = started
-        seen, last = False, "0-0"
+        last = "0-0"
         next_check = started + QUIET_CHECK_S * random.random()
         async with self.fanin.subscribe(self._keys.events(request_id)) as events:
             while True:
@@ -380,10 +441,10 @@ class RequestStore:
                     return
                 now = time.monotonic()
                 if known:
-                    seen, unknown_since = True, now
-                elif seen or now - unknown_since >= UNKNOWN_GRACE_S:
+                    seen = True
+                elif seen:
                     raise _lost(request_id)
-                elif exists_within is not None and now - started >= exists_within:
+                elif now - started >= (UNKNOWN_GRACE_S if exists_within is None else exists_within):
                     raise _not_found(request_id)
                 if on_quiet is not None:
                     await on_quiet()
@@ -400,46 +461,52 @@ class RequestStore:
         timeout: float | None = None,
         on_quiet: Callable[[], Awaitable[None]] | None = None,
         exists_within: float | None = None,
+        seen: bool = False,
     ) -> RequestStatus:
-        """Block until the request is terminal (see :meth:`follow` for the errors); with
+        """Block until the request is terminal (see :meth:`follow` for the errors and ``seen``); with
         ``exists_within=0`` an unknown id is :class:`RequestNotFoundError` at once."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        status = await self.get(request_id)  # Redis away at the start: say so at once (one error line)
-        if status is None and exists_within is not None and exists_within <= 0 and not await self.known(request_id):
+        # Redis away at the start is an outage like any other: waited out within the timeout.
+        status = await self._get_retrying(request_id, deadline)
+        at_once = status is None and exists_within is not None and exists_within <= 0
+        if at_once and not await self._retrying(functools.partial(self.known, request_id), deadline):
             raise _not_found(request_id)
         if status is None or not status.state.terminal:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             last: dict[str, str] = {}
             async for _entry_id, fields in self.follow(
-                request_id, timeout=remaining, on_quiet=on_quiet, exists_within=exists_within
+                request_id, timeout=remaining, on_quiet=on_quiet, exists_within=exists_within, seen=seen
             ):
                 last = fields
             # The terminal status event carries the status JSON the same script wrote to the record (a
             # terminal status is written once): read it from there, not with one more HGET per wait.
-            status = _terminal_status(last) or await self._get_retrying(request_id, deadline)
+            status = _terminal_status(last, request_id) or await self._get_retrying(request_id, deadline)
         if status is None:  # its terminal event came, then the record went (expired, or Redis lost it)
             raise _lost(request_id)
         return status
 
     async def _get_retrying(self, request_id: str, deadline: float | None) -> RequestStatus | None:
         """:meth:`get`, retried (:func:`reconnecting`) while Redis is unreachable and ``deadline`` is ahead."""
+        return await self._retrying(functools.partial(self.get, request_id), deadline)
+
+    async def _retrying(self, op: Callable[[], Awaitable[T]], deadline: float | None) -> T:
         within = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
         async for attempt in reconnecting(within=within, event="request.status_retry"):
             with attempt:
-                return await self.get(request_id)
+                return await op()
         raise AssertionError("unreachable: reconnecting() returns or raises")
 
 
-def _terminal_status(fields: Mapping[str, str]) -> RequestStatus | None:
-    """The status a terminal status event carries; None for any other row (or one that does not parse:
-    then the record is read instead)."""
+def _terminal_status(fields: Mapping[str, str], request_id: str) -> RequestStatus | None:
+    """The status a terminal status event of ``request_id`` carries; None for any other row (or one that
+    does not parse, or names another request: then the record is read instead, and judged)."""
     if fields.get("kind") != "status" or fields.get("state") not in _TERMINAL_NAMES or "status" not in fields:
         return None
     try:
         status = RequestStatus.model_validate_json(fields["status"])
     except ValueError:
         return None
-    return status if status.state.terminal else None
+    return status if status.state.terminal and status.request_id == request_id else None
 
 
 def _not_found(request_id: str) -> RequestNotFoundError:

@@ -322,14 +322,19 @@ async def run_pipeline(
         return await pipe.execute(raise_on_error=False)
 
 
-async def run_transaction(link: RespLink | None, redis: Redis, commands: Sequence[Command]) -> list[Any]:
+async def run_transaction(
+    link: RespLink | None, redis: Redis, commands: Sequence[Command], *, raise_errors: bool = True
+) -> list[Any]:
     """``commands`` as one ``MULTI``/``EXEC`` in one write over ``link`` (a link writes each send at once,
     so other callers' commands never land inside it); their replies, the first error raised as redis-py's
-    ``pipeline(transaction=True)`` raises it.  Through that redis-py pipeline when there is no link or its
-    connection fails (redis-py retries).  As with redis-py's own retries, a connection lost after ``EXEC``
-    was written may run the commands twice: give it only commands that may.  As with :func:`run_pipeline`,
-    a link's replies are RESP's own (``b"OK"`` where redis-py's callbacks say ``True``): read only replies
-    whose two forms agree (bytes, integers, an entry id)."""
+    ``pipeline(transaction=True)`` raises it — or, with ``raise_errors=False``, the errors of commands that
+    ran (a transaction does not roll back) as values in their places, for a caller that undoes the rest;
+    an error that ran nothing (``EXECABORT``, a refused ``MULTI``) is raised either way.  Through that
+    redis-py pipeline when there is no link or its connection fails (redis-py retries).  As with redis-py's
+    own retries, a connection lost after ``EXEC`` was written may run the commands twice: give it only
+    commands that may.  As with :func:`run_pipeline`, a link's replies are RESP's own (``b"OK"`` where
+    redis-py's callbacks say ``True``): read only replies whose two forms agree (bytes, integers, an
+    entry id)."""
     if link is not None:
         try:
             replies = await link.send([("MULTI",), *commands, ("EXEC",)])
@@ -337,14 +342,15 @@ async def run_transaction(link: RespLink | None, redis: Redis, commands: Sequenc
             _fall_back(link, exc)
         else:
             executed = replies[-1]
-            for reply in (*replies[:-1], executed, *(executed if isinstance(executed, list) else ())):
+            ran = executed if isinstance(executed, list) and raise_errors else ()
+            for reply in (*replies[:-1], executed, *ran):
                 if isinstance(reply, Exception):
                     raise reply
             return list(executed)
     async with redis.pipeline(transaction=True) as pipe:
         for command in commands:
             pipe.execute_command(*command)
-        return list(await pipe.execute())
+        return list(await pipe.execute(raise_on_error=raise_errors))
 
 
 async def poll_until_done(future: asyncio.Future[Any], until: float) -> None:

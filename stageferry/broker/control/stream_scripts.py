@@ -79,24 +79,26 @@ ACK = OWNED + ACK_AND_DELETE + "return 1\n"
 # SET, the "done" status, the ack, the crash mark's DEL).  KEYS: src stream, request hash, events stream,
 # cancel flag, crash mark, result key.  ARGV: group, consumer, entry id, the status write's STATUS_ARGS
 # arguments, then '1' and the result's ttl and bytes to store it (SET NX), or '0'.
-# Returns {-2, 0} when the request is cancelled (nothing written), else {owned, written}: the result and
-# the status are written whether or not the entry is still ours (first terminal writer wins, as when they
-# were separate commands), the entry is acked and deleted only if it is; owned is -1 when its stream or
-# group is gone (Redis lost it).
+# Returns {-2, 0} when the request is cancelled (nothing written), else {owned, written}.  An owned write
+# (``held``): the result and the status are written only while this consumer still holds the entry, which
+# is then acked and deleted; owned is 0 (nothing written) when another consumer holds it (it finishes the
+# request itself), -1 when its stream or group is gone (Redis lost it: the request's record with it, which
+# this run must not bring back as ``done``; ``record_loss`` ends it instead).  The crash mark is deleted
+# either way.
 FINISH = (
     SET_STATUS_FN
     + f"""
 if redis.call('EXISTS', KEYS[4]) == 1 then return {{-2, 0}} end
+redis.call('DEL', KEYS[5])
+local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if type(p) ~= 'table' or p.err then return {{-1, 0}} end
+if #p == 0 or p[1][2] ~= ARGV[2] then return {{0, 0}} end
 if ARGV[{4 + STATUS_ARGS}] == '1' then
   redis.call('SET', KEYS[6], ARGV[{6 + STATUS_ARGS}], 'EX', ARGV[{5 + STATUS_ARGS}], 'NX')
 end
 local status = {{}}
 for i = 4, {3 + STATUS_ARGS} do status[#status + 1] = ARGV[i] end
 local written = set_status({{KEYS[2], KEYS[3]}}, status)
-redis.call('DEL', KEYS[5])
-local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
-if p.err then return {{-1, written}} end
-if #p == 0 or p[1][2] ~= ARGV[2] then return {{0, written}} end
 """
     + ACK_AND_DELETE
     + """

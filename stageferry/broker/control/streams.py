@@ -52,6 +52,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from stageferry.broker.control.dead_letter import DEAD_LETTER_LUA, DeadLetterPolicy
+from stageferry.broker.control.held import Held
 from stageferry.broker.control.intake import Intake
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, translated
@@ -190,6 +191,10 @@ class StageStream:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
+    def held(self, entry: Entry) -> Held:
+        """``entry`` as this consumer holds it, for an owned write on its behalf (:mod:`.held`)."""
+        return Held(entry.stream or self.key, self.group, self.consumer, entry.id)
+
     def _key_of(self, entry_id: str) -> str:
         return self._source.get(entry_id, self.key)
 
@@ -323,7 +328,9 @@ class StageStream:
         done, when it is set) and deletes the entry's ``crash_mark`` key once the entry is handed on or
         found not ours.
 
-        False if this consumer no longer owns the entry (nothing was written, the status neither)."""
+        False if this consumer no longer owns the entry (nothing was written, the status neither).  A
+        stream or group that went with Redis (``NOGROUP``) is made again (so that the stage reads on), and
+        the hand-off is not retried: the entry went with the group, so the new group does not hold it."""
         flat: list[Any] = []
         for name, value in fields.items():
             flat += [name, value]
@@ -362,9 +369,10 @@ class StageStream:
     ) -> tuple[bool, bool]:
         """The last stage's ending in one script: unless the request's ``cancel`` flag is set (then
         :class:`CancelledRequestError`, nothing done), store the ``result``,
-        write the terminal ``status``, delete the entry's ``crash_mark`` and ack+delete the entry if this
-        consumer still owns it.  ``result`` is (bytes, ttl) to store under ``result_key`` (``SET NX``), or
-        None.  Returns (acked, status written)."""
+        write the terminal ``status`` and ack+delete the entry — only while this consumer still holds it
+        (an owned write, :mod:`.held`) — and delete the entry's ``crash_mark`` either way.  ``result`` is
+        (bytes, ttl) to store under ``result_key`` (``SET NX``), or None.  Returns (acked, status written):
+        not acked, nothing was written."""
         (record, events), status_args = status
         data, ttl = result if result is not None else (b"", 0)
         keys = [self._key_of(entry_id), record, events, cancel, crash_mark, result_key]

@@ -42,6 +42,7 @@ async def build_connectors(
     keys: Keys,
     replica: str,
     device: torch.device,
+    address: str | None = None,
 ) -> StageConnectors:
     """Connectors for ``stage``: none on the input of the first stage, none on the output of the last."""
     has_input = pipeline.previous_stage(stage.name) is not None
@@ -61,6 +62,7 @@ async def build_connectors(
             config=dp,
             timeouts=pipeline.timeouts,
             cuda_device=cuda,
+            address=address,
         )
         await anyio.to_thread.run_sync(nixl.open)
         connector = nixl

@@ -1,11 +1,14 @@
 """The dead-letter stream on real Redis: large bodies become size + digest, the stream is trimmed by
-length, by bytes and by age, and the key expires when quiet."""
+length, by bytes and by age, and the key expires when quiet.  Every write runs as the stage ACL user of
+``stageferry acl`` on a private redis-server loaded with that ACL, and Redis must refuse nothing (issue 34:
+the script's TIME and XTRIM were refused to that user, so every dead letter failed in a real deployment)."""
 
 from __future__ import annotations
 
 import hashlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import pytest
@@ -16,38 +19,52 @@ from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
 from stageferry.broker.control.streams import StageStream
 from stageferry.config import PipelineConfig
+from tests.security.servers import AclRedis
 
 
 @pytest.fixture
-def admin(redis_url: str) -> Iterator[sync_redis.Redis]:
-    client = sync_redis.Redis.from_url(redis_url)
+def acl_redis(tmp_path: Path, prefix: str) -> Iterator[AclRedis]:
+    """A private Redis with the shipped ACL for this test's prefix; nothing may have been refused at the end."""
+    with AclRedis(tmp_path, prefix) as server:
+        yield server
+        assert server.refusals() == []
+
+
+@pytest.fixture
+def stage_url(acl_redis: AclRedis) -> str:
+    return acl_redis.url("stageferry")
+
+
+@pytest.fixture
+def admin(acl_redis: AclRedis) -> Iterator[sync_redis.Redis]:
+    client = acl_redis.admin()
     yield client
     client.close()
 
 
-def dead_letter_all(redis_url: str, keys: Keys, policy: DeadLetterPolicy, entries: list[dict[str, bytes]]) -> None:
+def dead_letter_all(stage_url: str, keys: Keys, policy: DeadLetterPolicy, entries: list[dict[str, bytes]]) -> None:
     """XADD ``entries`` to the encoder's stream, read each as a replica would, and dead-letter it."""
 
     async def run() -> None:
-        async with open_client(redis_url) as redis:
+        async with open_client(stage_url) as redis:
             stream = StageStream(redis, keys, "encoder", "encoder-a", visibility_ms=60_000, dead_letters=policy)
             await stream.ensure_group()
             for fields in entries:
-                await redis.xadd(keys.stage_stream("encoder"), fields)  # type: ignore[arg-type]
+                await redis.xadd(keys.stage_stream("encoder"), fields)  # type: ignore[arg-type]  # a client's entry
                 (entry,) = await stream.read(1, block_ms=100)
                 assert await stream.dead_letter(entry, reason="poison " * 1000, error_code="invalid_envelope")
 
     anyio.run(run)
 
 
-def test_large_bodies_keep_size_and_digest_only(redis_url: str, prefix: str, admin: sync_redis.Redis) -> None:
+def test_large_bodies_keep_size_and_digest_only(stage_url: str, prefix: str, admin: sync_redis.Redis) -> None:
     keys = Keys(prefix)
     big_job = b'{"prompt": "' + b"x" * (3 << 20) + b'"}'
     small_job = b'{"prompt": "a cat"}'
     huge_id = b"r" * 5000
     policy = DeadLetterPolicy(body_max_bytes=4096)
     entries = [{"request_id": b"big-1", "job": big_job}, {"request_id": b"small-1", "job": small_job}]
-    dead_letter_all(redis_url, keys, policy, [*entries, {"request_id": huge_id}])
+    dead_letter_all(stage_url, keys, policy, [*entries, {"request_id": huge_id}])
     (_, big), (_, small), (_, odd) = admin.xrange(keys.dead_letter("encoder"))
     assert b"job" not in big
     assert int(big[b"job_bytes"]) == len(big_job)
@@ -62,30 +79,30 @@ def test_large_bodies_keep_size_and_digest_only(redis_url: str, prefix: str, adm
     assert admin.memory_usage(keys.dead_letter("encoder")) < 64 * 1024
 
 
-def test_trimmed_by_length_and_by_bytes(redis_url: str, prefix: str, admin: sync_redis.Redis) -> None:
+def test_trimmed_by_length_and_by_bytes(stage_url: str, prefix: str, admin: sync_redis.Redis) -> None:
     keys = Keys(prefix)
     by_length = DeadLetterPolicy(maxlen=5)
-    dead_letter_all(redis_url, keys, by_length, [{"request_id": f"r-{i}".encode(), "job": b"{}"} for i in range(12)])
+    dead_letter_all(stage_url, keys, by_length, [{"request_id": f"r-{i}".encode(), "job": b"{}"} for i in range(12)])
     rows = admin.xrange(keys.dead_letter("encoder"))
     assert [f[b"request_id"] for _, f in rows] == [f"r-{i}".encode() for i in range(7, 12)], "the newest five stay"
 
     by_bytes = DeadLetterPolicy(maxlen=1000, max_bytes=64 * 1024, body_max_bytes=8192)
     assert by_bytes.effective_maxlen == 64 * 1024 // by_bytes.entry_cap < 1000
-    dead_letter_all(redis_url, keys, by_bytes, [{"request_id": b"b", "job": b"j" * 8000} for _ in range(12)])
+    dead_letter_all(stage_url, keys, by_bytes, [{"request_id": b"b", "job": b"j" * 8000} for _ in range(12)])
     rows = admin.xrange(keys.dead_letter("encoder"))
     assert len(rows) == by_bytes.effective_maxlen
     assert sum(len(k) + len(v) for _, f in rows for k, v in f.items()) <= by_bytes.max_bytes
 
 
-def test_trimmed_by_age_and_expires(redis_url: str, prefix: str, admin: sync_redis.Redis) -> None:
+def test_trimmed_by_age_and_expires(stage_url: str, prefix: str, admin: sync_redis.Redis) -> None:
     keys = Keys(prefix)
     policy = DeadLetterPolicy(max_age_s=3)
-    dead_letter_all(redis_url, keys, policy, [{"request_id": b"old-1", "job": b"{}"}])
+    dead_letter_all(stage_url, keys, policy, [{"request_id": b"old-1", "job": b"{}"}])
     assert 0 < admin.ttl(keys.dead_letter("encoder")) <= 3
     time.sleep(1.5)
-    dead_letter_all(redis_url, keys, policy, [{"request_id": b"mid-1", "job": b"{}"}])  # the key's TTL restarts
+    dead_letter_all(stage_url, keys, policy, [{"request_id": b"mid-1", "job": b"{}"}])  # the key's TTL restarts
     time.sleep(2.0)  # old-1 is now 3.5 s old, mid-1 2 s: the next write trims by age
-    dead_letter_all(redis_url, keys, policy, [{"request_id": b"new-1", "job": b"{}"}])
+    dead_letter_all(stage_url, keys, policy, [{"request_id": b"new-1", "job": b"{}"}])
     rows = admin.xrange(keys.dead_letter("encoder"))
     assert [f[b"request_id"] for _, f in rows] == [b"mid-1", b"new-1"]
     time.sleep(3.5)  # nothing dead-lettered for longer than the age bound: the stream is gone

@@ -11,6 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from stageferry import Client, RequestState, RequestStatus
+from stageferry.broker.control import requests
 from stageferry.broker.control.fanin import FieldReads
 from stageferry.broker.control.redis_conn import MAX_CONNECTIONS, open_client
 from stageferry.broker.control.requests import QUIET_CHECK_S
@@ -98,7 +99,10 @@ async def test_a_key_of_the_wrong_type_fails_only_its_own_waiter(redis_url: str,
             # A hostile client replaces the events stream of "bad-1" with a plain string.
             await client.redis.delete(client.keys.events(bad))
             await client.redis.set(client.keys.events(bad), b"not a stream")
-            await anyio.sleep(0.3)
+            with anyio.fail_after(30):
+                while bad not in outcome:  # the bad waiter has failed; the good one still waits
+                    await anyio.sleep(0.02)
+            assert good not in outcome
             await finish(client, good)
         assert isinstance(outcome[good], RequestStatus) and outcome[good].state is RequestState.DONE
         assert isinstance(outcome[bad], ControlPlaneError)
@@ -198,3 +202,20 @@ async def test_status_reads_asked_at_once_share_round_trips_and_keep_their_own_e
         assert got == {i: f"s{i}".encode() for i in range(1, len(keys)) if i != 7}
         assert reads.sends <= 4 and reads.widest_send == 128  # 299 reads in batches, not 299 round trips
         assert await reads.get(f"{prefix}:reads:none") is None  # alone: a plain HGET
+
+
+async def test_lost_only_of_what_was_seen_and_not_found_of_what_never_was(
+    client_fixture: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: ``request_lost`` is final, so a waiter says it only of a request it knew existed.  Its own
+    submission that vanishes before the waiter first looked is lost (it used to wait out the unknown-id
+    grace); an id it never saw is not found after the grace (it used to be told lost, and a raw entry
+    under that id could still run to done)."""
+    monkeypatch.setattr(requests, "UNKNOWN_GRACE_S", 1.0)
+    client = client_fixture
+    with pytest.raises(RequestNotFoundError):
+        await client.wait("never-seen-1", timeout=30)
+    rid = await client.submit(JOB, request_id="vanishing-2")
+    await client.redis.delete(client.keys.submitted(rid))  # wiped before the waiter ever looked
+    with pytest.raises(RequestLostError):
+        await client.wait(rid, timeout=30)

@@ -10,11 +10,14 @@ from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import (
     FRESH_S,
     Heartbeat,
+    StageReplicas,
     is_fresh,
     is_live,
     live_by_stage,
     live_replicas,
+    record_gave_up,
     replica_id,
+    replicas_by_stage,
 )
 from stageferry.broker.control.redis_conn import open_client
 
@@ -49,3 +52,22 @@ async def test_heartbeat_makes_a_replica_live_until_withdrawn(redis_url: str, pr
         await heartbeat.withdraw()
         assert not await is_live(redis, keys, "encoder", "box-1")
         assert await live_by_stage(redis, keys, ["encoder"]) == {"encoder": []}
+
+
+@pytest.mark.anyio
+async def test_a_replica_that_gave_up_is_named_until_it_beats_again(redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix)
+    async with open_client(redis_url) as redis:
+        heartbeat = Heartbeat(redis, keys, "encoder", "box-1")
+        await heartbeat.beat()
+        await Heartbeat(redis, keys, "encoder", "box-2").beat()
+        await record_gave_up(redis, keys, "encoder", "box-1")
+        assert not await is_live(redis, keys, "encoder", "box-1")  # at once, not once the beat is stale
+        assert await replicas_by_stage(redis, keys, ["encoder", "diffusion"]) == {
+            "encoder": StageReplicas(live=["encoder-box-2"], gave_up=["encoder-box-1"]),
+            "diffusion": StageReplicas(live=[], gave_up=[]),
+        }
+        await heartbeat.beat()  # started again: its beat replaces the mark
+        assert await replicas_by_stage(redis, keys, ["encoder"]) == {
+            "encoder": StageReplicas(live=["encoder-box-1", "encoder-box-2"], gave_up=[])
+        }

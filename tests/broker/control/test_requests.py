@@ -6,6 +6,7 @@ the comparison happens inside the writing script, so whatever arrives late chang
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import anyio
 import pytest
@@ -14,8 +15,10 @@ from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import connect
 from stageferry.broker.control.requests import LINK_MAX_UPLOAD_BYTES, Admission, RequestStore
 from stageferry.broker.control.resp_link import open_link
+from stageferry.errors import ControlPlaneError
 from stageferry.schemas import ErrorInfo, JobRequest, Progress, RequestState, RequestStatus
 from tests.links import record_sends
+from tests.security.servers import AclRedis
 
 pytestmark = pytest.mark.anyio
 
@@ -171,3 +174,41 @@ async def test_a_follower_whose_shared_reader_lags_still_gets_the_terminal_event
     with anyio.fail_after(10):
         rows = [fields async for _, fields in store.follow("r-1", timeout=30)]
     assert [(f["state"], f["kind"]) for f in rows] == [("queued", "status"), ("running", "status"), ("done", "status")]
+
+
+#: The largest entry id a stream can hold: after it, every ``XADD ... *`` fails ("exhausted the last id").
+MAX_ID = "18446744073709551615-18446744073709551615"
+
+
+@pytest.mark.parametrize("upload_bytes", [16, LINK_MAX_UPLOAD_BYTES + 1], ids=["over-link", "through-redis-py"])
+async def test_a_submission_whose_xadd_fails_leaves_no_queued_request(
+    tmp_path: Path, prefix: str, upload_bytes: int
+) -> None:
+    """Issue 34: a MULTI does not roll back, so a failed XADD left the "submitted" marker (the request
+    said ``queued`` for 24 h, held by nothing) and the uploads.  As the client user of ``stageferry acl``,
+    against a real failing XADD: the marker and the uploads are withdrawn with its own commands, the
+    XADD's error is raised, and Redis refused nothing."""
+    keys = Keys(prefix)
+    with AclRedis(tmp_path, prefix) as server:
+        admin = server.admin()
+        admin.xadd(keys.stage_stream("encoder"), {"x": "y"}, id=MAX_ID)  # the stream takes no entry any more
+        redis = connect(server.url("sfclient"))
+        store = RequestStore(redis, keys, ttl_s=600, events_maxlen=100)
+        link = open_link(redis)
+        upload = keys.upload("phantom-1", "ref")
+        try:
+            with pytest.raises(ControlPlaneError, match="last possible ID"):
+                await store.submit(
+                    "phantom-1", JOB, "encoder", stream_maxlen=10, uploads={upload: b"x" * upload_bytes}, link=link
+                )
+            assert not await store.known("phantom-1"), "no queued request left behind"
+            assert admin.exists(keys.submitted("phantom-1"), upload) == 0
+            assert server.refusals() == []
+            admin.delete(keys.stage_stream("encoder"))  # the stream fixed: the same id goes in as new
+            assert await store.submit("phantom-1", JOB, "encoder", stream_maxlen=10, link=link) is not None
+            assert await store.known("phantom-1")
+        finally:
+            if link is not None:
+                await link.aclose()
+            await redis.aclose()
+            admin.close()

@@ -87,7 +87,9 @@ async def test_a_woken_read_survives_a_redis_that_forgot_its_script(prefix: str)
         assert await d.read(1, block_ms=0) == []  # loads the script
 
         async def write_later() -> None:  # while the read waits: forget the script, write, wake it
-            await anyio.sleep(0.2)
+            with anyio.fail_after(30):
+                while not (await redis.info("clients"))["blocked_clients"]:  # the read waits in its BLPOP
+                    await anyio.sleep(0.01)
             async with redis.pipeline(transaction=True) as pipe:
                 pipe.script_flush()
                 pipe.xadd(keys.stage_stream("diffusion"), {"request_id": "r1", LEASE_FIELD: "tok-5"})

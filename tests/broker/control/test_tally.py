@@ -103,7 +103,9 @@ async def test_a_woken_read_comes_back_with_its_wake_up(tally_dir: Path, redis_u
         async with anyio.create_task_group() as tg:
 
             async def write_later() -> None:
-                await anyio.sleep(0.2)  # past the read's first look, into its waits
+                with anyio.fail_after(30):
+                    while counts.round_trips[site] == waits:  # past the read's first look, into its waits
+                        await anyio.sleep(0.005)
                 await wake(keys=[keys.stage_stream("encoder"), keys.wake("encoder")])
 
             tg.start_soon(write_later)

@@ -127,7 +127,21 @@ def _translate(exc: Exception, what: str, **details: Any) -> Exception:
     name = type(exc).__name__
     if name == "nixlRemoteDisconnectError":
         return PeerDisconnectedError(f"{what}: remote agent disconnected ({exc})", **details)
+    if name == "nixlNotAllowedError" and what == "add_remote":
+        return PeerDisconnectedError(
+            "add_remote: an agent of that name with other connection info is cached (peer restarted?)"
+            "; remove_remote() it first",
+            **details,
+        )
     return TransferError(f"{what}: {name} ({exc})", **details)
+
+
+def _state(raw: Any) -> XferState:
+    """nixl's state string as the enum; a string nixl never documented is a failed transfer."""
+    try:
+        return XferState(raw.decode() if isinstance(raw, bytes | bytearray) else raw)
+    except ValueError:
+        raise TransferError(f"nixl reported an unknown transfer state {raw!r}") from None
 
 
 class XferHandle:
@@ -197,6 +211,29 @@ class NixlAgent:
             seconds=round(time.perf_counter() - t0, 4),
         )
 
+    @contextlib.contextmanager
+    def _raising(self, what: str, remote: str | None = None) -> Iterator[None]:
+        """The one translation: a nixl exception inside becomes a stageferry error (cause kept), anything
+        else passes through.  With ``remote``, a disconnect also marks that peer dead (see :meth:`_fail`)."""
+        try:
+            yield
+        except Exception as exc:
+            if not is_nixl_error(exc):
+                raise
+            if remote is None:
+                raise _translate(exc, what, agent=self.name) from exc
+            raise self._fail(exc, what, remote) from exc
+
+    @contextlib.contextmanager
+    def _warning(self, event: str, **details: Any) -> Iterator[None]:
+        """Clean-up calls: a nixl exception is logged as ``event`` and swallowed (nothing to undo)."""
+        try:
+            yield
+        except Exception as exc:
+            if not is_nixl_error(exc):
+                raise
+            log.warning(event, agent=self.name, error=str(exc), **details)
+
     # -- identity and memory ---------------------------------------------------------------------------
 
     def metadata(self) -> bytes:
@@ -207,12 +244,8 @@ class NixlAgent:
         """Register one contiguous tensor (DRAM for CPU, VRAM for CUDA) once, at pool creation."""
         if not tensor.is_contiguous():
             raise ValueError("only contiguous tensors can be registered")
-        try:
+        with self._raising("register"):
             descs = self._agent.register_memory(tensor)
-        except Exception as exc:
-            if not is_nixl_error(exc):
-                raise
-            raise _translate(exc, "register", agent=self.name) from exc
         reg = _Registration(descs, tensor.numel() * tensor.element_size())
         self._regs[id(reg)] = reg
         self.registrations += 1
@@ -229,12 +262,8 @@ class NixlAgent:
         reg = self._regs.pop(id(handle), None)
         if reg is None:
             return
-        try:
+        with self._raising("deregister"):
             self._agent.deregister_memory(reg.descs)
-        except Exception as exc:
-            if not is_nixl_error(exc):
-                raise
-            raise _translate(exc, "deregister", agent=self.name) from exc
 
     @staticmethod
     def kind_of(tensor: torch.Tensor) -> MemKind:
@@ -251,22 +280,15 @@ class NixlAgent:
     def add_remote(self, metadata: bytes) -> str:
         """Load a peer's metadata; returns its name. A cached dead peer of the same name is replaced."""
         try:
-            raw = self._agent.add_remote_agent(metadata)
-        except Exception as exc:
-            if not is_nixl_error(exc):
+            with self._raising("add_remote"):
+                raw = self._agent.add_remote_agent(metadata)
+        except PeerDisconnectedError as err:
+            if not (self._dead and type(err.__cause__).__name__ == "nixlNotAllowedError"):
                 raise
-            if type(exc).__name__ == "nixlNotAllowedError" and self._dead:
-                # Same name, new connection info: a restarted peer. Drop the dead entries and retry once.
-                for dead in list(self._dead):
-                    self.remove_remote(dead)
-                return self.add_remote(metadata)
-            if type(exc).__name__ == "nixlNotAllowedError":
-                raise PeerDisconnectedError(
-                    "add_remote: an agent of that name with other connection info is cached (peer restarted?)"
-                    "; remove_remote() it first",
-                    agent=self.name,
-                ) from exc
-            raise _translate(exc, "add_remote", agent=self.name) from exc
+            # Same name, new connection info: a restarted peer. Drop the dead entries and retry once.
+            for dead in list(self._dead):
+                self.remove_remote(dead)
+            return self.add_remote(metadata)
         name = raw.decode() if isinstance(raw, bytes | bytearray) else str(raw)
         if name not in self._remotes:
             self._remotes.add(name)
@@ -286,12 +308,8 @@ class NixlAgent:
         if name not in self._remotes:
             return
         self._remotes.discard(name)
-        try:
+        with self._warning("nixl.remote.remove_failed", remote=name):
             self._agent.remove_remote_agent(name)
-        except Exception as exc:
-            if not is_nixl_error(exc):
-                raise
-            log.warning("nixl.remote.remove_failed", agent=self.name, remote=name, error=str(exc))
         log.info("nixl.remote.removed", agent=self.name, remote=name)
 
     def remotes(self) -> frozenset[str]:
@@ -314,18 +332,14 @@ class NixlAgent:
     def poll(self, handle: object) -> XferState:
         """PROC or DONE; a failed transfer raises (TransferError / PeerDisconnectedError), never ERR."""
         xh = self._own(handle)
-        try:
-            state = self._agent.check_xfer_state(xh._h)
-        except Exception as exc:
-            if not is_nixl_error(exc):
-                raise
-            raise self._fail(exc, "poll", xh.remote) from exc
-        if state == "PROC":
-            return XferState.PROC
-        if state == "DONE":
+        with self._raising("poll", xh.remote):
+            state = _state(self._agent.check_xfer_state(xh._h))
+        if state is XferState.PROC:
+            return state
+        if state is XferState.DONE:
             if (xh.remote, xh.route) not in self._transport and self._ucx_log is not None:
                 self._learn_transport((xh.remote, xh.route))  # at most a few cheap looks per peer and route
-            return XferState.DONE
+            return state
         raise TransferError("READ reported ERR", agent=self.name, remote=xh.remote)
 
     def release(self, handle: object) -> None:
@@ -335,32 +349,20 @@ class NixlAgent:
             return
         xh.released = True
         self._handles.pop(id(xh), None)
-        try:
+        # On failure nixl keeps the handle on its leak list and frees it when the agent goes.
+        with self._warning("nixl.xfer.release_failed", remote=xh.remote):
             self._agent.release_xfer_handle(xh._h)
-        except Exception as exc:
-            if not is_nixl_error(exc):
-                raise
-            # nixl keeps the handle on its leak list and frees it when the agent goes.
-            log.warning("nixl.xfer.release_failed", agent=self.name, remote=xh.remote, error=str(exc))
 
     def notify(self, remote_name: str, message: bytes) -> None:
         """Send ``message`` to ``remote_name`` as a notification of its own (not carried by a transfer);
         it arrives in the peer's :meth:`drain_notifs` like a READ's."""
-        try:
+        with self._raising("notify", remote_name):
             self._agent.send_notif(remote_name, message)
-        except Exception as exc:
-            if not is_nixl_error(exc):
-                raise
-            raise self._fail(exc, "notify", remote_name) from exc
 
     def drain_notifs(self) -> dict[str, list[bytes]]:
         """All notifications received since the last call; the ONLY place notifs are consumed."""
-        try:
+        with self._raising("drain_notifs"):
             got = self._agent.get_new_notifs()
-        except Exception as exc:
-            if not is_nixl_error(exc):
-                raise
-            raise _translate(exc, "drain_notifs", agent=self.name) from exc
         return {(k.decode() if isinstance(k, bytes) else k): list(v) for k, v in got.items()}
 
     def open_handles(self) -> int:
@@ -438,14 +440,10 @@ class NixlAgent:
             if lr[1] != rr[1]:
                 raise ValueError(f"region lengths differ: local {lr[1]} vs remote {rr[1]}")
             nbytes += lr[1]
-        try:
+        with self._raising(f"start_{op.lower()}", remote_name):
             ld = self._agent.get_xfer_descs(list(local), local_kind.value)
             rd = self._agent.get_xfer_descs(list(remote), remote_kind.value)
             h = self._agent.initialize_xfer(op, ld, rd, remote_name, notif)
-        except Exception as exc:
-            if not is_nixl_error(exc):
-                raise
-            raise self._fail(exc, f"start_{op.lower()}", remote_name) from exc
         route = f"{local_kind.value}<-{remote_kind.value}"
         return self._post(XferHandle(h, remote_name, nbytes, route), notif)
 
@@ -453,13 +451,12 @@ class NixlAgent:
         self._handles[id(xh)] = xh
         xh.posted_ns = time.perf_counter_ns()
         try:
-            state = self._agent.transfer(xh._h, notif)
-        except Exception as exc:
+            with self._raising("post", xh.remote):
+                state = _state(self._agent.transfer(xh._h, notif))
+        except BaseException:
             self.release(xh)
-            if not is_nixl_error(exc):
-                raise
-            raise self._fail(exc, "post", xh.remote) from exc
-        if state == "ERR":
+            raise
+        if state is XferState.ERR:
             self.release(xh)
             raise TransferError("posting the READ failed", agent=self.name, remote=xh.remote)
         return xh

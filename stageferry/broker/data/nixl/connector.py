@@ -39,6 +39,7 @@ from stageferry.broker.control.streams import LeaseClaim
 from stageferry.broker.data import metrics
 from stageferry.broker.data.connector import Connector, Incoming, Outgoing, Payload
 from stageferry.broker.data.inline import InlineConnector
+from stageferry.broker.data.nixl.address import pin_ucx_devices
 from stageferry.broker.data.nixl.agent import NixlAgent
 from stageferry.broker.data.nixl.consumer import Consumer
 from stageferry.broker.data.nixl.endpoint import Counters, Endpoint
@@ -69,6 +70,7 @@ class NixlConnector(Connector):
         timeouts: Timeouts,
         cuda_device: torch.device | None = None,
         agent: NixlAgent | None = None,
+        address: str | None = None,
     ) -> None:
         incarnation = uuid.uuid4().hex[:16]
         self.endpoint = Endpoint(
@@ -87,6 +89,7 @@ class NixlConnector(Connector):
             ),
             cuda_device=cuda_device,
             agent=agent,
+            address=address,
         )
         self.leases = LeaseTable(self.endpoint)
         self.stagings = Stagings(self.endpoint)
@@ -135,6 +138,9 @@ class NixlConnector(Connector):
         ep = self.endpoint
         try:
             if ep.agent is None:
+                devices = pin_ucx_devices(ep.address)  # before the agent: UCX reads it when the worker is made
+                if ep.address is not None:
+                    log.info("nixl.address", address=ep.address, net_devices=devices)
                 ep.agent = NixlAgent(ep.name, backends=ep.config.nixl_backends, ucx_threads=ep.config.ucx_threads)
             ep.pools = PoolSet.from_config(ep.config, registrar=ep.agent, cuda_device=ep.cuda_device)
             ep.pools.on_pressure = self.consumer.ready.drop  # anyone about to wait gets the ready slots first

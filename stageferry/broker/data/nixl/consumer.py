@@ -224,6 +224,17 @@ class Consumer:
             regions=regions,
             route=self._route(ref, peer, slots),
         )
+        log.info(
+            "payload.get",
+            key=key,
+            transport=Transport.NIXL.value,
+            bytes=incoming.nbytes,
+            seconds=round(seconds, 6),
+            peer=peer.name,
+            source=peer.address,  # the producer's advertised IP, and ours: both ends of the hop
+            destination=ep.address,
+            route=incoming.route,
+        )
         return incoming, slots
 
     def _route(self, ref: NixlPayload, peer: Peer, slots: dict[DeviceKind, Slot]) -> str:

@@ -65,6 +65,8 @@ class Endpoint:
     """A lean connection (:mod:`~stageferry.broker.control.resp_link`) for the per-payload commands that
     are not a stage stream's (a lease's release marks); made by ``open()``; None: redis-py carries them."""
     counters: Counters = field(default_factory=Counters)
+    address: str | None = None
+    """The IP peers reach this agent at (``STAGEFERRY_ADVERTISE_ADDRESS``), published in its record."""
 
     @property
     def direct(self) -> bool:

@@ -45,6 +45,8 @@ class Peer:
     arenas: tuple[RemoteRegion, ...]
     metadata: bytes
     seal_key: bytes
+    address: str | None = None
+    """The IP its record advertises (None: not configured there)."""
     routes: dict[tuple[object, ...], str] = field(default_factory=dict, compare=False, repr=False)
     """Route labels of payload layouts READ from it (:meth:`Consumer._route`), once UCX named the transport."""
 
@@ -77,6 +79,7 @@ class Peers:
             arenas=ep.pools.arenas(),
             seal_key=ep.seal_key,
             started_at=time.time(),
+            address=ep.address,
         )
         key = ep.keys.agent(ep.name)
         with translated():
@@ -174,6 +177,7 @@ class Peers:
             arenas=tuple(record.arenas),
             metadata=record.metadata,
             seal_key=record.seal_key,
+            address=record.address,
         )
         self._peers[name] = peer
         return peer

@@ -190,3 +190,12 @@ def test_missing_nixl_raises_unavailable(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.setitem(sys.modules, mod, None)
     with pytest.raises(NixlUnavailableError):
         NixlAgent("never")
+
+
+def test_transfer_states_are_read_once_into_the_enum() -> None:
+    from stageferry.broker.data.nixl.agent import _state
+    from stageferry.errors import TransferError
+
+    assert _state("PROC") is XferState.PROC and _state(b"DONE") is XferState.DONE and _state("ERR") is XferState.ERR
+    with pytest.raises(TransferError, match="unknown transfer state"):
+        _state("BOGUS")

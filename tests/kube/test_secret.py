@@ -1,0 +1,81 @@
+"""``stageferry kube secret``: the Secret's ACL file loads in a real redis-server (7.0, as Debian ships
+it) as ``--aclfile``, its URL and passwords work, and the autoscaler's user reads the stage streams'
+backlog (what KEDA's redis-streams trigger sends) and nothing else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis as sync_redis
+import yaml
+
+from stageferry.config import PipelineConfig
+from stageferry.kube.generate import redis_secret, secret_yaml
+from stageferry.kube.values import Values
+from tests.kube.render import TREE
+from tests.security.servers import PrivateRedis
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def secret() -> dict[str, Any]:
+    obj = redis_secret(PipelineConfig.load(TREE / "base" / "pipeline.toml"), Values.load(TREE / "values.toml"))
+    assert yaml.safe_load(secret_yaml(obj)) == obj
+    return obj
+
+
+@pytest.fixture
+def server(tmp_path: Path, secret: dict[str, Any]) -> PrivateRedis:
+    acl = tmp_path / "users.acl"
+    acl.write_text(secret["stringData"]["users.acl"])
+    work = tmp_path / "redis"
+    work.mkdir()
+    redis = PrivateRedis(work, ["--aclfile", str(acl)])
+    password = secret["stringData"]["password"]
+    return redis.start(f"redis://stageferry:{password}@127.0.0.1:{redis.port}/0")
+
+
+def test_passwords_are_fresh_and_the_url_names_the_service(secret: dict[str, Any]) -> None:
+    data = secret["stringData"]
+    assert data["url"] == f"redis://stageferry:{data['password']}@stageferry-redis:6379/0"
+    assert data["address"] == "stageferry-redis:6379" and "CHANGE-ME" not in data["users.acl"]
+    other = redis_secret(PipelineConfig.load(TREE / "base" / "pipeline.toml"), Values())
+    assert other["stringData"]["password"] != data["password"]
+
+
+def test_an_existing_redis_and_tls() -> None:
+    pipeline, values = PipelineConfig.load(TREE / "base" / "pipeline.toml"), Values()
+    external = redis_secret(pipeline, values, url="rediss://stageferry:pw@redis.internal:6380/0")["stringData"]
+    assert (external["address"], external["scaler-tls"]) == ("redis.internal:6380", "enable")
+    tls = redis_secret(pipeline, values, tls=True)["stringData"]
+    assert tls["url"].startswith("rediss://") and tls["url"].endswith("?ssl_ca_certs=/etc/stageferry/tls/ca.crt")
+
+
+def test_the_acl_file_runs_in_redis(server: PrivateRedis, secret: dict[str, Any]) -> None:
+    data = secret["stringData"]
+    services = sync_redis.Redis(port=server.port, username="stageferry", password=data["password"])
+    services.xgroup_create("sf:stage:diffusion:in", "diffusion", id="0", mkstream=True)
+    services.xadd("sf:stage:diffusion:in", {"job": "{}"})
+    services.xadd("sf:stage:diffusion:in", {"job": "{}"})
+    services.xreadgroup("diffusion", "replica-a", {"sf:stage:diffusion:in": ">"}, count=1)
+
+    scaler = sync_redis.Redis(port=server.port, username=data["scaler-username"], password=data["scaler-password"])
+    assert scaler.xpending("sf:stage:diffusion:in", "diffusion")["pending"] == 1  # pendingEntriesCount
+    (group,) = scaler.xinfo_groups("sf:stage:diffusion:in")  # lagCount
+    assert group["name"] == b"diffusion" and group["lag"] == 1
+    assert scaler.xlen("sf:stage:diffusion:in") == 2
+    for refused in (
+        lambda: scaler.xrange("sf:stage:diffusion:in"),  # no entry's body (prompts)
+        lambda: scaler.xlen("sf:req-events:x"),  # no other key
+        lambda: scaler.xadd("sf:stage:diffusion:in", {"job": "{}"}),
+        lambda: scaler.get("sf:req:x"),
+    ):
+        with pytest.raises(sync_redis.exceptions.NoPermissionError):
+            refused()
+    client = sync_redis.Redis(port=server.port, username="sfclient", password=data["sfclient-password"])
+    assert client.ping()
+    with pytest.raises(sync_redis.exceptions.AuthenticationError):
+        sync_redis.Redis(port=server.port).ping()  # the default user is off
