@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, connect, durability_of, translated, with_reconnects
 from stageferry.broker.control.refusals import Refusal, Refusals
-from stageferry.broker.control.requests import RequestStore
+from stageferry.broker.control.requests import RequestStore, taken
 from stageferry.broker.control.resp_link import open_link
 from stageferry.config import Limits, PipelineConfig, Settings
 from stageferry.errors import ConfigError, JobValidationError, RequestLostError, RequestNotFoundError, field_error
@@ -34,6 +34,7 @@ from stageferry.schemas.job import (
     is_tenant,
     tenant_of,
 )
+from stageferry.schemas.submission import new_ticket
 from stageferry.schemas.validation import check_job_limits, field_errors
 from stageferry.trace import TraceEvent, parse_events, parse_row
 
@@ -116,7 +117,8 @@ class Client:
         self.refusals = Refusals(self.redis, self.keys, ttl_s=retention.request_ttl_s)
         #: Submissions' lean connection (``resp_link``; connects on first use; None: redis-py alone).
         self._link = open_link(self.redis)
-        self._entries: dict[str, str] = {}  # request id → the stream entry this client added for it
+        #: request id → (the ticket, the job digest) of the submission this client made for it
+        self._tickets: dict[str, tuple[str, str]] = {}
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Client:
@@ -166,9 +168,11 @@ class Client:
         check_request_id(rid, self.tenant)
         data = job.model_dump(mode="json") if isinstance(job, JobRequest) else dict(job)
         blobs = await self._read_uploads(uploads or {})
-        checked = validate_job(
-            with_upload_refs(data, {name: self.keys.upload(rid, name) for name in blobs}), self.pipeline.limits
-        )
+        # Upload keys carry the submission's ticket (128 random bits): another holder of the client user,
+        # who may SET any id's uploads, cannot name them to overwrite them before the stage reads them.
+        ticket = new_ticket()
+        keys = {name: self.keys.upload(rid, f"{name}.{ticket}") for name in blobs}
+        checked = validate_job(with_upload_refs(data, keys), self.pipeline.limits)
         check_job_limits(checked, self.pipeline.limits, upload_prefix=self.keys.upload(rid, ""))
         first = self.pipeline.stages[0].name
 
@@ -179,18 +183,19 @@ class Client:
                 first,
                 stream_maxlen=self.pipeline.retention.stream_maxlen,
                 tenant=self.tenant,
-                uploads={self.keys.upload(rid, name): blob for name, blob in blobs.items()},
+                uploads={keys[name]: blob for name, blob in blobs.items()},
                 upload_ttl_s=upload_ttl_s,
                 link=self._link,
+                ticket=ticket,
             )
 
         ride_s = durability_of(self.redis).failover_s
         if ride_s > 0:
-            entry = await with_reconnects(enqueue, within=ride_s, event="client.submit_retry", cap=0.5)
+            queued = await with_reconnects(enqueue, within=ride_s, event="client.submit_retry", cap=0.5)
         else:
-            entry = await enqueue()
-        if entry is not None:
-            self._entries[rid] = entry
+            queued = await enqueue()
+        if queued is not None:
+            self._tickets[rid] = (queued, checked.digest())
         return rid
 
     async def _read_uploads(self, uploads: Mapping[str, bytes | Path]) -> dict[str, bytes]:
@@ -228,7 +233,8 @@ class Client:
     ) -> RequestStatus:
         """Block until the request is terminal (:class:`DeadlineExceededError` after ``timeout``;
         :class:`RequestLostError` if Redis lost it, or the refusal's error if the first stage refused the
-        entry this client submitted).
+        submission this client made; :class:`RequestIdTakenError` when the id's record belongs to a
+        different job than the one this client submitted under it — its ``job_sha`` is another's).
 
         All waits of this client share one blocking Redis read, however many run at once, and a Redis
         outage is ridden through within ``timeout``.  With ``exists_within`` (``0``: at once) an id that
@@ -242,18 +248,24 @@ class Client:
             if refusal is not None:
                 raise refusal.error()
 
-        check = raise_if_refused if request_id in self._entries else None
+        mine = self._tickets.get(request_id)
+        check = raise_if_refused if mine is not None else None
         try:
-            return await self.store.wait(
+            status = await self.store.wait(
                 request_id,
                 timeout=timeout,
                 on_quiet=check,
                 exists_within=exists_within,
-                seen=request_id in self._entries,  # this client's own submission: it existed
+                seen=mine is not None,  # this client's own submission: it existed
             )
         except (RequestLostError, RequestNotFoundError):
             await raise_if_refused()
             raise
+        if mine is not None:  # a status under this id, but is it this client's job's? (``job_sha``)
+            owner = await self.store.owner(request_id)
+            if owner is not None and owner != mine[1]:
+                raise taken(request_id)
+        return status
 
     async def status(self, request_id: str) -> RequestStatus | None:
         """The request's status; ``queued`` at the first stage while only its "submitted" marker exists."""
@@ -263,9 +275,10 @@ class Client:
         return status
 
     async def refusal_of(self, request_id: str) -> Refusal | None:
-        """Why the first stage refused the entry that this client submitted for ``request_id``, if it did."""
-        entry = self._entries.get(request_id)
-        return None if entry is None else await self.refusals.get(entry, self.tenant)
+        """Why the first stage refused the submission this client made for ``request_id``, if it did (read
+        by the submission's ticket)."""
+        mine = self._tickets.get(request_id)
+        return None if mine is None else await self.refusals.get(mine[0], self.tenant)
 
     async def cancel(self, request_id: str) -> bool:
         """Ask the stages to stop the request at their next boundary; False if unknown or finished."""

@@ -361,13 +361,13 @@ class Retention(Strict):
 
 
 class Security(Strict):
-    """Tenants: each has its own intake stream to the first stage (``<p>:stage:<first>:intake:<tenant>``),
-    which only its ACL user may write, and its own request ids (``<tenant>.<rest>``), which only it may
+    """Tenants: each has its own intake list to the first stage (``<p>:stage:<first>:submit:<tenant>``),
+    which only its ACL user may push to, and its own request ids (``<tenant>.<rest>``), which only it may
     read or cancel.  With tenants configured, the first stage takes client jobs only from intakes, each
     only for its tenant's ids (see ``docs/security.md``; ``stageferry acl`` prints the ACL users)."""
 
     tenants: Annotated[tuple[Annotated[str, Field(pattern=TENANT_PATTERN)], ...], Field(max_length=256)] = ()
-    """Tenant names (each with its own intake stream, request-id prefix `<tenant>.` and ACL user)."""
+    """Tenant names (each with its own intake list, request-id prefix `<tenant>.` and ACL user)."""
 
     @model_validator(mode="after")
     def _unique(self) -> Security:

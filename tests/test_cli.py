@@ -86,8 +86,8 @@ def test_submit_from_json_on_stdin_with_env_settings(redis_url: str, prefix: str
     result = runner.invoke(app, ["status", rid], env=env)
     assert result.exit_code == 0
     assert RequestStatus.model_validate_json(result.stdout).state is RequestState.QUEUED
-    rows = sync_redis.Redis.from_url(redis_url).xrange(Keys(prefix).stage_stream("encoder"))
-    assert [json.loads(f[b"job"])["seed"] for _, f in rows] == [7]
+    items = sync_redis.Redis.from_url(redis_url).lrange(Keys(prefix).intake("encoder"), 0, -1)
+    assert [json.loads(item)["job"]["seed"] for item in items] == [7]  # queued on the intake
 
 
 def test_invalid_job_is_one_line_without_traceback(redis_url: str, prefix: str) -> None:

@@ -28,8 +28,18 @@ async def client(redis_url: str, prefix: str) -> AsyncIterator[Client]:
 
 
 async def stream_entries(client: Client) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    rows = await client.redis.xrange(client.keys.stage_stream("encoder"))
-    return [(bytes(eid), dict(fields)) for eid, fields in rows or []]  # type: ignore[arg-type]
+    """The submissions queued on the first stage's intake, as (ticket, fields) in a stream entry's shape."""
+    out = []
+    for item in await client.redis.lrange(client.keys.intake("encoder"), 0, -1):  # type: ignore[misc]
+        sub = json.loads(item)
+        assert list(sub)[:2] == ["v", "ticket"] and sub["v"] == 1 and re.fullmatch(r"[0-9a-f]{32}", sub["ticket"])
+        out.append(
+            (
+                sub["ticket"].encode(),
+                {b"request_id": sub["request_id"].encode(), b"job": json.dumps(sub["job"]).encode()},
+            )
+        )
+    return out
 
 
 async def test_submit_twice_enqueues_once(client: Client) -> None:
@@ -101,14 +111,14 @@ async def test_uploads_land_under_upload_keys_with_ttl(client: Client, tmp_path:
     rid = await client.submit(
         job, request_id="up-1", uploads={"first_frame": b"\x89PNG first", "last_frame": last}, upload_ttl_s=120
     )
+    ticket, fields = (await stream_entries(client))[0]
+    media = json.loads(fields[b"job"])["media"]
     for name, body in (("first_frame", b"\x89PNG first"), ("last_frame", b"\x89PNG last")):
-        key = client.keys.upload(rid, name)
+        # under the request's id and the submission's ticket: nobody else can name (and overwrite) them
+        key = client.keys.upload(rid, f"{name}.{ticket.decode()}")
+        assert media[name] == {"path": None, "upload_key": key}
         assert await client.redis.get(key) == body
         assert 0 < await client.redis.ttl(key) <= 120
-    entry = (await stream_entries(client))[0][1]
-    media = json.loads(entry[b"job"])["media"]
-    assert media["first_frame"] == {"path": None, "upload_key": client.keys.upload(rid, "first_frame")}
-    assert media["last_frame"]["upload_key"] == client.keys.upload(rid, "last_frame")
 
 
 async def test_upload_to_unknown_media_is_rejected(client: Client) -> None:

@@ -16,6 +16,8 @@ fault gets a kind and a random moment in the run window.  :class:`Injector` carr
 * ``stall`` — SIGSTOP a random leader for longer than the visibility timeout, then SIGCONT it;
 * ``primary_kill`` / ``sentinel_failover`` / ``primary_cut`` — behind Sentinel only: move the master
   under the running pipeline (:mod:`.failover`, which also measures each failover).
+* ``hostile_client`` — push what a client user can still push at everyone's intake
+  (:mod:`stageferry.chaos.hostile`): an oversized item, junk, stage fields, another job's id.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import structlog
 from stageferry import failpoints
 from stageferry.chaos import failover
 from stageferry.chaos.cluster import Cluster, Replica, signal_pid
+from stageferry.chaos.hostile import hostile_client
 
 log = structlog.get_logger(__name__)
 
@@ -47,6 +50,7 @@ class FaultKind(enum.StrEnum):
     REDIS_RESTART = "redis_restart"
     EMPTY_RESTART = "empty_restart"
     STALL = "stall"
+    HOSTILE_CLIENT = "hostile_client"
     PRIMARY_KILL = "primary_kill"
     SENTINEL_FAILOVER = "sentinel_failover"
     PRIMARY_CUT = "primary_cut"
@@ -109,8 +113,17 @@ class FaultLog:
 class Injector:
     """Carries out a plan against a cluster; the RNG for targets is seeded from the plan too."""
 
-    def __init__(self, cluster: Cluster, plan: FaultPlan, *, stall_s: float, failpoint_wait_s: float = 45.0):
+    def __init__(
+        self,
+        cluster: Cluster,
+        plan: FaultPlan,
+        *,
+        stall_s: float,
+        failpoint_wait_s: float = 45.0,
+        max_entry_bytes: int = 1 << 20,
+    ):
         self.cluster = cluster
+        self.max_entry_bytes = max_entry_bytes
         self.plan = plan
         self.stall_s = stall_s
         self.failpoint_wait_s = failpoint_wait_s
@@ -151,6 +164,8 @@ class Injector:
             return await self._at_failpoint(_FAILPOINT_OF[kind])
         if kind is FaultKind.STALL:
             return await self._stall()
+        if kind is FaultKind.HOSTILE_CLIENT:
+            return await hostile_client(self.cluster, max_entry_bytes=self.max_entry_bytes)
         return await self._kill_rank(follower=kind is FaultKind.FOLLOWER_KILL)
 
     async def _pick(self, *, follower: bool) -> tuple[Replica, int, int] | None:

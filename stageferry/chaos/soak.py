@@ -65,6 +65,7 @@ class SoakConfig:
             FaultKind.REDIS_RESTART: 2,
             FaultKind.EMPTY_RESTART: 1,
             FaultKind.STALL: 2,
+            FaultKind.HOSTILE_CLIENT: 2,
         }
     )
     visibility_s: float = 5.0
@@ -311,7 +312,13 @@ async def run_soak(cfg: SoakConfig) -> SoakResult:
     if not cfg.sentinel and any(cfg.faults.get(kind) for kind in FAILOVER_KINDS):
         raise ValueError("failover faults need a Sentinel group: SoakConfig(sentinel=True)")
     plan = FaultPlan.draw(seed, cfg.faults, window_s=cfg.window * 0.85)
-    injector = Injector(cluster, plan, stall_s=cfg.visibility_s * 1.6 + 1, failpoint_wait_s=cfg.fault_wait_s)
+    injector = Injector(
+        cluster,
+        plan,
+        stall_s=cfg.visibility_s * 1.6 + 1,
+        failpoint_wait_s=cfg.fault_wait_s,
+        max_entry_bytes=PipelineConfig.load(cluster.pipeline_file).limits.max_entry_bytes,
+    )
     await cluster.start_redis()
     t0 = time.monotonic()
     submitted: list[blip.Submitted] = []

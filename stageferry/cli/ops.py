@@ -13,7 +13,7 @@ import anyio
 import typer
 import typer.core
 
-from stageferry.acl import acl_file
+from stageferry.acl import acl_file, default_maxmemory, redis_db
 from stageferry.cli.app import _expected_errors, _settings, app, stderr
 from stageferry.cli.jobs import (
     DurationOpt,
@@ -32,9 +32,11 @@ from stageferry.cli.jobs import (
     build_job,
     sample_media,
 )
+from stageferry.client import DEFAULT_REDIS_URL
 from stageferry.logs import configure_logging
 from stageferry.schemas import JobRequest, Task
 from stageferry.schemas.job import REQUEST_ID_PATTERN, TENANT_PATTERN, TENANT_SEPARATOR
+from stageferry.schemas.submission import TICKET_PATTERN, Submission
 
 
 class SchemaName(enum.StrEnum):
@@ -88,7 +90,10 @@ def job_schema() -> dict[str, Any]:
             "pattern": TENANT_PATTERN,
             "description": f"a tenant's request ids are '<tenant>{TENANT_SEPARATOR}<rest>'",
         },
-        "refusal": "HGETALL <prefix>:refused:<entry id> (tenant: <prefix>:refused:<tenant>.<entry id>)",
+        "ticket": {"type": "string", "pattern": TICKET_PATTERN, "description": "128 random bits, hex"},
+        "submission": Submission.model_json_schema(),
+        "intake": "RPUSH <prefix>:stage:<first stage>:submit <submission JSON> (tenant: ...:submit:<tenant>)",
+        "refusal": "HGETALL <prefix>:refused:<ticket> (tenant: <prefix>:refused:<tenant>.<ticket>)",
     }
     return out
 
@@ -100,6 +105,10 @@ def acl(
     tenant: Annotated[
         list[str] | None, typer.Option("--tenant", help="A tenant (repeatable); default: the pipeline's.")
     ] = None,
+    maxmemory: Annotated[
+        int | None,
+        typer.Option("--maxmemory", metavar="BYTES", help="Redis's memory bound; default: sized from the limits."),
+    ] = None,
     scaler: Annotated[
         bool, typer.Option("--scaler", help="Also an autoscaler's user (KEDA): the stage streams' backlog only.")
     ] = False,
@@ -107,17 +116,23 @@ def acl(
         bool, typer.Option("--sentinel", help="Also the replicas' and the sentinels' users (a Sentinel group).")
     ] = False,
 ) -> None:
-    """Print the Redis ACL users for this deployment (redis.conf syntax; passwords CHANGE-ME): the
-    services' user and least-privilege client users, one per tenant (with ``--sentinel``, the users a
-    Sentinel group's replicas and sentinels log in as; load the file on every data node)."""
+    """Print the Redis config for this deployment (redis.conf syntax; passwords CHANGE-ME): maxmemory with
+    noeviction, the services' user and least-privilege client users, one per tenant, held to the
+    database of STAGEFERRY_REDIS_URL (0 by default); with ``--sentinel``, the users a Sentinel group's
+    replicas and sentinels log in as (load the file on every data node)."""
     settings = _settings(ctx)
     pipeline = settings.load_pipeline()
     tenants = tenant if tenant else list(pipeline.security.tenants)
-    typer.echo(
-        acl_file(settings.prefix, pipeline.stages[0].name, tenants=tenants, scaler=scaler, sentinel=sentinel),
-        nl=False,
+    db = redis_db(settings.redis_url or DEFAULT_REDIS_URL)
+    limits = pipeline.limits
+    memory = maxmemory or default_maxmemory(
+        max_upload_bytes=limits.max_upload_bytes, max_entry_bytes=limits.max_entry_bytes
     )
-
+    first = pipeline.stages[0].name
+    text = acl_file(
+        settings.prefix, first, tenants=tenants, db=db, maxmemory=memory, scaler=scaler, sentinel=sentinel
+    )
+    typer.echo(text, nl=False)
 
 @app.command()
 @_expected_errors

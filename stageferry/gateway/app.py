@@ -121,13 +121,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
 
 def _refused(request: Request, exc: ApiError | StageferryError) -> JSONResponse:
-    """The answer for an error; a 4xx refusal is logged under a request key of its own (the one the job
-    would have had), which the answer's ``X-Request-Id`` names, so a client's report finds the log line.
-    The id is not a ``request_id`` field: a refused request gets no trace in Redis."""
+    """The answer for an error; a 4xx refusal is logged under a request key of its own, which the answer
+    names, so a client's report finds the log line: ``X-Request-Id`` when the refusal is about a request
+    that exists (an idempotency conflict names the earlier job), else ``X-Refusal-Id`` — a refusal before
+    submission has no request, no trace in Redis, and so no request id (``stageferry trace`` on it would
+    say ``not_found``)."""
     api = exc if isinstance(exc, ApiError) else from_exception(exc)
     if 400 <= api.status < 500:
-        rid = api.headers.get("X-Request-Id") or new_request_id()
-        api.headers["X-Request-Id"] = rid
+        rid = api.headers.get("X-Request-Id")
+        if rid is None:
+            rid = api.headers["X-Refusal-Id"] = new_request_id(kind="refused")
         first = api.field_errors[0].get("field") if api.field_errors else None
         log.info("gateway.refused", key=request_key(rid, -1), status=api.status, code=api.code,
                  method=request.method, path=clip(request.url.path, 300), field=first)  # fmt: skip

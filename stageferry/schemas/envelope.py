@@ -8,10 +8,14 @@ Wire format of a stage stream entry (all fields are bytes on the wire):
 * ``blob`` — only for an inline payload: the payload's regions, concatenated;
 * ``lease`` — only for a NIXL payload: its lease token (the envelope's ``payload.token``), which the next
   stage's stream read claims as it delivers the entry (:class:`~stageferry.broker.control.streams.LeaseClaim`).
-  A reader uses that claim only for the token its envelope names; otherwise it claims the lease itself.
+  A reader uses that claim only for the token its envelope names; otherwise it claims the lease itself;
+* ``ticket``, ``tenant`` — only beside a ``job`` moved from a client's intake list by the first stage
+  (:mod:`stageferry.broker.control.intake`: the mover writes them; a moved entry holds the item as
+  ``submission`` — or only its size, ``oversized`` — and the stage unpacks it into these fields).
 
 No other field is allowed (:data:`ENTRY_FIELDS`): an entry with an unknown field, or with both ``job``
-and ``envelope``, or a ``blob`` or ``lease`` beside a ``job``, is refused as ``invalid_envelope`` — never
+and ``envelope``, a ``blob`` or ``lease`` beside a ``job``, a ``blob`` beside a payload that is not
+inline or a ``lease`` that is not its NIXL payload's token, is refused as ``invalid_envelope`` — never
 read past.
 
 Schema version history:
@@ -32,7 +36,7 @@ from stageferry.schemas.status import StageTiming
 
 ENVELOPE_VERSION = 1
 #: The fields a stage stream entry may have (see the module docstring).
-ENTRY_FIELDS = frozenset({"request_id", "job", "envelope", "blob", "lease"})
+ENTRY_FIELDS = frozenset({"request_id", "job", "envelope", "blob", "lease", "ticket", "tenant"})
 StageName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
 
 

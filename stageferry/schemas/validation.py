@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from stageferry.errors import EnvelopeError, JobValidationError, StatusCorruptError, field_error
 from stageferry.schemas.envelope import ENTRY_FIELDS, Envelope
 from stageferry.schemas.job import JobRequest
+from stageferry.schemas.payload import PayloadRef
 from stageferry.schemas.status import RequestStatus
 
 if TYPE_CHECKING:
@@ -85,8 +86,9 @@ def parse_envelope(raw: bytes | str) -> Envelope:
 
 
 def check_entry_fields(fields: Mapping[str, bytes]) -> None:
-    """A stage stream entry has only the documented fields (``ENTRY_FIELDS``), one body, and a ``blob`` or
-    ``lease`` only beside an ``envelope``; anything else is an :class:`EnvelopeError` naming the fields."""
+    """A stage stream entry has only the documented fields (``ENTRY_FIELDS``), one body, a ``blob`` or
+    ``lease`` only beside an ``envelope`` and a ``ticket`` or ``tenant`` only beside a ``job``; anything
+    else is an :class:`EnvelopeError` naming the fields."""
     unknown = sorted(name[:64] for name in fields if name not in ENTRY_FIELDS)
     if unknown:
         raise EnvelopeError("entry has fields the protocol does not define", fields=unknown[:10])
@@ -94,6 +96,24 @@ def check_entry_fields(fields: Mapping[str, bytes]) -> None:
         raise EnvelopeError(
             "an entry carries a job or an envelope (and its blob or lease), not both", fields=sorted(fields)
         )
+    if "envelope" in fields and ("ticket" in fields or "tenant" in fields):
+        raise EnvelopeError("a ticket or a tenant comes only with a client's job", fields=sorted(fields))
+
+
+def check_payload_fields(fields: Mapping[str, bytes], payload: PayloadRef) -> None:
+    """Beside an envelope, exactly its payload kind's fields: ``blob`` with an inline payload (and only
+    there), ``lease`` with a NIXL payload, equal to its token (and only there); an
+    :class:`EnvelopeError` otherwise."""
+    if "blob" in fields and payload.kind != "inline":
+        raise EnvelopeError(f"a blob field beside a {payload.kind!r} payload", fields=sorted(fields))
+    lease = fields.get("lease")
+    if lease is not None:
+        token = getattr(payload, "token", None)
+        if payload.kind != "nixl" or token is None or lease != token.encode():
+            raise EnvelopeError(
+                f"a lease field ({len(lease)} bytes) that is not the {payload.kind!r} payload's token",
+                fields=sorted(fields),
+            )
 
 
 def job_pixel_frames(job: JobRequest, *, reference_frames: int) -> int:

@@ -2,10 +2,13 @@
 
 In order, for every entry the worker reads:
 
-0. whether its request id may be trusted at all (:meth:`Admission.refusal`): an id that breaks the id
-   rule, or — at the first stage of a deployment with tenants — a job that does not come through its
-   tenant's intake stream, is refused *without a request id*, so that nothing is written under an id
-   that may be someone else's (the outcome settles it with a refusal record keyed by the entry id);
+0. a client's submission, moved from an intake list by the first stage (:mod:`~stageferry.broker.control.intake`),
+   is opened (:meth:`Admission.open`): an item too large to be moved, or one that is not a
+   :class:`~stageferry.schemas.submission.Submission`, is refused; then whether its request id may be
+   trusted at all: an id that breaks the id rule, or — at the first stage of a deployment with tenants —
+   a job that does not come through its tenant's intake, is refused *without a request id*, so that
+   nothing is written under an id that may be someone else's (the outcome settles it with a refusal
+   record keyed by the submission's ticket);
 1. the entry as an envelope (:meth:`Admission.parse`): clients send a bare ``job`` to the first stage,
    stages send envelopes; anything else, or anything too large, is a typed rejection; after the entry is
    admitted (its id is its job's, :mod:`.entry_guard`) the job is held to the deployment's limits
@@ -22,11 +25,14 @@ Every refusal is raised as a typed error; none is written here.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
+from pydantic import ValidationError
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import translated
@@ -47,7 +53,16 @@ from stageferry.errors import (
 )
 from stageferry.schemas import Envelope, request_key
 from stageferry.schemas.job import REQUEST_ID_PATTERN, is_request_id, tenant_of
-from stageferry.schemas.validation import check_entry_fields, check_job_limits, parse_envelope, parse_job, parse_status
+from stageferry.schemas.submission import TICKET_WINDOW, Submission
+from stageferry.schemas.validation import (
+    check_entry_fields,
+    check_job_limits,
+    check_payload_fields,
+    field_errors,
+    parse_envelope,
+    parse_job,
+    parse_status,
+)
 from stageferry.stages.media import load_media
 
 log = structlog.get_logger(__name__)
@@ -84,6 +99,20 @@ end
 Look = tuple[bytes | None, int, int, bytes | None, int]
 
 
+def _with_shown_id(entry: Entry) -> Entry:
+    """A submission that does not validate, with the ``request_id`` it names (if any) as a field of its
+    own, for its refusal record to show (bounded there); the entry is read no further."""
+    try:
+        rid = json.loads(entry.fields["submission"]).get("request_id")
+    except (ValueError, AttributeError):
+        return entry
+    return (
+        dataclasses.replace(entry, fields={**entry.fields, "request_id": rid.encode()})
+        if isinstance(rid, str)
+        else entry
+    )
+
+
 class Admission:
     """One stage's entry checks (the leader's; see the module docstring)."""
 
@@ -107,6 +136,36 @@ class Admission:
         self.input_connector = input_connector
         self.index = pipeline.index_of(stage.name)
         self.previous_stage = pipeline.previous_stage(stage.name)
+
+    def open(self, entry: Entry) -> tuple[Entry, SubmissionRefusedError | None]:
+        """The entry as the stage reads it — a moved submission's item unpacked into ``request_id``, ``job``
+        and ``ticket`` fields (beside the mover's ``tenant``) — and why it must be refused before anything
+        is written under its request id, or None (:meth:`refusal`)."""
+        if "oversized" in entry.fields:
+            size = entry.text("oversized")
+            limit = self.pipeline.limits.max_entry_bytes
+            message = f"the submission is {size} bytes, above limits.max_entry_bytes = {limit}"
+            return entry, SubmissionRefusedError(message)
+        if "submission" not in entry.fields:
+            return entry, self.refusal(entry)
+        try:
+            submission = Submission.model_validate_json(entry.fields["submission"])
+        except ValidationError as exc:
+            errors = field_errors(exc)
+            where = f"{errors[0]['field']}: {errors[0]['message']}" if errors else "not JSON"
+            return _with_shown_id(entry), SubmissionRefusedError(f"invalid submission: {where}"[:500])
+        if submission.ticket != entry.text("ticket"):
+            return entry, SubmissionRefusedError(
+                f"the submission's ticket must come first, within its first {TICKET_WINDOW} bytes"
+            )
+        fields = {
+            "request_id": submission.request_id.encode(),
+            "job": json.dumps(submission.job, separators=(",", ":")).encode(),
+            "ticket": submission.ticket.encode(),
+            **({"tenant": entry.fields["tenant"]} if "tenant" in entry.fields else {}),
+        }
+        opened = dataclasses.replace(entry, fields=fields)
+        return opened, self.refusal(opened)
 
     def refusal(self, entry: Entry) -> SubmissionRefusedError | None:
         """Why ``entry`` must be refused before anything is written under its request id, or None.
@@ -156,6 +215,7 @@ class Admission:
                 raise EnvelopeError("envelope does not match its entry", request_id=rid, to_stage=envelope.to_stage)
             if envelope.payload.kind != "none" and envelope.from_stage != getattr(self.previous_stage, "name", None):
                 raise EnvelopeError("a payload may only come from the previous stage", from_stage=envelope.from_stage)
+            check_payload_fields(entry.fields, envelope.payload)
         elif "job" in entry.fields and self.index == 0:
             job = parse_job(entry.fields["job"])
             envelope = Envelope(

@@ -18,8 +18,10 @@ alone, and its request ended ``request_lost`` only when nothing else can settle 
 Nothing a client writes may stop a stage: when the terminal status itself cannot be written (the
 request's key is of another type, its status no longer parses), the entry is dead-lettered with both
 reasons logged; when even the dead-letter stream refuses it, it is acknowledged (logged) rather than
-delivered again and again.  An entry refused without a request id (:class:`SubmissionRefusedError`) gets
-a refusal record under its entry id instead (:mod:`stageferry.broker.control.refusals`).
+delivered again and again.  A client's submission that is refused — without a request id
+(:class:`~stageferry.errors.SubmissionRefusedError`), under another job's id (``request_id_taken``), or
+rejected — gets a refusal record under its ticket (:mod:`stageferry.broker.control.refusals`), the one
+handle its submitter holds.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from stageferry.errors import (
     ControlPlaneError,
     DataPlaneError,
     EntryAction,
+    RejectedError,
     StageferryError,
-    SubmissionRefusedError,
     outcome_of,
 )
 from stageferry.schemas import Envelope, ErrorInfo, Progress, RequestState, RequestStatus
@@ -111,7 +113,7 @@ class Outcomes:
             and await recompute(entry, envelope, error)
         ):
             return
-        if rid is None and isinstance(error, SubmissionRefusedError):
+        if isinstance(error, RejectedError):
             await self._record_refusal(entry, error)
         if rid is not None and outcome.state is not None:
             level, event = _LOGGED.get(outcome.state, ("error", "request.failed"))
@@ -143,13 +145,18 @@ class Outcomes:
             log.error("worker.dead_letter_failed", entry=entry.id, error=exc.message, reason=reason)
             await self.stream.ack(entry.id)
 
-    async def _record_refusal(self, entry: Entry, error: SubmissionRefusedError) -> None:
-        """Tell a client why its entry was refused, under the entry's id (first stage only)."""
-        if self.refusals is None:
+    async def _record_refusal(self, entry: Entry, error: RejectedError) -> None:
+        """Tell a client why its submission was refused, under its ticket (first stage only): every refusal
+        of a client's submission, whether or not its request's status says it too (a ``request_id_taken``
+        entry writes nothing under the id, which is another job's).  An entry without a ticket (written by
+        a services' user) gets none."""
+        ticket = entry.text("ticket")
+        if self.refusals is None or not ticket:
             return
         try:
             await self.refusals.record(
-                entry.id,
+                ticket,
+                entry_id=entry.id,
                 tenant=entry.tenant,
                 stream=entry.stream,
                 error=error,

@@ -35,7 +35,9 @@ import anyio
 import redis.asyncio as aioredis
 import structlog
 
+from stageferry.broker.control.client_keys import ClientKeySweeper, client_key_bounds
 from stageferry.broker.control.dead_letter import DeadLetterPolicy
+from stageferry.broker.control.intake import Intake
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import Heartbeat
 from stageferry.broker.control.redis_conn import is_connection_error, is_transient_error, with_reconnects
@@ -154,7 +156,15 @@ class StageWorker:
             visibility_ms=int(timeouts.visibility * 1000),
             dead_letters=DeadLetterPolicy.from_retention(pipeline.retention),
             max_entry_bytes=pipeline.limits.max_entry_bytes,
-            tenants=pipeline.security.tenants if pipeline.index_of(stage.name) == 0 else (),
+            intake=Intake(
+                redis,
+                keys,
+                stage.name,
+                tenants=pipeline.security.tenants,
+                max_item_bytes=pipeline.limits.max_entry_bytes,
+            )
+            if pipeline.index_of(stage.name) == 0
+            else None,
             # the input payload's lease is claimed by the read itself (one round trip fewer per hop)
             lease_claim=input_connector.lease_claim() if input_connector is not None else None,
             hot_wait_s=timeouts.hot_wait_s(),
@@ -199,6 +209,18 @@ class StageWorker:
             outcomes=self.outcomes,
             output_connector=output_connector,
         )
+        self.sweeper = (
+            ClientKeySweeper(
+                redis,
+                client_key_bounds(
+                    keys,
+                    request_ttl_s=pipeline.retention.request_ttl_s,
+                    max_upload_bytes=pipeline.limits.max_upload_bytes,
+                ),
+            )
+            if first
+            else None
+        )
         self._stopping = False
         self.processed = 0
 
@@ -230,6 +252,8 @@ class StageWorker:
         await self._with_redis_retry(self.stream.ensure_group)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.heartbeat.run)
+            if self.sweeper is not None:  # the first stage holds the client-written keys to their bounds
+                tg.start_soon(self.sweeper.run)
             task_status.started()
             log.info("worker.started", stage=self.stage.name, consumer=self.stream.consumer)
             while not self._stopping:
@@ -268,7 +292,7 @@ class StageWorker:
         The one boundary where an error becomes a request state: everything below raises typed errors,
         and :meth:`Outcomes.settle` ends the request as the outcome table says.  An entry refused at
         admission (its id breaks the rule, or is another tenant's) is settled without a request id."""
-        refusal = self.admission.refusal(entry)
+        entry, refusal = self.admission.open(entry)
         if refusal is not None:  # nothing may be written under its id: it may be someone else's
             await self.outcomes.settle(entry, None, refusal)
             return

@@ -40,7 +40,7 @@ def gateway(redis_url: str) -> Iterator[tuple[str, str]]:
 def queued_entries(redis_url: str, prefix: str) -> int:
     client = sync_redis.Redis.from_url(redis_url)
     try:
-        return int(client.xlen(Keys(prefix).stage_stream("encoder")))
+        return int(client.llen(Keys(prefix).intake("encoder")))  # the submissions on the intake
     finally:
         client.close()
 

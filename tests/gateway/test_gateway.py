@@ -368,7 +368,8 @@ def test_gateway_command_serves_the_configured_deployment(deployment: Deployment
         redis.close()
         refused = httpx.post(f"http://127.0.0.1:{port}/v1/videos", data={**form(), "steps": "3"}, timeout=60)
         assert refused.status_code == 400, refused.text
-        refused_id = refused.headers["X-Request-Id"]
+        refused_id = refused.headers["X-Refusal-Id"]  # no request was made: no request id (issue 37)
+        assert "X-Request-Id" not in refused.headers and refused_id.startswith("refused-")
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)

@@ -10,6 +10,7 @@ without writing anything under that id, and the submitter learns it from the ref
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,17 @@ def test_tenants_complete_jobs_and_reach_only_their_own(tenants: tuple[PrivateRe
             "load a script": lambda: raw.script_load("return 1"),
             "call a function": lambda: raw.fcall("f", 0),
             "read queued prompts (shared)": lambda: raw.xrange(shared),
-            "read queued prompts (own intake)": lambda: raw.xrange(intake),
+            "read queued prompts (own intake)": lambda: raw.lrange(intake, 0, -1),
+            "pop from own intake": lambda: raw.lpop(intake),
+            "trim own intake": lambda: raw.ltrim(intake, 0, 0),
+            "delete own intake": lambda: raw.delete(intake),
+            "XADD to own intake": lambda: raw.xadd(intake, {"request_id": "acme.x", "job": "{}"}),
+            "XADD the last id to the stage stream": lambda: raw.xadd(
+                shared, {"request_id": "acme.x"}, id="18446744073709551615-18446744073709551615"
+            ),
+            "XADD with MAXLEN 0": lambda: raw.xadd(shared, {"request_id": "acme.x"}, maxlen=0),
+            "push the wake list": lambda: raw.lpush(KEYS.wake("encoder"), b"x" * 1024),
+            "select another database": lambda: raw.execute_command("SELECT", 1),
             "read the dead-letter stream": lambda: raw.xrange(KEYS.dead_letter("encoder")),
             "clobber the intake with SET": lambda: raw.set(intake, "x"),
             "LPUSH on a cancel flag": lambda: raw.lpush(KEYS.cancel(mine), "x"),
@@ -137,9 +148,7 @@ def test_tenants_complete_jobs_and_reach_only_their_own(tenants: tuple[PrivateRe
             "read another tenant's result": lambda: raw.get(KEYS.result(theirs)),
             "cancel another tenant's request": lambda: raw.set(KEYS.cancel(theirs), "1"),
             "upload for another tenant": lambda: raw.set(KEYS.upload(theirs, "first_frame"), b"x"),
-            "submit on another tenant's intake": lambda: raw.xadd(
-                other_intake, {"request_id": "globex.x", "job": "{}"}
-            ),
+            "submit on another tenant's intake": lambda: raw.rpush(other_intake, submission("globex.x", JOB)),
             "submit on the shared stream": lambda: raw.xadd(shared, {"request_id": "acme.x", "job": "{}"}),
             "write a later stage's stream": lambda: raw.xadd(KEYS.stage_stream("diffusion"), {"request_id": "a"}),
             "list keys": lambda: raw.keys("*"),
@@ -154,27 +163,34 @@ def test_tenants_complete_jobs_and_reach_only_their_own(tenants: tuple[PrivateRe
     admin.close()
 
 
+def submission(rid: str, job: dict[str, Any], ticket: str | None = None, **extra: Any) -> str:
+    """An intake item as a raw client writes it (docs/protocol.md): the ticket first."""
+    return json.dumps({"v": 1, "ticket": ticket or uuid.uuid4().hex, "request_id": rid, "job": job, **extra})
+
+
 def test_a_tenant_cannot_submit_for_another_tenant(tenants: tuple[PrivateRedis, Services]) -> None:
-    """On its own intake a tenant can XADD anything; the first stage refuses what is not its own, writes
-    nothing under the named id, and the submitter (only) can read why."""
+    """On its own intake a tenant can push anything; the first stage refuses what is not its own, writes
+    nothing under the named id, and the submitter (only) can read why, under its ticket."""
     server, svc = tenants
     admin = admin_of(server)
     acme = sync_redis.Redis.from_url(url(server.port, "sfclient-acme"))
     globex = sync_redis.Redis.from_url(url(server.port, "sfclient-globex"))
     intake = KEYS.intake("encoder", "acme")
+    forged = {"envelope": {"from_stage": "encoder", "attempt": 7, "deadline": 1e12}}
     cases = {
-        "globex.stolen": ({"request_id": "globex.stolen", "job": json.dumps(JOB)}, "tenant_mismatch"),
-        "untenanted-id": ({"request_id": "untenanted-id", "job": json.dumps(JOB)}, "tenant_mismatch"),
-        "acme.forged-envelope": ({"request_id": "acme.forged-envelope", "envelope": "{}"}, "submission_refused"),
-        "acme.bad:id": ({"request_id": "acme.bad:id", "job": json.dumps(JOB)}, "invalid_request_id"),
+        "globex.stolen": (submission("globex.stolen", JOB), "tenant_mismatch"),
+        "untenanted-id": (submission("untenanted-id", JOB), "tenant_mismatch"),
+        "acme.forged-envelope": (submission("acme.forged-envelope", JOB, **forged), "submission_refused"),
+        "acme.bad:id": (submission("acme.bad:id", JOB), "invalid_request_id"),
     }
-    entries = {rid: acme.xadd(intake, fields).decode() for rid, (fields, _code) in cases.items()}
-    acme.lpush(KEYS.wake("encoder"), 1)
-    for rid, (_fields, code) in cases.items():
-        refusal = wait_for(lambda e=entries[rid]: acme.hgetall(KEYS.refused(e, "acme")), 60, f"refusal of {rid}")
+    tickets = {rid: json.loads(item)["ticket"] for rid, (item, _code) in cases.items()}
+    for item, _code in cases.values():
+        acme.rpush(intake, item)
+    for rid, (_item, code) in cases.items():
+        refusal = wait_for(lambda t=tickets[rid]: acme.hgetall(KEYS.refused(t, "acme")), 60, f"refusal of {rid}")
         assert refusal[b"code"].decode() == code, (rid, refusal)
         assert refusal[b"request_id"].decode() == rid
-        assert refused(lambda e=entries[rid]: globex.hgetall(KEYS.refused(e, "acme")))  # not globex's to read
+        assert refused(lambda t=tickets[rid]: globex.hgetall(KEYS.refused(t, "acme")))  # not globex's to read
     for rid in cases:
         assert not admin.exists(KEYS.request(rid), KEYS.events(rid)), rid  # nothing written under those ids
     dead = admin.xrange(KEYS.dead_letter("encoder"))
@@ -187,7 +203,7 @@ def test_a_tenant_cannot_submit_for_another_tenant(tenants: tuple[PrivateRedis, 
         "first_frame": {"upload_key": KEYS.upload("globex.private", "first_frame")},
         "last_frame": {"upload_key": KEYS.upload("globex.private", "first_frame")},
     }
-    acme.xadd(intake, {"request_id": "acme.steal-media", "job": json.dumps(steal)})
+    acme.rpush(intake, submission("acme.steal-media", steal))
     with SyncClient(
         url(server.port, "sfclient-acme"), prefix=PREFIX, pipeline=PipelineConfig.load(svc.pipeline), tenant="acme"
     ) as client:
@@ -203,8 +219,8 @@ def test_a_tenant_cannot_submit_for_another_tenant(tenants: tuple[PrivateRedis, 
 
 
 def test_single_tenant_raw_client_learns_of_a_refused_id(tmp_path: Path) -> None:
-    """The single-tenant client user: a raw XADD with an id that breaks the rule (or would alias another
-    request's keys) is refused, and the raw client reads why under the entry id XADD returned."""
+    """The single-tenant client user: a raw submission with an id that breaks the rule (or would alias
+    another request's keys) is refused, and the raw client reads why under its submission's ticket."""
     with start_server(tmp_path, []) as server:
         pipeline = write_pipeline(tmp_path / "pipeline.toml", STAGES, data_plane={"connector": "inline"})
         with Services(
@@ -216,11 +232,12 @@ def test_single_tenant_raw_client_learns_of_a_refused_id(tmp_path: Path) -> None
                 victim = c.submit({**JOB, "prompt": "sleep:3"})
                 raw = sync_redis.Redis.from_url(url(server.port, "sfclient"))
                 bad = ["a b*c?[d]", "x" * 5000, f"{victim}:cancel", f"{victim}:events", "trailing\n"]
-                entries = {}
+                tickets = {}
                 for rid in bad:
-                    entries[rid] = raw.xadd(KEYS.stage_stream("encoder"), {"request_id": rid, "job": json.dumps(JOB)})
-                for rid, entry in entries.items():
-                    refusal = wait_for(lambda e=entry: raw.hgetall(KEYS.refused(e.decode())), 60, "refusal")
+                    tickets[rid] = uuid.uuid4().hex
+                    raw.rpush(KEYS.intake("encoder"), submission(rid, JOB, tickets[rid]))
+                for rid, ticket in tickets.items():
+                    refusal = wait_for(lambda t=ticket: raw.hgetall(KEYS.refused(t)), 60, "refusal")
                     assert refusal[b"code"] == b"invalid_request_id", (rid, refusal)
                 assert c.wait(victim, timeout=120).state is RequestState.DONE  # not cancelled, not broken
                 assert c.result_bytes(victim)
@@ -229,8 +246,9 @@ def test_single_tenant_raw_client_learns_of_a_refused_id(tmp_path: Path) -> None
 
 
 def test_wait_raises_the_refusal_of_its_own_entry(tenants: tuple[PrivateRedis, Services]) -> None:
-    """A Python client whose entry is refused (here: an untenanted client in a tenant deployment writing
-    the shared stream as the services' user) gets the typed refusal from ``wait``, not a hang."""
+    """A Python client whose submission is refused (here: an untenanted client in a tenant deployment,
+    pushing to the untenanted intake as the services' user) gets the typed refusal from ``wait``, not a
+    hang."""
     server, svc = tenants
     with SyncClient(url(server.port, "stageferry"), prefix=PREFIX, pipeline=PipelineConfig.load(svc.pipeline)) as c:
         rid = c.submit(JOB)

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from stageferry.acl import STAGE_COMMANDS, acl_file
+from stageferry.broker.control.client_keys import ClientKeySweeper, client_key_bounds
+from stageferry.broker.control.intake import Intake
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import Heartbeat
 from stageferry.broker.control.record_loss import Loss, RecordLoss
@@ -130,9 +132,13 @@ async def test_every_control_plane_script_runs_as_the_stage_user(tmp_path: Path,
             assert await loss.end_if_lost(stream.held(fifth), "r-5", stage="encoder") is Loss.ENDED
 
             await Refusals(redis, keys, ttl_s=60).record(
-                "1-0", tenant=None, stream=keys.stage_stream("encoder"), error=InvalidRequestIdError("bad id"),
-                request_id=b"bad id",
+                "0" * 32, entry_id="1-0", tenant=None, stream=keys.stage_stream("encoder"),
+                error=InvalidRequestIdError("bad id"), request_id=b"bad id",
             )  # fmt: skip
+            await Intake(redis, keys, "encoder", max_item_bytes=1024).move(4)  # the intake's mover, too
+            assert await ClientKeySweeper(  # and the sweep of client-written keys
+                redis, client_key_bounds(keys, request_ttl_s=60, max_upload_bytes=1024)
+            ).sweep()
             heartbeat = Heartbeat(redis, keys, "encoder", "a")
             await heartbeat.beat()
             await heartbeat.withdraw()

@@ -198,6 +198,21 @@ def test_an_entry_with_undocumented_fields_is_refused(deployment: Deployment) ->
     assert_streams_empty(deployment.svc)
 
 
+def test_entry_fields_that_do_not_belong_to_the_payload_kind_are_refused(deployment: Deployment) -> None:
+    """Issue 37: a ``blob`` beside a payload that is not inline, a ``lease`` (here 5,000 characters) beside
+    one that is not NIXL, or not its token, were accepted silently; each is ``invalid_envelope`` now."""
+    cases = {"blob": b"\x00" * 64, "lease": "L" * 5000}
+    for name, value in cases.items():
+        r = rid()
+        env = Envelope(request_id=r, key=request_key(r, 0), from_stage="encoder", to_stage="diffusion", job=JOB)
+        fields = {"request_id": r, "envelope": env.model_dump_json(), name: value}
+        status = deployment.wait(deployment.xadd("diffusion", fields))
+        assert status.state is RequestState.REJECTED and status.error is not None, (name, status)
+        assert status.error.code == "invalid_envelope" and f"a {name} field" in status.error.message, status.error
+        assert len(status.error.message) < 300  # the 5,000 characters are not echoed
+    assert_streams_empty(deployment.svc)
+
+
 # -- item 1: a request that keeps killing its stage ------------------------------------------------------
 
 

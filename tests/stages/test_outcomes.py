@@ -3,6 +3,7 @@ its request in the table's state and disposes of the stream entry as the table s
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 
 import pytest
@@ -23,6 +24,7 @@ from stageferry.errors import (
     InvalidRequestIdError,
     JobValidationError,
     PayloadUnavailableError,
+    RequestIdTakenError,
     StageFailedError,
     StageferryError,
 )
@@ -40,8 +42,8 @@ class Stage:
         self.store = RequestStore(redis, keys, ttl_s=600, events_maxlen=100)
         self.outcomes = Outcomes(stage="diffusion", stream=self.stream, store=self.store)
 
-    async def entry(self, rid: str) -> Entry:
-        await self.redis.xadd(self.keys.stage_stream("diffusion"), {"request_id": rid, "job": "{}"})
+    async def entry(self, rid: str, **extra: str) -> Entry:
+        await self.redis.xadd(self.keys.stage_stream("diffusion"), {"request_id": rid, "job": "{}", **extra})
         [entry] = await self.stream.read(1, block_ms=1000)
         return entry
 
@@ -138,16 +140,39 @@ async def test_a_status_that_cannot_be_written_dead_letters_the_entry(stage: Sta
     assert any(e["event"] == "worker.status_write_failed" for e in logs)
 
 
-async def test_a_refused_entry_gets_a_refusal_record_under_its_entry_id(stage: Stage) -> None:
+async def test_a_refused_entry_gets_a_refusal_record_under_its_ticket(stage: Stage) -> None:
     refusals = Refusals(stage.redis, stage.keys, ttl_s=600)
     outcomes = Outcomes(stage="diffusion", stream=stage.stream, store=stage.store, refusals=refusals)
-    entry = await stage.entry("victim:cancel")
+    ticket = uuid.uuid4().hex
+    entry = await stage.entry("victim:cancel", ticket=ticket)
     await outcomes.settle(entry, None, InvalidRequestIdError("missing or invalid request_id"))
-    refusal = await refusals.get(entry.id)
+    refusal = await refusals.get(ticket)
     assert refusal is not None and refusal.code == "invalid_request_id" and refusal.request_id == "victim:cancel"
+    assert refusal.ticket == ticket and refusal.entry == entry.id
     assert isinstance(refusal.error(), InvalidRequestIdError)
     assert not await stage.redis.exists(stage.keys.request("victim"), stage.keys.cancel("victim"))
     assert [f[b"error_code"] for f in await stage.dead_letters()] == [b"invalid_request_id"]
+
+
+async def test_a_submission_under_another_jobs_id_gets_a_refusal_record(stage: Stage) -> None:
+    """``request_id_taken`` writes nothing under the id (the owner's), so its submitter reads it by ticket;
+    the first refusal of a ticket stands."""
+    refusals = Refusals(stage.redis, stage.keys, ttl_s=600)
+    outcomes = Outcomes(stage="diffusion", stream=stage.stream, store=stage.store, refusals=refusals)
+    ticket = uuid.uuid4().hex
+    entry = await stage.entry("owned-1", ticket=ticket)
+    await outcomes.settle(entry, "owned-1", RequestIdTakenError("request id already in use by a different job"))
+    refusal = await refusals.get(ticket)
+    assert refusal is not None and refusal.code == "request_id_taken" and refusal.request_id == "owned-1"
+    assert isinstance(refusal.error(), RequestIdTakenError)
+    assert not await stage.redis.exists(stage.keys.request("owned-1"), stage.keys.events("owned-1"))
+    again = await stage.entry("owned-1", ticket=ticket)
+    await outcomes.settle(again, None, InvalidRequestIdError("a later refusal"))
+    later = await refusals.get(ticket)
+    assert later is not None and later.code == "request_id_taken"
+    untagged = await stage.entry("owned-2")  # a services' user's entry: no ticket, no record
+    await outcomes.settle(untagged, "owned-2", RequestIdTakenError("taken"))
+    assert await stage.redis.keys(stage.keys.refused("*")) == [stage.keys.refused(ticket).encode()]
 
 
 async def test_status_writes_take_the_streams_script_link(stage: Stage) -> None:

@@ -9,7 +9,7 @@ followed by the bare request id.  Request ids cannot contain ``:`` nor glob char
 Written by stages only: ``<p>:req:<id>`` (hash: ``state``, ``status`` JSON), ``<p>:req-events:<id>`` (the
 trace stream), ``<p>:req-result:<id>`` (result bytes, TTL), ``<p>:req-run:<id>:<stage>:<attempt>`` (the entry
 that owns a run), ``<p>:req-crash:<id>:<stage>:<entry>`` (deliveries of an entry the stage died with),
-``<p>:refused:<entry>`` and ``<p>:refused:<tenant>.<entry>`` (why the first stage refused a client's entry),
+``<p>:refused:<ticket>`` and ``<p>:refused:<tenant>.<ticket>`` (why the first stage refused a submission),
 the dead-letter streams ``<p>:stage:<stage>:dlq``, heartbeats ``<p>:stage:<stage>:workers`` and the NIXL keys
 ``<p>:nixl:agent:<name>``, ``<p>:nixl:claim:<token>``, ``<p>:nixl:resend:<agent>``,
 ``<p>:nixl:reply:<token>``; by the gateway: ``<p>:req-video:<id>``, ``<p>:gateway:recent`` (a capped stream
@@ -18,9 +18,10 @@ pages through), ``<p>:req-preview:<id>:<variant>`` and ``<p>:idem:<digest>`` (wh
 ``Idempotency-Key`` created, TTL).
 
 Written by clients: ``<p>:req-cancel:<id>`` (cancel flag), ``<p>:req-submitted:<id>`` ("submitted, not yet
-picked up" marker, TTL), ``<p>:upload:<id>:<name>`` (media bytes, TTL), entries on the first stage's stream
-``<p>:stage:<first>:in`` (single-tenant) or on a tenant's intake ``<p>:stage:<first>:intake:<tenant>``, and
-pushes to the wake list ``<p>:stage:<stage>:wake`` that idle readers block on (stages push it too).
+picked up" marker, TTL), ``<p>:upload:<id>:<name>`` (media bytes, TTL), and submissions pushed onto the
+first stage's intake list ``<p>:stage:<first>:submit`` (a tenant's: ``<p>:stage:<first>:submit:<tenant>``),
+which the first stage moves into its stream (:mod:`~stageferry.broker.control.intake`).  Clients write no
+stream and not the wake list ``<p>:stage:<stage>:wake`` that idle readers block on.
 
 ``stageferry.acl`` turns this table into Redis ACL users; ``docs/security.md`` explains the model.
 
@@ -42,14 +43,10 @@ class Keys:
     def stage_stream(self, stage: str) -> str:
         return f"{self.prefix}:stage:{stage}:in"
 
-    def intake(self, stage: str, tenant: str) -> str:
-        """A tenant's own submission stream to the first stage: only that tenant's ACL user may XADD to it,
-        so the stage knows which tenant sent an entry from the stream it came from."""
-        return f"{self.prefix}:stage:{stage}:intake:{tenant}"
-
-    def submission_stream(self, stage: str, tenant: str | None) -> str:
-        """Where a client of ``tenant`` (None: single-tenant) submits to the first stage ``stage``."""
-        return self.stage_stream(stage) if tenant is None else self.intake(stage, tenant)
+    def intake(self, stage: str, tenant: str | None = None) -> str:
+        """The list clients ``RPUSH`` submissions to (a tenant's own: only that tenant's ACL user may push
+        there, so the first stage knows who sent an item from the list it came from)."""
+        return f"{self.prefix}:stage:{stage}:submit" + ("" if tenant is None else f":{tenant}")
 
     def dead_letter(self, stage: str) -> str:
         return f"{self.prefix}:stage:{stage}:dlq"
@@ -106,9 +103,9 @@ class Keys:
     def upload_prefix(self) -> str:
         return f"{self.prefix}:upload:"
 
-    def refused(self, entry_id: str, tenant: str | None = None) -> str:
-        """Why the first stage refused the client entry ``entry_id`` (the id XADD returned)."""
-        tag = entry_id if tenant is None else f"{tenant}.{entry_id}"
+    def refused(self, ticket: str, tenant: str | None = None) -> str:
+        """Why the first stage refused the submission with ``ticket`` (its submitter's random handle)."""
+        tag = ticket if tenant is None else f"{tenant}.{ticket}"
         return f"{self.prefix}:refused:{tag}"
 
     def idempotency(self, digest: str) -> str:
@@ -131,9 +128,9 @@ class Keys:
 #: What each key of :class:`Keys` holds, by method name: the source of the key table in the docs.
 KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, not a key
     "stage_stream": "stream: the stage's input entries (consumer group `<stage>`)",
-    "intake": "stream: a tenant's own submission stream to the first stage (only that tenant's ACL user may XADD)",
-    "submission_stream": None,
-    "wake": "list: pushed after each XADD by stageferry's writers; idle workers BLPOP it (at most 16 items)",
+    "intake": "list: clients' submissions to the first stage (JSON, `RPUSH` only; `:<tenant>`: a tenant's own), "
+    "moved into its stream by the stage",
+    "wake": "list: pushed after each XADD by the stages (never by clients); idle workers BLPOP it (at most 16 items)",
     "dead_letter": "stream: entries given up on, with the reason",
     "workers": "hash: replica → last heartbeat (unix seconds)",
     "request": "hash: `state` and `status` (JSON RequestStatus)",
@@ -153,8 +150,8 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "idempotency": "string: the request id an `Idempotency-Key` created at the gateway (versioned JSON), TTL",
     "upload": "string: media bytes uploaded by a client, with a TTL",
     "upload_prefix": "the prefix of every upload key (what a job's `upload_key` must start with)",
-    "refused": "hash: why the first stage refused a client's entry, by the id XADD returned "
-    "(`<p>:refused:<tenant>.<entry_id>` for a tenant)",
+    "refused": "hash: why the first stage refused a client's submission, by its ticket "
+    "(`<p>:refused:<tenant>.<ticket>` for a tenant)",
     "agent": "hash: NIXL agent record (metadata, incarnation, arenas), TTL heartbeat",
     "claim": "string: who claimed a payload (or `expired` / `released`), with a TTL",
     "resend": "stream: consumers asking a producer to resend a payload inline",

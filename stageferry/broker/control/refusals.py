@@ -1,18 +1,21 @@
-"""Refusal records: how a raw client learns that the first stage refused its entry.
+"""Refusal records: how a client learns that the first stage refused its submission.
 
-Most bad submissions end in the request's own status (``rejected`` with field errors).  Some cannot:
-when the entry's ``request_id`` breaks the id rule, or names another tenant, the stage must not write
-anything under that id — it may be a victim's.  Such an entry is dead-lettered, and its refusal is
-recorded under the one name its submitter knows and nobody else chose: the *stream entry id* that its
-``XADD`` returned (ids are assigned by Redis, unique in the stream, and cannot name a request's keys)::
+Most bad submissions end in the request's own status too (``rejected`` with field errors).  Some cannot:
+when the submission's ``request_id`` breaks the id rule, names another tenant, or already belongs to a
+different job, the stage must not write anything under that id — it may be a victim's.  So every refused
+submission is recorded under the one name its submitter knows and nobody else chose: the submission's
+*ticket*, 128 random bits it sent with the job (:mod:`stageferry.schemas.submission`)::
 
-    <p>:refused:<entry-id>              an entry of the shared first-stage stream
-    <p>:refused:<tenant>.<entry-id>     an entry of tenant <tenant>'s intake stream
+    <p>:refused:<ticket>              a submission from the single-tenant intake
+    <p>:refused:<tenant>.<ticket>     a submission from tenant <tenant>'s intake
 
 Each is a hash, kept for the request TTL: ``code`` (``invalid_request_id``, ``tenant_mismatch``,
-``invalid_envelope``), ``message``, ``entry``, ``stream`` and ``request_id`` (printable ASCII only,
-cut at 160 characters, for the submitter to recognise).  A client reads it with ``HGETALL``; a tenant's
-ACL user can read only its own (``~<p>:refused:<tenant>.*``).  Schema version: ``version`` field, 1.
+``submission_refused``, ``request_id_taken``, ``invalid_job``, ...), ``message``, ``ticket``, ``entry``
+(the stream entry the stage moved it to), ``stream`` and ``request_id`` (printable ASCII only, cut at 160
+characters, for the submitter to recognise).  The first refusal of a ticket is kept (a later one does not
+overwrite it).  A client reads it with ``HGETALL``; a tenant's ACL user can read only its own
+(``~<p>:refused:<tenant>.*``).  Schema version: ``version`` field, 2 (1 was keyed by the stream entry id,
+when clients added entries themselves).
 """
 
 from __future__ import annotations
@@ -25,12 +28,12 @@ import structlog
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import translated
-from stageferry.errors import SubmissionRefusedError, error_from_code
+from stageferry.errors import RejectedError, SubmissionRefusedError, error_from_code
 
 log = structlog.get_logger(__name__)
 
 #: Version of the refusal record's fields (bump when they change meaning).
-REFUSAL_VERSION = 1
+REFUSAL_VERSION = 2
 _MAX_SHOWN_ID = 160
 
 
@@ -38,6 +41,7 @@ _MAX_SHOWN_ID = 160
 class Refusal:
     """One refusal record, as a client reads it."""
 
+    ticket: str
     entry: str
     code: str
     message: str
@@ -45,12 +49,12 @@ class Refusal:
     stream: str
     at: float
 
-    def error(self) -> SubmissionRefusedError:
+    def error(self) -> RejectedError:
         """The typed error this refusal stands for."""
-        error = error_from_code(self.code, self.message, {"entry": self.entry, "request_id": self.request_id})
-        if isinstance(error, SubmissionRefusedError):
+        error = error_from_code(self.code, self.message, {"ticket": self.ticket, "request_id": self.request_id})
+        if isinstance(error, RejectedError):
             return error
-        return SubmissionRefusedError(self.message, reason_code=self.code, entry=self.entry)
+        return SubmissionRefusedError(self.message, reason_code=self.code, ticket=self.ticket)
 
 
 def shown_id(raw: bytes | None) -> str:
@@ -70,12 +74,21 @@ class Refusals:
         self._ttl = ttl_s
 
     async def record(
-        self, entry_id: str, *, tenant: str | None, stream: str, error: SubmissionRefusedError, request_id: bytes | None
+        self,
+        ticket: str,
+        *,
+        entry_id: str,
+        tenant: str | None,
+        stream: str,
+        error: RejectedError,
+        request_id: bytes | None,
     ) -> None:
-        """Record why ``entry_id`` was refused (the stage calls this, then dead-letters the entry)."""
-        key = self._keys.refused(entry_id, tenant)
+        """Record why the submission with ``ticket`` was refused (the stage calls this, then settles the
+        entry); a ticket refused before keeps its first record."""
+        key = self._keys.refused(ticket, tenant)
         fields = {
             "version": str(REFUSAL_VERSION),
+            "ticket": ticket,
             "entry": entry_id,
             "code": error.code,
             "message": error.message[:1000],
@@ -84,21 +97,24 @@ class Refusals:
             "at": f"{time.time():.3f}",
         }
         with translated():
+            if await self._redis.exists(key):
+                return  # the ticket's first refusal stands
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.hset(key, mapping=fields)
                 pipe.expire(key, self._ttl)
                 await pipe.execute()
-        log.warning("submission.refused", entry=entry_id, code=error.code, tenant=tenant)
+        log.warning("submission.refused", entry=entry_id, ticket=ticket, code=error.code, tenant=tenant)
 
-    async def get(self, entry_id: str, tenant: str | None = None) -> Refusal | None:
-        """The refusal of ``entry_id``, or None if it was not refused (or not yet looked at)."""
+    async def get(self, ticket: str, tenant: str | None = None) -> Refusal | None:
+        """The refusal of the submission with ``ticket``, or None if it was not refused (or not yet looked at)."""
         with translated():
-            raw = await self._redis.hgetall(self._keys.refused(entry_id, tenant))
+            raw = await self._redis.hgetall(self._keys.refused(ticket, tenant))
         if not raw:
             return None
         fields = {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
         return Refusal(
-            entry=fields.get("entry", entry_id),
+            ticket=fields.get("ticket", ticket),
+            entry=fields.get("entry", ""),
             code=fields.get("code", SubmissionRefusedError.code),
             message=fields.get("message", ""),
             request_id=fields.get("request_id", ""),

@@ -50,6 +50,7 @@ from stageferry.errors import (
     RequestNotFoundError,
 )
 from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestState, RequestStatus
+from stageferry.schemas.submission import new_ticket, submission_item
 from stageferry.schemas.validation import parse_status
 
 log = structlog.get_logger(__name__)
@@ -59,7 +60,7 @@ T = TypeVar("T")
 WriteMode = Literal["any", "create", "update", "unowned"]
 
 #: How long a waiter gives an id that it never saw (neither a record nor a "submitted" marker) before
-#: calling it not found: a raw client's XADD carries no marker, and is known only once a first stage (maybe
+#: calling it not found: a raw client's submission may carry no marker, and is known only once a first stage (maybe
 #: still starting) takes it.  Not "lost": such an entry may still run, and a waiter told ``request_lost``
 #: must never see the request end otherwise (issue 34).  An id seen and then gone is lost at once (nothing
 #: can bring it back: stages write records only for entries they hold, ``held.py``).
@@ -203,6 +204,8 @@ class RequestStore:
         self.fanin = EventFanIn(redis)
         #: Status reads asked for at once (a thousand waits starting) share round trips.
         self.status_reads = FieldReads(redis, "status")
+        #: Owner reads likewise (a client checks ``job_sha`` after each wait of its own submissions).
+        self.owner_reads = FieldReads(redis, "job_sha")
 
     async def submit(
         self,
@@ -215,34 +218,37 @@ class RequestStore:
         uploads: Mapping[str, bytes] | None = None,
         upload_ttl_s: int = 3600,
         link: RespLink | None = None,
+        ticket: str | None = None,
     ) -> str | None:
-        """Enqueue a job once, without scripts (a client's ACL user may not run any): the stream entry id,
-        or None if ``request_id`` is already known (nothing is enqueued, nothing uploaded);
+        """Enqueue a job once, without scripts (a client's ACL user may not run any): the submission's
+        ticket (:mod:`stageferry.schemas.submission`: where a refusal of it is recorded), or None if
+        ``request_id`` is already known (nothing is enqueued, nothing uploaded);
         :class:`RequestIdTakenError` if a stage admitted the id for a *different* job (nothing enqueued).
 
-        One MULTI writes the uploads, the "submitted" marker (``SET NX``), the entry on the first stage's
-        stream (``tenant``'s intake when given) and the stage's wake-up; when its XADD fails the uploads
-        and the marker it wrote are withdrawn (:meth:`_withdraw`) and the XADD's error raised.  Which
-        submission of an id wins is decided by the first stage (duplicates are acknowledged there), not by
-        this client: two clients racing on one id both enqueue, and the stage runs it once.
-        :class:`QueueFullError` when the stream is at ``stream_maxlen`` (checked just before, in the same
-        round trip as whether the id is known and whose it is).  Both round trips go over ``link`` (the
-        client's lean connection) when given and the uploads are small (:data:`LINK_MAX_UPLOAD_BYTES`):
-        redis-py's pipelines were most of a client's CPU per submission (``benchmarks/throughput.py``).  A
-        connection lost after the MULTI was sent repeats it through redis-py, as redis-py's own retries
-        would: the entry may then be on the stream twice, and the first stage runs it once.
+        One MULTI writes the uploads, the "submitted" marker (``SET NX``) and the submission, pushed onto
+        the first stage's intake list (``tenant``'s when given; the stage moves it into its stream); when
+        its push fails the uploads and the marker it wrote are withdrawn (:meth:`_withdraw`) and the
+        push's error raised.  Which submission of an id wins is decided by the first stage (duplicates are
+        acknowledged there), not by this client: two clients racing on one id both enqueue, and the stage
+        runs it once.  :class:`QueueFullError` when the intake holds ``stream_maxlen`` submissions
+        (checked just before, in the same round trip as whether the id is known and whose it is).  Both
+        round trips go over ``link`` (the client's lean connection) when given and the uploads are small
+        (:data:`LINK_MAX_UPLOAD_BYTES`): redis-py's pipelines were most of a client's CPU per submission
+        (``benchmarks/throughput.py``).  A connection lost after the MULTI was sent repeats it through
+        redis-py, as redis-py's own retries would: the submission may then be queued twice, and the first
+        stage runs it once.
 
         With ``wait_replicas`` (:mod:`.replication`) the MULTI is followed by ``WAIT`` on its connection,
         and fewer replicas than asked is :class:`NotReplicatedError`; a known id then proves its earlier
         write the same way (its marker rewritten as it is, ``SET XX KEEPTTL``, then ``WAIT``) before it is
         acknowledged, so a resubmission never acknowledges a write that a failover could still lose."""
-        stream = self._keys.submission_stream(first_stage, tenant)
+        intake = self._keys.intake(first_stage, tenant)
         rkey = self._keys.request(request_id)
-        checks = [("HGET", rkey, "job_sha"), ("EXISTS", rkey, self._keys.submitted(request_id)), ("XLEN", stream)]
-        wake = self._keys.wake(first_stage)
+        checks = [("HGET", rkey, "job_sha"), ("EXISTS", rkey, self._keys.submitted(request_id)), ("LLEN", intake)]
         uploads = uploads or {}
         if sum(len(blob) for blob in uploads.values()) > LINK_MAX_UPLOAD_BYTES:
             link = None
+        ticket = ticket or new_ticket()
         with translated():  # the three checks: one round trip
             owner, known, queued = _raised(await run_pipeline(link, self._redis, checks, block_s=0.0))
             if owner is not None and owner.decode() != job.digest():
@@ -257,9 +263,7 @@ class RequestStore:
             writes: list[tuple[Any, ...]] = [
                 *(("SET", key, blob, "EX", upload_ttl_s) for key, blob in uploads.items()),
                 ("SET", marker, first_stage, "NX", "EX", self._ttl),
-                ("XADD", stream, "*", "request_id", request_id, "job", job.model_dump_json()),
-                ("LPUSH", wake, b"1"),
-                ("LTRIM", wake, 0, 15),
+                ("RPUSH", intake, submission_item(ticket, request_id, job.model_dump_json())),
             ]
             if self.durability.on:
                 replies = await replicated_transaction(
@@ -267,12 +271,12 @@ class RequestStore:
                 )
             else:
                 replies = await run_transaction(link, self._redis, writes, raise_errors=False)
-            entry = replies[-3]
-            if isinstance(entry, Exception):  # a MULTI does not roll back: undo what it wrote, then fail
+            pushed = replies[-1]
+            if isinstance(pushed, Exception):  # a MULTI does not roll back: undo what it wrote, then fail
                 await self._withdraw(link, [*uploads, marker], replies[: len(uploads) + 1], request_id)
-                raise entry
+                raise pushed
             _raised(replies)
-        return entry.decode() if isinstance(entry, bytes) else str(entry)
+        return ticket
 
     async def _prove_replicated(self, request_id: str, first_stage: str, link: RespLink | None) -> None:
         """An id submitted before is on enough replicas (:class:`NotReplicatedError` if not): its marker is
@@ -287,7 +291,7 @@ class RequestStore:
         check_submission(int(acked), self.durability, what=f"submission {request_id}")
 
     async def _withdraw(self, link: RespLink | None, keys: Sequence[str], replies: Sequence[Any], rid: str) -> None:
-        """A submission whose XADD failed: its uploads and its "submitted" marker, where this submission
+        """A submission whose push failed: its uploads and its "submitted" marker, where this submission
         wrote them (a marker another submission holds stays), are deleted — with the client user's own
         command (``SET ... XX PXAT 1``, a time long past: Redis deletes the key; it may not ``DEL``), so
         that no ``queued`` request is left that no entry holds (issue 34: the gateway's 503 named an id
@@ -300,7 +304,7 @@ class RequestStore:
         ]
         try:
             _raised(await run_pipeline(link, self._redis, undo, block_s=0.0))
-        except Exception as exc:  # noqa: BLE001 - the XADD's error is raised by the caller
+        except Exception as exc:  # noqa: BLE001 - the push's error is raised by the caller
             log.warning("request.submit_not_withdrawn", request_id=rid, error=str(exc))
         else:
             log.warning("request.submit_withdrawn", request_id=rid, keys=len(undo))
@@ -325,8 +329,7 @@ class RequestStore:
 
     async def owner(self, request_id: str) -> str | None:
         """The digest of the job ``request_id`` belongs to, once a stage admitted it."""
-        with translated():
-            digest = await self._redis.hget(self._keys.request(request_id), "job_sha")
+        digest = await self.owner_reads.get(self._keys.request(request_id))
         return digest.decode() if isinstance(digest, bytes) else None
 
     async def set_status(

@@ -11,12 +11,17 @@ Entries are read through a Lua script that measures them inside Redis: an entry 
 up to more than ``max_entry_bytes`` comes back as its id, its request id and its size only, so an
 oversized entry is refused (dead-lettered by the worker) without ever being pulled whole.  Scripts
 cannot block, and a blocking XREADGROUP would hand over whatever arrives, however large; so an idle
-replica blocks on the stage's *wake list* instead (``BLPOP``), which every writer of ours (submit,
-hand-off) pushes to in the same script as its XADD: work is picked up at once.  An entry XADDed by
-someone else (the raw protocol) is picked up within :data:`WAKE_POLL_S`, the BLPOP's timeout.  The BLPOP
-and the read script go to Redis in one pipeline: Redis keeps a blocked client's next command until the
-block ends and runs it then, so a woken replica gets its entries with the wake-up instead of one round
-trip later.
+replica blocks on the stage's *wake list* instead (``BLPOP``), which every writer of ours (the hand-offs)
+pushes to in the same script as its XADD: work is picked up at once.  An entry XADDed by someone else
+is picked up within :data:`WAKE_POLL_S`, the BLPOP's timeout.  The BLPOP and the read script go to Redis
+in one pipeline: Redis keeps a blocked client's next command until the block ends and runs it then, so a
+woken replica gets its entries with the wake-up instead of one round trip later.
+
+The first stage also has an :class:`~stageferry.broker.control.intake.Intake`: clients push submissions
+onto lists, never onto the stream, and every read moves up to ``count`` of them into the stream first (the
+move's script goes in the same pipeline as the read: no extra round trip).  Clients cannot push the wake
+list (a client's item there would be popped whole), so an idle first stage polls its intake every
+:data:`INTAKE_POLL_S`.
 
 The wait and the scripts (read, hand-off, finish, ack, renew) go over two lean connections of this stream's
 own (:mod:`~stageferry.broker.control.resp_link`: one blocks in the wait, one carries the scripts), which
@@ -39,7 +44,7 @@ is the configured prefix plus the field's value, so a writer cannot aim the clai
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +53,7 @@ import structlog
 
 from stageferry.broker.control.dead_letter import DEAD_LETTER_LUA, DeadLetterPolicy
 from stageferry.broker.control.held import Held
+from stageferry.broker.control.intake import Intake
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, durability_of, translated
 from stageferry.broker.control.replication import replicated_script
@@ -57,8 +63,10 @@ from stageferry.errors import CancelledRequestError, ControlPlaneError
 
 log = structlog.get_logger(__name__)
 
-#: Longest an idle replica waits on its wake list before looking at the stream anyway (raw XADDs).
+#: Longest an idle replica waits on its wake list before looking at the stream anyway.
 WAKE_POLL_S = 0.05
+#: The same for a first stage, which polls its clients' intake lists (clients cannot wake it).
+INTAKE_POLL_S = 0.01
 DEFAULT_MAX_ENTRY_BYTES = 32 * 1024 * 1024
 
 
@@ -86,9 +94,10 @@ class Entry:
     too_large: int | None = None
     """The entry's size when it is above the cap: then ``fields`` holds only its ``request_id``."""
     stream: str = ""
-    """The stream it came from (the stage's own, or a tenant's intake)."""
+    """The stream it came from."""
     tenant: str | None = None
-    """The tenant whose intake stream it came from (only that tenant's ACL user can write there)."""
+    """The tenant whose intake list the entry was moved from (its ``tenant`` field, which only the mover
+    writes: clients write no stream)."""
     lease_claimed: bool | None = None
     """Whether the read claimed the lease its ``lease`` field names (:class:`LeaseClaim`): None when it
     did not try (no claim configured, no such field, or not a new entry)."""
@@ -115,7 +124,7 @@ class StageStream:
         visibility_ms: int,
         dead_letters: DeadLetterPolicy | None = None,
         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
-        tenants: Sequence[str] = (),
+        intake: Intake | None = None,
         lease_claim: LeaseClaim | None = None,
         hot_wait_s: float = 0.0,
     ) -> None:
@@ -128,9 +137,11 @@ class StageStream:
         self.group = stage
         self.consumer = consumer
         self.key = keys.stage_stream(stage)
-        #: Streams read, in order: the stage's own, then each tenant's intake (first stage only).
-        self.streams: tuple[str, ...] = (self.key, *(keys.intake(stage, t) for t in tenants))
-        self._tenants: tuple[str | None, ...] = (None, *tenants)
+        #: Streams read (the read script takes several; a stage reads its own).
+        self.streams: tuple[str, ...] = (self.key,)
+        #: The first stage's clients' intake, moved into the stream by every read (None elsewhere).
+        self.intake = intake
+        self._poll_s = WAKE_POLL_S if intake is None else INTAKE_POLL_S
         self._source: dict[str, str] = {}  # entry id → its stream, for the entries in hand
         self._visibility_ms = visibility_ms
         self._dead_letters = dead_letters or DeadLetterPolicy()
@@ -223,7 +234,7 @@ class StageStream:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return entries
-            entries = await self._wait_and_read(min(remaining, WAKE_POLL_S), count)
+            entries = await self._wait_and_read(min(remaining, self._poll_s), count)
         self._keep_hot()
         return entries
 
@@ -234,12 +245,20 @@ class StageStream:
         it.  A script Redis has forgotten (a restart, ``SCRIPT FLUSH``) or any other failure of the read is
         retried alone, where :meth:`_read_via_script` loads the script and handles a lost group."""
         wake = ("BLPOP", self._keys.wake(self.stage), timeout)
-        read = ("EVALSHA", self._read_capped.sha, len(self.streams), *self.streams, *self._read_args(">", count))
+        commands = [wake, *self._moves(count), self._read_command(">", count)]
         with translated():
-            _, rows = await run_pipeline(self._wait_link, self._redis, [wake, read], block_s=timeout)
-        if isinstance(rows, Exception):
+            replies = await run_pipeline(self._wait_link, self._redis, commands, block_s=timeout)
+        if any(isinstance(reply, Exception) for reply in replies[1:]):
             return await self._read_via_script(">", count)
-        return await self._entries(rows)
+        return await self._entries(replies[-1])
+
+    def _moves(self, count: int) -> list[tuple[Any, ...]]:
+        """The intake's move, sent ahead of a read in the same pipeline (none but at a first stage)."""
+        return [] if self.intake is None else [self.intake.command(count)]
+
+    def _read_command(self, start: str, count: int) -> tuple[Any, ...]:
+        keys = self.streams
+        return ("EVALSHA", self._read_capped.sha, len(keys), *keys, *self._read_args(start, count))
 
     def _read_args(self, start: str, count: int) -> list[Any]:
         lc = self._lease_claim
@@ -249,7 +268,14 @@ class StageStream:
     async def _read_via_script(self, start: str, count: int) -> list[Entry]:
         try:
             with translated():
-                rows = await run_script(self._link, self._read_capped, self.streams, self._read_args(start, count))
+                rows: Any = None
+                if self.intake is not None:  # the move and the read: one round trip
+                    commands = [*self._moves(count), self._read_command(start, count)]
+                    moved, rows = await run_pipeline(self._link, self._redis, commands, block_s=0.0)
+                    if isinstance(moved, Exception):  # a script Redis forgot: the script call loads it
+                        await self.intake.move(count, link=self._link)
+                if rows is None or isinstance(rows, Exception):
+                    rows = await run_script(self._link, self._read_capped, self.streams, self._read_args(start, count))
         except ControlPlaneError as exc:
             if _group_lost(exc):
                 await self.ensure_group()
@@ -271,7 +297,7 @@ class StageStream:
                 int(deliveries),
                 too_large=int(size) or None,
                 stream=stream,
-                tenant=self._tenants[int(k) - 1],
+                tenant=_text(fields, "tenant") if self.intake is not None else None,
                 lease_claimed=None if int(claimed) < 0 else bool(int(claimed)),
             )
             self._source[entry.id] = stream
@@ -414,6 +440,14 @@ def _group_lost(exc: ControlPlaneError) -> bool:
     """The stream or group vanished (deleted, or Redis restarted without persistence): make it again."""
     text = str(exc)
     return "NOGROUP" in text or "UNBLOCKED" in text
+
+
+def _text(flat: list[bytes], name: str) -> str | None:
+    """The value of field ``name`` in a script's flat reply, as text (None: absent)."""
+    for i in range(0, len(flat) - 1, 2):
+        if flat[i] == name.encode():
+            return flat[i + 1].decode("utf-8", errors="replace")
+    return None
 
 
 def _decode_pairs(flat: list[bytes]) -> dict[str, bytes]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import signal
+import uuid
 import wave
 from pathlib import Path
 
@@ -119,11 +120,12 @@ def test_duplicate_submission_runs_once(tmp_path: Path, redis_url: str, prefix: 
         rid = client.submit(JOB, request_id="video_sync-dup-1")
         assert client.submit(JOB, request_id="video_sync-dup-1") == rid
         r = sync_redis.Redis.from_url(redis_url)
-        assert r.xlen(svc.keys.stage_stream("encoder")) == 1  # the second submit enqueued nothing
-        # A raw client that XADDs the same id twice is deduplicated by the stage itself.
+        assert r.llen(svc.keys.intake("encoder")) == 1  # the second submit enqueued nothing
+        # A raw client that submits the same id twice is deduplicated by the stage itself.
         raw_id = "video_sync-dup-raw"
         for _ in range(2):
-            r.xadd(svc.keys.stage_stream("encoder"), {"request_id": raw_id, "job": json.dumps(JOB)})
+            item = {"v": 1, "ticket": uuid.uuid4().hex, "request_id": raw_id, "job": JOB}
+            r.rpush(svc.keys.intake("encoder"), json.dumps(item))
         svc.start("encoder", "a")
         svc.start("diffusion", "a")
         for request_id in (rid, raw_id):

@@ -151,10 +151,10 @@ async def test_a_submission_takes_the_lean_link_unless_its_uploads_are_large(
         entry = await store.submit("r-1", JOB, "encoder", stream_maxlen=10, uploads=uploads, link=link)
     finally:
         await link.aclose()
-    assert entry is not None and await store._redis.xlen(keys.stage_stream("encoder")) == 1
+    assert entry is not None and await store._redis.llen(keys.intake("encoder")) == 1  # type: ignore[misc]
     assert (await store._redis.strlen(keys.upload("r-1", "ref"))) == upload_bytes
     sent = [name for trip in trips for name in trip]
-    assert ("EXEC" in sent) is over_link and ("XLEN" in sent) is over_link
+    assert ("EXEC" in sent) is over_link and ("LLEN" in sent) is over_link
 
 
 async def test_a_follower_whose_shared_reader_lags_still_gets_the_terminal_event(store: RequestStore) -> None:
@@ -176,35 +176,31 @@ async def test_a_follower_whose_shared_reader_lags_still_gets_the_terminal_event
     assert [(f["state"], f["kind"]) for f in rows] == [("queued", "status"), ("running", "status"), ("done", "status")]
 
 
-#: The largest entry id a stream can hold: after it, every ``XADD ... *`` fails ("exhausted the last id").
-MAX_ID = "18446744073709551615-18446744073709551615"
-
-
 @pytest.mark.parametrize("upload_bytes", [16, LINK_MAX_UPLOAD_BYTES + 1], ids=["over-link", "through-redis-py"])
-async def test_a_submission_whose_xadd_fails_leaves_no_queued_request(
+async def test_a_submission_whose_push_fails_leaves_no_queued_request(
     tmp_path: Path, prefix: str, upload_bytes: int
 ) -> None:
-    """Issue 34: a MULTI does not roll back, so a failed XADD left the "submitted" marker (the request
-    said ``queued`` for 24 h, held by nothing) and the uploads.  As the client user of ``stageferry acl``,
-    against a real failing XADD: the marker and the uploads are withdrawn with its own commands, the
-    XADD's error is raised, and Redis refused nothing."""
+    """Issue 34: a MULTI does not roll back, so a failed XADD (now: the intake's RPUSH) left the "submitted"
+    marker (the request said ``queued`` for 24 h, held by nothing) and the uploads.  As the client user of
+    ``stageferry acl``, against a real failing push: the marker and the uploads are withdrawn with its own
+    commands, the push's error is raised, and Redis refused nothing."""
     keys = Keys(prefix)
     with AclRedis(tmp_path, prefix) as server:
         admin = server.admin()
-        admin.xadd(keys.stage_stream("encoder"), {"x": "y"}, id=MAX_ID)  # the stream takes no entry any more
+        admin.set(keys.intake("encoder"), b"not a list")  # the intake takes no push any more
         redis = connect(server.url("sfclient"))
         store = RequestStore(redis, keys, ttl_s=600, events_maxlen=100)
         link = open_link(redis)
         upload = keys.upload("phantom-1", "ref")
         try:
-            with pytest.raises(ControlPlaneError, match="last possible ID"):
+            with pytest.raises(ControlPlaneError, match="WRONGTYPE"):
                 await store.submit(
                     "phantom-1", JOB, "encoder", stream_maxlen=10, uploads={upload: b"x" * upload_bytes}, link=link
                 )
             assert not await store.known("phantom-1"), "no queued request left behind"
             assert admin.exists(keys.submitted("phantom-1"), upload) == 0
             assert server.refusals() == []
-            admin.delete(keys.stage_stream("encoder"))  # the stream fixed: the same id goes in as new
+            admin.delete(keys.intake("encoder"))  # the intake fixed: the same id goes in as new
             assert await store.submit("phantom-1", JOB, "encoder", stream_maxlen=10, link=link) is not None
             assert await store.known("phantom-1")
         finally:

@@ -1,0 +1,132 @@
+"""The first stage's intake: client submissions move from lists clients push to into the stage's stream.
+
+Why not let clients ``XADD`` to the stream: ``XADD`` takes the entry id and ``MAXLEN`` from its caller, so
+one client could add the last possible id (every later ``XADD`` fails: all submissions stop) or trim
+everyone's queued jobs away, and Redis ACLs cannot forbid arguments.  Nor can a script or a Redis
+Function grant a client an ``XADD`` it lacks: commands inside ``EVAL``/``FCALL`` are checked against the
+*calling* user's ACL (checked on Redis 7.0).  So a client's user may only ``RPUSH`` (and ``LLEN``) its
+intake list — no ids, no trimming, no pops — and the first stage's leader moves the items into its own
+stream with ids Redis picks (``*``), in one script (:data:`MOVE`): an item is popped and added in the
+same atomic step, so a mover that dies, or a connection lost mid-call, loses nothing and moves nothing
+twice.  The entry then meets the stage's checks as any entry does; a request id submitted twice runs
+once (admission by request id, :mod:`stageferry.stages.entry_guard`).
+
+Bounded at every step: a move takes at most ``count`` items, round-robin over the intakes (a tenant
+that floods its own list does not starve the others); an item longer than ``max_item_bytes`` is not
+copied into the stream — the entry gets its size and its ticket only (``oversized``, ``ticket``), and the
+stage refuses it under that ticket.  The mover writes the entry's ``tenant`` field from the list the
+item came from (only that tenant's user can push there), so the stage knows who sent it.
+
+Entry fields written here (see :mod:`stageferry.schemas.envelope`): ``submission`` (the item, verbatim),
+``ticket`` (from the item's first :data:`~stageferry.schemas.submission.TICKET_WINDOW` bytes, or empty),
+``tenant`` (a tenant's intake only), or ``oversized`` (the item's size) in place of ``submission``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.control.resp_link import RespLink, run_script
+from stageferry.schemas.submission import TICKET_WINDOW
+
+# KEYS: the stage stream, then the intake lists.  ARGV: most items to move, most bytes an item may have,
+# then one tenant name per intake list ('' for the single-tenant list).
+# Returns {moved, oversized}: items added whole, and items added as their size and ticket only.
+MOVE = f"""
+local want = tonumber(ARGV[1])
+local cap = tonumber(ARGV[2])
+local moved, oversized = 0, 0
+local open = {{}}
+for k = 2, #KEYS do open[k] = true end
+local any = #KEYS > 1
+while any and moved + oversized < want do
+  any = false
+  for k = 2, #KEYS do
+    if open[k] and moved + oversized < want then
+      local item = redis.call('LPOP', KEYS[k])
+      if item then
+        any = true
+        local ticket = string.match(string.sub(item, 1, {TICKET_WINDOW}), '"ticket"%s*:%s*"([0-9a-f]+)"') or ''
+        if #ticket ~= 32 then ticket = '' end
+        local fields
+        if #item > cap then
+          fields = {{'oversized', tostring(#item), 'ticket', ticket}}
+          oversized = oversized + 1
+        else
+          fields = {{'submission', item, 'ticket', ticket}}
+          moved = moved + 1
+        end
+        local tenant = ARGV[k + 1]
+        if tenant ~= '' then
+          fields[#fields + 1] = 'tenant'
+          fields[#fields + 1] = tenant
+        end
+        redis.call('XADD', KEYS[1], '*', unpack(fields))
+      else
+        open[k] = false
+      end
+    end
+  end
+end
+return {{moved, oversized}}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """What one move did (:meth:`Intake.move`)."""
+
+    moved: int  #: items added to the stream whole
+    oversized: int  #: items added as their size and ticket only (refused by the stage)
+
+    @property
+    def total(self) -> int:
+        return self.moved + self.oversized
+
+    @classmethod
+    def from_reply(cls, reply: Sequence[Any]) -> Moved:
+        moved, oversized = (int(x) for x in reply)
+        return cls(moved, oversized)
+
+
+class Intake:
+    """The first stage's intake lists (the single-tenant one, or one per tenant) and their mover."""
+
+    def __init__(
+        self, redis: aioredis.Redis, keys: Keys, stage: str, *, tenants: Sequence[str] = (), max_item_bytes: int
+    ) -> None:
+        self._redis = redis
+        self.stream = keys.stage_stream(stage)
+        #: (list key, tenant or '') of each intake.  The untenanted one is read in a deployment with tenants
+        #: too (no client user may push there then: what a services' user pushes is refused, readably).
+        self.lists: tuple[tuple[str, str], ...] = (
+            (keys.intake(stage), ""),
+            *((keys.intake(stage, t), t) for t in tenants),
+        )
+        self.max_item_bytes = max_item_bytes
+        self._script = redis.register_script(MOVE)
+
+    def _keys_args(self, count: int) -> tuple[list[str], list[Any]]:
+        keys = [self.stream, *(key for key, _ in self.lists)]
+        return keys, [count, self.max_item_bytes, *(tenant for _, tenant in self.lists)]
+
+    def command(self, count: int) -> tuple[Any, ...]:
+        """The move as one ``EVALSHA`` command, for a pipeline that reads the stream next (one round trip);
+        its reply is :meth:`Moved.from_reply`'s (or an error: then call :meth:`move`, which loads it)."""
+        keys, args = self._keys_args(count)
+        return ("EVALSHA", self._script.sha, len(keys), *keys, *args)
+
+    async def move(self, count: int, *, link: RespLink | None = None) -> Moved:
+        """Move up to ``count`` items into the stream (one script)."""
+        keys, args = self._keys_args(count)
+        with translated():
+            return Moved.from_reply(await run_script(link, self._script, keys, args))
+
+
+__all__ = ["MOVE", "Intake", "Moved"]

@@ -1,0 +1,38 @@
+"""The sweep of client-written keys against a real Redis: what a hostile client ``SET`` without a TTL or
+over its bound is given a TTL or deleted; what stageferry's own clients write is left as it is."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+
+from stageferry.broker.control.client_keys import FLAG_MAX_BYTES, ClientKeySweeper, client_key_bounds
+from stageferry.broker.control.keys import Keys
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_oversized_and_ageless_client_keys_are_bounded(redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix)
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        await redis.set(keys.cancel("huge"), b"x" * (256 * 1024))  # a 256 KiB cancel flag, no TTL
+        await redis.set(keys.submitted("ageless"), b"encoder")  # a marker without a TTL
+        await redis.set(keys.submitted("long"), b"encoder", ex=10**7)  # one far past the request TTL
+        await redis.set(keys.upload("big", "first_frame"), b"y" * 5000)  # above this deployment's 4 KiB
+        await redis.set(keys.upload("fine", "first_frame"), b"z" * 100, ex=60)  # as Client.submit writes
+        await redis.set(keys.cancel("fine"), b"1", ex=600)
+        await redis.lpush(keys.cancel("a-list"), b"1")  # not a string: nobody of ours wrote it
+        bounds = client_key_bounds(keys, request_ttl_s=600, max_upload_bytes=4096)
+        swept = await ClientKeySweeper(redis, bounds, count=100).sweep()  # steps: the cursor carries on
+        assert (swept.scanned, swept.expired, swept.deleted) == (7, 2, 3)
+        assert not await redis.exists(keys.cancel("huge"), keys.upload("big", "first_frame"), keys.cancel("a-list"))
+        assert 0 < await redis.ttl(keys.submitted("ageless")) <= 600
+        assert 0 < await redis.ttl(keys.submitted("long")) <= 600
+        assert await redis.get(keys.upload("fine", "first_frame")) == b"z" * 100
+        assert 0 < await redis.ttl(keys.upload("fine", "first_frame")) <= 60  # a shorter TTL is kept
+        assert await redis.get(keys.cancel("fine")) == b"1" and FLAG_MAX_BYTES >= 1
+        again = await ClientKeySweeper(redis, bounds).sweep()
+        assert (again.expired, again.deleted) == (0, 0)  # all within bounds now
+    finally:
+        await redis.aclose()
