@@ -11,6 +11,7 @@ import pytest
 import redis as sync_redis
 
 from stageferry.acl import acl_file
+from stageferry.broker.control.intake import Intake
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import connect
 from stageferry.broker.control.streams import StageStream
@@ -56,9 +57,13 @@ async def test_a_group_with_acl_users_replicates_fails_over_and_waits(tmp_path: 
             redis = connect(stage_url)
             keys = Keys(PREFIX)
             try:
-                stream = StageStream(redis, keys, "encoder", "encoder-a", visibility_ms=60_000)
+                stream = StageStream(
+                    redis, keys, "encoder", "encoder-a", visibility_ms=60_000,
+                    intake=Intake(redis, keys, "encoder", max_item_bytes=1 << 20),
+                )  # fmt: skip
                 await stream.ensure_group()
-                (entry,) = [e for e in await stream.read(10, block_ms=2000) if e.fields["request_id"] == rid.encode()]
+                read = await stream.read(10, block_ms=2000)  # moves the client's submission in from its intake
+                (entry,) = [e for e in read if f'"request_id":"{rid}"'.encode() in e.fields.get("submission", b"")]
                 assert await stream.hand_off(entry.id, "diffusion", {"request_id": rid})  # WAITed, as the stage user
                 await stream.aclose()
             finally:

@@ -72,7 +72,7 @@ async def test_a_submission_returns_only_once_a_replica_has_it(sentinel_group: S
         rid = await client.submit(JOB)
         # No waiting here: WAIT 2 answered, so both replicas hold the entry and its marker already.
         assert on_replicas(sentinel_group, keys.submitted(rid)) == [1, 1]
-        assert on_replicas(sentinel_group, keys.stage_stream("encoder")) == [1, 1]
+        assert on_replicas(sentinel_group, keys.intake("encoder")) == [1, 1]
         assert any("WAIT" in trip for trip in trips)
 
 
