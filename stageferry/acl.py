@@ -148,12 +148,13 @@ def memory_config(maxmemory: int) -> str:
 
 
 def scaler_user(prefix: str, *, name: str = "sfscaler", password: str = ">CHANGE-ME") -> str:
-    """An autoscaler's user (KEDA's ``redis-streams`` trigger): it reads the stage streams' backlog only
-    (``XPENDING`` for pending entries, ``XINFO GROUPS`` for the group's lag, ``XLEN``), no entry's body."""
+    """An autoscaler's user (KEDA's ``redis-streams`` and ``redis`` triggers): it reads the stage streams'
+    backlog (``XPENDING`` for pending entries, ``XINFO GROUPS`` for the group's lag, ``XLEN``) and the
+    intake lists' lengths (``LLEN``) only, no entry's or submission's body."""
     keys = Keys(prefix)
-    commands = "+xpending +xinfo|groups +xinfo|stream +xlen"
-    streams = f"%R~{keys.stage_stream('*')}"
-    return f"user {name} on {password} resetkeys resetchannels -@all {_CONNECTION} {streams} {commands}"
+    streams = f"(%R~{keys.stage_stream('*')} +xpending +xinfo|groups +xinfo|stream +xlen)"
+    intakes = f"(%R~{keys.intake('*')} %R~{keys.intake('*', '*')} +llen)"
+    return f"user {name} on {password} resetkeys resetchannels -@all {_CONNECTION} {streams} {intakes}"
 
 
 def acl_file(

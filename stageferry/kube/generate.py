@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from stageferry.acl import acl_file
+from stageferry.broker.control.keys import Keys
 from stageferry.config import PipelineConfig
 from stageferry.kube.manifests import REDIS_SECRET, cpu_patch, gpu_patch, labels, scaled_object, stage_objects
 from stageferry.kube.values import Values
@@ -52,8 +53,17 @@ def generated_files(pipeline_path: Path, values_path: Path | None) -> dict[str, 
         "base/stages.yaml": _dump(stage_objects(pipeline, values), source),
         "overlays/cpu/stages.yaml": _dump([cpu_patch(pipeline, s, values) for s in stages], source),
         "overlays/gpu/stages.yaml": _dump([gpu_patch(pipeline, s, values) for s in stages], source),
-        "components/keda/scaledobjects.yaml": _dump([scaled_object(s, values) for s in stages], source),
+        "components/keda/scaledobjects.yaml": _dump(
+            [scaled_object(s, values, _intakes(pipeline, values) if i == 0 else ()) for i, s in enumerate(stages)],
+            source,
+        ),
     }
+
+
+def _intakes(pipeline: PipelineConfig, values: Values) -> list[str]:
+    """The first stage's intake lists: the single-tenant one and one per tenant."""
+    keys, first = Keys(values.prefix), pipeline.stages[0].name
+    return [keys.intake(first), *(keys.intake(first, t) for t in pipeline.security.tenants)]
 
 
 def write(root: Path, files: dict[str, str]) -> list[str]:

@@ -13,6 +13,7 @@ name ``instance`` and ``component``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from stageferry.broker.control.keys import Keys
@@ -158,9 +159,11 @@ def disruption_budget(stage: StageConfig) -> Obj:
     }
 
 
-def scaled_object(stage: StageConfig, values: Values) -> Obj:
+def scaled_object(stage: StageConfig, values: Values, intakes: Sequence[str] = ()) -> Obj:
     """KEDA scales the stage's Deployment on its stream: entries its group holds unacked (pending) and
-    entries not yet delivered to it (lag); the larger demand wins."""
+    entries not yet delivered to it (lag); the larger demand wins.  The first stage is also scaled on its
+    ``intakes``, the lists clients push submissions onto (:mod:`stageferry.broker.control.intake`): what
+    waits there has not reached the stream yet (KEDA's ``redis`` list-length trigger, one per list)."""
     v = values.for_stage(stage)
     stream = Keys(values.prefix).stage_stream(stage.name)
     common = {"stream": stream, "consumerGroup": stage.name}  # the address comes with the credentials
@@ -197,6 +200,15 @@ def scaled_object(stage: StageConfig, values: Values) -> Obj:
                     "metadata": {**common, "lagCount": str(v.lag_per_replica)},
                     "authenticationRef": {"name": SCALER_AUTH},
                 },
+                *(
+                    {
+                        "type": "redis",
+                        "name": f"intake-{i}",
+                        "metadata": {"listName": intake, "listLength": str(v.lag_per_replica)},
+                        "authenticationRef": {"name": SCALER_AUTH},
+                    }
+                    for i, intake in enumerate(intakes)
+                ),
             ],
         },
     }

@@ -137,7 +137,16 @@ def test_keda_scales_each_stage_on_its_consumer_group(profile: tuple[str, list[d
         v = VALUES.for_stage(stage)
         assert spec["scaleTargetRef"]["name"] == f"stageferry-{stage.name}"
         assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (v.min_replicas, v.max_replicas)
-        pending, lag = spec["triggers"]
+        pending, lag, *intakes = spec["triggers"]
+        if stage is PIPELINE.stages[0]:  # clients' submissions wait in its intake lists before its stream
+            expected = [f"{VALUES.prefix}:stage:{stage.name}:submit"]
+            expected += [f"{VALUES.prefix}:stage:{stage.name}:submit:{t}" for t in PIPELINE.security.tenants]
+            assert [t["metadata"]["listName"] for t in intakes] == expected
+            for trigger in intakes:
+                assert trigger["type"] == "redis"
+                assert trigger["authenticationRef"]["name"] == "stageferry-redis-scaler"
+        else:
+            assert intakes == []
         for trigger in (pending, lag):
             assert trigger["type"] == "redis-streams"
             assert trigger["metadata"]["stream"] == f"{VALUES.prefix}:stage:{stage.name}:in"

@@ -67,7 +67,11 @@ def test_the_acl_file_runs_in_redis(server: PrivateRedis, secret: dict[str, Any]
     (group,) = scaler.xinfo_groups("sf:stage:diffusion:in")  # lagCount
     assert group["name"] == b"diffusion" and group["lag"] == 1
     assert scaler.xlen("sf:stage:diffusion:in") == 2
+    services.rpush("sf:stage:encoder:submit", b"{}")
+    assert scaler.llen("sf:stage:encoder:submit") == 1  # the first stage's intake backlog (KEDA's redis trigger)
     for refused in (
+        lambda: scaler.lrange("sf:stage:encoder:submit", 0, -1),  # no submission's body
+        lambda: scaler.llen("sf:stage:diffusion:in"),  # LLEN on the intake lists only
         lambda: scaler.xrange("sf:stage:diffusion:in"),  # no entry's body (prompts)
         lambda: scaler.xlen("sf:req-events:x"),  # no other key
         lambda: scaler.xadd("sf:stage:diffusion:in", {"job": "{}"}),
