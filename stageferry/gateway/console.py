@@ -35,7 +35,6 @@ from stageferry.gateway.events_sse import MAX_EVENT_STREAMS, EventStreams
 from stageferry.gateway.service import VideoService
 from stageferry.gateway.stage_health import stage_report
 from stageferry.gateway.trace_report import trace_report
-from stageferry.schemas import Task
 from stageferry.schemas.console import (
     ConsoleInfo,
     ConsoleLimits,
@@ -70,7 +69,7 @@ async def info(request: Request) -> ConsoleInfo:
     limits = pipeline.limits
     return ConsoleInfo(
         auth_required=bool(request.app.state.api_token),
-        tasks=[t.value for t in Task],
+        tasks=[t.value for t in limits.tasks],  # what this deployment serves (limits.tasks)
         stages=[s.name for s in pipeline.stages],
         limits=ConsoleLimits(
             max_steps=limits.max_steps,

@@ -19,6 +19,7 @@ from tests.integrations.conftest import JOBS, baseline, first_frame_png, options
 from tests.procs import ROOT, Services, write_pipeline
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+TASKS = {"ltx2": ["t2va", "i2va"], "wan": ["t2va"]}  # what each family serves (limits.tasks), as the examples say
 
 
 def deploy(tmp_path: Path, redis_url: str, prefix: str, checkpoint: Path, family: str, connector: str) -> Services:
@@ -30,6 +31,7 @@ def deploy(tmp_path: Path, redis_url: str, prefix: str, checkpoint: Path, family
             {"name": "diffusion", "model": "stageferry.integrations.diffusers:diffusion", "device": "cpu"},
         ],
         data_plane={"connector": connector, "inline_max_bytes": 0 if connector == "nixl" else 65_536},
+        limits={"tasks": TASKS[family]},
     )
     text = path.read_text().replace('model = "stageferry.integrations.diffusers:encoder"', _with(opts, "encoder"))
     text = text.replace('model = "stageferry.integrations.diffusers:diffusion"', _with(opts, "diffusion"))

@@ -59,6 +59,7 @@ from stageferry.broker.control.redis_conn import BLOCK_MS, durability_of, transl
 from stageferry.broker.control.replication import replicated_script
 from stageferry.broker.control.resp_link import RespLink, open_link, run_pipeline, run_script
 from stageferry.broker.control.stream_scripts import ACK, FINISH, HANDOFF, HANDOFF_WITH_STATUS, READ_CAPPED, RENEW
+from stageferry.broker.control.tally import pass_through
 from stageferry.errors import CancelledRequestError, ControlPlaneError
 
 log = structlog.get_logger(__name__)
@@ -392,6 +393,7 @@ class StageStream:
         self._settled(entry_id)
         return owned == 1, written == 1
 
+    @pass_through
     async def _durable(self, script: Any, keys: list[str], args: list[Any], *, what: str) -> Any:
         """A write after which this stage cannot repeat its work: on ``wait_replicas`` replicas
         (:func:`~stageferry.broker.control.replication.replicated_script`) when asked, else as any script."""

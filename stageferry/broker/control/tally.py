@@ -34,7 +34,20 @@ ENV = "STAGEFERRY_REDIS_TALLY"
 #: Longest a process's file lags behind its counts while it keeps talking to Redis.
 FLUSH_EVERY_S = 0.25
 
-_SKIP_MODULES = ("stageferry.broker.control.redis_conn", "stageferry.broker.control.resp_link", __name__)
+_SKIP_MODULES = (
+    "stageferry.broker.control.redis_conn",
+    "stageferry.broker.control.resp_link",
+    "stageferry.broker.control.replication",  # WAIT after a write counts for the write's caller
+    __name__,
+)
+#: Functions that only route a call (``StageStream._durable``): the round trip is their caller's.
+_PASS_THROUGH: set[Any] = set()
+
+
+def pass_through(func: Any) -> Any:
+    """Mark ``func`` as a router: tallies name the function that called it (a decorator)."""
+    _PASS_THROUGH.add(func.__code__)
+    return func
 
 
 class Tally:
@@ -75,7 +88,11 @@ def component() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if module.startswith(("stageferry.", "benchmarks", "__main__")) and module not in _SKIP_MODULES:
+        if (
+            module.startswith(("stageferry.", "benchmarks", "__main__"))
+            and module not in _SKIP_MODULES
+            and frame.f_code not in _PASS_THROUGH
+        ):
             return f"{module.removeprefix('stageferry.')}:{frame.f_code.co_name}"
         frame = frame.f_back  # type: ignore[assignment]
     return "other"
