@@ -3,7 +3,9 @@ docs' host commands), the GPU services' URL following it, and the docs' host com
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +22,15 @@ def test_redis_is_published_off_the_usual_port_and_the_gpu_services_follow() -> 
     published = _default("REDIS_PUBLISH")
     assert published == "127.0.0.1:16379"
     assert f'"${{REDIS_PUBLISH:-{published}}}:6379"' in COMPOSE
-    assert _default("GPU_REDIS_URL") == f"redis://${{REDIS_PUBLISH:-{published}}}/0"  # follows REDIS_PUBLISH
+    # The GPU services (host network) build their URL in the container's shell from GPU_REDIS_URL, else
+    # REDIS_PUBLISH: Compose v1 cannot nest one default in another (it rendered "redis://$${REDIS_...").
+    assert _default("GPU_REDIS_URL") == ""
+    url = 'export STAGEFERRY_REDIS_URL=\\"$${GPU_REDIS_URL:-redis://$$REDIS_PUBLISH/0}\\"; exec stageferry'
+    assert COMPOSE.count(url) == 4  # both GPU stages' command and health check
+    for value in ("127.0.0.1:16379", "10.0.0.5:6380"):  # the shell's expansion, as in the container
+        env = {"PATH": os.environ["PATH"], "GPU_REDIS_URL": "", "REDIS_PUBLISH": value}
+        line = url.replace("$$", "$").replace('\\"', '"').replace("exec stageferry", 'echo "$STAGEFERRY_REDIS_URL"')
+        assert subprocess.run(["sh", "-c", line], env=env, capture_output=True, text=True).stdout == f"redis://{value}/0\n"
     smoke = (ROOT / "compose" / "smoke.sh").read_text()
     assert f'REDIS_PUBLISH="${{REDIS_PUBLISH:-{published}}}"' in smoke
 
@@ -30,7 +40,7 @@ def test_the_documented_host_commands_use_the_published_port_and_a_small_size() 
     host_submits = [line for line in docs.splitlines() if line.startswith("stageferry --redis-url")]
     assert host_submits and all("127.0.0.1:16379" in line and "--width 320 --height 192" in line
                                 for line in host_submits)  # fmt: skip
-    assert "redis-cli -p 16379 XADD" in docs and "redis-cli XADD" not in docs
+    assert "redis-cli -p 16379 RPUSH sf:stage:encoder:submit" in docs and "redis-cli XADD" not in docs
     for line in (line for line in docs.splitlines() if "stageferry submit -" in line):
         assert "--width" in line, line  # the schema's default 1344×768 takes minutes on a CPU
 
