@@ -146,7 +146,8 @@ async def test_redis_restarting_empty_with_an_entry_in_hand(tmp_path: Path, pref
 
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(waiter)
-                    await anyio.sleep(0.5)
+                    while client.store.fanin.waiters < 1:  # the wait is under way
+                        await anyio.sleep(0.02)
                     await server.restart()  # no persistence: streams, groups and the request are gone
                 assert [told(o) for o in outcome] == ["request_lost"], outcome
                 await anyio.to_thread.run_sync(
