@@ -6,7 +6,6 @@ the script's TIME and XTRIM were refused to that user, so every dead letter fail
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
 from stageferry.broker.control.streams import StageStream
 from stageferry.config import PipelineConfig
+from tests.procs import wait_for
 from tests.security.servers import AclRedis
 
 
@@ -95,18 +95,33 @@ def test_trimmed_by_length_and_by_bytes(stage_url: str, prefix: str, admin: sync
 
 
 def test_trimmed_by_age_and_expires(stage_url: str, prefix: str, admin: sync_redis.Redis) -> None:
+    """Ages are the server's (the script reads its clock from its XADD's id): the test waits on that clock,
+    not on its own sleeps, so a slow box cannot age an entry past the bound behind the test's back."""
     keys = Keys(prefix)
+    key = keys.dead_letter("encoder")
     policy = DeadLetterPolicy(max_age_s=3)
+
+    def server_ms() -> int:
+        seconds, micros = admin.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def written_ms(request_id: bytes) -> int:
+        return next(int(i.split(b"-")[0]) for i, f in admin.xrange(key) if f[b"request_id"] == request_id)
+
     dead_letter_all(stage_url, keys, policy, [{"request_id": b"old-1", "job": b"{}"}])
-    assert 0 < admin.ttl(keys.dead_letter("encoder")) <= 3
-    time.sleep(1.5)
+    assert 0 < admin.ttl(key) <= 3
+    old = written_ms(b"old-1")
+    wait_for(lambda: server_ms() - old >= 1_500, 30, "old-1 1.5 s old")
     dead_letter_all(stage_url, keys, policy, [{"request_id": b"mid-1", "job": b"{}"}])  # the key's TTL restarts
-    time.sleep(2.0)  # old-1 is now 3.5 s old, mid-1 2 s: the next write trims by age
-    dead_letter_all(stage_url, keys, policy, [{"request_id": b"new-1", "job": b"{}"}])
-    rows = admin.xrange(keys.dead_letter("encoder"))
-    assert [f[b"request_id"] for _, f in rows] == [b"mid-1", b"new-1"]
-    time.sleep(3.5)  # nothing dead-lettered for longer than the age bound: the stream is gone
-    assert admin.exists(keys.dead_letter("encoder")) == 0
+    mid = written_ms(b"mid-1")
+    wait_for(lambda: server_ms() - old > 3_000, 30, "old-1 past the age bound")
+    dead_letter_all(stage_url, keys, policy, [{"request_id": b"new-1", "job": b"{}"}])  # this write trims by age
+    if written_ms(b"new-1") - mid <= 3_000:  # mid-1 was still young when new-1 was written
+        assert [f[b"request_id"] for _, f in admin.xrange(key)] == [b"mid-1", b"new-1"]
+    else:  # the box stalled for 1.5 s between two writes: mid-1 aged out too, rightly
+        assert [f[b"request_id"] for _, f in admin.xrange(key)] == [b"new-1"]
+    # nothing dead-lettered for longer than the age bound: the stream is gone
+    wait_for(lambda: admin.exists(key) == 0, 30, "the dead-letter stream to expire")
 
 
 def test_policy_follows_the_pipeline_retention() -> None:
