@@ -76,7 +76,7 @@ class Services:
             STAGEFERRY_PIPELINE=str(self.pipeline),
             STAGEFERRY_REPLICA=replica,
             STAGEFERRY_LOG_FORMAT="json",
-            PYTHONPATH=str(ROOT),
+            PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
         )
         env.update(self.extra_env)
         return env

@@ -110,7 +110,8 @@ def test_stageferry_up_runs_the_example_to_an_mp4_over_nixl(tmp_path: Path, chec
     pipeline = tmp_path / "wan-tiny.toml"
     pipeline.write_text(example.replace("/tmp/stageferry-tiny/wan", str(checkpoints["wan"])))
     env = {k: v for k, v in os.environ.items() if not k.startswith("STAGEFERRY_")}
-    env |= {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    env |= {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    env["HF_HUB_OFFLINE"] = "1"
     command = [
         *(sys.executable, "-m", "stageferry", "--pipeline", str(pipeline), "up"),
         *("--width", "64", "--height", "64", "--fps", "16", "--duration", "0.5", "--steps", "2"),
