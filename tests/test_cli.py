@@ -71,9 +71,9 @@ def test_submit_takes_a_negative_prompt(redis_url: str, prefix: str) -> None:
     result = invoke(redis_url, prefix, "submit", "--prompt", "a boat", "--negative-prompt", "blurry, text",
                     "--request-id", "cli-neg")  # fmt: skip
     assert result.exit_code == 0, result.output
-    with sync_redis.Redis.from_url(redis_url) as r:  # what the first stage will read
-        ((_entry, fields),) = r.xrange(Keys(prefix).stage_stream("encoder"))
-    job = json.loads(fields[b"job"])
+    with sync_redis.Redis.from_url(redis_url) as r:  # what the first stage will read, on its intake
+        (item,) = r.lrange(Keys(prefix).intake("encoder"), 0, -1)
+    job = json.loads(item)["job"]
     assert job["prompt"] == "a boat" and job["negative_prompt"] == "blurry, text"
 
 

@@ -68,15 +68,32 @@ def _push(cluster: Cluster, max_entry_bytes: int) -> tuple[bool, str]:
         if waiting:
             return False, f"{len(waiting)} of {len(items)} hostile items not refused within {REFUSED_WITHIN_S:.0f}s"
         return True, f"{len(items)} hostile items ({', '.join(tickets.values())}, {FLOOD} junk) refused by ticket"
-    except sync_redis.RedisError as exc:
+    except (sync_redis.ConnectionError, sync_redis.TimeoutError) as exc:
         return False, f"redis: {exc}"
+    except sync_redis.RedisError as exc:
+        return False, f"redis error: {exc}"
     finally:
         client.close()
 
 
+#: How long the fault waits for a Redis that another fault took down, before it counts as missed.
+REDIS_BACK_WITHIN_S = 60.0
+
+
+def _push_when_redis_answers(cluster: Cluster, max_entry_bytes: int) -> tuple[bool, str]:
+    """A Redis down for another fault (a restart, an empty restart) delays the burst instead of missing it:
+    the whole burst is pushed again, with fresh tickets, once Redis answers."""
+    deadline = time.monotonic() + REDIS_BACK_WITHIN_S
+    while True:
+        ok, detail = _push(cluster, max_entry_bytes)
+        if ok or not detail.startswith("redis:") or time.monotonic() > deadline:
+            return ok, detail
+        time.sleep(0.5)
+
+
 async def hostile_client(cluster: Cluster, *, max_entry_bytes: int) -> tuple[bool, str]:
     """Push the burst and wait for every item's refusal (see the module docstring)."""
-    return await anyio.to_thread.run_sync(_push, cluster, max_entry_bytes)
+    return await anyio.to_thread.run_sync(_push_when_redis_answers, cluster, max_entry_bytes)
 
 
 __all__ = ["hostile_client"]
