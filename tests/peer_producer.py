@@ -3,7 +3,8 @@
 ``python -m tests.peer_producer --redis-url URL --prefix P --payloads T2VA,FL2VA,bytes:1000 [...]``
 puts each payload through a real :class:`NixlConnector` and RPUSHes ``{"key", "ref", "blob"}`` (JSON,
 blob base64) to ``<P>:test:refs``; then it keeps serving (notifications, leases, resends) and writes
-its resource counters to the hash ``<P>:test:producer`` until ``<P>:test:stop`` exists.
+its resource counters to the hash ``<P>:test:producer`` until ``<P>:test:stop`` exists.  With
+``--hold NAME`` it puts nothing until ``<P>:test:<NAME>`` exists (its record is published meanwhile).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ async def main(args: argparse.Namespace) -> None:
         conn.open()
         async with anyio.create_task_group() as tg:
             await tg.start(conn.run)
+            while args.hold and not await redis.exists(f"{args.prefix}:test:{args.hold}"):
+                await anyio.sleep(0.02)
             specs = args.payloads.split(",") * args.repeat
             for i, spec in enumerate(specs):
                 key = f"video_sync-peer{i}_0_0"
@@ -104,4 +107,5 @@ if __name__ == "__main__":
     parser.add_argument("--lease", type=float, default=60.0)
     parser.add_argument("--claim", type=float, default=30.0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--hold", default="")
     anyio.run(main, parser.parse_args())

@@ -12,7 +12,9 @@ Four formats, one protocol version (:data:`NIXL_PROTOCOL_VERSION`) that both sid
   — a consumer that could not READ asks the producer (stream ``<prefix>:nixl:resend:<agent>``) to send
   the payload inline, or to drop it; the producer answers on ``<prefix>:nixl:reply:<token>``.
 * the release notification (:func:`release_notification` / :func:`released_token`) — sent with the
-  consumer's last READ; the producer frees the lease's slots when it arrives.
+  consumer's last READ; the producer frees the lease's slots when it arrives;
+* the warm-up notification (:data:`WARM_NOTIFICATION`) — sent once by a consumer that connected to the
+  producer ahead of its payloads (so that the first release finds the path set up); ignored on arrival.
 
 Everything is validated on read (bounded sizes, exact patterns); nothing is unpickled.
 
@@ -20,6 +22,9 @@ Protocol version history:
   0 — (implicit) records and resend requests without a ``protocol`` field: refused.
   1 — first versioned form: the record and resend requests carry ``protocol``; reply ``\\x01`` + the
       payload's regions concatenated, or ``\\x00`` for a refusal; notification ``sf-release:<token>``.
+      Later, compatible additions: the record's optional ``address``; the stage index
+      ``<prefix>:nixl:agents:<stage>`` and the ``sf-warm`` notification (any other notification was
+      always ignored, so older producers accept it).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ MAX_ARENAS = 8
 SEAL_KEY_BYTES = 32
 
 RELEASE_TAG = b"sf-release:"
+WARM_NOTIFICATION = b"sf-warm"
+"""What a consumer that connected ahead of payloads sends its producer once; producers ignore it."""
 _TOKEN = re.compile(rb"[A-Za-z0-9._:-]{8,128}")
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._:-]+")
 """Agent names and tokens (their wire patterns): JSON writes them between quotes as they are."""

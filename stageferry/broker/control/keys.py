@@ -11,7 +11,7 @@ trace stream), ``<p>:req-result:<id>`` (result bytes, TTL), ``<p>:req-run:<id>:<
 that owns a run), ``<p>:req-crash:<id>:<stage>:<entry>`` (deliveries of an entry the stage died with),
 ``<p>:refused:<ticket>`` and ``<p>:refused:<tenant>.<ticket>`` (why the first stage refused a submission),
 the dead-letter streams ``<p>:stage:<stage>:dlq``, heartbeats ``<p>:stage:<stage>:workers`` and the NIXL keys
-``<p>:nixl:agent:<name>``, ``<p>:nixl:claim:<token>``, ``<p>:nixl:resend:<agent>``,
+``<p>:nixl:agent:<name>``, ``<p>:nixl:agents:<stage>``, ``<p>:nixl:claim:<token>``, ``<p>:nixl:resend:<agent>``,
 ``<p>:nixl:reply:<token>``; by the gateway: ``<p>:req-video:<id>``, ``<p>:gateway:recent`` (a capped stream
 of the job ids it accepted, for the web console), ``<p>:gateway:videos`` (the index ``GET /v1/videos``
 pages through), ``<p>:req-preview:<id>:<variant>`` and ``<p>:idem:<digest>`` (which request an
@@ -115,6 +115,10 @@ class Keys:
     def agent(self, name: str) -> str:
         return f"{self.prefix}:nixl:agent:{name}"
 
+    def agents(self, stage: str) -> str:
+        """Which agent each replica of ``stage`` runs now (its consumers connect to them ahead of payloads)."""
+        return f"{self.prefix}:nixl:agents:{stage}"
+
     def claim(self, token: str) -> str:
         return f"{self.prefix}:nixl:claim:{token}"
 
@@ -153,6 +157,7 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "refused": "hash: why the first stage refused a client's submission, by its ticket "
     "(`<p>:refused:<tenant>.<ticket>` for a tenant)",
     "agent": "hash: NIXL agent record (metadata, incarnation, arenas), TTL heartbeat",
+    "agents": "hash: replica id → its current NIXL agent name (consumers connect to those ahead of payloads)",
     "claim": "string: who claimed a payload (or `expired` / `released`), with a TTL",
     "resend": "stream: consumers asking a producer to resend a payload inline",
     "resend_reply": "list: the inline bytes of a resend",

@@ -45,7 +45,8 @@ async def build_connectors(
     address: str | None = None,
 ) -> StageConnectors:
     """Connectors for ``stage``: none on the input of the first stage, none on the output of the last."""
-    has_input = pipeline.previous_stage(stage.name) is not None
+    previous = pipeline.previous_stage(stage.name)
+    has_input = previous is not None
     has_output = pipeline.next_stage(stage.name) is not None
     if not (has_input or has_output):  # a one-stage (e.g. aggregated) pipeline moves no payload
         return StageConnectors(input=None, output=None)
@@ -63,6 +64,7 @@ async def build_connectors(
             timeouts=pipeline.timeouts,
             cuda_device=cuda,
             address=address,
+            upstream=previous.name if previous is not None else None,
         )
         await anyio.to_thread.run_sync(nixl.open)
         connector = nixl

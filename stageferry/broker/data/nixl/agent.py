@@ -295,6 +295,12 @@ class NixlAgent:
             log.info("nixl.remote.added", agent=self.name, remote=name)
         return name
 
+    def connect(self, name: str) -> None:
+        """Open the UCX connection to a loaded peer now (NIXL's ``make_connection``), so that its first READ
+        does not wait for the wire-up."""
+        with self._raising("make_connection", name):
+            self._agent.make_connection(name)
+
     def remove_remote(self, name: str) -> None:
         """Forget a peer (idempotent); its open transfers go first, as NIXL requires."""
         for h in [h for h in self._handles.values() if h.remote == name]:

@@ -9,7 +9,9 @@ share one :class:`~stageferry.broker.data.nixl.endpoint.Endpoint`:
 * :mod:`~stageferry.broker.data.nixl.consumer` — claim, READ, unpack, ask for a resend;
 * :mod:`~stageferry.broker.data.nixl.leases` — the lease table, expiry, settling, claim-key marks;
 * :mod:`~stageferry.broker.data.nixl.staging` — pool slots handed to the model to write its output into;
-* :mod:`~stageferry.broker.data.nixl.peers` — this agent's record, the peer cache and handshake.
+* :mod:`~stageferry.broker.data.nixl.peers` — this agent's record, the peer cache and handshake;
+* :mod:`~stageferry.broker.data.nixl.upstream` — the producers of the input edge, connected ahead of
+  their payloads (``upstream``: the stage this process consumes from).
 
 Lifecycle (the stage service calls these; see :mod:`stageferry.broker.data.connectors`):
 :meth:`NixlConnector.open` once at start-up, in a worker thread (creates the agent, registers the
@@ -48,6 +50,7 @@ from stageferry.broker.data.nixl.leases import LeaseTable, claim_on_read
 from stageferry.broker.data.nixl.peers import Peers
 from stageferry.broker.data.nixl.producer import Producer
 from stageferry.broker.data.nixl.staging import Stagings
+from stageferry.broker.data.nixl.upstream import UpstreamWatch
 from stageferry.broker.data.pool import PoolSet
 from stageferry.broker.data.staging import Template
 from stageferry.config import DataPlaneConfig, Timeouts
@@ -72,6 +75,7 @@ class NixlConnector(Connector):
         cuda_device: torch.device | None = None,
         agent: NixlAgent | None = None,
         address: str | None = None,
+        upstream: str | None = None,
     ) -> None:
         incarnation = uuid.uuid4().hex[:16]
         self.endpoint = Endpoint(
@@ -97,6 +101,7 @@ class NixlConnector(Connector):
         self.peers = Peers(self.endpoint)
         self.producer = Producer(self.endpoint, self.leases, self.stagings)
         self.consumer = Consumer(self.endpoint, self.peers)
+        self.upstream = UpstreamWatch(self.endpoint, self.peers, upstream) if upstream is not None else None
 
     # ------------------------------------------------------------------ what callers read
 
@@ -172,13 +177,18 @@ class NixlConnector(Connector):
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Background duties: agent record heartbeat, notifications, lease expiry, resend requests,
-        forgetting peers that went away, and the next payload's slots made ready while idle.  Started once
-        the record is published."""
+        forgetting peers that went away, connecting to the upstream stage's agents, and the next payload's
+        slots made ready while idle.  Started once the record is published and the upstream agents that
+        are up are connected."""
         if self.endpoint.agent is None:
             task_status.started()
             return
         await self.peers.publish_record()
+        if self.upstream is not None:
+            await self.upstream.look()
         async with anyio.create_task_group() as tg:
+            if self.upstream is not None:
+                tg.start_soon(self.upstream.run)
             tg.start_soon(self.peers.run_heartbeat)
             tg.start_soon(self.producer.run_notifications)
             tg.start_soon(self.leases.run_expiry)

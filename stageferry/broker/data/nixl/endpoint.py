@@ -69,6 +69,11 @@ class Endpoint:
     """The IP peers reach this agent at (``STAGEFERRY_ADVERTISE_ADDRESS``), published in its record."""
 
     @property
+    def replica_id(self) -> str:
+        """``<stage>-<replica>``: the agent name without its incarnation (its field in the stage index)."""
+        return self.name[: -len(self.incarnation[:8]) - 1]
+
+    @property
     def direct(self) -> bool:
         """Whether puts carry the agent metadata in the envelope (``metadata_mode = "direct"``)."""
         return self.config.metadata_mode is MetadataMode.DIRECT

@@ -2,17 +2,22 @@
 
 Own record (producer side): :meth:`Peers.publish_record` writes ``<prefix>:nixl:agent:<name>`` (an
 :class:`~stageferry.schemas.nixl.AgentRecord`: protocol version, metadata, arenas, seal key) at start,
-:meth:`Peers.run_heartbeat` keeps it alive (and writes it again when Redis lost it),
-:meth:`Peers.withdraw_record` deletes it at shutdown.  A record that expires means the producer is gone;
-its payloads are then recomputed.
+and names the agent in its stage's index ``<prefix>:nixl:agents:<stage>`` (replica id → agent name, which
+consumers watch: :mod:`~stageferry.broker.data.nixl.upstream`); :meth:`Peers.run_heartbeat` keeps both
+alive (and writes them again when Redis lost them), :meth:`Peers.withdraw_record` deletes the record at
+shutdown.  A record that expires means the producer is gone; its payloads are then recomputed.
 
 Peer cache (consumer side): :meth:`Peers.ensure` loads a producer's agent once per *incarnation* (a
 restarted producer keeps its replica name but gets a new incarnation, so it is re-added from fresh
 metadata), only from records under our own prefix, and checks that the envelope's claims match the
-record; :meth:`Peers.forget` drops a peer whose endpoint may be broken; :meth:`Peers.run_sweep` drops
-peers whose record is gone, so remote agents return to baseline.
+record; :meth:`Peers.connect` loads one ahead of its payloads, opens the UCX connection and READs a few
+bytes of each of its arenas into our own pools, so that the first payload's READ finds everything in
+place (the connection, the remote keys, a GPU arena's IPC mapping); :meth:`Peers.forget` drops a peer
+whose endpoint may be broken; :meth:`Peers.run_sweep` drops peers whose record is gone, so remote agents
+return to baseline.
 
-Who calls: the consumer (ensure, forget), the connector (publish, withdraw, the two loops).  The cache
+Who calls: the consumer (ensure, forget), the upstream watch (connect), the connector (publish, withdraw,
+the two loops).  The cache
 is touched on the event-loop thread only; loading is serialised by a lock (adding one remote agent from
 two tasks at once has crashed UCX elsewhere).
 """
@@ -28,12 +33,25 @@ import anyio
 import structlog
 
 from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.data.nixl.agent import XferState
 from stageferry.broker.data.nixl.endpoint import Endpoint
-from stageferry.errors import ControlPlaneError, DataPlaneError, HandshakeError, ManifestError, PayloadUnavailableError
+from stageferry.errors import (
+    ControlPlaneError,
+    DataPlaneError,
+    HandshakeError,
+    ManifestError,
+    PayloadUnavailableError,
+    TransferError,
+)
 from stageferry.schemas import NixlPayload, RemoteRegion
-from stageferry.schemas.nixl import AgentRecord
+from stageferry.schemas.nixl import WARM_NOTIFICATION, AgentRecord
 
 log = structlog.get_logger(__name__)
+
+#: Bytes :meth:`Peers.connect` READs from the start of each of a peer's arenas (what the wire-up needs).
+WARM_BYTES = 4096
+#: The stage index outlives its last writer by this much (every heartbeat renews it).
+INDEX_TTL_S = 3600
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +65,8 @@ class Peer:
     seal_key: bytes
     address: str | None = None
     """The IP its record advertises (None: not configured there)."""
+    stage: str = ""
+    """The stage its record names."""
     routes: dict[tuple[object, ...], str] = field(default_factory=dict, compare=False, repr=False)
     """Route labels of payload layouts READ from it (:meth:`Consumer._route`), once UCX named the transport."""
 
@@ -81,22 +101,29 @@ class Peers:
             started_at=time.time(),
             address=ep.address,
         )
-        key = ep.keys.agent(ep.name)
+        key, index = ep.keys.agent(ep.name), ep.keys.agents(ep.stage)
         with translated():
             async with ep.redis.pipeline(transaction=True) as pipe:
                 pipe.hset(key, mapping=record.to_redis())  # type: ignore[arg-type]
                 pipe.pexpire(key, int(ep.config.agent_ttl_s * 1000))
+                pipe.hset(index, ep.replica_id, ep.name)  # the record first: a name in the index has one
+                pipe.expire(index, INDEX_TTL_S)
                 await pipe.execute()
 
     async def run_heartbeat(self) -> None:
-        """Keep the record alive every ``agent_heartbeat_s``; runs until cancelled."""
+        """Keep the record and its index entry alive every ``agent_heartbeat_s``; runs until cancelled."""
         ep = self._ep
+        index = ep.keys.agents(ep.stage)
         while True:
             await anyio.sleep(ep.config.agent_heartbeat_s)
             try:
                 with translated():
-                    alive = await ep.redis.pexpire(ep.keys.agent(ep.name), int(ep.config.agent_ttl_s * 1000))
-                if not alive:  # Redis restarted without our record
+                    async with ep.redis.pipeline(transaction=False) as pipe:
+                        pipe.pexpire(ep.keys.agent(ep.name), int(ep.config.agent_ttl_s * 1000))
+                        pipe.hget(index, ep.replica_id)
+                        pipe.expire(index, INDEX_TTL_S)
+                        alive, listed, _ = await pipe.execute()
+                if not alive or listed != ep.name.encode():  # Redis restarted (or was flushed) without them
                     await self.publish_record()
             except ControlPlaneError as exc:
                 log.warning("nixl.heartbeat_failed", error=exc.message)
@@ -126,10 +153,40 @@ class Peers:
             async with self._lock:
                 peer = self._peers.get(ref.agent)
                 if peer is None or peer.incarnation != ref.incarnation:
-                    peer = await self._load(ref)
+                    peer = self._keep(await self._load(ref.agent, ref.incarnation))
         if claimed is not None and claimed != peer.metadata:
             raise ManifestError("envelope metadata differs from the registered agent", agent=ref.agent)
         return peer
+
+    async def connect(self, name: str) -> Peer:
+        """Load the agent ``name`` (from its record) ahead of its payloads, connect to it and READ a few bytes
+        of each of its arenas (:data:`WARM_BYTES`, into our own pools, no notification): the first payload's
+        READ then finds the connection made and the arenas mapped.  A peer loaded already is returned as it
+        is.  Raises what :meth:`ensure` raises for a record (:class:`PayloadUnavailableError` when there is
+        none), and :class:`HandshakeError` when the connection or a warm-up READ fails (the peer is not kept:
+        its payloads then load it as before)."""
+        async with self._lock:
+            peer = self._peers.get(name)
+            if peer is not None:
+                return peer
+            peer = await self._load(name, None)
+            agent = self._ep.agent
+            assert agent is not None
+            try:
+                agent.connect(name)
+                reads = await self._warm(peer)
+            except DataPlaneError as exc:
+                self.forget(name)  # its endpoint closes: nothing of a warm-up READ lands in a reused slot
+                raise HandshakeError(f"cannot connect to agent {name}: {exc.message}", agent=name) from exc
+            except BaseException:
+                self.forget(name)
+                raise
+            log.info("nixl.peer_connected", peer=name, stage=peer.stage, warm_reads=reads)
+            return self._keep(peer)
+
+    def peers_of(self, stage: str) -> list[Peer]:
+        """The loaded peers whose record names ``stage``."""
+        return [p for p in self._peers.values() if p.stage == stage]
 
     def forget(self, name: str) -> None:
         """Drop a peer and its remote agent (idempotent); the next payload from it re-adds it."""
@@ -152,35 +209,89 @@ class Peers:
                     log.info("nixl.peer_gone", peer=name)
                     self.forget(name)
 
-    async def _load(self, ref: NixlPayload) -> Peer:
+    async def _load(self, agent_name: str, incarnation: str | None) -> Peer:
+        """Read ``agent_name``'s record and add its agent (the caller keeps the peer: :meth:`_keep`).  With
+        ``incarnation`` (an envelope's), the record must be of it; without, the record's own must be the
+        one its name carries."""
         ep = self._ep
-        if ref.agent in self._peers:
-            self.forget(ref.agent)
+        if agent_name in self._peers:
+            self.forget(agent_name)
         with anyio.fail_after(ep.timeouts.handshake):
-            raw = await self._record(ref.agent)
+            raw = await self._record(agent_name)
         if raw is None:
-            raise PayloadUnavailableError("producer agent is gone", agent=ref.agent)
+            raise PayloadUnavailableError("producer agent is gone", agent=agent_name)
         record = AgentRecord.from_redis(raw)  # the protocol version first, then every field
-        if record.name != ref.agent or record.incarnation != ref.incarnation:
-            raise ManifestError("agent record does not match the envelope", agent=ref.agent)
+        if record.name != agent_name or record.incarnation != (incarnation or record.incarnation):
+            raise ManifestError("agent record does not match the envelope", agent=agent_name)
+        if not agent_name.endswith(f"-{record.incarnation[:8]}"):
+            raise ManifestError("agent name does not match its incarnation", agent=agent_name)
         assert ep.agent is not None
         try:
             name = ep.agent.add_remote(record.metadata)
         except DataPlaneError as exc:
-            raise HandshakeError(f"cannot load agent {ref.agent}: {exc.message}", agent=ref.agent) from exc
-        if name != ref.agent:
+            raise HandshakeError(f"cannot load agent {agent_name}: {exc.message}", agent=agent_name) from exc
+        if name != agent_name:
             ep.agent.remove_remote(name)
-            raise HandshakeError("agent metadata names another agent", agent=ref.agent, metadata_name=name)
-        peer = Peer(
+            raise HandshakeError("agent metadata names another agent", agent=agent_name, metadata_name=name)
+        return Peer(
             name=name,
-            incarnation=ref.incarnation,
+            incarnation=record.incarnation,
             arenas=tuple(record.arenas),
             metadata=record.metadata,
             seal_key=record.seal_key,
             address=record.address,
+            stage=record.stage,
         )
-        self._peers[name] = peer
+
+    def _keep(self, peer: Peer) -> Peer:
+        self._peers[peer.name] = peer
         return peer
+
+    async def _warm(self, peer: Peer) -> int:
+        """READ the first :data:`WARM_BYTES` of each of ``peer``'s arenas into a free slot of each of our
+        pools (a pool with no free slot now is skipped), then send it the warm-up notification; the number
+        of READs.  A READ that fails or outlives
+        the handshake timeout raises :class:`TransferError`; the caller then drops the peer before the slot
+        goes back (a late byte of it cannot land in a reused slot: the endpoint is closed)."""
+        ep = self._ep
+        agent, pools = ep.agent, ep.pools
+        assert agent is not None
+        if pools is None:
+            return 0
+        deadline = time.monotonic() + ep.timeouts.handshake
+        reads = 0
+        for pool in pools.pools.values():
+            for arena in peer.arenas:
+                nbytes = min(WARM_BYTES, arena.length)
+                slot = pool.take_now(nbytes) if nbytes else None
+                if slot is None:
+                    continue
+                ok = False
+                try:
+                    local = slot.remote_region()
+                    handle = agent.start_read(
+                        [(slot.address, nbytes, slot.device_id)],
+                        local.mem_kind,
+                        [(arena.address, nbytes, arena.device_id)],
+                        arena.mem_kind,
+                        peer.name,
+                        b"",
+                    )
+                    try:
+                        while agent.poll(handle) is not XferState.DONE:
+                            if time.monotonic() > deadline:
+                                raise TransferError("warm-up READ timed out", agent=peer.name)
+                            await anyio.sleep(0.001)
+                    finally:
+                        agent.release(handle)
+                    ok = True
+                    reads += 1
+                finally:
+                    if not ok:  # the caller's forget() closes the endpoint first
+                        agent.remove_remote(peer.name)
+                    pool.release(slot)
+        agent.notify(peer.name, WARM_NOTIFICATION)  # and the release notifications' path
+        return reads
 
     async def _record(self, name: str) -> dict[bytes, bytes] | None:
         with translated():

@@ -99,9 +99,11 @@ async def consumer(
     cuda_device: torch.device | None = None,
     timeouts: Timeouts | None = None,
     stage: str = "diffusion",
+    upstream: str | None = None,
     **config: Any,
 ) -> AsyncIterator[NixlConnector]:
-    """A running connector of a ``stage`` leader (the consumer side by default), closed on exit."""
+    """A running connector of a ``stage`` leader (the consumer side by default), closed on exit; with
+    ``upstream``, it connects to that stage's agents ahead of their payloads, as a stage's does."""
     redis = connect(redis_url)
     conn = NixlConnector(
         redis=redis,
@@ -111,6 +113,7 @@ async def consumer(
         config=DataPlaneConfig(**config),
         timeouts=timeouts or Timeouts(resend=3.0),
         cuda_device=cuda_device,
+        upstream=upstream,
     )
     await anyio.to_thread.run_sync(conn.open)
     async with anyio.create_task_group() as tg:
