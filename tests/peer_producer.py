@@ -26,7 +26,10 @@ from stageferry.testing import TASKS, sized_payload
 
 
 def build(spec: str, seed: int, device: str = "cpu") -> object:
-    """The payload a spec names: a task payload, ``bytes:N``, or ``mixed`` (CUDA and CPU leaves)."""
+    """The payload a spec names: a task payload, ``bytes:N``, ``mixed`` (CUDA and CPU leaves), or
+    ``gpu:<spec>`` (that payload with every tensor on ``device``)."""
+    if spec.startswith("gpu:"):
+        return _on(build(spec.removeprefix("gpu:"), seed), device)
     if spec.startswith("bytes:"):
         return sized_payload(int(spec.split(":", 1)[1]), seed=seed)
     if spec == "mixed":
@@ -38,6 +41,16 @@ def build(spec: str, seed: int, device: str = "cpu") -> object:
             "ids": torch.arange(9, device=device),
         }
     return TASKS[spec][0]()
+
+
+def _on(obj: object, device: str) -> object:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _on(v, device) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_on(v, device) for v in obj)
+    return obj
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -22,7 +22,8 @@ Protocol version history:
   0 — (implicit) records and resend requests without a ``protocol`` field: refused.
   1 — first versioned form: the record and resend requests carry ``protocol``; reply ``\\x01`` + the
       payload's regions concatenated, or ``\\x00`` for a refusal; notification ``sf-release:<token>``.
-      Later, compatible additions: the record's optional ``address``; the stage index
+      Later, compatible additions: the record's optional ``address``, ``gpu_uuid`` and ``cuda_ipc``
+      (:mod:`stageferry.schemas.cuda_ipc`, versioned on its own); the stage index
       ``<prefix>:nixl:agents:<stage>`` and the ``sf-warm`` notification (any other notification was
       always ignored, so older producers accept it).
 """
@@ -70,6 +71,11 @@ class AgentRecord(Frozen):
     started_at: float
     address: Annotated[str, Field(max_length=64, pattern=r"^[0-9A-Fa-f.:]+$")] | None = None
     """The IP its peers reach it at (``STAGEFERRY_ADVERTISE_ADDRESS``); absent when not configured."""
+    gpu_uuid: Annotated[str, Field(pattern=r"^GPU-[0-9a-fA-F-]{8,64}$")] | None = None
+    """The UUID of the GPU its CUDA pool is on; absent without one."""
+    cuda_ipc: Annotated[bytes, Field(max_length=4096)] | None = None
+    """Its CUDA pool arena exported for consumers on that GPU (JSON of
+    :class:`~stageferry.schemas.cuda_ipc.CudaIpcArena`, parsed by those only); absent when not exported."""
 
     def to_redis(self) -> dict[str, str | bytes]:
         """The hash fields to ``HSET`` (metadata raw, arenas as JSON, the seal key in hex)."""
@@ -83,6 +89,8 @@ class AgentRecord(Frozen):
             "seal_key": self.seal_key.hex(),
             "started_at": repr(self.started_at),
             **({"address": self.address} if self.address else {}),
+            **({"gpu_uuid": self.gpu_uuid} if self.gpu_uuid else {}),
+            **({"cuda_ipc": self.cuda_ipc} if self.cuda_ipc else {}),
         }
 
     @classmethod
@@ -104,6 +112,8 @@ class AgentRecord(Frozen):
                 seal_key=bytes.fromhex(_text(raw[b"seal_key"])),
                 started_at=float(raw[b"started_at"]),
                 address=_text(raw[b"address"]) if b"address" in raw else None,
+                gpu_uuid=_text(raw[b"gpu_uuid"]) if b"gpu_uuid" in raw else None,
+                cuda_ipc=raw.get(b"cuda_ipc"),
             )
         except (KeyError, ValueError, ValidationError) as exc:  # JSON, hex, UTF-8 and float errors are ValueErrors
             raise HandshakeError(f"agent record is malformed: {_brief(exc)}") from exc

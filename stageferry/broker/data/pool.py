@@ -185,6 +185,11 @@ class MemoryPool:
         return self._alloc.capacity
 
     @property
+    def buffer(self) -> torch.Tensor:
+        """The whole arena (what a same-GPU consumer maps: :mod:`stageferry.broker.data.nixl.same_gpu`)."""
+        return self._buffer
+
+    @property
     def slots_in_use(self) -> int:
         return self._alloc.live
 

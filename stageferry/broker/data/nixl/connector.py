@@ -49,13 +49,14 @@ from stageferry.broker.data.nixl.endpoint import Counters, Endpoint
 from stageferry.broker.data.nixl.leases import LeaseTable, claim_on_read
 from stageferry.broker.data.nixl.peers import Peers
 from stageferry.broker.data.nixl.producer import Producer
+from stageferry.broker.data.nixl.same_gpu import export_arena, gpu_uuid
 from stageferry.broker.data.nixl.staging import Stagings
 from stageferry.broker.data.nixl.upstream import UpstreamWatch
 from stageferry.broker.data.pool import PoolSet
 from stageferry.broker.data.staging import Template
 from stageferry.config import DataPlaneConfig, Timeouts
 from stageferry.errors import DataPlaneError
-from stageferry.schemas import PayloadRef
+from stageferry.schemas import DeviceKind, PayloadRef
 
 log = structlog.get_logger(__name__)
 
@@ -149,6 +150,7 @@ class NixlConnector(Connector):
                     log.info("nixl.address", address=ep.address, net_devices=devices)
                 ep.agent = NixlAgent(ep.name, backends=ep.config.nixl_backends, ucx_threads=ep.config.ucx_threads)
             ep.pools = PoolSet.from_config(ep.config, registrar=ep.agent, cuda_device=ep.cuda_device)
+            self._export_same_gpu()
             ep.pools.on_pressure = self.consumer.ready.drop  # anyone about to wait gets the ready slots first
             metrics.watch_resources(self.resources)
             ep.link = open_link(ep.redis)
@@ -157,6 +159,19 @@ class NixlConnector(Connector):
             ep.unavailable_reason = exc.code
             metrics.HANDSHAKE_FAILURES.labels("agent_unavailable").inc()
             log.error("nixl.unavailable", error=exc.message, fallback="inline")
+
+    def _export_same_gpu(self) -> None:
+        """Publish this GPU's UUID and, with a CUDA pool, its arena for same-GPU consumers (a failure only
+        means they READ over NIXL)."""
+        ep = self.endpoint
+        ep.gpu_uuid = gpu_uuid(ep.cuda_device)
+        pool = ep.pools.pools.get(DeviceKind.CUDA) if ep.pools is not None else None
+        if ep.gpu_uuid is None or pool is None or not ep.config.same_gpu_copy:
+            return
+        try:
+            ep.cuda_ipc = export_arena(pool.buffer, ep.gpu_uuid).to_json().encode()
+        except Exception as exc:  # noqa: BLE001 - torch's errors: the transport still works
+            log.warning("nixl.same_gpu_export_failed", error=f"{type(exc).__name__}: {exc}")
 
     def resources(self) -> dict[str, float]:
         """What this process holds right now; at rest: no leases, no slots, one registration per pool."""

@@ -17,6 +17,9 @@ Who calls what, and when (the consumer leader only):
   slots go back to the pool (after a CUDA synchronize, so queued kernels finish first).  Nothing may
   keep a view past the block.  A get cancelled with READs in flight gives its slots back only once no
   READ can still write into them (:meth:`Consumer._settle_cancelled`).
+* A producer on our own GPU (same GPU UUID, its CUDA arena mapped): the CUDA regions are copied device to
+  device instead of READ, with the same checks, claim and release (:meth:`Consumer._copy_or_read`,
+  :mod:`stageferry.broker.data.nixl.same_gpu`); any failure there falls back to the READ.
 * On handshake or transfer failure the producer is asked to resend inline (:meth:`Consumer.resend_inline`,
   up to ``inline_fallback_max_bytes``); if it cannot, :class:`PayloadUnavailableError` sends the request
   back to be recomputed.  Descriptors that fail validation raise :class:`ManifestError` before any
@@ -45,6 +48,7 @@ from stageferry.broker.data.nixl.endpoint import Endpoint
 from stageferry.broker.data.nixl.leases import check_fresh, claim
 from stageferry.broker.data.nixl.peers import Peer, Peers
 from stageferry.broker.data.nixl.ready import ReadySlots
+from stageferry.broker.data.nixl.same_gpu import SameGpu, copied_route
 from stageferry.broker.data.nixl.ucx_log import transport_names
 from stageferry.broker.data.payload_codec import unpack, validate_manifest, validate_remote_regions
 from stageferry.broker.data.pool import Slot
@@ -115,6 +119,7 @@ class Consumer:
         self._ep = endpoint
         self._peers = peers
         self.ready = ReadySlots(endpoint)
+        self.same_gpu = SameGpu(endpoint)
         self._transport_logged: set[str] = set()
         self.wakeups = 0  #: times a READ wait went back to the event loop (benchmarks show it per hop)
 
@@ -200,7 +205,7 @@ class Consumer:
             buffers = {kind: slot.view for kind, slot in slots.items()}
             views = functools.partial(unpack, ref.manifest, buffers, copy=False)
         try:  # claims the lease, and makes the payload's views over our slots, while the READs run
-            payload = await self.read(ref, peer, slots, claimed, meanwhile=views)
+            payload, copied = await self._copy_or_read(ref, peer, slots, claimed, meanwhile=views)
         except TransferError as exc:
             metrics.TRANSFER_FAILURES.labels(exc.code).inc()
             log.warning("nixl.read_failed", key=key, error=exc.message, peer=peer.name)
@@ -222,7 +227,7 @@ class Consumer:
             seconds=seconds,
             manifest=ref.manifest,
             regions=regions,
-            route=self._route(ref, peer, slots),
+            route=copied_route(ref, slots) if copied else self._route(ref, peer, slots),
         )
         log.info(
             "payload.get",
@@ -236,6 +241,39 @@ class Consumer:
             route=incoming.route,
         )
         return incoming, slots
+
+    async def _copy_or_read(
+        self,
+        ref: NixlPayload,
+        peer: Peer,
+        slots: dict[DeviceKind, Slot],
+        claimed: bool | None,
+        meanwhile: Callable[[], T] | None = None,
+    ) -> tuple[T | None, bool]:
+        """The same-GPU copy when the producer is on our GPU (:mod:`~stageferry.broker.data.nixl.same_gpu`),
+        else :meth:`read`; whether it was copied.  The copy keeps the READ's order of duties: the claim
+        first (won, or the stream read's), then the bytes, then ``meanwhile()``, then the release
+        notification.  A copy that fails is logged and the READ follows, with the claim already ours."""
+        if not self.same_gpu.usable(ref, peer.ipc, slots):
+            return await self.read(ref, peer, slots, claimed, meanwhile=meanwhile), False
+        assert peer.ipc is not None
+        await self.claim(ref, claimed)
+        try:
+            await self.same_gpu.copy(ref, peer.ipc, slots)
+        except TransferError as exc:
+            log.warning("nixl.same_gpu_fallback", peer=peer.name, token=ref.token, error=exc.message, fallback="nixl")
+            return await self.read(ref, peer, slots, True, meanwhile=meanwhile), False
+        except anyio.get_cancelled_exc_class():  # the copy has ended (shielded wait): free the producer's slot
+            with anyio.CancelScope(shield=True), contextlib.suppress(ControlPlaneError):
+                await self._release_producer(ref, peer)
+            raise
+        try:
+            made = meanwhile() if meanwhile is not None else None
+        finally:
+            await self._release_producer(ref, peer)
+        self._ep.counters.reads += 1
+        self._ep.counters.same_gpu += 1
+        return made, True
 
     def _route(self, ref: NixlPayload, peer: Peer, slots: dict[DeviceKind, Slot]) -> str:
         """Each region's memory on both sides and the UCX transport that READ it (``?`` when UCX did

@@ -35,6 +35,8 @@ class Counters:
     stagings: int = 0
     staged_puts: int = 0
     staged_copies: int = 0
+    #: Gets whose CUDA regions were copied from a producer on the same GPU (no READ).
+    same_gpu: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
 
     def fallback(self, reason: str) -> None:
@@ -67,6 +69,10 @@ class Endpoint:
     counters: Counters = field(default_factory=Counters)
     address: str | None = None
     """The IP peers reach this agent at (``STAGEFERRY_ADVERTISE_ADDRESS``), published in its record."""
+    gpu_uuid: str | None = None
+    """The UUID of this process's GPU (``GPU-…``), published in its record; None without one."""
+    cuda_ipc: bytes | None = None
+    """Its CUDA pool arena exported for same-GPU consumers (:mod:`~stageferry.broker.data.nixl.same_gpu`)."""
 
     @property
     def replica_id(self) -> str:

@@ -35,6 +35,7 @@ import structlog
 from stageferry.broker.control.redis_conn import translated
 from stageferry.broker.data.nixl.agent import XferState
 from stageferry.broker.data.nixl.endpoint import Endpoint
+from stageferry.broker.data.nixl.same_gpu import IpcArena, open_arena
 from stageferry.errors import (
     ControlPlaneError,
     DataPlaneError,
@@ -43,7 +44,8 @@ from stageferry.errors import (
     PayloadUnavailableError,
     TransferError,
 )
-from stageferry.schemas import NixlPayload, RemoteRegion
+from stageferry.schemas import MemKind, NixlPayload, RemoteRegion
+from stageferry.schemas.cuda_ipc import CudaIpcArena
 from stageferry.schemas.nixl import WARM_NOTIFICATION, AgentRecord
 
 log = structlog.get_logger(__name__)
@@ -67,6 +69,10 @@ class Peer:
     """The IP its record advertises (None: not configured there)."""
     stage: str = ""
     """The stage its record names."""
+    gpu_uuid: str | None = None
+    """The GPU its record names."""
+    ipc: IpcArena | None = field(default=None, compare=False, repr=False)
+    """Its CUDA pool arena, mapped when it is on our GPU (:mod:`~stageferry.broker.data.nixl.same_gpu`)."""
     routes: dict[tuple[object, ...], str] = field(default_factory=dict, compare=False, repr=False)
     """Route labels of payload layouts READ from it (:meth:`Consumer._route`), once UCX named the transport."""
 
@@ -100,6 +106,8 @@ class Peers:
             seal_key=ep.seal_key,
             started_at=time.time(),
             address=ep.address,
+            gpu_uuid=ep.gpu_uuid,
+            cuda_ipc=ep.cuda_ipc,
         )
         key, index = ep.keys.agent(ep.name), ep.keys.agents(ep.stage)
         with translated():
@@ -241,7 +249,31 @@ class Peers:
             seal_key=record.seal_key,
             address=record.address,
             stage=record.stage,
+            gpu_uuid=record.gpu_uuid,
+            ipc=self._same_gpu_arena(record),
         )
+
+    def _same_gpu_arena(self, record: AgentRecord) -> IpcArena | None:
+        """The producer's CUDA arena mapped here, when its record names our GPU and exports one; a handle
+        that does not parse, names another arena or cannot be opened is logged and the peer is READ."""
+        ep = self._ep
+        if not ep.config.same_gpu_copy or ep.gpu_uuid is None or record.gpu_uuid != ep.gpu_uuid:
+            return None
+        if record.cuda_ipc is None:
+            return None
+        try:
+            spec = CudaIpcArena.from_json(record.cuda_ipc)
+            vram = [a for a in record.arenas if a.mem_kind is MemKind.VRAM]
+            if spec.gpu_uuid != record.gpu_uuid or not any(
+                a.address == spec.address and a.length == spec.length for a in vram
+            ):
+                raise HandshakeError("cuda_ipc arena is not the record's VRAM arena", agent=record.name)
+            arena = open_arena(spec, ep.cuda_device)
+        except HandshakeError as exc:
+            log.warning("nixl.same_gpu_unavailable", peer=record.name, error=exc.message, fallback="nixl")
+            return None
+        log.info("nixl.same_gpu", peer=record.name, gpu=ep.gpu_uuid, arena_bytes=spec.length)
+        return arena
 
     def _keep(self, peer: Peer) -> Peer:
         self._peers[peer.name] = peer

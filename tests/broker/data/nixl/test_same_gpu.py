@@ -1,0 +1,233 @@
+"""The same-GPU fast path (issue 39): chosen only for a producer on our own GPU UUID, for payloads wholly in
+VRAM inside its mapped arena; anything else — another GPU, a handle that does not parse, is of another
+version, names another arena or cannot be opened, a copy that fails — is logged and READ over NIXL.
+
+On this CPU box the selection and every fallback run with real agents (a producer process, DRAM over
+UCX) and real Redis: the producer's record is given a GPU UUID and an exported arena as a GPU producer
+would publish them, and the consumer is told it is on that GPU.  The copy itself needs CUDA (two
+processes on one GPU: ``benchmarks/issue39_device.sh`` runs those tests on the H200).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import redis as sync_redis
+import structlog
+import torch
+
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.data.nixl.same_gpu import IpcArena, SameGpu
+from stageferry.broker.data.payload_codec import plan_payload
+from stageferry.config import DataPlaneConfig
+from stageferry.errors import HandshakeError
+from stageferry.schemas import DeviceKind, NixlPayload, RemoteRegion, Transport
+from stageferry.schemas.cuda_ipc import CUDA_IPC_VERSION, CudaIpcArena
+from stageferry.testing import assert_same
+from tests.broker.data.nixl.test_connector import consumer, ref_of, start_producer  # noqa: F401 - a fixture
+from tests.peer_producer import build
+from tests.sentinels import eventually
+
+pytest.importorskip("nixl")
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
+
+UUID = "GPU-3f0c2a51-7d7e-4b6c-9b0e-0a4c5e6f7a8b"
+VRAM_ARENA = RemoteRegion(mem_kind="VRAM", address=1 << 40, length=1 << 24, device_id=0)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (runs on the device machine)")
+
+
+def exported(**changes: Any) -> CudaIpcArena:
+    """An arena as a producer on GPU ``UUID`` would export it (the handle bytes are opaque here)."""
+    fields: dict[str, Any] = {
+        "gpu_uuid": UUID,
+        "address": VRAM_ARENA.address,
+        "length": VRAM_ARENA.length,
+        "tensor_offset": 0,
+        "handle": "ab" * 64,
+        "storage_size": VRAM_ARENA.length,
+        "storage_offset": 0,
+        "ref_counter_handle": "2f746f7263682d31",
+        "ref_counter_offset": 0,
+        "event_handle": "cd" * 64,
+        "event_sync_required": True,
+    }
+    return CudaIpcArena(**{**fields, **changes})
+
+
+def publish_as_gpu_producer(redis_url: str, prefix: str, uuid: str, cuda_ipc: bytes) -> str:
+    """Give the producer's record what a producer on GPU ``uuid`` publishes; its agent name."""
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        keys = Keys(prefix)
+        name = client.hget(keys.agents("encoder"), "encoder-peer")
+        assert isinstance(name, bytes)
+        key = keys.agent(name.decode())
+        arenas = json.loads(client.hget(key, "arenas") or b"[]")
+        arenas.append(VRAM_ARENA.model_dump(mode="json"))
+        client.hset(key, mapping={"gpu_uuid": uuid, "cuda_ipc": cuda_ipc, "arenas": json.dumps(arenas)})
+        return name.decode()
+    finally:
+        client.close()
+
+
+def index_entry(redis_url: str, prefix: str) -> bytes | None:
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        value = client.hget(Keys(prefix).agents("encoder"), "encoder-peer")
+        return value if isinstance(value, bytes) else None
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("case", "uuid", "cuda_ipc", "error"),
+    [
+        ("another GPU", "GPU-00000000-0000-0000-0000-000000000000", exported().to_json().encode(), None),
+        ("not JSON", UUID, b"{not json", "cuda_ipc field is not JSON"),
+        ("another version", UUID, exported(version=CUDA_IPC_VERSION + 1).to_json().encode(), "of version 2"),
+        ("another arena", UUID, exported(address=VRAM_ARENA.address + 4096).to_json().encode(), "VRAM arena"),
+        ("cannot be opened", UUID, exported().to_json().encode(), "cannot open the producer's CUDA IPC arena"),
+    ],
+)
+async def test_a_producer_not_usable_as_same_gpu_is_read_over_nixl(
+    start_producer: Any,  # noqa: F811 - the fixture imported above
+    redis_url: str,
+    prefix: str,
+    case: str,
+    uuid: str,
+    cuda_ipc: bytes,
+    error: str | None,
+) -> None:
+    if case == "cannot be opened" and torch.cuda.is_available():
+        pytest.skip("a GPU here could open a handle; the opaque bytes are for a box without CUDA")
+    producer = start_producer("--payloads", "T2VA", "--hold", "go")
+    await eventually(lambda: _async(index_entry(redis_url, prefix)), timeout=60, what="the producer's record")
+    name = publish_as_gpu_producer(redis_url, prefix, uuid, cuda_ipc)
+    async with consumer(redis_url, prefix) as conn:
+        conn.endpoint.gpu_uuid = UUID  # this process is "on" GPU UUID
+        producer.redis.set(f"{prefix}:test:go", 1)
+        item = producer.take()
+        ref, blob = ref_of(item)
+        with structlog.testing.capture_logs() as logs:
+            async with conn.get(ref, blob, key=item["key"]) as incoming:
+                assert incoming.transport is Transport.NIXL and incoming.route is not None
+                assert "same-gpu" not in incoming.route, incoming.route
+                assert_same(incoming.payload, build(item["spec"], item["seed"]))
+        assert conn.counters.same_gpu == 0 and conn.consumer.same_gpu.copies == 0
+        assert conn.peers._peers[name].ipc is None and conn.counters.fallbacks == {}
+        unavailable = [e for e in logs if e["event"] == "nixl.same_gpu_unavailable"]
+        if error is None:  # another GPU: not even tried
+            assert unavailable == []
+        else:
+            assert [(e["peer"], e["fallback"]) for e in unavailable] == [(name, "nixl")], logs
+            assert error in unavailable[0]["error"], unavailable[0]["error"]
+        producer.wait_stats(leases=0, slots_in_use=0)  # released as after any READ
+    producer.stop()
+
+
+def vram_ref(nbytes: int, address: int) -> NixlPayload:
+    """A reference to one VRAM region of ``nbytes`` at ``address`` (checks of the selection only)."""
+    manifest = plan_payload({"x": torch.zeros(nbytes, dtype=torch.uint8)}).manifest
+    regions = [r.model_copy(update={"device": DeviceKind.CUDA}) for r in manifest.regions]
+    manifest = manifest.model_copy(update={"regions": regions})
+    region = RemoteRegion(mem_kind="VRAM", address=address, length=nbytes, device_id=0)
+    return NixlPayload.model_construct(manifest=manifest, regions=[region], agent="encoder-peer-0123abcd")
+
+
+async def test_the_copy_is_chosen_only_for_vram_regions_inside_the_mapped_arena(redis_url: str, prefix: str) -> None:
+    async with consumer(redis_url, prefix) as conn:
+        same = SameGpu(conn.endpoint)
+        arena = IpcArena(exported(), torch.empty(0, dtype=torch.uint8))
+        cuda_slot: Any = object()
+        slots: Any = {DeviceKind.CUDA: cuda_slot}
+        inside = vram_ref(4096, VRAM_ARENA.address + 8192)
+        assert same.usable(inside, arena, slots)
+        assert not same.usable(inside, None, slots)  # the producer's arena is not mapped (another GPU)
+        assert not same.usable(inside, arena, {DeviceKind.CPU: cuda_slot})  # no CUDA slot of ours
+        past_end = vram_ref(4096, VRAM_ARENA.address + VRAM_ARENA.length - 2048)
+        assert not same.usable(past_end, arena, slots)
+        below = vram_ref(4096, VRAM_ARENA.address - 4096)
+        assert not same.usable(below, arena, slots)
+        dram = inside.model_copy(update={"regions": [inside.regions[0].model_copy(update={"mem_kind": "DRAM"})]})
+        assert not same.usable(dram, arena, slots)
+        conn.endpoint.config = DataPlaneConfig(same_gpu_copy=False)
+        assert not same.usable(inside, arena, slots)  # switched off
+
+
+def test_the_handle_message_is_versioned_and_bounded() -> None:
+    arena = exported()
+    assert CudaIpcArena.from_json(arena.to_json()) == arena
+    for raw, message in [
+        (b"[]", "of version None"),
+        (json.dumps({**arena.model_dump(), "version": 0}), "of version 0"),
+        (json.dumps({**arena.model_dump(), "handle": "xyz"}), "malformed"),
+        (json.dumps({**arena.model_dump(), "extra": 1}), "malformed"),
+        (b" " * 5000, "too large"),
+    ]:
+        with pytest.raises(HandshakeError, match=message):
+            CudaIpcArena.from_json(raw)
+
+
+# -- on a GPU: two processes on one GPU ----------------------------------------------------------------
+
+
+@CUDA
+@pytest.mark.parametrize("spec", ["gpu:T2VA", "gpu:FL2VA", "gpu:Ref2VA"])
+async def test_a_producer_on_our_gpu_is_copied_device_to_device(
+    start_producer: Any,  # noqa: F811 - the fixture imported above
+    redis_url: str,
+    prefix: str,
+    spec: str,
+) -> None:
+    dev = torch.device("cuda", 0)
+    producer = start_producer("--payloads", f"{spec},{spec}", "--device", "cuda:0", "--hold", "go")
+    async with consumer(redis_url, prefix, cuda_device=dev, upstream="encoder") as conn:
+        peer = await eventually(
+            lambda: _async(next(iter(conn.peers.peers_of("encoder")), None)), timeout=60, what="connected"
+        )
+        assert peer.ipc is not None and peer.gpu_uuid == conn.endpoint.gpu_uuid  # mapped ahead of payloads
+        producer.redis.set(f"{prefix}:test:go", 1)
+        for _ in range(2):
+            item = producer.take()
+            ref, blob = ref_of(item)
+            async with conn.get(ref, blob, key=item["key"]) as incoming:
+                assert incoming.transport is Transport.NIXL
+                assert incoming.route == "VRAM:0→VRAM:0 same-gpu copy", incoming.route
+                assert_same(incoming.payload, build(item["spec"], item["seed"], "cuda:0"))
+        assert conn.counters.same_gpu == 2 and conn.counters.fallbacks == {}
+        producer.wait_stats(leases=0, slots_in_use=0)  # the release notification freed both slots
+    producer.stop()
+
+
+@CUDA
+async def test_a_copy_that_fails_falls_back_to_the_read(
+    start_producer: Any,  # noqa: F811 - the fixture imported above
+    redis_url: str,
+    prefix: str,
+) -> None:
+    dev = torch.device("cuda", 0)
+    producer = start_producer("--payloads", "gpu:FL2VA", "--device", "cuda:0", "--hold", "go")
+    async with consumer(redis_url, prefix, cuda_device=dev, upstream="encoder") as conn:
+        peer = await eventually(
+            lambda: _async(next(iter(conn.peers.peers_of("encoder")), None)), timeout=60, what="connected"
+        )
+        assert peer.ipc is not None
+        peer.ipc.view = peer.ipc.view[:16]  # every region now reads 16 bytes: torch refuses the copy
+        producer.redis.set(f"{prefix}:test:go", 1)
+        item = producer.take()
+        ref, blob = ref_of(item)
+        with structlog.testing.capture_logs() as logs:
+            async with conn.get(ref, blob, key=item["key"]) as incoming:
+                assert incoming.route is not None and "same-gpu" not in incoming.route, incoming.route
+                assert_same(incoming.payload, build(item["spec"], item["seed"], "cuda:0"))
+        (fallback,) = [e for e in logs if e["event"] == "nixl.same_gpu_fallback"]
+        assert fallback["fallback"] == "nixl" and "same-GPU copy failed" in fallback["error"]
+        assert conn.counters.same_gpu == 0 and conn.counters.fallbacks == {}
+        producer.wait_stats(leases=0, slots_in_use=0)
+    producer.stop()
+
+
+async def _async(value: Any) -> Any:
+    return value
