@@ -47,8 +47,10 @@ async def one_round(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     prefix = f"coldhop-{uuid.uuid4().hex[:8]}"
     device = torch.device(args.device)
     redis_p, redis_c = connect(args.redis_url), connect(args.redis_url)
-    producer = connector(redis_p, prefix, PRODUCER_STAGE, args.pool_bytes, device)
-    consumer = connector(redis_c, prefix, CONSUMER_STAGE, args.pool_bytes, device)
+    # Both agents live in this process: a CUDA IPC handle cannot be opened by the process that made it, so
+    # the same-GPU copy (benchmarks/same_gpu.py) is off and a GPU hop here is NIXL's.
+    producer = connector(redis_p, prefix, PRODUCER_STAGE, args.pool_bytes, device, same_gpu_copy=False)
+    consumer = connector(redis_c, prefix, CONSUMER_STAGE, args.pool_bytes, device, same_gpu_copy=False)
     if mode == "ahead":  # what build_connectors does for a stage with an input edge
         consumer.upstream = UpstreamWatch(consumer.endpoint, consumer.peers, PRODUCER_STAGE)
     for conn in (producer, consumer):

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 39 items 1 and 2 on the GPU machine (one H200), in one device call of about three minutes; no model
+# downloads.  Every step's output goes to $OUT/<step>.txt, headed by its command line, the time and nproc.
+#   bash benchmarks/issue39_device.sh [step ...]     # default: setup gpu_tests same_gpu cold_gpu
+# Carry [".whl"] (../shared/tools/device-wheels.sh .whl): setup installs the wheels into python3's own site
+# when nixl is missing there (the tests' producer processes get PYTHONPATH=<repo> only) and starts the
+# carried redis-server on 6379 unless one answers.
+#   setup     nixl, redis-py, ... and a Redis
+#   gpu_tests the same-GPU copy and its fallback (two processes on GPU 0), the upstream watch, the
+#             connector's VRAM tests: tests/broker/data/nixl/test_same_gpu.py, test_upstream.py, test_connector.py
+#   same_gpu  torch device copy vs NIXL READ vs the same-GPU copy, 1 / 11 / 65 MB (benchmarks/same_gpu.py)
+#   cold_gpu  the first hop against warm hops on the GPU, peers connected on request vs ahead
+#             (benchmarks/cold_hop.py, T2VA and FL2VA sizes)
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/issue39}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+run_step() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  {
+    echo "=== \$ $*"
+    echo "# $(date -u) nproc=$(nproc) load=$(cut -d' ' -f1-3 /proc/loadavg)"
+    timeout "$limit" "$@"
+    echo "rc=$?"
+  } 2>&1 | tee "$out/$name.txt"
+}
+setup() {
+  if ! python3 -c "import nixl, redis, pydantic, structlog" 2>/dev/null && [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
+  fi
+  if ! python3 -c "import redis; redis.Redis(socket_timeout=1).ping()" 2>/dev/null && [ -x .whl/redis/redis-server ]; then
+    (LD_LIBRARY_PATH=$PWD/.whl/redis .whl/redis/redis-server --port 6379 --save '' --daemonize yes >/dev/null)
+    sleep 0.5
+  fi
+  python3 -c "import torch, nixl, redis; print(torch.__version__, torch.cuda.get_device_name(0), redis.Redis().ping())"
+  nvidia-smi -L
+}
+for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
+  case $s in
+    setup) setup 2>&1 | tee "$out/setup.txt" ;;
+    gpu_tests) run_step "$s" 150 python3 -m pytest -q -p no:cacheprovider -p no:randomly -rs --tb=short \
+                 --durations=6 tests/broker/data/nixl/test_same_gpu.py \
+                 tests/broker/data/nixl/test_upstream.py \
+                 "tests/broker/data/nixl/test_connector.py::test_cuda_leaves_land_on_the_consumer_gpu" \
+                 "tests/broker/data/nixl/test_connector.py::test_a_block_cancelled_with_cuda_slots_still_returns_them" ;;
+    same_gpu) run_step "$s" 90 python3 benchmarks/same_gpu.py --iters 30 --warmup 5 --log "$out/same_gpu_producer.log" ;;
+    cold_gpu) run_step "${s}_t2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 359024 --rounds 3 --hops 20
+              run_step "${s}_fl2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 11158136 --rounds 3 --hops 20 ;;
+    *) echo "unknown step $s" >&2 ;;
+  esac
+done

@@ -1,0 +1,222 @@
+"""Producer and consumer on one GPU: a torch device copy, the NIXL READ and the same-GPU copy, side by side.
+
+    python benchmarks/same_gpu.py                       # 1, 11, 65 MB; needs a GPU
+    python benchmarks/same_gpu.py --sizes 1048576 --iters 50
+
+Two processes on GPU 0, as a one-GPU host runs a pipeline: this one is the consumer leader (its connector
+names the producer's stage as upstream, so the producer is connected and its arena mapped before the
+first payload), a child process is the producer leader (``--role producer``), which puts payloads of the
+asked size in its CUDA pool and hands their references over a Redis list.  For each size, in one run:
+
+* ``torch copy``: ``dst.copy_(src)`` of that many bytes on the GPU, in this process (CUDA events);
+* ``NIXL READ``: the consumer's READ of the payload (post → DONE, UCX underneath), ``same_gpu_copy`` off;
+  each payload is claimed first, as a stage's stream read claims it, so neither column holds a round trip;
+* ``same-GPU copy``: the fast path's copy of it (copy → done), ``same_gpu_copy`` on;
+* and the whole ``get`` of each (checks, claim, transfer, release), what a stage's status shows.
+
+Medians of ``--iters`` payloads after ``--warmup``; the last column is the fast path's copy over the
+torch copy (the issue's target: at most 2× for 1 MB and up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import anyio  # noqa: E402
+import torch  # noqa: E402
+from pydantic import TypeAdapter  # noqa: E402
+
+from stageferry.broker.control.keys import Keys  # noqa: E402
+from stageferry.broker.control.redis_conn import connect  # noqa: E402
+from stageferry.broker.data.nixl.connector import NixlConnector  # noqa: E402
+from stageferry.config import DataPlaneConfig, Timeouts  # noqa: E402
+from stageferry.logs import configure_logging  # noqa: E402
+from stageferry.schemas import NixlPayload, PayloadRef  # noqa: E402
+
+MiB = 1 << 20
+PRODUCER, CONSUMER = "bench-enc", "bench-dif"
+
+
+def make(redis: Any, prefix: str, stage: str, pool: int, upstream: str | None = None) -> NixlConnector:
+    config = DataPlaneConfig(inline_max_bytes=0, cpu_pool_bytes=64 * MiB, gpu_pool_bytes=pool,
+                             max_payload_bytes=1 << 30, inline_fallback_max_bytes=256 * MiB)  # fmt: skip
+    return NixlConnector(
+        redis=redis, keys=Keys(prefix), stage=stage, replica="bench", config=config,
+        timeouts=Timeouts(pool_wait=120.0, lease=600.0, claim=600.0), cuda_device=torch.device("cuda", 0),
+        upstream=upstream,
+    )  # fmt: skip
+
+
+async def producer(args: argparse.Namespace) -> None:
+    torch.cuda.set_device(0)
+    redis = connect(args.redis_url)
+    conn = make(redis, args.prefix, PRODUCER, args.pool_bytes)
+    conn.open()
+    assert conn.agent is not None, conn.unavailable_reason
+    cmds, refs = f"{args.prefix}:bench:cmd", f"{args.prefix}:bench:refs"
+    async with anyio.create_task_group() as tg:
+        await tg.start(conn.run)
+        n = 0
+        while True:
+            _, raw = await redis.blpop([cmds])  # type: ignore[misc]
+            cmd = json.loads(raw)
+            if cmd.get("stop"):
+                break
+            payload = {"x": torch.randint(0, 255, (cmd["nbytes"],), dtype=torch.uint8, device="cuda:0")}
+            torch.cuda.synchronize()
+            for _ in range(cmd["count"]):
+                n += 1
+                out = await conn.put(f"r{n}_0_0", payload)
+                await redis.rpush(refs, out.ref.model_dump_json())
+        tg.cancel_scope.cancel()
+    await conn.aclose()
+    await redis.aclose()
+
+
+def torch_copy_ms(nbytes: int, iters: int) -> float:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(iters + 5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times[5:])
+
+
+def start_producer(args: argparse.Namespace) -> subprocess.Popen[bytes]:
+    args.prefix = f"samegpu-{uuid.uuid4().hex[:8]}"
+    args.log = args.log or f"/tmp/{args.prefix}-producer.log"
+    return subprocess.Popen(
+        [sys.executable, __file__, "--role", "producer", "--prefix", args.prefix, "--redis-url", args.redis_url,
+         "--pool-bytes", str(args.pool_bytes)],
+        stdout=open(args.log, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ),  # noqa: SIM115
+    )  # fmt: skip
+
+
+async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> None:
+    torch.cuda.set_device(0)
+    redis = connect(args.redis_url)
+    conn = make(redis, args.prefix, CONSUMER, args.pool_bytes, upstream=PRODUCER)
+    conn.open()
+    assert conn.agent is not None, conn.unavailable_reason
+    refs: TypeAdapter[PayloadRef] = TypeAdapter(PayloadRef)
+    phase: dict[str, float] = {}
+    cons = conn.consumer
+    real_read, real_copy = cons.read, cons.same_gpu.copy
+
+    async def timed_read(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return await real_read(*a, **k)
+        finally:
+            phase["transfer"] = (time.perf_counter() - t) * 1e3
+
+    async def timed_copy(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return await real_copy(*a, **k)
+        finally:
+            phase["transfer"] = (time.perf_counter() - t) * 1e3
+
+    cons.read, cons.same_gpu.copy = timed_read, timed_copy  # type: ignore[method-assign]
+    rows = []
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(conn.run)
+            with anyio.fail_after(120):
+                while not conn.peers.peers_of(PRODUCER):
+                    if child.poll() is not None:
+                        raise SystemExit(f"producer exited: see {args.log}")
+                    await anyio.sleep(0.01)
+            (peer,) = conn.peers.peers_of(PRODUCER)
+            mapped = peer.ipc is not None
+            for nbytes in args.sizes:
+                row: dict[str, Any] = {"bytes": nbytes, "torch": torch_copy_ms(nbytes, args.iters)}
+                for mode in ("nixl", "fast"):
+                    conn.endpoint.config = conn.endpoint.config.model_copy(update={"same_gpu_copy": mode == "fast"})
+                    await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"nbytes": nbytes, "count": 1}))
+                    transfer, gets, routes = [], [], set()
+                    for i in range(args.warmup + args.iters):
+                        _, raw = await redis.blpop([f"{args.prefix}:bench:refs"], timeout=60)  # type: ignore[misc]
+                        if i + 1 < args.warmup + args.iters:  # the next payload is put while this one is taken
+                            await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"nbytes": nbytes, "count": 1}))
+                        ref = refs.validate_json(raw)
+                        assert isinstance(ref, NixlPayload), ref
+                        await cons.claim(ref)  # as a stage's stream read does: no claim inside the timed part
+                        async with conn.get(ref, None, key=f"g{i}", claimed=True) as incoming:
+                            routes.add(incoming.route)
+                        if i >= args.warmup:
+                            transfer.append(phase["transfer"])
+                            gets.append(incoming.seconds * 1e3)
+                    row[mode] = statistics.median(transfer)
+                    row[f"{mode}_get"] = statistics.median(gets)
+                    row[f"{mode}_route"] = ", ".join(sorted(r or "?" for r in routes))
+                rows.append(row)
+            await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"stop": True}))
+            tg.cancel_scope.cancel()
+    finally:
+        await conn.aclose()
+        await redis.aclose()
+    print(f"$ python {' '.join(sys.argv)}\n")
+    print(f"{torch.cuda.get_device_name(0)}; producer and consumer are two processes on GPU 0; producer's arena "
+          f"mapped: {mapped}; medians of {args.iters} after {args.warmup}\n")  # fmt: skip
+    head = ["bytes", "torch copy ms", "NIXL READ ms", "same-GPU copy ms", "READ/torch", "copy/torch",
+            "NIXL get ms", "same-GPU get ms", "GB/s copy"]  # fmt: skip
+    table = [head]
+    for r in rows:
+        table.append([f"{r['bytes']:,}", f"{r['torch']:.4f}", f"{r['nixl']:.4f}", f"{r['fast']:.4f}",
+                      f"{r['nixl'] / r['torch']:.2f}×", f"{r['fast'] / r['torch']:.2f}×", f"{r['nixl_get']:.4f}",
+                      f"{r['fast_get']:.4f}", f"{r['bytes'] / r['fast'] / 1e6:.0f}"])  # fmt: skip
+    widths = [max(len(t[i]) for t in table) for i in range(len(head))]
+    for t in table:
+        print("  ".join(c.rjust(w) for c, w in zip(t, widths, strict=True)))
+    print()
+    for r in rows:
+        print(f"routes {r['bytes']:,}: NIXL [{r['nixl_route']}]  fast [{r['fast_route']}]")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", choices=["consumer", "producer"], default="consumer")
+    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[MiB, 11_158_136, 64_963_792])  # fmt: skip
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--pool-bytes", type=int, default=512 * MiB)
+    parser.add_argument("--prefix", default="")
+    parser.add_argument("--log", default="")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    args = parser.parse_args()
+    configure_logging(fmt="json", level="warning", service=f"bench-same-gpu-{args.role}")
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a GPU")
+    if args.role == "producer":
+        anyio.run(producer, args)
+        return
+    child = start_producer(args)
+    try:
+        anyio.run(consumer, args, child)
+    finally:
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+
+if __name__ == "__main__":
+    main()
