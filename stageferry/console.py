@@ -6,6 +6,8 @@ way.  Progress goes to stderr, so that stdout carries only the result (ids, JSON
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from types import TracebackType
 
 import anyio
@@ -15,7 +17,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from stageferry.broker.control.liveness import unheld_note
 from stageferry.client import Client
 from stageferry.errors import ControlPlaneError, JobValidationError, StageferryError
-from stageferry.schemas import RequestState, RequestStatus
+from stageferry.schemas import RequestState, RequestStatus, Transport
 from stageferry.trace import TraceEvent
 
 #: How the console names a stage's phases after its steps (others are shown as reported).
@@ -146,6 +148,25 @@ def render_status(status: RequestStatus) -> str:
     return "\n".join(lines)
 
 
+def render_hops(first: RequestStatus, warm: Sequence[RequestStatus]) -> str:
+    """Each hop's payload transfer in the first request against the same job run again (warm): the first
+    one used to pay the peers' handshake (issue 39).  ``warm s``: the median over the warm runs."""
+    lines = [f"{'hop':<26} {'payload':>12} {'first s':>9} {'warm s':>9} {'first/warm':>10}"]
+    previous = "client"
+    for t in first.timings:
+        hop = f"{previous} → {t.stage}"
+        previous = t.stage
+        if t.transport is Transport.NONE:
+            continue
+        again = [w.transfer_seconds for s in warm for w in s.timings if w.stage == t.stage]
+        if not again:
+            continue
+        typical = statistics.median(again)
+        ratio = f"{t.transfer_seconds / typical:.2f}×" if typical > 0 else "-"
+        lines.append(f"{hop:<26} {t.payload_bytes:>12,} {t.transfer_seconds:>9.4f} {typical:>9.4f} {ratio:>10}")
+    return "\n".join(lines) if len(lines) > 1 else ""
+
+
 def error_line(exc: StageferryError) -> str:
     """One line for an expected error: ``error [code]: message`` (field errors inline)."""
     if isinstance(exc, JobValidationError) and exc.field_errors:
@@ -154,4 +175,4 @@ def error_line(exc: StageferryError) -> str:
     return f"error [{exc.code}]: {exc.message}"
 
 
-__all__ = ["RequestProgress", "error_line", "follow", "render_status"]
+__all__ = ["RequestProgress", "error_line", "follow", "render_hops", "render_status"]

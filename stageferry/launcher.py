@@ -30,10 +30,10 @@ from stageferry.broker.control.redis_conn import translated
 from stageferry.cli_hints import cli_command, submit_command
 from stageferry.client import Client, validate_job, with_upload_refs
 from stageferry.config import DEFAULT_STAGES, Settings
-from stageferry.console import follow, render_status
+from stageferry.console import follow, render_hops, render_status
 from stageferry.embedded_redis import EmbeddedRedis
 from stageferry.errors import StageFailedError, StageferryError
-from stageferry.schemas import RequestState
+from stageferry.schemas import RequestState, RequestStatus
 from stageferry.stages.placement import REFERENCE_GPUS, host_gpus, pipeline_for_host, plan
 from stageferry.trace import save_trace, saved_trace_path
 
@@ -119,6 +119,31 @@ async def _save_trace(client: Client, request_id: str, output_dir: Path, url: st
     console.print(f"trace: {cli_command()} trace {request_id}  (saved in {path})", soft_wrap=True, highlight=False)
 
 
+async def _run_warm(
+    client: Client,
+    job: dict[str, Any],
+    uploads: Mapping[str, Path],
+    runs: int,
+    first: RequestStatus,
+    *,
+    timeout: float | None,
+    console: Console,
+) -> None:
+    """Run the job ``runs`` times more and print each hop's first transfer beside the warm ones (a run
+    that does not end done is reported, not counted)."""
+    console.print(f"again ×{runs}, for the hops warm:")
+    warm = []
+    for _ in range(runs):
+        status = await client.wait(await client.submit(job, uploads=uploads), timeout=timeout)
+        if status.state is RequestState.DONE:
+            warm.append(status)
+        else:
+            console.print(f"  {status.request_id}: {status.state.value}")
+    table = render_hops(first, warm)
+    if table:
+        print(table)
+
+
 def _signal_group(proc: Process, signum: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signum)
@@ -147,11 +172,13 @@ async def run_up(
     job_timeout: float | None,
     log_dir: Path | None,
     console: Console,
+    warm_runs: int = 0,
 ) -> int:
     """Run the pipeline and one job; the exit status (0 done, 1 not done, 130 interrupted).
 
     The placement is planned (and a layout this host cannot run refused) before anything starts; each
-    ``serve`` child plans the same from the same file and GPU count."""
+    ``serve`` child plans the same from the same file and GPU count.  With ``warm_runs``, the job is run
+    that many times more once it is done, and each hop's first transfer is shown beside the warm ones."""
     gpus = host_gpus()
     pipeline = pipeline_for_host(settings.pipeline, gpus)
     the_plan = plan(pipeline, gpus)
@@ -211,6 +238,8 @@ async def run_up(
             status = await follow(client, request_id, timeout=job_timeout, console=console)
             print(render_status(status))
             exit_code = 0 if status.state is RequestState.DONE else 1
+            if warm_runs and status.state is RequestState.DONE:
+                await _run_warm(client, job, uploads, warm_runs, status, timeout=job_timeout, console=console)
             if serve:
                 console.print(f"serving at {url} with prefix {settings.prefix!r}; Ctrl-C to stop")
                 hint = submit_command(

@@ -7,7 +7,7 @@ import io
 
 from rich.console import Console
 
-from stageferry.console import RequestProgress, render_status
+from stageferry.console import RequestProgress, render_hops, render_status
 from stageferry.schemas import Progress, RequestState, RequestStatus, StageTiming, Transport
 from stageferry.trace import TraceEvent
 
@@ -75,3 +75,19 @@ def test_each_hop_shows_its_route() -> None:
     assert enc.split()[:3] == ["encoder", "0.500", "client"] and not enc.endswith("cma")
     assert dif.split()[:6] == ["diffusion", "4.500", "encoder", "nixl", "789,504", "0.0014"]
     assert dif.endswith("  " + route)
+
+
+def test_each_hop_shows_its_first_transfer_beside_the_warm_ones() -> None:
+    """`up --warm-runs N`: the first request's hop against the median of the same job run again."""
+
+    def status(rid: str, transfer: float) -> RequestStatus:
+        hop = StageTiming(stage="diffusion", seconds=4.5, transport=Transport.NIXL, payload_bytes=789_504,
+                          transfer_seconds=transfer)  # fmt: skip
+        return RequestStatus(request_id=rid, state=RequestState.DONE,
+                             timings=[StageTiming(stage="encoder", seconds=0.5), hop])  # fmt: skip
+
+    lines = render_hops(status("a", 0.0030), [status("b", 0.0010), status("c", 0.0020), status("d", 0.0040)])
+    head, row = lines.splitlines()
+    assert head.split() == ["hop", "payload", "first", "s", "warm", "s", "first/warm"]
+    assert row.split() == ["encoder", "→", "diffusion", "789,504", "0.0030", "0.0020", "1.50×"]
+    assert render_hops(status("a", 0.003), []) == ""  # no warm run ended done: no table

@@ -75,9 +75,15 @@ def test_up_runs_one_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     for log in logs.glob("*.log"):
         for line in log.read_text().splitlines():
             json.loads(line)
+    # The job ran once more (--warm-runs 1 by default): each hop's first transfer beside the warm one.
+    table = result.stdout.splitlines()
+    head = next(i for i, line in enumerate(table) if line.startswith("hop "))
+    assert table[head].split() == ["hop", "payload", "first", "s", "warm", "s", "first/warm"], table[head]
+    hop = table[head + 1].split()
+    assert hop[:3] == ["encoder", "→", "diffusion"] and hop[-1].endswith("×"), table[head + 1]
     # The trace outlives up's private Redis: `trace` finds it with no flags.
-    (mp4,) = (tmp_path / "out").glob("*.mp4")
-    request_id = mp4.stem
+    request_id = result.stdout.split("request ", 1)[1].split(":", 1)[0]
+    assert len(list((tmp_path / "out").glob("*.mp4"))) == 2 and (tmp_path / "out" / f"{request_id}.mp4").is_file()
     assert (tmp_path / "out" / f"{request_id}.trace.json").is_file()
     traced = CliRunner().invoke(app, ["trace", request_id], env={"STAGEFERRY_REDIS_URL": None})
     assert traced.exit_code == 0, traced.output
@@ -111,7 +117,8 @@ def test_up_serve_prints_a_submit_and_a_trace_command_that_work(tmp_path: Path) 
     env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
     env["PATH"] = "/usr/bin:/bin"  # no stageferry on PATH, as after scripts/up.sh
     up = subprocess.Popen(
-        [str(program), "--prefix", "t-up-serve", "up", "--serve", "--steps", "2", "--startup-timeout", "240"],
+        [str(program), "--prefix", "t-up-serve", "up", "--serve", "--steps", "2", "--startup-timeout", "240",
+         "--warm-runs", "0"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert up.stderr is not None

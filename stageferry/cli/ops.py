@@ -258,6 +258,15 @@ def up(
     log_dir: Annotated[
         Path | None, typer.Option("--log-dir", metavar="DIR", help="Service logs. Default: <output_dir>/logs.")
     ] = None,
+    warm_runs: Annotated[
+        int,
+        typer.Option(
+            "--warm-runs",
+            min=0,
+            max=20,
+            help="Run the job this many times more and show each hop's first transfer beside the warm ones.",
+        ),
+    ] = 1,
 ) -> None:
     """Run the whole pipeline here (a private Redis if none is configured) and one job through it."""
     settings = _settings(ctx)
@@ -280,7 +289,7 @@ def up(
     code = anyio.run(
         functools.partial(
             run_up, settings, job, uploads, serve=serve_forever, startup_timeout=startup_timeout,
-            job_timeout=timeout, log_dir=log_dir, console=stderr,
+            job_timeout=timeout, log_dir=log_dir, console=stderr, warm_runs=warm_runs,
         )
     )  # fmt: skip
     raise typer.Exit(code)

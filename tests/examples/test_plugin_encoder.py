@@ -45,6 +45,7 @@ def test_the_documented_command_runs_the_example_to_done(tmp_path: Path) -> None
         *(sys.executable, "-m", "stageferry", "--pipeline", str(EXAMPLE / "pipeline.toml"), "up"),
         *("--width", "160", "--height", "96", "--fps", "8", "--duration", "1", "--steps", "2"),
         *("--startup-timeout", "180", "--timeout", "400", "--log-dir", str(tmp_path / "logs")),
+        *("--warm-runs", "0"),
     ]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=560)
     logs = "".join(p.read_text()[-3000:] for p in (tmp_path / "logs").glob("*.log"))
