@@ -60,6 +60,9 @@ from stageferry.schemas import DeviceKind, PayloadRef
 
 log = structlog.get_logger(__name__)
 
+#: How much of its DRAM pool a consumer faults in at start-up (:meth:`NixlConnector._prefault`).
+PREFAULT_BYTES = 16 << 20
+
 
 class NixlConnector(Connector):
     """Both sides of the NIXL data plane for one leader process (one agent, one pool set)."""
@@ -151,6 +154,8 @@ class NixlConnector(Connector):
                 ep.agent = NixlAgent(ep.name, backends=ep.config.nixl_backends, ucx_threads=ep.config.ucx_threads)
             ep.pools = PoolSet.from_config(ep.config, registrar=ep.agent, cuda_device=ep.cuda_device)
             self._export_same_gpu()
+            if self.upstream is not None:
+                self._prefault()
             ep.pools.on_pressure = self.consumer.ready.drop  # anyone about to wait gets the ready slots first
             metrics.watch_resources(self.resources)
             ep.link = open_link(ep.redis)
@@ -159,6 +164,16 @@ class NixlConnector(Connector):
             ep.unavailable_reason = exc.code
             metrics.HANDSHAKE_FAILURES.labels("agent_unavailable").inc()
             log.error("nixl.unavailable", error=exc.message, fallback="inline")
+
+    def _prefault(self) -> None:
+        """Fault in the head of the DRAM pool now (a consumer's, at start-up): slots are taken first-fit
+        from the lowest offset, so the first payloads land there, and a READ into pages never touched
+        paid their faults on the first hop (up to ~10 ms for 789 KB on a loaded 2-core box).  VRAM has
+        no such cost."""
+        pools = self.endpoint.pools
+        pool = pools.pools.get(DeviceKind.CPU) if pools is not None else None
+        if pool is not None:
+            pool.buffer[: min(pool.capacity, PREFAULT_BYTES)].zero_()
 
     def _export_same_gpu(self) -> None:
         """Publish this GPU's UUID and, with a CUDA pool, its arena for same-GPU consumers (a failure only

@@ -56,6 +56,7 @@ class UpstreamWatch:
         self.stage = stage
         self._retry: dict[str, tuple[float, float]] = {}  # agent name -> (next try, pause)
         self.connects = 0  #: agents connected by the watch (tests and benchmarks read it)
+        self._redis_away = False  # logged once per outage, not at every look
 
     async def run(self) -> None:
         """Look every :data:`WATCH_S` (see the module docstring); runs until cancelled."""
@@ -66,14 +67,17 @@ class UpstreamWatch:
     async def look(self) -> int:
         """One round: connect the agents the index names that are not loaded, drop loaded ones the index
         replaced (their replica restarted); the number of the stage's agents loaded afterwards.  A Redis
-        that is away is logged and waited out (0 is returned)."""
+        that is away is logged once per outage and waited out (0 is returned)."""
         ep = self._ep
         try:
             with translated():
                 raw = await ep.redis.hgetall(ep.keys.agents(self.stage))
         except ControlPlaneError as exc:
-            log.warning("nixl.upstream_watch_failed", stage=self.stage, error=exc.message)
+            if not self._redis_away:
+                log.warning("nixl.upstream_watch_failed", stage=self.stage, error=exc.message)
+            self._redis_away = True
             return 0
+        self._redis_away = False
         listed = self._listed(raw)
         current = set(listed.values())
         for peer in self._peers.peers_of(self.stage):
