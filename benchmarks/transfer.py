@@ -76,7 +76,7 @@ from stageferry.cpus import HOT_WAIT_S  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402
 from stageferry.schemas import InlinePayload, NixlPayload, PayloadRef  # noqa: E402
 from stageferry.stages.group import settle_heap  # noqa: E402
-from stageferry.testing import TASKS, sized_payload, tensor_bytes  # noqa: E402
+from stageferry.testing import TASKS, on_device, sized_payload, tensor_bytes  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = sorted([4 * KiB * 4**i for i in range(9)] + list(TASK_BYTES.values()))  # 4 KiB..256 MiB
@@ -92,16 +92,6 @@ def payload_for(nbytes: int, device: torch.device) -> Any:
     task = TASK_OF_SIZE.get(nbytes)
     payload = TASKS[task][0]() if task else sized_payload(nbytes)
     return on_device(payload, device)
-
-
-def on_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: on_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(on_device(v, device) for v in obj)
-    return obj
 
 
 def devices(kind: str) -> tuple[torch.device, torch.device]:

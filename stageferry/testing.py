@@ -77,6 +77,17 @@ def sized_payload(nbytes: int, *, seed: int = 0, device: torch.device | str = "c
     return {"blob": data.to(device), "nbytes": nbytes}
 
 
+def on_device(obj: Any, device: torch.device | str) -> Any:
+    """``obj`` with every tensor moved to ``device`` (dicts, lists and tuples rebuilt around them)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: on_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(on_device(v, device) for v in obj)
+    return obj
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Same-width integers: compares NaN payloads and signed zeros exactly."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])

@@ -22,14 +22,14 @@ from stageferry.broker.control.redis_conn import open_client
 from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.config import DataPlaneConfig, MetadataMode, Timeouts
 from stageferry.errors import DataPlaneError
-from stageferry.testing import TASKS, sized_payload
+from stageferry.testing import TASKS, on_device, sized_payload
 
 
 def build(spec: str, seed: int, device: str = "cpu") -> object:
     """The payload a spec names: a task payload, ``bytes:N``, ``mixed`` (CUDA and CPU leaves), or
     ``gpu:<spec>`` (that payload with every tensor on ``device``)."""
     if spec.startswith("gpu:"):
-        return _on(build(spec.removeprefix("gpu:"), seed), device)
+        return on_device(build(spec.removeprefix("gpu:"), seed), device)
     if spec.startswith("bytes:"):
         return sized_payload(int(spec.split(":", 1)[1]), seed=seed)
     if spec == "mixed":
@@ -41,16 +41,6 @@ def build(spec: str, seed: int, device: str = "cpu") -> object:
             "ids": torch.arange(9, device=device),
         }
     return TASKS[spec][0]()
-
-
-def _on(obj: object, device: str) -> object:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _on(v, device) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_on(v, device) for v in obj)
-    return obj
 
 
 async def main(args: argparse.Namespace) -> None:
