@@ -131,7 +131,7 @@ async def _run_warm(
 ) -> None:
     """Run the job ``runs`` times more and print each hop's first transfer beside the warm ones (a run
     that does not end done is reported, not counted)."""
-    console.print(f"again ×{runs}, for the hops warm:")
+    console.print(f"running the job {runs} more time{'s' if runs > 1 else ''} (warm hops)")
     warm = []
     for _ in range(runs):
         status = await client.wait(await client.submit(job, uploads=uploads), timeout=timeout)

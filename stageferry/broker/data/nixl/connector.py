@@ -60,7 +60,7 @@ from stageferry.schemas import DeviceKind, PayloadRef
 
 log = structlog.get_logger(__name__)
 
-#: How much of its DRAM pool a consumer faults in at start-up (:meth:`NixlConnector._prefault`).
+#: How much of its DRAM pool a connector faults in at start-up (:meth:`NixlConnector._prefault`).
 PREFAULT_BYTES = 16 << 20
 
 
@@ -154,8 +154,7 @@ class NixlConnector(Connector):
                 ep.agent = NixlAgent(ep.name, backends=ep.config.nixl_backends, ucx_threads=ep.config.ucx_threads)
             ep.pools = PoolSet.from_config(ep.config, registrar=ep.agent, cuda_device=ep.cuda_device)
             self._export_same_gpu()
-            if self.upstream is not None:
-                self._prefault()
+            self._prefault()
             ep.pools.on_pressure = self.consumer.ready.drop  # anyone about to wait gets the ready slots first
             metrics.watch_resources(self.resources)
             ep.link = open_link(ep.redis)
@@ -166,10 +165,10 @@ class NixlConnector(Connector):
             log.error("nixl.unavailable", error=exc.message, fallback="inline")
 
     def _prefault(self) -> None:
-        """Fault in the head of the DRAM pool now (a consumer's, at start-up): slots are taken first-fit
-        from the lowest offset, so the first payloads land there, and a READ into pages never touched
-        paid their faults on the first hop (up to ~10 ms for 789 KB on a loaded 2-core box).  VRAM has
-        no such cost."""
+        """Fault in the head of the DRAM pool now, at start-up: slots are taken first-fit from the lowest
+        offset, so the first payloads land there, and a put packing into (or a READ landing in) pages
+        never touched paid their faults on the first hop (up to ~10 ms for 789 KB on a loaded 2-core
+        box).  VRAM has no such cost."""
         pools = self.endpoint.pools
         pool = pools.pools.get(DeviceKind.CPU) if pools is not None else None
         if pool is not None:
