@@ -50,8 +50,11 @@ from stageferry.schemas.nixl import WARM_NOTIFICATION, AgentRecord
 
 log = structlog.get_logger(__name__)
 
-#: Bytes :meth:`Peers.connect` READs from the start of each of a peer's arenas (what the wire-up needs).
+#: Bytes :meth:`Peers.connect` READs from the start of each of a peer's arenas (what the wire-up needs) ...
 WARM_BYTES = 4096
+#: ... and how long those READs may take together (they hold the load lock: a producer that died with its
+#: record still up must not keep another producer's first payload waiting for long).
+WARM_TIMEOUT_S = 1.0
 #: The stage index outlives its last writer by this much (every heartbeat renews it).
 INDEX_TTL_S = 3600
 
@@ -282,15 +285,15 @@ class Peers:
     async def _warm(self, peer: Peer) -> int:
         """READ the first :data:`WARM_BYTES` of each of ``peer``'s arenas into a free slot of each of our
         pools (a pool with no free slot now is skipped), then send it the warm-up notification; the number
-        of READs.  A READ that fails or outlives
-        the handshake timeout raises :class:`TransferError`; the caller then drops the peer before the slot
-        goes back (a late byte of it cannot land in a reused slot: the endpoint is closed)."""
+        of READs.  A READ that fails or outlives :data:`WARM_TIMEOUT_S` raises :class:`TransferError`; the
+        caller then drops the peer before the slot goes back (a late byte of it cannot land in a reused
+        slot: the endpoint is closed)."""
         ep = self._ep
         agent, pools = ep.agent, ep.pools
         assert agent is not None
         if pools is None:
             return 0
-        deadline = time.monotonic() + ep.timeouts.handshake
+        deadline = time.monotonic() + min(WARM_TIMEOUT_S, ep.timeouts.handshake)
         reads = 0
         for pool in pools.pools.values():
             for arena in peer.arenas:

@@ -39,6 +39,8 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 REF = TypeAdapter(PayloadRef)
 # One registration per pool: the CPU pool, plus the CUDA pool every connector makes where a GPU is present.
 POOLS = 1 + int(torch.cuda.is_available())
+#: The producers' path: the repository, then the caller's own (a device machine's carried wheels).
+PYTHONPATH = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 
 @dataclass
@@ -79,7 +81,7 @@ def start_producer(tmp_path: Path, redis_url: str, prefix: str) -> Iterator[Any]
             stdout=log.open("wb"),
             stderr=subprocess.STDOUT,
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, "PYTHONPATH": PYTHONPATH},
         )
         producer = Producer(proc, sync_redis.Redis.from_url(redis_url, socket_timeout=None), prefix, log)
         started.append(producer)
