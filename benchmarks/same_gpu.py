@@ -117,23 +117,18 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
     refs: TypeAdapter[PayloadRef] = TypeAdapter(PayloadRef)
     phase: dict[str, float] = {}
     cons = conn.consumer
-    real_read, real_copy = cons.read, cons.same_gpu.copy
 
-    async def timed_read(*a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return await real_read(*a, **k)
-        finally:
-            phase["transfer"] = (time.perf_counter() - t) * 1e3
+    def timed(real: Any) -> Any:
+        async def call(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return await real(*a, **k)
+            finally:
+                phase["transfer"] = (time.perf_counter() - t) * 1e3
 
-    async def timed_copy(*a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return await real_copy(*a, **k)
-        finally:
-            phase["transfer"] = (time.perf_counter() - t) * 1e3
+        return call
 
-    cons.read, cons.same_gpu.copy = timed_read, timed_copy  # type: ignore[method-assign]
+    cons.read, cons.same_gpu.copy = timed(cons.read), timed(cons.same_gpu.copy)  # type: ignore[method-assign]
     rows = []
     try:
         async with anyio.create_task_group() as tg:
@@ -153,13 +148,13 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
                     transfer, gets, routes = [], [], set()
                     for i in range(args.warmup + args.iters):
                         _, raw = await redis.blpop([f"{args.prefix}:bench:refs"], timeout=60)  # type: ignore[misc]
-                        if i + 1 < args.warmup + args.iters:  # the next payload is put while this one is taken
-                            await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"nbytes": nbytes, "count": 1}))
                         ref = refs.validate_json(raw)
                         assert isinstance(ref, NixlPayload), ref
                         await cons.claim(ref)  # as a stage's stream read does: no claim inside the timed part
                         async with conn.get(ref, None, key=f"g{i}", claimed=True) as incoming:
                             routes.add(incoming.route)
+                        if i + 1 < args.warmup + args.iters:  # the next put once this get is over: no overlap
+                            await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"nbytes": nbytes, "count": 1}))
                         if i >= args.warmup:
                             transfer.append(phase["transfer"])
                             gets.append(incoming.seconds * 1e3)
