@@ -41,6 +41,7 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationError
 
 from stageferry.errors import HandshakeError, ProtocolMismatchError
+from stageferry.schemas.cuda_ipc import GPU_UUID, MAX_FIELD_BYTES
 from stageferry.schemas.job import Frozen
 from stageferry.schemas.payload import AgentName, Incarnation, LeaseToken, RemoteRegion
 
@@ -71,9 +72,9 @@ class AgentRecord(Frozen):
     started_at: float
     address: Annotated[str, Field(max_length=64, pattern=r"^[0-9A-Fa-f.:]+$")] | None = None
     """The IP its peers reach it at (``STAGEFERRY_ADVERTISE_ADDRESS``); absent when not configured."""
-    gpu_uuid: Annotated[str, Field(pattern=r"^GPU-[0-9a-fA-F-]{8,64}$")] | None = None
+    gpu_uuid: Annotated[str, Field(pattern=GPU_UUID)] | None = None
     """The UUID of the GPU its CUDA pool is on; absent without one."""
-    cuda_ipc: Annotated[bytes, Field(max_length=4096)] | None = None
+    cuda_ipc: Annotated[bytes, Field(max_length=MAX_FIELD_BYTES)] | None = None
     """Its CUDA pool arena exported for consumers on that GPU (JSON of
     :class:`~stageferry.schemas.cuda_ipc.CudaIpcArena`, parsed by those only); absent when not exported."""
 

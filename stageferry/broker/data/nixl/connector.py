@@ -57,6 +57,7 @@ from stageferry.broker.data.staging import Template
 from stageferry.config import DataPlaneConfig, Timeouts
 from stageferry.errors import DataPlaneError
 from stageferry.schemas import DeviceKind, PayloadRef
+from stageferry.schemas.cuda_ipc import MAX_FIELD_BYTES
 
 log = structlog.get_logger(__name__)
 
@@ -183,9 +184,12 @@ class NixlConnector(Connector):
         if ep.gpu_uuid is None or pool is None or not ep.config.same_gpu_copy:
             return
         try:
-            ep.cuda_ipc = export_arena(pool.buffer, ep.gpu_uuid).to_json().encode()
+            exported = export_arena(pool.buffer, ep.gpu_uuid).to_json().encode()
         except Exception as exc:  # noqa: BLE001 - torch's errors: the transport still works
             log.warning("nixl.same_gpu_export_failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        if len(exported) <= MAX_FIELD_BYTES:  # what a record carries
+            ep.cuda_ipc = exported
 
     def resources(self) -> dict[str, float]:
         """What this process holds right now; at rest: no leases, no slots, one registration per pool."""

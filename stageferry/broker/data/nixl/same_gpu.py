@@ -22,6 +22,7 @@ copy that fails is a :class:`TransferError`, logged (``nixl.same_gpu_fallback``)
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ from stageferry.broker.data.nixl.endpoint import Endpoint
 from stageferry.broker.data.pool import Slot
 from stageferry.errors import HandshakeError, TransferError
 from stageferry.schemas import DeviceKind, MemKind, NixlPayload
-from stageferry.schemas.cuda_ipc import CudaIpcArena
+from stageferry.schemas.cuda_ipc import GPU_UUID, CudaIpcArena
 
 log = structlog.get_logger(__name__)
 
@@ -48,9 +49,13 @@ def gpu_uuid(device: torch.device | None) -> str | None:
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return None
     try:
-        return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
-    except (RuntimeError, AttributeError):  # an old driver, or no UUID to read
+        uuid = f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+    except (RuntimeError, AttributeError, AssertionError):  # an old driver, or no UUID to read
         return None
+    if not re.fullmatch(GPU_UUID, uuid):  # what the record accepts; anything else: no same-GPU path
+        log.warning("nixl.gpu_uuid_unreadable", device=str(device))
+        return None
+    return uuid
 
 
 def export_arena(buffer: torch.Tensor, uuid: str) -> CudaIpcArena:
