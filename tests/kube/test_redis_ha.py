@@ -73,6 +73,7 @@ def test_three_data_pods_with_the_settings_that_bound_the_loss(objects: list[Obj
     # a restarted pod asks the sentinels first: only with none answering does ordinal 0 start as the primary
     assert "sentinel get-master-addr-by-name stageferry" in script
     assert 'master="stageferry-redis-0.stageferry-redis"' in script
+    assert "[ -e /data/appendonlydir ]" in script  # a restarted master with data waits for the failover
     (claim,) = data["spec"]["volumeClaimTemplates"]  # the AOF on a volume of its own, per pod
     assert claim["metadata"]["name"] == "data"
 
