@@ -36,27 +36,9 @@ since() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.1f", a - b}'; }
 say() { printf '[ha-smoke %6ss] %s\n' "$(since "$(date +%s.%N)" "$t0")" "$*"; }
 fail() { say "FAIL: $*"; exit 1; }
 work="$(mktemp -d /var/tmp/stageferry-ha-smoke.XXXXXX)"
-pods=()
-
-teardown() {
-  local code=$?
-  if ((code != 0)); then
-    for pod in "${pods[@]}"; do
-      say "last log lines of $pod:"
-      podman pod logs --tail 6 "$pod" 2>&1 | cut -c1-300 | sed 's/^/    /' || true
-    done
-  fi
-  if [[ "${SMOKE_KEEP:-0}" == 1 ]]; then
-    say "SMOKE_KEEP=1: leaving the pods up (${pods[*]}), files in $work"
-  else
-    for pod in "${pods[@]}"; do podman pod rm -f -t 5 "$pod" >/dev/null 2>&1 || true; done
-    grep -o "^$work/[^ ]*" "$work/pods/tmpfs.txt" 2>/dev/null | while read -r path; do umount "$path" 2>/dev/null || true; done
-    for i in 0 1 2; do podman volume rm -f "data-stageferry-redis-$i" >/dev/null 2>&1 || true; done
-    podman network rm -f "$net" >/dev/null 2>&1 || true
-    rm -rf "$work"
-  fi
-  if ((code == 0)); then say "PASS"; else say "FAIL (exit $code)"; fi
-}
+volumes=(data-stageferry-redis-0 data-stageferry-redis-1 data-stageferry-redis-2)
+# shellcheck source=pods.sh
+source "$here/pods.sh"   # pods, teardown, play, container, in_pod
 trap teardown EXIT
 trap 'exit 130' INT TERM
 
@@ -85,25 +67,12 @@ say "STAGEFERRY_REDIS_URL: $(echo "$url" | sed 's/:[^:@]*@/:***@/')"
 
 # --- play ---------------------------------------------------------------------------------------------
 podman network exists "$net" && podman network rm -f "$net" >/dev/null
-for i in 0 1 2; do podman volume rm -f "data-stageferry-redis-$i" >/dev/null 2>&1 || true; done  # a run before's
+for volume in "${volumes[@]}"; do podman volume rm -f "$volume" >/dev/null 2>&1 || true; done  # a run before's
 podman network create --subnet "$subnet.0/24" "$net" >/dev/null
 "$py" "$here/podplay.py" "$work/rendered.yaml" "$work/secret.yaml" --out "$work/pods" --subnet "$subnet" \
   --replicas stageferry-gateway=1 >"$work/plan.txt" 2>/dev/null
 declare -A ip_of workload_of
 while read -r pod ip workload; do ip_of[$pod]=$ip; workload_of[$pod]=$workload; done <"$work/plan.txt"
-play() {
-  local path size
-  while read -r path size; do
-    [[ "$path" == "$work/pods/files/$1/"* ]] || continue
-    mountpoint -q "$path" || mount -t tmpfs -o "size=$size,mode=1777" tmpfs "$path"
-  done < <(cat "$work/pods/tmpfs.txt" 2>/dev/null)
-  podman kube play --network "$net" --ip "${ip_of[$1]}" "$work/pods/$1.yaml" >"$work/play-$1.log" 2>&1 \
-    || { cat "$work/play-$1.log"; fail "podman kube play $1"; }
-  pods+=("$1")
-  say "  pod $1 at ${ip_of[$1]}"
-}
-container() { podman pod inspect -f '{{range .Containers}}{{.Name}} {{end}}' "$1" | tr ' ' '\n' | grep -v infra | grep -m1 .; }
-in_pod() { local pod=$1; shift; podman exec "$(container "$pod")" "$@"; }
 password="$("$py" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["stringData"]["password"])' "$work/secret.yaml")"
 sentinel_password="$("$py" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["stringData"]["sentinel-password"])' "$work/secret.yaml")"
 rcli() { REDISCLI_AUTH="$password" timeout 5 redis-cli --no-auth-warning --user stageferry -h "$@"; }   # the services' user
