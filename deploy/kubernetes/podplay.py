@@ -10,6 +10,9 @@ controllers' part and nothing else, so that the pods podman runs are the rendere
 * `secretKeyRef` and `configMapKeyRef` env values are filled in from the rendered Secret and ConfigMaps;
   `fieldRef` metadata.name and status.podIP from the pod's name and the IP this script gives it (podman
   assigns it with --ip, the kubelet would report it);
+* a StatefulSet pod's stable DNS name under its headless Service (`<pod>.<serviceName>`, which the
+  sentinels and the data nodes of components/redis-ha announce) becomes a `hostAliases` entry of every
+  pod: podman's DNS knows pod names only;
 * container ports are not published (podman would bind them on the host); probes' named ports become numbers;
 * configMap and secret volumes become read-only files under OUTDIR/files (hostPath), volumeClaimTemplates
   PersistentVolumeClaims (podman volumes), emptyDirs a directory per pod (podman 4.3 would share one named
@@ -79,11 +82,22 @@ class Cluster:
         except KeyError:
             raise SystemExit(f"podplay: no {kind} {name} with key {key}") from None
 
-    def pod(self, workload: Obj, index: int, ip: str, files: Path) -> list[Obj]:
-        """The Pod (and its PersistentVolumeClaims) of replica ``index``."""
+    def stable_name(self, workload: Obj, index: int) -> str | None:
+        """A StatefulSet pod's DNS name under its headless Service, as a cluster's DNS serves it."""
+        service = workload["spec"].get("serviceName")
+        if workload["kind"] != "StatefulSet" or service not in self.services:
+            return None
+        if self.services[service]["spec"].get("clusterIP") != "None":
+            return None  # pods have DNS names under a headless Service only
+        return f"{self.pod_name(workload, index)}.{service}"
+
+    def pod(self, workload: Obj, index: int, ip: str, files: Path, aliases: dict[str, str] | None = None) -> list[Obj]:
+        """The Pod (and its PersistentVolumeClaims) of replica ``index``; ``aliases``: DNS name -> IP."""
         name = self.pod_name(workload, index)
         template = copy.deepcopy(workload["spec"]["template"])
         spec = template["spec"]
+        if aliases:
+            spec["hostAliases"] = [{"ip": a, "hostnames": [n]} for n, a in sorted(aliases.items())]
         docs: list[Obj] = []
         for container in spec.get("containers", []):
             for env in container.get("env", []):
@@ -185,19 +199,20 @@ def main(argv: list[str]) -> int:
     files = args.out / "files"
     args.out.mkdir(parents=True, exist_ok=True)
     plan: list[tuple[Obj, int, str]] = []
+    host = 10
+    order = sorted(cluster.workloads.values(), key=lambda w: w["kind"] != "StatefulSet")  # Redis first
+    for workload in order:
+        for i in range(counts.get(workload["metadata"]["name"], workload["spec"].get("replicas", 1))):
+            plan.append((workload, i, f"{args.subnet}.{host}"))
+            host += 1
+    aliases = {n: ip for w, i, ip in plan if (n := cluster.stable_name(w, i)) is not None}
     if args.extra:
         wname, index = args.extra.split(":")
-        plan.append((cluster.workloads[wname], int(index), f"{args.subnet}.{100 + int(index)}"))
+        plan = [(cluster.workloads[wname], int(index), f"{args.subnet}.{100 + int(index)}")]
     else:
-        host = 10
-        order = sorted(cluster.workloads.values(), key=lambda w: w["kind"] != "StatefulSet")  # Redis first
-        for workload in order:
-            for i in range(counts.get(workload["metadata"]["name"], workload["spec"].get("replicas", 1))):
-                plan.append((workload, i, f"{args.subnet}.{host}"))
-                host += 1
         print("# not played (a cluster's control plane acts on these): " + ", ".join(cluster.skipped), file=sys.stderr)
     for workload, index, ip in plan:
-        docs = cluster.pod(workload, index, ip, files)
+        docs = cluster.pod(workload, index, ip, files, aliases)
         name = docs[-1]["metadata"]["name"]
         (args.out / f"{name}.yaml").write_text(yaml.safe_dump_all(docs, sort_keys=False))
         print(name, ip, workload["metadata"]["name"])

@@ -30,27 +30,9 @@ t0=$(date +%s)
 say() { printf '[k8s-smoke %4ss] %s\n' "$(($(date +%s) - t0))" "$*"; }
 fail() { say "FAIL: $*"; exit 1; }
 work="$(mktemp -d /var/tmp/stageferry-k8s-smoke.XXXXXX)"
-pods=()
-
-teardown() {
-  local code=$?
-  if ((code != 0)); then
-    for pod in "${pods[@]}"; do
-      say "last log lines of $pod:"
-      podman pod logs --tail 6 "$pod" 2>&1 | cut -c1-300 | sed 's/^/    /' || true
-    done
-  fi
-  if [[ "${SMOKE_KEEP:-0}" == 1 ]]; then
-    say "SMOKE_KEEP=1: leaving the pods up (${pods[*]}), files in $work"
-  else
-    for pod in "${pods[@]}"; do podman pod rm -f -t 5 "$pod" >/dev/null 2>&1 || true; done
-    grep -o "^$work/[^ ]*" "$work/pods/tmpfs.txt" 2>/dev/null | while read -r path; do umount "$path" 2>/dev/null || true; done
-    podman volume rm -f "data-stageferry-redis" >/dev/null 2>&1 || true
-    podman network rm -f "$net" >/dev/null 2>&1 || true
-    rm -rf "$work"
-  fi
-  if ((code == 0)); then say "PASS"; else say "FAIL (exit $code)"; fi
-}
+volumes=(data-stageferry-redis)
+# shellcheck source=pods.sh
+source "$here/pods.sh"   # pods, teardown, play, container, in_pod
 trap teardown EXIT
 
 # --- the host ------------------------------------------------------------------------------------------
@@ -109,19 +91,6 @@ podman network create --subnet "$subnet.0/24" "$net" >/dev/null
 sed 's/^/  /' "$work/plan.err"
 declare -A ip_of workload_of
 while read -r pod ip workload; do ip_of[$pod]=$ip; workload_of[$pod]=$workload; done <"$work/plan.txt"
-play() {  # pod: its in-memory volumes first (tmpfs, as the kubelet mounts them), then `podman kube play`
-  local path size
-  while read -r path size; do
-    [[ "$path" == "$work/pods/files/$1/"* ]] || continue
-    mountpoint -q "$path" || mount -t tmpfs -o "size=$size,mode=1777" tmpfs "$path"
-  done < <(cat "$work/pods/tmpfs.txt" 2>/dev/null)
-  podman kube play --network "$net" --ip "${ip_of[$1]}" "$work/pods/$1.yaml" >"$work/play-$1.log" 2>&1 \
-    || { cat "$work/play-$1.log"; fail "podman kube play $1"; }
-  pods+=("$1")
-  say "  pod $1 (${workload_of[$1]}) at ${ip_of[$1]}"
-}
-container() { echo "$1-$(podman pod inspect -f '{{range .Containers}}{{.Name}} {{end}}' "$1" | tr ' ' '\n' | grep -v infra | grep -m1 . | sed "s/^$1-//")"; }
-in_pod() { local pod=$1; shift; podman exec "$(container "$pod")" "$@"; }
 pod_at() { local p; for p in "${pods[@]}"; do if [[ "${ip_of[$p]}" == "$1" ]]; then echo "$p"; return 0; fi; done; }
 
 say "playing Redis, then the stages and the gateway (each pod on $net with its own IP)"

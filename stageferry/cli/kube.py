@@ -81,6 +81,13 @@ def secret(
         typer.Option("--url", metavar="URL", help="An existing Redis (with components/external-redis)."),
     ] = None,
     tls: Annotated[bool, typer.Option("--tls", help="rediss:// with the CA of components/redis-tls.")] = False,
+    sentinel: Annotated[
+        bool,
+        typer.Option(
+            "--sentinel",
+            help="For components/redis-ha: the URL via its sentinels, the replicas' and sentinels' users.",
+        ),
+    ] = False,
 ) -> None:
     """Print the Secret stageferry-redis (kubectl apply -f -): the Redis ACL file (`stageferry acl --scaler`)
     with fresh passwords, the services' URL, the autoscaler's and the clients' passwords."""
@@ -91,4 +98,4 @@ def secret(
     settings = _settings(ctx)
     pipeline = PipelineConfig.load(settings.pipeline or root / "base" / "pipeline.toml")
     vals = Values.load(_values_path(root, values))
-    typer.echo(secret_yaml(redis_secret(pipeline, vals, url=url, tls=tls)), nl=False)
+    typer.echo(secret_yaml(redis_secret(pipeline, vals, url=url, tls=tls, sentinel=sentinel)), nl=False)

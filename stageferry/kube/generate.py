@@ -6,7 +6,9 @@
 * ``base/stages.yaml`` — per stage, its Deployment and PodDisruptionBudget;
 * ``overlays/cpu/stages.yaml``, ``overlays/gpu/stages.yaml`` — the profiles' per-stage patches
   (CPU and memory per rank; ``nvidia.com/gpu: <world_size>``);
-* ``components/keda/scaledobjects.yaml`` — per stage, its KEDA ScaledObject.
+* ``components/keda/scaledobjects.yaml`` — per stage, its KEDA ScaledObject;
+* ``components/keda-sentinel/scaledobjects.yaml`` — the same ScaledObjects' triggers through the
+  sentinels of ``components/redis-ha`` (:mod:`.sentinel`).
 
 Everything else under ``deploy/kubernetes/`` is written by hand.  :func:`stale` lists the generated files
 that differ from what the pipeline file and the values give now (``--check``; the suite runs it, like
@@ -26,7 +28,9 @@ import yaml
 from stageferry.acl import acl_file
 from stageferry.broker.control.keys import Keys
 from stageferry.config import PipelineConfig
+from stageferry.errors import ConfigError
 from stageferry.kube.manifests import REDIS_SECRET, cpu_patch, gpu_patch, labels, scaled_object, stage_objects
+from stageferry.kube.sentinel import sentinel_addresses, sentinel_scaled_object_patch, sentinel_url
 from stageferry.kube.values import Values
 
 _HEADER = (
@@ -48,15 +52,14 @@ def generated_files(pipeline_path: Path, values_path: Path | None) -> dict[str, 
     values.check_against(pipeline)
     source = "base/pipeline.toml and values.toml"
     stages = pipeline.stages
+    scaled = [scaled_object(s, values, _intakes(pipeline, values) if i == 0 else ()) for i, s in enumerate(stages)]
     return {
         "base/pipeline.toml": text,
         "base/stages.yaml": _dump(stage_objects(pipeline, values), source),
         "overlays/cpu/stages.yaml": _dump([cpu_patch(pipeline, s, values) for s in stages], source),
         "overlays/gpu/stages.yaml": _dump([gpu_patch(pipeline, s, values) for s in stages], source),
-        "components/keda/scaledobjects.yaml": _dump(
-            [scaled_object(s, values, _intakes(pipeline, values) if i == 0 else ()) for i, s in enumerate(stages)],
-            source,
-        ),
+        "components/keda/scaledobjects.yaml": _dump(scaled, source),
+        "components/keda-sentinel/scaledobjects.yaml": _dump([sentinel_scaled_object_patch(o) for o in scaled], source),
     }
 
 
@@ -89,13 +92,19 @@ def redis_secret(
     *,
     url: str | None = None,
     tls: bool = False,
+    sentinel: bool = False,
     tenants: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The Secret ``stageferry-redis``: the ACL file (``stageferry acl --scaler`` with fresh passwords),
     the services' URL and password, the scaler's password.  ``url`` points the deployment at an existing
     Redis instead (its own ACL is then yours to keep); ``tls`` makes the URL ``rediss://`` with the CA
-    the redis-tls component mounts."""
-    users = ["stageferry", "sfscaler", *([f"sfclient-{t}" for t in tenants] or ["sfclient"])]
+    the redis-tls component mounts; ``sentinel`` is for ``components/redis-ha``: the URL through its
+    sentinels (``redis+sentinel://``, every replica waited for), the replicas' and the sentinels' users
+    in the ACL file and their passwords (``replica-password``, ``sentinel-password``)."""
+    if sentinel and (tls or url is not None):
+        raise ConfigError("the Sentinel deployment (components/redis-ha) takes neither --tls nor --url")
+    ha_users = ["sfreplica", "sfsentinel"] if sentinel else []
+    users = ["stageferry", "sfscaler", *ha_users, *([f"sfclient-{t}" for t in tenants] or ["sfclient"])]
     passwords = {u: secrets.token_urlsafe(24) for u in users}
     acl = acl_file(
         values.prefix,
@@ -103,19 +112,33 @@ def redis_secret(
         tenants=tenants or pipeline.security.tenants,
         passwords={u: f">{p}" for u, p in passwords.items()},
         scaler=True,
+        sentinel=sentinel,
     )
+    if sentinel:
+        url = sentinel_url("stageferry", passwords["stageferry"])
     if url is None:
         scheme, query = ("rediss", "?ssl_ca_certs=/etc/stageferry/tls/ca.crt") if tls else ("redis", "")
         url = f"{scheme}://stageferry:{passwords['stageferry']}@stageferry-redis:6379/0{query}"
     parsed = urlsplit(url)
+    # KEDA's redis-streams trigger; behind Sentinel its triggers name the sentinels themselves
+    address = (
+        {"sentinel-addresses": sentinel_addresses()}
+        if sentinel
+        else {"address": f"{parsed.hostname}:{parsed.port or 6379}"}
+    )
     data = {
         "users.acl": acl,
         "url": url,
-        "address": f"{parsed.hostname}:{parsed.port or 6379}",  # KEDA's redis-streams trigger
+        **address,
         "password": passwords["stageferry"],
         "scaler-username": "sfscaler",
         "scaler-password": passwords["sfscaler"],
         **{f"{u}-password": p for u, p in passwords.items() if u.startswith("sfclient")},
+        **(
+            {"replica-password": passwords["sfreplica"], "sentinel-password": passwords["sfsentinel"]}
+            if sentinel
+            else {}
+        ),
         **({"scaler-tls": "enable"} if tls or url.startswith("rediss://") else {}),
     }
     return {

@@ -44,6 +44,7 @@ def test_check_reports_drift_and_generate_mends_it(tmp_path: Path) -> None:
             "overlays/cpu/stages.yaml",
             "overlays/gpu/stages.yaml",
             "components/keda/scaledobjects.yaml",
+            "components/keda-sentinel/scaledobjects.yaml",
         ]
     )
     assert subprocess.run(cli, capture_output=True, cwd=ROOT, timeout=120).returncode == 0

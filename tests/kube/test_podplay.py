@@ -61,3 +61,37 @@ def test_pods_from_the_rendered_cpu_profile(tmp_path: Path) -> None:
     assert (
         tmpfs[str(pods / "files" / "stageferry-diffusion-0" / "dshm")] == "3584m"
     )  # pool 256M + 3 x 1G (fan-out, TP4) + 256M
+
+
+def test_pods_of_the_sentinel_profile_know_the_stable_names(tmp_path: Path) -> None:
+    """overlays/cpu-ha: three data pods and three sentinels named as their StatefulSets name them, and
+    every pod resolves each one's DNS name under its headless Service (hostAliases: podman's DNS serves
+    pod names only), which the sentinels hand out as the master's address."""
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(TREE / "overlays" / "cpu-ha")], capture_output=True, text=True, timeout=60
+    )
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(out.stdout)
+    pipeline, values = PipelineConfig.load(TREE / "base" / "pipeline.toml"), Values.load(TREE / "values.toml")
+    secret = redis_secret(pipeline, values, sentinel=True)
+    (tmp_path / "secret.yaml").write_text(secret_yaml(secret))
+    pods = tmp_path / "pods"
+    plan = subprocess.run(
+        [sys.executable, str(TREE / "podplay.py"), str(rendered), str(tmp_path / "secret.yaml"),
+         "--out", str(pods), "--subnet", "10.89.98"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    ip_of = {name: ip for name, ip, _ in (line.split() for line in plan.stdout.splitlines())}
+    stable = {f"{s}-{i}.{s}": ip_of[f"{s}-{i}"] for s in ("stageferry-redis", "stageferry-sentinel") for i in range(3)}
+    for name in ip_of:
+        docs = list(yaml.safe_load_all((pods / f"{name}.yaml").read_text()))
+        (pod,) = [d for d in docs if d["kind"] == "Pod"]
+        assert {h["hostnames"][0]: h["ip"] for h in pod["spec"]["hostAliases"]} == stable
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        if name.startswith("stageferry-redis-"):
+            assert env["REDIS_REPLICA_PASSWORD"] == secret["stringData"]["replica-password"]
+            assert [d["kind"] for d in docs] == ["PersistentVolumeClaim", "Pod"]
+        elif name.startswith("stageferry-sentinel-"):
+            assert env["REDIS_SENTINEL_PASSWORD"] == secret["stringData"]["sentinel-password"]
+        else:
+            assert env["STAGEFERRY_REDIS_URL"] == secret["stringData"]["url"]
