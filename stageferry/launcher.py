@@ -33,6 +33,7 @@ from stageferry.config import DEFAULT_STAGES, Settings
 from stageferry.console import follow, render_status
 from stageferry.embedded_redis import EmbeddedRedis
 from stageferry.errors import StageFailedError, StageferryError
+from stageferry.procs import astop
 from stageferry.schemas import RequestState
 from stageferry.stages.placement import REFERENCE_GPUS, host_gpus, pipeline_for_host, plan
 from stageferry.trace import save_trace, saved_trace_path
@@ -89,15 +90,8 @@ class ServiceGroup:
             return
         self._stopping = True
         with anyio.CancelScope(shield=True):
+            await astop(list(self._procs.values()), grace_s=self._stop_timeout, group=True)
             for proc in self._procs.values():
-                _signal_group(proc, signal.SIGTERM)
-            with anyio.move_on_after(self._stop_timeout):
-                for proc in self._procs.values():
-                    await proc.wait()
-            for proc in self._procs.values():
-                if proc.returncode is None:
-                    _signal_group(proc, signal.SIGKILL)
-                    await proc.wait()
                 await proc.aclose()
             for log_file in self._logs:
                 log_file.close()
@@ -117,11 +111,6 @@ async def _save_trace(client: Client, request_id: str, output_dir: Path, url: st
         console.print(f"trace not saved: {exc}")
         return
     console.print(f"trace: {cli_command()} trace {request_id}  (saved in {path})", soft_wrap=True, highlight=False)
-
-
-def _signal_group(proc: Process, signum: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signum)
 
 
 async def wait_for_workers(redis: aioredis.Redis, keys: Keys, stages: Sequence[str], *, timeout: float) -> None:
