@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import translated
+from stageferry.gateway.codes import GatewayCode
 from stageferry.gateway.errors import ApiError, invalid
 from stageferry.schemas.idempotency import IdempotencyRecord
 
@@ -91,11 +92,10 @@ class IdempotencyStore:
             existing = IdempotencyRecord.model_validate_json(raw)
         except ValidationError:
             message = f"the record of this {HEADER} is unreadable; use another key"
-            raise ApiError(409, "idempotency_key_unusable", message) from None
+            raise ApiError.of(GatewayCode.IDEMPOTENCY_KEY_UNUSABLE, message) from None
         if existing.fingerprint != print_:
-            raise ApiError(
-                422,
-                "idempotency_key_reused",
+            raise ApiError.of(
+                GatewayCode.IDEMPOTENCY_KEY_REUSED,
                 f"{HEADER} was already used for a different request ({existing.request_id})",
                 headers={"X-Request-Id": existing.request_id},
             )
