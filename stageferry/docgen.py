@@ -43,7 +43,6 @@ from stageferry.config import (
     StageConfig,
     Timeouts,
 )
-from stageferry.gateway.codes import code_rows
 from stageferry.schemas import JobRequest
 
 _PLACEHOLDERS = {"stage": "<stage>", "request_id": "<id>", "attempt": "<attempt>", "name": "<name>",
@@ -135,6 +134,9 @@ def errors_table() -> str:
 
 
 def gateway_errors_table() -> str:
+    # Imported here: the CLI imports this module, and the gateway package needs the gateway extra.
+    from stageferry.gateway.codes import code_rows
+
     return _table(("code", "HTTP status", "meaning"), code_rows())
 
 
