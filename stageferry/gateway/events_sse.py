@@ -26,7 +26,7 @@ from stageferry.errors import StageferryError
 from stageferry.gateway.codes import GatewayCode
 from stageferry.gateway.errors import ApiError
 from stageferry.schemas.console import EventFrame
-from stageferry.trace import TraceEvent
+from stageferry.trace.events import TraceEvent
 
 log = structlog.get_logger(__name__)
 

@@ -27,16 +27,16 @@ from rich.console import Console
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import live_by_stage
 from stageferry.broker.control.redis_conn import translated
+from stageferry.cli.console import follow, render_status
 from stageferry.cli_hints import cli_command, submit_command
 from stageferry.client import Client, validate_job, with_upload_refs
 from stageferry.config import DEFAULT_STAGES, Settings
-from stageferry.console import follow, render_status
 from stageferry.embedded_redis import EmbeddedRedis
 from stageferry.errors import StageFailedError, StageferryError
 from stageferry.procs import astop
 from stageferry.schemas import RequestState
 from stageferry.stages.placement import REFERENCE_GPUS, host_gpus, pipeline_for_host, plan
-from stageferry.trace import save_trace, saved_trace_path
+from stageferry.trace.events import save_trace, saved_trace_path
 
 
 class ServiceGroup:
