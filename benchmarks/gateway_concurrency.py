@@ -49,8 +49,8 @@ import redis.asyncio as aioredis  # noqa: E402
 from bench_stats import machine_facts, pct  # noqa: E402
 
 from stageferry.broker.control.keys import Keys  # noqa: E402
+from stageferry.cli.launcher import ServiceGroup, wait_for_workers  # noqa: E402
 from stageferry.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
-from stageferry.launcher import ServiceGroup, wait_for_workers  # noqa: E402
 
 STAGES = ("encoder", "diffusion")
 FORM = {"size": "256x144", "seconds": "1", "num_inference_steps": "1"}

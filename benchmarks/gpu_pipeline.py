@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from stageferry.cli import sample_media  # noqa: E402
+from stageferry.cli.launcher import ServiceGroup, wait_for_workers  # noqa: E402
 from stageferry.client import Client  # noqa: E402
 from stageferry.config import PipelineConfig  # noqa: E402
-from stageferry.launcher import ServiceGroup, wait_for_workers  # noqa: E402
 from stageferry.schemas import RequestState, Task  # noqa: E402
 from stageferry.stages.placement import host_gpus, plan  # noqa: E402
 

@@ -39,10 +39,10 @@ import anyio  # noqa: E402
 from bench_stats import TASK_BYTES, cell, machine_facts, median  # noqa: E402
 
 from stageferry.broker.control import tally  # noqa: E402
+from stageferry.cli.launcher import ServiceGroup, wait_for_workers  # noqa: E402
 from stageferry.client import Client  # noqa: E402
 from stageferry.config import Timeouts  # noqa: E402
 from stageferry.cpus import usable_cpus  # noqa: E402
-from stageferry.launcher import ServiceGroup, wait_for_workers  # noqa: E402
 from stageferry.schemas import RequestState  # noqa: E402
 
 STAGES = ("encoder", "diffusion")

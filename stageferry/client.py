@@ -36,7 +36,7 @@ from stageferry.schemas.job import (
 )
 from stageferry.schemas.submission import new_ticket
 from stageferry.schemas.validation import check_job_limits, field_errors
-from stageferry.trace import TraceEvent, parse_events, parse_row
+from stageferry.trace.events import TraceEvent, parse_events, parse_row
 
 #: Where clients connect when no ``STAGEFERRY_REDIS_URL`` is configured.
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -9,6 +9,8 @@ error class or setting cannot ship undocumented.  The sources:
   names, and what :data:`~stageferry.broker.control.keys.KEY_DOCS` says the key holds;
 * ``errors``: every :class:`~stageferry.errors.StageferryError` class, its ``code``, its parent and the
   line the error tree in ``errors.py``'s docstring gives it;
+* ``gateway_errors``: the gateway's own codes, :class:`~stageferry.gateway.codes.GatewayCode`, with
+  their HTTP statuses and meanings;
 * ``settings``, ``pipeline``, ``job``: the JSON Schema of :class:`~stageferry.config.Settings`, of each
   section of :class:`~stageferry.config.PipelineConfig` and of :class:`~stageferry.schemas.JobRequest`:
   defaults, allowed values and ranges from the validators themselves, meanings from the fields'
@@ -129,6 +131,13 @@ def errors_table() -> str:
         ("code", "class", "subclass of", "meaning"),
         [(f"`{code}`", f"`{cls}`", f"`{parent}`", text) for code, cls, parent, text in error_rows()],
     )
+
+
+def gateway_errors_table() -> str:
+    # Imported here: the CLI imports this module, and the gateway package needs the gateway extra.
+    from stageferry.gateway.codes import code_rows
+
+    return _table(("code", "HTTP status", "meaning"), code_rows())
 
 
 # -- settings, pipeline, job: from the JSON Schema -----------------------------------------------------------
@@ -262,6 +271,7 @@ def job_table() -> str:
 GENERATORS: dict[str, Callable[[], str]] = {
     "keys": keys_table,
     "errors": errors_table,
+    "gateway_errors": gateway_errors_table,
     "settings": settings_table,
     "pipeline": pipeline_tables,
     "job": job_table,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -24,6 +23,7 @@ import anyio
 import structlog
 
 from stageferry.errors import ConfigError
+from stageferry.procs import stop
 
 log = structlog.get_logger(__name__)
 
@@ -160,20 +160,18 @@ class EmbeddedRedis:
     async def kill(self) -> None:
         """SIGKILL the server, as a crash would; :meth:`start` brings it back on the same port."""
         process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            process.kill()
-            await _exited(process, timeout=self._stop_timeout)
+        if process is not None:
+            await anyio.to_thread.run_sync(functools.partial(stop, [process], grace_s=0, reap_s=self._stop_timeout))
 
     async def _terminate(self) -> None:
         process, self._process = self._process, None
         if process is None:
             return
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            if not await _exited(process, timeout=self._stop_timeout):
-                log.warning("embedded_redis.kill", pid=process.pid, after_s=self._stop_timeout)
-                process.kill()
-                await _exited(process, timeout=self._stop_timeout)
+        (stopped,) = await anyio.to_thread.run_sync(
+            functools.partial(stop, [process], grace_s=self._stop_timeout, reap_s=self._stop_timeout)
+        )
+        if stopped.killed:
+            log.warning("embedded_redis.kill", pid=process.pid, after_s=self._stop_timeout)
         log.info("embedded_redis.stopped", port=self.port)
 
     async def __aenter__(self) -> EmbeddedRedis:
@@ -190,15 +188,6 @@ def _spawn(command: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
-
-
-async def _exited(process: subprocess.Popen[bytes], *, timeout: float) -> bool:
-    """Wait (in a thread, bounded) for ``process`` to exit and reap it: works from any event loop."""
-    try:
-        await anyio.to_thread.run_sync(functools.partial(process.wait, timeout=timeout))
-    except subprocess.TimeoutExpired:
-        return False
-    return True
 
 
 async def _answers_ping(port: int) -> bool:

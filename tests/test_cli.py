@@ -22,7 +22,7 @@ from stageferry.cli import app, build_job
 from stageferry.client import Client
 from stageferry.embedded_redis import EmbeddedRedis
 from stageferry.schemas import OutputInfo, RequestState, RequestStatus, StageTiming, Transport
-from stageferry.trace import format_trace, hops, parse_events, save_trace
+from stageferry.trace.events import format_trace, hops, parse_events, save_trace
 from tests.procs import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,9 +7,9 @@ import io
 
 from rich.console import Console
 
-from stageferry.console import RequestProgress, render_hops, render_status
+from stageferry.cli.console import RequestProgress, render_hops, render_status
 from stageferry.schemas import Progress, RequestState, RequestStatus, StageTiming, Transport
-from stageferry.trace import TraceEvent
+from stageferry.trace.events import TraceEvent
 
 
 def status_event(t: float, state: RequestState, stage: str, progress: tuple[int, int] | None = None) -> TraceEvent:

@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
 from stageferry.cli import app
+from stageferry.cli.launcher import ServiceGroup, wait_for_workers
 from stageferry.cli_hints import cli_command
 from stageferry.errors import StageFailedError
-from stageferry.launcher import ServiceGroup, wait_for_workers
 
 
 @pytest.mark.anyio

@@ -38,10 +38,13 @@ import redis as sync_redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from stageferry.broker.control.keys import Keys
-from stageferry.schemas import RequestStatus
+from stageferry.errors import RequestLostError
+from stageferry.schemas import TERMINAL_STATES, RequestState, RequestStatus
+
+#: The terminal states a job of the soak can be scripted to end in (none is cancelled).
+SETTLED_STATES = frozenset({RequestState.DONE, RequestState.FAILED, RequestState.REJECTED})
 
 _RESOURCES = "stageferry_dataplane_resources"
-_TERMINAL = frozenset({"done", "failed", "rejected", "cancelled"})
 #: Resources that must be back exactly where they started once a leader is idle.
 AT_REST = ("leases", "pool_slots_in_use", "pool_bytes_in_use", "open_handles", "registrations", "registered_bytes")
 
@@ -91,21 +94,26 @@ class RequestOutcome:
 
     @property
     def terminal(self) -> bool:
-        return self.state in {"done", "failed", "rejected", "cancelled"}
+        return self.state in TERMINAL_STATES
+
+    @property
+    def ended_lost_by_code(self) -> bool:
+        """Ended ``failed`` ``request_lost``."""
+        return self.state == RequestState.FAILED and self.code == RequestLostError.code
 
     @property
     def ended_lost(self) -> bool:
         """No record, or ``failed`` ``request_lost``: lost, and visibly so."""
-        return self.state is None or (self.state == "failed" and self.code == "request_lost")
+        return self.state is None or self.ended_lost_by_code
 
     @property
     def lost_to_restart(self) -> bool:
         """Wiped in flight by an empty restart and ended visibly lost (the documented outcome)."""
-        return self.wiped is not None and self.wiped not in _TERMINAL and self.ended_lost
+        return self.wiped is not None and self.wiped not in TERMINAL_STATES and self.ended_lost
 
     @property
     def wiped_after_end(self) -> bool:
-        return self.wiped in _TERMINAL and self.state is None
+        return self.wiped in TERMINAL_STATES and self.state is None
 
     @property
     def accounted(self) -> bool:
@@ -123,10 +131,10 @@ class RequestOutcome:
     @property
     def contradicted(self) -> bool:
         """Its waiter was told something the request's end does not agree with."""
-        if self.told == "request_lost":
+        if self.told == RequestLostError.code:
             return not self.ended_lost
-        if self.told in _TERMINAL and self.state is not None:
-            return self.told != self.state and not (self.state == "failed" and self.code == "request_lost")
+        if self.told in TERMINAL_STATES and self.state is not None:
+            return self.told != self.state and not self.ended_lost_by_code
         return False
 
 
@@ -168,7 +176,7 @@ class Audit:
 
     @property
     def wrong_results(self) -> int:
-        return self.count(lambda o: o.state == "done" and not o.result_ok)
+        return self.count(lambda o: o.state == RequestState.DONE and not o.result_ok)
 
     @property
     def corrupted(self) -> int:
@@ -177,7 +185,9 @@ class Audit:
     @property
     def unexpected(self) -> int:
         """Scripted outcomes that did not happen (a ``fail`` job done, an invalid job not rejected...)."""
-        return self.count(lambda o: o.terminal and o.expected != "done" and o.state != o.expected and not o.wiped)
+        return self.count(
+            lambda o: o.terminal and o.expected != RequestState.DONE and o.state != o.expected and not o.wiped
+        )
 
     def resource_leaks(self) -> list[str]:
         leaks = []
@@ -235,12 +245,16 @@ def outcomes(
         terminal_events = 0
         ended_ms = None
         for eid, fields in client.xrange(keys.events(rid)):
-            if fields.get(b"kind") == b"status" and fields.get(b"state") in (b"done", b"failed", b"rejected"):
+            if fields.get(b"kind") == b"status" and fields.get(b"state", b"").decode(errors="replace") in (
+                RequestState.DONE,
+                RequestState.FAILED,
+                RequestState.REJECTED,
+            ):
                 terminal_events += 1
                 ended_ms = ended_ms or int(eid.split(b"-")[0])
         result_ok = False
         fallback = False
-        if status is not None and status.state.value == "done":
+        if status is not None and status.state is RequestState.DONE:
             stored = client.get(keys.result(rid)) or b""
             result_ok = stored.split(b" ")[:2] == [b"ok", rid.encode()]
             hops = [t for t in status.timings if t.payload_bytes > 65_536]

@@ -14,7 +14,6 @@ first takes back its own pending entries), as an orchestrator would.  Rank proce
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from stageferry.chaos.model import RECORD_ENV, STAGE_SECONDS_ENV
 from stageferry.chaos.sentinels import SentinelGroup, sync_client
 from stageferry.embedded_redis import EmbeddedRedis, free_port
 from stageferry.failpoints import ENV as FAILPOINTS_ENV
+from stageferry.procs import stop
 
 log = structlog.get_logger(__name__)
 
@@ -185,45 +185,15 @@ class Cluster:
         return revived
 
     def stop_all(self, timeout: float = 30.0) -> dict[str, int | None]:
-        """SIGTERM (drain) every replica, SIGKILL what is left after ``timeout``; exit codes."""
-        for replica in self.replicas:
-            if replica.alive:
-                assert replica.process is not None
-                replica.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        codes: dict[str, int | None] = {}
-        for replica in self.replicas:
-            if replica.process is None:
-                continue
-            try:
-                codes[replica.consumer] = replica.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                kill_group(replica.process.pid)
-                replica.process.wait(10)
-                codes[replica.consumer] = None
-        return codes
+        """SIGTERM (drain) every replica, SIGKILL the session of what is left after ``timeout``; exit codes
+        (``None``: killed)."""
+        replicas = [r for r in self.replicas if r.process is not None]
+        stopped = stop([r.process for r in replicas if r.process], grace_s=timeout, group=True, term_group=False)
+        return {r.consumer: None if s.killed else s.returncode for r, s in zip(replicas, stopped, strict=True)}
 
     def kill_everything(self) -> None:
-        for replica in self.replicas:
-            if replica.process is not None and replica.process.poll() is None:
-                kill_group(replica.process.pid)
-                replica.process.wait(10)
-
-
-def kill_group(pid: int) -> None:
-    """SIGKILL a replica's whole session (its supervisor and ranks); it was started with its own."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def signal_pid(pid: int, sig: signal.Signals) -> bool:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        return False
-    return True
+        """SIGKILL every replica's whole session (its supervisor and ranks); each was started with its own."""
+        stop([r.process for r in self.replicas if r.process is not None], grace_s=0, group=True)
 
 
 def _children(pid: int) -> list[int]:

@@ -36,8 +36,9 @@ import structlog
 
 from stageferry import failpoints
 from stageferry.chaos import failover
-from stageferry.chaos.cluster import Cluster, Replica, signal_pid
+from stageferry.chaos.cluster import Cluster, Replica
 from stageferry.chaos.hostile import hostile_client
+from stageferry.procs import send
 
 log = structlog.get_logger(__name__)
 
@@ -188,7 +189,7 @@ class Injector:
         if target is None:
             return False, "no live target"
         replica, rank, pid = target
-        ok = signal_pid(pid, signal.SIGKILL)
+        ok = send(pid, signal.SIGKILL)
         return ok, f"{replica.consumer} rank {rank} pid {pid}"
 
     async def _at_failpoint(self, name: str) -> tuple[bool, str]:
@@ -199,12 +200,12 @@ class Injector:
             pids = failpoints.hits(directory, name)
             if pids:
                 for pid in pids:
-                    signal_pid(pid, signal.SIGKILL)
+                    send(pid, signal.SIGKILL)
                 return True, f"pid {pids[0]} at {name}"
             await anyio.sleep(0.05)
         failpoints.disarm(directory, name)
         for pid in failpoints.hits(directory, name):  # reached just as we gave up
-            signal_pid(pid, signal.SIGKILL)
+            send(pid, signal.SIGKILL)
             return True, f"pid {pid} at {name}"
         return False, f"nobody reached {name} in {self.failpoint_wait_s}s"
 
@@ -285,21 +286,21 @@ class Injector:
         if target is None:
             return False, "no live leader"
         replica, _rank, pid = target
-        if not signal_pid(pid, signal.SIGSTOP):
+        if not send(pid, signal.SIGSTOP):
             return False, f"{replica.consumer} leader gone"
         self._stopped.add(pid)
         try:
             await anyio.sleep(self.stall_s)
         finally:
-            signal_pid(pid, signal.SIGCONT)
+            send(pid, signal.SIGCONT)
             self._stopped.discard(pid)
         return True, f"{replica.consumer} leader pid {pid} stopped {self.stall_s:.1f}s"
 
     def resume_all(self) -> None:
         for pid in list(self._stopped):
-            signal_pid(pid, signal.SIGCONT)
+            send(pid, signal.SIGCONT)
         self._stopped.clear()
         for name in failpoints.POINTS:
             failpoints.disarm(self.cluster.failpoint_dir, name)
             for pid in failpoints.hits(self.cluster.failpoint_dir, name):
-                signal_pid(pid, signal.SIGKILL)
+                send(pid, signal.SIGKILL)

@@ -37,6 +37,7 @@ from stageferry.chaos.faults import FAILOVER_KINDS, FaultKind, FaultLog, FaultPl
 from stageferry.client import Client
 from stageferry.config import PipelineConfig
 from stageferry.errors import ControlPlaneError, StageferryError
+from stageferry.schemas import TERMINAL_STATES, RequestState
 
 log = structlog.get_logger(__name__)
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
@@ -211,7 +212,7 @@ async def _submit_all(
             else:
                 raise RuntimeError(f"could not submit {rid}: Redis stayed away")
             submitted.append(blip.Submitted(rid, began, time.time()))
-            expected[rid] = {"fail": "failed", "invalid": "rejected"}.get(kind, "done")
+            expected[rid] = {"fail": RequestState.FAILED, "invalid": RequestState.REJECTED}.get(kind, RequestState.DONE)
             waits.start_soon(_wait_one, client, rid, told, wait_s)
     return expected
 
@@ -234,7 +235,7 @@ async def _submit_raw(cluster: Cluster, rid: str) -> None:
             keys = cluster.keys
             if client.exists(keys.request(rid)):
                 return
-            client.hset(keys.request(rid), mapping={"state": "queued"})
+            client.hset(keys.request(rid), mapping={"state": RequestState.QUEUED.value})
             client.xadd(keys.stage_stream("encoder"), {"request_id": rid, "job": '{"prompt": "x", "width": 100000}'})
         except sync_redis.RedisError as exc:
             raise ControlPlaneError(f"redis: {exc}") from exc
@@ -272,8 +273,7 @@ async def _drain(cfg: SoakConfig, cluster: Cluster, rids: list[str], wiped: dict
         except sync_redis.RedisError:
             await anyio.sleep(1)
             continue
-        ended = ("done", "failed", "rejected", "cancelled")
-        if all(s in ended or (s == "missing" and rid in wiped) for rid, s in states.items()):
+        if all(s in TERMINAL_STATES or (s == "missing" and rid in wiped) for rid, s in states.items()):
             return
         await anyio.sleep(1)
 
@@ -411,27 +411,31 @@ def render(result: SoakResult) -> str:
         missed = result.faults.missed[kind.value]
         row(f"  {kind.value}", f"{result.faults.injected[kind.value]}" + (f"  (missed {missed})" if missed else ""))
     row("replica restarts", sum(result.restarts.values()))
-    row("done", a.count(lambda o: o.state == "done"))
-    failed = Counter(o.code or "?" for o in outs if o.state == "failed")
+    row("done", a.count(lambda o: o.state == RequestState.DONE))
+    failed = Counter(o.code or "?" for o in outs if o.state == RequestState.FAILED)
     row("failed", sum(failed.values()))
     for code, n in sorted(failed.items()):
-        scripted = sum(1 for o in outs if o.state == "failed" and o.code == code and o.expected == "failed")
+        scripted = sum(
+            1 for o in outs if o.state == RequestState.FAILED and o.code == code and o.expected == RequestState.FAILED
+        )
         row(f"  {code}", f"{n}" + (f"  ({scripted} scripted 'fail' jobs)" if scripted else ""))
-    row("rejected", a.count(lambda o: o.state == "rejected"))
+    row("rejected", a.count(lambda o: o.state == RequestState.REJECTED))
     row("recomputed (requests)", a.count(lambda o: o.attempt > 0))
     row("recomputes (events)", a.log_events["recompute"])
     row("inline fallbacks", a.log_events["inline_fallback"])
     for reason, n in sorted(a.fallback_reasons.items()):
         row(f"  {reason}", n)
-    row("done via inline fallback", a.count(lambda o: o.state == "done" and o.fallback))
+    row("done via inline fallback", a.count(lambda o: o.state == RequestState.DONE and o.fallback))
     row("fallbacks above the inline cap", a.log_events["fallback_too_large"])
     row("reclaimed entries", a.log_events["reclaimed"])
     row("final-stage runs beyond one", sum(max(0, n - 1) for n in a.final_runs.values()))
     row("late results discarded", a.log_events["done_duplicate"] + a.log_events["handoff_lost"])
-    wiped_in_flight = a.count(lambda o: o.wiped is not None and o.wiped not in ("done", "failed", "rejected"))
+    wiped_in_flight = a.count(
+        lambda o: o.wiped is not None and o.wiped not in (RequestState.DONE, RequestState.FAILED, RequestState.REJECTED)
+    )
     row("wiped by empty restarts", f"{a.count(lambda o: o.wiped is not None)} ({wiped_in_flight} in flight)")
     row("  lost to an empty restart", f"{a.lost_to_restart}  (ended request_lost, or no record: documented)")
-    row("  of them failed request_lost", a.count(lambda o: o.lost_to_restart and o.state == "failed"))
+    row("  of them failed request_lost", a.count(lambda o: o.lost_to_restart and o.state == RequestState.FAILED))
     lost_told = Counter(o.told or "nothing" for o in outs if o.lost_to_restart)
     row("  their waiters were told", ", ".join(f"{k} {n}" for k, n in sorted(lost_told.items())) or "-")
     row("  wiped after they ended", a.count(lambda o: o.wiped_after_end))

@@ -16,9 +16,9 @@ import typer.core
 from pydantic import ValidationError
 from rich.console import Console
 
+from stageferry.cli.console import error_line
 from stageferry.client import DEFAULT_REDIS_URL, Client
 from stageferry.config import Settings
-from stageferry.console import error_line
 from stageferry.errors import (
     ConfigError,
     expected_error,

@@ -13,8 +13,8 @@ import typer.core
 
 from stageferry.broker.control.liveness import unheld_note
 from stageferry.cli.app import _expected_errors, _print_status, _settings, _with_client, app, stderr
+from stageferry.cli.console import follow, render_status
 from stageferry.client import DEFAULT_REDIS_URL, Client
-from stageferry.console import follow, render_status
 from stageferry.docgen import allowed
 from stageferry.errors import (
     ConfigError,
@@ -23,7 +23,7 @@ from stageferry.errors import (
     field_error,
 )
 from stageferry.schemas import JobRequest, MediaInputs, RequestState, RequestStatus, Task
-from stageferry.trace import TraceEvent, format_trace, load_saved_trace, saved_trace_path
+from stageferry.trace.events import TraceEvent, format_trace, load_saved_trace, saved_trace_path
 
 _JOB_SCHEMA = JobRequest.model_json_schema()
 
@@ -300,7 +300,7 @@ def trace(
     table = format_trace(events)
     typer.echo(table)
     if html is not None:
-        from stageferry.trace_html import render_html
+        from stageferry.trace.html import render_html
 
         try:
             html.write_text(render_html(events, request_id=request_id, table=table))

@@ -129,10 +129,9 @@ def acl(
         max_upload_bytes=limits.max_upload_bytes, max_entry_bytes=limits.max_entry_bytes
     )
     first = pipeline.stages[0].name
-    text = acl_file(
-        settings.prefix, first, tenants=tenants, db=db, maxmemory=memory, scaler=scaler, sentinel=sentinel
-    )
+    text = acl_file(settings.prefix, first, tenants=tenants, db=db, maxmemory=memory, scaler=scaler, sentinel=sentinel)
     typer.echo(text, nl=False)
+
 
 @app.command()
 @_expected_errors
@@ -148,7 +147,7 @@ def health(
     The replica is STAGEFERRY_REPLICA (the hostname by default), as for `serve`.
     """
     settings = _settings(ctx)
-    from stageferry.health import check_health
+    from stageferry.cli.health import check_health
 
     problem = anyio.run(functools.partial(check_health, settings, stage=stage, timeout=timeout))
     if problem is not None:
@@ -284,7 +283,7 @@ def up(
     if not any(media.values()):  # fl2va and ref2va need media: the bundled samples, uploaded
         media = {name: f"upload:{path}" for name, path in sample_media(Task(task or Task.T2VA)).items()}
     job, uploads = build_job({}, fields, media)
-    from stageferry.launcher import run_up
+    from stageferry.cli.launcher import run_up
 
     code = anyio.run(
         functools.partial(

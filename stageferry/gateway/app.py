@@ -22,6 +22,7 @@ from stageferry.client import DEFAULT_REDIS_URL, Client, new_request_id
 from stageferry.config import PipelineConfig, Settings
 from stageferry.errors import StageferryError, field_error
 from stageferry.gateway.auth import require_token
+from stageferry.gateway.codes import GatewayCode
 from stageferry.gateway.console import install_console
 from stageferry.gateway.errors import ApiError, clip, from_exception
 from stageferry.gateway.events_sse import MAX_EVENT_STREAMS
@@ -152,14 +153,18 @@ def _install_error_handlers(app: FastAPI) -> None:
             field_error(".".join(str(p) for p in e.get("loc", ())[1:]) or "request", str(e.get("msg", "")), e["type"])
             for e in exc.errors()[:20]
         ]
-        return _refused(request, ApiError(400, "invalid_form", "invalid request parameters", field_errors=errors))
+        return _refused(
+            request, ApiError.of(GatewayCode.INVALID_FORM, "invalid request parameters", field_errors=errors)
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return _refused(request, ApiError(exc.status_code, code, str(exc.detail)))
+        known = {404: GatewayCode.NOT_FOUND, 405: GatewayCode.METHOD_NOT_ALLOWED}.get(exc.status_code)
+        if known is None:
+            return _refused(request, ApiError.of(GatewayCode.HTTP_ERROR, str(exc.detail), status=exc.status_code))
+        return _refused(request, ApiError.of(known, str(exc.detail)))
 
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
         log.exception("gateway.internal_error", error=type(exc).__name__)
-        return error_response(ApiError(500, "internal", f"internal error: {type(exc).__name__}"))
+        return error_response(ApiError.of(GatewayCode.INTERNAL, f"internal error: {type(exc).__name__}"))

@@ -13,6 +13,7 @@ import hmac
 
 from fastapi import Request
 
+from stageferry.gateway.codes import GatewayCode
 from stageferry.gateway.errors import ApiError
 
 #: Paths served without the token: probes, scrapers, the API description and the page's bootstrap.
@@ -26,9 +27,8 @@ async def require_token(request: Request) -> None:
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise ApiError(
-            401,
-            "unauthorized",
+        raise ApiError.of(
+            GatewayCode.UNAUTHORIZED,
             "this gateway needs a bearer token (Authorization: Bearer <token>)",
             headers={"WWW-Authenticate": "Bearer"},
         )

@@ -11,7 +11,7 @@ when one is configured (:mod:`.auth`); ``/console/api/info`` says whether the pa
 ``GET /console/static/<file>``         its script and style sheet
 ``GET /console/api/info``              auth required?, tasks, stages, limits (no token needed)
 ``GET /v1/videos/{id}/events``         server-sent events: the request's progress, live
-``GET /v1/videos/{id}/trace``          the request's trace as a timeline (:mod:`.trace_report`)
+``GET /v1/videos/{id}/trace``          the request's trace as a timeline (:mod:`stageferry.trace.report`)
 ``GET /console/api/requests``          recent requests and their states (:mod:`.recent`)
 ``GET /console/api/stages``            replicas, heartbeats, placement, queues, pools (:mod:`.stage_health`)
 ``GET /console/api/counters``          data-plane and gateway counters (:mod:`.counters`)
@@ -34,7 +34,6 @@ from stageferry.gateway.auth import require_token
 from stageferry.gateway.events_sse import MAX_EVENT_STREAMS, EventStreams
 from stageferry.gateway.service import VideoService
 from stageferry.gateway.stage_health import stage_report
-from stageferry.gateway.trace_report import trace_report
 from stageferry.schemas.console import (
     ConsoleInfo,
     ConsoleLimits,
@@ -43,6 +42,7 @@ from stageferry.schemas.console import (
     StagesReport,
     TraceReport,
 )
+from stageferry.trace.report import trace_report
 
 router = APIRouter(dependencies=[Depends(require_token)])
 _ERROR = {"description": "OpenAI-style error object."}

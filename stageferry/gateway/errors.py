@@ -4,9 +4,10 @@ Every error body has OpenAI's shape (``{"error": {"message", "type", "param", "c
 answers too), plus ``field_errors`` — ``[{"field", "message", "type"}]`` — whenever the request itself
 is at fault, so that a client always learns *which* field to fix.  Status codes follow the stageferry
 error class (see :data:`STATUS_BY_CLASS`, keyed on the classes of ``stageferry/errors.py`` like the
-request-state table); the gateway's own answers (``invalid_form``, ``not_found``, ``not_ready``,
-``upload_too_large``, ``unsupported_media_type``, ``generation_failed``) are built with their status
-where they arise.  Anything unknown is a 500, but invalid input never is.
+request-state table); the gateway's own answers are built where they arise with
+:meth:`ApiError.of`, from the one table of their codes and statuses
+(:class:`~stageferry.gateway.codes.GatewayCode`).
+Anything unknown is a 500, but invalid input never is.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from stageferry.errors import (
     error_class,
     field_error,
 )
+from stageferry.gateway.codes import GatewayCode
 from stageferry.schemas import ErrorInfo
 
 #: HTTP status for each stageferry error class; a class not listed takes its nearest listed base's, and
@@ -93,6 +95,23 @@ class ApiError(Exception):
         #: Set by :func:`with_request_id` when a job was accepted before the answer went wrong.
         self.request_id: str | None = None
 
+    @classmethod
+    def of(
+        cls,
+        code: GatewayCode,
+        message: str,
+        *,
+        field_errors: Sequence[Mapping[str, Any]] = (),
+        headers: Mapping[str, str] | None = None,
+        status: int | None = None,
+    ) -> ApiError:
+        """One of the gateway's own answers (``status`` only for a code whose status is the framework's)."""
+        if (status is None) == (code.status is None):
+            raise ValueError(f"{code.code}: a status is given exactly when the code has none of its own")
+        answer = code.status if status is None else status
+        assert answer is not None
+        return cls(answer, code.code, message, field_errors=field_errors, headers=headers)
+
     def body(self) -> dict[str, Any]:
         """The JSON body: OpenAI's error object, ``param`` naming the first field at fault."""
         param = self.field_errors[0]["field"] if self.field_errors else None
@@ -120,13 +139,15 @@ def with_request_id(error: ApiError, request_id: str) -> ApiError:
 
 def invalid(field: str, message: str, kind: str = "invalid_value") -> ApiError:
     """A 400 naming one form field."""
-    return ApiError(400, "invalid_form", f"{field}: {message}", field_errors=[field_error(field, message, kind)])
+    return ApiError.of(
+        GatewayCode.INVALID_FORM, f"{field}: {message}", field_errors=[field_error(field, message, kind)]
+    )
 
 
 def invalid_fields(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     """A 400 naming every field in ``errors`` (the message summarises the first few)."""
     summary = "; ".join(f"{e['field']}: {e['message']}" for e in errors[:3])
-    return ApiError(400, "invalid_form", f"invalid request: {summary}", field_errors=errors)
+    return ApiError.of(GatewayCode.INVALID_FORM, f"invalid request: {summary}", field_errors=errors)
 
 
 def status_for(error: StageferryError | type[StageferryError] | str) -> int:
@@ -159,7 +180,7 @@ def _renamed_message(message: str, errors: Sequence[Mapping[str, Any]]) -> str:
 def from_status_error(error: ErrorInfo | None, *, origin: Mapping[str, str] | None = None) -> ApiError:
     """A request's terminal error (rejected, failed, cancelled) as an answer."""
     if error is None:
-        return ApiError(500, "internal", "the request ended without a result or an error")
+        return ApiError.of(GatewayCode.INTERNAL, "the request ended without a result or an error")
     errors = rename_fields(error.details.get("field_errors") or [], origin or {})
     return ApiError(status_for(error.code), error.code, _renamed_message(error.message, errors), field_errors=errors)
 

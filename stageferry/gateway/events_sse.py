@@ -23,9 +23,10 @@ from starlette.types import Receive, Scope, Send
 
 from stageferry.client import Client
 from stageferry.errors import StageferryError
+from stageferry.gateway.codes import GatewayCode
 from stageferry.gateway.errors import ApiError
 from stageferry.schemas.console import EventFrame
-from stageferry.trace import TraceEvent
+from stageferry.trace.events import TraceEvent
 
 log = structlog.get_logger(__name__)
 
@@ -85,9 +86,8 @@ class EventStreams:
     def response(self, client: Client, request_id: str) -> Response:
         """A streaming answer for a request known to exist; 429 when every slot is taken."""
         if self.open >= self.max_streams:
-            raise ApiError(
-                429,
-                "too_many_streams",
+            raise ApiError.of(
+                GatewayCode.TOO_MANY_STREAMS,
                 f"this gateway serves at most {self.max_streams} event streams at once; retry later",
                 headers={"Retry-After": "5"},
             )

@@ -13,8 +13,8 @@ instead of a new one.
   ``idempotency_key_reused``, as a mistaken reuse must not silently return someone else's video.
 - A submission that fails (queue full, invalid job) releases its key, so the retry can submit.
 
-The record is claimed with ``SET NX`` before the job is enqueued, so two retries racing each other still
-make one job.  No Lua: the client ACL user may not run scripts.
+The record (:mod:`stageferry.broker.control.idempotency`) is claimed with ``SET NX`` before the job is
+enqueued, so two retries racing each other still make one job.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from pydantic import ValidationError
 
+from stageferry.broker.control.idempotency import IdempotencyRecords
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import translated
+from stageferry.gateway.codes import GatewayCode
 from stageferry.gateway.errors import ApiError, invalid
 from stageferry.schemas.idempotency import IdempotencyRecord
 
@@ -68,34 +68,26 @@ class IdempotencyKey:
 
 
 class IdempotencyStore:
-    """Claims and looks up keys under one prefix."""
+    """The HTTP side of key records (:class:`~stageferry.broker.control.idempotency.IdempotencyRecords`):
+    a key held for something else is a 409 or a 422."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_s: int) -> None:
-        self._redis = redis
-        self._keys = keys
-        self._ttl_s = ttl_s
+        self._records = IdempotencyRecords(redis, keys, ttl_s=ttl_s)
 
     async def claim(self, key: IdempotencyKey, request_id: str, print_: str) -> str | None:
         """Make ``key`` name ``request_id``; ``None`` if claimed now, else the request it already names.
 
         422 when the key already names a request for something else (another fingerprint)."""
-        name = self._keys.idempotency(key.digest())
-        record = IdempotencyRecord(request_id=request_id, fingerprint=print_)
-        with translated():
-            if await self._redis.set(name, record.model_dump_json(), nx=True, ex=self._ttl_s):
-                return None
-            raw = await self._redis.get(name)
-        if raw is None:  # expired between the two commands: claim again
-            return await self.claim(key, request_id, print_)
-        try:
-            existing = IdempotencyRecord.model_validate_json(raw)
-        except ValidationError:
+        claim = await self._records.claim(key.digest(), IdempotencyRecord(request_id=request_id, fingerprint=print_))
+        if claim.claimed:
+            return None
+        if claim.existing is None:
             message = f"the record of this {HEADER} is unreadable; use another key"
-            raise ApiError(409, "idempotency_key_unusable", message) from None
+            raise ApiError.of(GatewayCode.IDEMPOTENCY_KEY_UNUSABLE, message)
+        existing = claim.existing
         if existing.fingerprint != print_:
-            raise ApiError(
-                422,
-                "idempotency_key_reused",
+            raise ApiError.of(
+                GatewayCode.IDEMPOTENCY_KEY_REUSED,
                 f"{HEADER} was already used for a different request ({existing.request_id})",
                 headers={"X-Request-Id": existing.request_id},
             )
@@ -103,18 +95,7 @@ class IdempotencyStore:
 
     async def release(self, key: IdempotencyKey, request_id: str) -> None:
         """Forget ``key`` if it still names ``request_id`` (its submission failed: a retry may submit)."""
-        name = self._keys.idempotency(key.digest())
-        with translated():
-            raw = await self._redis.get(name)
-            if raw is not None and _request_of(raw) == request_id:
-                await self._redis.delete(name)
-
-
-def _request_of(raw: bytes) -> str | None:
-    try:
-        return IdempotencyRecord.model_validate_json(raw).request_id
-    except ValidationError:
-        return None
+        await self._records.release(key.digest(), request_id)
 
 
 __all__ = ["HEADER", "IdempotencyKey", "IdempotencyStore", "fingerprint"]

@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect
 
 from stageferry.errors import DeadlineExceededError, StageferryError
 from stageferry.gateway import listing
+from stageferry.gateway.codes import GatewayCode
 from stageferry.gateway.errors import ApiError, from_exception, from_status_error, invalid, with_request_id
 from stageferry.gateway.form import LARGE_TEXT_FIELDS, MEDIA_FIELDS, MappedJob, map_form, openapi_request_body
 from stageferry.gateway.idempotency import HEADER as IDEMPOTENCY_HEADER
@@ -67,7 +68,7 @@ async def _read_job(request: Request, service: VideoService) -> MappedJob:
             large_text_fields=LARGE_TEXT_FIELDS,
         )
     except ClientDisconnect:
-        raise ApiError(400, "invalid_form", "the client went away before sending the whole form") from None
+        raise ApiError.of(GatewayCode.INVALID_FORM, "the client went away before sending the whole form") from None
     for upload in form.files:
         UPLOAD_BYTES.labels(upload.field if upload.field in MEDIA_FIELDS else "other").inc(len(upload.data))
     return map_form(form)

@@ -24,6 +24,7 @@ from stageferry.broker.control.redis_conn import translated
 from stageferry.client import Client, new_request_id, validate_job, with_upload_refs
 from stageferry.errors import ControlPlaneError, QueueFullError, RejectedError, StageferryError
 from stageferry.gateway import listing
+from stageferry.gateway.codes import GatewayCode
 from stageferry.gateway.errors import ApiError, clip, from_exception, from_status_error, invalid, with_request_id
 from stageferry.gateway.form import MappedJob
 from stageferry.gateway.idempotency import IdempotencyKey, IdempotencyStore, fingerprint
@@ -110,7 +111,7 @@ class VideoService:
         """The request's status; 404 when unknown, expired or not a request id at all."""
         status = await self.client.status(request_id) if re.fullmatch(REQUEST_ID_PATTERN, request_id) else None
         if status is None:
-            raise ApiError(404, "not_found", f"no video {clip(request_id, 100)!r} (unknown or expired)")
+            raise ApiError.of(GatewayCode.NOT_FOUND, f"no video {clip(request_id, 100)!r} (unknown or expired)")
         return status
 
     async def meta(self, request_id: str) -> VideoMeta | None:
@@ -124,7 +125,7 @@ class VideoService:
         status = await self.status(request_id)
         meta = await self.meta(request_id)
         if meta is not None and meta.deleted_at is not None:
-            raise ApiError(404, "not_found", f"no video {clip(request_id, 100)!r} (deleted)")
+            raise ApiError.of(GatewayCode.NOT_FOUND, f"no video {clip(request_id, 100)!r} (deleted)")
         return status, meta
 
     async def describe(self, request_id: str) -> VideoObject:
@@ -147,10 +148,12 @@ class VideoService:
         file, if it lies inside this deployment's output directory (:mod:`.results`; never a path that a
         status names freely).  409 while running, 422 when it failed, 404 when deleted or gone."""
         if not status.state.terminal:
-            raise ApiError(409, "not_ready", f"video {status.request_id} is still {status.state.value}")
+            raise ApiError.of(GatewayCode.NOT_READY, f"video {status.request_id} is still {status.state.value}")
         if status.state is not RequestState.DONE:
             error = from_status_error(status.error)
-            raise ApiError(422, "generation_failed", f"video generation ended {status.state.value}: {error.message}")
+            raise ApiError.of(
+                GatewayCode.GENERATION_FAILED, f"video generation ended {status.state.value}: {error.message}"
+            )
         data = await self.client.result_bytes(status.request_id)
         if data:
             return data
@@ -162,7 +165,9 @@ class VideoService:
                 )
             except ResultRefused as exc:
                 refuse_logged(status.request_id, result.location, exc)
-        raise ApiError(404, "not_found", f"the output of {status.request_id} is not available (deleted or expired)")
+        raise ApiError.of(
+            GatewayCode.NOT_FOUND, f"the output of {status.request_id} is not available (deleted or expired)"
+        )
 
     async def list(self, *, limit: int, order: listing.Order, after: str | None) -> VideoList:
         """A page of this gateway's (tenant's) videos; ``after`` is the last id of the previous page."""
@@ -201,7 +206,7 @@ class VideoService:
             try:
                 previews: Previews = await anyio.to_thread.run_sync(render, source)
             except PreviewError as exc:
-                raise ApiError(422, "generation_failed", f"no {variant} for {request_id}: {exc}") from None
+                raise ApiError.of(GatewayCode.GENERATION_FAILED, f"no {variant} for {request_id}: {exc}") from None
             finally:
                 if isinstance(content, ResultFile):
                     content.close()

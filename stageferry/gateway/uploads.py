@@ -21,6 +21,7 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 
 from stageferry.errors import field_error
+from stageferry.gateway.codes import GatewayCode
 from stageferry.gateway.errors import ApiError
 
 #: A text part larger than this is refused (prompts are at most 8 KiB; extra_params is small JSON).
@@ -58,8 +59,8 @@ def body_cap(max_file_bytes: int, max_files: int) -> int:
 
 def too_large(field_name: str, limit: int, what: str) -> ApiError:
     message = f"{what} is larger than the limit of {limit} bytes"
-    return ApiError(413, "upload_too_large", f"{field_name}: {message}", field_errors=[
-        field_error(field_name, message, "upload_too_large")
+    return ApiError.of(GatewayCode.UPLOAD_TOO_LARGE, f"{field_name}: {message}", field_errors=[
+        field_error(field_name, message, GatewayCode.UPLOAD_TOO_LARGE.code)
     ])  # fmt: skip
 
 
@@ -71,7 +72,7 @@ def check_content_length(headers: Mapping[str, str], cap: int) -> None:
     try:
         length = int(raw)
     except ValueError:
-        raise ApiError(400, "invalid_form", "Content-Length is not a number") from None
+        raise ApiError.of(GatewayCode.INVALID_FORM, "Content-Length is not a number") from None
     if length > cap:
         raise too_large("body", cap, f"the request body ({length} bytes)")
 
@@ -112,7 +113,7 @@ class _Collector:
     def on_part_begin(self) -> None:
         self._parts += 1
         if self._parts > MAX_PARTS:
-            raise ApiError(400, "invalid_form", f"more than {MAX_PARTS} form parts")
+            raise ApiError.of(GatewayCode.INVALID_FORM, f"more than {MAX_PARTS} form parts")
         self._headers = {}
         self._data = bytearray()
         self._filename = None
@@ -127,7 +128,7 @@ class _Collector:
 
     def _check_header(self) -> None:
         if len(self._header_name) + len(self._header_value) > MAX_HEADER_BYTES:
-            raise ApiError(400, "invalid_form", f"a form part's header is longer than {MAX_HEADER_BYTES} bytes")
+            raise ApiError.of(GatewayCode.INVALID_FORM, f"a form part's header is longer than {MAX_HEADER_BYTES} bytes")
 
     def on_header_end(self) -> None:
         if len(self._headers) < 16:
@@ -137,7 +138,7 @@ class _Collector:
     def on_headers_finished(self) -> None:
         _disposition, options = parse_options_header(self._headers.get(b"content-disposition", b""))
         if b"name" not in options:
-            raise ApiError(400, "invalid_form", "a form part has no name (Content-Disposition)")
+            raise ApiError.of(GatewayCode.INVALID_FORM, "a form part has no name (Content-Disposition)")
         self._name = self._decode(options[b"name"])
         filename = options.get(b"filename")
         self._filename = None if filename is None else self._decode(filename)
@@ -159,7 +160,7 @@ class _Collector:
     def add_text(self, name: str, value: str) -> None:
         """A text field: each name once, within its size cap."""
         if name in self.form.fields:
-            raise ApiError(400, "invalid_form", f"{name}: given more than once", field_errors=[
+            raise ApiError.of(GatewayCode.INVALID_FORM, f"{name}: given more than once", field_errors=[
                 field_error(name, "given more than once", "duplicate_field")
             ])  # fmt: skip
         limit = self._text_limit(name)
@@ -175,7 +176,7 @@ class _Collector:
         try:
             return raw.decode(self._charset)
         except UnicodeDecodeError:
-            raise ApiError(400, "invalid_form", f"a form part is not valid {self._charset}") from None
+            raise ApiError.of(GatewayCode.INVALID_FORM, f"a form part is not valid {self._charset}") from None
 
 
 async def read_form(
@@ -195,23 +196,23 @@ async def read_form(
     except LookupError:
         charset = "utf-8"
     if content_type not in (b"multipart/form-data", b"application/x-www-form-urlencoded"):
-        raise ApiError(415, "unsupported_media_type", "send the request as multipart/form-data (curl -F)")
+        raise ApiError.of(GatewayCode.UNSUPPORTED_MEDIA_TYPE, "send the request as multipart/form-data (curl -F)")
     check_content_length(headers, max_body_bytes)
     collector = _Collector(charset=charset, max_file_bytes=max_file_bytes, large_text_fields=large_text_fields)
     if content_type == b"application/x-www-form-urlencoded":
         return await _read_urlencoded(stream, collector, max_body_bytes)
     boundary = params.get(b"boundary")
     if not boundary:
-        raise ApiError(400, "invalid_form", "multipart/form-data without a boundary")
+        raise ApiError.of(GatewayCode.INVALID_FORM, "multipart/form-data without a boundary")
     parser = python_multipart.MultipartParser(boundary, collector.callbacks())  # type: ignore[arg-type]
     try:
         async for chunk in _bounded(stream, max_body_bytes):
             parser.write(chunk)
         parser.finalize()
     except FormParserError as exc:
-        raise ApiError(400, "invalid_form", f"malformed multipart body: {exc}") from exc
+        raise ApiError.of(GatewayCode.INVALID_FORM, f"malformed multipart body: {exc}") from exc
     if not collector.complete:
-        raise ApiError(400, "invalid_form", "malformed multipart body: it ends before its closing boundary")
+        raise ApiError.of(GatewayCode.INVALID_FORM, "malformed multipart body: it ends before its closing boundary")
     return collector.form
 
 

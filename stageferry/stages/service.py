@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import structlog
@@ -89,7 +89,7 @@ def run_service(
             **({"STAGEFERRY_PIPELINE": str(settings.pipeline)} if settings.pipeline else {}),
         }
         args = (*(("--tp", str(tp)) if tp else ()), *(("--devices", ",".join(map(str, devices))) if devices else ()))
-        return supervise(stage.name, stage.world_size, env=child_env, args=args, policy=policy)
+        _exit_now(supervise(stage.name, stage.world_size, env=child_env, args=args, policy=policy))
     if in_group:  # the one rank of a supervised replica: dies with its supervisor
         die_with_parent(follower=False)
     configure_logging(fmt=settings.log_format, level=settings.log_level, service=stage.name, capture_native=True)
@@ -100,7 +100,7 @@ def run_service(
         torch.cuda.set_device(device)
     compute = GroupCompute(load_model(stage, pipeline), stage, pipeline, GroupChannel.solo(device))
     anyio.run(serve_leader, settings, pipeline, stage, compute, stop)
-    return 0
+    _exit_now(0)
 
 
 def _log_placement(the_plan: Plan, placement: StagePlacement) -> None:
@@ -143,12 +143,19 @@ def _run_rank(
     except Exception:
         log.exception("group.rank_failed", stage=stage.name, rank=rank)
     finally:
-        # Our own resources (NIXL agent, pools, Redis) are closed by now.  Skip torch.distributed's and
-        # UCX's C++ teardown, which can abort (SIGABRT) once a peer rank has already gone.
-        flush_native_output()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_now(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End a stage process (a rank, or the supervisor once its ranks are reaped) whose own resources (NIXL
+    agent, pools, Redis, the report pipe) are closed by now: flush the logs, then skip the interpreter's
+    teardown.  That teardown is torch's, UCX's and NIXL's module and C++ clean-up: it can abort (SIGABRT)
+    once a peer rank has gone, and it is what kept an idle stage alive for seconds after ``worker.stopped``
+    (issue 34 item 15; 1.5-3.3 s on a loaded 2-core box for the imports alone, see docs/reliability.md)."""
+    flush_native_output()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class StopRequest:

@@ -45,6 +45,7 @@ from stageferry.broker.control.liveness import record_gave_up
 from stageferry.broker.control.redis_conn import open_client
 from stageferry.embedded_redis import free_port
 from stageferry.errors import ControlPlaneError
+from stageferry.procs import stop
 
 log = structlog.get_logger(__name__)
 
@@ -262,11 +263,7 @@ def _watch(
 
 def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
     """A broken group cannot finish its entry (it will be reclaimed): stop every rank now."""
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    for p in procs:
-        p.wait()
+    stop(procs, grace_s=0)
 
 
 __all__ = ["REPORT_FD_ENV", "RestartPolicy", "report_settled_crashes", "supervise"]

@@ -10,7 +10,7 @@ import json
 
 from stageferry.gateway.events_sse import event_frame, sse_message
 from stageferry.schemas import Progress, RequestState, RequestStatus
-from stageferry.trace import parse_row
+from stageferry.trace.events import parse_row
 
 
 def status_row(state: RequestState, **fields: object) -> dict[str, str]:

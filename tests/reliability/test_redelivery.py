@@ -21,6 +21,8 @@ from stageferry.errors import PayloadUnavailableError
 from stageferry.schemas import NixlPayload, Transport
 from tests.broker.data.nixl.test_connector import consumer, ref_of, start_producer  # noqa: F401 - a fixture
 
+CLAIM_S = 1.0
+
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 
 
@@ -33,7 +35,7 @@ async def test_a_redelivered_envelope_finds_a_payload_read_before_gone(
     item = producer.take()
     ref, blob = ref_of(item)
     assert isinstance(ref, NixlPayload)
-    async with consumer(redis_url, prefix, timeouts=Timeouts(resend=3.0, claim=1.0)) as conn:
+    async with consumer(redis_url, prefix, timeouts=Timeouts(resend=3.0, claim=CLAIM_S)) as conn:
         async with conn.get(ref, blob, key=item["key"]) as incoming:
             assert incoming.transport is Transport.NIXL
         producer.wait_stats(leases=0, slots_in_use=0)  # the READ's notification freed the slot
@@ -41,7 +43,14 @@ async def test_a_redelivered_envelope_finds_a_payload_read_before_gone(
         claim = Keys(prefix).claim(ref.token)
         assert r.get(claim) == b"released"
         assert r.pttl(claim) > 60_000, "the marker outlives the lease"
-        await anyio.sleep(1.5)  # the consumer's own claim (1 s) would have expired by now
+        # Wait (on Redis's own clock, however loaded this box is) until a claim the consumer took now
+        # would have expired: the marker, not the claim, is what refuses the redelivered envelope.
+        probe = claim + ":probe"
+        r.set(probe, b"1", px=int(CLAIM_S * 1000))
+        with anyio.fail_after(30):
+            while r.exists(probe):
+                await anyio.sleep(0.05)
+        assert r.get(claim) == b"released"
         with pytest.raises(PayloadUnavailableError):
             async with conn.get(ref, blob, key=item["key"]):
                 pass

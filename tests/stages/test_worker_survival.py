@@ -218,7 +218,8 @@ async def test_told_lost_stays_lost_when_the_last_stage_finishes_it(tmp_path: Pa
 
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(waiter)
-                    await anyio.sleep(0.3)
+                    while client.store.fanin.waiters < 1:  # the wait is under way
+                        await anyio.sleep(0.02)
                     await server.restart()
                 assert [told(o) for o in outcome] == ["request_lost"], outcome
                 await anyio.to_thread.run_sync(

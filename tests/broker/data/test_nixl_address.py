@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from stageferry.broker.data.nixl.address import interface_of, parse_address, pin_ucx_devices
 from stageferry.config import Settings
-from stageferry.trace import parse_row
+from stageferry.trace.events import parse_row
 
 
 def test_the_loopback_interface_holds_127_0_0_1() -> None:

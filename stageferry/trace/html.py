@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stageferry.schemas import RequestState, RequestStatus, Transport
-from stageferry.trace import TraceEvent, hops, short_transport
+from stageferry.trace.events import TraceEvent, hops, short_transport
 
 _LABEL_W = 150
 _PLOT_W = 900

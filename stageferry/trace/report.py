@@ -1,6 +1,6 @@
 """A request's trace as the console's timeline: ``GET /v1/videos/{id}/trace``.
 
-The rows and hops are :mod:`stageferry.trace`'s (the same ones ``stageferry trace`` prints); this module
+The rows and hops are :mod:`stageferry.trace.events`'s (the same ones ``stageferry trace`` prints); this module
 only arranges them for a timeline: offsets from the first event, one span per stage (queue wait before
 it, model time and how its input arrived, from the final status's timings), and the events worth a
 second look pulled out — inline fallbacks and every kind of retry (reclaimed entries, recomputes,
@@ -16,7 +16,7 @@ from typing import Any
 from stageferry.config import PipelineConfig
 from stageferry.schemas import RequestState, RequestStatus, Transport
 from stageferry.schemas.console import StageSpan, TraceHop, TraceReport, TraceRow
-from stageferry.trace import TraceEvent, hops
+from stageferry.trace.events import TraceEvent, hops
 
 #: Event names containing one of these count as a retry of some kind.
 RETRY_MARKERS = ("reclaimed", "recompute", "retry", "resend", "redeliver", "claim_lost", "handoff_lost")

@@ -27,15 +27,16 @@ from rich.console import Console
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import live_by_stage
 from stageferry.broker.control.redis_conn import translated
+from stageferry.cli.console import follow, render_hops, render_status
 from stageferry.cli_hints import cli_command, submit_command
 from stageferry.client import Client, validate_job, with_upload_refs
 from stageferry.config import DEFAULT_STAGES, Settings
-from stageferry.console import follow, render_hops, render_status
 from stageferry.embedded_redis import EmbeddedRedis
 from stageferry.errors import StageFailedError, StageferryError
+from stageferry.procs import astop
 from stageferry.schemas import RequestState, RequestStatus
 from stageferry.stages.placement import REFERENCE_GPUS, host_gpus, pipeline_for_host, plan
-from stageferry.trace import save_trace, saved_trace_path
+from stageferry.trace.events import save_trace, saved_trace_path
 
 
 class ServiceGroup:
@@ -89,15 +90,8 @@ class ServiceGroup:
             return
         self._stopping = True
         with anyio.CancelScope(shield=True):
+            await astop(list(self._procs.values()), grace_s=self._stop_timeout, group=True)
             for proc in self._procs.values():
-                _signal_group(proc, signal.SIGTERM)
-            with anyio.move_on_after(self._stop_timeout):
-                for proc in self._procs.values():
-                    await proc.wait()
-            for proc in self._procs.values():
-                if proc.returncode is None:
-                    _signal_group(proc, signal.SIGKILL)
-                    await proc.wait()
                 await proc.aclose()
             for log_file in self._logs:
                 log_file.close()
@@ -142,11 +136,6 @@ async def _run_warm(
     table = render_hops(first, warm)
     if table:
         print(table)
-
-
-def _signal_group(proc: Process, signum: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signum)
 
 
 async def wait_for_workers(redis: aioredis.Redis, keys: Keys, stages: Sequence[str], *, timeout: float) -> None:

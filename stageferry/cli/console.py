@@ -18,7 +18,7 @@ from stageferry.broker.control.liveness import unheld_note
 from stageferry.client import Client
 from stageferry.errors import ControlPlaneError, JobValidationError, StageferryError
 from stageferry.schemas import RequestState, RequestStatus, Transport
-from stageferry.trace import TraceEvent
+from stageferry.trace.events import TraceEvent
 
 #: How the console names a stage's phases after its steps (others are shown as reported).
 PHASES = {"decode": "decoding", "mux": "writing the MP4"}
