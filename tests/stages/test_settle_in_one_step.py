@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from stageferry.broker.control.entry_records import Look
 from stageferry.broker.control.streams import Entry
 from stageferry.config import Limits
 from stageferry.errors import CancelledRequestError, RequestIdTakenError
@@ -43,9 +44,9 @@ def guard_of(stage: Stage) -> EntryGuard:
 
 
 async def warm_up(guard: EntryGuard, stage: Stage) -> None:
-    """Load the admission's script into Redis (a first call of a new script is NOSCRIPT + LOAD + retry)."""
-    [entry] = await stage.entries("warm-up", 1)
-    await guard.admit_and_look(envelope("warm-up"), entry, stage.admission.look_write(entry, envelope("warm-up")))
+    """Load the admission's script into Redis (a first call of a new script is NOSCRIPT + LOAD + retry): a
+    first delivery of no stream (this guard has no holder), so that the entries in hand stay as they are."""
+    await guard.admit_and_look(envelope("warm-up"), Entry("0-1", {}, deliveries=1))
 
 
 async def test_a_first_delivery_is_admitted_marked_and_looked_at_in_one_round_trip(stage: Stage) -> None:
@@ -53,29 +54,24 @@ async def test_a_first_delivery_is_admitted_marked_and_looked_at_in_one_round_tr
     first, second = await stage.entries("req-1", 2)
     await warm_up(guard, stage)
     trips = RoundTrips(stage.redis, stage.stream)
-    marked, looked = await guard.admit_and_look(
-        envelope("req-1"), first, stage.admission.look_write(first, envelope("req-1"))
-    )
+    marked, looked = await guard.admit_and_look(envelope("req-1"), first)
     assert trips.count == 1
     assert marked is True and looked is not None
     assert await stage.redis.get(stage.keys.crash_mark("req-1", "diffusion", first.id)) == b"1"
     assert await stage.store.owner("req-1") == envelope("req-1").job.digest()
-    assert looked == (None, 0, 1, first.id.encode(), 0)  # no status, not cancelled, this entry's run, no start
+    # no status, not cancelled, this entry's run, no start
+    assert looked == Look(status=None, cancelled=False, claimed=True, owner=first.id, started=False)
     trips.count = 0
     assert await stage.admission.settled(first, envelope("req-1"), looked) is False
     assert trips.count == 0  # nothing read again
 
-    _, second_look = await guard.admit_and_look(
-        envelope("req-1"), second, stage.admission.look_write(second, envelope("req-1"))
-    )
-    assert second_look == (None, 0, 0, first.id.encode(), 0)
+    _, second_look = await guard.admit_and_look(envelope("req-1"), second)
+    assert second_look == Look(status=None, cancelled=False, claimed=False, owner=first.id, started=False)
     assert await stage.admission.settled(second, envelope("req-1"), second_look) is True  # a duplicate: acked
     assert await stage.stream.pending_count() == 1
 
     again = type(first)(first.id, first.fields, deliveries=2, stream=first.stream)  # redelivered: admitted alone
-    assert await guard.admit_and_look(
-        envelope("req-1"), again, stage.admission.look_write(again, envelope("req-1"))
-    ) == (
+    assert await guard.admit_and_look(envelope("req-1"), again) == (
         False,
         None,
     )
@@ -84,10 +80,10 @@ async def test_a_first_delivery_is_admitted_marked_and_looked_at_in_one_round_tr
 async def test_a_taken_id_gets_no_mark_and_no_run_owner(stage: Stage) -> None:
     guard = guard_of(stage)
     [first, other] = await stage.entries("req-2", 2)
-    await guard.admit_and_look(envelope("req-2"), first, stage.admission.look_write(first, envelope("req-2")))
+    await guard.admit_and_look(envelope("req-2"), first)
     taken = envelope("req-2").model_copy(update={"job": JobRequest(prompt="another job")})
     with pytest.raises(RequestIdTakenError):
-        await guard.admit_and_look(taken, other, stage.admission.look_write(other, taken))
+        await guard.admit_and_look(taken, other)
     assert await stage.redis.get(stage.keys.crash_mark("req-2", "diffusion", other.id)) is None
 
 
@@ -95,15 +91,13 @@ async def test_a_cancelled_or_finished_request_is_seen_by_the_admission_look(sta
     guard = guard_of(stage)
     [cancelled] = await stage.entries("req-3", 1)
     await stage.redis.set(stage.keys.cancel("req-3"), b"1")
-    _, looked = await guard.admit_and_look(
-        envelope("req-3"), cancelled, stage.admission.look_write(cancelled, envelope("req-3"))
-    )
+    _, looked = await guard.admit_and_look(envelope("req-3"), cancelled)
     with pytest.raises(CancelledRequestError):
         await stage.admission.settled(cancelled, envelope("req-3"), looked)
     [done] = await stage.entries("req-4", 1)
     await stage.store.admit("req-4", envelope("req-4").job.digest())  # its job's, and then finished
     assert await stage.store.set_status(RequestStatus(request_id="req-4", state=RequestState.DONE, stage="diffusion"))
-    _, looked = await guard.admit_and_look(envelope("req-4"), done, stage.admission.look_write(done, envelope("req-4")))
+    _, looked = await guard.admit_and_look(envelope("req-4"), done)
     assert await stage.admission.settled(done, envelope("req-4"), looked) is True
 
 
@@ -116,25 +110,25 @@ async def test_the_admission_writes_the_start_status_only_for_an_entry_that_will
     first, second = await stage.entries("req-8", 2)
 
     async def admit(entry: Entry, rid: str) -> tuple[bool, Any]:
-        start = outcomes.start_write(entry, envelope(rid))
-        assert start is not None
-        return await guard.admit_and_look(envelope(rid), entry, stage.admission.look_write(entry, envelope(rid), start))
+        starts = outcomes.start_writes(entry, envelope(rid), media_free=True)
+        assert starts
+        return await guard.admit_and_look(envelope(rid), entry, starts)
 
     await warm_up(guard, stage)
     trips = RoundTrips(stage.redis, stage.stream)
     _, looked = await admit(first, "req-8")
-    assert trips.count == 1 and looked[4] == 1
+    assert trips.count == 1 and looked.started
     got = await stage.store.get("req-8")
     assert got is not None and got.state is RequestState.RUNNING and got.stage == "diffusion"
     assert await stage.admission.settled(first, envelope("req-8"), looked) is False
     _, looked = await admit(second, "req-8")  # a duplicate run: no start written (it is skipped)
-    assert looked[4] == 0 and await stage.admission.settled(second, envelope("req-8"), looked) is True
+    assert not looked.started and await stage.admission.settled(second, envelope("req-8"), looked) is True
     await stage.stream.ack(first.id)  # done with: the next read takes a new entry
 
     [cancelled] = await stage.entries("req-9", 1)
     await stage.redis.set(stage.keys.cancel("req-9"), b"1")
     _, looked = await admit(cancelled, "req-9")
-    assert looked[4] == 0
+    assert not looked.started
     got = await stage.store.get("req-9")
     assert got is not None and got.state is RequestState.QUEUED  # the outcome writes "cancelled" next
 

@@ -52,13 +52,14 @@ import redis.asyncio as aioredis
 import structlog
 
 from stageferry.broker.control.dead_letter import DEAD_LETTER_LUA, DeadLetterPolicy
+from stageferry.broker.control.entry_records import FINISH, HAND_OFF, StatusWrite
 from stageferry.broker.control.held import Held
 from stageferry.broker.control.intake import Intake
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, durability_of, translated
 from stageferry.broker.control.replication import replicated_script
 from stageferry.broker.control.resp_link import RespLink, open_link, run_pipeline, run_script
-from stageferry.broker.control.stream_scripts import ACK, FINISH, HANDOFF, HANDOFF_WITH_STATUS, READ_CAPPED, RENEW
+from stageferry.broker.control.stream_scripts import ACK, HANDOFF, READ_CAPPED, RENEW
 from stageferry.broker.control.tally import pass_through
 from stageferry.errors import CancelledRequestError, ControlPlaneError
 
@@ -148,7 +149,7 @@ class StageStream:
         self._dead_letters = dead_letters or DeadLetterPolicy()
         self._dead_letter = redis.register_script(DEAD_LETTER_LUA)
         self._handoff = redis.register_script(HANDOFF)
-        self._handoff_with_status = redis.register_script(HANDOFF_WITH_STATUS)
+        self._handoff_with_status = redis.register_script(HAND_OFF)
         self._finish = redis.register_script(FINISH)
         self._ack = redis.register_script(ACK)
         self._renew = redis.register_script(RENEW)
@@ -321,12 +322,12 @@ class StageStream:
         next_stage: str,
         fields: Mapping[str, bytes | str],
         *,
-        status: tuple[list[str], list[Any]] | None = None,
+        status: StatusWrite | None = None,
         cancel: str | None = None,
         crash_mark: str | None = None,
     ) -> bool:
         """Atomically XADD ``fields`` to ``next_stage``'s stream and ack+delete this entry — and, given
-        ``status`` (:meth:`RequestStore.status_write`'s keys and arguments), write that status in the same
+        ``status`` (:meth:`RequestStore.status_write`), write that status in the same
         script, so the hand-off and its status cost one round trip.  With ``status``, the same script
         first looks at the request's ``cancel`` flag (raising :class:`CancelledRequestError`, nothing
         done, when it is set) and deletes the entry's ``crash_mark`` key once the entry is handed on or
@@ -344,9 +345,8 @@ class StageStream:
         else:
             if cancel is None or crash_mark is None:
                 raise ValueError("a hand-off with a status needs the request's cancel key and the entry's crash mark")
-            (record, events), status_args = status
-            script, keys = self._handoff_with_status, [src, dst, record, events, cancel, crash_mark, wake]
-            args = [self.group, self.consumer, entry_id, *status_args, *flat]
+            script, keys = self._handoff_with_status, [src, dst, status.record, status.events, cancel, crash_mark, wake]
+            args = [self.group, self.consumer, entry_id, *status.args(), *flat]
         try:
             with translated():
                 done = int(await self._durable(script, keys, args, what=f"hand-off of {entry_id} to {next_stage}"))
@@ -365,7 +365,7 @@ class StageStream:
         self,
         entry_id: str,
         *,
-        status: tuple[list[str], list[Any]],
+        status: StatusWrite,
         cancel: str,
         crash_mark: str,
         result_key: str,
@@ -377,10 +377,9 @@ class StageStream:
         (an owned write, :mod:`.held`) — and delete the entry's ``crash_mark`` either way.  ``result`` is
         (bytes, ttl) to store under ``result_key`` (``SET NX``), or None.  Returns (acked, status written):
         not acked, nothing was written."""
-        (record, events), status_args = status
         data, ttl = result if result is not None else (b"", 0)
-        keys = [self._key_of(entry_id), record, events, cancel, crash_mark, result_key]
-        args = [self.group, self.consumer, entry_id, *status_args, "1" if result is not None else "0", ttl, data]
+        keys = [self._key_of(entry_id), status.record, status.events, cancel, crash_mark, result_key]
+        args = [self.group, self.consumer, entry_id, *status.args(), "1" if result is not None else "0", ttl, data]
         with translated():
             owned, written = (
                 int(x) for x in await self._durable(self._finish, keys, args, what=f"result of {entry_id}")

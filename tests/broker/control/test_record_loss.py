@@ -51,7 +51,7 @@ async def test_an_admission_of_an_entry_not_held_writes_nothing(stage: Stage) ->
     first, second = await stage.entries("req-2", 2)
     await stage.redis.delete(stage.keys.stage_stream("diffusion"))  # an empty restart took both
     with pytest.raises(RequestLostError):
-        await guard.admit_and_look(envelope("req-2"), first, stage.admission.look_write(first, envelope("req-2")))
+        await guard.admit_and_look(envelope("req-2"), first)
     redelivered = type(second)(second.id, second.fields, deliveries=2, stream=second.stream)
     with pytest.raises(RequestLostError):
         await guard.admit(envelope("req-2"), redelivered)

@@ -1,0 +1,481 @@
+"""Every write of an entry's life to its request's record, as whole Lua scripts with typed replies.
+
+An entry a stage takes changes its request's record ``<p>:req:<id>`` (and events stream
+``<p>:req-events:<id>``) at a few points: its admission (whose job the id is; :class:`Admission`), its
+crash mark, what the stage must know before it runs it (:class:`Look`: the record's status, the cancel
+flag, the run-owner key), the status writes (:class:`StatusWrite`), and the step that settles it — the
+hand-off to the next stage or the last stage's finish.  This module owns those scripts; stages hold the
+policy (what to write when) and call :class:`EntryRecords` with named parameters, getting frozen
+dataclasses back.  :class:`~stageferry.broker.control.requests.RequestStore` and
+:class:`~stageferry.broker.control.streams.StageStream` register the status write, the hand-off and the
+finish from here.
+
+Each script is one atomic step, so that each costs one round trip and the fewest commands: every script
+reads the record once (``HMGET``, :data:`LIBRARY`'s ``record``), its steps share that read and their
+writes reach the record in one ``HSET`` at the end (``save``), and a key's TTL is set once per script
+(``expire``) — every write still leaves the record and its events living ``ttl`` from that write.  Every
+script that writes on a stage's behalf first checks, in the same script, that the stage still holds the
+entry (:mod:`.held`: an owned write).  Scripts use only the commands of the stage ACL user
+(:data:`stageferry.acl.STAGE_COMMANDS`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+
+from stageferry.broker.control.held import Held
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.control.resp_link import RespLink, run_script
+
+#: How a status write treats a missing record (see :meth:`RequestStore.set_status`).
+WriteMode = Literal["any", "create", "update", "unowned"]
+
+#: The Lua functions the scripts below share (one library, prefixed to each script).
+LIBRARY = """
+local TERMINAL = {done=true, failed=true, rejected=true, cancelled=true}
+
+-- Whether `consumer` holds entry `id` in `group` of `stream` (a missing stream or group holds nothing).
+local function held(stream, group, consumer, id)
+  local p = redis.pcall('XPENDING', stream, group, id, id, 1)
+  if type(p) ~= 'table' or p.err then return false end
+  return #p > 0 and p[1][2] == consumer
+end
+
+-- A key's TTL, set once per script: every write of the script happens at the same instant.
+local ttl_set = {}
+local function expire(key, ttl)
+  if not ttl_set[key] then
+    redis.call('EXPIRE', key, ttl)
+    ttl_set[key] = true
+  end
+end
+
+-- The request's record, read once (false: no such field); the steps below change it in `rec` and
+-- `save` writes what they changed in one HSET.
+local function record(key)
+  local v = redis.call('HMGET', key, 'job_sha', 'state', 'status', 'order')
+  return {key=key, job_sha=v[1], state=v[2], status=v[3], order=v[4], changed={}, names={}, ttl=nil}
+end
+
+local function put(rec, name, value, ttl)
+  if rec.changed[name] == nil then rec.names[#rec.names + 1] = name end
+  rec.changed[name] = value
+  rec[name] = value
+  rec.ttl = ttl
+end
+
+local function save(rec)
+  if #rec.names == 0 then return end
+  local args = {}
+  for _, name in ipairs(rec.names) do
+    args[#args + 1] = name
+    args[#args + 1] = rec.changed[name]
+  end
+  redis.call('HSET', rec.key, unpack(args))
+  expire(rec.key, rec.ttl)
+  rec.changed, rec.names = {}, {}
+end
+
+-- Bind the record to the job with `digest` unless it is bound: 2 (now this job's), 1 (this job's
+-- already), -1 (taken: another job's, or ended without one).
+local function admit(rec, digest, ttl)
+  if rec.job_sha then
+    if rec.job_sha == digest then return 1 end
+    return -1
+  end
+  if rec.state and TERMINAL[rec.state] then return -1 end
+  put(rec, 'job_sha', digest, ttl)
+  return 2
+end
+
+-- A status write's arguments, the block of nine from ARGV[at] (StatusWrite.args).
+local function status_at(at)
+  return {state=ARGV[at], status=ARGV[at + 1], ttl=ARGV[at + 2], maxlen=ARGV[at + 3], mode=ARGV[at + 4],
+          order={ARGV[at + 5], ARGV[at + 6], ARGV[at + 7], ARGV[at + 8]}}
+end
+
+-- Write status `w` unless the record is terminal or the mode forbids it (0), or it is older than the
+-- stored one (-1: orders compared field by field, so a late writer never moves a request back); 1 if
+-- written, with its event on the events stream.
+local function set_status(rec, events, w)
+  if rec.state and TERMINAL[rec.state] then return 0 end
+  if (w.mode == 'create' and rec.state) or (w.mode == 'update' and not rec.state) then return 0 end
+  if w.mode == 'unowned' and rec.job_sha then return 0 end
+  if not TERMINAL[w.state] and rec.order then
+    local i = 0
+    for value in string.gmatch(rec.order, '%d+') do
+      i = i + 1
+      local a, b = tonumber(w.order[i]), tonumber(value)
+      if a > b then break end
+      if a < b then return -1 end
+    end
+  end
+  put(rec, 'state', w.state, w.ttl)
+  put(rec, 'status', w.status, w.ttl)
+  put(rec, 'order', table.concat(w.order, ' '), w.ttl)
+  redis.call('XADD', events, 'MAXLEN', '~', w.maxlen, '*', 'kind', 'status', 'state', w.state, 'status', w.status)
+  expire(events, w.ttl)
+  return 1
+end
+
+-- Whether `consumer` owns entry `id` of `stream` (a lost group raises NOGROUP: the caller makes it again).
+local function owns(stream, group, consumer, id)
+  local p = redis.call('XPENDING', stream, group, id, id, 1)
+  return #p > 0 and p[1][2] == consumer
+end
+
+-- Acknowledge and delete a settled entry.
+local function ack_and_delete(stream, group, id)
+  redis.call('XACK', stream, group, id)
+  redis.call('XDEL', stream, id)
+end
+"""
+
+#: A status write on its own.  KEYS: record, events [, the entry's stream: an owned write].  ARGV: the
+#: status (nine), then group, consumer, entry id (owned writes).  1 written, 0 terminal or refused by the
+#: mode, -1 older than the record's, -2 not held (nothing written).
+SET_STATUS = (
+    LIBRARY
+    + """
+if #KEYS > 2 and not held(KEYS[3], ARGV[10], ARGV[11], ARGV[12]) then return -2 end
+local rec = record(KEYS[1])
+local written = set_status(rec, KEYS[2], status_at(1))
+save(rec)
+return written
+"""
+)
+
+#: An admission alone (a redelivery's, whose crash marks are checked first; or a tool's).  KEYS: record
+#: [, the entry's stream].  ARGV: job digest, ttl, group, consumer, entry id.  Returns what ``admit``
+#: returns, 0 when the entry is not held.
+ADMIT = (
+    LIBRARY
+    + """
+if #KEYS > 1 and not held(KEYS[2], ARGV[3], ARGV[4], ARGV[5]) then return 0 end
+local rec = record(KEYS[1])
+local admitted = admit(rec, ARGV[1], ARGV[2])
+save(rec)
+return admitted
+"""
+)
+
+#: A first delivery's admission and crash mark.  KEYS: record, crash mark [, the entry's stream].  ARGV:
+#: job digest, ttl, mark ttl, group, consumer, entry id.  A taken id (-1) gets no mark; a first
+#: delivery's mark is set to 1, not counted up (a script run twice after a lost connection must not count
+#: one crash as two).
+ADMIT_AND_MARK = (
+    LIBRARY
+    + """
+if #KEYS > 2 and not held(KEYS[3], ARGV[4], ARGV[5], ARGV[6]) then return 0 end
+local rec = record(KEYS[1])
+local admitted = admit(rec, ARGV[1], ARGV[2])
+save(rec)
+if admitted == -1 then return admitted end
+redis.call('SET', KEYS[2], 1, 'EX', ARGV[3])
+return admitted
+"""
+)
+
+#: A first delivery's whole start in one step: the admission, the crash mark, what the stage must know
+#: before it runs the entry (the look), and the statuses that start it (up to two, written only when it
+#: will run: not cancelled, and this entry owns the run).  KEYS: record, crash mark, cancel flag,
+#: run-owner key, events [, the entry's stream].  ARGV: job digest, ttl, mark ttl, group, consumer, entry
+#: id, owner ttl, number of starts, then each start's nine.  Returns {admitted} for a taken id (-1: no mark,
+#: no look) or an entry not held (0: nothing), else {admitted, status, cancelled, claimed, owner, started}.
+ADMIT_MARK_AND_LOOK = (
+    LIBRARY
+    + """
+if #KEYS > 5 and not held(KEYS[6], ARGV[4], ARGV[5], ARGV[6]) then return {0} end
+local id = ARGV[6]
+local rec = record(KEYS[1])
+local admitted = admit(rec, ARGV[1], ARGV[2])
+if admitted == -1 then
+  save(rec)
+  return {admitted}
+end
+redis.call('SET', KEYS[2], 1, 'EX', ARGV[3])
+local status = rec.status
+local cancelled = redis.call('EXISTS', KEYS[3])
+local prior = redis.call('SET', KEYS[4], id, 'NX', 'EX', ARGV[7], 'GET')
+local claimed = prior and 0 or 1
+local owner = prior or id
+local started = 0
+if cancelled == 0 and owner == id then
+  for i = 1, tonumber(ARGV[8]) do
+    set_status(rec, KEYS[5], status_at(9 + (i - 1) * 9))
+    started = 1
+  end
+end
+save(rec)
+return {admitted, status, cancelled, claimed, owner, started}
+"""
+)
+
+#: The look alone (a redelivery's, after its admission).  KEYS: record, cancel flag, run-owner key.  ARGV:
+#: entry id, owner ttl.  Returns {status, cancelled, claimed, owner}.
+LOOK = (
+    LIBRARY
+    + """
+local status = redis.call('HGET', KEYS[1], 'status')
+local cancelled = redis.call('EXISTS', KEYS[2])
+local prior = redis.call('SET', KEYS[3], ARGV[1], 'NX', 'EX', ARGV[2], 'GET')
+return {status, cancelled, prior and 0 or 1, prior or ARGV[1]}
+"""
+)
+
+#: Count one more crash of an entry.  KEYS: crash mark.  ARGV: ttl.  GET and SET (the stage ACL user has
+#: no INCR).
+MARK = """
+local n = tonumber(redis.call('GET', KEYS[1]) or '0') + 1
+redis.call('SET', KEYS[1], n, 'EX', ARGV[1])
+return n
+"""
+
+#: The hand-off with the next stage's status in one step.  KEYS: source stream, next stage's stream,
+#: record, events, cancel flag, crash mark, next stage's wake list.  ARGV: group, consumer, entry id, the
+#: status's nine, then the new entry's field, value, ...  Returns -2 when the request is cancelled
+#: (nothing done), 0 when this consumer no longer owns the entry, 1 handed on.  The crash mark is deleted
+#: once the entry is handed on or found not ours; the status is written only when it was handed on.
+HAND_OFF = (
+    LIBRARY
+    + """
+if redis.call('EXISTS', KEYS[5]) == 1 then return -2 end
+redis.call('DEL', KEYS[6])
+if not owns(KEYS[1], ARGV[1], ARGV[2], ARGV[3]) then return 0 end
+local fields = {}
+for i = 13, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], '*', unpack(fields))
+if redis.call('LPUSH', KEYS[7], '1') > 16 then redis.call('LTRIM', KEYS[7], 0, 15) end
+ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
+local rec = record(KEYS[3])
+set_status(rec, KEYS[4], status_at(4))
+save(rec)
+return 1
+"""
+)
+
+#: The last stage's whole ending in one step.  KEYS: source stream, record, events, cancel flag, crash
+#: mark, result key.  ARGV: group, consumer, entry id, the status's nine, then '1', the result's ttl and
+#: bytes to store it (SET NX), or '0'.  Returns {-2, 0} when the request is cancelled (nothing written),
+#: else {owned, written}: owned is 0 (nothing written) when another consumer holds the entry, -1 when its
+#: stream or group is gone (Redis lost it, and the record with it: ``record_loss`` ends it instead).  The
+#: crash mark is deleted either way.
+FINISH = (
+    LIBRARY
+    + """
+if redis.call('EXISTS', KEYS[4]) == 1 then return {-2, 0} end
+redis.call('DEL', KEYS[5])
+local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if type(p) ~= 'table' or p.err then return {-1, 0} end
+if #p == 0 or p[1][2] ~= ARGV[2] then return {0, 0} end
+if ARGV[13] == '1' then redis.call('SET', KEYS[6], ARGV[15], 'EX', ARGV[14], 'NX') end
+local rec = record(KEYS[2])
+local written = set_status(rec, KEYS[3], status_at(4))
+save(rec)
+ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
+return {1, written}
+"""
+)
+
+#: The end of a request whose entry is gone.  KEYS: record, events, the entry's stream.  ARGV: entry id,
+#: then the status's nine (mode 'create').  Returns 'recorded' (it has a record), 'queued' (its entry is
+#: still in its stream) or 'ended' (the status written).
+END_IF_LOST = (
+    LIBRARY
+    + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 'recorded' end
+local e = redis.pcall('XRANGE', KEYS[3], ARGV[1], ARGV[1])
+if type(e) == 'table' and not e.err and #e > 0 then return 'queued' end
+local rec = record(KEYS[1])
+set_status(rec, KEYS[2], status_at(2))
+save(rec)
+return 'ended'
+"""
+)
+
+
+class Admission(enum.Enum):
+    """Whose a request id is, as a stage finds it when an entry arrives."""
+
+    NEW = 2  #: no job's: the record now belongs to this entry's job
+    SAME_JOB = 1  #: this same job's (its submission, or a duplicate of it)
+    TAKEN = -1  #: a different job's: the entry must not touch the record
+    UNHELD = 0  #: the stage no longer holds the entry (reclaimed elsewhere, or lost with Redis): nothing written
+
+
+@dataclass(frozen=True, slots=True)
+class StatusOrder:
+    """Where a status sits in a request's progress: compared field by field by the writing script."""
+
+    attempt: int
+    stage_index: int
+    rank: int  #: queued 0, running 1, terminal 2
+    step: int  #: the progress step (0 without progress)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusWrite:
+    """One status write, as a script makes it (:meth:`RequestStore.status_write` builds it)."""
+
+    record: str  #: the request hash
+    events: str  #: the request's events stream
+    state: str
+    status_json: str
+    mode: WriteMode
+    order: StatusOrder
+    ttl_s: int
+    events_maxlen: int
+
+    def args(self) -> list[Any]:
+        """The nine arguments :data:`LIBRARY`'s ``status_at`` reads, in its order."""
+        o = self.order
+        return [
+            self.state,
+            self.status_json,
+            self.ttl_s,
+            self.events_maxlen,
+            self.mode,
+            o.attempt,
+            o.stage_index,
+            o.rank,
+            o.step,
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class Look:
+    """What a stage reads before it runs an entry (``Admission.settled`` decides on it)."""
+
+    status: bytes | None  #: the record's status JSON as it was before this entry's start (None: none)
+    cancelled: bool  #: the request's cancel flag is set
+    claimed: bool  #: the run-owner key was taken now, by this entry
+    owner: str | None  #: the entry that owns this run (request, stage, attempt)
+    started: bool = False  #: the start statuses were written (the entry will run)
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A first delivery's start (:meth:`EntryRecords.admit_mark_and_look`)."""
+
+    admission: Admission
+    look: Look | None  #: None when the id is taken or the entry not held (nothing looked at)
+
+
+@dataclass(frozen=True, slots=True)
+class EntryKeys:
+    """The keys of one entry's run at one stage."""
+
+    record: str
+    events: str
+    cancel: str
+    run_owner: str
+    crash_mark: str
+
+    @classmethod
+    def of(cls, keys: Keys, request_id: str, stage: str, attempt: int, entry_id: str) -> EntryKeys:
+        return cls(
+            record=keys.request(request_id),
+            events=keys.events(request_id),
+            cancel=keys.cancel(request_id),
+            run_owner=keys.run_owner(request_id, stage, attempt),
+            crash_mark=keys.crash_mark(request_id, stage, entry_id),
+        )
+
+
+def _held(held: Held | None, entry_id: str = "") -> tuple[list[str], list[Any]]:
+    """The held check's key and its three arguments (empty ones, and no key, without a holder)."""
+    if held is None:
+        return [], ["", "", entry_id]
+    return [held.stream], held.args()
+
+
+def _text(raw: Any) -> str | None:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+class EntryRecords:
+    """The entry-life scripts of one stage (or of a tool, without ``stage``), over ``link`` when given."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_s: int, link: RespLink | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.ttl_s = ttl_s  #: the record's, the run-owner key's and the crash mark's TTL
+        self.link = link
+        self._admit = redis.register_script(ADMIT)
+        self._admit_and_mark = redis.register_script(ADMIT_AND_MARK)
+        self._admit_mark_and_look = redis.register_script(ADMIT_MARK_AND_LOOK)
+        self._look = redis.register_script(LOOK)
+        self._mark = redis.register_script(MARK)
+
+    async def admit(self, request_id: str, digest: str, *, held: Held | None = None) -> Admission:
+        """Bind ``request_id`` to the job with ``digest`` unless it is bound already; with ``held`` an owned
+        write (:attr:`Admission.UNHELD`, nothing written, when the entry is not held any more)."""
+        held_keys, held_args = _held(held)
+        keys, args = [self.keys.request(request_id), *held_keys], [digest, self.ttl_s, *held_args]
+        with translated():
+            return Admission(int(await run_script(self.link, self._admit, keys, args)))
+
+    async def admit_and_mark(self, run: EntryKeys, digest: str, *, held: Held | None = None) -> Admission:
+        """:meth:`admit` and, unless the id is taken, the entry's first crash mark, in one script."""
+        held_keys, held_args = _held(held)
+        keys, args = [run.record, run.crash_mark, *held_keys], [digest, self.ttl_s, self.ttl_s, *held_args]
+        with translated():
+            return Admission(int(await run_script(self.link, self._admit_and_mark, keys, args)))
+
+    async def admit_mark_and_look(
+        self, run: EntryKeys, digest: str, entry_id: str, *, held: Held | None, starts: tuple[StatusWrite, ...] = ()
+    ) -> Admitted:
+        """A first delivery's admission, crash mark and :class:`Look` in one script, writing ``starts`` (in
+        order) when the entry will run (not cancelled, and it owns its run)."""
+        held_keys, held_args = _held(held, entry_id)
+        keys = [run.record, run.crash_mark, run.cancel, run.run_owner, run.events, *held_keys]
+        args: list[Any] = [digest, self.ttl_s, self.ttl_s, *held_args, self.ttl_s, len(starts)]
+        for start in starts:
+            args += start.args()
+        with translated():
+            reply = await run_script(self.link, self._admit_mark_and_look, keys, args)
+        admission = Admission(int(reply[0]))
+        if len(reply) == 1:
+            return Admitted(admission, None)
+        _, status, cancelled, claimed, owner, started = reply
+        look = Look(status, bool(int(cancelled)), bool(int(claimed)), _text(owner), bool(int(started)))
+        return Admitted(admission, look)
+
+    async def look(self, run: EntryKeys, entry_id: str) -> Look:
+        """What a stage reads before it runs an entry it admitted alone (a redelivery), in one script."""
+        keys, args = [run.record, run.cancel, run.run_owner], [entry_id, self.ttl_s]
+        with translated():
+            status, cancelled, claimed, owner = await run_script(self.link, self._look, keys, args)
+        return Look(status, bool(int(cancelled)), bool(int(claimed)), _text(owner))
+
+    async def crashes(self, mark: str) -> int:
+        """How many times the stage died running an entry (its crash mark ``mark``, :meth:`Keys.crash_mark`)."""
+        with translated():
+            return int(await self.redis.get(mark) or 0)
+
+    async def mark(self, mark: str) -> int:
+        """Count this delivery of an entry as a crash until :meth:`clear_mark`; the count so far."""
+        with translated():
+            return int(await run_script(self.link, self._mark, [mark], [self.ttl_s]))
+
+    async def clear_mark(self, mark: str) -> None:
+        """The entry's work returned or raised: it did not kill the stage."""
+        with translated():
+            await self.redis.delete(mark)
+
+
+__all__ = [
+    "Admission",
+    "Admitted",
+    "EntryKeys",
+    "EntryRecords",
+    "Look",
+    "StatusOrder",
+    "StatusWrite",
+    "WriteMode",
+]
