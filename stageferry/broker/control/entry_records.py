@@ -12,8 +12,11 @@ finish from here.
 
 Each script is one atomic step, so that each costs one round trip and the fewest commands: every script
 reads the record once (``HMGET``, :data:`LIBRARY`'s ``record``), its steps share that read and their
-writes reach the record in one ``HSET`` at the end (``save``), and a key's TTL is set once per script
-(``expire``) — every write still leaves the record and its events living ``ttl`` from that write.  Every
+writes reach the record in one ``HSET`` at the end (``save``).  A request's record and events stream
+live ``ttl`` after its terminal status; before that, a write sets their TTLs again only once less than
+``ttl`` minus a tenth of it (a minute at most) is left (``refresh_due``: the record keeps when it last
+did, ``ttl_at``, by the server's clock as a status event's id tells it), so that after every write they
+live at least that long and a request's quick succession of writes does not pay two ``EXPIRE`` each.  Every
 script that writes on a stage's behalf first checks, in the same script, that the stage still holds the
 entry (:mod:`.held`: an owned write).  Scripts use only the commands of the stage ACL user
 (:data:`stageferry.acl.STAGE_COMMANDS`).
@@ -55,11 +58,15 @@ local function expire(key, ttl)
   end
 end
 
+-- The server's clock in ms, once a status event's XADD told it (the stage user has no TIME).
+local clock = nil
+
 -- The request's record, read once (false: no such field); the steps below change it in `rec` and
--- `save` writes what they changed in one HSET.
+-- `save` writes what they changed in one HSET.  `ttl_at`: when the record and its events expire, as of
+-- their last refresh (ms).
 local function record(key)
-  local v = redis.call('HMGET', key, 'job_sha', 'state', 'status', 'order')
-  return {key=key, job_sha=v[1], state=v[2], status=v[3], order=v[4], changed={}, names={}, ttl=nil}
+  local v = redis.call('HMGET', key, 'job_sha', 'state', 'status', 'order', 'ttl_at')
+  return {key=key, job_sha=v[1], state=v[2], status=v[3], order=v[4], ttl_at=v[5], changed={}, names={}}
 end
 
 local function put(rec, name, value, ttl)
@@ -69,15 +76,30 @@ local function put(rec, name, value, ttl)
   rec.ttl = ttl
 end
 
+-- Whether the record's and its events' TTLs must be set again: always for a terminal status (the keys
+-- live `ttl` after the end), for a record without a known refresh, or when the clock is not known; else
+-- once less than `ttl` minus a tenth of it (a minute at most) is left, so that after every write they
+-- live at least that long, and writes in quick succession do not each pay two EXPIREs.
+local function refresh_due(rec)
+  if rec.terminal or not clock or not rec.ttl_at then return true end
+  local ttl_ms = tonumber(rec.ttl) * 1000
+  return tonumber(rec.ttl_at) - clock < ttl_ms - math.min(ttl_ms / 10, 60000)
+end
+
 local function save(rec)
   if #rec.names == 0 then return end
+  local refresh = refresh_due(rec)
+  if refresh and clock and rec.events then put(rec, 'ttl_at', clock + tonumber(rec.ttl) * 1000, rec.ttl) end
   local args = {}
   for _, name in ipairs(rec.names) do
     args[#args + 1] = name
     args[#args + 1] = rec.changed[name]
   end
   redis.call('HSET', rec.key, unpack(args))
-  expire(rec.key, rec.ttl)
+  if refresh then
+    expire(rec.key, rec.ttl)
+    if rec.events then expire(rec.events, rec.ttl) end
+  end
   rec.changed, rec.names = {}, {}
 end
 
@@ -118,8 +140,10 @@ local function set_status(rec, events, w)
   put(rec, 'state', w.state, w.ttl)
   put(rec, 'status', w.status, w.ttl)
   put(rec, 'order', table.concat(w.order, ' '), w.ttl)
-  redis.call('XADD', events, 'MAXLEN', '~', w.maxlen, '*', 'kind', 'status', 'state', w.state, 'status', w.status)
-  expire(events, w.ttl)
+  local id = redis.call('XADD', events, 'MAXLEN', '~', w.maxlen, '*', 'kind', 'status', 'state', w.state, 'status', w.status)
+  clock = tonumber(string.match(id, '^(%d+)'))
+  rec.events = events
+  rec.terminal = rec.terminal or TERMINAL[w.state] ~= nil
   return 1
 end
 

@@ -72,6 +72,10 @@ INTAKE_POLL_S = 0.01
 DEFAULT_MAX_ENTRY_BYTES = 32 * 1024 * 1024
 
 
+#: How often, at most, a busy replica's reads reclaim entries idle past the visibility timeout (an idle
+#: one's come back from their wait every ``block_ms``, and reclaim then).
+CLAIM_EVERY_S = 0.25
+
 #: The entry field that names the lease a reader claims on delivery (:class:`LeaseClaim`).
 LEASE_FIELD = "lease"
 
@@ -146,6 +150,13 @@ class StageStream:
         self._poll_s = WAKE_POLL_S if intake is None else INTAKE_POLL_S
         self._source: dict[str, str] = {}  # entry id → its stream, for the entries in hand
         self._visibility_ms = visibility_ms
+        #: Whether a read must look at this consumer's own pending entries first (after a start, a lost
+        #: group, or while entries read before are still in hand): each look is a command in Redis.
+        self._own_pending = True
+        #: When the next read reclaims idle entries (XAUTOCLAIM): at most every :data:`CLAIM_EVERY_S`
+        #: (a quarter of the visibility timeout when that is shorter), not on every read.
+        self._claim_every_s = min(CLAIM_EVERY_S, visibility_ms / 4000)
+        self._next_claim = 0.0
         self._dead_letters = dead_letters or DeadLetterPolicy()
         self._dead_letter = redis.register_script(DEAD_LETTER_LUA)
         self._handoff = redis.register_script(HANDOFF)
@@ -187,6 +198,7 @@ class StageStream:
 
     async def ensure_group(self) -> None:
         """Create the streams and group if missing (also after a Redis restart that lost them)."""
+        self._own_pending = True
         for key in self.streams:
             try:
                 with translated():
@@ -221,16 +233,17 @@ class StageStream:
             return False
 
     async def read(self, count: int = 1, *, block_ms: int = BLOCK_MS, new_only: bool = False) -> list[Entry]:
-        """Entries to work on: first this consumer's own un-acked ones (after a restart), then entries
-        idle past the visibility timeout (reclaimed from dead replicas), then new ones — the three in one
-        script, one round trip.  With nothing there, wait on the wake list (up to ``block_ms``) and read
+        """Entries to work on: first this consumer's own un-acked ones (after a restart, a lost group, or
+        while entries read before are in hand), then entries idle past the visibility timeout (reclaimed
+        from dead replicas; at most every :data:`CLAIM_EVERY_S`), then new ones — in one script, one round
+        trip.  With nothing there, wait on the wake list (up to ``block_ms``) and read
         new ones whenever woken (or every :data:`WAKE_POLL_S`).
 
         ``new_only``: new entries alone, for a reader that keeps entries in hand while it reads more (its
         own un-acked ones would otherwise come back first, and as redeliveries).  It skips the reclaim of
         dead replicas' entries too: such a reader takes its own and reclaimed ones with plain reads, when
         it starts and whenever it has nothing in hand."""
-        entries = await self._read_via_script(">" if new_only else "0,claim,>", count)
+        entries = await self._read_via_script(">" if new_only else self._phases(), count)
         deadline = time.monotonic() + block_ms / 1000
         while not entries:
             remaining = deadline - time.monotonic()
@@ -239,6 +252,18 @@ class StageStream:
             entries = await self._wait_and_read(min(remaining, self._poll_s), count)
         self._keep_hot()
         return entries
+
+    def _phases(self) -> str:
+        """A full read's phases: own pending entries while there may be some, the reclaim when it is due,
+        then new entries."""
+        phases = []
+        if self._own_pending or self._source:
+            phases.append("0")
+        now = time.monotonic()
+        if now >= self._next_claim:
+            phases.append("claim")
+            self._next_claim = now + self._claim_every_s
+        return ",".join([*phases, ">"])
 
     async def _wait_and_read(self, timeout: float, count: int) -> list[Entry]:
         """Wait on the wake list, then read new entries: one pipeline, so the read reaches Redis with the
@@ -283,6 +308,8 @@ class StageStream:
                 await self.ensure_group()
                 return []
             raise
+        if "0" in start.split(","):  # own pending entries left only if this read took some (maybe more)
+            self._own_pending = any(row[5] == b"0" for row in rows)
         return await self._entries(rows)
 
     async def _entries(self, rows: list[Any]) -> list[Entry]:
