@@ -41,7 +41,7 @@ def parse(output: str) -> tuple[float, dict[str, float]]:
 
 
 async def run_tree(tree: Path, args: argparse.Namespace, workdir: Path) -> tuple[float, dict[str, float], str]:
-    async with EmbeddedRedis(workdir) as server:
+    async with EmbeddedRedis(data_dir=workdir / "redis") as server:
         command = [
             sys.executable,
             str(tree / "benchmarks" / "throughput.py"),
@@ -67,7 +67,7 @@ def _env(tree: Path) -> dict[str, str]:
 async def main_async(args: argparse.Namespace) -> None:
     import tempfile
 
-    trees = {"base": Path(args.base).resolve(), "this": ROOT}
+    trees = {"base": args.base, "this": ROOT}
     runs: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in trees}
     with tempfile.TemporaryDirectory(prefix="sf-cmp-") as tmp:
         for r in range(args.rounds):
@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--verbose", action="store_true", help="print each run's whole throughput.py output")
     args = parser.parse_args()
+    args.base = Path(args.base).resolve()
     print(f"$ python {' '.join(sys.argv)}\n")
     anyio.run(main_async, args)
 

@@ -129,10 +129,9 @@ def acl(
         max_upload_bytes=limits.max_upload_bytes, max_entry_bytes=limits.max_entry_bytes
     )
     first = pipeline.stages[0].name
-    text = acl_file(
-        settings.prefix, first, tenants=tenants, db=db, maxmemory=memory, scaler=scaler, sentinel=sentinel
-    )
+    text = acl_file(settings.prefix, first, tenants=tenants, db=db, maxmemory=memory, scaler=scaler, sentinel=sentinel)
     typer.echo(text, nl=False)
+
 
 @app.command()
 @_expected_errors

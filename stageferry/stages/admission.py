@@ -17,7 +17,7 @@ In order, for every entry the worker reads:
 2. whether it must run at all (:meth:`Admission.settled`): a request already terminal or a duplicate
    run is acknowledged and skipped; a cancelled one or one past its deadline raises
    :class:`CancelledRequestError` / :class:`DeadlineExceededError` (the outcome table decides the rest);
-   the run-owner key binds one stream entry to each request, stage and attempt;
+   the record's run-owner field binds one stream entry to each request, stage and attempt;
 3. the first stage's media (:meth:`Admission.load_media`): bad media is a rejection, not a failure.
 
 Every refusal is raised as a typed error; none is written here.

@@ -8,7 +8,7 @@ outcome table (:data:`stageferry.errors.OUTCOMES`) decides the rest:
   the digest of that job (``job_sha``), written by the first stage that admits an entry for it.  A later
   entry under the same id with a *different* job — or one that does not parse at all — raises
   :class:`RequestIdTakenError`: dead-lettered, nothing written, so the owner's state, result and events
-  stay as they are.  The same job again is admitted (the run-owner key dedupes it downstream).
+  stay as they are.  The same job again is admitted (its record's run-owner field dedupes it downstream).
 * **Held.**  Every admission is an owned write (:mod:`stageferry.broker.control.held`): it writes only
   while this stage still holds the entry in its group's pending list.  One it no longer holds (another
   replica reclaimed it, or Redis restarted empty and lost it while the stage ran it) raises

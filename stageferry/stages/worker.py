@@ -5,7 +5,7 @@ One :class:`StageWorker` per stage group, running on the leader (rank 0).  For e
 1. refuses what cannot be processed — an entry delivered too often goes to the dead-letter stream; a
    malformed job, envelope or manifest ends ``rejected`` with field errors (never an internal error);
 2. skips what must not run again — a terminal request, a cancelled one, a duplicate submission (the
-   run-owner key binds one stream entry to each request, stage and attempt);
+   record's run-owner field binds one stream entry to each request, stage and attempt);
 3. fetches the input payload through the input connector (consumer side), checks it against the model's
    declared input contract (once, here on the leader, before the fan-out: a violation is ``rejected``
    naming the entry), runs the model through the group's :class:`Compute` while renewing its claim on

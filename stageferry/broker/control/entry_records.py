@@ -3,7 +3,7 @@
 An entry a stage takes changes its request's record ``<p>:req:<id>`` (and events stream
 ``<p>:req-events:<id>``) at a few points: its admission (whose job the id is; :class:`Admission`), its
 crash mark, what the stage must know before it runs it (:class:`Look`: the record's status, the cancel
-flag, the run-owner key), the status writes (:class:`StatusWrite`), and the step that settles it — the
+flag, which entry owns the run), the status writes (:class:`StatusWrite`), and the step that settles it — the
 hand-off to the next stage or the last stage's finish.  This module owns those scripts; stages hold the
 policy (what to write when) and call :class:`EntryRecords` with named parameters, getting frozen
 dataclasses back.  :class:`~stageferry.broker.control.requests.RequestStore` and
@@ -64,9 +64,10 @@ local clock = nil
 -- The request's record, read once (false: no such field); the steps below change it in `rec` and
 -- `save` writes what they changed in one HSET.  `ttl_at`: when the record and its events expire, as of
 -- their last refresh (ms).
-local function record(key)
-  local v = redis.call('HMGET', key, 'job_sha', 'state', 'status', 'order', 'ttl_at')
-  return {key=key, job_sha=v[1], state=v[2], status=v[3], order=v[4], ttl_at=v[5], changed={}, names={}}
+local function record(key, run)
+  local v = redis.call('HMGET', key, 'job_sha', 'state', 'status', 'order', 'ttl_at', run or 'ttl_at')
+  return {key=key, job_sha=v[1], state=v[2], status=v[3], order=v[4], ttl_at=v[5], run=run and v[6],
+          changed={}, names={}}
 end
 
 local function put(rec, name, value, ttl)
@@ -74,6 +75,14 @@ local function put(rec, name, value, ttl)
   rec.changed[name] = value
   rec[name] = value
   rec.ttl = ttl
+end
+
+-- Which entry owns the run (request, stage, attempt) the record's field `run` stands for: the one that
+-- took it first ({taken now, owner}); the field is written with the record's next save.
+local function own_run(rec, run, id, ttl)
+  if rec.run then return 0, rec.run end
+  put(rec, run, id, ttl)
+  return 1, id
 end
 
 -- Whether the record's and its events' TTLs must be set again: always for a terminal status (the keys
@@ -140,7 +149,8 @@ local function set_status(rec, events, w)
   put(rec, 'state', w.state, w.ttl)
   put(rec, 'status', w.status, w.ttl)
   put(rec, 'order', table.concat(w.order, ' '), w.ttl)
-  local id = redis.call('XADD', events, 'MAXLEN', '~', w.maxlen, '*', 'kind', 'status', 'state', w.state, 'status', w.status)
+  local id = redis.call('XADD', events, 'MAXLEN', '~', w.maxlen, '*',
+                        'kind', 'status', 'state', w.state, 'status', w.status)
   clock = tonumber(string.match(id, '^(%d+)'))
   rec.events = events
   rec.terminal = rec.terminal or TERMINAL[w.state] ~= nil
@@ -206,17 +216,19 @@ return admitted
 )
 
 #: A first delivery's whole start in one step: the admission, the crash mark, what the stage must know
-#: before it runs the entry (the look), and the statuses that start it (up to two, written only when it
-#: will run: not cancelled, and this entry owns the run).  KEYS: record, crash mark, cancel flag,
-#: run-owner key, events [, the entry's stream].  ARGV: job digest, ttl, mark ttl, group, consumer, entry
-#: id, owner ttl, number of starts, then each start's nine.  Returns {admitted} for a taken id (-1: no mark,
-#: no look) or an entry not held (0: nothing), else {admitted, status, cancelled, claimed, owner, started}.
+#: before it runs the entry (the look: the record's status, the cancel flag, and which entry owns this run —
+#: the record's field ``run:<stage>:<attempt>``, taken by the first entry that looks), and the statuses that
+#: start it (up to two, written only when it will run: not cancelled, and this entry owns the run).  KEYS:
+#: record, crash mark, cancel flag, events [, the entry's stream].  ARGV: job digest, ttl, mark ttl, group,
+#: consumer, entry id, run field, number of starts, then each start's nine.  Returns {admitted} for a taken
+#: id (-1: no mark, no look) or an entry not held (0: nothing), else {admitted, status, cancelled, claimed,
+#: owner, started}.
 ADMIT_MARK_AND_LOOK = (
     LIBRARY
     + """
-if #KEYS > 5 and not held(KEYS[6], ARGV[4], ARGV[5], ARGV[6]) then return {0} end
+if #KEYS > 4 and not held(KEYS[5], ARGV[4], ARGV[5], ARGV[6]) then return {0} end
 local id = ARGV[6]
-local rec = record(KEYS[1])
+local rec = record(KEYS[1], ARGV[7])
 local admitted = admit(rec, ARGV[1], ARGV[2])
 if admitted == -1 then
   save(rec)
@@ -225,13 +237,11 @@ end
 redis.call('SET', KEYS[2], 1, 'EX', ARGV[3])
 local status = rec.status
 local cancelled = redis.call('EXISTS', KEYS[3])
-local prior = redis.call('SET', KEYS[4], id, 'NX', 'EX', ARGV[7], 'GET')
-local claimed = prior and 0 or 1
-local owner = prior or id
+local claimed, owner = own_run(rec, ARGV[7], id, ARGV[2])
 local started = 0
 if cancelled == 0 and owner == id then
   for i = 1, tonumber(ARGV[8]) do
-    set_status(rec, KEYS[5], status_at(9 + (i - 1) * 9))
+    set_status(rec, KEYS[4], status_at(9 + (i - 1) * 9))
     started = 1
   end
 end
@@ -240,15 +250,16 @@ return {admitted, status, cancelled, claimed, owner, started}
 """
 )
 
-#: The look alone (a redelivery's, after its admission).  KEYS: record, cancel flag, run-owner key.  ARGV:
-#: entry id, owner ttl.  Returns {status, cancelled, claimed, owner}.
+#: The look alone (a redelivery's, after its admission).  KEYS: record, cancel flag.  ARGV: entry id, run
+#: field, ttl.  Returns {status, cancelled, claimed, owner}.
 LOOK = (
     LIBRARY
     + """
-local status = redis.call('HGET', KEYS[1], 'status')
+local rec = record(KEYS[1], ARGV[2])
 local cancelled = redis.call('EXISTS', KEYS[2])
-local prior = redis.call('SET', KEYS[3], ARGV[1], 'NX', 'EX', ARGV[2], 'GET')
-return {status, cancelled, prior and 0 or 1, prior or ARGV[1]}
+local claimed, owner = own_run(rec, ARGV[2], ARGV[1], ARGV[3])
+save(rec)
+return {rec.status, cancelled, claimed, owner}
 """
 )
 
@@ -377,7 +388,7 @@ class Look:
 
     status: bytes | None  #: the record's status JSON as it was before this entry's start (None: none)
     cancelled: bool  #: the request's cancel flag is set
-    claimed: bool  #: the run-owner key was taken now, by this entry
+    claimed: bool  #: the run was taken now, by this entry
     owner: str | None  #: the entry that owns this run (request, stage, attempt)
     started: bool = False  #: the start statuses were written (the entry will run)
 
@@ -397,8 +408,8 @@ class EntryKeys:
     record: str
     events: str
     cancel: str
-    run_owner: str
     crash_mark: str
+    run_field: str  #: the record's field naming the entry that owns this run (request, stage, attempt)
 
     @classmethod
     def of(cls, keys: Keys, request_id: str, stage: str, attempt: int, entry_id: str) -> EntryKeys:
@@ -406,9 +417,14 @@ class EntryKeys:
             record=keys.request(request_id),
             events=keys.events(request_id),
             cancel=keys.cancel(request_id),
-            run_owner=keys.run_owner(request_id, stage, attempt),
             crash_mark=keys.crash_mark(request_id, stage, entry_id),
+            run_field=run_field(stage, attempt),
         )
+
+
+def run_field(stage: str, attempt: int) -> str:
+    """The record's field that binds one stream entry to each run (stage, attempt) of a request."""
+    return f"run:{stage}:{attempt}"
 
 
 def _held(held: Held | None, entry_id: str = "") -> tuple[list[str], list[Any]]:
@@ -428,7 +444,7 @@ class EntryRecords:
     def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_s: int, link: RespLink | None = None) -> None:
         self.redis = redis
         self.keys = keys
-        self.ttl_s = ttl_s  #: the record's, the run-owner key's and the crash mark's TTL
+        self.ttl_s = ttl_s  #: the record's and the crash mark's TTL
         self.link = link
         self._admit = redis.register_script(ADMIT)
         self._admit_and_mark = redis.register_script(ADMIT_AND_MARK)
@@ -457,8 +473,8 @@ class EntryRecords:
         """A first delivery's admission, crash mark and :class:`Look` in one script, writing ``starts`` (in
         order) when the entry will run (not cancelled, and it owns its run)."""
         held_keys, held_args = _held(held, entry_id)
-        keys = [run.record, run.crash_mark, run.cancel, run.run_owner, run.events, *held_keys]
-        args: list[Any] = [digest, self.ttl_s, self.ttl_s, *held_args, self.ttl_s, len(starts)]
+        keys = [run.record, run.crash_mark, run.cancel, run.events, *held_keys]
+        args: list[Any] = [digest, self.ttl_s, self.ttl_s, *held_args, run.run_field, len(starts)]
         for start in starts:
             args += start.args()
         with translated():
@@ -472,7 +488,7 @@ class EntryRecords:
 
     async def look(self, run: EntryKeys, entry_id: str) -> Look:
         """What a stage reads before it runs an entry it admitted alone (a redelivery), in one script."""
-        keys, args = [run.record, run.cancel, run.run_owner], [entry_id, self.ttl_s]
+        keys, args = [run.record, run.cancel], [entry_id, run.run_field, self.ttl_s]
         with translated():
             status, cancelled, claimed, owner = await run_script(self.link, self._look, keys, args)
         return Look(status, bool(int(cancelled)), bool(int(claimed)), _text(owner))
@@ -502,4 +518,5 @@ __all__ = [
     "StatusOrder",
     "StatusWrite",
     "WriteMode",
+    "run_field",
 ]

@@ -64,9 +64,6 @@ class Keys:
     def events(self, request_id: str) -> str:
         return f"{self.prefix}:req-events:{request_id}"
 
-    def run_owner(self, request_id: str, stage: str, attempt: int) -> str:
-        return f"{self.prefix}:req-run:{request_id}:{stage}:{attempt}"
-
     def crash_mark(self, request_id: str, stage: str, entry_id: str) -> str:
         """Counts deliveries of an entry that ended with the stage process dying (set before, cleared after)."""
         return f"{self.prefix}:req-crash:{request_id}:{stage}:{entry_id}"
@@ -133,9 +130,10 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "wake": "list: pushed after each XADD by the stages (never by clients); idle workers BLPOP it (at most 16 items)",
     "dead_letter": "stream: entries given up on, with the reason",
     "workers": "hash: replica → last heartbeat (unix seconds)",
-    "request": "hash: `state` and `status` (JSON RequestStatus)",
+    "request": "hash: `state` and `status` (JSON RequestStatus); for the stages, the job's digest `job_sha`, "
+    "the status's `order`, `ttl_at` (when the TTLs were last set) and `run:<stage>:<attempt>` (the entry id "
+    "that owns that run: dedup of resubmits)",
     "events": "stream: the request's trace (log events, status changes)",
-    "run_owner": "string: the entry id that owns this run (dedup of resubmits)",
     "crash_mark": "string: deliveries of this entry its stage died with (set before the work, deleted after)",
     "cancel": "string: set when the client cancels",
     "submitted": "string: set by a client with its XADD (the request exists before a stage picks it up), TTL",

@@ -209,7 +209,8 @@ def test_the_entry_life_writes_of_a_request_stay_within_the_bound(
     named = [line for line in lines if any(_names(line, rid) for rid in ids)]
     per_request = len(named) / len(ids)
     print(f"entry-life commands per request: {per_request:.1f}")
-    import collections, os
+    import os
+
     if os.environ.get("DUMP_NAMED"):
         Path(os.environ["DUMP_NAMED"]).write_text("\n".join(named))
     assert per_request > 10, f"MONITOR saw too little to count: {len(named)} lines"
