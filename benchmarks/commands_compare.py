@@ -3,7 +3,7 @@
     git worktree add /tmp/entry-base <base commit>
     python benchmarks/commands_compare.py --base /tmp/entry-base --replicas 2 --requests 200
 
-Runs ``benchmarks/throughput.py`` of the ``--base`` tree and then of this tree (each with its own code:
+Runs ``benchmarks/throughput.py`` of the ``--base`` tree and then of this tree (or ``--this``) (each with its own code:
 the script puts its own tree first on the path of itself and of every stage process), T2VA over the NIXL
 edge by default, each against a fresh private ``redis-server`` (``INFO commandstats`` counts every
 client of a server, so a shared one would add others' commands), ``--rounds`` times in turn.  Printed:
@@ -67,7 +67,7 @@ def _env(tree: Path) -> dict[str, str]:
 async def main_async(args: argparse.Namespace) -> None:
     import tempfile
 
-    trees = {"base": args.base, "this": ROOT}
+    trees = {"base": args.base, "this": args.this}
     runs: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in trees}
     with tempfile.TemporaryDirectory(prefix="sf-cmp-") as tmp:
         for r in range(args.rounds):
@@ -119,6 +119,11 @@ def _commit(tree: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the tree to compare with (a git worktree of the base commit)")
+    parser.add_argument(
+        "--this",
+        default=str(ROOT),
+        help="the tree measured against it (default: this one; a worktree of a commit keeps edits out of the run)",
+    )
     parser.add_argument("--task", default="T2VA")
     parser.add_argument("--edge", default="nixl", choices=["nixl", "inline"])
     parser.add_argument("--replicas", type=int, default=2)
@@ -126,7 +131,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--verbose", action="store_true", help="print each run's whole throughput.py output")
     args = parser.parse_args()
-    args.base = Path(args.base).resolve()
+    args.base, args.this = Path(args.base).resolve(), Path(args.this).resolve()
     print(f"$ python {' '.join(sys.argv)}\n")
     anyio.run(main_async, args)
 
