@@ -15,10 +15,10 @@ outcome table (:data:`stageferry.errors.OUTCOMES`) decides the rest:
   :class:`RequestLostError`: nothing written, and the outcome decides whether the request is lost for
   good (``broker/control/record_loss``) — an admission that made the record again left a ``running``
   request that nothing held (issue 34).
-* **Crash marks.**  Before the work on an entry starts, its crash mark
-  ``<p>:req-crash:<id>:<stage>:<entry>`` is incremented (a first delivery's in its admission's script);
-  when the work returns or raises, it is deleted — by the script that settles the entry (the hand-off,
-  the last stage's finish) when the work got that far, else by a ``DEL`` of its own.
+* **Crash marks.**  Before the work on an entry starts, its crash mark — the field
+  ``crash:<stage>:<entry>`` of the request's record — is incremented (a first delivery's in its admission's script);
+  when the work returns or raises, it is cleared — by the script that settles the entry (the hand-off,
+  the last stage's finish) when the work got that far, else by an ``HDEL`` of its own.
   A mark therefore survives only a process that died (out of memory, a native crash) or a group that
   broke while holding the entry.  An entry found with ``limits.max_crashes`` such marks raises
   :class:`StageCrashedError`: dead-lettered, the request ``failed``, instead of killing every replica;
@@ -36,7 +36,14 @@ import anyio
 import redis.asyncio as aioredis
 import structlog
 
-from stageferry.broker.control.entry_records import Admission, EntryKeys, EntryRecords, Look, StatusWrite
+from stageferry.broker.control.entry_records import (
+    Admission,
+    EntryKeys,
+    EntryRecords,
+    Look,
+    StatusWrite,
+    crash_field,
+)
 from stageferry.broker.control.held import Held
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.requests import RequestStore
@@ -59,10 +66,12 @@ log = structlog.get_logger(__name__)
 
 @dataclass(slots=True)
 class CrashMark:
-    """An entry's crash mark while its work runs (:meth:`EntryGuard.crash_mark`): a script that settles the
-    entry deletes ``key`` in the same step and sets ``cleared``, so that no separate ``DEL`` follows."""
+    """An entry's crash mark while its work runs (:meth:`EntryGuard.crash_mark`): ``field`` of the request's
+    ``record``; a script that settles the entry clears it in the same step and sets ``cleared``, so that no
+    separate ``HDEL`` follows."""
 
-    key: str
+    record: str
+    field: str
     cleared: bool = False
 
 
@@ -145,11 +154,11 @@ class EntryGuard:
         if entry.deliveries <= 1:
             return  # a first delivery: no one ran this entry before, so no mark can exist (no round trip)
         limit = self.limits.max_crashes
-        key = self.keys.crash_mark(rid, self.stage, entry.id)
-        crashes = await self.records.crashes(key)
+        record, field = self.keys.request(rid), crash_field(self.stage, entry.id)
+        crashes = await self.records.crashes(record, field)
         if crashes < limit:
             return
-        await self._clear(key, entry)
+        await self._clear(record, field, entry)
         report_settled_crashes(crashes)  # its supervisor takes these deaths off its count of restarts
         reason = f"the {self.stage} stage died {crashes} times in a row running this request (limit {limit})"
         raise StageCrashedError(reason, crashes=crashes, limit=limit)
@@ -159,28 +168,28 @@ class EntryGuard:
         """Count this delivery as a crash until the work in the block returns or raises (``marked``: the
         count was made already, by :meth:`admit`); the block may have it cleared by the script that settles
         the entry (:class:`CrashMark`)."""
-        mark = CrashMark(self.keys.crash_mark(rid, self.stage, entry.id))
+        mark = CrashMark(self.keys.request(rid), crash_field(self.stage, entry.id))
         if not marked:
-            await self.records.mark(mark.key)
+            await self.records.mark(mark.record, mark.field)
         try:
             yield mark
         except GroupBrokenError:
             raise  # a rank died, perhaps of this request: the mark stays
         except Exception:
             if not mark.cleared:
-                await self._clear(mark.key, entry)
+                await self._clear(mark.record, mark.field, entry)
             raise
         if not mark.cleared:
-            await self._clear(mark.key, entry)
+            await self._clear(mark.record, mark.field, entry)
 
     async def unmark(self, entry: Entry, rid: str) -> None:
         """Take back the mark :meth:`admit` made, when the work will not run (a check refused the entry)."""
-        await self._clear(self.keys.crash_mark(rid, self.stage, entry.id), entry)
+        await self._clear(self.keys.request(rid), crash_field(self.stage, entry.id), entry)
 
-    async def _clear(self, key: str, entry: Entry) -> None:
+    async def _clear(self, record: str, field: str, entry: Entry) -> None:
         with anyio.CancelScope(shield=True):
             try:
-                await self.records.clear_mark(key)
+                await self.records.clear_mark(record, field)
             except ControlPlaneError as exc:
                 log.warning("worker.crash_mark_not_cleared", entry=entry.id, error=exc.message)
 

@@ -135,7 +135,7 @@ class HandOn:
                 fields,
                 status=status,
                 cancel=self.keys.cancel(envelope.request_id),
-                crash_mark=mark.key,
+                crash_field=mark.field,
             )
         except CancelledRequestError:
             self.output_connector.abandon(outgoing)
@@ -171,7 +171,7 @@ class HandOn:
             entry.id,
             status=status,
             cancel=self.keys.cancel(rid),
-            crash_mark=mark.key,
+            crash_field=mark.field,
             result_key=self.keys.result(rid),
             result=None if data is None else (data, self.pipeline.retention.request_ttl_s),
         )

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from stageferry.broker.control.entry_records import EntryRecords
+from stageferry.broker.control.entry_records import EntryRecords, crash_field
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import Heartbeat
 from stageferry.broker.control.redis_conn import open_client
@@ -91,6 +91,16 @@ class Stage:
         entries = await self.stream.read(n, block_ms=1000)
         assert len({e.id for e in entries}) == n
         return entries
+
+
+async def crashes(redis: aioredis.Redis, keys: Keys, rid: str, stage: str, entry_id: str) -> int:
+    """An entry's crash mark: the field of its request's record (0: none, or cleared)."""
+    raw = await redis.hget(keys.request(rid), crash_field(stage, entry_id))
+    return int(raw) if raw else 0
+
+
+async def set_crashes(redis: aioredis.Redis, keys: Keys, rid: str, stage: str, entry_id: str, n: int) -> None:
+    await redis.hset(keys.request(rid), crash_field(stage, entry_id), n)
 
 
 def envelope(rid: str) -> Envelope:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from stageferry.broker.control.entry_records import Look
+from stageferry.broker.control.entry_records import Look, crash_field
 from stageferry.broker.control.streams import Entry
 from stageferry.config import Limits
 from stageferry.errors import CancelledRequestError, RequestIdTakenError
@@ -24,7 +24,7 @@ from stageferry.schemas import JobRequest, RequestState, RequestStatus
 from stageferry.stages.entry_guard import EntryGuard
 from stageferry.stages.outcomes import Outcomes
 from tests.stages import test_admission
-from tests.stages.test_admission import RoundTrips, Stage, envelope
+from tests.stages.test_admission import RoundTrips, Stage, crashes, envelope, set_crashes
 
 pytestmark = pytest.mark.anyio
 
@@ -57,7 +57,7 @@ async def test_a_first_delivery_is_admitted_marked_and_looked_at_in_one_round_tr
     marked, looked = await guard.admit_and_look(envelope("req-1"), first)
     assert trips.count == 1
     assert marked is True and looked is not None
-    assert await stage.redis.get(stage.keys.crash_mark("req-1", "diffusion", first.id)) == b"1"
+    assert await crashes(stage.redis, stage.keys, "req-1", "diffusion", first.id) == 1
     assert await stage.store.owner("req-1") == envelope("req-1").job.digest()
     # no status, not cancelled, this entry's run, no start
     assert looked == Look(status=None, cancelled=False, claimed=True, owner=first.id, started=False)
@@ -84,7 +84,7 @@ async def test_a_taken_id_gets_no_mark_and_no_run_owner(stage: Stage) -> None:
     taken = envelope("req-2").model_copy(update={"job": JobRequest(prompt="another job")})
     with pytest.raises(RequestIdTakenError):
         await guard.admit_and_look(taken, other)
-    assert await stage.redis.get(stage.keys.crash_mark("req-2", "diffusion", other.id)) is None
+    assert await crashes(stage.redis, stage.keys, "req-2", "diffusion", other.id) == 0
 
 
 async def test_a_cancelled_or_finished_request_is_seen_by_the_admission_look(stage: Stage) -> None:
@@ -139,23 +139,23 @@ def outcomes_of(stage: Stage) -> Outcomes:
 
 async def test_the_hand_off_looks_at_the_cancel_flag_and_clears_the_crash_mark(stage: Stage) -> None:
     [entry] = await stage.entries("req-5", 1)
-    mark = stage.keys.crash_mark("req-5", "diffusion", entry.id)
-    await stage.redis.set(mark, b"1")
+    mark = crash_field("diffusion", entry.id)
+    await set_crashes(stage.redis, stage.keys, "req-5", "diffusion", entry.id, 1)
     status = outcomes_of(stage).status_write("req-5", RequestState.QUEUED, stage="next")
     fields = {"request_id": "req-5", "envelope": "{}"}
     cancel = stage.keys.cancel("req-5")
     await stage.redis.set(cancel, b"1")
     with pytest.raises(CancelledRequestError):
-        await stage.stream.hand_off(entry.id, "next", fields, status=status, cancel=cancel, crash_mark=mark)
+        await stage.stream.hand_off(entry.id, "next", fields, status=status, cancel=cancel, crash_field=mark)
     assert await stage.redis.xlen(stage.keys.stage_stream("next")) == 0  # nothing handed on
     assert await stage.stream.pending_count() == 1  # still ours: the outcome acks it
-    assert await stage.redis.get(mark) == b"1"  # the guard clears it on the error path
+    assert await crashes(stage.redis, stage.keys, "req-5", "diffusion", entry.id) == 1  # the guard clears it
     await stage.redis.delete(cancel)
     trips = RoundTrips(stage.redis, stage.stream)
-    assert await stage.stream.hand_off(entry.id, "next", fields, status=status, cancel=cancel, crash_mark=mark)
+    assert await stage.stream.hand_off(entry.id, "next", fields, status=status, cancel=cancel, crash_field=mark)
     assert trips.count == 1
     assert await stage.redis.xlen(stage.keys.stage_stream("next")) == 1
-    assert await stage.redis.get(mark) is None
+    assert await crashes(stage.redis, stage.keys, "req-5", "diffusion", entry.id) == 0
     got = await stage.store.get("req-5")
     assert got is not None and got.state is RequestState.QUEUED and got.stage == "next"
     assert await stage.stream.pending_count() == 0
@@ -163,10 +163,10 @@ async def test_the_hand_off_looks_at_the_cancel_flag_and_clears_the_crash_mark(s
 
 async def test_finish_stores_the_result_writes_done_and_acks_in_one_round_trip(stage: Stage) -> None:
     [entry] = await stage.entries("req-6", 1)
-    mark = stage.keys.crash_mark("req-6", "diffusion", entry.id)
-    await stage.redis.set(mark, b"1")
+    mark = crash_field("diffusion", entry.id)
+    await set_crashes(stage.redis, stage.keys, "req-6", "diffusion", entry.id, 1)
     status = outcomes_of(stage).status_write("req-6", RequestState.DONE, stage="diffusion")
-    keys = dict(cancel=stage.keys.cancel("req-6"), crash_mark=mark, result_key=stage.keys.result("req-6"))
+    keys = dict(cancel=stage.keys.cancel("req-6"), crash_field=mark, result_key=stage.keys.result("req-6"))
     await stage.redis.set(keys["cancel"], b"1")
     with pytest.raises(CancelledRequestError):
         await stage.stream.finish(entry.id, status=status, result=(b"video", 600), **keys)
@@ -180,7 +180,7 @@ async def test_finish_stores_the_result_writes_done_and_acks_in_one_round_trip(s
     assert 0 < await stage.redis.ttl(keys["result_key"]) <= 600
     got = await stage.store.get("req-6")
     assert got is not None and got.state is RequestState.DONE
-    assert await stage.redis.get(mark) is None
+    assert await crashes(stage.redis, stage.keys, "req-6", "diffusion", entry.id) == 0
     assert await stage.stream.pending_count() == 0
     # a second finisher (say, a replica that lost the entry and computed it again) changes nothing
     assert await stage.stream.finish(entry.id, status=status, result=(b"other", 600), **keys) == (False, False)
@@ -194,17 +194,18 @@ async def test_finish_of_an_entry_no_longer_ours_writes_nothing(stage: Stage) ->
     [entry] = await stage.entries("req-7", 1)
     await stage.redis.xclaim(stage.keys.stage_stream("diffusion"), "diffusion", "diffusion-b", 0, [entry.id])
     status = outcomes_of(stage).status_write("req-7", RequestState.DONE, stage="diffusion")
-    mark = stage.keys.crash_mark("req-7", "diffusion", entry.id)
-    await stage.redis.set(mark, 1)
+    mark = crash_field("diffusion", entry.id)
+    await set_crashes(stage.redis, stage.keys, "req-7", "diffusion", entry.id, 1)
     finished = await stage.stream.finish(
         entry.id,
         status=status,
         cancel=stage.keys.cancel("req-7"),
-        crash_mark=mark,
+        crash_field=mark,
         result_key=stage.keys.result("req-7"),
         result=(b"video", 60),
     )
     assert finished == (False, False)
     assert await stage.stream.pending_count() == 1  # the other replica's to settle
     assert await stage.store.get("req-7") is None
-    assert not await stage.redis.exists(stage.keys.result("req-7"), mark)
+    assert not await stage.redis.exists(stage.keys.result("req-7"))
+    assert await crashes(stage.redis, stage.keys, "req-7", "diffusion", entry.id) == 0

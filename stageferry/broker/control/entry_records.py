@@ -64,10 +64,11 @@ local clock = nil
 -- The request's record, read once (false: no such field); the steps below change it in `rec` and
 -- `save` writes what they changed in one HSET.  `ttl_at`: when the record and its events expire, as of
 -- their last refresh (ms).
-local function record(key, run)
-  local v = redis.call('HMGET', key, 'job_sha', 'state', 'status', 'order', 'ttl_at', run or 'ttl_at')
+local function record(key, run, crash)
+  local v = redis.call('HMGET', key, 'job_sha', 'state', 'status', 'order', 'ttl_at', run or 'ttl_at',
+                       crash or 'ttl_at')
   return {key=key, job_sha=v[1], state=v[2], status=v[3], order=v[4], ttl_at=v[5], run=run and v[6],
-          changed={}, names={}}
+          crash=crash and v[7], changed={}, names={}}
 end
 
 local function put(rec, name, value, ttl)
@@ -83,6 +84,12 @@ local function own_run(rec, run, id, ttl)
   if rec.run then return 0, rec.run end
   put(rec, run, id, ttl)
   return 1, id
+end
+
+-- Clear the entry's crash mark (the record's field `crash`): its work is settled, and did not kill the
+-- stage.  Set to '' (no mark) with the record's next save, when there is one to clear.
+local function unmark(rec, crash, ttl)
+  if rec.crash and rec.crash ~= '' then put(rec, crash, '', ttl) end
 end
 
 -- Whether the record's and its events' TTLs must be set again: always for a terminal status (the keys
@@ -198,19 +205,18 @@ return admitted
 """
 )
 
-#: A first delivery's admission and crash mark.  KEYS: record, crash mark [, the entry's stream].  ARGV:
-#: job digest, ttl, mark ttl, group, consumer, entry id.  A taken id (-1) gets no mark; a first
-#: delivery's mark is set to 1, not counted up (a script run twice after a lost connection must not count
-#: one crash as two).
+#: A first delivery's admission and crash mark (the record's field ``crash:<stage>:<entry>``).  KEYS:
+#: record [, the entry's stream].  ARGV: job digest, ttl, group, consumer, entry id, crash field.  A taken
+#: id (-1) gets no mark; a first delivery's mark is set to 1, not counted up (a script run twice after a
+#: lost connection must not count one crash as two).
 ADMIT_AND_MARK = (
     LIBRARY
     + """
-if #KEYS > 2 and not held(KEYS[3], ARGV[4], ARGV[5], ARGV[6]) then return 0 end
+if #KEYS > 1 and not held(KEYS[2], ARGV[3], ARGV[4], ARGV[5]) then return 0 end
 local rec = record(KEYS[1])
 local admitted = admit(rec, ARGV[1], ARGV[2])
+if admitted ~= -1 then put(rec, ARGV[6], '1', ARGV[2]) end
 save(rec)
-if admitted == -1 then return admitted end
-redis.call('SET', KEYS[2], 1, 'EX', ARGV[3])
 return admitted
 """
 )
@@ -219,29 +225,29 @@ return admitted
 #: before it runs the entry (the look: the record's status, the cancel flag, and which entry owns this run —
 #: the record's field ``run:<stage>:<attempt>``, taken by the first entry that looks), and the statuses that
 #: start it (up to two, written only when it will run: not cancelled, and this entry owns the run).  KEYS:
-#: record, crash mark, cancel flag, events [, the entry's stream].  ARGV: job digest, ttl, mark ttl, group,
-#: consumer, entry id, run field, number of starts, then each start's nine.  Returns {admitted} for a taken
+#: record, cancel flag, events [, the entry's stream].  ARGV: job digest, ttl, group, consumer, entry id,
+#: run field, crash field, number of starts, then each start's nine.  Returns {admitted} for a taken
 #: id (-1: no mark, no look) or an entry not held (0: nothing), else {admitted, status, cancelled, claimed,
 #: owner, started}.
 ADMIT_MARK_AND_LOOK = (
     LIBRARY
     + """
-if #KEYS > 4 and not held(KEYS[5], ARGV[4], ARGV[5], ARGV[6]) then return {0} end
-local id = ARGV[6]
-local rec = record(KEYS[1], ARGV[7])
+if #KEYS > 3 and not held(KEYS[4], ARGV[3], ARGV[4], ARGV[5]) then return {0} end
+local id = ARGV[5]
+local rec = record(KEYS[1], ARGV[6])
 local admitted = admit(rec, ARGV[1], ARGV[2])
 if admitted == -1 then
   save(rec)
   return {admitted}
 end
-redis.call('SET', KEYS[2], 1, 'EX', ARGV[3])
+put(rec, ARGV[7], '1', ARGV[2])
 local status = rec.status
-local cancelled = redis.call('EXISTS', KEYS[3])
-local claimed, owner = own_run(rec, ARGV[7], id, ARGV[2])
+local cancelled = redis.call('EXISTS', KEYS[2])
+local claimed, owner = own_run(rec, ARGV[6], id, ARGV[2])
 local started = 0
 if cancelled == 0 and owner == id then
   for i = 1, tonumber(ARGV[8]) do
-    set_status(rec, KEYS[4], status_at(9 + (i - 1) * 9))
+    set_status(rec, KEYS[3], status_at(9 + (i - 1) * 9))
     started = 1
   end
 end
@@ -263,54 +269,63 @@ return {rec.status, cancelled, claimed, owner}
 """
 )
 
-#: Count one more crash of an entry.  KEYS: crash mark.  ARGV: ttl.  GET and SET (the stage ACL user has
-#: no INCR).
+#: Count one more crash of an entry (a redelivery's, admitted first: its record exists).  KEYS: record.
+#: ARGV: crash field.  Returns the count (0: no record, nothing written).
 MARK = """
-local n = tonumber(redis.call('GET', KEYS[1]) or '0') + 1
-redis.call('SET', KEYS[1], n, 'EX', ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local n = (tonumber(redis.call('HGET', KEYS[1], ARGV[1])) or 0) + 1
+redis.call('HSET', KEYS[1], ARGV[1], n)
 return n
 """
 
 #: The hand-off with the next stage's status in one step.  KEYS: source stream, next stage's stream,
-#: record, events, cancel flag, crash mark, next stage's wake list.  ARGV: group, consumer, entry id, the
-#: status's nine, then the new entry's field, value, ...  Returns -2 when the request is cancelled
-#: (nothing done), 0 when this consumer no longer owns the entry, 1 handed on.  The crash mark is deleted
-#: once the entry is handed on or found not ours; the status is written only when it was handed on.
+#: record, events, cancel flag, next stage's wake list.  ARGV: group, consumer, entry id, crash field, the
+#: status's nine, then the new entry's field, value, ...  Returns -2 when the request is cancelled (nothing
+#: done), 0 when this consumer no longer owns the entry, 1 handed on.  The crash mark is cleared once the
+#: entry is handed on or found not ours; the status is written only when it was handed on.
 HAND_OFF = (
     LIBRARY
     + """
 if redis.call('EXISTS', KEYS[5]) == 1 then return -2 end
-redis.call('DEL', KEYS[6])
-if not owns(KEYS[1], ARGV[1], ARGV[2], ARGV[3]) then return 0 end
+if not owns(KEYS[1], ARGV[1], ARGV[2], ARGV[3]) then
+  redis.call('HDEL', KEYS[3], ARGV[4])
+  return 0
+end
 local fields = {}
-for i = 13, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 14, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('XADD', KEYS[2], '*', unpack(fields))
-if redis.call('LPUSH', KEYS[7], '1') > 16 then redis.call('LTRIM', KEYS[7], 0, 15) end
+if redis.call('LPUSH', KEYS[6], '1') > 16 then redis.call('LTRIM', KEYS[6], 0, 15) end
 ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
-local rec = record(KEYS[3])
-set_status(rec, KEYS[4], status_at(4))
+local rec = record(KEYS[3], nil, ARGV[4])
+local w = status_at(5)
+set_status(rec, KEYS[4], w)
+unmark(rec, ARGV[4], w.ttl)
 save(rec)
 return 1
 """
 )
 
-#: The last stage's whole ending in one step.  KEYS: source stream, record, events, cancel flag, crash
-#: mark, result key.  ARGV: group, consumer, entry id, the status's nine, then '1', the result's ttl and
+#: The last stage's whole ending in one step.  KEYS: source stream, record, events, cancel flag, result
+#: key.  ARGV: group, consumer, entry id, crash field, the status's nine, then '1', the result's ttl and
 #: bytes to store it (SET NX), or '0'.  Returns {-2, 0} when the request is cancelled (nothing written),
 #: else {owned, written}: owned is 0 (nothing written) when another consumer holds the entry, -1 when its
 #: stream or group is gone (Redis lost it, and the record with it: ``record_loss`` ends it instead).  The
-#: crash mark is deleted either way.
+#: crash mark is cleared either way.
 FINISH = (
     LIBRARY
     + """
 if redis.call('EXISTS', KEYS[4]) == 1 then return {-2, 0} end
-redis.call('DEL', KEYS[5])
 local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
-if type(p) ~= 'table' or p.err then return {-1, 0} end
-if #p == 0 or p[1][2] ~= ARGV[2] then return {0, 0} end
-if ARGV[13] == '1' then redis.call('SET', KEYS[6], ARGV[15], 'EX', ARGV[14], 'NX') end
-local rec = record(KEYS[2])
-local written = set_status(rec, KEYS[3], status_at(4))
+if type(p) ~= 'table' or p.err or #p == 0 or p[1][2] ~= ARGV[2] then
+  redis.call('HDEL', KEYS[2], ARGV[4])
+  if type(p) ~= 'table' or p.err then return {-1, 0} end
+  return {0, 0}
+end
+if ARGV[14] == '1' then redis.call('SET', KEYS[5], ARGV[16], 'EX', ARGV[15], 'NX') end
+local rec = record(KEYS[2], nil, ARGV[4])
+local w = status_at(5)
+local written = set_status(rec, KEYS[3], w)
+unmark(rec, ARGV[4], w.ttl)
 save(rec)
 ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
 return {1, written}
@@ -408,7 +423,7 @@ class EntryKeys:
     record: str
     events: str
     cancel: str
-    crash_mark: str
+    crash_field: str  #: the record's field counting the deliveries of this entry its stage died with
     run_field: str  #: the record's field naming the entry that owns this run (request, stage, attempt)
 
     @classmethod
@@ -417,9 +432,15 @@ class EntryKeys:
             record=keys.request(request_id),
             events=keys.events(request_id),
             cancel=keys.cancel(request_id),
-            crash_mark=keys.crash_mark(request_id, stage, entry_id),
+            crash_field=crash_field(stage, entry_id),
             run_field=run_field(stage, attempt),
         )
+
+
+def crash_field(stage: str, entry_id: str) -> str:
+    """The record's field counting the deliveries of an entry that ended with its stage dying (set before
+    the work, cleared after: '' or absent is no mark)."""
+    return f"crash:{stage}:{entry_id}"
 
 
 def run_field(stage: str, attempt: int) -> str:
@@ -444,7 +465,7 @@ class EntryRecords:
     def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_s: int, link: RespLink | None = None) -> None:
         self.redis = redis
         self.keys = keys
-        self.ttl_s = ttl_s  #: the record's and the crash mark's TTL
+        self.ttl_s = ttl_s  #: the record's TTL
         self.link = link
         self._admit = redis.register_script(ADMIT)
         self._admit_and_mark = redis.register_script(ADMIT_AND_MARK)
@@ -463,7 +484,7 @@ class EntryRecords:
     async def admit_and_mark(self, run: EntryKeys, digest: str, *, held: Held | None = None) -> Admission:
         """:meth:`admit` and, unless the id is taken, the entry's first crash mark, in one script."""
         held_keys, held_args = _held(held)
-        keys, args = [run.record, run.crash_mark, *held_keys], [digest, self.ttl_s, self.ttl_s, *held_args]
+        keys, args = [run.record, *held_keys], [digest, self.ttl_s, *held_args, run.crash_field]
         with translated():
             return Admission(int(await run_script(self.link, self._admit_and_mark, keys, args)))
 
@@ -473,8 +494,8 @@ class EntryRecords:
         """A first delivery's admission, crash mark and :class:`Look` in one script, writing ``starts`` (in
         order) when the entry will run (not cancelled, and it owns its run)."""
         held_keys, held_args = _held(held, entry_id)
-        keys = [run.record, run.crash_mark, run.cancel, run.events, *held_keys]
-        args: list[Any] = [digest, self.ttl_s, self.ttl_s, *held_args, run.run_field, len(starts)]
+        keys = [run.record, run.cancel, run.events, *held_keys]
+        args: list[Any] = [digest, self.ttl_s, *held_args, run.run_field, run.crash_field, len(starts)]
         for start in starts:
             args += start.args()
         with translated():
@@ -493,20 +514,21 @@ class EntryRecords:
             status, cancelled, claimed, owner = await run_script(self.link, self._look, keys, args)
         return Look(status, bool(int(cancelled)), bool(int(claimed)), _text(owner))
 
-    async def crashes(self, mark: str) -> int:
-        """How many times the stage died running an entry (its crash mark ``mark``, :meth:`Keys.crash_mark`)."""
+    async def crashes(self, record: str, field: str) -> int:
+        """How many times the stage died running an entry (its crash mark: ``field`` of ``record``)."""
         with translated():
-            return int(await self.redis.get(mark) or 0)
+            raw = await self.redis.hget(record, field)
+        return int(raw) if raw else 0
 
-    async def mark(self, mark: str) -> int:
+    async def mark(self, record: str, field: str) -> int:
         """Count this delivery of an entry as a crash until :meth:`clear_mark`; the count so far."""
         with translated():
-            return int(await run_script(self.link, self._mark, [mark], [self.ttl_s]))
+            return int(await run_script(self.link, self._mark, [record], [field]))
 
-    async def clear_mark(self, mark: str) -> None:
+    async def clear_mark(self, record: str, field: str) -> None:
         """The entry's work returned or raised: it did not kill the stage."""
         with translated():
-            await self.redis.delete(mark)
+            await self.redis.hdel(record, field)
 
 
 __all__ = [
@@ -518,5 +540,6 @@ __all__ = [
     "StatusOrder",
     "StatusWrite",
     "WriteMode",
+    "crash_field",
     "run_field",
 ]

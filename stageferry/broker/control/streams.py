@@ -351,14 +351,14 @@ class StageStream:
         *,
         status: StatusWrite | None = None,
         cancel: str | None = None,
-        crash_mark: str | None = None,
+        crash_field: str | None = None,
     ) -> bool:
         """Atomically XADD ``fields`` to ``next_stage``'s stream and ack+delete this entry — and, given
         ``status`` (:meth:`RequestStore.status_write`), write that status in the same
         script, so the hand-off and its status cost one round trip.  With ``status``, the same script
         first looks at the request's ``cancel`` flag (raising :class:`CancelledRequestError`, nothing
-        done, when it is set) and deletes the entry's ``crash_mark`` key once the entry is handed on or
-        found not ours.
+        done, when it is set) and clears the entry's crash mark (``crash_field`` of the request's record) once the entry
+        is handed on or found not ours.
 
         False if this consumer no longer owns the entry (nothing was written, the status neither).  A
         stream or group that went with Redis (``NOGROUP``) is made again (so that the stage reads on), and
@@ -370,10 +370,10 @@ class StageStream:
         if status is None:
             script, keys, args = self._handoff, [src, dst, wake], [self.group, self.consumer, entry_id, *flat]
         else:
-            if cancel is None or crash_mark is None:
+            if cancel is None or crash_field is None:
                 raise ValueError("a hand-off with a status needs the request's cancel key and the entry's crash mark")
-            script, keys = self._handoff_with_status, [src, dst, status.record, status.events, cancel, crash_mark, wake]
-            args = [self.group, self.consumer, entry_id, *status.args(), *flat]
+            script, keys = self._handoff_with_status, [src, dst, status.record, status.events, cancel, wake]
+            args = [self.group, self.consumer, entry_id, crash_field, *status.args(), *flat]
         try:
             with translated():
                 done = int(await self._durable(script, keys, args, what=f"hand-off of {entry_id} to {next_stage}"))
@@ -394,19 +394,20 @@ class StageStream:
         *,
         status: StatusWrite,
         cancel: str,
-        crash_mark: str,
+        crash_field: str,
         result_key: str,
         result: tuple[bytes, int] | None = None,
     ) -> tuple[bool, bool]:
         """The last stage's ending in one script: unless the request's ``cancel`` flag is set (then
         :class:`CancelledRequestError`, nothing done), store the ``result``,
         write the terminal ``status`` and ack+delete the entry — only while this consumer still holds it
-        (an owned write, :mod:`.held`) — and delete the entry's ``crash_mark`` either way.  ``result`` is
-        (bytes, ttl) to store under ``result_key`` (``SET NX``), or None.  Returns (acked, status written):
-        not acked, nothing was written."""
+        (an owned write, :mod:`.held`) — and clear the entry's crash mark (``crash_field`` of the record)
+        either way.  ``result`` is (bytes, ttl) to store under ``result_key`` (``SET NX``), or None.
+        Returns (acked, status written): not acked, nothing was written."""
         data, ttl = result if result is not None else (b"", 0)
-        keys = [self._key_of(entry_id), status.record, status.events, cancel, crash_mark, result_key]
-        args = [self.group, self.consumer, entry_id, *status.args(), "1" if result is not None else "0", ttl, data]
+        keys = [self._key_of(entry_id), status.record, status.events, cancel, result_key]
+        args = [self.group, self.consumer, entry_id, crash_field, *status.args()]
+        args += ["1" if result is not None else "0", ttl, data]
         with translated():
             owned, written = (
                 int(x) for x in await self._durable(self._finish, keys, args, what=f"result of {entry_id}")

@@ -11,6 +11,7 @@ included — so that the entry-life writes per request are held to :data:`MAX_CO
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import threading
 import time
@@ -77,7 +78,7 @@ async def test_a_first_delivery_s_start_comes_back_typed_and_writes_its_starts_i
     assert status is not None and status.state is RequestState.RUNNING
     events = [fields["state"] for _, fields in await store.events("e-1")]
     assert events == ["queued", "running"]  # both starts' events, in order
-    assert await entry_records.crashes(run.crash_mark) == 1
+    assert await entry_records.crashes(run.record, run.crash_field) == 1
     record_ttl, events_ttl = await entry_records.redis.ttl(run.record), await entry_records.redis.ttl(run.events)
     assert 0 < record_ttl <= 600 and 0 < events_ttl <= 600
 
@@ -98,7 +99,9 @@ async def test_a_taken_id_an_unheld_entry_and_a_cancelled_request(
     assert await entry_records.admit("e-2", JOB_DIGEST) is Admission.NEW
     taken = await entry_records.admit_mark_and_look(run_keys(keys, "e-2"), "e" * 64, "1-0", held=None)
     assert taken == Admitted(Admission.TAKEN, None)
-    assert await entry_records.crashes(run_keys(keys, "e-2").crash_mark) == 0  # a taken id gets no mark
+    assert (
+        await entry_records.crashes(keys.request("e-2"), run_keys(keys, "e-2").crash_field) == 0
+    )  # a taken id gets no mark
 
     gone = Held(keys.stage_stream("diffusion"), "diffusion", "diffusion-a", "9-0")  # no such group: not held
     unheld = await entry_records.admit_mark_and_look(run_keys(keys, "e-3"), JOB_DIGEST, "9-0", held=gone)
@@ -124,11 +127,11 @@ async def test_a_redelivery_s_look_and_its_crash_marks(records: tuple[EntryRecor
     assert await entry_records.admit("e-5", JOB_DIGEST) is Admission.NEW
     assert await entry_records.look(run, "1-0") == Look(status=None, cancelled=False, claimed=True, owner="1-0")
     assert await entry_records.look(run, "1-0") == Look(status=None, cancelled=False, claimed=False, owner="1-0")
-    assert await entry_records.mark(run.crash_mark) == 1
-    assert await entry_records.mark(run.crash_mark) == 2
-    assert await entry_records.crashes(run.crash_mark) == 2
-    await entry_records.clear_mark(run.crash_mark)
-    assert await entry_records.crashes(run.crash_mark) == 0
+    assert await entry_records.mark(run.record, run.crash_field) == 1
+    assert await entry_records.mark(run.record, run.crash_field) == 2
+    assert await entry_records.crashes(run.record, run.crash_field) == 2
+    await entry_records.clear_mark(run.record, run.crash_field)
+    assert await entry_records.crashes(run.record, run.crash_field) == 0
     done = RequestStatus(request_id="e-5", state=RequestState.DONE, stage="diffusion")
     assert await store.set_status(done)
     looked = await entry_records.look(run, "1-0")
@@ -209,7 +212,6 @@ def test_the_entry_life_writes_of_a_request_stay_within_the_bound(
     named = [line for line in lines if any(_names(line, rid) for rid in ids)]
     per_request = len(named) / len(ids)
     print(f"entry-life commands per request: {per_request:.1f}")
-    import os
 
     if os.environ.get("DUMP_NAMED"):
         Path(os.environ["DUMP_NAMED"]).write_text("\n".join(named))
