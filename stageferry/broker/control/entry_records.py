@@ -294,7 +294,7 @@ end
 local fields = {}
 for i = 14, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('XADD', KEYS[2], '*', unpack(fields))
-if redis.call('LPUSH', KEYS[6], '1') > 16 then redis.call('LTRIM', KEYS[6], 0, 15) end
+if redis.call('LPUSH', KEYS[6], '1') > 16 then redis.call('LTRIM', KEYS[6], 0, 7) end
 ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
 local rec = record(KEYS[3], nil, ARGV[4])
 local w = status_at(5)

@@ -19,9 +19,10 @@ local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
 """
 
-#: Pushed to a stage's wake list after every XADD by our own writers; bounded, so a list nobody pops stays small.
+#: Pushed to a stage's wake list after every XADD by our own writers; bounded (16 items: cut to 8 when it passes
+#: them, so that a busy stage's pushes trim it once in eight), so a list nobody pops stays small.
 WAKE_LUA = """
-if redis.call('LPUSH', KEYS[#KEYS], '1') > 16 then redis.call('LTRIM', KEYS[#KEYS], 0, 15) end
+if redis.call('LPUSH', KEYS[#KEYS], '1') > 16 then redis.call('LTRIM', KEYS[#KEYS], 0, 7) end
 """
 
 #: Acknowledge the source entry and delete it (KEYS[1]; ARGV: group, consumer, entry id).
