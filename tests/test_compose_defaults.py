@@ -30,7 +30,9 @@ def test_redis_is_published_off_the_usual_port_and_the_gpu_services_follow() -> 
     for value in ("127.0.0.1:16379", "10.0.0.5:6380"):  # the shell's expansion, as in the container
         env = {"PATH": os.environ["PATH"], "GPU_REDIS_URL": "", "REDIS_PUBLISH": value}
         line = url.replace("$$", "$").replace('\\"', '"').replace("exec stageferry", 'echo "$STAGEFERRY_REDIS_URL"')
-        assert subprocess.run(["sh", "-c", line], env=env, capture_output=True, text=True).stdout == f"redis://{value}/0\n"
+        assert (
+            subprocess.run(["sh", "-c", line], env=env, capture_output=True, text=True).stdout == f"redis://{value}/0\n"
+        )
     smoke = (ROOT / "compose" / "smoke.sh").read_text()
     assert f'REDIS_PUBLISH="${{REDIS_PUBLISH:-{published}}}"' in smoke
 

@@ -10,8 +10,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = (
-    "torch", "nixl", "msgpack",
-    "av", "numpy", "PIL", "fastapi", "starlette", "uvicorn", "multipart", "prometheus_client",
+    "torch",
+    "nixl",
+    "msgpack",
+    "av",
+    "numpy",
+    "PIL",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "multipart",
+    "prometheus_client",
 )
 
 CLIENT_SIDE = f"""

@@ -17,7 +17,7 @@ In order, for every entry the worker reads:
 2. whether it must run at all (:meth:`Admission.settled`): a request already terminal or a duplicate
    run is acknowledged and skipped; a cancelled one or one past its deadline raises
    :class:`CancelledRequestError` / :class:`DeadlineExceededError` (the outcome table decides the rest);
-   the run-owner key binds one stream entry to each request, stage and attempt;
+   the record's run-owner field binds one stream entry to each request, stage and attempt;
 3. the first stage's media (:meth:`Admission.load_media`): bad media is a rejection, not a failure.
 
 Every refusal is raised as a typed error; none is written here.
@@ -28,19 +28,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any
 
-import redis.asyncio as aioredis
 import structlog
 from pydantic import ValidationError
 
-from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import translated
-from stageferry.broker.control.requests import SET_STATUS_FN, STATUS_ARGS, RequestStore
-from stageferry.broker.control.streams import Entry, StageStream
+from stageferry.broker.control.entry_records import EntryKeys, Look
+from stageferry.broker.control.streams import Entry
 from stageferry.broker.data import metrics
-from stageferry.broker.data.connector import Connector
-from stageferry.config import PipelineConfig, StageConfig
 from stageferry.errors import (
     CancelledRequestError,
     DeadLetteredError,
@@ -63,40 +57,10 @@ from stageferry.schemas.validation import (
     parse_job,
     parse_status,
 )
-from stageferry.stages.media import load_media
+from stageferry.stages.leader import Leader
+from stageferry.stages.media import has_media, load_media
 
 log = structlog.get_logger(__name__)
-
-#: What :meth:`Admission.settled` reads, as a Lua function over its keys ``K`` (request hash, cancel flag,
-#: run-owner key, events stream) and arguments ``A`` (entry id, owner key ttl, '1' to write the entry's
-#: start status, then that write's STATUS_ARGS arguments), so that the first delivery's admission script
-#: reads it in the same step (``EntryGuard.admit_and_look``; one round trip, was two).  Returns the
-#: record's status JSON (or false), whether the cancel flag is set, whether the owner key was taken now,
-#: its owner, and whether the start status was written: only when ``settled`` will let the entry run (not
-#: cancelled, not another entry's run; a terminal record refuses the write by itself), so that a skipped
-#: entry writes nothing, as before — the ``queued`` a first stage writes for a client's entry, or a later
-#: stage's ``running`` (one more round trip saved).
-LOOK_FN = (
-    SET_STATUS_FN
-    + f"""
-local function look(K, A)
-  local status = redis.call('HGET', K[1], 'status')
-  local cancelled = redis.call('EXISTS', K[2])
-  local claimed = redis.call('SET', K[3], A[1], 'NX', 'EX', A[2]) and 1 or 0
-  local owner = redis.call('GET', K[3])
-  local started = 0
-  if A[3] == '1' and cancelled == 0 and (claimed == 1 or owner == A[1]) then
-    local write = {{}}
-    for i = 4, {3 + STATUS_ARGS} do write[#write + 1] = A[i] end
-    set_status({{K[1], K[4]}}, write)
-    started = 1
-  end
-  return {{status, cancelled, claimed, owner, started}}
-end
-"""
-)
-#: What a look read: (status JSON or None, cancelled, claimed, owner entry id or None, start status written).
-Look = tuple[bytes | None, int, int, bytes | None, int]
 
 
 def _with_shown_id(entry: Entry) -> Entry:
@@ -116,26 +80,18 @@ def _with_shown_id(entry: Entry) -> Entry:
 class Admission:
     """One stage's entry checks (the leader's; see the module docstring)."""
 
-    def __init__(
-        self,
-        *,
-        redis: aioredis.Redis,
-        keys: Keys,
-        pipeline: PipelineConfig,
-        stage: StageConfig,
-        stream: StageStream,
-        store: RequestStore,
-        input_connector: Connector | None,
-    ) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.pipeline = pipeline
-        self.stage = stage
-        self.stream = stream
-        self.store = store
-        self.input_connector = input_connector
-        self.index = pipeline.index_of(stage.name)
-        self.previous_stage = pipeline.previous_stage(stage.name)
+    def __init__(self, leader: Leader) -> None:
+        self.leader = leader
+        self.redis = leader.redis
+        self.keys = leader.keys
+        self.pipeline = leader.pipeline
+        self.stage = leader.stage
+        self.stream = leader.stream
+        self.store = leader.store
+        self.records = leader.records
+        self.input_connector = leader.input_connector
+        self.index = leader.index
+        self.previous_stage = leader.previous_stage
 
     def open(self, entry: Entry) -> tuple[Entry, SubmissionRefusedError | None]:
         """The entry as the stage reads it — a moved submission's item unpacked into ``request_id``, ``job``
@@ -241,23 +197,11 @@ class Admission:
         upload_prefix = self.keys.upload(envelope.request_id, "")
         check_job_limits(envelope.job, self.pipeline.limits, upload_prefix=upload_prefix)
 
-    def look_write(
-        self, entry: Entry, envelope: Envelope, start: tuple[list[str], list[Any]] | None = None
-    ) -> tuple[list[str], list[Any]]:
-        """The keys and arguments of :data:`LOOK_FN` for ``entry``, for a script that reads what
-        :meth:`settled` needs as part of its own step — and writes ``start`` (a status write's keys and
-        arguments: ``Outcomes.start_write``) when the entry will run.  Whether it will is decided there,
-        as :meth:`settled` decides it, except for what is known here already: a job over the limits
-        (:meth:`check_limits` rejects it next) or past its deadline writes no start."""
-        rid = envelope.request_id
-        owner_key = self.keys.run_owner(rid, self.stage.name, envelope.attempt)
-        keys = [self.keys.request(rid), self.keys.cancel(rid), owner_key, self.keys.events(rid)]
-        args: list[Any] = [entry.id, self.pipeline.retention.request_ttl_s]
-        if start is None or not self._may_start(envelope):
-            return keys, [*args, "0"]
-        return keys, [*args, "1", *start[1]]
-
-    def _may_start(self, envelope: Envelope) -> bool:
+    def may_start(self, envelope: Envelope) -> bool:
+        """Whether the admission's script may write the entry's start statuses (``Outcomes.start_writes``)
+        when it finds that the entry will run: as :meth:`settled` decides it, except for what is known here
+        already — a job over the limits (:meth:`check_limits` rejects it next) or past its deadline writes
+        no start."""
         if envelope.deadline is not None and time.time() > envelope.deadline:
             return False
         try:
@@ -266,39 +210,35 @@ class Admission:
             return False
         return True
 
+    def media_free(self, envelope: Envelope) -> bool:
+        """Whether :meth:`load_media` has nothing to load (or refuse) for this entry: then a first stage's
+        ``running`` may come with its ``queued``, in the admission's script."""
+        return self.index != 0 or not has_media(envelope.job)
+
     async def settled(self, entry: Entry, envelope: Envelope, looked: Look | None = None) -> bool:
         """True (entry acknowledged) for a request that is finished or a duplicate run; raises for a
         cancelled or expired one.  The input payload of an entry that will not run is released.
-        ``looked``: what :data:`LOOK_FN` read for this entry already (in its admission's script)."""
+        ``looked``: what the admission's script read for this entry already (a first delivery's); else one
+        script reads it (the record, the cancel flag and the run's owner).  Taking the owner key of a
+        request that turns out settled is harmless: it names this entry and only expires."""
         rid = envelope.request_id
-        owner_key = self.keys.run_owner(rid, self.stage.name, envelope.attempt)
-        # One round trip for the record, the cancel flag and the run's owner (was three), or none when the
-        # admission's script read them.  Taking the owner key of a request that turns out settled is
-        # harmless: it names this entry and only expires.
-        if looked is not None:
-            raw_status, cancelled, claimed, owner, _started = looked
-        else:
-            with translated():
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.hget(self.keys.request(rid), "status")
-                    pipe.exists(self.keys.cancel(rid))
-                    pipe.set(owner_key, entry.id, nx=True, ex=self.pipeline.retention.request_ttl_s)
-                    pipe.get(owner_key)
-                    raw_status, cancelled, claimed, owner = await pipe.execute()
-        status = None if raw_status is None else parse_status(raw_status, rid)  # corrupt: dead-lettered
+        if looked is None:
+            run = EntryKeys.of(self.keys, rid, self.stage.name, envelope.attempt, entry.id)
+            looked = await self.records.look(run, entry.id)
+        status = None if looked.status is None else parse_status(looked.status, rid)  # corrupt: dead-lettered
         if status is not None and status.state.terminal:
             log.info("worker.skip_terminal", entry=entry.id, state=status.state.value)
             await self.release_input(envelope)
             await self.stream.ack(entry.id)
             return True
-        if cancelled:
+        if looked.cancelled:
             await self.release_input(envelope)
             raise CancelledRequestError("cancelled by the client")
         if envelope.deadline is not None and time.time() > envelope.deadline:
             await self.release_input(envelope)
             raise DeadlineExceededError("the request's deadline passed")
-        if not claimed and owner is not None and owner.decode() != entry.id:
-            log.info("worker.skip_duplicate", entry=entry.id, owner=owner.decode())
+        if not looked.claimed and looked.owner is not None and looked.owner != entry.id:
+            log.info("worker.skip_duplicate", entry=entry.id, owner=looked.owner)
             metrics.ENTRIES.labels(self.stage.name, "duplicate").inc()
             await self.stream.ack(entry.id)
             return True

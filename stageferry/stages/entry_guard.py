@@ -8,17 +8,17 @@ outcome table (:data:`stageferry.errors.OUTCOMES`) decides the rest:
   the digest of that job (``job_sha``), written by the first stage that admits an entry for it.  A later
   entry under the same id with a *different* job — or one that does not parse at all — raises
   :class:`RequestIdTakenError`: dead-lettered, nothing written, so the owner's state, result and events
-  stay as they are.  The same job again is admitted (the run-owner key dedupes it downstream).
+  stay as they are.  The same job again is admitted (its record's run-owner field dedupes it downstream).
 * **Held.**  Every admission is an owned write (:mod:`stageferry.broker.control.held`): it writes only
   while this stage still holds the entry in its group's pending list.  One it no longer holds (another
   replica reclaimed it, or Redis restarted empty and lost it while the stage ran it) raises
   :class:`RequestLostError`: nothing written, and the outcome decides whether the request is lost for
   good (``broker/control/record_loss``) — an admission that made the record again left a ``running``
   request that nothing held (issue 34).
-* **Crash marks.**  Before the work on an entry starts, its crash mark
-  ``<p>:req-crash:<id>:<stage>:<entry>`` is incremented (a first delivery's in its admission's script);
-  when the work returns or raises, it is deleted — by the script that settles the entry (the hand-off,
-  the last stage's finish) when the work got that far, else by a ``DEL`` of its own.
+* **Crash marks.**  Before the work on an entry starts, its crash mark — the field
+  ``crash:<stage>:<entry>`` of the request's record — is incremented (a first delivery's in its admission's script);
+  when the work returns or raises, it is cleared — by the script that settles the entry (the hand-off,
+  the last stage's finish) when the work got that far, else by an ``HDEL`` of its own.
   A mark therefore survives only a process that died (out of memory, a native crash) or a group that
   broke while holding the entry.  An entry found with ``limits.max_crashes`` such marks raises
   :class:`StageCrashedError`: dead-lettered, the request ``failed``, instead of killing every replica;
@@ -31,17 +31,23 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 import redis.asyncio as aioredis
 import structlog
 
-from stageferry.broker.control.held import HELD_FN, Held
+from stageferry.broker.control.entry_records import (
+    Admission,
+    EntryKeys,
+    EntryRecords,
+    Look,
+    StatusWrite,
+    crash_field,
+)
+from stageferry.broker.control.held import Held
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import translated
-from stageferry.broker.control.requests import ADMIT_FN, Admission, RequestStore
-from stageferry.broker.control.resp_link import RespLink, run_script
+from stageferry.broker.control.requests import RequestStore
+from stageferry.broker.control.resp_link import RespLink
 from stageferry.broker.control.streams import Entry
 from stageferry.config import Limits
 from stageferry.errors import (
@@ -53,85 +59,19 @@ from stageferry.errors import (
     StageCrashedError,
 )
 from stageferry.schemas import Envelope
-from stageferry.stages.admission import LOOK_FN, Look
 from stageferry.stages.supervisor import report_settled_crashes
 
 log = structlog.get_logger(__name__)
 
-# KEYS: crash mark.  ARGV: ttl.  GET and SET only: commands the stage ACL user has (no INCR).
-_MARK = """
-local n = tonumber(redis.call('GET', KEYS[1]) or '0') + 1
-redis.call('SET', KEYS[1], n, 'EX', ARGV[1])
-return n
-"""
-
-# Every admission is an owned write (broker/control/held.py): its last key is the entry's stream and its
-# held arguments (group, consumer, entry id) come right after the admission's own; when this consumer no
-# longer holds the entry (another replica reclaimed it, or Redis lost it) the script writes nothing and
-# returns 0 (Admission.UNHELD) — after an empty restart, admission must not make a record for an entry
-# that is gone (it would be ``running`` for ever, held by nothing).  Without that last key (a guard with no
-# holder: tests of the guard alone) there is no check.
-
-# A redelivery's admission alone.  KEYS: request hash, entry stream.  ARGV: job digest, record ttl, group,
-# consumer, entry id.
-_ADMIT_HELD = (
-    HELD_FN
-    + ADMIT_FN
-    + """
-if #KEYS > 1 and not held(KEYS[2], ARGV[3], ARGV[4], ARGV[5]) then return 0 end
-return admit({KEYS[1]}, {ARGV[1], ARGV[2]})
-"""
-)
-
-# The first delivery's admission and crash mark in one script (one round trip, was two).  KEYS: request
-# hash, crash mark, entry stream.  ARGV: job digest, record ttl, mark ttl, group, consumer, entry id.
-# Returns what ADMIT_FN returns (0 when not held); a taken id (-1) gets no mark.  A first delivery's mark is
-# set to 1, not counted up: nobody ran this entry before, and a script run twice (a call repeated after a
-# lost connection) must not count one crash as two.
-_ADMIT_AND_MARK = (
-    HELD_FN
-    + ADMIT_FN
-    + """
-if #KEYS > 2 and not held(KEYS[3], ARGV[4], ARGV[5], ARGV[6]) then return 0 end
-local owner = admit({KEYS[1]}, {ARGV[1], ARGV[2]})
-if owner == -1 then return owner end
-redis.call('SET', KEYS[2], 1, 'EX', ARGV[3])
-return owner
-"""
-)
-
-# The same, and then what ``Admission.settled`` reads (LOOK_FN, which also writes the entry's start status
-# when it will run) in the same step: one round trip for the admission, the mark, the look and the start
-# (was three).  KEYS: request hash, crash mark, then LOOK_FN's four, then the entry stream.  ARGV: job
-# digest, record ttl, mark ttl, group, consumer, entry id, then LOOK_FN's.  Returns {owner, look...}; a
-# taken id (-1) gets no mark and no look, an entry not held ({0}) nothing at all.
-_ADMIT_MARK_AND_LOOK = (
-    HELD_FN
-    + ADMIT_FN
-    + LOOK_FN
-    + """
-local first = 4
-if #KEYS > 6 then
-  if not held(KEYS[7], ARGV[4], ARGV[5], ARGV[6]) then return {0} end
-  first = 7
-end
-local owner = admit({KEYS[1]}, {ARGV[1], ARGV[2]})
-if owner == -1 then return {owner} end
-redis.call('SET', KEYS[2], 1, 'EX', ARGV[3])
-local look_args = {}
-for i = first, #ARGV do look_args[#look_args + 1] = ARGV[i] end
-local seen = look({KEYS[3], KEYS[4], KEYS[5], KEYS[6]}, look_args)
-return {owner, seen[1], seen[2], seen[3], seen[4], seen[5]}
-"""
-)
-
 
 @dataclass(slots=True)
 class CrashMark:
-    """An entry's crash mark while its work runs (:meth:`EntryGuard.crash_mark`): a script that settles the
-    entry deletes ``key`` in the same step and sets ``cleared``, so that no separate ``DEL`` follows."""
+    """An entry's crash mark while its work runs (:meth:`EntryGuard.crash_mark`): ``field`` of the request's
+    ``record``; a script that settles the entry clears it in the same step and sets ``cleared``, so that no
+    separate ``HDEL`` follows."""
 
-    key: str
+    record: str
+    field: str
     cleared: bool = False
 
 
@@ -149,9 +89,9 @@ class EntryGuard:
         ttl_s: int,
         link: RespLink | None = None,
         holder: Callable[[Entry], Held] | None = None,
+        records: EntryRecords | None = None,
     ) -> None:
         self.redis = redis
-        self._link = link  # the stage stream's script link: a first delivery's admission is on every hop
         #: How this stage holds an entry (``StageStream.held``); admissions are owned writes.  None (tests of
         #: the guard alone, on entries of no stream): every entry counts as held.
         self._holder = holder
@@ -160,10 +100,9 @@ class EntryGuard:
         self.stage = stage
         self.limits = limits
         self.ttl_s = ttl_s
-        self._mark = redis.register_script(_MARK)
-        self._admit_held = redis.register_script(_ADMIT_HELD)
-        self._admit_and_mark = redis.register_script(_ADMIT_AND_MARK)
-        self._admit_mark_and_look = redis.register_script(_ADMIT_MARK_AND_LOOK)
+        #: The entry-life scripts (a leader's, over its stream's script link: a first delivery's admission is
+        #: on every hop), or this guard's own.
+        self.records = records or EntryRecords(redis, keys, ttl_s=ttl_s, link=link)
 
     async def unparsed(self, rid: str, exc: RejectedError) -> RejectedError:
         """What an entry that does not parse ends as: its own rejection if no job owns ``rid`` (a raw
@@ -172,12 +111,11 @@ class EntryGuard:
             return exc
         return RequestIdTakenError(f"request id already in use; this entry is invalid: {exc.message}")
 
-    def _held(self, entry: Entry) -> tuple[list[str], list[Any]]:
-        """The held check's key and arguments for ``entry``; none without a holder (no check then)."""
-        if self._holder is None:
-            return [], []
-        held = self._holder(entry)
-        return [held.stream], held.args()
+    def _held(self, entry: Entry) -> Held | None:
+        return None if self._holder is None else self._holder(entry)
+
+    def _run(self, envelope: Envelope, entry: Entry) -> EntryKeys:
+        return EntryKeys.of(self.keys, envelope.request_id, self.stage, envelope.attempt, entry.id)
 
     async def admit(self, envelope: Envelope, entry: Entry) -> bool:
         """Bind the request id to this entry's job (first valid submission wins), or raise
@@ -188,42 +126,27 @@ class EntryGuard:
         trip): True then, and the caller passes ``marked=True`` to :meth:`crash_mark` (or calls
         :meth:`unmark` if it gives up before).  A redelivery is admitted alone (False): its marks are
         checked first (:meth:`check_crashes`)."""
-        rid, digest = envelope.request_id, envelope.job.digest()
-        keys, args = self.store.admit_write(rid, digest)
-        held_keys, held_args = self._held(entry)
+        digest, held = envelope.job.digest(), self._held(entry)
         if entry.deliveries > 1:
-            script, keys, args = self._admit_held, [*keys, *held_keys], [*args, *held_args]
-        else:
-            mark = self.keys.crash_mark(rid, self.stage, entry.id)
-            script, keys, args = self._admit_and_mark, [*keys, mark, *held_keys], [*args, self.ttl_s, *held_args]
-        with translated():
-            outcome = Admission(int(await run_script(self._link, script, keys, args)))
-        _refuse(outcome)
-        return entry.deliveries <= 1
+            _refuse(await self.records.admit(envelope.request_id, digest, held=held))
+            return False
+        _refuse(await self.records.admit_and_mark(self._run(envelope, entry), digest, held=held))
+        return True
 
     async def admit_and_look(
-        self, envelope: Envelope, entry: Entry, look: tuple[list[str], list[Any]]
+        self, envelope: Envelope, entry: Entry, starts: tuple[StatusWrite, ...] = ()
     ) -> tuple[bool, Look | None]:
-        """:meth:`admit`, and for a first delivery also what ``Admission.settled`` reads — ``look``:
-        ``Admission.look_write``'s keys and arguments — in the same script: (marked, what it read).  A
-        redelivery is admitted alone (its crash marks come first): (False, None)."""
+        """:meth:`admit`, and for a first delivery also what ``Admission.settled`` reads, in the same script,
+        which writes ``starts`` (``Outcomes.start_writes``) when the entry will run: (marked, what it read).
+        A redelivery is admitted alone (its crash marks come first): (False, None)."""
         if entry.deliveries > 1:
             return await self.admit(envelope, entry), None
-        rid, digest = envelope.request_id, envelope.job.digest()
-        keys, args = self.store.admit_write(rid, digest)
-        mark = self.keys.crash_mark(rid, self.stage, entry.id)
-        look_keys, look_args = look
-        held_keys, held_args = self._held(entry)
-        with translated():
-            reply = await run_script(
-                self._link,
-                self._admit_mark_and_look,
-                [*keys, mark, *look_keys, *held_keys],
-                [*args, self.ttl_s, *held_args, *look_args],
-            )
-        _refuse(Admission(int(reply[0])))
-        _, status, cancelled, claimed, owner, started = reply
-        return True, (status, int(cancelled), int(claimed), owner, int(started))
+        run = self._run(envelope, entry)
+        admitted = await self.records.admit_mark_and_look(
+            run, envelope.job.digest(), entry.id, held=self._held(entry), starts=starts
+        )
+        _refuse(admitted.admission)
+        return True, admitted.look
 
     async def check_crashes(self, entry: Entry, rid: str) -> None:
         """:class:`StageCrashedError` when the stage died with this entry ``limits.max_crashes`` times in a
@@ -231,12 +154,11 @@ class EntryGuard:
         if entry.deliveries <= 1:
             return  # a first delivery: no one ran this entry before, so no mark can exist (no round trip)
         limit = self.limits.max_crashes
-        key = self.keys.crash_mark(rid, self.stage, entry.id)
-        with translated():
-            crashes = int(await self.redis.get(key) or 0)
+        record, field = self.keys.request(rid), crash_field(self.stage, entry.id)
+        crashes = await self.records.crashes(record, field)
         if crashes < limit:
             return
-        await self._clear(key, entry)
+        await self._clear(record, field, entry)
         report_settled_crashes(crashes)  # its supervisor takes these deaths off its count of restarts
         reason = f"the {self.stage} stage died {crashes} times in a row running this request (limit {limit})"
         raise StageCrashedError(reason, crashes=crashes, limit=limit)
@@ -246,30 +168,28 @@ class EntryGuard:
         """Count this delivery as a crash until the work in the block returns or raises (``marked``: the
         count was made already, by :meth:`admit`); the block may have it cleared by the script that settles
         the entry (:class:`CrashMark`)."""
-        mark = CrashMark(self.keys.crash_mark(rid, self.stage, entry.id))
+        mark = CrashMark(self.keys.request(rid), crash_field(self.stage, entry.id))
         if not marked:
-            with translated():
-                await self._mark(keys=[mark.key], args=[self.ttl_s])
+            await self.records.mark(mark.record, mark.field)
         try:
             yield mark
         except GroupBrokenError:
             raise  # a rank died, perhaps of this request: the mark stays
         except Exception:
             if not mark.cleared:
-                await self._clear(mark.key, entry)
+                await self._clear(mark.record, mark.field, entry)
             raise
         if not mark.cleared:
-            await self._clear(mark.key, entry)
+            await self._clear(mark.record, mark.field, entry)
 
     async def unmark(self, entry: Entry, rid: str) -> None:
         """Take back the mark :meth:`admit` made, when the work will not run (a check refused the entry)."""
-        await self._clear(self.keys.crash_mark(rid, self.stage, entry.id), entry)
+        await self._clear(self.keys.request(rid), crash_field(self.stage, entry.id), entry)
 
-    async def _clear(self, key: str, entry: Entry) -> None:
+    async def _clear(self, record: str, field: str, entry: Entry) -> None:
         with anyio.CancelScope(shield=True):
             try:
-                with translated():
-                    await self.redis.delete(key)
+                await self.records.clear_mark(record, field)
             except ControlPlaneError as exc:
                 log.warning("worker.crash_mark_not_cleared", entry=entry.id, error=exc.message)
 

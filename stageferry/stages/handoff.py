@@ -23,18 +23,17 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-import redis.asyncio as aioredis
 import structlog
 
-from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.streams import LEASE_FIELD, Entry, StageStream
+from stageferry.broker.control.streams import LEASE_FIELD, Entry
 from stageferry.broker.data import metrics
-from stageferry.broker.data.connector import Connector, Outgoing
-from stageferry.config import PipelineConfig, StageConfig
+from stageferry.broker.data.connector import Outgoing
+from stageferry.config import StageConfig
 from stageferry.errors import CancelledRequestError, DataPlaneError, PayloadUnavailableError
 from stageferry.failpoints import PRODUCER_PUBLISHED, failpoint
 from stageferry.schemas import Envelope, NoPayload, OutputInfo, RequestState, StageTiming, Transport, request_key
 from stageferry.stages.entry_guard import CrashMark
+from stageferry.stages.leader import Leader
 from stageferry.stages.model import FinalOutput
 from stageferry.stages.outcomes import Outcomes
 
@@ -44,27 +43,17 @@ log = structlog.get_logger(__name__)
 class HandOn:
     """One stage's way out for a request (the leader's; see the module docstring)."""
 
-    def __init__(
-        self,
-        *,
-        redis: aioredis.Redis,
-        keys: Keys,
-        pipeline: PipelineConfig,
-        stage: StageConfig,
-        stream: StageStream,
-        outcomes: Outcomes,
-        output_connector: Connector | None,
-    ) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.pipeline = pipeline
-        self.stage = stage
-        self.stream = stream
+    def __init__(self, leader: Leader, outcomes: Outcomes) -> None:
+        self.leader = leader
+        self.keys = leader.keys
+        self.pipeline = leader.pipeline
+        self.stage = leader.stage
+        self.stream = leader.stream
         self.outcomes = outcomes
-        self.output_connector = output_connector
-        self.index = pipeline.index_of(stage.name)
-        self.next_stage = pipeline.next_stage(stage.name)
-        self.previous_stage = pipeline.previous_stage(stage.name)
+        self.output_connector = leader.output_connector
+        self.index = leader.index
+        self.next_stage = leader.next_stage
+        self.previous_stage = leader.previous_stage
 
     def output_tensors(self, envelope: Envelope) -> Callable[[Any], Any] | None:
         """The model's ``StageContext.output_tensors`` for this request (called from the model's thread:
@@ -146,7 +135,7 @@ class HandOn:
                 fields,
                 status=status,
                 cancel=self.keys.cancel(envelope.request_id),
-                crash_mark=mark.key,
+                crash_field=mark.field,
             )
         except CancelledRequestError:
             self.output_connector.abandon(outgoing)
@@ -182,7 +171,7 @@ class HandOn:
             entry.id,
             status=status,
             cancel=self.keys.cancel(rid),
-            crash_mark=mark.key,
+            crash_field=mark.field,
             result_key=self.keys.result(rid),
             result=None if data is None else (data, self.pipeline.retention.request_ttl_s),
         )

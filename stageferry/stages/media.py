@@ -39,6 +39,11 @@ class LoadedMedia:
     items: dict[str, bytes]
 
 
+def has_media(job: JobRequest) -> bool:
+    """Whether ``job`` names any media input (:func:`load_media` has something to read and check)."""
+    return any(getattr(job.media, name) is not None for name in type(job.media).model_fields)
+
+
 async def load_media(
     job: JobRequest,
     *,

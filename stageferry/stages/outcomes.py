@@ -32,11 +32,12 @@ from typing import Any
 
 import structlog
 
+from stageferry.broker.control.entry_records import StatusWrite, WriteMode
 from stageferry.broker.control.held import Held
 from stageferry.broker.control.record_loss import Loss, RecordLoss
 from stageferry.broker.control.redis_conn import is_transient_error
 from stageferry.broker.control.refusals import Refusals
-from stageferry.broker.control.requests import RequestStore, WriteMode
+from stageferry.broker.control.requests import RequestStore
 from stageferry.broker.control.streams import Entry, StageStream
 from stageferry.broker.data import metrics
 from stageferry.errors import (
@@ -186,23 +187,33 @@ class Outcomes:
             submitted_at = time.time()
         return {"stage": self.stage, "updated_at": submitted_at}
 
-    def start_write(self, entry: Entry, envelope: Envelope) -> tuple[list[str], list[Any]] | None:
-        """The status write that starts ``entry``'s work here, for the admission's script to make
-        (``Admission.look_write``): a client's entry's :meth:`submitted`, or on a later stage
-        :meth:`running` (a first stage writes ``running`` after loading the job's media, which may refuse
-        it, so that stays a write of its own); None for an entry of another kind."""
+    def start_writes(self, entry: Entry, envelope: Envelope, *, media_free: bool) -> tuple[StatusWrite, ...]:
+        """The status writes that start ``entry``'s work here, in order, for the admission's script to make
+        (``EntryGuard.admit_and_look``): a client's entry's :meth:`submitted`, and its :meth:`running` when
+        the job has no media to load (``media_free``: a first stage writes ``running`` after loading the
+        job's media, which may refuse it, so then that stays a write of its own); on a later stage
+        :meth:`running`; none for an entry of another kind."""
         if envelope.from_stage == "client":
-            return self.status_write(envelope.request_id, RequestState.QUEUED, mode="create", **self._submitted(entry))
-        if self.stages and self.stages[0] != self.stage:
-            return self.status_write(
-                envelope.request_id,
-                RequestState.RUNNING,
-                mode="update",
-                stage=self.stage,
-                attempt=envelope.attempt,
-                timings=envelope.trace.timings,
+            queued = self.status_write(
+                envelope.request_id, RequestState.QUEUED, mode="create", **self._submitted(entry)
             )
-        return None
+            return (queued, self._running_write(envelope, None)) if media_free else (queued,)
+        if self.stages and self.stages[0] != self.stage:
+            return (self._running_write(envelope, None),)
+        return ()
+
+    def _running_write(self, envelope: Envelope, progress: Progress | None) -> StatusWrite:
+        return self.status_write(
+            envelope.request_id, RequestState.RUNNING, mode="update", **self._running(envelope, progress)
+        )
+
+    def _running(self, envelope: Envelope, progress: Progress | None) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "progress": progress,
+            "attempt": envelope.attempt,
+            "timings": envelope.trace.timings,
+        }
 
     async def running(self, entry: Entry, envelope: Envelope, progress: Progress | None) -> None:
         """Only over an existing record, and only while ``entry`` is held: a request lost with Redis must
@@ -212,10 +223,7 @@ class Outcomes:
             RequestState.RUNNING,
             mode="update",
             held=self.stream.held(entry),
-            stage=self.stage,
-            progress=progress,
-            attempt=envelope.attempt,
-            timings=envelope.trace.timings,
+            **self._running(envelope, progress),
         )
 
     async def finish(self, rid: str, state: RequestState, *, held: Held | None = None, **fields: Any) -> bool:
@@ -244,11 +252,9 @@ class Outcomes:
             status, mode=mode, stage_index=index, link=self.stream.script_link, held=held
         )
 
-    def status_write(
-        self, rid: str, state: RequestState, *, mode: WriteMode = "any", **fields: Any
-    ) -> tuple[list[str], list[Any]]:
-        """The keys and arguments of the status write that :meth:`set_status` would make, for a script
-        that makes it part of its own step (the hand-off, ``StageStream.hand_off(status=...)``)."""
+    def status_write(self, rid: str, state: RequestState, *, mode: WriteMode = "any", **fields: Any) -> StatusWrite:
+        """The status write that :meth:`set_status` would make, for a script that makes it part of its own
+        step (the admission's start, the hand-off: ``StageStream.hand_off(status=...)``)."""
         status = RequestStatus(request_id=rid, state=state, **fields)
         index = self.stages.index(status.stage) if status.stage in self.stages else 0
         return self.store.status_write(status, mode=mode, stage_index=index)

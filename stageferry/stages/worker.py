@@ -5,7 +5,7 @@ One :class:`StageWorker` per stage group, running on the leader (rank 0).  For e
 1. refuses what cannot be processed — an entry delivered too often goes to the dead-letter stream; a
    malformed job, envelope or manifest ends ``rejected`` with field errors (never an internal error);
 2. skips what must not run again — a terminal request, a cancelled one, a duplicate submission (the
-   run-owner key binds one stream entry to each request, stage and attempt);
+   record's run-owner field binds one stream entry to each request, stage and attempt);
 3. fetches the input payload through the input connector (consumer side), checks it against the model's
    declared input contract (once, here on the leader, before the fan-out: a violation is ``rejected``
    naming the entry), runs the model through the group's :class:`Compute` while renewing its claim on
@@ -36,14 +36,10 @@ import redis.asyncio as aioredis
 import structlog
 
 from stageferry.broker.control.client_keys import ClientKeySweeper, client_key_bounds
-from stageferry.broker.control.dead_letter import DeadLetterPolicy
-from stageferry.broker.control.intake import Intake
+from stageferry.broker.control.entry_records import Look, StatusWrite
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.liveness import Heartbeat
 from stageferry.broker.control.redis_conn import is_connection_error, is_transient_error, with_reconnects
-from stageferry.broker.control.refusals import Refusals
-from stageferry.broker.control.requests import RequestStore
-from stageferry.broker.control.streams import Entry, StageStream
+from stageferry.broker.control.streams import Entry
 from stageferry.broker.data import metrics
 from stageferry.broker.data.connector import Connector, Incoming, holding
 from stageferry.config import PipelineConfig, StageConfig
@@ -63,9 +59,10 @@ from stageferry.errors import (
 from stageferry.logs import bound_request
 from stageferry.schemas import DeviceKind, Envelope, JobRequest, Manifest, Progress, StageTiming, Transport, request_key
 from stageferry.schemas.payload_contract import InputContract
-from stageferry.stages.admission import Admission, Look
+from stageferry.stages.admission import Admission
 from stageferry.stages.entry_guard import CrashMark, EntryGuard
 from stageferry.stages.handoff import HandOn
+from stageferry.stages.leader import build_leader
 from stageferry.stages.outcomes import Outcomes
 
 log = structlog.get_logger(__name__)
@@ -135,92 +132,48 @@ class StageWorker:
         output_connector: Connector | None,
         input_contract: InputContract | None = None,
     ) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.pipeline = pipeline
-        self.stage = stage
+        leader = build_leader(
+            redis=redis,
+            keys=keys,
+            pipeline=pipeline,
+            stage=stage,
+            replica=replica,
+            input_connector=input_connector,
+            output_connector=output_connector,
+        )
+        self.leader = leader
+        self.redis, self.keys, self.pipeline, self.stage = redis, keys, pipeline, stage
         self.replica = replica
         self.compute = compute
         self.input_connector = input_connector
         self.output_connector = output_connector
         self.input_contract = input_contract
-        self.previous_stage = pipeline.previous_stage(stage.name)
-        self.next_stage = pipeline.next_stage(stage.name)
-        timeouts = pipeline.timeouts
-        self.heartbeat = Heartbeat(redis, keys, stage.name, replica)
-        self.stream = StageStream(
-            redis,
-            keys,
-            stage.name,
-            self.heartbeat.id,
-            visibility_ms=int(timeouts.visibility * 1000),
-            dead_letters=DeadLetterPolicy.from_retention(pipeline.retention),
-            max_entry_bytes=pipeline.limits.max_entry_bytes,
-            intake=Intake(
-                redis,
-                keys,
-                stage.name,
-                tenants=pipeline.security.tenants,
-                max_item_bytes=pipeline.limits.max_entry_bytes,
-            )
-            if pipeline.index_of(stage.name) == 0
-            else None,
-            # the input payload's lease is claimed by the read itself (one round trip fewer per hop)
-            lease_claim=input_connector.lease_claim() if input_connector is not None else None,
-            hot_wait_s=timeouts.hot_wait_s(),
-        )
-        self.store = RequestStore(
-            redis, keys, ttl_s=pipeline.retention.request_ttl_s, events_maxlen=pipeline.retention.events_maxlen
-        )
-        first = pipeline.index_of(stage.name) == 0  # only the first stage takes clients' entries
-        refusals = Refusals(redis, keys, ttl_s=pipeline.retention.request_ttl_s) if first else None
+        self.previous_stage, self.next_stage = leader.previous_stage, leader.next_stage
+        self.heartbeat, self.stream, self.store = leader.heartbeat, leader.stream, leader.store
         self.outcomes = Outcomes(
             stage=stage.name,
-            stream=self.stream,
-            store=self.store,
-            refusals=refusals,
-            stages=tuple(s.name for s in pipeline.stages),
+            stream=leader.stream,
+            store=leader.store,
+            refusals=leader.refusals,
+            stages=leader.stage_names,
         )
         self.guard = EntryGuard(
             redis=redis,
             keys=keys,
-            store=self.store,
+            store=leader.store,
             stage=stage.name,
             limits=pipeline.limits,
             ttl_s=pipeline.retention.request_ttl_s,
-            link=self.stream.script_link,
-            holder=self.stream.held,
+            holder=leader.stream.held,
+            records=leader.records,
         )
-        self.admission = Admission(
-            redis=redis,
-            keys=keys,
-            pipeline=pipeline,
-            stage=stage,
-            stream=self.stream,
-            store=self.store,
-            input_connector=input_connector,
+        self.admission = Admission(leader)
+        self.hand = HandOn(leader, self.outcomes)
+        bounds = client_key_bounds(
+            keys, request_ttl_s=pipeline.retention.request_ttl_s, max_upload_bytes=pipeline.limits.max_upload_bytes
         )
-        self.hand = HandOn(
-            redis=redis,
-            keys=keys,
-            pipeline=pipeline,
-            stage=stage,
-            stream=self.stream,
-            outcomes=self.outcomes,
-            output_connector=output_connector,
-        )
-        self.sweeper = (
-            ClientKeySweeper(
-                redis,
-                client_key_bounds(
-                    keys,
-                    request_ttl_s=pipeline.retention.request_ttl_s,
-                    max_upload_bytes=pipeline.limits.max_upload_bytes,
-                ),
-            )
-            if first
-            else None
-        )
+        # the first stage holds the client-written keys to their bounds
+        self.sweeper = ClientKeySweeper(redis, bounds) if leader.first else None
         self._stopping = False
         self.processed = 0
 
@@ -342,24 +295,29 @@ class StageWorker:
     async def _admitted(self, entry: Entry, rid: str) -> tuple[Envelope, bool, Look | None]:
         """The entry as an envelope whose request id is its job's (:class:`.EntryGuard`), whether its
         crash mark is set already, and what :meth:`.Admission.settled` reads (a first delivery's mark and
-        look come with the admission, in one script)."""
+        look come with the admission, in one script, which also writes its start statuses when it runs)."""
         try:
             envelope = self.admission.parse(entry, rid)
         except RejectedError as exc:
             raise await self.guard.unparsed(rid, exc) from exc
-        look = self.admission.look_write(entry, envelope, self.outcomes.start_write(entry, envelope))
-        return envelope, *await self.guard.admit_and_look(envelope, entry, look)
+        starts: tuple[StatusWrite, ...] = ()
+        if self.admission.may_start(envelope):
+            starts = self.outcomes.start_writes(entry, envelope, media_free=self.admission.media_free(envelope))
+        marked, looked = await self.guard.admit_and_look(envelope, entry, starts)
+        return envelope, marked, looked
 
     async def _run(self, entry: Entry, envelope: Envelope, mark: CrashMark, looked: Look | None = None) -> None:
         """Everything after parsing: skip what is settled, fetch, compute, hand on (the script that hands on
         or stores the result also looks at the cancel flag, and clears the crash ``mark``)."""
         if await self.admission.settled(entry, envelope, looked):
             return
-        begun = looked is not None and bool(looked[4])  # the admission's script wrote the start status
-        if envelope.from_stage == "client" and not begun:
+        begun = looked is not None and looked.started  # the admission's script wrote the start statuses
+        client = envelope.from_stage == "client"
+        if client and not begun:
             await self.outcomes.submitted(entry, envelope)
         media = await self.admission.load_media(envelope)
-        if envelope.from_stage == "client" or not begun:
+        # a first stage's running came with its queued only for a job without media (Admission.media_free)
+        if not begun or (client and not self.admission.media_free(envelope)):
             await self.outcomes.running(entry, envelope, None)
         started = time.perf_counter()
         progress = ProgressSink()

@@ -40,7 +40,12 @@ def test_a_log_row_with_a_step() -> None:
     assert event is not None
     frame = event_frame(event)
     assert (frame.kind, frame.step, frame.total, frame.rank, frame.transport, frame.bytes) == (
-        "log", 4, 10, 1, "nixl", 123
+        "log",
+        4,
+        10,
+        1,
+        "nixl",
+        123,
     )
     assert frame.state is None and frame.terminal is False
 

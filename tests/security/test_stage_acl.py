@@ -20,6 +20,7 @@ import pytest
 
 from stageferry.acl import STAGE_COMMANDS, acl_file
 from stageferry.broker.control.client_keys import ClientKeySweeper, client_key_bounds
+from stageferry.broker.control.entry_records import crash_field
 from stageferry.broker.control.intake import Intake
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import Heartbeat
@@ -88,21 +89,14 @@ async def test_every_control_plane_script_runs_as_the_stage_user(tmp_path: Path,
 
             first = await entry_for("r-1")
             status = RequestStatus(request_id="r-1", state=RequestState.QUEUED, stage="encoder")
-            look_keys = [
-                keys.request("r-1"),
-                keys.cancel("r-1"),
-                keys.run_owner("r-1", "encoder", 0),
-                keys.events("r-1"),
-            ]
-            look: tuple[list[str], list[object]] = (look_keys, [first.id, 60, "0"])
-            assert (await guard.admit_and_look(envelope("r-1"), first, look))[0] is True
+            assert (await guard.admit_and_look(envelope("r-1"), first))[0] is True
             async with guard.crash_mark(first, "r-1", marked=True):
                 assert await store.set_status(status, held=stream.held(first))
                 assert await stream.renew(first.id)
                 write = store.status_write(status.model_copy(update={"stage": "diffusion"}), stage_index=1)
                 assert await stream.hand_off(
                     first.id, "diffusion", {"request_id": "r-1", "envelope": "{}"}, status=write,
-                    cancel=keys.cancel("r-1"), crash_mark=keys.crash_mark("r-1", "encoder", first.id),
+                    cancel=keys.cancel("r-1"), crash_field=crash_field("encoder", first.id),
                 )  # fmt: skip
 
             second = await entry_for("r-2")
@@ -111,9 +105,9 @@ async def test_every_control_plane_script_runs_as_the_stage_user(tmp_path: Path,
             async with guard.crash_mark(redelivered, "r-2"):
                 pass
             done = store.status_write(RequestStatus(request_id="r-2", state=RequestState.DONE, stage="encoder"))
-            mark = keys.crash_mark("r-2", "encoder", second.id)
+            mark = crash_field("encoder", second.id)
             assert await stream.finish(
-                second.id, status=done, cancel=keys.cancel("r-2"), crash_mark=mark, result_key=keys.result("r-2"),
+                second.id, status=done, cancel=keys.cancel("r-2"), crash_field=mark, result_key=keys.result("r-2"),
                 result=(b"video", 60),
             ) == (True, True)  # fmt: skip
 

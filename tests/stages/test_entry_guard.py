@@ -3,7 +3,7 @@ id gets no mark, and a redelivery is admitted alone (its marks are checked befor
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import pytest
 
@@ -16,6 +16,7 @@ from stageferry.config import Limits
 from stageferry.errors import RequestIdTakenError
 from stageferry.schemas import Envelope, JobRequest
 from stageferry.stages.entry_guard import EntryGuard
+from tests.stages.test_admission import crashes
 
 pytestmark = pytest.mark.anyio
 
@@ -36,32 +37,35 @@ async def guard(redis_url: str, prefix: str) -> AsyncIterator[EntryGuard]:
 
 async def test_first_delivery_is_admitted_and_marked_at_once(guard: EntryGuard) -> None:
     first = Entry("1-0", {}, deliveries=1)
-    mark = guard.keys.crash_mark("r1", "diffusion", first.id)
+
+    def mark() -> Awaitable[int]:
+        return crashes(guard.redis, guard.keys, "r1", "diffusion", first.id)
+
     assert await guard.admit(envelope("r1"), first) is True
-    assert await guard.redis.get(mark) == b"1"
+    assert await mark() == 1
     assert await guard.store.owner("r1") == envelope("r1").job.digest()
     async with guard.crash_mark(first, "r1", marked=True):
-        assert await guard.redis.get(mark) == b"1"  # not counted twice
-    assert await guard.redis.get(mark) is None
+        assert await mark() == 1  # not counted twice
+    assert await mark() == 0
 
     other = Entry("2-0", {}, deliveries=1)
     with pytest.raises(RequestIdTakenError):
         await guard.admit(envelope("r1", prompt="another job"), other)
-    assert await guard.redis.get(guard.keys.crash_mark("r1", "diffusion", other.id)) is None
+    assert await crashes(guard.redis, guard.keys, "r1", "diffusion", other.id) == 0
 
     again = Entry("1-0", {}, deliveries=2)  # redelivered: admitted alone, marked by crash_mark
     assert await guard.admit(envelope("r1"), again) is False
-    assert await guard.redis.get(mark) is None
+    assert await mark() == 0
     await guard.check_crashes(again, "r1")
     async with guard.crash_mark(again, "r1"):
-        assert await guard.redis.get(mark) == b"1"
+        assert await mark() == 1
 
 
 async def test_unmark_takes_back_the_admissions_mark(guard: EntryGuard) -> None:
     first = Entry("3-0", {}, deliveries=1)
     assert await guard.admit(envelope("r2"), first) is True
     await guard.unmark(first, "r2")
-    assert await guard.redis.get(guard.keys.crash_mark("r2", "diffusion", first.id)) is None
+    assert await crashes(guard.redis, guard.keys, "r2", "diffusion", first.id) == 0
 
 
 async def test_a_first_delivery_s_admission_run_twice_counts_one_crash_mark_and_rides_the_link(
@@ -78,6 +82,6 @@ async def test_a_first_delivery_s_admission_run_twice_counts_one_crash_mark_and_
         first = Entry("5-0", {}, deliveries=1)
         assert await guard.admit(envelope("r5"), first) is True
         assert await guard.admit(envelope("r5"), first) is True  # the same script, run again
-        assert await redis.get(keys.crash_mark("r5", "diffusion", first.id)) == b"1"
+        assert await crashes(redis, keys, "r5", "diffusion", first.id) == 1
         assert link is not None and link.fallbacks <= 1, "over the link (the first call may load the script)"
         await link.aclose()

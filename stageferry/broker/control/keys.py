@@ -6,9 +6,9 @@ followed by the bare request id.  Request ids cannot contain ``:`` nor glob char
 ``<victim>:cancel`` id that cancelled its victim is impossible — and an ACL key pattern such as
 ``~sf:req-cancel:acme.*`` reaches exactly one tenant's cancel flags and nothing else.
 
-Written by stages only: ``<p>:req:<id>`` (hash: ``state``, ``status`` JSON), ``<p>:req-events:<id>`` (the
-trace stream), ``<p>:req-result:<id>`` (result bytes, TTL), ``<p>:req-run:<id>:<stage>:<attempt>`` (the entry
-that owns a run), ``<p>:req-crash:<id>:<stage>:<entry>`` (deliveries of an entry the stage died with),
+Written by stages only: ``<p>:req:<id>`` (hash: ``state``, ``status`` JSON, and the stages' own fields:
+the entry that owns each run, the crash marks of entries the stage died with; ``entry_records``),
+``<p>:req-events:<id>`` (the trace stream), ``<p>:req-result:<id>`` (result bytes, TTL),
 ``<p>:refused:<ticket>`` and ``<p>:refused:<tenant>.<ticket>`` (why the first stage refused a submission),
 the dead-letter streams ``<p>:stage:<stage>:dlq``, heartbeats ``<p>:stage:<stage>:workers`` and the NIXL keys
 ``<p>:nixl:agent:<name>``, ``<p>:nixl:agents:<stage>``, ``<p>:nixl:claim:<token>``, ``<p>:nixl:resend:<agent>``,
@@ -63,13 +63,6 @@ class Keys:
 
     def events(self, request_id: str) -> str:
         return f"{self.prefix}:req-events:{request_id}"
-
-    def run_owner(self, request_id: str, stage: str, attempt: int) -> str:
-        return f"{self.prefix}:req-run:{request_id}:{stage}:{attempt}"
-
-    def crash_mark(self, request_id: str, stage: str, entry_id: str) -> str:
-        """Counts deliveries of an entry that ended with the stage process dying (set before, cleared after)."""
-        return f"{self.prefix}:req-crash:{request_id}:{stage}:{entry_id}"
 
     def cancel(self, request_id: str) -> str:
         return f"{self.prefix}:req-cancel:{request_id}"
@@ -137,10 +130,11 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "wake": "list: pushed after each XADD by the stages (never by clients); idle workers BLPOP it (at most 16 items)",
     "dead_letter": "stream: entries given up on, with the reason",
     "workers": "hash: replica → last heartbeat (unix seconds)",
-    "request": "hash: `state` and `status` (JSON RequestStatus)",
+    "request": "hash: `state` and `status` (JSON RequestStatus); for the stages, the job's digest `job_sha`, "
+    "the status's `order`, `ttl_at` (when the TTLs were last set) `run:<stage>:<attempt>` (the entry id "
+    "that owns that run: dedup of resubmits) and `crash:<stage>:<entry>` (deliveries of that entry its stage "
+    "died with: set before the work, cleared after)",
     "events": "stream: the request's trace (log events, status changes)",
-    "run_owner": "string: the entry id that owns this run (dedup of resubmits)",
-    "crash_mark": "string: deliveries of this entry its stage died with (set before the work, deleted after)",
     "cancel": "string: set when the client cancels",
     "submitted": "string: set by a client with its XADD (the request exists before a stage picks it up), TTL",
     "result": "string: the result bytes (e.g. the MP4), with a TTL",

@@ -27,29 +27,15 @@ import enum
 import redis.asyncio as aioredis
 import structlog
 
+from stageferry.broker.control.entry_records import END_IF_LOST
 from stageferry.broker.control.held import Held
 from stageferry.broker.control.redis_conn import translated
-from stageferry.broker.control.requests import SET_STATUS_FN, STATUS_ARGS, RequestStore
+from stageferry.broker.control.requests import RequestStore
 from stageferry.broker.control.resp_link import RespLink, run_script
 from stageferry.errors import RequestLostError
 from stageferry.schemas import ErrorInfo, RequestState, RequestStatus
 
 log = structlog.get_logger(__name__)
-
-# KEYS: request hash, events stream, the entry's stream.  ARGV: entry id, then the status write's
-# STATUS_ARGS arguments (requests.SET_STATUS_FN, mode 'create').  Returns 'recorded', 'queued' or 'ended'.
-_END_IF_LOST = (
-    SET_STATUS_FN
-    + f"""
-if redis.call('EXISTS', KEYS[1]) == 1 then return 'recorded' end
-local e = redis.pcall('XRANGE', KEYS[3], ARGV[1], ARGV[1])
-if type(e) == 'table' and not e.err and #e > 0 then return 'queued' end
-local status = {{}}
-for i = 2, {1 + STATUS_ARGS} do status[#status + 1] = ARGV[i] end
-set_status({{KEYS[1], KEYS[2]}}, status)
-return 'ended'
-"""
-)
 
 
 class Loss(enum.Enum):
@@ -69,7 +55,7 @@ class RecordLoss:
 
     def __init__(self, redis: aioredis.Redis, store: RequestStore) -> None:
         self._store = store
-        self._script = redis.register_script(_END_IF_LOST)
+        self._script = redis.register_script(END_IF_LOST)
 
     async def end_if_lost(
         self, held: Held, request_id: str, *, stage: str, stage_index: int = 0, link: RespLink | None = None
@@ -80,9 +66,10 @@ class RecordLoss:
         status = RequestStatus(
             request_id=request_id, state=RequestState.FAILED, stage=stage, error=ErrorInfo(**error.to_dict())
         )
-        (record, events), args = self._store.status_write(status, mode="create", stage_index=stage_index)
+        write = self._store.status_write(status, mode="create", stage_index=stage_index)
+        keys = [write.record, write.events, held.stream]
         with translated():
-            reply = await run_script(link, self._script, [record, events, held.stream], [held.entry_id, *args])
+            reply = await run_script(link, self._script, keys, [held.entry_id, *write.args()])
         loss = Loss(reply.decode() if isinstance(reply, bytes) else str(reply))
         if loss is Loss.ENDED:
             log.warning("request.lost", entry=held.entry_id, stream=held.stream, stage=stage)

@@ -11,20 +11,27 @@ MULTI, and until the first stage picks it up the request is known by its "submit
 
 from __future__ import annotations
 
-import enum
 import functools
 import json
 import math
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import structlog
 
+from stageferry.broker.control.entry_records import (
+    ADMIT,
+    SET_STATUS,
+    Admission,
+    StatusOrder,
+    StatusWrite,
+    WriteMode,
+)
 from stageferry.broker.control.fanin import EventFanIn, FieldReads, Row, text_rows
-from stageferry.broker.control.held import HELD_FN, Held
+from stageferry.broker.control.held import Held
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import (
     BLOCK_MS,
@@ -56,9 +63,6 @@ from stageferry.schemas.validation import parse_status
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
-#: How a status write treats a missing record (see :meth:`RequestStore.set_status`).
-WriteMode = Literal["any", "create", "update", "unowned"]
-
 #: How long a waiter gives an id that it never saw (neither a record nor a "submitted" marker) before
 #: calling it not found: a raw client's submission may carry no marker, and is known only once a first stage (maybe
 #: still starting) takes it.  Not "lost": such an entry may still run, and a waiter told ``request_lost``
@@ -73,98 +77,9 @@ QUIET_CHECK_S = 2.0
 #: link: a link is one socket, so a large write would queue every other caller's commands behind it, and
 #: its reply timer starts at the write.
 LINK_MAX_UPLOAD_BYTES = 64 * 1024
-_TERMINAL_LUA = "local t = {done=true, failed=true, rejected=true, cancelled=true}\n"
-
-# KEYS: request hash, events stream. ARGV: state, status json, ttl, events maxlen, mode ('any', 'create':
-# only if there is no record, 'update': only if there is one, 'unowned': only if no job owns the request),
-# then the status's order (attempt, stage index, state rank, progress step).
-# Returns 1 if written, 0 if the request is already terminal (or the mode forbids it), -1 if the status is
-# older than the stored one: the orders are compared field by field in this script, so a late writer (the
-# previous stage's "queued here" after this stage's "running") never moves a request back.
-#: The status write as a Lua function over its keys ``K`` and arguments ``A`` (as above), so that another
-#: script can make it part of its own atomic step (the hand-off: ``streams.StageStream.hand_off``).
-SET_STATUS_FN = (
-    _TERMINAL_LUA
-    + """
-local function set_status(K, A)
-  local cur = redis.call('HGET', K[1], 'state')
-  if cur and t[cur] then return 0 end
-  if (A[5] == 'create' and cur) or (A[5] == 'update' and not cur) then return 0 end
-  if A[5] == 'unowned' and redis.call('HGET', K[1], 'job_sha') then return 0 end
-  if not t[A[1]] then
-    local stored = redis.call('HGET', K[1], 'order')
-    if stored then
-      local i = 0
-      for value in string.gmatch(stored, '%d+') do
-        i = i + 1
-        local a, b = tonumber(A[5 + i]), tonumber(value)
-        if a > b then break end
-        if a < b then return -1 end
-      end
-    end
-  end
-  redis.call('HSET', K[1], 'state', A[1], 'status', A[2], 'order', A[6] .. ' ' .. A[7] .. ' ' .. A[8] .. ' ' .. A[9])
-  redis.call('EXPIRE', K[1], A[3])
-  redis.call('XADD', K[2], 'MAXLEN', '~', A[4], '*', 'kind', 'status', 'state', A[1], 'status', A[2])
-  redis.call('EXPIRE', K[2], A[3])
-  return 1
-end
-"""
-)
-#: How many arguments a status write takes (:meth:`RequestStore.status_write`).
-STATUS_ARGS = 9
-# The write on its own: KEYS and ARGV as above, and for an owned write (``held``) the source stream as
-# KEYS[3] and its group, consumer and entry id after the status arguments.  Returns -2, nothing written,
-# when that consumer does not hold that entry (:mod:`.held`).
-_SET_STATUS = (
-    HELD_FN
-    + SET_STATUS_FN
-    + f"""
-if #KEYS > 2 and not held(KEYS[3], ARGV[{STATUS_ARGS + 1}], ARGV[{STATUS_ARGS + 2}], ARGV[{STATUS_ARGS + 3}]) then
-  return -2
-end
-return set_status(KEYS, ARGV)
-"""
-)
-
-
-# KEYS: request hash.  ARGV: job digest, ttl.
-# Returns 2 if the record now belongs to this job (the id was new, or its record had no job and had not
-# ended), 1 if it belongs to this same job, -1 if it is taken (by a different job, or ended without one:
-# a refused entry's rejection).
-#: The admission as a Lua function over its keys ``K`` and arguments ``A`` (as above), so that another
-#: script can make it part of its own step (``EntryGuard.admit``: admission and the crash mark at once).
-ADMIT_FN = (
-    _TERMINAL_LUA
-    + """
-local function admit(K, A)
-  local owner = redis.call('HGET', K[1], 'job_sha')
-  if owner then
-    if owner == A[1] then return 1 end
-    return -1
-  end
-  local state = redis.call('HGET', K[1], 'state')
-  if state and t[state] then return -1 end
-  redis.call('HSET', K[1], 'job_sha', A[1])
-  redis.call('EXPIRE', K[1], A[2])
-  return 2
-end
-"""
-)
-_ADMIT = ADMIT_FN + "return admit(KEYS, ARGV)\n"
-
 #: Where a state sits in a request's progress through one stage (terminal states are written once anyway).
 #: Scripts use only the commands of the stage ACL user (``stageferry.acl``): HGET, not HMGET.
 STATE_RANK = {RequestState.QUEUED: 0, RequestState.RUNNING: 1}
-
-
-class Admission(enum.Enum):
-    """Whose a request id is, as a stage finds it when an entry arrives (:meth:`RequestStore.admit`)."""
-
-    NEW = 2  #: no job's: the record now belongs to this entry's job
-    SAME_JOB = 1  #: this same job's (its submission, or a duplicate of it)
-    TAKEN = -1  #: a different job's: the entry must not touch the record
-    UNHELD = 0  #: the stage no longer holds the entry (reclaimed elsewhere, or lost with Redis): nothing written
 
 
 def _raised(replies: list[Any]) -> list[Any]:
@@ -196,8 +111,8 @@ class RequestStore:
         self._keys = keys
         self._ttl = ttl_s
         self._maxlen = events_maxlen
-        self._set_status = redis.register_script(_SET_STATUS)
-        self._admit = redis.register_script(_ADMIT)
+        self._set_status = redis.register_script(SET_STATUS)
+        self._admit = redis.register_script(ADMIT)
         #: How many replicas a submission and a terminal status must reach (the URL's ``wait_replicas``).
         self.durability = durability_of(redis)
         #: The one blocking reader every wait and follow of this store shares.
@@ -315,17 +230,12 @@ class RequestStore:
             return bool(await self._redis.exists(self._keys.request(request_id), self._keys.submitted(request_id)))
 
     async def admit(self, request_id: str, job_digest: str) -> Admission:
-        """Bind ``request_id`` to the job with ``job_digest`` unless it is bound already (one script): a
-        request's record belongs to its first valid submission."""
-        keys, args = self.admit_write(request_id, job_digest)
+        """Bind ``request_id`` to the job with ``job_digest`` unless it is bound already (one script,
+        :data:`~stageferry.broker.control.entry_records.ADMIT`): a request's record belongs to its first
+        valid submission."""
         with translated():
-            result = int(await self._admit(keys=keys, args=args))
+            result = int(await self._admit(keys=[self._keys.request(request_id)], args=[job_digest, self._ttl]))
         return Admission(result)
-
-    def admit_write(self, request_id: str, job_digest: str) -> tuple[list[str], list[Any]]:
-        """The keys and arguments of :data:`ADMIT_FN` for :meth:`admit`, for a script that admits as part of
-        its own step."""
-        return [self._keys.request(request_id)], [job_digest, self._ttl]
 
     async def owner(self, request_id: str) -> str | None:
         """The digest of the job ``request_id`` belongs to, once a stage admitted it."""
@@ -352,7 +262,8 @@ class RequestStore:
         ``stage_index`` is where ``status.stage`` sits in the pipeline: non-terminal statuses are ordered
         by attempt, stage index, state (queued < running) and progress step, compared inside the writing
         script, so a late write never moves a request back."""
-        keys, args = self.status_write(status, mode=mode, stage_index=stage_index)
+        write = self.status_write(status, mode=mode, stage_index=stage_index)
+        keys, args = [write.record, write.events], write.args()
         if held is not None:
             keys, args = [*keys, held.stream], [*args, *held.args()]
         with translated():
@@ -365,17 +276,21 @@ class RequestStore:
                 written = await run_script(link, self._set_status, keys, args)
         return int(written) == 1
 
-    def status_write(
-        self, status: RequestStatus, *, mode: WriteMode = "any", stage_index: int = 0
-    ) -> tuple[list[str], list[Any]]:
-        """The keys and arguments of :data:`SET_STATUS_FN` for this write (see :meth:`set_status`), for a
-        script that writes the status as part of its own step (a hand-off: one round trip, not two)."""
+    def status_write(self, status: RequestStatus, *, mode: WriteMode = "any", stage_index: int = 0) -> StatusWrite:
+        """This write (see :meth:`set_status`) as a script makes it, for a script that writes the status as
+        part of its own step (an admission's start, a hand-off, a finish: one round trip, not two)."""
         rid = status.request_id
         step = status.progress.step if status.progress is not None else 0
-        order = [status.attempt, stage_index, STATE_RANK.get(status.state, 2), step]
-        args = [status.state.value, status.model_dump_json(), self._ttl, self._maxlen, mode, *order]
-        assert len(args) == STATUS_ARGS
-        return [self._keys.request(rid), self._keys.events(rid)], args
+        return StatusWrite(
+            record=self._keys.request(rid),
+            events=self._keys.events(rid),
+            state=status.state.value,
+            status_json=status.model_dump_json(),
+            mode=mode,
+            order=StatusOrder(status.attempt, stage_index, STATE_RANK.get(status.state, 2), step),
+            ttl_s=self._ttl,
+            events_maxlen=self._maxlen,
+        )
 
     async def get(self, request_id: str) -> RequestStatus | None:
         """The request's status (None: no record); reads asked for at once share a round trip.

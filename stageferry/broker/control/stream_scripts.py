@@ -1,6 +1,8 @@
 """The Lua scripts behind :class:`~stageferry.broker.control.streams.StageStream`, one per step.
 
-Every script that changes an entry (hand on, ack, finish, renew) starts with the same ownership
+The scripts that also write the request's record (the hand-off with the next stage's status, the last
+stage's finish) are :mod:`~stageferry.broker.control.entry_records`'.  Every script that changes an entry
+(hand on, ack, renew) starts with the same ownership
 fragment, :data:`OWNED`: it checks in the group's pending list that this consumer still owns the entry,
 and returns 0 without writing anything if not.  Built from one fragment so that no step can forget the
 check: a replica that stalled past the visibility timeout and lost its entry to another replica can
@@ -12,17 +14,15 @@ docstring for why each).  Every writer of ours pushes the stage's wake list in t
 
 from __future__ import annotations
 
-from stageferry.broker.control.requests import SET_STATUS_FN, STATUS_ARGS
-
 OWNED = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
 """
 
-#: Pushed to a stage's wake list after every XADD by our own writers; bounded, so a list nobody pops stays small.
+#: Pushed to a stage's wake list after every XADD by our own writers; bounded (16 items: cut to 8 when it passes
+#: them, so that a busy stage's pushes trim it once in eight), so a list nobody pops stays small.
 WAKE_LUA = """
-redis.call('LPUSH', KEYS[#KEYS], '1')
-redis.call('LTRIM', KEYS[#KEYS], 0, 15)
+if redis.call('LPUSH', KEYS[#KEYS], '1') > 16 then redis.call('LTRIM', KEYS[#KEYS], 0, 7) end
 """
 
 #: Acknowledge the source entry and delete it (KEYS[1]; ARGV: group, consumer, entry id).
@@ -49,62 +49,8 @@ redis.call('XADD', KEYS[2], '*', unpack(fields))
 # KEYS: src stream, dst stream, dst wake list. ARGV: group, consumer, entry id, field, value, field, value, ...
 HANDOFF = OWNED + _hand_on(4) + "return 1\n"
 
-# The hand-off and the next stage's "queued" status in one step (one round trip, was two): KEYS: src
-# stream, dst stream, request hash, events stream, cancel flag, crash mark, dst wake list. ARGV: group,
-# consumer, entry id, the status write's STATUS_ARGS arguments (requests.SET_STATUS_FN), then field,
-# value, ...  The status is written only when the entry was still ours and has been handed on, exactly as
-# the separate write was.  The request's cancel flag is looked at first (-2: nothing done; was a round
-# trip of its own), and the entry's crash mark is deleted once the work is settled, handed on or not
-# ours any more (was a DEL of its own).
-HANDOFF_WITH_STATUS = (
-    SET_STATUS_FN
-    + """
-if redis.call('EXISTS', KEYS[5]) == 1 then return -2 end
-redis.call('DEL', KEYS[6])
-"""
-    + OWNED
-    + _hand_on(4 + STATUS_ARGS)
-    + f"""
-local status = {{}}
-for i = 4, {3 + STATUS_ARGS} do status[#status + 1] = ARGV[i] end
-set_status({{KEYS[3], KEYS[4]}}, status)
-return 1
-"""
-)
-
 # KEYS: src stream. ARGV: group, consumer, entry id.
 ACK = OWNED + ACK_AND_DELETE + "return 1\n"
-
-# The last stage's whole ending in one step (one round trip, was five: the cancel check, the result's
-# SET, the "done" status, the ack, the crash mark's DEL).  KEYS: src stream, request hash, events stream,
-# cancel flag, crash mark, result key.  ARGV: group, consumer, entry id, the status write's STATUS_ARGS
-# arguments, then '1' and the result's ttl and bytes to store it (SET NX), or '0'.
-# Returns {-2, 0} when the request is cancelled (nothing written), else {owned, written}.  An owned write
-# (``held``): the result and the status are written only while this consumer still holds the entry, which
-# is then acked and deleted; owned is 0 (nothing written) when another consumer holds it (it finishes the
-# request itself), -1 when its stream or group is gone (Redis lost it: the request's record with it, which
-# this run must not bring back as ``done``; ``record_loss`` ends it instead).  The crash mark is deleted
-# either way.
-FINISH = (
-    SET_STATUS_FN
-    + f"""
-if redis.call('EXISTS', KEYS[4]) == 1 then return {{-2, 0}} end
-redis.call('DEL', KEYS[5])
-local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
-if type(p) ~= 'table' or p.err then return {{-1, 0}} end
-if #p == 0 or p[1][2] ~= ARGV[2] then return {{0, 0}} end
-if ARGV[{4 + STATUS_ARGS}] == '1' then
-  redis.call('SET', KEYS[6], ARGV[{6 + STATUS_ARGS}], 'EX', ARGV[{5 + STATUS_ARGS}], 'NX')
-end
-local status = {{}}
-for i = 4, {3 + STATUS_ARGS} do status[#status + 1] = ARGV[i] end
-local written = set_status({{KEYS[2], KEYS[3]}}, status)
-"""
-    + ACK_AND_DELETE
-    + """
-return {1, written}
-"""
-)
 
 # KEYS: src stream. ARGV: group, consumer, entry id. Resets the idle time, only while still the owner.
 RENEW = (

@@ -52,13 +52,14 @@ import redis.asyncio as aioredis
 import structlog
 
 from stageferry.broker.control.dead_letter import DEAD_LETTER_LUA, DeadLetterPolicy
+from stageferry.broker.control.entry_records import FINISH, HAND_OFF, StatusWrite
 from stageferry.broker.control.held import Held
 from stageferry.broker.control.intake import Intake
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, durability_of, translated
 from stageferry.broker.control.replication import replicated_script
 from stageferry.broker.control.resp_link import RespLink, open_link, run_pipeline, run_script
-from stageferry.broker.control.stream_scripts import ACK, FINISH, HANDOFF, HANDOFF_WITH_STATUS, READ_CAPPED, RENEW
+from stageferry.broker.control.stream_scripts import ACK, HANDOFF, READ_CAPPED, RENEW
 from stageferry.broker.control.tally import pass_through
 from stageferry.errors import CancelledRequestError, ControlPlaneError
 
@@ -70,6 +71,10 @@ WAKE_POLL_S = 0.05
 INTAKE_POLL_S = 0.01
 DEFAULT_MAX_ENTRY_BYTES = 32 * 1024 * 1024
 
+
+#: How often, at most, a busy replica's reads reclaim entries idle past the visibility timeout (an idle
+#: one's come back from their wait every ``block_ms``, and reclaim then).
+CLAIM_EVERY_S = 0.25
 
 #: The entry field that names the lease a reader claims on delivery (:class:`LeaseClaim`).
 LEASE_FIELD = "lease"
@@ -145,10 +150,17 @@ class StageStream:
         self._poll_s = WAKE_POLL_S if intake is None else INTAKE_POLL_S
         self._source: dict[str, str] = {}  # entry id → its stream, for the entries in hand
         self._visibility_ms = visibility_ms
+        #: Whether a read must look at this consumer's own pending entries first (after a start, a lost
+        #: group, or while entries read before are still in hand): each look is a command in Redis.
+        self._own_pending = True
+        #: When the next read reclaims idle entries (XAUTOCLAIM): at most every :data:`CLAIM_EVERY_S`
+        #: (a quarter of the visibility timeout when that is shorter), not on every read.
+        self._claim_every_s = min(CLAIM_EVERY_S, visibility_ms / 4000)
+        self._next_claim = 0.0
         self._dead_letters = dead_letters or DeadLetterPolicy()
         self._dead_letter = redis.register_script(DEAD_LETTER_LUA)
         self._handoff = redis.register_script(HANDOFF)
-        self._handoff_with_status = redis.register_script(HANDOFF_WITH_STATUS)
+        self._handoff_with_status = redis.register_script(HAND_OFF)
         self._finish = redis.register_script(FINISH)
         self._ack = redis.register_script(ACK)
         self._renew = redis.register_script(RENEW)
@@ -186,6 +198,7 @@ class StageStream:
 
     async def ensure_group(self) -> None:
         """Create the streams and group if missing (also after a Redis restart that lost them)."""
+        self._own_pending = True
         for key in self.streams:
             try:
                 with translated():
@@ -220,16 +233,17 @@ class StageStream:
             return False
 
     async def read(self, count: int = 1, *, block_ms: int = BLOCK_MS, new_only: bool = False) -> list[Entry]:
-        """Entries to work on: first this consumer's own un-acked ones (after a restart), then entries
-        idle past the visibility timeout (reclaimed from dead replicas), then new ones — the three in one
-        script, one round trip.  With nothing there, wait on the wake list (up to ``block_ms``) and read
+        """Entries to work on: first this consumer's own un-acked ones (after a restart, a lost group, or
+        while entries read before are in hand), then entries idle past the visibility timeout (reclaimed
+        from dead replicas; at most every :data:`CLAIM_EVERY_S`), then new ones — in one script, one round
+        trip.  With nothing there, wait on the wake list (up to ``block_ms``) and read
         new ones whenever woken (or every :data:`WAKE_POLL_S`).
 
         ``new_only``: new entries alone, for a reader that keeps entries in hand while it reads more (its
         own un-acked ones would otherwise come back first, and as redeliveries).  It skips the reclaim of
         dead replicas' entries too: such a reader takes its own and reclaimed ones with plain reads, when
         it starts and whenever it has nothing in hand."""
-        entries = await self._read_via_script(">" if new_only else "0,claim,>", count)
+        entries = await self._read_via_script(">" if new_only else self._phases(), count)
         deadline = time.monotonic() + block_ms / 1000
         while not entries:
             remaining = deadline - time.monotonic()
@@ -238,6 +252,18 @@ class StageStream:
             entries = await self._wait_and_read(min(remaining, self._poll_s), count)
         self._keep_hot()
         return entries
+
+    def _phases(self) -> str:
+        """A full read's phases: own pending entries while there may be some, the reclaim when it is due,
+        then new entries."""
+        phases = []
+        if self._own_pending or self._source:
+            phases.append("0")
+        now = time.monotonic()
+        if now >= self._next_claim:
+            phases.append("claim")
+            self._next_claim = now + self._claim_every_s
+        return ",".join([*phases, ">"])
 
     async def _wait_and_read(self, timeout: float, count: int) -> list[Entry]:
         """Wait on the wake list, then read new entries: one pipeline, so the read reaches Redis with the
@@ -282,6 +308,8 @@ class StageStream:
                 await self.ensure_group()
                 return []
             raise
+        if "0" in start.split(","):  # own pending entries left only if this read took some (maybe more)
+            self._own_pending = any(row[5] == b"0" for row in rows)
         return await self._entries(rows)
 
     async def _entries(self, rows: list[Any]) -> list[Entry]:
@@ -321,16 +349,16 @@ class StageStream:
         next_stage: str,
         fields: Mapping[str, bytes | str],
         *,
-        status: tuple[list[str], list[Any]] | None = None,
+        status: StatusWrite | None = None,
         cancel: str | None = None,
-        crash_mark: str | None = None,
+        crash_field: str | None = None,
     ) -> bool:
         """Atomically XADD ``fields`` to ``next_stage``'s stream and ack+delete this entry — and, given
-        ``status`` (:meth:`RequestStore.status_write`'s keys and arguments), write that status in the same
+        ``status`` (:meth:`RequestStore.status_write`), write that status in the same
         script, so the hand-off and its status cost one round trip.  With ``status``, the same script
         first looks at the request's ``cancel`` flag (raising :class:`CancelledRequestError`, nothing
-        done, when it is set) and deletes the entry's ``crash_mark`` key once the entry is handed on or
-        found not ours.
+        done, when it is set) and clears the entry's crash mark (``crash_field`` of the request's record) once the entry
+        is handed on or found not ours.
 
         False if this consumer no longer owns the entry (nothing was written, the status neither).  A
         stream or group that went with Redis (``NOGROUP``) is made again (so that the stage reads on), and
@@ -342,11 +370,10 @@ class StageStream:
         if status is None:
             script, keys, args = self._handoff, [src, dst, wake], [self.group, self.consumer, entry_id, *flat]
         else:
-            if cancel is None or crash_mark is None:
+            if cancel is None or crash_field is None:
                 raise ValueError("a hand-off with a status needs the request's cancel key and the entry's crash mark")
-            (record, events), status_args = status
-            script, keys = self._handoff_with_status, [src, dst, record, events, cancel, crash_mark, wake]
-            args = [self.group, self.consumer, entry_id, *status_args, *flat]
+            script, keys = self._handoff_with_status, [src, dst, status.record, status.events, cancel, wake]
+            args = [self.group, self.consumer, entry_id, crash_field, *status.args(), *flat]
         try:
             with translated():
                 done = int(await self._durable(script, keys, args, what=f"hand-off of {entry_id} to {next_stage}"))
@@ -365,22 +392,22 @@ class StageStream:
         self,
         entry_id: str,
         *,
-        status: tuple[list[str], list[Any]],
+        status: StatusWrite,
         cancel: str,
-        crash_mark: str,
+        crash_field: str,
         result_key: str,
         result: tuple[bytes, int] | None = None,
     ) -> tuple[bool, bool]:
         """The last stage's ending in one script: unless the request's ``cancel`` flag is set (then
         :class:`CancelledRequestError`, nothing done), store the ``result``,
         write the terminal ``status`` and ack+delete the entry — only while this consumer still holds it
-        (an owned write, :mod:`.held`) — and delete the entry's ``crash_mark`` either way.  ``result`` is
-        (bytes, ttl) to store under ``result_key`` (``SET NX``), or None.  Returns (acked, status written):
-        not acked, nothing was written."""
-        (record, events), status_args = status
+        (an owned write, :mod:`.held`) — and clear the entry's crash mark (``crash_field`` of the record)
+        either way.  ``result`` is (bytes, ttl) to store under ``result_key`` (``SET NX``), or None.
+        Returns (acked, status written): not acked, nothing was written."""
         data, ttl = result if result is not None else (b"", 0)
-        keys = [self._key_of(entry_id), record, events, cancel, crash_mark, result_key]
-        args = [self.group, self.consumer, entry_id, *status_args, "1" if result is not None else "0", ttl, data]
+        keys = [self._key_of(entry_id), status.record, status.events, cancel, result_key]
+        args = [self.group, self.consumer, entry_id, crash_field, *status.args()]
+        args += ["1" if result is not None else "0", ttl, data]
         with translated():
             owned, written = (
                 int(x) for x in await self._durable(self._finish, keys, args, what=f"result of {entry_id}")

@@ -44,7 +44,6 @@ def all_keys(keys: Keys, rid: str) -> set[str]:
         keys.cancel(rid),
         keys.submitted(rid),
         keys.video_meta(rid),
-        keys.run_owner(rid, "encoder", 0),
         keys.upload(rid, "first_frame"),
     }
 
@@ -64,7 +63,7 @@ def test_no_id_names_another_requests_key(a: str, b: str) -> None:
     keys = Keys("sf")
     if a != b:
         assert not all_keys(keys, a) & all_keys(keys, b)
-    assert len(all_keys(keys, a)) == 8  # and one request's keys are distinct from each other
+    assert len(all_keys(keys, a)) == 7  # and one request's keys are distinct from each other
 
 
 def test_key_patterns_reach_one_tenant_only(redis_url: str, prefix: str) -> None:

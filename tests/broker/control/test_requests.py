@@ -128,9 +128,9 @@ async def test_a_wait_ends_with_the_status_its_terminal_event_carries(store: Req
         while store.fanin.waiters < 1:
             await anyio.sleep(0.01)
         done = RequestStatus(request_id="r-1", state=RequestState.DONE, stage="diffusion")
-        record_keys, args = store.status_write(done, stage_index=1)
+        write = store.status_write(done, stage_index=1)
         async with store._redis.pipeline(transaction=True) as pipe:
-            await store._set_status(keys=record_keys, args=args, client=pipe)
+            await store._set_status(keys=[write.record, write.events], args=write.args(), client=pipe)
             pipe.delete(keys.request("r-1"))
             await pipe.execute()
     assert [(s.state, s.stage) for s in result] == [(RequestState.DONE, "diffusion")]

@@ -1,0 +1,140 @@
+"""Redis commands per request and requests/s of two trees of stageferry, side by side in one run.
+
+    git worktree add /tmp/entry-base <base commit>
+    python benchmarks/commands_compare.py --base /tmp/entry-base --replicas 2 --requests 200
+
+Runs ``benchmarks/throughput.py`` of the ``--base`` tree and then of this tree (or ``--this``) (each with its own code:
+the script puts its own tree first on the path of itself and of every stage process), T2VA over the NIXL
+edge by default, each against a fresh private ``redis-server`` (``INFO commandstats`` counts every
+client of a server, so a shared one would add others' commands), ``--rounds`` times in turn.  Printed:
+each run's requests/s and commands per request, then the commands per request by name for both trees and
+the ratios (this tree / base).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import anyio  # noqa: E402
+from bench_stats import machine_facts, median  # noqa: E402
+
+from stageferry.embedded_redis import EmbeddedRedis  # noqa: E402
+
+_ROW = re.compile(r"^\| (\w+) \([\d,]+ B\) \| (\d+) \| (\w+) \| ([\d.]+) \|")
+
+
+def parse(output: str) -> tuple[float, dict[str, float]]:
+    """The requests/s and the commands per request (by name, and ``total``) that throughput.py printed."""
+    lines = output.splitlines()
+    rps = next(float(m.group(4)) for line in lines if (m := _ROW.match(line)))
+    at = next(i for i, line in enumerate(lines) if line.startswith("| payload | replicas | edge | total |"))
+    names = [cell.strip() for cell in lines[at].strip("|").split("|")][3:]
+    values = [cell.strip() for cell in lines[at + 2].strip("|").split("|")][3:]
+    return rps, {name: float(value) for name, value in zip(names, values, strict=True)}
+
+
+async def run_tree(tree: Path, args: argparse.Namespace, workdir: Path) -> tuple[float, dict[str, float], str]:
+    async with EmbeddedRedis(data_dir=workdir / "redis") as server:
+        command = [
+            sys.executable,
+            str(tree / "benchmarks" / "throughput.py"),
+            "--tasks", args.task, "--replicas", str(args.replicas), "--requests", str(args.requests),
+            "--edges", args.edge, "--redis-url", server.url,
+        ]  # fmt: skip
+        done = await anyio.run_process(command, check=False, cwd=tree, env=_env(tree), stderr=subprocess.STDOUT)
+    output = done.stdout.decode(errors="replace")
+    if done.returncode != 0:
+        raise SystemExit(f"{tree}: throughput.py exited {done.returncode}:\n{output[-4000:]}")
+    rps, commands = parse(output)
+    return rps, commands, output
+
+
+def _env(tree: Path) -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(tree)
+    return env
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    import tempfile
+
+    trees = {"base": args.base, "this": args.this}
+    runs: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in trees}
+    with tempfile.TemporaryDirectory(prefix="sf-cmp-") as tmp:
+        for r in range(args.rounds):
+            for name, tree in trees.items():
+                workdir = Path(tmp) / f"{name}-{r}"
+                workdir.mkdir()
+                rps, commands, output = await run_tree(tree, args, workdir)
+                runs[name].append((rps, commands))
+                if args.verbose:
+                    print(f"### {name} ({tree}), round {r + 1}\n\n{output}\n")
+                print(f"# {name} round {r + 1}: {rps:.1f} req/s, {commands['total']:.1f} commands/request", flush=True)
+    base_commit = _commit(trees["base"])
+    this_commit = _commit(trees["this"])
+    print(f"\nmachine: {machine_facts()}")
+    print(
+        f"{args.task} over {args.edge}, {args.replicas} replica(s) per stage, {args.requests} requests at once, "
+        f"{args.rounds} round(s), a fresh redis-server per run; base {base_commit} ({trees['base']}), this "
+        f"{this_commit}\n"
+    )
+    print("| tree | requests/s (median) | Redis commands per request (median) |")
+    print("| --- | ---: | ---: |")
+    summary = {}
+    for name in trees:
+        rps = median([r for r, _ in runs[name]])
+        total = median([c["total"] for _, c in runs[name]])
+        summary[name] = (rps, total)
+        print(f"| {name} | {rps:.1f} | {total:.1f} |")
+    (base_rps, base_total), (this_rps, this_total) = summary["base"], summary["this"]
+    print(
+        f"\nthis / base: requests/s {this_rps / base_rps:.2f}×, commands per request {this_total / base_total:.2f}× "
+        f"({base_total:.1f} → {this_total:.1f})\n"
+    )
+    names = sorted(
+        {n for name in trees for _, c in runs[name] for n in c if n != "total"},
+        key=lambda n: -max(c.get(n, 0.0) for name in trees for _, c in runs[name]),
+    )
+    print("| command | base | this |")
+    print("| --- | ---: | ---: |")
+    for n in names:
+        cells = [median([c.get(n, 0.0) for _, c in runs[name]]) for name in trees]
+        print(f"| {n} | " + " | ".join(f"{v:.1f}" for v in cells) + " |")
+
+
+def _commit(tree: Path) -> str:
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="the tree to compare with (a git worktree of the base commit)")
+    parser.add_argument(
+        "--this",
+        default=str(ROOT),
+        help="the tree measured against it (default: this one; a worktree of a commit keeps edits out of the run)",
+    )
+    parser.add_argument("--task", default="T2VA")
+    parser.add_argument("--edge", default="nixl", choices=["nixl", "inline"])
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--verbose", action="store_true", help="print each run's whole throughput.py output")
+    args = parser.parse_args()
+    args.base, args.this = Path(args.base).resolve(), Path(args.this).resolve()
+    print(f"$ python {' '.join(sys.argv)}\n")
+    anyio.run(main_async, args)
+
+
+if __name__ == "__main__":
+    main()

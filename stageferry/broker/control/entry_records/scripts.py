@@ -1,0 +1,320 @@
+"""The Lua scripts of an entry's life (:mod:`stageferry.broker.control.entry_records`), whole, one per step.
+
+Each script is :data:`LIBRARY` (the functions every script shares: the held check, the record read once and
+saved once, the admission, the status write, the TTL refresh) and a body of its own; the comment above each
+names its keys and arguments in order, which :class:`~stageferry.broker.control.entry_records.EntryRecords`
+and the stores that register them (``RequestStore``, ``StageStream``, ``RecordLoss``) build from named
+parameters.  Scripts use only the commands of the stage ACL user (:data:`stageferry.acl.STAGE_COMMANDS`).
+"""
+
+from __future__ import annotations
+
+#: The Lua functions the scripts below share (one library, prefixed to each script).
+LIBRARY = """
+local TERMINAL = {done=true, failed=true, rejected=true, cancelled=true}
+
+-- Whether `consumer` holds entry `id` in `group` of `stream` (a missing stream or group holds nothing).
+local function held(stream, group, consumer, id)
+  local p = redis.pcall('XPENDING', stream, group, id, id, 1)
+  if type(p) ~= 'table' or p.err then return false end
+  return #p > 0 and p[1][2] == consumer
+end
+
+-- A key's TTL, set once per script: every write of the script happens at the same instant.
+local ttl_set = {}
+local function expire(key, ttl)
+  if not ttl_set[key] then
+    redis.call('EXPIRE', key, ttl)
+    ttl_set[key] = true
+  end
+end
+
+-- The server's clock in ms, once a status event's XADD told it (the stage user has no TIME).
+local clock = nil
+
+-- The request's record, read once (false: no such field); the steps below change it in `rec` and
+-- `save` writes what they changed in one HSET.  `ttl_at`: when the record and its events expire, as of
+-- their last refresh (ms).
+local function record(key, run, crash)
+  local v = redis.call('HMGET', key, 'job_sha', 'state', 'status', 'order', 'ttl_at', run or 'ttl_at',
+                       crash or 'ttl_at')
+  return {key=key, job_sha=v[1], state=v[2], status=v[3], order=v[4], ttl_at=v[5], run=run and v[6],
+          crash=crash and v[7], changed={}, names={}}
+end
+
+local function put(rec, name, value, ttl)
+  if rec.changed[name] == nil then rec.names[#rec.names + 1] = name end
+  rec.changed[name] = value
+  rec[name] = value
+  rec.ttl = ttl
+end
+
+-- Which entry owns the run (request, stage, attempt) the record's field `run` stands for: the one that
+-- took it first ({taken now, owner}); the field is written with the record's next save.
+local function own_run(rec, run, id, ttl)
+  if rec.run then return 0, rec.run end
+  put(rec, run, id, ttl)
+  return 1, id
+end
+
+-- Clear the entry's crash mark (the record's field `crash`): its work is settled, and did not kill the
+-- stage.  Set to '' (no mark) with the record's next save, when there is one to clear.
+local function unmark(rec, crash, ttl)
+  if rec.crash and rec.crash ~= '' then put(rec, crash, '', ttl) end
+end
+
+-- Whether the record's and its events' TTLs must be set again: always for a terminal status (the keys
+-- live `ttl` after the end), for a record without a known refresh, or when the clock is not known; else
+-- once less than `ttl` minus a tenth of it (a minute at most) is left, so that after every write they
+-- live at least that long, and writes in quick succession do not each pay two EXPIREs.
+local function refresh_due(rec)
+  if rec.terminal or not clock or not rec.ttl_at then return true end
+  local ttl_ms = tonumber(rec.ttl) * 1000
+  return tonumber(rec.ttl_at) - clock < ttl_ms - math.min(ttl_ms / 10, 60000)
+end
+
+local function save(rec)
+  if #rec.names == 0 then return end
+  local refresh = refresh_due(rec)
+  if refresh and clock and rec.events then put(rec, 'ttl_at', clock + tonumber(rec.ttl) * 1000, rec.ttl) end
+  local args = {}
+  for _, name in ipairs(rec.names) do
+    args[#args + 1] = name
+    args[#args + 1] = rec.changed[name]
+  end
+  redis.call('HSET', rec.key, unpack(args))
+  if refresh then
+    expire(rec.key, rec.ttl)
+    if rec.events then expire(rec.events, rec.ttl) end
+  end
+  rec.changed, rec.names = {}, {}
+end
+
+-- Bind the record to the job with `digest` unless it is bound: 2 (now this job's), 1 (this job's
+-- already), -1 (taken: another job's, or ended without one).
+local function admit(rec, digest, ttl)
+  if rec.job_sha then
+    if rec.job_sha == digest then return 1 end
+    return -1
+  end
+  if rec.state and TERMINAL[rec.state] then return -1 end
+  put(rec, 'job_sha', digest, ttl)
+  return 2
+end
+
+-- A status write's arguments, the block of nine from ARGV[at] (StatusWrite.args).
+local function status_at(at)
+  return {state=ARGV[at], status=ARGV[at + 1], ttl=ARGV[at + 2], maxlen=ARGV[at + 3], mode=ARGV[at + 4],
+          order={ARGV[at + 5], ARGV[at + 6], ARGV[at + 7], ARGV[at + 8]}}
+end
+
+-- Write status `w` unless the record is terminal or the mode forbids it (0), or it is older than the
+-- stored one (-1: orders compared field by field, so a late writer never moves a request back); 1 if
+-- written, with its event on the events stream.
+local function set_status(rec, events, w)
+  if rec.state and TERMINAL[rec.state] then return 0 end
+  if (w.mode == 'create' and rec.state) or (w.mode == 'update' and not rec.state) then return 0 end
+  if w.mode == 'unowned' and rec.job_sha then return 0 end
+  if not TERMINAL[w.state] and rec.order then
+    local i = 0
+    for value in string.gmatch(rec.order, '%d+') do
+      i = i + 1
+      local a, b = tonumber(w.order[i]), tonumber(value)
+      if a > b then break end
+      if a < b then return -1 end
+    end
+  end
+  put(rec, 'state', w.state, w.ttl)
+  put(rec, 'status', w.status, w.ttl)
+  put(rec, 'order', table.concat(w.order, ' '), w.ttl)
+  local id = redis.call('XADD', events, 'MAXLEN', '~', w.maxlen, '*',
+                        'kind', 'status', 'state', w.state, 'status', w.status)
+  clock = tonumber(string.match(id, '^(%d+)'))
+  rec.events = events
+  rec.terminal = rec.terminal or TERMINAL[w.state] ~= nil
+  return 1
+end
+
+-- Whether `consumer` owns entry `id` of `stream` (a lost group raises NOGROUP: the caller makes it again).
+local function owns(stream, group, consumer, id)
+  local p = redis.call('XPENDING', stream, group, id, id, 1)
+  return #p > 0 and p[1][2] == consumer
+end
+
+-- Acknowledge and delete a settled entry.
+local function ack_and_delete(stream, group, id)
+  redis.call('XACK', stream, group, id)
+  redis.call('XDEL', stream, id)
+end
+"""
+
+#: A status write on its own.  KEYS: record, events [, the entry's stream: an owned write].  ARGV: the
+#: status (nine), then group, consumer, entry id (owned writes).  1 written, 0 terminal or refused by the
+#: mode, -1 older than the record's, -2 not held (nothing written).
+SET_STATUS = (
+    LIBRARY
+    + """
+if #KEYS > 2 and not held(KEYS[3], ARGV[10], ARGV[11], ARGV[12]) then return -2 end
+local rec = record(KEYS[1])
+local written = set_status(rec, KEYS[2], status_at(1))
+save(rec)
+return written
+"""
+)
+
+#: An admission alone (a redelivery's, whose crash marks are checked first; or a tool's).  KEYS: record
+#: [, the entry's stream].  ARGV: job digest, ttl, group, consumer, entry id.  Returns what ``admit``
+#: returns, 0 when the entry is not held.
+ADMIT = (
+    LIBRARY
+    + """
+if #KEYS > 1 and not held(KEYS[2], ARGV[3], ARGV[4], ARGV[5]) then return 0 end
+local rec = record(KEYS[1])
+local admitted = admit(rec, ARGV[1], ARGV[2])
+save(rec)
+return admitted
+"""
+)
+
+#: A first delivery's admission and crash mark (the record's field ``crash:<stage>:<entry>``).  KEYS:
+#: record [, the entry's stream].  ARGV: job digest, ttl, group, consumer, entry id, crash field.  A taken
+#: id (-1) gets no mark; a first delivery's mark is set to 1, not counted up (a script run twice after a
+#: lost connection must not count one crash as two).
+ADMIT_AND_MARK = (
+    LIBRARY
+    + """
+if #KEYS > 1 and not held(KEYS[2], ARGV[3], ARGV[4], ARGV[5]) then return 0 end
+local rec = record(KEYS[1])
+local admitted = admit(rec, ARGV[1], ARGV[2])
+if admitted ~= -1 then put(rec, ARGV[6], '1', ARGV[2]) end
+save(rec)
+return admitted
+"""
+)
+
+#: A first delivery's whole start in one step: the admission, the crash mark, what the stage must know
+#: before it runs the entry (the look: the record's status, the cancel flag, and which entry owns this run —
+#: the record's field ``run:<stage>:<attempt>``, taken by the first entry that looks), and the statuses that
+#: start it (up to two, written only when it will run: not cancelled, and this entry owns the run).  KEYS:
+#: record, cancel flag, events [, the entry's stream].  ARGV: job digest, ttl, group, consumer, entry id,
+#: run field, crash field, number of starts, then each start's nine.  Returns {admitted} for a taken
+#: id (-1: no mark, no look) or an entry not held (0: nothing), else {admitted, status, cancelled, claimed,
+#: owner, started}.
+ADMIT_MARK_AND_LOOK = (
+    LIBRARY
+    + """
+if #KEYS > 3 and not held(KEYS[4], ARGV[3], ARGV[4], ARGV[5]) then return {0} end
+local id = ARGV[5]
+local rec = record(KEYS[1], ARGV[6])
+local admitted = admit(rec, ARGV[1], ARGV[2])
+if admitted == -1 then
+  save(rec)
+  return {admitted}
+end
+put(rec, ARGV[7], '1', ARGV[2])
+local status = rec.status
+local cancelled = redis.call('EXISTS', KEYS[2])
+local claimed, owner = own_run(rec, ARGV[6], id, ARGV[2])
+local started = 0
+if cancelled == 0 and owner == id then
+  for i = 1, tonumber(ARGV[8]) do
+    set_status(rec, KEYS[3], status_at(9 + (i - 1) * 9))
+    started = 1
+  end
+end
+save(rec)
+return {admitted, status, cancelled, claimed, owner, started}
+"""
+)
+
+#: The look alone (a redelivery's, after its admission).  KEYS: record, cancel flag.  ARGV: entry id, run
+#: field, ttl.  Returns {status, cancelled, claimed, owner}.
+LOOK = (
+    LIBRARY
+    + """
+local rec = record(KEYS[1], ARGV[2])
+local cancelled = redis.call('EXISTS', KEYS[2])
+local claimed, owner = own_run(rec, ARGV[2], ARGV[1], ARGV[3])
+save(rec)
+return {rec.status, cancelled, claimed, owner}
+"""
+)
+
+#: Count one more crash of an entry (a redelivery's, admitted first: its record exists).  KEYS: record.
+#: ARGV: crash field.  Returns the count (0: no record, nothing written).
+MARK = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local n = (tonumber(redis.call('HGET', KEYS[1], ARGV[1])) or 0) + 1
+redis.call('HSET', KEYS[1], ARGV[1], n)
+return n
+"""
+
+#: The hand-off with the next stage's status in one step.  KEYS: source stream, next stage's stream,
+#: record, events, cancel flag, next stage's wake list.  ARGV: group, consumer, entry id, crash field, the
+#: status's nine, then the new entry's field, value, ...  Returns -2 when the request is cancelled (nothing
+#: done), 0 when this consumer no longer owns the entry, 1 handed on.  The crash mark is cleared once the
+#: entry is handed on or found not ours; the status is written only when it was handed on.
+HAND_OFF = (
+    LIBRARY
+    + """
+if redis.call('EXISTS', KEYS[5]) == 1 then return -2 end
+if not owns(KEYS[1], ARGV[1], ARGV[2], ARGV[3]) then
+  redis.call('HDEL', KEYS[3], ARGV[4])
+  return 0
+end
+local fields = {}
+for i = 14, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], '*', unpack(fields))
+if redis.call('LPUSH', KEYS[6], '1') > 16 then redis.call('LTRIM', KEYS[6], 0, 7) end
+ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
+local rec = record(KEYS[3], nil, ARGV[4])
+local w = status_at(5)
+set_status(rec, KEYS[4], w)
+unmark(rec, ARGV[4], w.ttl)
+save(rec)
+return 1
+"""
+)
+
+#: The last stage's whole ending in one step.  KEYS: source stream, record, events, cancel flag, result
+#: key.  ARGV: group, consumer, entry id, crash field, the status's nine, then '1', the result's ttl and
+#: bytes to store it (SET NX), or '0'.  Returns {-2, 0} when the request is cancelled (nothing written),
+#: else {owned, written}: owned is 0 (nothing written) when another consumer holds the entry, -1 when its
+#: stream or group is gone (Redis lost it, and the record with it: ``record_loss`` ends it instead).  The
+#: crash mark is cleared either way.
+FINISH = (
+    LIBRARY
+    + """
+if redis.call('EXISTS', KEYS[4]) == 1 then return {-2, 0} end
+local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if type(p) ~= 'table' or p.err or #p == 0 or p[1][2] ~= ARGV[2] then
+  redis.call('HDEL', KEYS[2], ARGV[4])
+  if type(p) ~= 'table' or p.err then return {-1, 0} end
+  return {0, 0}
+end
+if ARGV[14] == '1' then redis.call('SET', KEYS[5], ARGV[16], 'EX', ARGV[15], 'NX') end
+local rec = record(KEYS[2], nil, ARGV[4])
+local w = status_at(5)
+local written = set_status(rec, KEYS[3], w)
+unmark(rec, ARGV[4], w.ttl)
+save(rec)
+ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
+return {1, written}
+"""
+)
+
+#: The end of a request whose entry is gone.  KEYS: record, events, the entry's stream.  ARGV: entry id,
+#: then the status's nine (mode 'create').  Returns 'recorded' (it has a record), 'queued' (its entry is
+#: still in its stream) or 'ended' (the status written).
+END_IF_LOST = (
+    LIBRARY
+    + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 'recorded' end
+local e = redis.pcall('XRANGE', KEYS[3], ARGV[1], ARGV[1])
+if type(e) == 'table' and not e.err and #e > 0 then return 'queued' end
+local rec = record(KEYS[1])
+set_status(rec, KEYS[2], status_at(2))
+save(rec)
+return 'ended'
+"""
+)

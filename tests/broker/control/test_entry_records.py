@@ -1,0 +1,223 @@
+"""The entry-life scripts against a real Redis: typed replies, and the Redis commands a request costs.
+
+The scripts' replies are frozen dataclasses (:class:`Look`, :class:`Admitted`), their arguments named
+(:class:`StatusWrite`, :class:`EntryKeys`).  The last test runs a real two-stage deployment on a private
+``redis-server`` and counts, with ``MONITOR``, every command that names one of the measured requests
+(its keys, or its submission inside an intake push or a stream entry) — commands inside scripts
+included — so that the entry-life writes per request are held to :data:`MAX_COMMANDS_PER_REQUEST`
+(reads and idle polling name no request and are left out: they depend on timing, not on the request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from stageferry.broker.control.entry_records import (
+    Admission,
+    Admitted,
+    EntryKeys,
+    EntryRecords,
+    Look,
+    StatusWrite,
+)
+from stageferry.broker.control.held import Held
+from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import open_client
+from stageferry.broker.control.requests import RequestStore
+from stageferry.embedded_redis import EmbeddedRedis, find_redis_server
+from stageferry.schemas import RequestState, RequestStatus
+from tests.procs import Services, write_pipeline
+
+JOB_DIGEST = "d" * 64
+#: What the entry-life writes of one T2VA-like request through two stages may cost, in Redis commands that
+#: name it (the submission, admissions, statuses, hand-off, finish; see the module docstring): ≈ 42 measured
+#: when this bound was set.  The whole count per request, reads and polling included, is
+#: ``benchmarks/commands_compare.py``'s.
+MAX_COMMANDS_PER_REQUEST = 48
+
+
+@pytest.fixture
+async def records(redis_url: str, prefix: str) -> AsyncIterator[tuple[EntryRecords, RequestStore, Keys]]:
+    async with open_client(redis_url) as redis:
+        keys = Keys(prefix)
+        yield (
+            EntryRecords(redis, keys, ttl_s=600),
+            RequestStore(redis, keys, ttl_s=600, events_maxlen=100),
+            keys,
+        )
+
+
+def run_keys(keys: Keys, rid: str, entry_id: str = "1-0", attempt: int = 0) -> EntryKeys:
+    return EntryKeys.of(keys, rid, "diffusion", attempt, entry_id)
+
+
+@pytest.mark.anyio
+async def test_a_first_delivery_s_start_comes_back_typed_and_writes_its_starts_in_order(
+    records: tuple[EntryRecords, RequestStore, Keys],
+) -> None:
+    entry_records, store, keys = records
+    queued = store.status_write(RequestStatus(request_id="e-1", state=RequestState.QUEUED, stage="diffusion"))
+    running = store.status_write(
+        RequestStatus(request_id="e-1", state=RequestState.RUNNING, stage="diffusion"), mode="update"
+    )
+    assert isinstance(queued, StatusWrite) and queued.order.rank == 0 and running.order.rank == 1
+    run = run_keys(keys, "e-1")
+    admitted = await entry_records.admit_mark_and_look(run, JOB_DIGEST, "1-0", held=None, starts=(queued, running))
+    assert admitted == Admitted(
+        Admission.NEW, Look(status=None, cancelled=False, claimed=True, owner="1-0", started=True)
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        admitted.look.started = False  # type: ignore[misc, union-attr]
+    status = await store.get("e-1")
+    assert status is not None and status.state is RequestState.RUNNING
+    events = [fields["state"] for _, fields in await store.events("e-1")]
+    assert events == ["queued", "running"]  # both starts' events, in order
+    assert await entry_records.crashes(run.record, run.crash_field) == 1
+    record_ttl, events_ttl = await entry_records.redis.ttl(run.record), await entry_records.redis.ttl(run.events)
+    assert 0 < record_ttl <= 600 and 0 < events_ttl <= 600
+
+    again = await entry_records.admit_mark_and_look(
+        run_keys(keys, "e-1", "2-0"), JOB_DIGEST, "2-0", held=None, starts=(running,)
+    )  # another entry of the same run: a duplicate, which writes no start
+    assert again.admission is Admission.SAME_JOB and again.look is not None
+    assert again.look.claimed is False and again.look.owner == "1-0" and again.look.started is False
+    assert again.look.status is not None and b'"running"' in again.look.status
+    assert len(await store.events("e-1")) == 2
+
+
+@pytest.mark.anyio
+async def test_a_taken_id_an_unheld_entry_and_a_cancelled_request(
+    records: tuple[EntryRecords, RequestStore, Keys],
+) -> None:
+    entry_records, store, keys = records
+    assert await entry_records.admit("e-2", JOB_DIGEST) is Admission.NEW
+    taken = await entry_records.admit_mark_and_look(run_keys(keys, "e-2"), "e" * 64, "1-0", held=None)
+    assert taken == Admitted(Admission.TAKEN, None)
+    assert (
+        await entry_records.crashes(keys.request("e-2"), run_keys(keys, "e-2").crash_field) == 0
+    )  # a taken id gets no mark
+
+    gone = Held(keys.stage_stream("diffusion"), "diffusion", "diffusion-a", "9-0")  # no such group: not held
+    unheld = await entry_records.admit_mark_and_look(run_keys(keys, "e-3"), JOB_DIGEST, "9-0", held=gone)
+    assert unheld == Admitted(Admission.UNHELD, None)
+    assert await store.owner("e-3") is None  # nothing written
+    assert await entry_records.admit("e-3", JOB_DIGEST, held=gone) is Admission.UNHELD
+
+    await entry_records.redis.set(keys.cancel("e-4"), b"1")
+    running = store.status_write(
+        RequestStatus(request_id="e-4", state=RequestState.RUNNING, stage="diffusion"), mode="any"
+    )
+    cancelled = await entry_records.admit_mark_and_look(
+        run_keys(keys, "e-4"), JOB_DIGEST, "1-0", held=None, starts=(running,)
+    )
+    assert cancelled.look is not None and cancelled.look.cancelled and not cancelled.look.started
+    assert await store.get("e-4") is None  # a cancelled request's start is not written
+
+
+@pytest.mark.anyio
+async def test_a_redelivery_s_look_and_its_crash_marks(records: tuple[EntryRecords, RequestStore, Keys]) -> None:
+    entry_records, store, keys = records
+    run = run_keys(keys, "e-5")
+    assert await entry_records.admit("e-5", JOB_DIGEST) is Admission.NEW
+    assert await entry_records.look(run, "1-0") == Look(status=None, cancelled=False, claimed=True, owner="1-0")
+    assert await entry_records.look(run, "1-0") == Look(status=None, cancelled=False, claimed=False, owner="1-0")
+    assert await entry_records.mark(run.record, run.crash_field) == 1
+    assert await entry_records.mark(run.record, run.crash_field) == 2
+    assert await entry_records.crashes(run.record, run.crash_field) == 2
+    await entry_records.clear_mark(run.record, run.crash_field)
+    assert await entry_records.crashes(run.record, run.crash_field) == 0
+    done = RequestStatus(request_id="e-5", state=RequestState.DONE, stage="diffusion")
+    assert await store.set_status(done)
+    looked = await entry_records.look(run, "1-0")
+    assert looked.status is not None and b'"done"' in looked.status
+
+
+@pytest.mark.anyio
+async def test_a_status_write_is_refused_when_older_or_after_the_end(
+    records: tuple[EntryRecords, RequestStore, Keys],
+) -> None:
+    _, store, _ = records
+    running = RequestStatus(request_id="e-6", state=RequestState.RUNNING, stage="diffusion")
+    assert await store.set_status(running, stage_index=1)
+    queued_before = RequestStatus(request_id="e-6", state=RequestState.QUEUED, stage="encoder")
+    assert not await store.set_status(queued_before, stage_index=0)  # older: the request never moves back
+    assert await store.set_status(running.model_copy(update={"state": RequestState.FAILED}), stage_index=1)
+    assert not await store.set_status(running, stage_index=1)  # terminal: written once
+    got = await store.get("e-6")
+    assert got is not None and got.state is RequestState.FAILED
+
+
+def _names(line: str, rid: str) -> bool:
+    """Whether a MONITOR line names request ``rid``: one of its keys, or its id as a value (an entry's
+    ``request_id``) or inside JSON (a submission)."""
+    return f":{rid}" in line or f'"{rid}"' in line or f'\\"{rid}\\"' in line
+
+
+@pytest.fixture
+def private_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    import anyio
+
+    find_redis_server()
+    server = EmbeddedRedis(data_dir=tmp_path / "redis")
+    anyio.run(server.start)
+    try:
+        yield server
+    finally:
+        anyio.run(server.stop)
+
+
+def test_the_entry_life_writes_of_a_request_stay_within_the_bound(
+    tmp_path: Path, private_server: EmbeddedRedis
+) -> None:
+    stages = [
+        {"name": name, "model": "stageferry.stages.passthrough:factory", "tp": 1, "device": "cpu"}
+        for name in ("encoder", "diffusion")
+    ]
+    path = write_pipeline(tmp_path / "pipeline.toml", stages, data_plane={"connector": "inline"})
+    prefix = "cmds"
+    lines: list[str] = []
+    with Services(tmp_path, redis_url=private_server.url, prefix=prefix, pipeline=path, extra_env={}) as services:
+        services.start("encoder", "a")
+        services.start("diffusion", "a")
+        services.wait_live("encoder", "encoder-a", timeout=180)
+        services.wait_live("diffusion", "diffusion-a", timeout=180)
+        client = services.client()
+        client.wait(client.submit({"task": "t2va", "prompt": "warm-up"}), timeout=120)  # scripts loaded
+        monitor = subprocess.Popen(
+            ["redis-cli", "-p", str(private_server.port), "monitor"], stdout=subprocess.PIPE, text=True
+        )
+        assert monitor.stdout is not None
+        reader = threading.Thread(target=lambda: lines.extend(monitor.stdout or ()), daemon=True)
+        reader.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not lines and time.monotonic() < deadline:  # MONITOR answers OK once it is on
+                time.sleep(0.05)
+            assert lines, "MONITOR never started"
+            ids = [f"cmd-{i}" for i in range(10)]
+            for rid in ids:
+                client.submit({"task": "t2va", "prompt": f"p {rid}"}, request_id=rid)
+            for rid in ids:
+                assert client.wait(rid, timeout=120).state is RequestState.DONE
+        finally:
+            monitor.terminate()
+            monitor.wait(timeout=10)
+            reader.join(timeout=10)
+    named = [line for line in lines if any(_names(line, rid) for rid in ids)]
+    per_request = len(named) / len(ids)
+    print(f"entry-life commands per request: {per_request:.1f}")
+
+    if os.environ.get("DUMP_NAMED"):
+        Path(os.environ["DUMP_NAMED"]).write_text("\n".join(named))
+    assert per_request > 10, f"MONITOR saw too little to count: {len(named)} lines"
+    assert per_request <= MAX_COMMANDS_PER_REQUEST, f"{per_request:.1f} commands per request:\n" + "\n".join(
+        named[: int(per_request) + 5]
+    )
