@@ -284,6 +284,17 @@ class Timeouts(Strict):
         return default_hot_wait() if self.hot_wait is None else self.hot_wait
 
 
+class Streaming(Strict):
+    """Chunked streaming between stages (docs/streaming.md); values in seconds and chunks."""
+
+    max_chunks_in_flight: Annotated[int, Field(ge=1, le=1024)] = 4
+    """Chunks a producer may announce ahead of what its consumer applied (per request; the pool bounds the stage)."""
+    chunk_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    """A consumer waits this long for the next chunk (from the last one), then fails the request ``chunk_timeout``."""
+    producer_wait_s: Annotated[float, Field(gt=0, le=86_400)] = 300.0
+    """A producer held by back-pressure waits this long for its consumer to apply a chunk, then fails."""
+
+
 #: The default cost budget: 1344×768 for 10 s at 24 fps (241 frames).  Measured on the reference models
 #: (``benchmarks/job_cost.py``), this is about what one CPU host serves without the OOM killer's help;
 #: deployments with more memory (or GPUs) raise it in ``[limits]``.
@@ -415,6 +426,7 @@ class PipelineConfig(Strict):
     stages: Annotated[tuple[StageConfig, ...], Field(min_length=1, max_length=16)] = DEFAULT_STAGES
     data_plane: DataPlaneConfig = DataPlaneConfig()
     timeouts: Timeouts = Timeouts()
+    streaming: Streaming = Streaming()
     limits: Limits = Limits()
     retention: Retention = Retention()
     security: Security = Security()

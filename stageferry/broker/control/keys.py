@@ -9,6 +9,7 @@ followed by the bare request id.  Request ids cannot contain ``:`` nor glob char
 Written by stages only: ``<p>:req:<id>`` (hash: ``state``, ``status`` JSON), ``<p>:req-events:<id>`` (the
 trace stream), ``<p>:req-result:<id>`` (result bytes, TTL), ``<p>:req-run:<id>:<stage>:<attempt>`` (the entry
 that owns a run), ``<p>:req-crash:<id>:<stage>:<entry>`` (deliveries of an entry the stage died with),
+``<p>:req-chunks:<id>:<stage index>:<attempt>`` and ``<p>:req-chunk-state:…`` (a streamed payload's chunks),
 ``<p>:refused:<ticket>`` and ``<p>:refused:<tenant>.<ticket>`` (why the first stage refused a submission),
 the dead-letter streams ``<p>:stage:<stage>:dlq``, heartbeats ``<p>:stage:<stage>:workers`` and the NIXL keys
 ``<p>:nixl:agent:<name>``, ``<p>:nixl:claim:<token>``, ``<p>:nixl:resend:<agent>``,
@@ -70,6 +71,13 @@ class Keys:
     def crash_mark(self, request_id: str, stage: str, entry_id: str) -> str:
         """Counts deliveries of an entry that ended with the stage process dying (set before, cleared after)."""
         return f"{self.prefix}:req-crash:{request_id}:{stage}:{entry_id}"
+
+    def chunks(self, request_id: str, stage_index: int, attempt: int) -> str:
+        """The chunk announcements of a streamed payload from stage ``stage_index`` (:mod:`.chunks`)."""
+        return f"{self.prefix}:req-chunks:{request_id}:{stage_index}:{attempt}"
+
+    def chunk_state(self, request_id: str, stage_index: int, attempt: int) -> str:
+        return f"{self.prefix}:req-chunk-state:{request_id}:{stage_index}:{attempt}"
 
     def cancel(self, request_id: str) -> str:
         return f"{self.prefix}:req-cancel:{request_id}"
@@ -137,6 +145,9 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "events": "stream: the request's trace (log events, status changes)",
     "run_owner": "string: the entry id that owns this run (dedup of resubmits)",
     "crash_mark": "string: deliveries of this entry its stage died with (set before the work, deleted after)",
+    "chunks": "stream: a streamed payload's chunk announcements (JSON `chunk`, inline `blob`), in order, TTL",
+    "chunk_state": "hash: a streamed payload's progress: `applied`/`taken` (highest chunk index the consumer "
+    "applied / began to fetch), `opened` (handed on), `abandoned` (restarted under a later attempt), TTL",
     "cancel": "string: set when the client cancels",
     "submitted": "string: set by a client with its XADD (the request exists before a stage picks it up), TTL",
     "result": "string: the result bytes (e.g. the MP4), with a TTL",

@@ -1,0 +1,175 @@
+"""The consumer leader's side of a streamed payload: take the chunks in order, once each, within a deadline.
+
+:class:`ChunkReader` follows the request's chunk stream (:mod:`stageferry.broker.control.chunks`) and
+hands the model one chunk at a time (:class:`~stageferry.stages.chunk_stream.ChunkStream`):
+
+* it waits for chunk ``n`` at most ``streaming.chunk_timeout_s`` from the moment it starts waiting, then
+  raises :class:`~stageferry.errors.ChunkTimeoutError` (never a wait forever);
+* announcements of an index below ``n`` are repeats (a producer that died and computes the stream again
+  announces from where the consumer was) and are skipped; an index above ``n`` is kept for later;
+* it fetches a chunk through the input connector (NIXL, or inline) — a chunk whose copy is gone
+  (:class:`~stageferry.errors.PayloadUnavailableError`: its producer died) is dropped, and the reader waits
+  on for the same index from the producer that computes it again;
+* before fetching it raises ``taken`` to ``n``, and once the model asks for the next chunk it releases
+  ``n`` (the pool slot, so the lease's READ is done and the producer's slot was freed by it) and raises
+  ``applied`` to ``n`` — the producer's back-pressure reads that.
+
+A redelivered entry whose stream a dead consumer had begun (``taken`` ≥ 0) cannot resume: those chunks
+were read and freed.  :meth:`ChunkReader.check_start` then marks the stream abandoned (its producer stops)
+and raises :class:`~stageferry.errors.PayloadUnavailableError`, which sends the request back upstream to
+be computed again under the next attempt (the outcome table's ``recompute`` row).  No chunk is applied
+twice: within an attempt indices only grow, and a new attempt is a new stream from chunk 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+
+import anyio
+import structlog
+
+from stageferry.broker.control.chunks import ChunkChannel, ChunkRecord, StreamId
+from stageferry.broker.data.connector import Connector
+from stageferry.errors import (
+    CancelledRequestError,
+    ChunkTimeoutError,
+    ClaimError,
+    PayloadUnavailableError,
+    StreamAbandonedError,
+)
+from stageferry.stages.chunk_stream import Chunk
+
+log = structlog.get_logger(__name__)
+#: One blocking read of the chunk stream; the deadline is checked between reads.
+READ_BLOCK_MS = 250
+
+
+class ChunkReader:
+    """One streamed payload as its consumer leader takes it (see the module docstring)."""
+
+    def __init__(
+        self,
+        channel: ChunkChannel,
+        connector: Connector,
+        sid: StreamId,
+        *,
+        timeout_s: float,
+        is_cancelled: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
+        self.channel = channel
+        self.connector = connector
+        self.sid = sid
+        self.timeout_s = timeout_s
+        self.is_cancelled = is_cancelled
+        self.expected = 0
+        self.after = "0"
+        self.ended = False
+        self.skipped = 0  #: repeated announcements passed over
+        self._pending: dict[int, list[ChunkRecord]] = {}
+        self._held: contextlib.AsyncExitStack | None = None
+        self._held_index = -1
+
+    async def check_start(self) -> None:
+        """Refuse to start a stream a dead consumer had begun (see the module docstring)."""
+        state = await self.channel.state(self.sid)
+        if state.abandoned:
+            raise StreamAbandonedError("this stream was restarted under a later attempt", attempt=self.sid.attempt)
+        if state.taken >= 0:
+            await self.channel.abandon(self.sid)
+            log.warning("chunk.restart", taken=state.taken, applied=state.applied, attempt=self.sid.attempt)
+            raise PayloadUnavailableError(
+                "a consumer that died had taken chunks of this stream: it is computed again",
+                taken=state.taken,
+                applied=state.applied,
+            )
+
+    async def next(self) -> Chunk | None:
+        """The next chunk (the previous one is released and counted applied first), None after the last."""
+        await self.release()
+        if self.ended:
+            return None
+        deadline = time.monotonic() + self.timeout_s
+        waited_from = time.monotonic()
+        while True:
+            for record in reversed(self._pending.pop(self.expected, [])):  # newest announcement first
+                chunk = await self._fetch(record)
+                if chunk is not None:
+                    return self._took(chunk, waited_from)
+                if self.ended:  # the end marker
+                    return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.error("chunk.timeout", index=self.expected, timeout_s=self.timeout_s)
+                raise ChunkTimeoutError(
+                    f"chunk {self.expected} did not come within {self.timeout_s:g} s",
+                    index=self.expected,
+                    timeout_s=self.timeout_s,
+                )
+            if self.is_cancelled is not None and await self.is_cancelled():
+                raise CancelledRequestError("cancelled by the client")
+            records = await self.channel.read(
+                self.sid, self.after, block_ms=int(min(remaining, READ_BLOCK_MS / 1000) * 1000)
+            )
+            for record in records:
+                self.after = record.entry_id
+                index = record.announcement.index
+                if index < self.expected:
+                    self.skipped += 1
+                    log.info("chunk.repeat_skipped", index=index, expected=self.expected)
+                    await self.connector.discard(record.announcement.payload)
+                else:
+                    self._pending.setdefault(index, []).append(record)
+
+    def _took(self, chunk: Chunk, waited_from: float) -> Chunk:
+        log.info(
+            "chunk.received",
+            index=chunk.index,
+            final=chunk.final,
+            transport=chunk.incoming.transport.value if chunk.incoming is not None else "none",
+            bytes=chunk.incoming.nbytes if chunk.incoming is not None else 0,
+            waited_s=round(time.monotonic() - waited_from, 6),
+        )
+        self.expected = chunk.index + 1
+        if chunk.final:
+            self.ended = True
+        return chunk
+
+    async def _fetch(self, record: ChunkRecord) -> Chunk | None:
+        """The chunk ``record`` announces, held until :meth:`release`; None if its copy is gone (or, for an
+        end marker, the end)."""
+        ann = record.announcement
+        if ann.is_end_marker:
+            self.ended = True
+            return None
+        await self.channel.raise_to(self.sid, "taken", ann.index)
+        stack = contextlib.AsyncExitStack()
+        try:
+            incoming = await stack.enter_async_context(self.connector.get(ann.payload, record.blob, key=ann.key))
+        except (PayloadUnavailableError, ClaimError) as exc:
+            await stack.aclose()
+            log.warning("chunk.unavailable", index=ann.index, error=exc.message, code=exc.code)
+            return None
+        self._held, self._held_index = stack, ann.index
+        return Chunk(index=ann.index, payload=incoming.payload, final=ann.final, incoming=incoming)
+
+    async def release(self) -> None:
+        """Free the chunk in hand (its slot) and count it applied."""
+        held, index = self._held, self._held_index
+        if held is None:
+            return
+        self._held, self._held_index = None, -1
+        with anyio.CancelScope(shield=True):
+            await held.aclose()
+            await self.channel.raise_to(self.sid, "applied", index)
+
+    async def aclose(self) -> None:
+        """The stream is done with (the model returned or failed): release what is held, drop the rest."""
+        with anyio.CancelScope(shield=True):
+            await self.release()
+            for records in self._pending.values():
+                for record in records:
+                    with contextlib.suppress(Exception):
+                        await self.connector.discard(record.announcement.payload)
+            self._pending.clear()
