@@ -93,12 +93,14 @@ class ChunkReader:
         deadline = time.monotonic() + self.timeout_s
         waited_from = time.monotonic()
         while True:
-            for record in reversed(self._pending.pop(self.expected, [])):  # newest announcement first
+            records = self._pending.pop(self.expected, [])
+            while records:
+                record = records.pop()  # the newest announcement of the index first
                 chunk = await self._fetch(record)
-                if chunk is not None:
-                    return self._took(chunk, waited_from)
-                if self.ended:  # the end marker
-                    return None
+                if chunk is not None or self.ended:  # a chunk, or the end marker
+                    for repeat in records:  # older announcements of the same index: never needed
+                        await self._skip(repeat)
+                    return None if chunk is None else self._took(chunk, waited_from)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 log.error("chunk.timeout", index=self.expected, timeout_s=self.timeout_s)
@@ -116,11 +118,15 @@ class ChunkReader:
                 self.after = record.entry_id
                 index = record.announcement.index
                 if index < self.expected:
-                    self.skipped += 1
-                    log.info("chunk.repeat_skipped", index=index, expected=self.expected)
-                    await self.connector.discard(record.announcement.payload)
+                    await self._skip(record)
                 else:
                     self._pending.setdefault(index, []).append(record)
+
+    async def _skip(self, record: ChunkRecord) -> None:
+        """A repeat of an index taken already (or about to be): its producer may free it now."""
+        self.skipped += 1
+        log.info("chunk.repeat_skipped", index=record.announcement.index, expected=self.expected)
+        await self.connector.discard(record.announcement.payload)
 
     def _took(self, chunk: Chunk, waited_from: float) -> Chunk:
         log.info(

@@ -6,15 +6,13 @@ The producer is the AR-style ``tests.models:streamer`` (a chunk every few steps)
 from __future__ import annotations
 
 import json
-import signal
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from stageferry.schemas import RequestState
-from tests.procs import Services, wait_for, write_pipeline
+from tests.procs import Services, write_pipeline
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -24,7 +22,9 @@ STAGES = [
 ]
 
 
-def make(tmp_path: Path, redis_url: str, prefix: str, *, streaming: dict[str, Any] | None = None, **data_plane: Any) -> Services:
+def make(
+    tmp_path: Path, redis_url: str, prefix: str, *, streaming: dict[str, Any] | None = None, **data_plane: Any
+) -> Services:
     marks = tmp_path / "marks"
     marks.mkdir()
     path = write_pipeline(
