@@ -6,13 +6,14 @@ The producer is the AR-style ``tests.models:streamer`` (a chunk every few steps)
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from stageferry.schemas import RequestState
-from tests.procs import Services, write_pipeline
+from tests.procs import Services, wait_for, write_pipeline
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -95,3 +96,77 @@ def test_chunks_arrive_in_order_over_nixl_and_the_consumer_starts_on_chunk_0(
         assert received[0].timestamp < puts[-1].timestamp, "the consumer started before the last chunk was put"
         hop = [t for t in status.timings if t.stage == "diffusion"][-1]
         assert hop.transport.value == "nixl" and hop.payload_bytes >= 6 * 80_000
+
+
+def test_each_chunk_falls_back_inline_when_nixl_is_down(tmp_path: Path, redis_url: str, prefix: str) -> None:
+    with make(tmp_path, redis_url, prefix, nixl_backends=["NO_SUCH_BACKEND"]) as svc:
+        svc.start("encoder", "a")
+        svc.start("diffusion", "a")
+        client = svc.client()
+        rid = client.submit(job("stream chunks:4 every:1"))
+        status = client.wait(rid, timeout=120)
+        assert status.state is RequestState.DONE, svc.logs()
+        assert result(svc, rid)["applied"] == [0, 1, 2, 3]
+        puts = events(svc, rid, "chunk.put")
+        assert [e.raw["index"] for e in puts] == [0, 1, 2, 3]
+        assert all(e.raw["transport"] == "inline" and e.raw["fallback"] for e in puts), [e.raw for e in puts]
+
+
+def test_a_consumer_killed_mid_stream_restarts_it_and_applies_no_chunk_twice(
+    tmp_path: Path, redis_url: str, prefix: str
+) -> None:
+    with make(tmp_path, redis_url, prefix) as svc:
+        svc.start("encoder", "a")
+        consumer = svc.start("diffusion", "a")
+        client = svc.client()
+        rid = client.submit(job("stream chunks:6 every:1 consumer_dies_at:2"))
+        wait_for(lambda: consumer.poll() is not None, 90, "the consumer to die after taking chunk 2")
+        svc.start("diffusion", "b")
+        status = client.wait(rid, timeout=150)
+        assert status.state is RequestState.DONE, svc.logs()
+        assert status.attempt >= 1, "the request was computed again under the next attempt"
+        assert result(svc, rid)["applied"] == list(range(6))
+        runs = applied_runs(tmp_path, rid)
+        assert len(runs) == 2
+        for indices in runs.values():  # within a run, every index once, in order
+            assert indices == list(range(len(indices))), runs
+        assert sorted(len(v) for v in runs.values()) == [3, 6]
+        assert events(svc, rid, "chunk.restart"), "the new consumer saw the taken chunks and restarted"
+
+
+def test_a_producer_killed_mid_stream_is_recomputed_and_the_consumer_applies_each_chunk_once(
+    tmp_path: Path, redis_url: str, prefix: str
+) -> None:
+    with make(tmp_path, redis_url, prefix, streaming={"max_chunks_in_flight": 1}) as svc:
+        producer = svc.start("encoder", "a")
+        svc.start("diffusion", "a")
+        client = svc.client()
+        rid = client.submit(job("stream chunks:6 every:1 die_at:3"))
+        wait_for(lambda: producer.poll() is not None, 90, "the producer to die before chunk 3")
+        producer.wait(10)
+        svc.start("encoder", "b")  # reclaims the pending entry after the visibility timeout
+        status = client.wait(rid, timeout=150)
+        assert status.state is RequestState.DONE, svc.logs()
+        assert result(svc, rid)["applied"] == list(range(6))
+        runs = applied_runs(tmp_path, rid)
+        assert list(runs.values()) == [list(range(6))], runs  # one consumer run, each index once
+        assert Counter(e.raw["index"] for e in events(svc, rid, "chunk.received")) == Counter(range(6))
+
+
+def test_backpressure_holds_a_producer_ahead_of_a_slow_consumer(tmp_path: Path, redis_url: str, prefix: str) -> None:
+    with make(tmp_path, redis_url, prefix, streaming={"max_chunks_in_flight": 2}) as svc:
+        svc.start("encoder", "a")
+        svc.start("diffusion", "a")
+        client = svc.client()
+        rid = client.submit(job("stream chunks:6 every:1 consume_s:0.3"))
+        status = client.wait(rid, timeout=120)
+        assert status.state is RequestState.DONE, svc.logs()
+        waits = events(svc, rid, "chunk.backpressure")
+        assert waits and all(e.raw["index"] - e.raw["applied"] > 2 for e in waits)
+        released = events(svc, rid, "chunk.backpressure_released")
+        assert len(released) == len(waits) and all(e.raw["held_s"] > 0 for e in released)
+        assert result(svc, rid)["applied"] == list(range(6))
+        # never more than two chunks announced ahead of what the consumer applied
+        for put in events(svc, rid, "chunk.put"):
+            applied_before = [e for e in events(svc, rid, "chunk.received") if e.timestamp <= put.timestamp]
+            assert put.raw["index"] - (len(applied_before) - 1) <= 3
