@@ -146,8 +146,8 @@ class ChunkConsumer:
             if not torch.equal(chunk["data"], chunk_data(ctx.request_id, index, self.hidden)):
                 raise RuntimeError(f"chunk {index} holds the wrong bytes")
             applied.append(index)
-            if record and ctx.rank == 0:
-                with open(record, "a") as fh:
+            if record:  # followers (TP ranks) to a file of their own
+                with open(record if ctx.rank == 0 else f"{record}.rank{ctx.rank}", "a") as fh:
                     fh.write(f"{run} {ctx.request_id} {index}\n")
             if consume_s:
                 time.sleep(consume_s)

@@ -104,6 +104,7 @@ class ChunkReader:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 log.error("chunk.timeout", index=self.expected, timeout_s=self.timeout_s)
+                await self.channel.abandon(self.sid, why="stopped")  # the request fails: its producer stops
                 raise ChunkTimeoutError(
                     f"chunk {self.expected} did not come within {self.timeout_s:g} s",
                     index=self.expected,

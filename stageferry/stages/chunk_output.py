@@ -147,8 +147,7 @@ class ChunkProducer:
         """The stream's state once ``index`` fits the window (back-pressure; see the module docstring)."""
         window = self.config.max_chunks_in_flight
         state = await self.channel.state(self.sid)
-        if state.abandoned:
-            raise StreamAbandonedError("the consumer restarted this request under a later attempt")
+        _check_open(state)
         if index - state.applied <= window:
             return state
         started = time.monotonic()
@@ -166,8 +165,7 @@ class ChunkProducer:
             await anyio.sleep(pause)
             pause = min(pause * 2, POLL_MAX_S)
             state = await self.channel.state(self.sid)
-            if state.abandoned:
-                raise StreamAbandonedError("the consumer restarted this request under a later attempt")
+            _check_open(state)
         held = time.monotonic() - started
         self.held_s += held
         log.info("chunk.backpressure_released", index=index, applied=state.applied, held_s=round(held, 6))
@@ -204,3 +202,9 @@ class ChunkProducer:
         self.handed = True
         if await self.channel.open_once(self.sid):
             await self._hand_on()
+
+
+def _check_open(state: ChunkState) -> None:
+    """:class:`StreamAbandonedError` once the consumer takes no more chunks (restarted, or gave up)."""
+    if state.ended_by_consumer:
+        raise StreamAbandonedError("the consumer restarted this request, or gave up on it", stopped=state.stopped)

@@ -107,6 +107,7 @@ async def test_a_missing_chunk_ends_typed_after_its_deadline(channel: ChunkChann
     with pytest.raises(ChunkTimeoutError) as caught:
         await reader.next()
     assert caught.value.code == "chunk_timeout" and caught.value.details["index"] == 1
+    assert (await channel.state(SID)).stopped, "its producer is told to stop"
     assert 0.5 <= time.monotonic() - started < 10
     assert (await channel.state(SID)).applied == 0  # chunk 0 was applied before the wait
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis as sync_redis
 
 from stageferry.schemas import RequestState
 from tests.procs import Services, wait_for, write_pipeline
@@ -24,13 +25,19 @@ STAGES = [
 
 
 def make(
-    tmp_path: Path, redis_url: str, prefix: str, *, streaming: dict[str, Any] | None = None, **data_plane: Any
+    tmp_path: Path,
+    redis_url: str,
+    prefix: str,
+    *,
+    streaming: dict[str, Any] | None = None,
+    consumer_tp: int = 1,
+    **data_plane: Any,
 ) -> Services:
     marks = tmp_path / "marks"
     marks.mkdir()
     path = write_pipeline(
         tmp_path / "pipeline.toml",
-        STAGES,
+        [STAGES[0], {**STAGES[1], "tp": consumer_tp}],
         timeouts={"visibility": 3.0, "claim_renew_every": 0.5, "resend": 2.0},
         limits={"max_recomputes": 2},
         streaming={"chunk_timeout_s": 30.0, "max_chunks_in_flight": 2, **(streaming or {})},
@@ -53,10 +60,10 @@ def job(prompt: str) -> dict[str, Any]:
     return {"prompt": prompt, "width": 64, "height": 64, "num_inference_steps": 1}
 
 
-def applied_runs(tmp_path: Path, rid: str) -> dict[str, list[int]]:
-    """Per consumer run, the chunk indices it applied, in order."""
+def applied_runs(tmp_path: Path, rid: str, rank: int = 0) -> dict[str, list[int]]:
+    """Per consumer run, the chunk indices it applied (on ``rank``), in order."""
     runs: dict[str, list[int]] = {}
-    path = tmp_path / "chunks.txt"
+    path = tmp_path / ("chunks.txt" if rank == 0 else f"chunks.txt.rank{rank}")
     for line in path.read_text().splitlines() if path.exists() else []:
         run, request, index = line.split()
         if request == rid:
@@ -170,3 +177,35 @@ def test_backpressure_holds_a_producer_ahead_of_a_slow_consumer(tmp_path: Path, 
         for put in events(svc, rid, "chunk.put"):
             applied_before = [e for e in events(svc, rid, "chunk.received") if e.timestamp <= put.timestamp]
             assert put.raw["index"] - (len(applied_before) - 1) <= 3
+
+
+def test_the_consumer_leader_fans_each_chunk_out_to_its_ranks(tmp_path: Path, redis_url: str, prefix: str) -> None:
+    with make(tmp_path, redis_url, prefix, consumer_tp=2) as svc:
+        svc.start("encoder", "a")
+        svc.start("diffusion", "a")
+        client = svc.client()
+        rid = client.submit(job("stream chunks:5 every:1"))
+        status = client.wait(rid, timeout=150)
+        assert status.state is RequestState.DONE, svc.logs()
+        leader = applied_runs(tmp_path, rid, rank=0)
+        follower = applied_runs(tmp_path, rid, rank=1)  # each chunk checked against its expected bytes
+        assert list(leader.values()) == [list(range(5))] and list(follower.values()) == [list(range(5))]
+
+
+def test_a_chunk_that_does_not_come_ends_the_request_chunk_timeout(tmp_path: Path, redis_url: str, prefix: str) -> None:
+    with make(tmp_path, redis_url, prefix, streaming={"chunk_timeout_s": 1.5}) as svc:
+        svc.start("encoder", "a")
+        svc.start("diffusion", "a")
+        client = svc.client()
+        rid = client.submit(job("stream chunks:4 every:1 stall_at:2:6"))  # chunk 2 comes 6 s late
+        status = client.wait(rid, timeout=60)
+        assert status.state is RequestState.FAILED, svc.logs()
+        assert status.error is not None and status.error.code == "chunk_timeout"
+        assert status.error.details["index"] == 2
+        assert applied_runs(tmp_path, rid) and list(applied_runs(tmp_path, rid).values()) == [[0, 1]]
+        # the late producer was told to stop: it puts no more chunks and its entry is settled
+        r = sync_redis.Redis.from_url(redis_url)
+        stream = svc.keys.stage_stream("encoder")
+        wait_for(lambda: r.xpending(stream, "encoder")["pending"] == 0, 60, "the producer's entry to be settled")
+        assert [e.raw["index"] for e in events(svc, rid, "chunk.put")] == [0, 1]
+        assert client.status(rid).error.code == "chunk_timeout"  # and the request's record stands

@@ -7,8 +7,9 @@ Written by stages only, both with the request's TTL:
 * ``Keys.chunk_state`` — a hash: ``applied`` (the highest index the consumer applied; the producer's
   back-pressure reads it), ``taken`` (the highest index the consumer began to fetch: a consumer that
   finds one there on a redelivery knows a dead consumer took chunks that are gone), ``opened`` (the
-  producer handed the stream's envelope on: a recomputing producer does not hand it on twice) and
-  ``abandoned`` (the consumer restarted the request under a later attempt: the producer stops).
+  producer handed the stream's envelope on: a recomputing producer does not hand it on twice),
+  ``abandoned`` (the consumer restarted the request under a later attempt: the producer stops) and
+  ``stopped`` (the consumer gave up on a chunk that did not come: the request failed, the producer stops).
 
 Indices only grow: ``applied`` and ``taken`` are raised by a script that never lowers them, so a chunk
 index is applied at most once whatever is redelivered.
@@ -56,6 +57,12 @@ class ChunkState:
     taken: int
     opened: bool
     abandoned: bool
+    stopped: bool = False
+
+    @property
+    def ended_by_consumer(self) -> bool:
+        """The consumer will take no more chunks of this stream (restarted, or gave up)."""
+        return self.abandoned or self.stopped
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +124,7 @@ class ChunkChannel:
             taken=int(values.get("taken", -1)),
             opened="opened" in values,
             abandoned="abandoned" in values,
+            stopped="stopped" in values,
         )
 
     async def raise_to(self, sid: StreamId, field: str, index: int) -> int:
@@ -137,12 +145,15 @@ class ChunkChannel:
                 first, _ = await pipe.execute()
         return bool(first)
 
-    async def abandon(self, sid: StreamId) -> None:
-        """The consumer restarts the request under a later attempt: this stream's producer stops."""
+    async def abandon(self, sid: StreamId, *, why: str = "abandoned") -> None:
+        """The consumer restarts the request under a later attempt (``abandoned``), or gave up on it
+        (``stopped``): this stream's producer stops."""
+        if why not in ("abandoned", "stopped"):
+            raise ValueError(f"not a way a stream ends: {why!r}")
         _, state = self._keys(sid)
         with translated():
             async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(state, "abandoned", "1")
+                pipe.hset(state, why, "1")
                 pipe.expire(state, self.ttl_s)
                 await pipe.execute()
 
