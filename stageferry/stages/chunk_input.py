@@ -10,9 +10,10 @@ hands the model one chunk at a time (:class:`~stageferry.stages.chunk_stream.Chu
 * it fetches a chunk through the input connector (NIXL, or inline) — a chunk whose copy is gone
   (:class:`~stageferry.errors.PayloadUnavailableError`: its producer died) is dropped, and the reader waits
   on for the same index from the producer that computes it again;
-* before fetching it raises ``taken`` to ``n``, and once the model asks for the next chunk it releases
-  ``n`` (the pool slot, so the lease's READ is done and the producer's slot was freed by it) and raises
-  ``applied`` to ``n`` — the producer's back-pressure reads that.
+* before fetching its first chunk it raises ``taken`` (a consumer began this stream), and once the model
+  asks for the next chunk it releases ``n`` (the pool slot; the lease's READ is done and freed the
+  producer's slot) and raises ``applied`` to ``n`` — the producer's back-pressure reads that — in the same
+  round trip as its next read of the stream when it has to read (or alone, when the next chunk is at hand).
 
 A redelivered entry whose stream a dead consumer had begun (``taken`` ≥ 0) cannot resume: those chunks
 were read and freed.  :meth:`ChunkReader.check_start` then marks the stream abandoned (its producer stops)
@@ -70,6 +71,8 @@ class ChunkReader:
         self._pending: dict[int, list[ChunkRecord]] = {}
         self._held: contextlib.AsyncExitStack | None = None
         self._held_index = -1
+        self._unreported = -1  #: an applied index not yet written (it rides the next read)
+        self._began = False
 
     async def check_start(self) -> None:
         """Refuse to start a stream a dead consumer had begun (see the module docstring)."""
@@ -87,7 +90,9 @@ class ChunkReader:
 
     async def next(self) -> Chunk | None:
         """The next chunk (the previous one is released and counted applied first), None after the last."""
-        await self.release()
+        await self.release(report=False)
+        if self.ended or self.expected in self._pending:  # no read to carry the applied index: alone
+            await self._report()
         if self.ended:
             return None
         deadline = time.monotonic() + self.timeout_s
@@ -100,7 +105,9 @@ class ChunkReader:
                 if chunk is not None or self.ended:  # a chunk, or the end marker
                     for repeat in records:  # older announcements of the same index: never needed
                         await self._skip(repeat)
-                    return None if chunk is None else self._took(chunk, waited_from)
+                    if chunk is None:
+                        return None
+                    return self._took(chunk, waited_from, record.announcement.announced_at)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 log.error("chunk.timeout", index=self.expected, timeout_s=self.timeout_s)
@@ -112,8 +119,9 @@ class ChunkReader:
                 )
             if self.is_cancelled is not None and await self.is_cancelled():
                 raise CancelledRequestError("cancelled by the client")
+            applied, self._unreported = (self._unreported if self._unreported >= 0 else None), -1
             records = await self.channel.read(
-                self.sid, self.after, block_ms=int(min(remaining, READ_BLOCK_MS / 1000) * 1000)
+                self.sid, self.after, block_ms=int(min(remaining, READ_BLOCK_MS / 1000) * 1000), applied=applied
             )
             for record in records:
                 self.after = record.entry_id
@@ -129,14 +137,16 @@ class ChunkReader:
         log.info("chunk.repeat_skipped", index=record.announcement.index, expected=self.expected)
         await self.connector.discard(record.announcement.payload)
 
-    def _took(self, chunk: Chunk, waited_from: float) -> Chunk:
+    def _took(self, chunk: Chunk, waited_from: float, announced_at: float) -> Chunk:
         log.info(
             "chunk.received",
             index=chunk.index,
             final=chunk.final,
             transport=chunk.incoming.transport.value if chunk.incoming is not None else "none",
             bytes=chunk.incoming.nbytes if chunk.incoming is not None else 0,
+            seconds=round(chunk.incoming.seconds, 6) if chunk.incoming is not None else 0.0,
             waited_s=round(time.monotonic() - waited_from, 6),
+            hop_s=round(time.time() - announced_at, 6),  # announced → in hand (one host's clock)
         )
         self.expected = chunk.index + 1
         if chunk.final:
@@ -150,7 +160,9 @@ class ChunkReader:
         if ann.is_end_marker:
             self.ended = True
             return None
-        await self.channel.raise_to(self.sid, "taken", ann.index)
+        if not self._began:
+            await self.channel.raise_to(self.sid, "taken", ann.index)
+            self._began = True
         stack = contextlib.AsyncExitStack()
         try:
             incoming = await stack.enter_async_context(self.connector.get(ann.payload, record.blob, key=ann.key))
@@ -161,15 +173,22 @@ class ChunkReader:
         self._held, self._held_index = stack, ann.index
         return Chunk(index=ann.index, payload=incoming.payload, final=ann.final, incoming=incoming)
 
-    async def release(self) -> None:
-        """Free the chunk in hand (its slot) and count it applied."""
+    async def release(self, *, report: bool = True) -> None:
+        """Free the chunk in hand (its slot) and count it applied (``report``: now; else with the next read)."""
         held, index = self._held, self._held_index
-        if held is None:
-            return
-        self._held, self._held_index = None, -1
-        with anyio.CancelScope(shield=True):
-            await held.aclose()
-            await self.channel.raise_to(self.sid, "applied", index)
+        if held is not None:
+            self._held, self._held_index = None, -1
+            with anyio.CancelScope(shield=True):
+                await held.aclose()
+            self._unreported = index
+        if report:
+            await self._report()
+
+    async def _report(self) -> None:
+        if self._unreported >= 0:
+            index, self._unreported = self._unreported, -1
+            with anyio.CancelScope(shield=True):
+                await self.channel.raise_to(self.sid, "applied", index)
 
     async def aclose(self) -> None:
         """The stream is done with (the model returned or failed): release what is held, drop the rest."""

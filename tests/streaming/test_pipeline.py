@@ -78,8 +78,14 @@ def result(svc: Services, rid: str) -> dict[str, Any]:
     return json.loads(data)
 
 
-def events(svc: Services, rid: str, name: str) -> list[Any]:
-    return [e for e in svc.client().trace(rid) if e.event == name]
+def events(svc: Services, rid: str, name: str, at_least: int = 0) -> list[Any]:
+    """The trace's ``name`` events, once there are ``at_least`` (a trace is written behind the status)."""
+
+    def found() -> list[Any] | None:
+        got = [e for e in svc.client().trace(rid) if e.event == name]
+        return got if len(got) >= at_least else None
+
+    return wait_for(found, 30, f"{at_least} {name} events") if at_least else found() or []
 
 
 def test_chunks_arrive_in_order_over_nixl_and_the_consumer_starts_on_chunk_0(
@@ -93,12 +99,12 @@ def test_chunks_arrive_in_order_over_nixl_and_the_consumer_starts_on_chunk_0(
         status = client.wait(rid, timeout=120)
         assert status.state is RequestState.DONE, svc.logs()
         assert result(svc, rid)["applied"] == list(range(6))
-        puts = events(svc, rid, "chunk.put")
+        puts = events(svc, rid, "chunk.put", 6)
         assert [e.raw["index"] for e in puts] == list(range(6))
         assert all(e.raw["transport"] == "nixl" for e in puts)
-        received = events(svc, rid, "chunk.received")
+        received = events(svc, rid, "chunk.received", 6)
         assert [e.raw["index"] for e in received] == list(range(6))
-        done = events(svc, rid, "stream.done")
+        done = events(svc, rid, "stream.done", 1)
         assert len(done) == 1
         assert received[0].timestamp < puts[-1].timestamp, "the consumer started before the last chunk was put"
         hop = [t for t in status.timings if t.stage == "diffusion"][-1]
@@ -114,7 +120,7 @@ def test_each_chunk_falls_back_inline_when_nixl_is_down(tmp_path: Path, redis_ur
         status = client.wait(rid, timeout=120)
         assert status.state is RequestState.DONE, svc.logs()
         assert result(svc, rid)["applied"] == [0, 1, 2, 3]
-        puts = events(svc, rid, "chunk.put")
+        puts = events(svc, rid, "chunk.put", 4)
         assert [e.raw["index"] for e in puts] == [0, 1, 2, 3]
         assert all(e.raw["transport"] == "inline" and e.raw["fallback"] for e in puts), [e.raw for e in puts]
 
@@ -138,7 +144,7 @@ def test_a_consumer_killed_mid_stream_restarts_it_and_applies_no_chunk_twice(
         for indices in runs.values():  # within a run, every index once, in order
             assert indices == list(range(len(indices))), runs
         assert sorted(len(v) for v in runs.values()) == [3, 6]
-        assert events(svc, rid, "chunk.restart"), "the new consumer saw the taken chunks and restarted"
+        assert events(svc, rid, "chunk.restart", 1), "the new consumer saw the taken chunks and restarted"
 
 
 def test_a_producer_killed_mid_stream_is_recomputed_and_the_consumer_applies_each_chunk_once(
@@ -157,7 +163,8 @@ def test_a_producer_killed_mid_stream_is_recomputed_and_the_consumer_applies_eac
         assert result(svc, rid)["applied"] == list(range(6))
         runs = applied_runs(tmp_path, rid)
         assert list(runs.values()) == [list(range(6))], runs  # one consumer run, each index once
-        assert Counter(e.raw["index"] for e in events(svc, rid, "chunk.received")) == Counter(range(6))
+        received = events(svc, rid, "chunk.received", 6)
+        assert Counter(e.raw["index"] for e in received) == Counter(range(6))
 
 
 def test_backpressure_holds_a_producer_ahead_of_a_slow_consumer(tmp_path: Path, redis_url: str, prefix: str) -> None:
@@ -168,14 +175,16 @@ def test_backpressure_holds_a_producer_ahead_of_a_slow_consumer(tmp_path: Path, 
         rid = client.submit(job("stream chunks:6 every:1 consume_s:0.3"))
         status = client.wait(rid, timeout=120)
         assert status.state is RequestState.DONE, svc.logs()
+        events(svc, rid, "stream.done", 1)  # the producer's last event: its waits are all in the trace
         waits = events(svc, rid, "chunk.backpressure")
         assert waits and all(e.raw["index"] - e.raw["applied"] > 2 for e in waits)
         released = events(svc, rid, "chunk.backpressure_released")
         assert len(released) == len(waits) and all(e.raw["held_s"] > 0 for e in released)
         assert result(svc, rid)["applied"] == list(range(6))
         # never more than two chunks announced ahead of what the consumer applied
-        for put in events(svc, rid, "chunk.put"):
-            applied_before = [e for e in events(svc, rid, "chunk.received") if e.timestamp <= put.timestamp]
+        received = events(svc, rid, "chunk.received", 6)
+        for put in events(svc, rid, "chunk.put", 6):
+            applied_before = [e for e in received if e.timestamp <= put.timestamp]
             assert put.raw["index"] - (len(applied_before) - 1) <= 3
 
 

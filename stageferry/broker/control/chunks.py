@@ -5,8 +5,8 @@ Written by stages only, both with the request's TTL:
 * ``Keys.chunks`` — a stream: one entry per announced chunk (:mod:`stageferry.schemas.chunks`), in the
   order the producer announced them;
 * ``Keys.chunk_state`` — a hash: ``applied`` (the highest index the consumer applied; the producer's
-  back-pressure reads it), ``taken`` (the highest index the consumer began to fetch: a consumer that
-  finds one there on a redelivery knows a dead consumer took chunks that are gone), ``opened`` (the
+  back-pressure reads it), ``taken`` (the first index a consumer began to fetch: a consumer that finds
+  one there on a redelivery knows a dead consumer took chunks that are gone), ``opened`` (the
   producer handed the stream's envelope on: a recomputing producer does not hand it on twice),
   ``abandoned`` (the consumer restarted the request under a later attempt: the producer stops) and
   ``stopped`` (the consumer gave up on a chunk that did not come: the request failed, the producer stops).
@@ -102,12 +102,19 @@ class ChunkChannel:
                 entry_id, _ = await pipe.execute()
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
-    async def read(self, sid: StreamId, after: str, *, block_ms: int) -> list[ChunkRecord]:
+    async def read(self, sid: StreamId, after: str, *, block_ms: int, applied: int | None = None) -> list[ChunkRecord]:
         """Announcements after entry id ``after`` (``"0"``: from the start), waiting up to ``block_ms`` for
-        the first; an entry that does not parse is an :class:`EnvelopeError` (only stages write here)."""
-        stream, _ = self._keys(sid)
+        the first; an entry that does not parse is an :class:`EnvelopeError` (only stages write here).
+        ``applied``: raise ``applied`` to it first, in the same round trip (the consumer's hot path)."""
+        stream, state = self._keys(sid)
         with translated():
-            reply = await self.redis.xread({stream: after}, count=64, block=max(1, block_ms))
+            if applied is None:
+                reply = await self.redis.xread({stream: after}, count=64, block=max(1, block_ms))
+            else:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    await self._raise(keys=[state], args=["applied", applied, self.ttl_s], client=pipe)
+                    pipe.xread({stream: after}, count=64, block=max(1, block_ms))
+                    _, reply = await pipe.execute()
         records: list[ChunkRecord] = []
         for _name, rows in reply or []:
             for raw_id, fields in rows:

@@ -146,8 +146,8 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "run_owner": "string: the entry id that owns this run (dedup of resubmits)",
     "crash_mark": "string: deliveries of this entry its stage died with (set before the work, deleted after)",
     "chunks": "stream: a streamed payload's chunk announcements (JSON `chunk`, inline `blob`), in order, TTL",
-    "chunk_state": "hash: a streamed payload's progress: `applied`/`taken` (highest chunk index the consumer "
-    "applied / began to fetch), `opened` (handed on), `abandoned` (restarted under a later attempt), TTL",
+    "chunk_state": "hash: a streamed payload's progress: `applied` (highest chunk index the consumer applied), "
+    "`taken` (a consumer began), `opened` (handed on), `abandoned`/`stopped` (restarted / given up), TTL",
     "cancel": "string: set when the client cancels",
     "submitted": "string: set by a client with its XADD (the request exists before a stage picks it up), TTL",
     "result": "string: the result bytes (e.g. the MP4), with a TTL",
