@@ -29,7 +29,8 @@ Streaming (docs/streaming.md; opt-in, whole-payload models are unaffected): a pr
 output on in chunks with ``ctx.emit_chunk(chunk)`` — each a payload of its own, put and announced at
 once, so the next stage starts on chunk 0 while this one computes chunk 1 — and ``emit_chunk(chunk,
 final=True)`` for the last, or return after its last ``emit_chunk`` (a returned payload is then the final
-chunk, ``None`` only closes the stream).  ``emit_chunk`` blocks while the consumer is
+chunk, ``None`` only closes the stream).  A chunk is published while the model computes the next one, so
+its tensors are the stage's once emitted: make new ones for the next chunk.  ``emit_chunk`` blocks while the consumer is
 ``streaming.max_chunks_in_flight`` chunks behind (back-pressure).  A consumer model that sets
 ``takes_chunks = True`` receives a :class:`~stageferry.stages.streaming.ChunkStream` as its payload when
 its producer streams: iterate it (``for chunk in payload``, in the model's thread; ``async for`` from a

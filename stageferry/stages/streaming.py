@@ -17,14 +17,17 @@ fan-out of each chunk to a consumer group's ranks is :mod:`stageferry.stages.chu
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import anyio
+import anyio.abc
 import redis.asyncio as aioredis
 import structlog
+from anyio.from_thread import BlockingPortal
 
 from stageferry.broker.control.chunks import ChunkChannel, StreamId
 from stageferry.broker.control.keys import Keys
@@ -78,6 +81,19 @@ class Streaming:
         self.next_stage = pipeline.next_stage(stage.name)
         self.channel = ChunkChannel(redis, keys, ttl_s=pipeline.retention.request_ttl_s)
         self._producers: dict[str, ChunkProducer] = {}
+        self._emitters: dict[str, Emitter] = {}
+        self._portal: BlockingPortal | None = None
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """While the worker serves: the portal through which a model's chunks are published while it
+        computes the next (without it, ``emit_chunk`` publishes before it returns)."""
+        async with BlockingPortal() as portal:
+            self._portal = portal
+            task_status.started()
+            try:
+                await anyio.sleep_forever()
+            finally:
+                self._portal = None
 
     # ---------------------------------------------------------------- producer side
 
@@ -113,20 +129,20 @@ class Streaming:
             with bound_request(rid, key=key, stage=self.stage.name, rank=0):
                 await producer.emit(payload, final)
 
-        def emit_chunk(payload: Any, final: bool = False) -> None:
-            anyio.from_thread.run(emit, payload, final)
-
-        return emit_chunk
+        emitter = Emitter(emit, self._portal)
+        self._emitters[rid] = emitter
+        return emitter
 
     def streamed(self, envelope: Envelope) -> bool:
         """Whether the model streamed this request's output (then :meth:`finish` ends it)."""
-        producer = self._producers.get(envelope.request_id)
-        return producer is not None and producer.started
+        emitter = self._emitters.get(envelope.request_id)
+        return emitter is not None and emitter.emitted > 0
 
     async def finish(self, entry: Entry, envelope: Envelope, output: Any, *, mark: CrashMark) -> None:
         """End the stream (the returned ``output`` as its final chunk, unless None) and acknowledge the
         producer's entry, clearing its crash ``mark``: the stream is whole, the entry's work is done."""
         producer = self._producers[envelope.request_id]
+        await anyio.to_thread.run_sync(self._emitters[envelope.request_id].wait)  # the last chunk's publish
         if isinstance(output, FinalOutput):
             raise ConfigError(f"stage {self.stage.name!r} streamed chunks and then returned a FinalOutput")
         await producer.close(output)
@@ -149,6 +165,7 @@ class Streaming:
     def forget(self, envelope: Envelope) -> None:
         """The entry is settled: drop its producer."""
         self._producers.pop(envelope.request_id, None)
+        self._emitters.pop(envelope.request_id, None)
 
     async def _hand_on(self, envelope: Envelope, next_stage: str) -> None:
         """XADD the stream's envelope (version 2) to the next stage and wake it."""
@@ -202,6 +219,37 @@ class Streaming:
             yield Incoming(payload=stream, transport=Transport.NONE, nbytes=0, seconds=0.0)
         finally:
             await reader.aclose()
+
+
+Publish = Callable[[Any, bool], Coroutine[Any, Any, None]]
+
+
+class Emitter:
+    """A model's ``emit_chunk``: called in its thread, it starts the chunk's publishing on the event loop
+    and returns, so the model computes the next chunk meanwhile; it first waits for the previous chunk's
+    publishing (one in flight, announcements in order) and raises what that raised.  The chunk's tensors
+    are the stage's from then on: the model makes new ones for the next chunk.  Without a portal (a
+    worker not serving, in tests) the publishing is done before it returns."""
+
+    def __init__(self, publish: Publish, portal: BlockingPortal | None) -> None:
+        self._publish = publish
+        self._portal = portal
+        self._last: concurrent.futures.Future[None] | None = None
+        self.emitted = 0
+
+    def __call__(self, payload: Any, final: bool = False) -> None:
+        self.wait()
+        self.emitted += 1
+        if self._portal is None:
+            anyio.from_thread.run(self._publish, payload, final)
+        else:
+            self._last = self._portal.start_task_soon(self._publish, payload, final)
+
+    def wait(self) -> None:
+        """Block until the chunk in flight is published; raise what its publishing raised."""
+        last, self._last = self._last, None
+        if last is not None:
+            last.result()
 
 
 def is_chunked(envelope: Envelope) -> bool:

@@ -265,6 +265,7 @@ class StageWorker:
         await self._with_redis_retry(self.stream.ensure_group)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.heartbeat.run)
+            await tg.start(self.streaming.run)  # the portal a streaming model's chunks go out through
             if self.sweeper is not None:  # the first stage holds the client-written keys to their bounds
                 tg.start_soon(self.sweeper.run)
             task_status.started()
