@@ -37,6 +37,7 @@ from stageferry.broker.data.staging import materialize
 from stageferry.config import GroupLayout, PipelineConfig, StageConfig
 from stageferry.errors import (
     CancelledRequestError,
+    ConfigError,
     GroupBrokenError,
     StageFailedError,
     StageferryError,
@@ -49,7 +50,7 @@ from stageferry.stages.chunk_fanout import close_fanned, fan_out, follower_strea
 from stageferry.stages.chunk_stream import ChunkStream
 from stageferry.stages.grid import build_channel
 from stageferry.stages.group_channel import GroupChannel, MessageKind
-from stageferry.stages.model import StageContext, StageModel
+from stageferry.stages.model import StageContext, StageModel, takes_chunks
 from stageferry.stages.placement import StagePlacement
 from stageferry.stages.worker import ProgressSink, WorkItem
 
@@ -162,6 +163,12 @@ class GroupCompute:
 
     def _run(self, item: WorkItem, progress: ProgressSink) -> Any:
         chunked = isinstance(item.payload, ChunkStream)  # a streamed payload: each chunk is fanned out
+        if chunked and not takes_chunks(self.model):  # refused before any rank hears of the job
+            raise ConfigError(
+                f"stage {self.stage.name!r} got a streamed payload, but its model does not take chunks "
+                "(takes_chunks = True): stream only into stages whose models take chunks",
+                stage=self.stage.name,
+            )
         manifest, regions = (None, None) if chunked else _packed(item)
         header = {
             "request_id": item.request_id,

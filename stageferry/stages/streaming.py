@@ -37,7 +37,7 @@ from stageferry.broker.control.streams import Entry, StageStream
 from stageferry.broker.data import metrics
 from stageferry.broker.data.connector import Connector, Incoming
 from stageferry.config import PipelineConfig, StageConfig
-from stageferry.errors import ConfigError, EnvelopeError
+from stageferry.errors import ConfigError, ControlPlaneError, EnvelopeError, GroupBrokenError
 from stageferry.logs import bound_request
 from stageferry.schemas import Envelope, Transport, request_key
 from stageferry.schemas.envelope import ENVELOPE_VERSION
@@ -217,6 +217,13 @@ class Streaming:
         stream = ChunkStream(next_chunk, anext_chunk)
         try:
             yield Incoming(payload=stream, transport=Transport.NONE, nbytes=0, seconds=0.0)
+        except GroupBrokenError:
+            raise  # the entry stays pending: the consumer that takes it over decides
+        except BaseException:  # the request ends here (failed, cancelled): the producer need not go on
+            if not reader.ended:
+                with anyio.CancelScope(shield=True), contextlib.suppress(ControlPlaneError):
+                    await self.channel.abandon(reader.sid, why="stopped")
+            raise
         finally:
             await reader.aclose()
 

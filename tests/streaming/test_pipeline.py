@@ -216,5 +216,30 @@ def test_a_chunk_that_does_not_come_ends_the_request_chunk_timeout(tmp_path: Pat
         r = sync_redis.Redis.from_url(redis_url)
         stream = svc.keys.stage_stream("encoder")
         wait_for(lambda: r.xpending(stream, "encoder")["pending"] == 0, 60, "the producer's entry to be settled")
+        assert len(events(svc, rid, "chunk.put")) <= 3  # it stopped at its window instead of waiting there
         assert [e.raw["index"] for e in events(svc, rid, "chunk.put")] == [0, 1]
         assert client.status(rid).error.code == "chunk_timeout"  # and the request's record stands
+
+
+def test_a_stream_into_a_model_that_takes_whole_payloads_fails_typed(
+    tmp_path: Path, redis_url: str, prefix: str
+) -> None:
+    path = write_pipeline(
+        tmp_path / "pipeline.toml",
+        [STAGES[0], {"name": "diffusion", "model": "tests.models:factory"}],  # a whole-payload consumer
+        timeouts={"visibility": 3.0, "claim_renew_every": 0.5},
+        streaming={"chunk_timeout_s": 30.0, "max_chunks_in_flight": 2},
+        data_plane={"connector": "nixl"},
+    )
+    with Services(tmp_path, redis_url=redis_url, prefix=prefix, pipeline=path, extra_env={}) as svc:
+        svc.start("encoder", "a")
+        svc.start("diffusion", "a")
+        client = svc.client()
+        rid = client.submit(job("stream chunks:8 every:1"))  # more than the window: the producer would wait
+        status = client.wait(rid, timeout=90)
+        assert status.state is RequestState.FAILED, svc.logs()
+        assert status.error is not None and status.error.code == "config" and "takes_chunks" in status.error.message
+        # and the producer was told to stop (no chunk will be applied): it does not wait out producer_wait_s
+        r = sync_redis.Redis.from_url(redis_url)
+        stream = svc.keys.stage_stream("encoder")
+        wait_for(lambda: r.xpending(stream, "encoder")["pending"] == 0, 60, "the producer's entry to be settled")
