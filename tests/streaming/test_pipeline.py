@@ -31,13 +31,14 @@ def make(
     *,
     streaming: dict[str, Any] | None = None,
     consumer_tp: int = 1,
+    producer_tp: int = 1,
     **data_plane: Any,
 ) -> Services:
     marks = tmp_path / "marks"
     marks.mkdir()
     path = write_pipeline(
         tmp_path / "pipeline.toml",
-        [STAGES[0], {**STAGES[1], "tp": consumer_tp}],
+        [{**STAGES[0], "tp": producer_tp}, {**STAGES[1], "tp": consumer_tp}],
         timeouts={"visibility": 3.0, "claim_renew_every": 0.5, "resend": 2.0},
         limits={"max_recomputes": 2},
         streaming={"chunk_timeout_s": 30.0, "max_chunks_in_flight": 2, **(streaming or {})},
@@ -189,7 +190,7 @@ def test_backpressure_holds_a_producer_ahead_of_a_slow_consumer(tmp_path: Path, 
 
 
 def test_the_consumer_leader_fans_each_chunk_out_to_its_ranks(tmp_path: Path, redis_url: str, prefix: str) -> None:
-    with make(tmp_path, redis_url, prefix, consumer_tp=2) as svc:
+    with make(tmp_path, redis_url, prefix, consumer_tp=2, producer_tp=2) as svc:  # the producer's leader streams
         svc.start("encoder", "a")
         svc.start("diffusion", "a")
         client = svc.client()
