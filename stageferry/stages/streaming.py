@@ -147,9 +147,7 @@ class Streaming:
             raise ConfigError(f"stage {self.stage.name!r} streamed chunks and then returned a FinalOutput")
         await producer.close(output)
         with translated():
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.delete(mark.key)
-                await pipe.execute()
+            await self.redis.delete(mark.key)
         mark.cleared = True
         if not await self.stream.ack(entry.id):
             log.warning("worker.stream_ack_lost", entry=entry.id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -16,6 +17,7 @@ from structlog.testing import capture_logs
 
 from stageferry.broker.control.chunks import ChunkChannel, StreamId
 from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_conn import open_client
 from stageferry.broker.data.inline import InlineConnector
 from stageferry.config import Streaming
 from stageferry.errors import ChunkTimeoutError, PayloadUnavailableError, StreamAbandonedError
@@ -23,6 +25,7 @@ from stageferry.schemas import NoPayload, request_key
 from stageferry.schemas.chunks import ChunkAnnouncement
 from stageferry.stages.chunk_input import ChunkReader
 from stageferry.stages.chunk_output import ChunkProducer
+from tests.security.servers import AclRedis
 
 pytestmark = pytest.mark.anyio
 
@@ -184,3 +187,19 @@ async def test_a_redelivered_consumer_that_had_taken_chunks_restarts_the_request
         await prod.emit(chunk(1))
     with pytest.raises(StreamAbandonedError):  # and a stale entry of the old attempt does not start
         await ChunkReader(channel, connector(), SID, timeout_s=5.0).check_start()
+
+
+async def test_the_chunk_channel_runs_as_the_stage_acl_user(tmp_path: Path, prefix: str) -> None:
+    """Every command a stream's control plane sends is one the stage ACL user holds (stageferry.acl)."""
+    with AclRedis(tmp_path, prefix) as server:
+        async with open_client(server.url("stageferry")) as client:
+            acl = ChunkChannel(client, Keys(prefix), ttl_s=60)
+            await announce(acl, 0)
+            [record] = await acl.read(SID, "0", block_ms=10, applied=None)
+            assert record.announcement.index == 0
+            assert await acl.raise_to(SID, "taken", 0) == 0  # the script is loaded now: the next read pipelines it
+            assert await acl.read(SID, record.entry_id, block_ms=10, applied=0) == []
+            assert await acl.open_once(SID) and not await acl.open_once(SID)
+            await acl.abandon(SID, why="stopped")
+            state = await acl.state(SID)
+            assert (state.applied, state.taken, state.opened, state.stopped) == (0, 0, True, True)

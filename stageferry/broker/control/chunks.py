@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from redis.exceptions import NoScriptError
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import translated
@@ -37,6 +38,17 @@ if new > cur then
 end
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 return cur
+"""
+
+#: KEYS: state hash. ARGV: ttl. Sets ``opened`` unless set: 1 for the first caller, else 0 (commands the
+#: stage ACL user holds: no HSETNX).
+_OPEN_ONCE = """
+if redis.call('HGET', KEYS[1], 'opened') then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'opened', '1')
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+return 1
 """
 
 
@@ -82,6 +94,8 @@ class ChunkChannel:
         self.keys = keys
         self.ttl_s = ttl_s
         self._raise = redis.register_script(_RAISE)
+        self._raise_loaded = False  #: the raise script is known to the server (it ran once)
+        self._open_once = redis.register_script(_OPEN_ONCE)
 
     def _keys(self, sid: StreamId) -> tuple[str, str]:
         return (
@@ -107,14 +121,21 @@ class ChunkChannel:
         the first; an entry that does not parse is an :class:`EnvelopeError` (only stages write here).
         ``applied``: raise ``applied`` to it first, in the same round trip (the consumer's hot path)."""
         stream, state = self._keys(sid)
+        if applied is not None and not self._raise_loaded:  # the first one loads the script (EVALSHA only)
+            await self.raise_to(sid, "applied", applied)
+            applied = None
         with translated():
             if applied is None:
                 reply = await self.redis.xread({stream: after}, count=64, block=max(1, block_ms))
             else:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    await self._raise(keys=[state], args=["applied", applied, self.ttl_s], client=pipe)
-                    pipe.xread({stream: after}, count=64, block=max(1, block_ms))
-                    _, reply = await pipe.execute()
+                try:  # by its digest (the stage ACL user may not EVAL, nor ask SCRIPT EXISTS)
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        pipe.evalsha(self._raise.sha, 1, state, "applied", applied, self.ttl_s)
+                        pipe.xread({stream: after}, count=64, block=max(1, block_ms))
+                        _, reply = await pipe.execute()
+                except NoScriptError:  # the server lost its scripts (a restart): load it again
+                    self._raise_loaded = False
+                    return await self.read(sid, after, block_ms=block_ms, applied=applied)
         records: list[ChunkRecord] = []
         for _name, rows in reply or []:
             for raw_id, fields in rows:
@@ -140,17 +161,15 @@ class ChunkChannel:
             raise ValueError(f"not a chunk index field: {field!r}")
         _, state = self._keys(sid)
         with translated():
-            return int(await self._raise(keys=[state], args=[field, index, self.ttl_s]))
+            value = int(await self._raise(keys=[state], args=[field, index, self.ttl_s]))
+        self._raise_loaded = True
+        return value
 
     async def open_once(self, sid: StreamId) -> bool:
         """Mark the stream handed on; True only for the first caller (a recomputing producer gets False)."""
         _, state = self._keys(sid)
         with translated():
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hsetnx(state, "opened", "1")
-                pipe.expire(state, self.ttl_s)
-                first, _ = await pipe.execute()
-        return bool(first)
+            return bool(int(await self._open_once(keys=[state], args=[self.ttl_s])))
 
     async def abandon(self, sid: StreamId, *, why: str = "abandoned") -> None:
         """The consumer restarts the request under a later attempt (``abandoned``), or gave up on it
