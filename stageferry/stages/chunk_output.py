@@ -85,10 +85,6 @@ class ChunkProducer:
         #: (and once at the start, for the chunks a recomputed stream skips): one round trip a chunk fewer.
         self._applied: int | None = None
 
-    @property
-    def started(self) -> bool:
-        return self.next_index > 0
-
     async def emit(self, payload: Any, final: bool = False) -> None:
         """Publish the next chunk (see the module docstring)."""
         if self.closed:
