@@ -41,6 +41,7 @@ from stageferry.config import (
     Security,
     Settings,
     StageConfig,
+    Streaming,
     Timeouts,
 )
 from stageferry.schemas import JobRequest
@@ -245,12 +246,13 @@ PIPELINE_SECTIONS: tuple[tuple[str, type[BaseModel], tuple[str, ...]], ...] = (
     (
         "top level",
         PipelineConfig,
-        ("stages", "aggregated", "data_plane", "timeouts", "limits", "retention", "security"),
+        ("stages", "aggregated", "data_plane", "timeouts", "streaming", "limits", "retention", "security"),
     ),
     ("[[stages]]", StageConfig, ("parts",)),
     ("[aggregated]", AggregatedConfig, ()),
     ("[data_plane]", DataPlaneConfig, ()),
     ("[timeouts]", Timeouts, ()),
+    ("[streaming]", Streaming, ()),
     ("[limits]", Limits, ()),
     ("[retention]", Retention, ()),
     ("[security]", Security, ()),

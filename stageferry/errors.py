@@ -39,6 +39,9 @@ a request's failed/rejected status shows, so that clients branch on codes, never
     │   └── StageCrashedError        the stage process died holding it, max_crashes times in a row
     ├── StatusCorruptError           a request's stored status does not parse, or names another request
     ├── DeadlineExceededError        the request's deadline passed
+    ├── ChunkTimeoutError            a streamed payload's next chunk did not come (or was not taken) in time
+    ├── StreamAbandonedError         a streamed payload's consumer restarted the request under a later
+    │                                attempt: this producer's run stops, writing nothing
     ├── RequestLostError             the request's record vanished (a Redis without persistence restarted)
     ├── RequestNotFoundError         no such request, and the caller would not wait for it to appear
     └── CancelledRequestError        the client cancelled the request (or gave up waiting, and cancelled it)
@@ -249,6 +252,22 @@ class DeadlineExceededError(StageferryError):
     code = "deadline_exceeded"
 
 
+class ChunkTimeoutError(StageferryError):
+    """A streamed payload stalled: its next chunk was not announced within ``streaming.chunk_timeout_s``
+    (consumer side), or the consumer applied none for ``streaming.producer_wait_s`` (producer side).  Ends
+    the request ``failed``: a chunk is never waited for forever."""
+
+    code = "chunk_timeout"
+
+
+class StreamAbandonedError(StageferryError):
+    """The consumer of a streamed payload started the request again under a later attempt (it lost chunks
+    it had taken): the producer's run of the old attempt stops, and its entry is acknowledged without a
+    status (the new attempt owns the request)."""
+
+    code = "stream_abandoned"
+
+
 class RequestLostError(StageferryError):
     """A waited-on request's record (and its submission marker) disappeared: Redis lost it.  At a stage:
     the entry in hand is no longer held (:mod:`stageferry.broker.control.held`), and its request is ended
@@ -336,6 +355,7 @@ OUTCOMES: Mapping[type[StageferryError], Outcome] = MappingProxyType(
         DeadLetteredError: Outcome(RequestState.FAILED, EntryAction.DEAD_LETTER, "dead_lettered"),
         StatusCorruptError: Outcome(RequestState.FAILED, EntryAction.DEAD_LETTER, "dead_lettered"),
         DeadlineExceededError: Outcome(RequestState.FAILED, EntryAction.ACK, "deadline_exceeded"),
+        StreamAbandonedError: Outcome(None, EntryAction.ACK, "stream_abandoned"),
         CancelledRequestError: Outcome(RequestState.CANCELLED, EntryAction.ACK, "cancelled"),
         RequestLostError: Outcome(RequestState.FAILED, EntryAction.DROP, "lost"),
     }

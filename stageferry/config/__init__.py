@@ -12,7 +12,7 @@ Every name is importable from here (``from stageferry.config import PipelineConf
 
 from stageferry.config.base import GiB, KiB, MiB, Strict
 from stageferry.config.data_plane import ConnectorKind, DataPlaneConfig, MetadataMode
-from stageferry.config.limits import DEFAULT_MAX_PIXEL_FRAMES, Limits, Retention, Security, Timeouts
+from stageferry.config.limits import DEFAULT_MAX_PIXEL_FRAMES, Limits, Retention, Security, Streaming, Timeouts
 from stageferry.config.pipeline import DEFAULT_STAGES, AggregatedConfig, Mode, PipelineConfig
 from stageferry.config.settings import Settings
 from stageferry.config.stages import (
@@ -46,6 +46,7 @@ __all__ = [
     "Security",
     "Settings",
     "StageConfig",
+    "Streaming",
     "Strict",
     "Timeouts",
 ]

@@ -52,6 +52,17 @@ class Timeouts(Strict):
 DEFAULT_MAX_PIXEL_FRAMES = 1344 * 768 * 241
 
 
+class Streaming(Strict):
+    """Chunked streaming between stages (docs/streaming.md); values in seconds and chunks."""
+
+    max_chunks_in_flight: Annotated[int, Field(ge=1, le=1024)] = 4
+    """Chunks a producer may announce ahead of what its consumer applied (per request; the pool bounds the stage)."""
+    chunk_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    """A consumer waits this long for the next chunk (from the last one), then fails the request ``chunk_timeout``."""
+    producer_wait_s: Annotated[float, Field(gt=0, le=86_400)] = 300.0
+    """A producer held by back-pressure waits this long for its consumer to apply a chunk, then fails."""
+
+
 class Limits(Strict):
     """Deployment limits checked on every job, beyond the schema's hard bounds.
 

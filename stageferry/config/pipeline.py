@@ -15,7 +15,7 @@ from pydantic import (
 
 from stageferry.config.base import Strict
 from stageferry.config.data_plane import DataPlaneConfig
-from stageferry.config.limits import Limits, Retention, Security, Timeouts
+from stageferry.config.limits import Limits, Retention, Security, Streaming, Timeouts
 from stageferry.config.stages import AGGREGATED_MODEL, GroupLayout, StageConfig, _Devices
 from stageferry.config_errors import describe
 from stageferry.errors import ConfigError
@@ -60,6 +60,7 @@ class PipelineConfig(Strict):
     stages: Annotated[tuple[StageConfig, ...], Field(min_length=1, max_length=16)] = DEFAULT_STAGES
     data_plane: DataPlaneConfig = DataPlaneConfig()
     timeouts: Timeouts = Timeouts()
+    streaming: Streaming = Streaming()
     limits: Limits = Limits()
     retention: Retention = Retention()
     security: Security = Security()

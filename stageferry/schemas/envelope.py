@@ -21,6 +21,9 @@ read past.
 Schema version history:
   1 — first version.  Entry field ``lease`` added later (written by stages since issue 20's third round;
   a stage of an earlier release refuses such an entry, so upgrade the consuming stages first).
+  2 — the payload may be :class:`~stageferry.schemas.payload.ChunkedPayload` (issue 40: chunked
+  streaming), and only in version 2; every other envelope is still written as version 1, so a reader of
+  version 1 keeps reading them and refuses a chunked one as ``invalid_envelope`` (typed, dead-lettered).
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from stageferry.schemas.job import Frozen, JobRequest, RequestId
-from stageferry.schemas.payload import NixlPayload, NoPayload, PayloadRef
+from stageferry.schemas.payload import ChunkedPayload, NixlPayload, NoPayload, PayloadRef
 from stageferry.schemas.status import StageTiming
 
-ENVELOPE_VERSION = 1
+ENVELOPE_VERSION = 2
+#: The version an envelope without chunks is written as (readers of version 1 keep working).
+ENVELOPE_BASE_VERSION = 1
 #: The fields a stage stream entry may have (see the module docstring).
 ENTRY_FIELDS = frozenset({"request_id", "job", "envelope", "blob", "lease", "ticket", "tenant"})
 StageName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
@@ -58,7 +63,7 @@ class TraceContext(Frozen):
 class Envelope(Frozen):
     """A request handed from one stage to the next."""
 
-    schema_version: Literal[1] = 1
+    schema_version: Literal[1, 2] = 1
     request_id: RequestId
     key: Annotated[str, Field(max_length=200)]
     from_stage: StageName
@@ -78,4 +83,12 @@ class Envelope(Frozen):
             payload.agent.startswith(f"{self.from_stage}-") and payload.agent.endswith(f"-{payload.incarnation[:8]}")
         ):
             raise ValueError(f"NIXL agent {payload.agent!r} is not an agent of stage {self.from_stage!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _chunks_need_version_2(self) -> Envelope:
+        """A chunked payload is version 2's, and version 2 is a chunked payload's: a version-1 reader
+        must never take a stream for a whole payload."""
+        if isinstance(self.payload, ChunkedPayload) != (self.schema_version == 2):
+            raise ValueError("a chunked payload travels in an envelope of schema_version 2, and only it")
         return self

@@ -8,6 +8,9 @@ inline as one binary field of the stream entry; never pickled.
 
 Protocol version history:
   1 — first version: one region per memory kind, 64-byte aligned offsets.
+  1 (issue 40) — reference kind ``chunks`` (:class:`ChunkedPayload`): the payload comes as a stream of
+  chunks, each announced with its own reference (:mod:`stageferry.schemas.chunks`).  It travels only in
+  an envelope of version 2, which an earlier reader refuses as ``invalid_envelope``.
 """
 
 from __future__ import annotations
@@ -138,4 +141,15 @@ class NixlPayload(Frozen):
     record: descriptors are only READ when they are exactly the ones the producer leased under that token."""
 
 
-PayloadRef = Annotated[NoPayload | InlinePayload | NixlPayload, Field(discriminator="kind")]
+class ChunkedPayload(Frozen):
+    """The payload comes in chunks ``<request>_<stage>_<n>``, each announced on the request's chunk stream
+    (``Keys.chunks``) with its own inline or NIXL reference, the last one marked ``final``; the consumer
+    takes them in order (:mod:`stageferry.stages.chunk_input`)."""
+
+    kind: Literal["chunks"] = "chunks"
+    chunk_version: Literal[1] = 1
+    #: At most this many chunks are announced and not yet applied by the consumer (the producer waits).
+    max_in_flight: Annotated[int, Field(ge=1, le=1024)] = 4
+
+
+PayloadRef = Annotated[NoPayload | InlinePayload | NixlPayload | ChunkedPayload, Field(discriminator="kind")]

@@ -37,6 +37,7 @@ from stageferry.broker.data.staging import materialize
 from stageferry.config import GroupLayout, PipelineConfig, StageConfig
 from stageferry.errors import (
     CancelledRequestError,
+    ConfigError,
     GroupBrokenError,
     StageFailedError,
     StageferryError,
@@ -45,9 +46,11 @@ from stageferry.errors import (
 from stageferry.heap import settle_heap
 from stageferry.logs import bound_request
 from stageferry.schemas import DeviceKind, JobRequest, Manifest
+from stageferry.stages.chunk_fanout import close_fanned, fan_out, follower_stream
+from stageferry.stages.chunk_stream import ChunkStream
 from stageferry.stages.grid import build_channel
 from stageferry.stages.group_channel import GroupChannel, MessageKind
-from stageferry.stages.model import StageContext, StageModel
+from stageferry.stages.model import StageContext, StageModel, takes_chunks
 from stageferry.stages.placement import StagePlacement
 from stageferry.stages.worker import ProgressSink, WorkItem
 
@@ -95,9 +98,11 @@ def rank_context(
     media: dict[str, bytes],
     progress: ProgressSink | None = None,
     output_tensors: Callable[[Any], Any] | None = None,
+    emit_chunk: Callable[..., None] | None = None,
 ) -> StageContext:
     return StageContext(
         output_tensors=output_tensors or materialize,
+        emit_chunk=emit_chunk or (lambda payload, final=False: None),
         stage=stage.name,
         device=channel.device,
         request_id=request_id,
@@ -157,12 +162,20 @@ class GroupCompute:
         return await anyio.to_thread.run_sync(self._run, item, progress)
 
     def _run(self, item: WorkItem, progress: ProgressSink) -> Any:
-        manifest, regions = _packed(item)
+        chunked = isinstance(item.payload, ChunkStream)  # a streamed payload: each chunk is fanned out
+        if chunked and not takes_chunks(self.model):  # refused before any rank hears of the job
+            raise ConfigError(
+                f"stage {self.stage.name!r} got a streamed payload, but its model does not take chunks "
+                "(takes_chunks = True): stream only into stages whose models take chunks",
+                stage=self.stage.name,
+            )
+        manifest, regions = (None, None) if chunked else _packed(item)
         header = {
             "request_id": item.request_id,
             "key": item.key,
             "job": item.job.model_dump_json(),
             "sent_at": time.time(),
+            "chunked": chunked,
         }
         ctx = rank_context(
             self.stage,
@@ -173,7 +186,10 @@ class GroupCompute:
             media=item.media,
             progress=progress,
             output_tensors=item.output_tensors,
+            emit_chunk=item.emit_chunk,
         )
+        if chunked and self.channel.world_size > 1:
+            fan_out(item.payload, self.channel, pack=pack_payload)
         with self._lock, self._collectives():
             started = time.perf_counter()
             self.channel.send(MessageKind.JOB, header, media=item.media, manifest=manifest, buffers=regions)
@@ -190,6 +206,8 @@ class GroupCompute:
                 output = self.model(item.job, item.payload, ctx)
             except Exception as exc:
                 error = exc
+                if chunked and self.channel.world_size > 1 and not item.payload.ended:
+                    close_fanned(self.channel, exc)  # followers may wait for a chunk that will not come
             # A dead rank makes this fail too, and then the group — not the request — is what broke.
             any_failed = self.channel.any_failed(error is not None)
             self._last_sent = time.monotonic()
@@ -299,6 +317,9 @@ def follow(model: StageModel, stage: StageConfig, pipeline: PipelineConfig, chan
             return
         if message.kind is MessageKind.NOOP:
             continue
+        if message.kind is MessageKind.CHUNK:  # the end of a stream this rank's model had left already
+            log.debug("group.stray_chunk", stage=stage.name, rank=channel.rank)
+            continue
         request_id = str(header.get("request_id", ""))
         with bound_request(request_id, key=header.get("key"), stage=stage.name, rank=channel.rank):
             if message.kind is MessageKind.FAIL:
@@ -307,7 +328,7 @@ def follow(model: StageModel, stage: StageConfig, pipeline: PipelineConfig, chan
             failed = False
             try:
                 job = JobRequest.model_validate_json(header["job"])
-                payload = message.payload
+                payload = follower_stream(channel) if header.get("chunked") else message.payload
                 ctx = rank_context(
                     stage, pipeline, channel, request_id=request_id, key=str(header.get("key")), media=message.media
                 )

@@ -16,6 +16,8 @@ from stageferry.schemas import DeviceKind, Manifest
 
 class MessageKind(enum.StrEnum):
     JOB = "job"
+    #: one chunk of a streamed payload (a job's header says ``chunked``), or its end / the leader's error
+    CHUNK = "chunk"
     FAIL = "fail"
     NOOP = "noop"
     STOP = "stop"

@@ -24,6 +24,18 @@ shape, dtype and device) — and write its results into the answer (``out=`` for
 leader those tensors are the next hop's pool slot, so the put copies nothing; a payload returned with
 another layout, or tensors made elsewhere, are copied as usual.  The answer is valid until the model
 returns; the stage frees it if the model raises or the request ends otherwise.
+
+Streaming (docs/streaming.md; opt-in, whole-payload models are unaffected): a producer model may hand its
+output on in chunks with ``ctx.emit_chunk(chunk)`` — each a payload of its own, put and announced at
+once, so the next stage starts on chunk 0 while this one computes chunk 1 — and ``emit_chunk(chunk,
+final=True)`` for the last, or return after its last ``emit_chunk`` (a returned payload is then the final
+chunk, ``None`` only closes the stream).  A chunk is published while the model computes the next one, so
+its tensors are the stage's once emitted: make new ones for the next chunk.  ``emit_chunk`` blocks while the consumer is
+``streaming.max_chunks_in_flight`` chunks behind (back-pressure).  A consumer model that sets
+``takes_chunks = True`` receives a :class:`~stageferry.stages.streaming.ChunkStream` as its payload when
+its producer streams: iterate it (``for chunk in payload``, in the model's thread; ``async for`` from a
+coroutine) for the chunks in order; each is valid until the next is asked for.  A whole payload still
+comes as itself, so such a model handles both.
 """
 
 from __future__ import annotations
@@ -73,6 +85,9 @@ class StageContext:
     #: NIXL they live in a registered pool slot and the hand-on copies nothing; elsewhere (followers, the
     #: last stage, inline payloads, a full pool) they are ordinary fresh tensors.  Call it from the model.
     output_tensors: Callable[[Any], Any] = materialize
+    #: ``emit_chunk(payload, final=False)``: hand the next stage one chunk of the output now (see the module
+    #: docstring).  On followers a no-op (only the leader's chunks are used).
+    emit_chunk: Callable[..., None] = lambda payload, final=False: None
 
     def __post_init__(self) -> None:
         if self.tp_size == 0:
@@ -106,6 +121,11 @@ def input_contract_of(model: Any) -> InputContract | None:
             f"{type(contract).__name__}"
         )
     return contract
+
+
+def takes_chunks(model: Any) -> bool:
+    """Whether ``model`` takes a streamed payload as chunks (``takes_chunks = True``)."""
+    return getattr(model, "takes_chunks", False) is True
 
 
 def refuse_task(job: JobRequest, tasks: Collection[Task], *, model: str) -> None:

@@ -64,6 +64,7 @@ from stageferry.stages.entry_guard import CrashMark, EntryGuard
 from stageferry.stages.handoff import HandOn
 from stageferry.stages.leader import build_leader
 from stageferry.stages.outcomes import Outcomes
+from stageferry.stages.streaming import ChunkStream, Streaming, is_chunked
 
 log = structlog.get_logger(__name__)
 #: How often the leader looks at the cancel flag (and publishes progress) while the model runs.
@@ -85,6 +86,8 @@ class WorkItem:
     regions: Mapping[DeviceKind, Any] | None = None
     #: The leader model's ``StageContext.output_tensors`` (from the model's thread), or None for the default.
     output_tensors: Callable[[Any], Any] | None = None
+    #: The leader model's ``StageContext.emit_chunk`` (:mod:`stageferry.stages.streaming`), or None.
+    emit_chunk: Callable[..., None] | None = None
 
 
 class Compute(Protocol):
@@ -169,6 +172,17 @@ class StageWorker:
         )
         self.admission = Admission(leader)
         self.hand = HandOn(leader, self.outcomes)
+        self.streaming = Streaming(
+            redis=redis,
+            keys=keys,
+            pipeline=pipeline,
+            stage=stage,
+            stream=leader.stream,
+            store=leader.store,
+            input_connector=input_connector,
+            output_connector=output_connector,
+            records=leader.records,
+        )
         bounds = client_key_bounds(
             keys, request_ttl_s=pipeline.retention.request_ttl_s, max_upload_bytes=pipeline.limits.max_upload_bytes
         )
@@ -205,6 +219,7 @@ class StageWorker:
         await self._with_redis_retry(self.stream.ensure_group)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.heartbeat.run)
+            await tg.start(self.streaming.run)  # the portal a streaming model's chunks go out through
             if self.sweeper is not None:  # the first stage holds the client-written keys to their bounds
                 tg.start_soon(self.sweeper.run)
             task_status.started()
@@ -272,6 +287,7 @@ class StageWorker:
                             await self._run(entry, envelope, mark, looked)
                         finally:  # put or not: free output buffers the model was handed and no put took
                             self.hand.unstage(envelope)
+                            self.streaming.forget(envelope)
             except GroupBrokenError:
                 raise  # leave the entry pending: the replica stops and another one reclaims it
             except RequestIdTakenError as exc:  # another job's id: nothing of this entry reaches its trace
@@ -325,6 +341,8 @@ class StageWorker:
             async with self._fetch(envelope, entry) as incoming:
                 await self._check_input(envelope.job, incoming.payload)
                 output = await self._compute_holding_claim(entry, envelope, incoming, progress, media)
+                if isinstance(incoming.payload, ChunkStream):  # the hop is its chunks'
+                    incoming = incoming.payload.stats.incoming()
         except (DataPlaneError, ManifestError, PayloadContractError) as exc:
             # the leader's miss, or its refusal before the fan-out: the other ranks must hear it too
             await self.compute.abort(envelope.request_id, envelope.key, exc)
@@ -340,7 +358,9 @@ class StageWorker:
             route=incoming.route[:512] if incoming.route else None,
         )
         metrics.STAGE_SECONDS.labels(self.stage.name).observe(timing.seconds)
-        if self.next_stage is None:
+        if self.streaming.streamed(envelope):
+            await self.streaming.finish(entry, envelope, output, mark=mark)
+        elif self.next_stage is None:
             await self.hand.store_result(entry, envelope, output, timing, mark=mark)
         else:
             await self.hand.hand_on(entry, envelope, output, timing, mark=mark)
@@ -349,7 +369,7 @@ class StageWorker:
         """Check the payload against the model's declared input contract — once, on the leader, before
         the fan-out — so that a producer's mistake ends ``rejected`` naming the entry instead of
         ``failed`` deep inside a model on every rank.  The scan runs off the event loop."""
-        if self.input_contract is None or self.previous_stage is None:
+        if self.input_contract is None or self.previous_stage is None or isinstance(payload, ChunkStream):
             return
         started = time.perf_counter()
         await anyio.to_thread.run_sync(functools.partial(self.input_contract.check, job, payload))
@@ -358,6 +378,8 @@ class StageWorker:
     def _fetch(self, envelope: Envelope, entry: Entry) -> Any:
         if envelope.payload.kind == "none" or self.input_connector is None:
             return holding(Incoming(payload=None, transport=Transport.NONE, nbytes=0, seconds=0.0))
+        if is_chunked(envelope):
+            return self.streaming.open_input(envelope)
         lease = self.input_connector.lease_of(envelope.payload)
         claimed = entry.claimed(lease) if lease is not None else None
         return self.input_connector.get(envelope.payload, entry.fields.get("blob"), key=envelope.key, claimed=claimed)
@@ -375,6 +397,7 @@ class StageWorker:
             manifest=incoming.manifest,
             regions=incoming.regions,
             output_tensors=self.hand.output_tensors(envelope),
+            emit_chunk=self.streaming.emitter(envelope),
         )
         result: list[Any] = []
         failure: list[Exception] = []

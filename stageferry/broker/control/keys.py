@@ -9,6 +9,7 @@ followed by the bare request id.  Request ids cannot contain ``:`` nor glob char
 Written by stages only: ``<p>:req:<id>`` (hash: ``state``, ``status`` JSON, and the stages' own fields:
 the entry that owns each run, the crash marks of entries the stage died with; ``entry_records``),
 ``<p>:req-events:<id>`` (the trace stream), ``<p>:req-result:<id>`` (result bytes, TTL),
+``<p>:req-chunks:<id>:<stage index>:<attempt>`` and ``<p>:req-chunk-state:…`` (a streamed payload's chunks),
 ``<p>:refused:<ticket>`` and ``<p>:refused:<tenant>.<ticket>`` (why the first stage refused a submission),
 the dead-letter streams ``<p>:stage:<stage>:dlq``, heartbeats ``<p>:stage:<stage>:workers`` and the NIXL keys
 ``<p>:nixl:agent:<name>``, ``<p>:nixl:agents:<stage>``, ``<p>:nixl:claim:<token>``, ``<p>:nixl:resend:<agent>``,
@@ -63,6 +64,13 @@ class Keys:
 
     def events(self, request_id: str) -> str:
         return f"{self.prefix}:req-events:{request_id}"
+
+    def chunks(self, request_id: str, stage_index: int, attempt: int) -> str:
+        """The chunk announcements of a streamed payload from stage ``stage_index`` (:mod:`.chunks`)."""
+        return f"{self.prefix}:req-chunks:{request_id}:{stage_index}:{attempt}"
+
+    def chunk_state(self, request_id: str, stage_index: int, attempt: int) -> str:
+        return f"{self.prefix}:req-chunk-state:{request_id}:{stage_index}:{attempt}"
 
     def cancel(self, request_id: str) -> str:
         return f"{self.prefix}:req-cancel:{request_id}"
@@ -135,6 +143,9 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "that owns that run: dedup of resubmits) and `crash:<stage>:<entry>` (deliveries of that entry its stage "
     "died with: set before the work, cleared after)",
     "events": "stream: the request's trace (log events, status changes)",
+    "chunks": "stream: a streamed payload's chunk announcements (JSON `chunk`, inline `blob`), in order, TTL",
+    "chunk_state": "hash: a streamed payload's progress: `applied` (highest chunk index the consumer applied), "
+    "`taken` (a consumer began), `opened` (handed on), `abandoned`/`stopped` (restarted / given up), TTL",
     "cancel": "string: set when the client cancels",
     "submitted": "string: set by a client with its XADD (the request exists before a stage picks it up), TTL",
     "result": "string: the result bytes (e.g. the MP4), with a TTL",
