@@ -59,8 +59,9 @@ async def run_tree(tree: Path, args: argparse.Namespace, workdir: Path) -> tuple
 def _env(tree: Path) -> dict[str, str]:
     import os
 
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(tree)
+    env = dict(os.environ)
+    # the tree first; the caller's path after it (a device machine's carried wheels live there)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])
     return env
 
 

@@ -11,6 +11,9 @@
 #   same_gpu  torch device copy vs NIXL READ vs the same-GPU copy, 1 / 11 / 65 MB (benchmarks/same_gpu.py)
 #   cold_gpu  the first hop against warm hops on the GPU, peers connected on request vs ahead
 #             (benchmarks/cold_hop.py, T2VA and FL2VA sizes)
+#   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
+#             round's base (a copy of it carried as .base: `git archive <base> stageferry benchmarks tests
+#             pyproject.toml | tar -x -C .base`), benchmarks/commands_compare.py
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/issue39}
@@ -48,6 +51,8 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
     same_gpu) run_step "$s" 90 python3 benchmarks/same_gpu.py --iters 30 --warmup 5 --log "$out/same_gpu_producer.log" ;;
     cold_gpu) run_step "${s}_t2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 359024 --rounds 3 --hops 20
               run_step "${s}_fl2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 11158136 --rounds 3 --hops 20 ;;
+    commands) run_step "$s" 150 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \
+                python3 benchmarks/commands_compare.py --base .base --replicas 8 --requests 2000 --rounds 1 ;;
     *) echo "unknown step $s" >&2 ;;
   esac
 done

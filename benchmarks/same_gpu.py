@@ -50,7 +50,8 @@ PRODUCER, CONSUMER = "bench-enc", "bench-dif"
 
 def make(redis: Any, prefix: str, stage: str, pool: int, upstream: str | None = None) -> NixlConnector:
     config = DataPlaneConfig(inline_max_bytes=0, cpu_pool_bytes=64 * MiB, gpu_pool_bytes=pool,
-                             max_payload_bytes=1 << 30, inline_fallback_max_bytes=256 * MiB)  # fmt: skip
+                             max_payload_bytes=1 << 30, inline_fallback_max_bytes=256 * MiB,
+                             same_gpu_copy=True)  # fmt: skip
     return NixlConnector(
         redis=redis, keys=Keys(prefix), stage=stage, replica="bench", config=config,
         timeouts=Timeouts(pool_wait=120.0, lease=600.0, claim=600.0), cuda_device=torch.device("cuda", 0),

@@ -50,10 +50,12 @@ class DataPlaneConfig(Strict):
     1 by measurement: 2-8, with or without ``ucx_threads``, never beat one (``benchmarks/read_lanes.py``)."""
     read_lane_min_bytes: Annotated[int, Field(ge=64 * KiB, le=16 * GiB)] = 8 * MiB
     """Smallest DRAM region split into ``read_lanes`` descriptors."""
-    same_gpu_copy: bool = True
+    same_gpu_copy: bool = False
     """When a payload's producer is on this process's own GPU (same GPU UUID), copy its CUDA regions device
     to device through the producer's exported pool arena (CUDA IPC) instead of a NIXL READ; any failure
-    falls back to the READ.  Same leases, seal and release as the READ."""
+    falls back to the READ.  Same leases, seal and release as the READ.  Off by default, by measurement: on
+    an H200 the copy took what NIXL's own cuda_ipc READ takes (0.26-0.29 ms against 0.27-0.32 ms, 1-65 MB)
+    and the whole get was 0.05-0.08 ms slower (``benchmarks/same_gpu.py``)."""
     ucx_threads: Annotated[int, Field(ge=0, le=64)] = 0
     """Threads of NIXL's UCX backend (its ``num_threads``); above 0 a transfer's descriptors are spread over
     them.  0 (NIXL's default engine) by measurement: 4 or 8 threads made no DRAM READ faster."""

@@ -177,11 +177,12 @@ class NixlConnector(Connector):
 
     def _export_same_gpu(self) -> None:
         """Publish this GPU's UUID and, with a CUDA pool, its arena for same-GPU consumers (a failure only
-        means they READ over NIXL)."""
+        means they READ over NIXL).  Always published: whether a consumer copies through it is the
+        consumer's ``same_gpu_copy``."""
         ep = self.endpoint
         ep.gpu_uuid = gpu_uuid(ep.cuda_device)
         pool = ep.pools.pools.get(DeviceKind.CUDA) if ep.pools is not None else None
-        if ep.gpu_uuid is None or pool is None or not ep.config.same_gpu_copy:
+        if ep.gpu_uuid is None or pool is None:
             return
         try:
             exported = export_arena(pool.buffer, ep.gpu_uuid).to_json().encode()

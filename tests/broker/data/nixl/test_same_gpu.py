@@ -105,7 +105,7 @@ async def test_a_producer_not_usable_as_same_gpu_is_read_over_nixl(
     producer = start_producer("--payloads", "T2VA", "--hold", "go")
     await eventually(lambda: _async(index_entry(redis_url, prefix)), timeout=60, what="the producer's record")
     name = publish_as_gpu_producer(redis_url, prefix, uuid, cuda_ipc)
-    async with consumer(redis_url, prefix) as conn:
+    async with consumer(redis_url, prefix, same_gpu_copy=True) as conn:
         conn.endpoint.gpu_uuid = UUID  # this process is "on" GPU UUID
         producer.redis.set(f"{prefix}:test:go", 1)
         item = producer.take()
@@ -137,7 +137,7 @@ def vram_ref(nbytes: int, address: int) -> NixlPayload:
 
 
 async def test_the_copy_is_chosen_only_for_vram_regions_inside_the_mapped_arena(redis_url: str, prefix: str) -> None:
-    async with consumer(redis_url, prefix) as conn:
+    async with consumer(redis_url, prefix, same_gpu_copy=True) as conn:
         same = SameGpu(conn.endpoint)
         arena = IpcArena(exported(), torch.empty(0, dtype=torch.uint8))
         cuda_slot: Any = object()
@@ -183,7 +183,7 @@ async def test_a_producer_on_our_gpu_is_copied_device_to_device(
 ) -> None:
     dev = torch.device("cuda", 0)
     producer = start_producer("--payloads", f"{spec},{spec}", "--device", "cuda:0", "--hold", "go")
-    async with consumer(redis_url, prefix, cuda_device=dev, upstream="encoder") as conn:
+    async with consumer(redis_url, prefix, cuda_device=dev, upstream="encoder", same_gpu_copy=True) as conn:
         peer = await eventually(
             lambda: _async(next(iter(conn.peers.peers_of("encoder")), None)), timeout=60, what="connected"
         )
@@ -209,7 +209,7 @@ async def test_a_copy_that_fails_falls_back_to_the_read(
 ) -> None:
     dev = torch.device("cuda", 0)
     producer = start_producer("--payloads", "gpu:FL2VA", "--device", "cuda:0", "--hold", "go")
-    async with consumer(redis_url, prefix, cuda_device=dev, upstream="encoder") as conn:
+    async with consumer(redis_url, prefix, cuda_device=dev, upstream="encoder", same_gpu_copy=True) as conn:
         peer = await eventually(
             lambda: _async(next(iter(conn.peers.peers_of("encoder")), None)), timeout=60, what="connected"
         )
