@@ -25,19 +25,14 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import redis.asyncio as aioredis
 import structlog
 from anyio.from_thread import BlockingPortal
 
 from stageferry.broker.control.chunks import ChunkChannel, StreamId
-from stageferry.broker.control.entry_records import EntryRecords
-from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import translated
-from stageferry.broker.control.requests import RequestStore
-from stageferry.broker.control.streams import Entry, StageStream
+from stageferry.broker.control.streams import Entry
 from stageferry.broker.data import metrics
-from stageferry.broker.data.connector import Connector, Incoming
-from stageferry.config import PipelineConfig, StageConfig
+from stageferry.broker.data.connector import Incoming
 from stageferry.errors import ConfigError, ControlPlaneError, EnvelopeError, GroupBrokenError
 from stageferry.logs import bound_request
 from stageferry.schemas import Envelope, Transport, request_key
@@ -47,6 +42,7 @@ from stageferry.stages.chunk_input import ChunkReader
 from stageferry.stages.chunk_output import ChunkProducer
 from stageferry.stages.chunk_stream import Chunk, ChunkStream
 from stageferry.stages.entry_guard import CrashMark
+from stageferry.stages.leader import Leader
 from stageferry.stages.model import FinalOutput
 
 __all__ = ["Chunk", "ChunkStream", "Streaming"]
@@ -57,32 +53,17 @@ log = structlog.get_logger(__name__)
 class Streaming:
     """One stage leader's streams, in and out (see the module docstring)."""
 
-    def __init__(
-        self,
-        *,
-        redis: aioredis.Redis,
-        keys: Keys,
-        pipeline: PipelineConfig,
-        stage: StageConfig,
-        stream: StageStream,
-        store: RequestStore,
-        input_connector: Connector | None,
-        output_connector: Connector | None,
-        records: EntryRecords,
-    ) -> None:
-        self.redis = redis
-        self.records = records
-        self.keys = keys
-        self.pipeline = pipeline
-        self.stage = stage
-        self.stream = stream
-        self.store = store
-        self.input_connector = input_connector
-        self.output_connector = output_connector
+    def __init__(self, leader: Leader) -> None:
+        self.leader = leader
+        self.redis, self.keys, self.records = leader.redis, leader.keys, leader.records
+        self.pipeline, self.stage = leader.pipeline, leader.stage
+        self.stream, self.store = leader.stream, leader.store
+        self.input_connector, self.output_connector = leader.input_connector, leader.output_connector
+        pipeline, stage = leader.pipeline, leader.stage
         self.config = pipeline.streaming
         self.index = pipeline.index_of(stage.name)
         self.next_stage = pipeline.next_stage(stage.name)
-        self.channel = ChunkChannel(redis, keys, ttl_s=pipeline.retention.request_ttl_s)
+        self.channel = ChunkChannel(leader.redis, leader.keys, ttl_s=pipeline.retention.request_ttl_s)
         self._producers: dict[str, ChunkProducer] = {}
         self._emitters: dict[str, Emitter] = {}
         self._portal: BlockingPortal | None = None

@@ -172,17 +172,7 @@ class StageWorker:
         )
         self.admission = Admission(leader)
         self.hand = HandOn(leader, self.outcomes)
-        self.streaming = Streaming(
-            redis=redis,
-            keys=keys,
-            pipeline=pipeline,
-            stage=stage,
-            stream=leader.stream,
-            store=leader.store,
-            input_connector=input_connector,
-            output_connector=output_connector,
-            records=leader.records,
-        )
+        self.streaming = Streaming(leader)
         bounds = client_key_bounds(
             keys, request_ttl_s=pipeline.retention.request_ttl_s, max_upload_bytes=pipeline.limits.max_upload_bytes
         )
