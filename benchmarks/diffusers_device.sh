@@ -10,16 +10,7 @@ out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 export PATH=$PWD/.whl/redis:$PATH LD_LIBRARY_PATH=$PWD/.whl/redis:${LD_LIBRARY_PATH:-}
-run_step() {  # name, seconds, command...
-  local name=$1 limit=$2
-  shift 2
-  {
-    echo "=== \$ $*"
-    echo "# $(date -u) nproc=$(nproc)"
-    timeout "$limit" "$@"
-    echo "rc=$?"
-  } 2>&1 | tee "$out/$name.txt"
-}
+. benchmarks/device_steps.sh  # run_step
 big=/tmp/wan-1.3b
 for s in ${*:-probe tests big up_big e2e}; do
   case $s in

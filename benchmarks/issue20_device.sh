@@ -15,16 +15,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/issue20}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0
-run_step() {  # name, seconds, command...
-  local name=$1 limit=$2
-  shift 2
-  {
-    echo "=== \$ $*"
-    echo "# $(date -u) nproc=$(nproc) load=$(cut -d' ' -f1-3 /proc/loadavg)"
-    timeout "$limit" "$@"
-    echo "rc=$?"
-  } 2>&1 | tee "$out/$name.txt"
-}
+. benchmarks/device_steps.sh  # run_step
 tx=(python3 benchmarks/transfer.py --scaling-sizes "" --inflight 1 ${STEPS:+--steps} ${COLD:+--ready-cold} ${HOT:+--hot-asleep})
 steps=${*:-gpu_tests shm_tests t2va_gpu ref2va_gpu t2va_cpu ref2va_cpu hop fanout fanout_nccl throughput}
 for s in $steps; do

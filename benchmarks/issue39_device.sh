@@ -19,16 +19,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/issue39}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
-run_step() {  # name, seconds, command...
-  local name=$1 limit=$2
-  shift 2
-  {
-    echo "=== \$ $*"
-    echo "# $(date -u) nproc=$(nproc) load=$(cut -d' ' -f1-3 /proc/loadavg)"
-    timeout "$limit" "$@"
-    echo "rc=$?"
-  } 2>&1 | tee "$out/$name.txt"
-}
+. benchmarks/device_steps.sh  # run_step
 setup() {
   if ! python3 -c "import nixl, redis, pydantic, structlog" 2>/dev/null && [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
