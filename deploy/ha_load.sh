@@ -33,23 +33,26 @@ time_failover() {  # old master: kill -> the sentinels name another -> first suc
 load_and_kill() {  # 1 and 2: the jobs, the primary SIGKILLed after $kill_after of them and started a second
   # later (what the kubelet or a restart policy does); sets primary, victim, killed_at, new and accepted,
   # and writes $work/ids.txt (id, job, submitted at, curl's total)
-  local n code took
+  local n code took pids=()   # its own background jobs: `wait` alone would wait for the caller's too
   mkdir -p "$work/sub"
   say "1. $requests jobs through the gateway, one every ${spacing}s; the primary is killed after $kill_after"
   primary="$(sentinel_master)"
   for n in $(seq 1 "$requests"); do
     submit "$n" &
+    pids+=($!)
     if ((n == kill_after)); then
       victim="$(node_container "$primary")"
       killed_at=$(date +%s.%N)
       podman kill -s KILL "$victim" >/dev/null
       say "  after job $n: podman kill -s KILL $victim (the primary, $primary)"
       ( sleep 1; podman start "$victim" >/dev/null 2>&1; date +%s.%N >"$work/restarted_at" ) &
+      pids+=($!)
       time_failover "$primary" &
+      pids+=($!)
     fi
     sleep "$spacing"
   done
-  wait
+  wait "${pids[@]}"
   [[ -s "$work/written_at" ]] || fail "the failover did not end: $(cat "$work/failover.err" 2>/dev/null)"
   new="$(cat "$work/new_master")"
   say "2. failover $primary -> $new: the sentinels named it $(since "$(cat "$work/named_at")" "$killed_at") s after the kill, first write on it $(since "$(cat "$work/written_at")" "$killed_at") s after the kill"
