@@ -433,9 +433,9 @@ def render(result: SoakResult) -> str:
     if cfg.streamed:
         streamed = [o for o in outs if o.request_id.endswith(f"-{STREAM}")]
         row("  streamed (chunks encoder -> diffusion)",
-            f"{len(streamed)}: done {sum(o.state == RequestState.DONE for o in streamed)}, lost "
-            f"{sum(o.lost for o in streamed)}, duplicated {sum(o.duplicated for o in streamed)}, "
-            f"stuck {sum(o.stuck for o in streamed)}")  # fmt: skip
+            f"{len(streamed)}: done {sum(o.state == RequestState.DONE for o in streamed)}, lost to an empty "
+            f"restart {sum(o.lost_to_restart for o in streamed)}, lost {sum(o.lost for o in streamed)}, duplicated "
+            f"{sum(o.duplicated for o in streamed)}, stuck {sum(o.stuck for o in streamed)}")  # fmt: skip
     row("faults injected", sum(result.faults.injected.values()))
     for kind in FaultKind:
         if kind in FAILOVER_KINDS and not cfg.sentinel:
