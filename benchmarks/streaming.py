@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 import anyio  # noqa: E402
 from bench_stats import cell, machine_facts, median  # noqa: E402
-from stageferry.launcher import ServiceGroup, wait_for_workers  # noqa: E402
 
+from stageferry.cli.launcher import ServiceGroup, wait_for_workers  # noqa: E402
 from stageferry.client import Client  # noqa: E402
 from stageferry.config import PipelineConfig  # noqa: E402
 from stageferry.schemas import RequestState  # noqa: E402

@@ -44,6 +44,18 @@ SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 
 #: The mix of submitted jobs: (kind, weight).  ``fail`` must end failed, ``invalid`` rejected.
 MIX = (("t2va", 55), ("fl2va", 25), ("ref2va", 12), ("fail", 4), ("invalid", 4))
+#: A streamed job (T2VA; the encoder streams chunks into the diffusion stage, :mod:`stageferry.chaos.model`).
+STREAM = "stream"
+
+
+def mix(streamed: float) -> tuple[tuple[str, float], ...]:
+    """:data:`MIX` with a ``streamed`` share of streamed jobs (the rest keep their proportions); at 0,
+    :data:`MIX` itself, so a seed draws the same jobs as before there were streamed ones."""
+    if not streamed:
+        return MIX
+    return (*((k, w * (1 - streamed)) for k, w in MIX), (STREAM, 100 * streamed))
+
+
 #: The faults of a soak behind Sentinel unless told otherwise: six failovers, two of each kind.
 FAILOVER_FAULTS = {FaultKind.PRIMARY_KILL: 2, FaultKind.SENTINEL_FAILOVER: 2, FaultKind.PRIMARY_CUT: 2}
 
@@ -81,6 +93,12 @@ class SoakConfig:
     sentinel: bool = False
     #: Replicas a durable write waits for behind Sentinel (the URL's ``wait_replicas``; None: its default, 1).
     wait_replicas: int | None = None
+    #: The share of jobs (0..1) whose encoder streams its output into the diffusion stage in chunks.
+    streamed: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.streamed < 1.0:
+            raise ValueError(f"streamed is a share of the jobs, 0 <= streamed < 1, not {self.streamed}")
 
     @property
     def window(self) -> float:
@@ -110,7 +128,8 @@ class SoakResult:
 
 
 def pipeline_toml(cfg: SoakConfig) -> str:
-    """The soak's deployment: short visibility and leases, so faults resolve within the run."""
+    """The soak's deployment: short visibility and leases, so faults resolve within the run; a streamed
+    job's chunk deadlines long enough to ride out a producer's kill, reclaim and recompute (or a stall)."""
     v = cfg.visibility_s
     return f"""
 output_dir = "out"
@@ -149,6 +168,11 @@ redis_unreachable = 90.0
 max_deliveries = 6
 max_recomputes = 4
 media_roots = ["{SAMPLES}"]
+
+[streaming]
+max_chunks_in_flight = 2
+chunk_timeout_s = 90.0
+producer_wait_s = 90.0
 """
 
 
@@ -168,6 +192,8 @@ def job_for(kind: str, i: int, steps: int) -> dict[str, Any]:
         base.update(task="ref2va", media={"reference_audio": {"path": str(SAMPLES / "reference_audio.wav")}})
     elif kind == "fail":
         base.update(prompt=f"fail job {i}")
+    elif kind == STREAM:
+        base.update(prompt=f"stream job {i}")
     return base
 
 
@@ -184,8 +210,8 @@ async def _submit_all(
     returns once every waiter has its answer (or ``drain_s`` after the window).  Each submission's start
     and acknowledgement go to ``submitted`` (wall clock)."""
     expected: dict[str, str] = {}
-    kinds = [k for k, _ in MIX]
-    weights = [w for _, w in MIX]
+    kinds = [k for k, _ in mix(cfg.streamed)]
+    weights = [w for _, w in mix(cfg.streamed)]
     pipeline = PipelineConfig.load(cluster.pipeline_file)
     wait_s = cfg.window + cfg.drain_s
     async with (
@@ -402,8 +428,14 @@ def render(result: SoakResult) -> str:
         f"encoder TP{cfg.enc_tp} x{cfg.replicas}, diffusion TP{cfg.dif_tp} x{cfg.replicas}, CPU, {redis}",
     )
     row("requests", len(outs))
-    mix = Counter(o.request_id.rsplit("-", 1)[1] for o in outs)
-    row("  by kind", ", ".join(f"{k} {mix[k]}" for k, _ in MIX if mix[k]))
+    kinds = Counter(o.request_id.rsplit("-", 1)[1] for o in outs)
+    row("  by kind", ", ".join(f"{k} {kinds[k]}" for k, _ in mix(cfg.streamed) if kinds[k]))
+    if cfg.streamed:
+        streamed = [o for o in outs if o.request_id.endswith(f"-{STREAM}")]
+        row("  streamed (chunks encoder -> diffusion)",
+            f"{len(streamed)}: done {sum(o.state == RequestState.DONE for o in streamed)}, lost to an empty "
+            f"restart {sum(o.lost_to_restart for o in streamed)}, lost {sum(o.lost for o in streamed)}, duplicated "
+            f"{sum(o.duplicated for o in streamed)}, stuck {sum(o.stuck for o in streamed)}")  # fmt: skip
     row("faults injected", sum(result.faults.injected.values()))
     for kind in FaultKind:
         if kind in FAILOVER_KINDS and not cfg.sentinel:

@@ -353,6 +353,15 @@ def chaos(
     wait_replicas: Annotated[
         int | None, typer.Option("--wait-replicas", min=0, max=2, help="With --sentinel: replicas a write waits for.")
     ] = None,
+    streamed: Annotated[
+        float,
+        typer.Option(
+            "--streamed",
+            min=0.0,
+            max=0.9,
+            help="Share of jobs whose encoder streams chunks into the diffusion stage (docs/streaming.md).",
+        ),
+    ] = 0.15,
 ) -> None:
     """Fault-injection soak: the pipeline on a private AOF Redis under random SIGKILLs, Redis restarts
     and stalls (with ``--sentinel``: on a Sentinel group under failovers, timed); prints the summary table
@@ -364,7 +373,7 @@ def chaos(
     configure_logging(fmt="auto", level="warning", service="chaos")
     cfg = SoakConfig(
         requests=requests, seed=seed, replicas=replicas, enc_tp=enc_tp, dif_tp=dif_tp, window_s=window,
-        sentinel=sentinel, wait_replicas=wait_replicas,
+        sentinel=sentinel, wait_replicas=wait_replicas, streamed=streamed,
     )  # fmt: skip
     if sentinel:
         cfg.faults = dict(FAILOVER_FAULTS) if faults is None else {kind: faults for kind in FAILOVER_KINDS}

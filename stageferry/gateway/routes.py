@@ -26,6 +26,7 @@ from stageferry.gateway.errors import ApiError, from_exception, from_status_erro
 from stageferry.gateway.form import LARGE_TEXT_FIELDS, MEDIA_FIELDS, MappedJob, map_form, openapi_request_body
 from stageferry.gateway.idempotency import HEADER as IDEMPOTENCY_HEADER
 from stageferry.gateway.idempotency import IdempotencyKey
+from stageferry.gateway.live import live_response
 from stageferry.gateway.metrics import JOBS, UPLOAD_BYTES
 from stageferry.gateway.objects import Health, VideoDeleted, VideoList, VideoObject
 from stageferry.gateway.previews import MEDIA_TYPES
@@ -234,7 +235,8 @@ async def retrieve_video(request: Request, video_id: str) -> VideoObject:
         409: _ERROR,
         422: _ERROR,
     },
-    summary="Download a finished video (variant=video), its thumbnail (WebP) or its spritesheet (JPEG)",
+    summary="Download a finished video (variant=video), its thumbnail (WebP) or its spritesheet (JPEG); a "
+    "running one whose last stage writes a fragmented MP4 as it goes: its bytes as they are written",
 )
 async def download_video(request: Request, video_id: str, variant: Annotated[str, Query()] = "video") -> Response:
     service = _service(request)
@@ -244,6 +246,8 @@ async def download_video(request: Request, video_id: str, variant: Annotated[str
     if variant != "video":
         raise invalid("variant", "one of 'video', 'thumbnail', 'spritesheet'", "unsupported")
     status, _meta = await service.video(video_id)
+    if not status.state.terminal and (live := await live_response(service, video_id)) is not None:
+        return live  # its MP4 as it is written (docs/streaming.md)
     content = await service.content(status)
     return _video_response(content, {"Content-Disposition": f'attachment; filename="{video_id}.mp4"'})
 

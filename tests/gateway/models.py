@@ -39,3 +39,35 @@ class SlowOnRequest:
 
 def diffusion(*, stage: StageConfig, pipeline: PipelineConfig) -> SlowOnRequest:
     return SlowOnRequest(reference_diffusion.factory(stage=stage, pipeline=pipeline))
+
+
+class HeldBeforeLastChunk:
+    """The reference decode stage, held before it takes its last chunk until ``<output_dir>/<id>.go``
+    exists (at most 120 s): a test sees the MP4's first fragments while the request is surely running."""
+
+    takes_chunks = True
+
+    def __init__(self, inner: StageModel) -> None:
+        self.inner = inner
+
+    def __call__(self, job: JobRequest, payload: Any | None, ctx: StageContext) -> Any:
+        from stageferry.schemas.payload_layout import Layout
+
+        last = Layout.for_job(job).latent_frames - 1
+        go = ctx.output_dir / f"{ctx.request_id}.go"
+
+        def held() -> Any:
+            for index, chunk in enumerate(payload):  # type: ignore[union-attr]
+                yield chunk
+                if index + 1 == last:  # the decode of this chunk is muxed once the next is asked for
+                    deadline = time.monotonic() + 120
+                    while not go.exists() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+
+        return self.inner(job, held(), ctx)
+
+
+def held_decode(*, stage: StageConfig, pipeline: PipelineConfig) -> HeldBeforeLastChunk:
+    from stageferry.stages.reference import decode
+
+    return HeldBeforeLastChunk(decode.factory(stage=stage, pipeline=pipeline))

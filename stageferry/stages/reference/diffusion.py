@@ -19,6 +19,11 @@ the same job and payload, it:
 4. decodes frames (VAE decoder) and a stereo 32 kHz waveform of exactly the video's duration, and on
    rank 0 writes ``<output_dir>/<request_id>.mp4`` and returns :class:`FinalOutput` with the probed
    media facts.  Followers return ``None``.
+
+With ``stream_latent_frames = N`` (a three-stage pipeline, docs/streaming.md) it stops after step 2 and
+streams the final latents to the next stage instead — the decode stage
+(:mod:`stageferry.stages.reference.decode`) — in temporal chunks of N latent frames
+(:func:`latent_chunks`), the first carrying the audio latents too.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any
 import torch
 
 from stageferry.config import PipelineConfig, StageConfig
-from stageferry.errors import JobValidationError, field_error
+from stageferry.errors import ConfigError, JobValidationError, field_error
 from stageferry.schemas import JobRequest
 from stageferry.schemas.payload_contract import CONDITIONING, PayloadContract
 from stageferry.schemas.payload_contract import Conditioning as Inputs
@@ -64,6 +69,17 @@ class Generated:
 
 
 @dataclass(frozen=True, slots=True)
+class Denoised:
+    """The final latents (video [16, T', h, w], audio [1, 64, n]), their layout, the nets, the seconds."""
+
+    video: torch.Tensor
+    audio: torch.Tensor
+    layout: Layout
+    nets: _Nets
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class DiffusionConfig:
     dit: DiTConfig
     max_reference_frames: int = 4  #: reference video latent frames used as context
@@ -71,6 +87,7 @@ class DiffusionConfig:
     qp: int = 23
     preset: str = "veryfast"
     max_pixel_frames: int = 0  #: the deployment's budget (``limits.max_pixel_frames``); 0: unchecked
+    stream_latent_frames: int = 0  #: > 0: stream the latents on in chunks of this many latent frames
 
 
 class _Nets:
@@ -97,11 +114,28 @@ class ReferenceDiffusion:
         return self._nets[key]
 
     def __call__(self, job: JobRequest, payload: Any | None, ctx: StageContext) -> FinalOutput | None:
+        if self.cfg.stream_latent_frames:
+            d = self.denoise(job, payload, ctx)
+            for chunk in latent_chunks(d.video, d.audio, self.cfg.stream_latent_frames):
+                ctx.emit_chunk(chunk)  # only the leader's go out
+            return None  # closes the stream
         gen = self.generate(job, payload, ctx)
         return self.finish(job, gen, ctx) if ctx.rank == 0 else None
 
     def generate(self, job: JobRequest, payload: Any | None, ctx: StageContext) -> Generated:
         """Denoise and decode (every rank, in step): the same result on every rank of the group."""
+        d = self.denoise(job, payload, ctx)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            steps = job.num_inference_steps
+            ctx.report_progress(steps, steps, phase="decode")  # minutes on a CPU at a large size
+            frames = d.nets.vae.decode(d.video, d.layout.frames)
+            wave = d.nets.audio.decode(d.audio, d.layout.audio_samples, seed=job.seed)
+        timings = {"denoise_s": d.seconds, "decode_s": round(time.perf_counter() - started, 3)}
+        return Generated(frames, wave, d.video.cpu(), d.audio.cpu(), timings)
+
+    def denoise(self, job: JobRequest, payload: Any | None, ctx: StageContext) -> Denoised:
+        """The final video and audio latents (every rank, in step)."""
         refuse_task(job, REFERENCE_TASKS, model="the reference diffusion model")
         inputs = _on(self.input_contract.read(job, payload), ctx.device)
         layout = inputs.layout
@@ -113,14 +147,7 @@ class ReferenceDiffusion:
             xv, xa = sample(
                 nets.dit, job, layout, cond, nets.tp, report=ctx.report_progress, cancelled=ctx.is_cancelled
             )
-            denoised = time.perf_counter()
-            steps = job.num_inference_steps
-            ctx.report_progress(steps, steps, phase="decode")  # minutes on a CPU at a large size
-            frames = nets.vae.decode(xv, layout.frames)
-            wave = nets.audio.decode(xa, layout.audio_samples, seed=job.seed)
-        done = time.perf_counter()
-        timings = {"denoise_s": round(denoised - started, 3), "decode_s": round(done - denoised, 3)}
-        return Generated(frames, wave, xv.cpu(), xa.cpu(), timings)
+        return Denoised(xv, xa, layout, nets, round(time.perf_counter() - started, 3))
 
     def _check_budget(self, layout: Layout) -> None:
         """What this stage allocates (latents, tokens, decoded frames) scales with width × height ×
@@ -184,6 +211,25 @@ class ReferenceDiffusion:
         return FinalOutput(path=path, media=probe_mp4(path), info=info)
 
 
+def latent_chunks(video: torch.Tensor, audio: torch.Tensor, every: int) -> list[dict[str, torch.Tensor]]:
+    """The latents as the decode stage takes them: video [16, T', h, w] cut along time into chunks of
+    ``every`` latent frames (``first``: the index of a chunk's first), the audio latents in the first."""
+    out: list[dict[str, torch.Tensor]] = []
+    for first in range(0, int(video.shape[1]), every):
+        chunk = {"first": torch.tensor([first]), "video_latents": video[:, first : first + every].cpu().contiguous()}
+        if first == 0:
+            chunk["audio_latents"] = audio.cpu().contiguous()
+        out.append(chunk)
+    return out
+
+
+def _stream_option(stage: StageConfig) -> int:
+    value = stage.options.get("stream_latent_frames", 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"stages.{stage.name}.options.stream_latent_frames: a whole number >= 0, not {value!r}")
+    return value
+
+
 def _digest(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes: exact comparisons of what the model produced, before encoding."""
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
@@ -215,8 +261,12 @@ def factory(
     max_reference_audio: int = 64,
     qp: int = 23,
     preset: str = "veryfast",
+    stream_latent_frames: int = 0,
 ) -> ReferenceDiffusion:
-    """The reference diffusion model; ``dim``/``heads``/``layers`` size the transformer."""
+    """The reference diffusion model; ``dim``/``heads``/``layers`` size the transformer;
+    ``stream_latent_frames`` > 0 (or the stage's ``options.stream_latent_frames``) streams the latents to a
+    decode stage (a three-stage pipeline)."""
+    stream_latent_frames = stream_latent_frames or _stream_option(stage)
     return ReferenceDiffusion(
         DiffusionConfig(
             dit=DiTConfig(
@@ -232,5 +282,6 @@ def factory(
             qp=qp,
             preset=preset,
             max_pixel_frames=pipeline.limits.max_pixel_frames,
+            stream_latent_frames=stream_latent_frames,
         )
     )

@@ -35,6 +35,22 @@ def _mix(seed: int) -> torch.Tensor:
     return q * torch.sign(torch.diagonal(r))[None, :]
 
 
+def _positions(frames: int, total_latents: int) -> np.ndarray:
+    """Each frame's position on the latent time axis (frame 0 at latent 0, then groups of 4 centred)."""
+    centres = np.array([0.0] + [TEMPORAL * k - 1.5 for k in range(1, total_latents)])
+    return np.interp(np.arange(frames, dtype=np.float64), centres, np.arange(total_latents, dtype=np.float64))
+
+
+def decodable(frames: int, total_latents: int, have: int) -> int:
+    """How many of the first frames the first ``have`` of ``total_latents`` latent frames decode (a frame
+    interpolates between the two latents around it)."""
+    if have >= total_latents:
+        return frames
+    pos = _positions(frames, total_latents)
+    hi = np.minimum(np.floor(pos).astype(np.int64) + 1, total_latents - 1)
+    return int(np.searchsorted(hi, have, side="left"))
+
+
 class VideoVAE:
     """Encoder and decoder; ``device`` is where they compute."""
 
@@ -67,18 +83,30 @@ class VideoVAE:
 
     def decode(self, latents: torch.Tensor, frames: int, *, batch: int = 16) -> torch.Tensor:
         """Latents [16, T', h, w] → ``frames`` RGB frames [frames, H, W, 3] uint8 (H = 8h, W = 8w)."""
-        per_frame = self._interpolate(latents.to(self.device, torch.float32), frames)  # [frames, 16, h, w]
+        return self.decode_range(latents, frames, int(latents.shape[1]), 0, frames, batch=batch)
+
+    def decode_range(
+        self, latents: torch.Tensor, frames: int, total_latents: int, start: int, stop: int, *, batch: int = 16
+    ) -> torch.Tensor:
+        """Frames ``start:stop`` of the ``frames`` that ``total_latents`` latent frames decode to, from the
+        first latent frames only (``latents`` [16, k, h, w], k ≤ ``total_latents``: a temporal chunk's
+        worth so far) — the same frames :meth:`decode` gives, when :func:`decodable` says they are had."""
+        pos = _positions(frames, total_latents)[start:stop]
+        lo = np.floor(pos).astype(np.int64)
+        hi = np.minimum(lo + 1, total_latents - 1)
+        if stop > start and int(hi.max()) >= latents.shape[1]:
+            raise ValueError(f"frames {start}:{stop} need latent frame {int(hi.max())}; {latents.shape[1]} given")
+        z = latents.to(self.device, torch.float32)
+        frac = torch.tensor(pos - lo, dtype=torch.float32, device=z.device)[:, None, None, None]
+        zt = z.transpose(0, 1)  # [k, 16, h, w]
+        per_frame = zt[torch.from_numpy(lo)] * (1 - frac) + zt[torch.from_numpy(hi)] * frac
+        if stop <= start:
+            return torch.empty(0, *self._frame_shape(z), dtype=torch.uint8)
         return torch.cat([self._decode_frames(chunk) for chunk in per_frame.split(batch)])
 
-    def _interpolate(self, z: torch.Tensor, frames: int) -> torch.Tensor:
-        t_lat = z.shape[1]
-        centres = np.array([0.0] + [TEMPORAL * k - 1.5 for k in range(1, t_lat)])
-        pos = np.interp(np.arange(frames, dtype=np.float64), centres, np.arange(t_lat, dtype=np.float64))
-        lo = np.floor(pos).astype(np.int64)
-        hi = np.minimum(lo + 1, t_lat - 1)
-        frac = torch.tensor(pos - lo, dtype=torch.float32, device=z.device)[:, None, None, None]
-        zt = z.transpose(0, 1)  # [T', 16, h, w]
-        return zt[torch.from_numpy(lo)] * (1 - frac) + zt[torch.from_numpy(hi)] * frac
+    @staticmethod
+    def _frame_shape(z: torch.Tensor) -> tuple[int, int, int]:
+        return (z.shape[2] * SPATIAL, z.shape[3] * SPATIAL, 3)
 
     def _decode_frames(self, z: torch.Tensor) -> torch.Tensor:
         u = torch.einsum("ji,fjhw->fihw", self.mix, z)
