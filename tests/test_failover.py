@@ -138,7 +138,11 @@ async def test_the_gateways_sync_and_async_calls_ride_through_a_sentinel_failove
         await anyio.to_thread.run_sync(sync_call.join, 170)
         assert answers["/v1/videos/sync"].status_code == 200, answers["/v1/videos/sync"].text
         created = answers["/v1/videos"]
-        assert created.status_code == 200 and created.json()["status"] in ("queued", "in_progress"), created.text
+        # Acknowledged once on every replica: under load the old master's rejoin can take longer than the job
+        # (seen in a fresh-clone run: the answer came after the job had finished), so any accepted state.
+        assert created.status_code == 200 and created.json()["status"] in ("queued", "in_progress", "completed"), (
+            created.text
+        )
         sync_id = answers["/v1/videos/sync"].headers["x-request-id"]
         assert await ha.ended_once(client, created.json()["id"]) and await ha.ended_once(client, sync_id)
 
