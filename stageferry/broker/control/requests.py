@@ -29,6 +29,7 @@ from stageferry.broker.control.entry_records import (
     StatusOrder,
     StatusWrite,
     WriteMode,
+    refreshed_ttl_ms,
 )
 from stageferry.broker.control.fanin import EventFanIn, FieldReads, Row, text_rows
 from stageferry.broker.control.held import Held
@@ -319,7 +320,7 @@ class RequestStore:
 
     async def append_events(self, events: Sequence[tuple[str, dict[str, Any]]]) -> None:
         """Add trace events of any requests, in order, in one round trip: one XADD per event and one
-        EXPIRE per events stream (a log sink's batch used to cost a round trip and an EXPIRE per event)."""
+        PEXPIRE per events stream (a log sink's batch used to cost a round trip and an EXPIRE per event)."""
         if not events:
             return
         with translated():
@@ -330,8 +331,8 @@ class RequestStore:
                     body = json.dumps(event, default=str, separators=(",", ":"))
                     pipe.xadd(key, {"kind": "log", "event": body}, maxlen=self._maxlen, approximate=True)
                     streams[key] = None
-                for key in streams:
-                    pipe.expire(key, self._ttl)
+                for key in streams:  # as long as the entry-life scripts' refresh: never shorter than it
+                    pipe.pexpire(key, refreshed_ttl_ms(self._ttl))
                 await pipe.execute()
 
     async def events(self, request_id: str) -> list[tuple[str, dict[str, Any]]]:
