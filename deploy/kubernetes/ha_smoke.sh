@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A real run of the rendered Sentinel profile (overlays/cpu-ha) with `podman kube play`: three Redis data
 # pods, three sentinels, the encoder and diffusion stages (TP1, the reference models, small jobs) and the
-# gateway, each pod with its own IP. Then, under load:
+# gateway, each pod with its own IP. Then, under load (deploy/ha_load.sh, shared with compose/ha_smoke.sh):
 #   1. N jobs (HA_REQUESTS, default 20) are submitted through the gateway with curl (POST /v1/videos), one
 #      every HA_SPACING s; after HA_KILL_AFTER of them the primary Redis container is killed (SIGKILL) and
 #      started again a second later (what the kubelet does), while the rest keep coming;
@@ -39,6 +39,8 @@ work="$(mktemp -d /var/tmp/stageferry-ha-smoke.XXXXXX)"
 volumes=(data-stageferry-redis-0 data-stageferry-redis-1 data-stageferry-redis-2)
 # shellcheck source=pods.sh
 source "$here/pods.sh"   # pods, teardown, play, container, in_pod
+# shellcheck source=../ha_load.sh
+source "$here/../ha_load.sh"   # load_and_kill, audit_jobs, await_rejoin
 trap teardown EXIT
 trap 'exit 130' INT TERM
 
@@ -114,107 +116,18 @@ done
 until curl -fsS -m 10 "$gw/health" >/dev/null 2>&1; do ((SECONDS < deadline)) || fail "gateway not healthy"; sleep 3; done
 say "healthy; gateway at $gw"
 
-# --- 1. load, and the primary killed under it ---------------------------------------------------------------
+# --- 1-3. load with the primary killed under it, the failover timed, every accepted job audited ----------
 steps="${HA_STEPS:-8}"
-submit() {  # n: POST /v1/videos; writes <n>.at (when), <n>.code (HTTP status, seconds) and <n>.json
-  date +%s.%N >"$work/sub/$1.at"
-  curl -sS -m 120 -o "$work/sub/$1.json" -w '%{http_code} %{time_total}' "$gw/v1/videos" -F "prompt=ha smoke job $1" \
-    -F width=160 -F height=96 -F num_inference_steps="$steps" -F seed="$1" -F 'extra_params={"task":"t2va","duration":1.0}' \
-    >"$work/sub/$1.code" 2>"$work/sub/$1.err" || true
-}
-time_failover() {  # old master: kill -> the sentinels name another -> first successful write there
-  local deadline=$((SECONDS + 120)) m
-  until m="$(sentinel_master)" && [[ -n "$m" && "$m" != "$1" ]]; do
-    ((SECONDS < deadline)) || { echo "no new master named in 120 s" >"$work/failover.err"; return; }
-    sleep 0.2
-  done
-  date +%s.%N >"$work/named_at"
-  echo "$m" >"$work/new_master"
-  until rcli "${ip_of[$m]}" set "$prefix:ha-smoke:probe" 1 2>/dev/null | grep -q OK; do
-    ((SECONDS < deadline)) || { echo "no write succeeded on $m" >"$work/failover.err"; return; }
-    sleep 0.1
-  done
-  date +%s.%N >"$work/written_at"
-}
-mkdir -p "$work/sub"
-say "1. $requests jobs through the gateway, one every ${spacing}s; the primary is killed after $kill_after"
-primary="$(sentinel_master)"
-for n in $(seq 1 "$requests"); do
-  submit "$n" &
-  if ((n == kill_after)); then
-    victim="$(container "$primary")"
-    killed_at=$(date +%s.%N)
-    podman kill -s KILL "$victim" >/dev/null
-    say "  after job $n: podman kill -s KILL $victim (the primary, ${ip_of[$primary]})"
-    ( sleep 1; podman start "$victim" >/dev/null 2>&1; date +%s.%N >"$work/restarted_at" ) &  # the kubelet's restart
-    time_failover "$primary" &
-  fi
-  sleep "$spacing"
-done
-
-# --- 2. the failover, timed (from the kill, beside the submissions) ----------------------------------------
-wait
-[[ -s "$work/written_at" ]] || fail "the failover did not end: $(cat "$work/failover.err" 2>/dev/null)"
-new="$(cat "$work/new_master")"
-say "2. failover $primary -> $new: the sentinels named it $(since "$(cat "$work/named_at")" "$killed_at") s after the kill, first write on it $(since "$(cat "$work/written_at")" "$killed_at") s after the kill"
-wait
-accepted=0
-: >"$work/ids.txt"
-for n in $(seq 1 "$requests"); do
-  read -r code took <<<"$(cat "$work/sub/$n.code" 2>/dev/null)"
-  if [[ "$code" == 200 || "$code" == 202 ]]; then
-    echo "$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["id"])' "$work/sub/$n.json") $n $(cat "$work/sub/$n.at") $took" >>"$work/ids.txt"
-    accepted=$((accepted + 1))
-  else
-    say "  job $n not accepted: HTTP $code $(head -c 200 "$work/sub/$n.json" 2>/dev/null) $(cat "$work/sub/$n.err")"
-  fi
-done
-say "  accepted $accepted of $requests submissions (HTTP 200/202)"
-
-# --- 3. every accepted job to its end, audited in Redis ------------------------------------------------------
-audit() {
-  PYTHONPATH="$root" "$py" - "$work/ids.txt" "${ip_of[$(sentinel_master)]}" "$password" "$prefix" "$killed_at" "${1:-}" <<'EOF'
-import sys
-import redis
-from stageferry.broker.control.keys import Keys
-from stageferry.chaos.audit import outcomes
-rows = {line.split()[0]: line.split()[1:] for line in open(sys.argv[1]) if line.strip()}
-client = redis.Redis(host=sys.argv[2], username="stageferry", password=sys.argv[3])
-found = outcomes(client, Keys(sys.argv[4]), {rid: "done" for rid in rows}, ["encoder", "diffusion"])
-if sys.argv[6] == "table":  # per job, times from the kill: submitted, accepted (curl's total), ended
-    kill = float(sys.argv[5])
-    print("    job  submitted  accepted    ended  state  terminal events  (s from the kill)", file=sys.stderr)
-    for o in found:
-        n, at, took = rows[o.request_id]
-        end = "-" if o.ended_ms is None else f"{o.ended_ms / 1000 - kill:+8.1f}"
-        flag = "  in flight at the kill" if float(at) < kill and o.ended_ms and o.ended_ms / 1000 > kill else ""
-        print(f"    {n:>3}  {float(at) - kill:+9.1f}  {float(took):7.1f}s  {end:>8}  {o.state}   {o.terminal_events}{flag}", file=sys.stderr)
-states = {}
-for o in found:
-    states[o.state] = states.get(o.state, 0) + 1
-lost = sum(o.lost for o in found); stuck = sum(o.stuck for o in found); dup = sum(o.duplicated for o in found)
-pending = sum(1 for o in found if not o.terminal)
-print(f"{pending} {lost} {dup} {stuck} {' '.join(f'{k}={v}' for k, v in sorted(states.items(), key=str))}")
-EOF
-}
-deadline=$((SECONDS + job_timeout))
-while :; do
-  read -r pending lost dup stuck states <<<"$(audit)"
-  ((pending == 0)) && break
-  ((SECONDS < deadline)) || break
-  sleep 5
-done
-read -r pending lost dup stuck states <<<"$(audit table 2>"$work/table.txt")"
-cat "$work/table.txt"
-say "3. $accepted accepted: $states; lost=$lost duplicated=$dup stuck=$stuck (not terminal: $pending)"
-[[ "$states" == "done=$accepted" && $lost == 0 && $dup == 0 && $stuck == 0 ]] || fail "not every accepted job ended done exactly once"
+probe_write() { rcli "${ip_of[$1]}" set "$prefix:ha-smoke:probe" 1 2>/dev/null | grep -q OK; }
+node_container() { container "$1"; }
+audit_redis() { echo "${ip_of[$(sentinel_master)]} stageferry $password"; }
+load_and_kill
+audit_jobs
 
 # --- 4. the old primary is a replica of the new one ---------------------------------------------------------
-deadline=$((SECONDS + 120))
-until [[ "$(node_info "$primary" replication 2>/dev/null | grep -E '^(role|master_host|master_link_status):' | tr '\n' ' ')" == "role:slave master_host:$new.stageferry-redis master_link_status:up " ]]; do
-  ((SECONDS < deadline)) || fail "$primary did not rejoin as a replica of $new: $(node_info "$primary" replication 2>&1 | head -n 5 | tr '\n' ' ')"
-  sleep 1
-done
+replication() { node_info "$1" replication; }
+announced() { echo "$1.stageferry-redis"; }   # <pod>.<headless service>
+await_rejoin
 say "4. $primary (restarted $(since "$(cat "$work/restarted_at")" "$killed_at") s after the kill) is a replica of $new, link up; its start-up lines:"
 podman logs "$victim" 2>&1 | grep 'data node' | sed 's/^/    /' || true
 say "   $new: $(node_info "$new" replication | grep -E '^(role|connected_slaves):' | tr '\n' ' ')"

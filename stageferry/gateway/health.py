@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from stageferry.broker.control.liveness import FRESH_S, replicas_by_stage
-from stageferry.broker.control.redis_conn import connect, failover_state, translated
+from stageferry.broker.control.redis_conn import connect, failover_state, ping
 from stageferry.client import Client
 from stageferry.errors import ControlPlaneError
 from stageferry.gateway.objects import Health
@@ -60,8 +60,7 @@ async def check_health(client: Client, *, fresh_s: float = FRESH_S, redis: aiore
     redis_ok = False
     with anyio.move_on_after(HEALTH_TIMEOUT_S) as scope:
         try:
-            with translated():
-                await redis.ping()
+            await ping(redis)
             redis_ok = True
             by_stage = await replicas_by_stage(redis, client.keys, stages, fresh_s=fresh_s)
             live = {s: r.live for s, r in by_stage.items()}

@@ -7,13 +7,13 @@ the stageferry ``error.code`` (``invalid_job``, ``cancelled``), and the exact st
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from stageferry.gateway.errors import rename_fields
 from stageferry.schemas import RequestState, RequestStatus
+from stageferry.schemas.video_record import VideoMeta
 
 VideoStatus = Literal["queued", "in_progress", "completed", "failed"]
 
@@ -25,27 +25,6 @@ _STATUS: dict[RequestState, VideoStatus] = {
     RequestState.REJECTED: "failed",
     RequestState.CANCELLED: "failed",
 }
-
-
-class VideoMeta(BaseModel):
-    """What the gateway remembers about a job it accepted (the job itself lives in the stage streams)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    model: str
-    prompt: str
-    size: str | None = None
-    seconds: str | None = None
-    created_at: int = Field(default_factory=lambda: int(time.time()))
-    #: Job field → the form field it came from, so that later errors name what the client sent.
-    origin: dict[str, str] = Field(default_factory=dict)
-    #: The task that ran (named by the client, or inferred from its upload).
-    task: str | None = None
-    #: The job's entry in the gateways' video index (:meth:`Keys.video_index`): where ``GET /v1/videos``
-    #: resumes after this video.
-    index_entry: str | None = None
-    #: Set by ``DELETE``: the video is gone (404), the record stays as the list's cursor until it expires.
-    deleted_at: int | None = None
 
 
 class VideoError(BaseModel):

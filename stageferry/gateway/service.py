@@ -6,9 +6,11 @@ Routes stay thin: they parse HTTP and call these.  Validation is the project's o
 step count or LoRA is a 400 before anything is enqueued.  Media are checked by the first stage; a
 synchronous request whose job that stage rejects gets the same 400 with the same field names.
 
-Besides the request's own keys, the gateway keeps one small JSON record per job it accepted, at
-``<p>:req-video:<id>`` (model, prompt, size, seconds, created_at; same TTL as the request), so that a
-video object can echo what was asked for.
+Besides the request's own keys, the gateway keeps one small record per job it accepted, at
+``<p>:req-video:<id>`` (:class:`~stageferry.schemas.video_record.VideoMeta`: model, prompt, size, seconds,
+created_at; same TTL as the request), so that a video object can echo what was asked for.  Its Redis work
+(records, previews, the video index) is :mod:`stageferry.broker.control`'s
+(:mod:`~stageferry.broker.control.video_records`, :mod:`~stageferry.broker.control.video_index`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import re
 import time
 
 import anyio
+import structlog
 
 from stageferry.broker.control.liveness import FRESH_S, unheld_note
-from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.control.video_index import Order
 from stageferry.client import Client, new_request_id, validate_job, with_upload_refs
 from stageferry.errors import ControlPlaneError, QueueFullError, RejectedError, StageferryError
 from stageferry.gateway import listing
@@ -28,12 +31,15 @@ from stageferry.gateway.codes import GatewayCode
 from stageferry.gateway.errors import ApiError, clip, from_exception, from_status_error, invalid, with_request_id
 from stageferry.gateway.form import MappedJob
 from stageferry.gateway.idempotency import IdempotencyKey, IdempotencyStore, fingerprint
-from stageferry.gateway.objects import VideoDeleted, VideoList, VideoMeta, VideoObject, video_object
+from stageferry.gateway.objects import VideoDeleted, VideoList, VideoObject, video_object
 from stageferry.gateway.previews import PreviewError, Previews, render
 from stageferry.gateway.results import ResultFile, ResultFiles, ResultRefused, refuse_logged
 from stageferry.schemas import RequestState, RequestStatus
 from stageferry.schemas.job import REQUEST_ID_PATTERN, tenant_of
 from stageferry.schemas.validation import check_job_limits
+from stageferry.schemas.video_record import VideoMeta
+
+log = structlog.get_logger(__name__)
 
 
 class VideoService:
@@ -50,11 +56,10 @@ class VideoService:
         self.results = results or ResultFiles(client.pipeline.output_dir)
         self.idempotency = IdempotencyStore(client.redis, client.keys, ttl_s=client.pipeline.retention.request_ttl_s)
         self.stages = [s.name for s in client.pipeline.stages]
+        self.records = listing.video_records(client)
+        self.index = listing.video_index(client)
         #: One preview rendering at a time per gateway (each decodes a whole video).
         self._rendering = anyio.Lock()
-
-    def meta_key(self, request_id: str) -> str:
-        return self.client.keys.video_meta(request_id)
 
     async def submit(
         self, mapped: MappedJob, *, id_kind: str = "video_sync", idempotency: IdempotencyKey | None = None
@@ -94,15 +99,9 @@ class VideoService:
                 seconds=f"{checked.frame_count / checked.fps:g}",
                 origin=mapped.origin,
                 task=checked.task.value,
-                index_entry=await listing.append(self.client, rid) if created else None,
+                index_entry=await self.index.append(rid) if created else None,
             )
-            with translated():
-                await self.client.redis.set(
-                    self.meta_key(rid),
-                    meta.model_dump_json(),
-                    ex=self.client.pipeline.retention.request_ttl_s,
-                    nx=not created,
-                )
+            await self.records.put(rid, meta, only_new=not created)
         except StageferryError as exc:  # the job is in: the answer must still name it
             raise with_request_id(from_exception(exc), rid) from exc
         return rid, created
@@ -115,10 +114,12 @@ class VideoService:
         return status
 
     async def meta(self, request_id: str) -> VideoMeta | None:
-        """The gateway's record of a job; ``None`` for a job enqueued without a gateway."""
-        with translated():
-            raw = await self.client.redis.get(self.meta_key(request_id))
-        return VideoMeta.model_validate_json(raw) if raw else None
+        """The gateway's record of a job; ``None`` for a job enqueued without a gateway, or whose record
+        is unreadable (the video is then described from its status alone)."""
+        read = await self.records.get(request_id)
+        if read.unreadable:
+            log.warning("gateway.video_record_unreadable", request_id=request_id)
+        return read.record
 
     async def video(self, request_id: str) -> tuple[RequestStatus, VideoMeta | None]:
         """The status and record of a video that exists: 404 when unknown, expired or deleted."""
@@ -169,7 +170,7 @@ class VideoService:
             GatewayCode.NOT_FOUND, f"the output of {status.request_id} is not available (deleted or expired)"
         )
 
-    async def list(self, *, limit: int, order: listing.Order, after: str | None) -> VideoList:
+    async def list(self, *, limit: int, order: Order, after: str | None) -> VideoList:
         """A page of this gateway's (tenant's) videos; ``after`` is the last id of the previous page."""
         cursor = None
         if after is not None:
@@ -191,16 +192,13 @@ class VideoService:
     async def preview(self, request_id: str, variant: str) -> bytes:
         """A finished video's thumbnail or spritesheet, made once (:mod:`.previews`) and kept in Redis."""
         status, _meta = await self.video(request_id)
-        key = self.client.keys.video_preview(request_id, variant)
-        with translated():
-            stored = await self.client.redis.get(key)
-        if stored:
-            return bytes(stored)
+        stored = await self.records.preview(request_id, variant)
+        if stored is not None:
+            return stored
         async with self._rendering:
-            with translated():  # another request may have made it while this one waited
-                stored = await self.client.redis.get(key)
-            if stored:
-                return bytes(stored)
+            stored = await self.records.preview(request_id, variant)  # another request may have made it
+            if stored is not None:
+                return stored
             content = await self.content(status)
             source = content.file if isinstance(content, ResultFile) else content
             try:
@@ -210,12 +208,7 @@ class VideoService:
             finally:
                 if isinstance(content, ResultFile):
                     content.close()
-            ttl = self.client.pipeline.retention.request_ttl_s
-            with translated():
-                async with self.client.redis.pipeline(transaction=False) as pipe:
-                    for name in ("thumbnail", "spritesheet"):
-                        pipe.set(self.client.keys.video_preview(request_id, name), previews.variant(name), ex=ttl)
-                    await pipe.execute()
+            await self.records.put_previews(request_id, {name: previews.variant(name) for name in PREVIEW_VARIANTS})
         return previews.variant(variant)
 
     async def delete(self, request_id: str) -> VideoDeleted:
@@ -225,15 +218,10 @@ class VideoService:
         if not status.state.terminal:
             await self.client.cancel(request_id)
             return VideoDeleted(id=request_id, deleted=True)
-        keys, ttl = self.client.keys, self.client.pipeline.retention.request_ttl_s
         tomb = (meta or VideoMeta(model=self.model_name, prompt="")).model_copy(update={"deleted_at": int(time.time())})
-        with translated():
-            async with self.client.redis.pipeline(transaction=True) as pipe:
-                pipe.delete(keys.result(request_id), *(keys.video_preview(request_id, v) for v in PREVIEW_VARIANTS))
-                pipe.set(self.meta_key(request_id), tomb.model_dump_json(), ex=ttl)
-                await pipe.execute()
+        await self.records.tombstone(request_id, tomb, previews=PREVIEW_VARIANTS)
         if meta is not None and meta.index_entry is not None:
-            await listing.remove(self.client, meta.index_entry)
+            await self.index.remove(meta.index_entry)
         return VideoDeleted(id=request_id, deleted=True)
 
 

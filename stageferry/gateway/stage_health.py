@@ -1,8 +1,8 @@
 """The stages as the console shows them: replicas and heartbeat ages, placement, queues and pools.
 
-Everything comes from Redis and the pipeline config, in one pipelined round trip: the workers hash
-(liveness is :mod:`stageferry.broker.control.liveness`'s rule), the input stream's length and the
-group's pending count (entries handed out, not yet acknowledged), the dead-letter stream's length.
+Everything comes from Redis (:mod:`stageferry.broker.control.stage_counts`, one round trip: the workers
+hash, the input stream's length, the group's pending count, the dead-letter stream's length; liveness is
+:mod:`stageferry.broker.control.liveness`'s rule) and the pipeline config.
 Placement is the configured one: each rank of a group uses GPU ``rank`` modulo its host's GPU count
 (``stages/group.py``), which the gateway cannot see, so the device is named as configured.  Pool sizes
 are the data plane's configured capacities (bytes in use are a per-process gauge, in the counters).
@@ -15,7 +15,7 @@ import time
 import anyio
 
 from stageferry.broker.control.liveness import is_fresh
-from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.control.stage_counts import StageCounts, stage_counts
 from stageferry.client import Client
 from stageferry.config import StageConfig
 from stageferry.errors import ControlPlaneError
@@ -35,43 +35,31 @@ def _ranks(stage: StageConfig) -> list[RankPlacement]:
     ]
 
 
-def _int_or_none(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 async def stage_report(client: Client, *, fresh_s: float) -> StagesReport:
     """Each stage's state (never raises: Redis trouble is a problem in the answer)."""
     pipeline = client.pipeline
-    keys = client.keys
-    replies: list[object] = []
+    counts: list[StageCounts] = []
     problems: list[str] = []
     with anyio.move_on_after(REPORT_TIMEOUT_S) as scope:
         try:
-            with translated():
-                async with client.redis.pipeline(transaction=False) as pipe:
-                    for stage in pipeline.stages:
-                        pipe.hgetall(keys.workers(stage.name))
-                        pipe.xlen(keys.stage_stream(stage.name))
-                        pipe.xpending(keys.stage_stream(stage.name), stage.name)
-                        pipe.xlen(keys.dead_letter(stage.name))
-                    replies = await pipe.execute(raise_on_error=False)
+            counts = await stage_counts(client.redis, client.keys, [s.name for s in pipeline.stages])
         except ControlPlaneError as exc:
             problems.append(f"redis: {exc.message}")
     if scope.cancelled_caught:
         problems.append(f"redis: no answer within {REPORT_TIMEOUT_S:g}s")
-    redis_ok = bool(replies)
+    redis_ok = bool(counts)
     now = time.time()
     data_plane = pipeline.data_plane
     stages = []
     for i, stage in enumerate(pipeline.stages):
-        workers, length, pending, dead = replies[4 * i : 4 * i + 4] if redis_ok else ({}, None, None, None)
+        counted = counts[i] if redis_ok else StageCounts(stage.name)
         replicas = []
-        for name, beat in sorted((workers if isinstance(workers, dict) else {}).items()):
+        for name, beat in sorted(counted.heartbeats.items()):
             try:
                 age: float | None = max(0.0, now - float(beat))
             except ValueError:
                 age = None
-            replicas.append(Replica(id=_text(name), heartbeat_age_s=age, live=is_fresh(beat, now=now, fresh_s=fresh_s)))
+            replicas.append(Replica(id=name, heartbeat_age_s=age, live=is_fresh(beat, now=now, fresh_s=fresh_s)))
         if redis_ok and not any(r.live for r in replicas):
             problems.append(f"stage {stage.name}: no live worker")
         pools = [Pool(kind="cpu", capacity_bytes=data_plane.cpu_pool_bytes)]
@@ -84,14 +72,10 @@ async def stage_report(client: Client, *, fresh_s: float) -> StagesReport:
                 device=stage.device,
                 ranks=_ranks(stage),
                 replicas=replicas,
-                queue_length=_int_or_none(length),
-                pending=_int_or_none(pending.get("pending")) if isinstance(pending, dict) else None,
-                dead_letters=_int_or_none(dead),
+                queue_length=counted.queue_length,
+                pending=counted.pending,
+                dead_letters=counted.dead_letters,
                 pools=pools,
             )
         )
     return StagesReport(redis=redis_ok, stages=stages, problems=problems)
-
-
-def _text(value: object) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

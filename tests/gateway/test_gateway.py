@@ -404,6 +404,20 @@ def test_client_going_away_cancels_its_sync_job(deployment: Deployment, http: ht
     assert ended["stageferry_state"] == "cancelled"
 
 
+def test_an_unreadable_video_record_is_described_from_its_status(deployment: Deployment, http: httpx.Client) -> None:
+    created = http.post("/v1/videos", data=form(prompt=f"a record gone bad {time.time()}"))
+    assert created.status_code == 200, created.text
+    vid = created.json()["id"]
+    redis = sync_redis.Redis.from_url(deployment.redis_url)
+    redis.set(Keys(deployment.prefix).video_meta(vid), b"{not json")
+    redis.close()
+    described = http.get(f"/v1/videos/{vid}")
+    assert described.status_code == 200 and described.json()["id"] == vid, described.text  # not a 500
+    listed = http.get("/v1/videos", params={"limit": 100})
+    assert listed.status_code == 200 and vid not in [v["id"] for v in listed.json()["data"]], listed.text
+    assert_error(http.get("/v1/videos", params={"after": vid}), 400, "invalid_form")
+
+
 def test_health_turns_unhealthy_when_diffusion_stops(deployment: Deployment, http: httpx.Client) -> None:
     """Last in this module: it stops the shared deployment's diffusion stage."""
     healthy = wait_for(lambda: (r := http.get("/health")).status_code == 200 and r, 60, "health to be 200")

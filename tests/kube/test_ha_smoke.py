@@ -42,7 +42,7 @@ def test_the_names_it_uses_are_the_rendered_ones() -> None:
     # it asks the sentinels on their port for the service they monitor, and maps the master's announced
     # name (<pod>.<headless service>) back to the pod
     assert f"-p {SENTINEL_PORT} --raw sentinel get-master-addr-by-name {SERVICE}" in SCRIPT
-    assert f"master_host:$new.{data['spec']['serviceName']}" in SCRIPT
+    assert f'announced() {{ echo "$1.{data["spec"]["serviceName"]}"; }}' in SCRIPT
     (port,) = sentinels["spec"]["template"]["spec"]["containers"][0]["ports"]
     assert port["containerPort"] == SENTINEL_PORT
     # the gateway it submits to: its one container's port

@@ -121,6 +121,12 @@ class BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPo
 FAILOVER_FLAGS = ("failover_in_progress", "promoted", "o_down", "s_down")
 
 
+async def ping(client: aioredis.Redis) -> None:
+    """Ask Redis whether it answers; :class:`ControlPlaneError` when it does not."""
+    with translated():
+        await client.ping()
+
+
 async def failover_state(client: aioredis.Redis) -> str | None:
     """What the sentinels say of ``client``'s master while a failover runs (``"o_down,failover_in_progress"``,
     ``"no master known"``, ...); None when the master is plain up, or ``client`` is not behind Sentinel.

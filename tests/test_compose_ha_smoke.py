@@ -1,0 +1,91 @@
+"""compose/ha_smoke.sh (the compose `ha` profile through a failover under load in real containers, too slow
+for the suite: its output is in benchmarks/results/issue36/) against the files it runs: the services it
+starts, kills and asks are docker-compose.yml's, the sentinels and the service name it asks for are the
+ones ha.env's URL names, the variables it sets are ones the compose file reads, and its pipeline is the
+committed one with every stage at TP1."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from stageferry.broker.control.redis_url import parse_url
+from stageferry.config import PipelineConfig
+
+COMPOSE_DIR = Path(__file__).resolve().parent.parent / "compose"
+SCRIPT = (COMPOSE_DIR / "ha_smoke.sh").read_text()
+COMPOSE_TEXT = (COMPOSE_DIR / "docker-compose.yml").read_text()
+SERVICES = yaml.safe_load(COMPOSE_TEXT)["services"]
+HA_ENV = dict(
+    line.split("=", 1) for line in (COMPOSE_DIR / "ha.env").read_text().splitlines() if "=" in line
+    and not line.startswith("#")
+)  # fmt: skip
+
+
+def _array(name: str) -> list[str]:
+    match = re.search(rf"^{name}=\(([^)]*)\)$", SCRIPT, re.M)
+    assert match is not None, name
+    return match[1].split()
+
+
+def test_it_runs_the_ha_env_over_the_compose_file_and_shares_the_load_with_the_kube_smoke() -> None:
+    assert 'dc() { "${compose[@]}" --env-file ha.env -f docker-compose.yml "$@"; }' in SCRIPT
+    assert 'source "$root/deploy/ha_load.sh"' in SCRIPT and "load_and_kill\naudit_jobs\n" in SCRIPT
+    kube = (COMPOSE_DIR.parent / "deploy" / "kubernetes" / "ha_smoke.sh").read_text()
+    assert 'source "$here/../ha_load.sh"' in kube and "load_and_kill\naudit_jobs\n" in kube
+
+
+def test_the_services_it_starts_are_the_ha_profiles() -> None:
+    nodes, sentinels, stages = _array("data_nodes"), _array("sentinels"), _array("stages")
+    assert nodes[0] == "redis" and "profiles" not in SERVICES["redis"]  # the first primary, in every profile
+    profiles = set(HA_ENV["COMPOSE_PROFILES"].split(","))
+    for name in nodes[1:] + sentinels + stages:
+        assert set(SERVICES[name]["profiles"]) & profiles, name
+    assert len(nodes) == 3 and len(sentinels) == 3  # the issue's 1 primary, 2 replicas, 3 sentinels
+    assert {n for n in SERVICES if n.startswith("redis")} == set(nodes)
+    assert {n for n in SERVICES if n.startswith("sentinel")} == set(sentinels)
+    # each data node announces its service name: what the sentinels name, what the script resolves
+    assert 'announced() { echo "$1"; }' in SCRIPT
+    for name in nodes:
+        command = SERVICES[name]["command"]
+        assert command[command.index("--replica-announce-ip") + 1] == name
+    for name in nodes[1:]:
+        command = SERVICES[name]["command"]
+        assert command[command.index("--replicaof") + 1 : command.index("--replicaof") + 3] == ["redis", "6379"]
+    assert SERVICES["gateway"]["ports"] == ["${GATEWAY_PUBLISH:-127.0.0.1:8091}:8091"]
+    assert SERVICES["gateway"]["command"][-2:] == ["--port", "8091"] and 'gw="http://$GATEWAY_PUBLISH"' in SCRIPT
+
+
+def test_it_asks_the_sentinels_the_url_names() -> None:
+    url = parse_url(HA_ENV["STAGEFERRY_REDIS_URL"])
+    assert url.sentinel is not None
+    assert [host for host, _ in url.sentinel.sentinels] == _array("sentinels")
+    (port,) = {port for _, port in url.sentinel.sentinels}
+    service = url.sentinel.service
+    monitor = SERVICES["sentinel-1"]["command"][0]
+    assert f'"port {port}"' in monitor and f'"sentinel monitor {service} redis 6379 2"' in monitor
+    assert f"-p {port} --raw sentinel get-master-addr-by-name {service}" in SCRIPT
+    assert f"-p {port} sentinel master {service}" in SCRIPT
+
+
+def test_the_variables_it_sets_are_the_compose_files() -> None:
+    exported = re.findall(r"^export ([A-Z_]+)=", SCRIPT, re.M)
+    assert {"STAGEFERRY_IMAGE", "REDIS_IMAGE", "GATEWAY_PUBLISH", "STAGEFERRY_PIPELINE_FILE"} <= set(exported)
+    for name in exported:
+        if name != "COMPOSE_PROJECT_NAME":
+            assert "${" + name + ":-" in COMPOSE_TEXT, name
+
+
+def test_its_pipeline_is_the_committed_one_at_tp1(tmp_path: Path) -> None:
+    (edit,) = re.findall(r"sed -e '([^']+)' pipeline.toml >\"\$work/pipeline.toml\"", SCRIPT)
+    edited = tmp_path / "pipeline.toml"
+    edited.write_text(subprocess.run(["sed", "-e", edit, str(COMPOSE_DIR / "pipeline.toml")], check=True,
+                                     capture_output=True, text=True).stdout)  # fmt: skip
+    ours, committed = PipelineConfig.load(edited), PipelineConfig.load(COMPOSE_DIR / "pipeline.toml")
+    assert [s.name for s in ours.stages] == [s.name for s in committed.stages] == _array("stages")
+    assert all(s.tp == 1 for s in ours.stages) and any(s.tp > 1 for s in committed.stages)
+    for stage in _array("stages"):
+        assert SERVICES[stage]["command"] == ["stageferry", "serve", stage]
