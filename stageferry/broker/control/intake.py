@@ -35,47 +35,60 @@ from stageferry.broker.control.redis_conn import translated
 from stageferry.broker.control.resp_link import RespLink, run_script
 from stageferry.schemas.submission import TICKET_WINDOW
 
-# KEYS: the stage stream, then the intake lists.  ARGV: most items to move, most bytes an item may have,
-# then one tenant name per intake list ('' for the single-tenant list).
-# Returns {moved, oversized}: items added whole, and items added as their size and ticket only.
-MOVE = f"""
-local want = tonumber(ARGV[1])
-local cap = tonumber(ARGV[2])
-local moved, oversized = 0, 0
-local open = {{}}
-for k = 2, #KEYS do open[k] = true end
-local any = #KEYS > 1
-while any and moved + oversized < want do
-  any = false
-  for k = 2, #KEYS do
-    if open[k] and moved + oversized < want then
-      local item = redis.call('LPOP', KEYS[k])
-      if item then
-        any = true
-        local ticket = string.match(string.sub(item, 1, {TICKET_WINDOW}), '"ticket"%s*:%s*"([0-9a-f]+)"') or ''
-        if #ticket ~= 32 then ticket = '' end
-        local fields
-        if #item > cap then
-          fields = {{'oversized', tostring(#item), 'ticket', ticket}}
-          oversized = oversized + 1
+#: The move as a Lua function, for :data:`MOVE` and for the stage's read script (which moves and reads in one
+#: call, :data:`~stageferry.broker.control.stream_scripts.READ_CAPPED`): moves up to ``want`` items from the
+#: lists ``KEYS[first..]`` into ``stream``, items longer than ``cap`` as their size and ticket only; the
+#: tenant of list ``KEYS[first + i]`` is ``ARGV[tenant_at + i]`` ('' for the single-tenant list).  Returns
+#: moved, oversized: items added whole, and items added as their size and ticket only.
+MOVE_FN = f"""
+local function move_intake(stream, first, want, cap, tenant_at)
+  local moved, oversized = 0, 0
+  local open = {{}}
+  for k = first, #KEYS do open[k] = true end
+  local any = #KEYS >= first
+  while any and moved + oversized < want do
+    any = false
+    for k = first, #KEYS do
+      if open[k] and moved + oversized < want then
+        local item = redis.call('LPOP', KEYS[k])
+        if item then
+          any = true
+          local ticket = string.match(string.sub(item, 1, {TICKET_WINDOW}), '"ticket"%s*:%s*"([0-9a-f]+)"') or ''
+          if #ticket ~= 32 then ticket = '' end
+          local fields
+          if #item > cap then
+            fields = {{'oversized', tostring(#item), 'ticket', ticket}}
+            oversized = oversized + 1
+          else
+            fields = {{'submission', item, 'ticket', ticket}}
+            moved = moved + 1
+          end
+          local tenant = ARGV[tenant_at + k - first]
+          if tenant ~= '' then
+            fields[#fields + 1] = 'tenant'
+            fields[#fields + 1] = tenant
+          end
+          redis.call('XADD', stream, '*', unpack(fields))
         else
-          fields = {{'submission', item, 'ticket', ticket}}
-          moved = moved + 1
+          open[k] = false
         end
-        local tenant = ARGV[k + 1]
-        if tenant ~= '' then
-          fields[#fields + 1] = 'tenant'
-          fields[#fields + 1] = tenant
-        end
-        redis.call('XADD', KEYS[1], '*', unpack(fields))
-      else
-        open[k] = false
       end
     end
   end
+  return moved, oversized
 end
-return {{moved, oversized}}
 """
+
+# KEYS: the stage stream, then the intake lists.  ARGV: most items to move, most bytes an item may have,
+# then one tenant name per intake list ('' for the single-tenant list).
+# Returns {moved, oversized}: items added whole, and items added as their size and ticket only.
+MOVE = (
+    MOVE_FN
+    + """
+local moved, oversized = move_intake(KEYS[1], 2, tonumber(ARGV[1]), tonumber(ARGV[2]), 3)
+return {moved, oversized}
+"""
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,13 +127,17 @@ class Intake:
 
     def _keys_args(self, count: int) -> tuple[list[str], list[Any]]:
         keys = [self.stream, *(key for key, _ in self.lists)]
-        return keys, [count, self.max_item_bytes, *(tenant for _, tenant in self.lists)]
+        return keys, [count, *self.read_args()]
 
-    def command(self, count: int) -> tuple[Any, ...]:
-        """The move as one ``EVALSHA`` command, for a pipeline that reads the stream next (one round trip);
-        its reply is :meth:`Moved.from_reply`'s (or an error: then call :meth:`move`, which loads it)."""
-        keys, args = self._keys_args(count)
-        return ("EVALSHA", self._script.sha, len(keys), *keys, *args)
+    @property
+    def list_keys(self) -> list[str]:
+        """The intake lists, in the order the read script's move takes them (after the streams it reads)."""
+        return [key for key, _ in self.lists]
+
+    def read_args(self) -> list[Any]:
+        """What the move takes after its count, in the read script's arguments: the most bytes an item may
+        have, then one tenant per list."""
+        return [self.max_item_bytes, *(tenant for _, tenant in self.lists)]
 
     async def move(self, count: int, *, link: RespLink | None = None) -> Moved:
         """Move up to ``count`` items into the stream (one script)."""
@@ -129,4 +146,4 @@ class Intake:
             return Moved.from_reply(await run_script(link, self._script, keys, args))
 
 
-__all__ = ["MOVE", "Intake", "Moved"]
+__all__ = ["MOVE", "MOVE_FN", "Intake", "Moved"]

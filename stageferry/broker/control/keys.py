@@ -139,7 +139,8 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "dead_letter": "stream: entries given up on, with the reason",
     "workers": "hash: replica → last heartbeat (unix seconds)",
     "request": "hash: `state` and `status` (JSON RequestStatus); for the stages, the job's digest `job_sha`, "
-    "the status's `order`, `ttl_at` (when the TTLs were last set) `run:<stage>:<attempt>` (the entry id "
+    "the status's `order`, `ttl_at` (when the record and its events expire, as of their last TTL refresh) "
+    "`run:<stage>:<attempt>` (the entry id "
     "that owns that run: dedup of resubmits) and `crash:<stage>:<entry>` (deliveries of that entry its stage "
     "died with: set before the work, cleared after)",
     "events": "stream: the request's trace (log events, status changes)",

@@ -14,6 +14,8 @@ docstring for why each).  Every writer of ours pushes the stage's wake list in t
 
 from __future__ import annotations
 
+from stageferry.broker.control.intake import MOVE_FN
+
 OWNED = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
@@ -70,13 +72,23 @@ return 1
 # across the streams.  Deliveries come from XPENDING in the same script (a new entry's is 1), so a read is
 # one round trip however many phases it tries (was one per phase, plus one for the counts).  ``claimed``
 # is 1 (won) or 0 (taken already) for a new whole entry naming a lease, when a claim prefix is given; -1
-# when no claim was tried.
-READ_CAPPED = """
+# when no claim was tried.  A first stage's read moves its clients' submissions into its stream first, in
+# the same call (:data:`~stageferry.broker.control.intake.MOVE_FN`, up to ``count`` items): then KEYS end
+# with the intake lists, and ARGV go on with the number of streams, the most bytes an item may have and
+# one tenant per list.
+READ_CAPPED = (
+    MOVE_FN
+    + """
 local cap = tonumber(ARGV[4])
 local want = tonumber(ARGV[3])
+local streams = #KEYS
+if #ARGV >= 10 then
+  streams = tonumber(ARGV[10])
+  move_intake(KEYS[1], streams + 1, want, tonumber(ARGV[11]), 12)
+end
 local out = {}
 for start in string.gmatch(ARGV[5], '[^,]+') do
-for k = 1, #KEYS do
+for k = 1, streams do
   local entries
   if start == 'claim' then
     entries = redis.call('XAUTOCLAIM', KEYS[k], ARGV[1], ARGV[2], ARGV[6], '0-0', 'COUNT', want - #out)[2]
@@ -121,3 +133,4 @@ if #out > 0 then break end
 end
 return out
 """
+)

@@ -19,7 +19,7 @@ woken replica gets its entries with the wake-up instead of one round trip later.
 
 The first stage also has an :class:`~stageferry.broker.control.intake.Intake`: clients push submissions
 onto lists, never onto the stream, and every read moves up to ``count`` of them into the stream first (the
-move's script goes in the same pipeline as the read: no extra round trip).  Clients cannot push the wake
+read script does the move itself: one call, no extra round trip nor script).  Clients cannot push the wake
 list (a client's item there would be popped whole), so an idle first stage polls its intake every
 :data:`INTAKE_POLL_S`.
 
@@ -272,37 +272,33 @@ class StageStream:
         it.  A script Redis has forgotten (a restart, ``SCRIPT FLUSH``) or any other failure of the read is
         retried alone, where :meth:`_read_via_script` loads the script and handles a lost group."""
         wake = ("BLPOP", self._keys.wake(self.stage), timeout)
-        commands = [wake, *self._moves(count), self._read_command(">", count)]
+        commands = [wake, self._read_command(">", count)]
         with translated():
             replies = await run_pipeline(self._wait_link, self._redis, commands, block_s=timeout)
-        if any(isinstance(reply, Exception) for reply in replies[1:]):
+        if isinstance(replies[-1], Exception):
             return await self._read_via_script(">", count)
         return await self._entries(replies[-1])
 
-    def _moves(self, count: int) -> list[tuple[Any, ...]]:
-        """The intake's move, sent ahead of a read in the same pipeline (none but at a first stage)."""
-        return [] if self.intake is None else [self.intake.command(count)]
+    def _read_keys(self) -> list[str]:
+        """The read script's keys: the streams, then a first stage's intake lists (its move's)."""
+        return [*self.streams, *(self.intake.list_keys if self.intake is not None else ())]
 
     def _read_command(self, start: str, count: int) -> tuple[Any, ...]:
-        keys = self.streams
+        keys = self._read_keys()
         return ("EVALSHA", self._read_capped.sha, len(keys), *keys, *self._read_args(start, count))
 
     def _read_args(self, start: str, count: int) -> list[Any]:
+        """The read script's arguments; a first stage's go on with its intake's move (the script moves up to
+        ``count`` submissions into the stream before it reads)."""
         lc = self._lease_claim
         args = [self.group, self.consumer, count, self._max_entry_bytes, start, self._visibility_ms]
-        return args + ([lc.prefix, lc.holder, lc.ttl_ms] if lc is not None else ["", "", 0])
+        args += [lc.prefix, lc.holder, lc.ttl_ms] if lc is not None else ["", "", 0]
+        return args if self.intake is None else [*args, len(self.streams), *self.intake.read_args()]
 
     async def _read_via_script(self, start: str, count: int) -> list[Entry]:
         try:
-            with translated():
-                rows: Any = None
-                if self.intake is not None:  # the move and the read: one round trip
-                    commands = [*self._moves(count), self._read_command(start, count)]
-                    moved, rows = await run_pipeline(self._link, self._redis, commands, block_s=0.0)
-                    if isinstance(moved, Exception):  # a script Redis forgot: the script call loads it
-                        await self.intake.move(count, link=self._link)
-                if rows is None or isinstance(rows, Exception):
-                    rows = await run_script(self._link, self._read_capped, self.streams, self._read_args(start, count))
+            with translated():  # a first stage's move and the read: one script
+                rows = await run_script(self._link, self._read_capped, self._read_keys(), self._read_args(start, count))
         except ControlPlaneError as exc:
             if _group_lost(exc):
                 await self.ensure_group()

@@ -13,10 +13,11 @@ finish from here.
 Each script is one atomic step, so that each costs one round trip and the fewest commands: every script
 reads the record once (``HMGET``, :data:`LIBRARY`'s ``record``), its steps share that read and their
 writes reach the record in one ``HSET`` at the end (``save``).  A request's record and events stream
-live ``ttl`` after its terminal status; before that, a write sets their TTLs again only once less than
-``ttl`` minus a tenth of it (a minute at most) is left (``refresh_due``: the record keeps when it last
-did, ``ttl_at``, by the server's clock as a status event's id tells it), so that after every write they
-live at least that long and a request's quick succession of writes does not pay two ``EXPIRE`` each.  Every
+live at least ``ttl`` after its terminal status: a write sets their TTLs to ``ttl`` and a margin (a
+tenth of it, a minute at most: :func:`refreshed_ttl_ms`), and sets them again only once less than ``ttl``
+is left (``refresh_due``: the record keeps when they expire, ``ttl_at``, by the server's clock as a status
+event's id tells it), so that after every write they live at least ``ttl``, and neither a request's quick
+succession of writes nor its end within the margin pays two ``PEXPIRE`` each.  Every
 script that writes on a stage's behalf first checks, in the same script, that the stage still holds the
 entry (:mod:`.held`: an owned write).  Scripts use only the commands of the stage ACL user
 (:data:`stageferry.acl.STAGE_COMMANDS`).
@@ -150,6 +151,14 @@ def run_field(stage: str, attempt: int) -> str:
     return f"run:{stage}:{attempt}"
 
 
+def refreshed_ttl_ms(ttl_s: int) -> int:
+    """What a refresh sets a request's record and events TTLs to (ms): ``ttl_s`` and a tenth of it, a
+    minute at most (the scripts' ``margin_ms``); a writer of the events stream outside the scripts (a log
+    sink) sets the same, so that it never cuts short what the last refresh promised."""
+    ttl_ms = ttl_s * 1000
+    return ttl_ms + min(ttl_ms // 10, 60_000)
+
+
 def _held(held: Held | None, entry_id: str = "") -> tuple[list[str], list[Any]]:
     """The held check's key and its three arguments (empty ones, and no key, without a holder)."""
     if held is None:
@@ -253,5 +262,6 @@ __all__ = [
     "StatusWrite",
     "WriteMode",
     "crash_field",
+    "refreshed_ttl_ms",
     "run_field",
 ]

@@ -20,13 +20,19 @@ local function held(stream, group, consumer, id)
   return #p > 0 and p[1][2] == consumer
 end
 
--- A key's TTL, set once per script: every write of the script happens at the same instant.
+-- A key's TTL (ms), set once per script: every write of the script happens at the same instant.
 local ttl_set = {}
-local function expire(key, ttl)
+local function expire(key, ttl_ms)
   if not ttl_set[key] then
-    redis.call('EXPIRE', key, ttl)
+    redis.call('PEXPIRE', key, ttl_ms)
     ttl_set[key] = true
   end
+end
+
+-- How much longer than `ttl` (s) a refresh lets the keys live, in ms: a tenth of it, a minute at most.
+local function margin_ms(ttl)
+  local ttl_ms = tonumber(ttl) * 1000
+  return math.min(ttl_ms / 10, 60000)
 end
 
 -- The server's clock in ms, once a status event's XADD told it (the stage user has no TIME).
@@ -63,20 +69,20 @@ local function unmark(rec, crash, ttl)
   if rec.crash and rec.crash ~= '' then put(rec, crash, '', ttl) end
 end
 
--- Whether the record's and its events' TTLs must be set again: always for a terminal status (the keys
--- live `ttl` after the end), for a record without a known refresh, or when the clock is not known; else
--- once less than `ttl` minus a tenth of it (a minute at most) is left, so that after every write they
--- live at least that long, and writes in quick succession do not each pay two EXPIREs.
+-- Whether the record's and its events' TTLs must be set again: for a record without a known refresh, or
+-- when the clock is not known; else once less than `ttl` is left.  A refresh sets them to `ttl` and its
+-- margin, so after every write — the terminal status's too — they live at least `ttl` (at most the margin
+-- more), and the writes of a request that ends within the margin of its last refresh pay no EXPIREs.
 local function refresh_due(rec)
-  if rec.terminal or not clock or not rec.ttl_at then return true end
-  local ttl_ms = tonumber(rec.ttl) * 1000
-  return tonumber(rec.ttl_at) - clock < ttl_ms - math.min(ttl_ms / 10, 60000)
+  if not clock or not rec.ttl_at then return true end
+  return tonumber(rec.ttl_at) - clock < tonumber(rec.ttl) * 1000
 end
 
 local function save(rec)
   if #rec.names == 0 then return end
   local refresh = refresh_due(rec)
-  if refresh and clock and rec.events then put(rec, 'ttl_at', clock + tonumber(rec.ttl) * 1000, rec.ttl) end
+  local ttl_ms = tonumber(rec.ttl) * 1000 + margin_ms(rec.ttl)
+  if refresh and clock and rec.events then put(rec, 'ttl_at', clock + ttl_ms, rec.ttl) end
   local args = {}
   for _, name in ipairs(rec.names) do
     args[#args + 1] = name
@@ -84,8 +90,8 @@ local function save(rec)
   end
   redis.call('HSET', rec.key, unpack(args))
   if refresh then
-    expire(rec.key, rec.ttl)
-    if rec.events then expire(rec.events, rec.ttl) end
+    expire(rec.key, ttl_ms)
+    if rec.events then expire(rec.events, ttl_ms) end
   end
   rec.changed, rec.names = {}, {}
 end
@@ -131,7 +137,6 @@ local function set_status(rec, events, w)
                         'kind', 'status', 'state', w.state, 'status', w.status)
   clock = tonumber(string.match(id, '^(%d+)'))
   rec.events = events
-  rec.terminal = rec.terminal or TERMINAL[w.state] ~= nil
   return 1
 end
 
