@@ -50,13 +50,13 @@ import torch.multiprocessing as mp  # noqa: E402
 from stageferry.broker.data.payload_codec import plan_payload  # noqa: E402
 from stageferry.embedded_redis import free_port  # noqa: E402
 from stageferry.schemas import DeviceKind, Manifest  # noqa: E402
-from stageferry.stages import group_channel  # noqa: E402
-from stageferry.stages.group import pack_payload  # noqa: E402
-from stageferry.stages.group_channel import GroupChannel, MessageKind  # noqa: E402
+from stageferry.stages.group import group_channel  # noqa: E402
+from stageferry.stages.group.group import pack_payload  # noqa: E402
+from stageferry.stages.group.group_channel import GroupChannel, MessageKind  # noqa: E402
 
 TASK_SIZES = [359_024, 11_158_136, 64_963_792]
 WARMUP = 5
-#: A job header like :class:`stageferry.stages.group.GroupCompute` sends (its ``job`` is a JobRequest's JSON).
+#: A job header like :class:`stageferry.stages.group.group.GroupCompute` sends (its ``job`` is a JobRequest's JSON).
 JOB_JSON = '{"request_id":"bench","task":"T2VA","prompt":"' + "p" * 200 + '","params":{}}'
 
 

@@ -48,8 +48,8 @@ import torch.multiprocessing as mp  # noqa: E402
 from stageferry.broker.data.payload_codec import plan_payload  # noqa: E402
 from stageferry.embedded_redis import free_port  # noqa: E402
 from stageferry.schemas import DeviceKind  # noqa: E402
-from stageferry.stages import frames, group_channel, mailbox  # noqa: E402
-from stageferry.stages.group_channel import GroupChannel, MessageKind  # noqa: E402
+from stageferry.stages.group import frames, group_channel, mailbox  # noqa: E402
+from stageferry.stages.group.group_channel import GroupChannel, MessageKind  # noqa: E402
 
 WARMUP = 10
 KINDS = ("raw", "raw-ev", "mech", "mech-up", "mech-d2d", "job", "frames")

@@ -41,7 +41,7 @@ from stageferry.cli.launcher import ServiceGroup, wait_for_workers  # noqa: E402
 from stageferry.client import Client  # noqa: E402
 from stageferry.config import PipelineConfig  # noqa: E402
 from stageferry.schemas import RequestState, Task  # noqa: E402
-from stageferry.stages.placement import host_gpus, plan  # noqa: E402
+from stageferry.stages.process.placement import host_gpus, plan  # noqa: E402
 
 ENCODER = "stageferry.stages.reference.encoder:factory"
 DIFFUSION = "stageferry.stages.reference.diffusion:factory"

@@ -25,7 +25,7 @@ for s in $steps; do
                  tests/broker/data/nixl/test_consumer.py tests/broker/data/nixl/test_agent.py \
                  tests/broker/data/nixl/test_ready.py \
                  tests/broker/data/test_pool.py tests/broker/data/test_payload_codec.py \
-                 "tests/stages/test_reference_models.py::test_the_encoder_payload_stays_on_its_gpu_and_the_diffusion_stage_takes_it_there" ;;
+                 "tests/stages/reference/test_reference_models.py::test_the_encoder_payload_stays_on_its_gpu_and_the_diffusion_stage_takes_it_there" ;;
     t2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 359024 --iters 300 --zero-copy ;;
     ref2va_gpu) run_step "$s" 90 "${tx[@]}" --device cuda --sizes 11158136,64963792 --iters "${REF_ITERS:-20}" \
                   --inline-iters 20 --zero-copy ;;
@@ -39,7 +39,7 @@ for s in $steps; do
                 --profile "$out/prof_gpu" ;;
     hop) run_step "$s" 60 python3 benchmarks/hop_breakdown.py --hops 400 ;;
     shm_tests) run_step "$s" 200 python3 -m pytest -q -p no:cacheprovider -rs --tb=short \
-                 tests/stages/test_group_channel.py tests/stages/test_mailbox.py ;;
+                 tests/stages/group/test_group_channel.py tests/stages/group/test_mailbox.py ;;
     phases) run_step "$s" 120 python3 benchmarks/fanout_phases.py --sizes 359024,11158136,64963792 \
               --iters 200 --timeout 50 ;;
     fanout) run_step "$s" 150 python3 benchmarks/fanout.py --mode nixl-fanout --ranks 2 \

@@ -75,7 +75,7 @@ from stageferry.config import DataPlaneConfig, Timeouts  # noqa: E402
 from stageferry.cpus import HOT_WAIT_S  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402
 from stageferry.schemas import InlinePayload, NixlPayload, PayloadRef  # noqa: E402
-from stageferry.stages.group import settle_heap  # noqa: E402
+from stageferry.stages.group.group import settle_heap  # noqa: E402
 from stageferry.testing import TASKS, on_device, sized_payload, tensor_bytes  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -16,7 +16,7 @@ def follower_main(rank: int, world: int, port: int) -> None:
     """A follower rank: receive every payload the leader fans out, then meet at the barrier."""
     import torch.distributed as dist
 
-    from stageferry.stages.group_channel import GroupChannel, MessageKind
+    from stageferry.stages.group.group_channel import GroupChannel, MessageKind
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -37,7 +37,7 @@ class FanOut:
         import torch.multiprocessing as mp
 
         from stageferry.embedded_redis import free_port
-        from stageferry.stages.group_channel import GroupChannel
+        from stageferry.stages.group.group_channel import GroupChannel
 
         self.world = world
         self.dist = dist
@@ -59,7 +59,7 @@ class FanOut:
 
     def send(self, incoming: Any) -> None:
         """Fan the payload out from its landing buffers (a NIXL slot) or packed once (inline)."""
-        from stageferry.stages.group_channel import MessageKind
+        from stageferry.stages.group.group_channel import MessageKind
 
         if self.channel is None:
             return
@@ -75,7 +75,7 @@ class FanOut:
             self.dist.barrier()
 
     def close(self) -> None:
-        from stageferry.stages.group_channel import MessageKind
+        from stageferry.stages.group.group_channel import MessageKind
 
         if self.channel is not None:
             self.channel.send(MessageKind.STOP, {})

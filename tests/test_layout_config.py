@@ -59,7 +59,7 @@ def test_aggregated_mode_folds_the_declared_stages(tmp_path: Path) -> None:
     (stage,) = pipeline.stages  # the built-in encoder TP2 and diffusion TP4, in one group of four
     assert pipeline.mode is Mode.AGGREGATED and stage.name == "encoder" and stage.layout.describe() == "tp2xsp2"
     assert [(p.name, p.world_size) for p in stage.parts] == [("encoder", 2), ("diffusion", 4)]
-    assert stage.model == "stageferry.stages.aggregated:factory"
+    assert stage.model == "stageferry.stages.group.aggregated:factory"
     assert pipeline.next_stage("encoder") is None and pipeline.previous_stage("encoder") is None
     with pytest.raises(ConfigError, match="needs 4 ranks"):
         load(tmp_path, 'mode = "aggregated"\n[aggregated]\nlayout = {tp = 2}\n')

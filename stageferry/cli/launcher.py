@@ -35,7 +35,7 @@ from stageferry.embedded_redis import EmbeddedRedis
 from stageferry.errors import StageFailedError, StageferryError
 from stageferry.procs import astop
 from stageferry.schemas import RequestState, RequestStatus
-from stageferry.stages.placement import REFERENCE_GPUS, host_gpus, pipeline_for_host, plan
+from stageferry.stages.process.placement import REFERENCE_GPUS, host_gpus, pipeline_for_host, plan
 from stageferry.trace.events import save_trace, saved_trace_path
 
 

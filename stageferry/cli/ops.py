@@ -192,13 +192,13 @@ def serve(
 ) -> None:
     """Run one replica of a stage service until SIGTERM/SIGINT; a group restarts itself when a rank dies."""
     settings = _settings(ctx)
-    from stageferry.stages.placement import host_gpus, parse_devices, pipeline_for_host
+    from stageferry.stages.process.placement import host_gpus, parse_devices, pipeline_for_host
 
     gpus = host_gpus()
     pipeline = pipeline_for_host(settings.pipeline, gpus)
     pipeline.stage(stage)  # an unknown stage is a config error before anything starts
-    from stageferry.stages.service import run_service
-    from stageferry.stages.supervisor import RestartPolicy
+    from stageferry.stages.process.service import run_service
+    from stageferry.stages.process.supervisor import RestartPolicy
 
     gpu_list = parse_devices(devices) if devices is not None else None
     policy = RestartPolicy(max_restarts=max_restarts)
@@ -219,7 +219,7 @@ def plan_cmd(
     """Print where `up` and `serve` would run every rank of every stage, without starting anything:
     devices, process groups and pools.  A layout this host cannot run exits 1 with the reason."""
     settings = _settings(ctx)
-    from stageferry.stages.placement import host_gpus, pipeline_for_host, plan
+    from stageferry.stages.process.placement import host_gpus, pipeline_for_host, plan
 
     count = host_gpus() if gpus is None else gpus
     pipeline = pipeline_for_host(settings.pipeline, count)

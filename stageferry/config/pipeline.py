@@ -38,7 +38,7 @@ class AggregatedConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] | None = None
     """Default: the first stage's."""
     devices: _Devices | None = None
-    """Default: placed by the planner (see :mod:`stageferry.stages.placement`)."""
+    """Default: placed by the planner (see :mod:`stageferry.stages.process.placement`)."""
 
 
 DEFAULT_STAGES = (

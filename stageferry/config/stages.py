@@ -18,7 +18,7 @@ MAX_GROUP_RANKS = 64
 #: The highest GPU index a ``devices`` list may name (as the host numbers its GPUs).
 MAX_GPU_INDEX = 1023
 #: The model of an aggregated stage: it runs its ``parts`` one after the other in one group.
-AGGREGATED_MODEL = "stageferry.stages.aggregated:factory"
+AGGREGATED_MODEL = "stageferry.stages.group.aggregated:factory"
 _GroupDim = Annotated[int, Field(ge=1, le=MAX_GROUP_RANKS)]
 _Devices = Annotated[tuple[StrictInt, ...], Field(min_length=1, max_length=MAX_GROUP_RANKS)]  # checked per stage
 
@@ -89,7 +89,7 @@ class StageConfig(Strict):
 
     ``devices`` pins the group to GPUs: rank i runs on GPU ``devices[i]`` (indices as the host numbers
     them), one distinct GPU per rank, since two ranks of one NCCL group cannot share a GPU.  Without it
-    the placement planner (:mod:`stageferry.stages.placement`) picks them; whether the host has those
+    the placement planner (:mod:`stageferry.stages.process.placement`) picks them; whether the host has those
     GPUs is checked there, when the host is known."""
 
     name: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]

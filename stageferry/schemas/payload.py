@@ -144,7 +144,7 @@ class NixlPayload(Frozen):
 class ChunkedPayload(Frozen):
     """The payload comes in chunks ``<request>_<stage>_<n>``, each announced on the request's chunk stream
     (``Keys.chunks``) with its own inline or NIXL reference, the last one marked ``final``; the consumer
-    takes them in order (:mod:`stageferry.stages.chunk_input`)."""
+    takes them in order (:mod:`stageferry.stages.entry.chunk_input`)."""
 
     kind: Literal["chunks"] = "chunks"
     chunk_version: Literal[1] = 1

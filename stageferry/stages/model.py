@@ -32,7 +32,7 @@ final=True)`` for the last, or return after its last ``emit_chunk`` (a returned 
 chunk, ``None`` only closes the stream).  A chunk is published while the model computes the next one, so
 its tensors are the stage's once emitted: make new ones for the next chunk.  ``emit_chunk`` blocks while the consumer is
 ``streaming.max_chunks_in_flight`` chunks behind (back-pressure).  A consumer model that sets
-``takes_chunks = True`` receives a :class:`~stageferry.stages.streaming.ChunkStream` as its payload when
+``takes_chunks = True`` receives a :class:`~stageferry.stages.entry.streaming.ChunkStream` as its payload when
 its producer streams: iterate it (``for chunk in payload``, in the model's thread; ``async for`` from a
 coroutine) for the chunks in order; each is valid until the next is asked for.  A whole payload still
 comes as itself, so such a model handles both.

@@ -211,7 +211,7 @@ def test_i2va_is_a_job_of_its_own_and_the_reference_models_refuse_it(tmp_path: P
 
 
 def test_the_planner_says_a_diffusers_group_computes_on_rank_0(checkpoints: dict[str, Path]) -> None:
-    from stageferry.stages.placement import plan
+    from stageferry.stages.process.placement import plan
 
     o = options(checkpoints["wan"], "wan")
     stages = [

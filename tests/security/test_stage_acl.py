@@ -32,7 +32,7 @@ from stageferry.broker.control.streams import Entry, StageStream
 from stageferry.config import Limits
 from stageferry.errors import InvalidRequestIdError, RequestLostError
 from stageferry.schemas import Envelope, JobRequest, RequestState, RequestStatus
-from stageferry.stages.entry_guard import EntryGuard
+from stageferry.stages.entry.entry_guard import EntryGuard
 from tests.procs import ROOT
 from tests.security.servers import AclRedis
 

@@ -23,8 +23,8 @@ from stageferry.config import Streaming
 from stageferry.errors import ChunkTimeoutError, PayloadUnavailableError, StreamAbandonedError
 from stageferry.schemas import NoPayload, request_key
 from stageferry.schemas.chunks import ChunkAnnouncement
-from stageferry.stages.chunk_input import ChunkReader
-from stageferry.stages.chunk_output import ChunkProducer
+from stageferry.stages.entry.chunk_input import ChunkReader
+from stageferry.stages.entry.chunk_output import ChunkProducer
 from tests.security.servers import AclRedis
 
 pytestmark = pytest.mark.anyio

@@ -6,7 +6,7 @@ nor the TTL of a ``SET``: a client could leave a 16 MiB cancel flag that never e
 bound is bounded by how the stages read those keys and by this sweep:
 
 * read bounded: a stage only ``EXISTS`` a cancel flag or a marker, and ``STRLEN``s an upload before it
-  ``GET``s it (:mod:`stageferry.stages.media`); nothing else a client writes is read;
+  ``GET``s it (:mod:`stageferry.stages.entry.media`); nothing else a client writes is read;
 * swept: the first stage's leader walks the three patterns with ``SCAN`` (a bounded ``COUNT`` a step, the
   cursor kept between steps) and, for each key found, deletes it when it is longer than its bound and
   gives it its bound TTL when it has none or a longer one (:class:`KeyBound`).  A deleted upload leaves its

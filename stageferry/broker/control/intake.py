@@ -9,7 +9,7 @@ intake list — no ids, no trimming, no pops — and the first stage's leader mo
 stream with ids Redis picks (``*``), in one script (:data:`MOVE`): an item is popped and added in the
 same atomic step, so a mover that dies, or a connection lost mid-call, loses nothing and moves nothing
 twice.  The entry then meets the stage's checks as any entry does; a request id submitted twice runs
-once (admission by request id, :mod:`stageferry.stages.entry_guard`).
+once (admission by request id, :mod:`stageferry.stages.entry.entry_guard`).
 
 Bounded at every step: a move takes at most ``count`` items, round-robin over the intakes (a tenant
 that floods its own list does not starve the others); an item longer than ``max_item_bytes`` is not

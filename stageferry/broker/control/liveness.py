@@ -6,7 +6,7 @@ A stage leader writes its heartbeat — the unix time, as text — into the hash
 :data:`HEARTBEAT_EVERY_S`, and removes it when it drains.  A replica is *live* while its last heartbeat
 is at most :data:`FRESH_S` old: a killed process drops out after that, a drained one at once.
 
-A replica whose supervisor gave up restarting it (:mod:`stageferry.stages.supervisor`) writes
+A replica whose supervisor gave up restarting it (:mod:`stageferry.stages.process.supervisor`) writes
 ``gave-up <unix time>`` in place of its heartbeat (:func:`record_gave_up`): not a time, so it is not live
 at once, and the health checks name it (:func:`replicas_by_stage`) until the replica beats again (it was
 restarted) or the hash expires.

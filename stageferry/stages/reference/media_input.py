@@ -18,7 +18,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from stageferry.errors import JobValidationError, field_error
-from stageferry.stages.media import describe
+from stageferry.stages.entry.media import describe
 from stageferry.stages.reference.audio import SAMPLE_RATE
 
 

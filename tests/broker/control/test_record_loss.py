@@ -10,9 +10,9 @@ from stageferry.broker.control.record_loss import Loss, RecordLoss
 from stageferry.config import Limits
 from stageferry.errors import RequestLostError
 from stageferry.schemas import RequestState, RequestStatus
-from stageferry.stages.entry_guard import EntryGuard
-from tests.stages import test_admission
-from tests.stages.test_admission import Stage, envelope
+from stageferry.stages.entry.entry_guard import EntryGuard
+from tests.stages.entry import test_admission
+from tests.stages.entry.test_admission import Stage, envelope
 
 pytestmark = pytest.mark.anyio
 

@@ -1,0 +1,160 @@
+"""Client-named local files: refused unless under a configured root, and then only regular files read
+with a bound.  Every refusal reads the same, so it tells nothing about the path; probe errors carry no
+object reprs.  Real files, a real FIFO, real device and /proc files."""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from stageferry.broker.control.redis_conn import open_client
+from stageferry.cli import sample_media
+from stageferry.config import Limits
+from stageferry.errors import JobValidationError
+from stageferry.schemas import JobRequest, Task
+from stageferry.schemas.validation import check_job_limits
+from stageferry.stages.entry.media import _probe, describe, load_media, probe_image, probe_video_frames, read_local_file
+from stageferry.stages.reference.media_input import load_image, load_video
+
+FIELD = "media.first_frame.path"
+PNG = sample_media(Task.FL2VA)["first_frame"].read_bytes()
+MP4 = sample_media(Task.REF2VA)["reference_video"].read_bytes()
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "frame.png").write_bytes(PNG)
+    return media
+
+
+def refusal(path: str, roots: tuple[str, ...], max_bytes: int = 1 << 20) -> dict[str, object]:
+    with pytest.raises(JobValidationError) as info:
+        read_local_file(path, FIELD, roots, max_bytes)
+    [error] = info.value.field_errors
+    assert error["field"] == FIELD
+    assert path not in info.value.message and path not in str(error["message"])
+    return error
+
+
+def test_a_regular_file_under_a_root_is_read(root: Path) -> None:
+    assert read_local_file(str(root / "frame.png"), FIELD, (str(root),), 1 << 20) == PNG
+    assert read_local_file(str(root / "sub" / ".." / "frame.png"), FIELD, (str(root),), 1 << 20) == PNG
+
+
+def test_no_roots_no_paths(root: Path) -> None:
+    error = refusal(str(root / "frame.png"), ())
+    assert error["type"] == "path_not_allowed" and "upload" in str(error["message"])
+
+
+def test_hostile_paths_are_refused_alike(root: Path, tmp_path: Path) -> None:
+    roots = (str(root),)
+    fifo = root / "fifo"
+    os.mkfifo(fifo)
+    (root / "passwd").symlink_to("/etc/passwd")
+    (root / "dir").mkdir()
+    outside = tmp_path / "secret.png"
+    outside.write_bytes(PNG)
+    (root / "escape.png").symlink_to(outside)
+    cases = [
+        str(fifo),  # would block a plain open() for good
+        "/dev/zero",  # endless: a stat-then-read check never ends
+        "/etc/passwd",
+        "/proc/self/environ",
+        str(root / "passwd"),  # a symlink out of the root
+        str(root / "escape.png"),
+        str(root / "dir"),
+        str(root / "missing.png"),
+        str(root / ".." / "secret.png"),
+    ]
+    messages = set()
+    done = threading.Event()
+
+    def run() -> None:
+        for path in cases:
+            error = refusal(path, roots)
+            assert error["type"] == "path_not_allowed", (path, error)
+            messages.add(error["message"])
+        done.set()
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert done.is_set(), "reading a hostile path blocked"
+    assert len(messages) == 1, messages  # nothing tells a FIFO from a missing file from /etc/passwd
+
+
+def test_a_root_that_is_a_symlink_is_resolved(root: Path, tmp_path: Path) -> None:
+    link = tmp_path / "link"
+    link.symlink_to(root)
+    assert read_local_file(str(link / "frame.png"), FIELD, (str(link),), 1 << 20) == PNG
+
+
+def test_reads_are_bounded_and_a_file_too_large_is_refused_like_any_other(root: Path) -> None:
+    """A file above the bound reads as every other refusal: its size (so its existence) stays unsaid."""
+    big = refusal(str(root / "frame.png"), (str(root),), max_bytes=100)
+    missing = refusal(str(root / "missing.png"), (str(root),), max_bytes=100)
+    outside = refusal("/etc/passwd", (str(root),), max_bytes=100)
+    assert big == missing == outside and big["type"] == "path_not_allowed", (big, missing, outside)
+    assert str(len(PNG)) not in str(big["message"])
+
+
+@pytest.mark.anyio
+async def test_every_refused_path_of_a_job_is_reported_the_same_way(root: Path, redis_url: str) -> None:
+    """The stage reports each refused path, as the lexical check before it does: two refused fields are
+    two identical field errors, whether the paths lie outside the roots, are missing, or too large."""
+    limits = Limits(media_roots=(str(root),), max_upload_bytes=1024)
+    (root / "big.png").write_bytes(PNG * 3)  # above the limit
+
+    def job(first: str, last: str) -> JobRequest:
+        media = {"first_frame": {"path": first}, "last_frame": {"path": last}}
+        return JobRequest.model_validate({"task": "fl2va", "prompt": "x", "width": 320, "height": 192, "media": media})
+
+    with pytest.raises(JobValidationError) as lexical:
+        check_job_limits(job("/etc/passwd", "/etc/shadow"), limits, upload_prefix="p:upload:x:")
+    async with open_client(redis_url) as redis:
+        with pytest.raises(JobValidationError) as read:
+            await load_media(
+                job(str(root / "big.png"), str(root / "missing.png")),
+                redis=redis, upload_prefix="p:upload:x:", max_bytes=1024, min_audio_s=0.0,
+                media_roots=limits.media_roots,
+            )  # fmt: skip
+    assert read.value.field_errors == lexical.value.field_errors
+    assert [e["field"] for e in read.value.field_errors] == ["media.first_frame.path", "media.last_frame.path"]
+    assert read.value.message == lexical.value.message
+
+
+def test_probe_errors_show_no_object_reprs() -> None:
+    for call in (
+        lambda: probe_image(b"not an image", "media.first_frame"),
+        lambda: load_image(b"not an image", 64, 64, field="media.first_frame"),
+        lambda: probe_video_frames(b"not a video", "media.reference_video"),
+        lambda: load_video(b"not a video", 64, 64, 8, 8, field="media.reference_video"),
+    ):
+        with pytest.raises(JobValidationError) as info:
+            call()
+        message = str(info.value.field_errors[0]["message"])
+        assert "0x" not in message and "BytesIO" not in message and "<" not in message, message
+    plain = describe(OSError("cannot identify image file <_io.BytesIO object at 0x7f3a2c>"))
+    assert plain == "cannot identify image file"
+
+
+def test_oversized_media_frames_are_refused_before_decoding() -> None:
+    buf = io.BytesIO()
+    Image.new("RGB", (640, 480)).save(buf, format="PNG")
+    with pytest.raises(JobValidationError) as info:
+        _probe("first_frame", "media.first_frame", buf.getvalue(), 0.0, 320 * 240)
+    assert "max_media_pixels = 76800" in str(info.value.field_errors[0]["message"])
+    with pytest.raises(JobValidationError):
+        probe_video_frames(MP4, "media.reference_video", max_pixels=64 * 64)
+
+
+def test_streaming_video_decode_keeps_the_resampling() -> None:
+    frames = load_video(MP4, 64, 64, 4, 6, field="media.reference_video")
+    assert frames.shape[1:] == (3, 64, 64) and 1 <= frames.shape[0] <= 6
