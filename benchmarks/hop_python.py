@@ -35,7 +35,7 @@ from stageferry.broker.data.inline import InlineConnector  # noqa: E402
 from stageferry.broker.data.nixl.endpoint import Endpoint  # noqa: E402
 from stageferry.broker.data.nixl.leases import LeaseTable, check_fresh  # noqa: E402
 from stageferry.broker.data.nixl.producer import Producer  # noqa: E402
-from stageferry.broker.data.nixl.staging import Stagings  # noqa: E402
+from stageferry.broker.data.nixl.staged_outputs import Stagings  # noqa: E402
 from stageferry.broker.data.payload_codec import (  # noqa: E402
     pack_into,
     plan_payload,

@@ -21,7 +21,7 @@ steps=${*:-gpu_tests shm_tests t2va_gpu ref2va_gpu t2va_cpu ref2va_cpu hop fanou
 for s in $steps; do
   case $s in
     gpu_tests) run_step "$s" 200 python3 -m pytest -q -p no:cacheprovider -rs --tb=short --durations=8 \
-                 tests/broker/data/nixl/test_staging.py tests/broker/data/nixl/test_connector.py \
+                 tests/broker/data/nixl/test_staged_outputs.py tests/broker/data/nixl/test_connector.py \
                  tests/broker/data/nixl/test_consumer.py tests/broker/data/nixl/test_agent.py \
                  tests/broker/data/nixl/test_ready.py \
                  tests/broker/data/test_pool.py tests/broker/data/test_payload_codec.py \

@@ -72,18 +72,18 @@ def hop_steps(role: str) -> StepTimer:
 
     from stageferry.broker.control import streams
     from stageferry.broker.data import pool
-    from stageferry.broker.data.nixl import consumer, peers, producer, staging
+    from stageferry.broker.data.nixl import consumer, peers, producer, staged_outputs
 
     timer = StepTimer()
     if role == "producer":
         for owner, attr, name in (
             (producer.Producer, "_put", "put (all of it)"),
             (producer, "plan_payload", "put: plan the payload"),
-            (staging.Staging, "fill", "put: fill the staged slot (+ CUDA sync)"),
+            (staged_outputs.Staging, "fill", "put: fill the staged slot (+ CUDA sync)"),
             (producer, "pack_into", "put: pack into a slot (copy put)"),
             (producer.Producer, "acquire", "put: take a slot (copy put)"),
             (producer.Producer, "lease", "put: lease, seal, NixlPayload"),
-            (staging.Stagings, "stage", "stage (the model's slot tensors, untimed in the hop)"),
+            (staged_outputs.Stagings, "stage", "stage (the model's slot tensors, untimed in the hop)"),
         ):
             timer.wrap(owner, attr, name)
         return timer

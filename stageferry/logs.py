@@ -115,7 +115,7 @@ def adopt_library_logger(name: str) -> None:
     logger.propagate = True
 
 
-#: The CLI's one-line expected error (``stageferry.cli.console.error_line``), and words that make a line an error.
+#: The CLI's one-line expected error (``stageferry.cli.display.error_line``), and words that make a line an error.
 _ERROR_LINE = re.compile(r"error \[([a-z0-9_]{1,64})\]: (.*)")
 _ERROR_WORD = re.compile(r"\b(error|fatal)\b")
 

@@ -16,7 +16,7 @@ import typer.core
 from pydantic import ValidationError
 from rich.console import Console
 
-from stageferry.cli.console import error_line
+from stageferry.cli.display import error_line
 from stageferry.client import DEFAULT_REDIS_URL, Client
 from stageferry.config import Settings
 from stageferry.errors import (

@@ -13,7 +13,7 @@ import typer.core
 
 from stageferry.broker.control.liveness import unheld_note
 from stageferry.cli.app import _expected_errors, _print_status, _settings, _with_client, app, stderr
-from stageferry.cli.console import follow, render_status
+from stageferry.cli.display import follow, render_status
 from stageferry.client import DEFAULT_REDIS_URL, Client
 from stageferry.docgen import allowed
 from stageferry.errors import (

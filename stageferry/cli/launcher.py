@@ -27,7 +27,7 @@ from rich.console import Console
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import live_by_stage
 from stageferry.broker.control.redis_conn import translated
-from stageferry.cli.console import follow, render_hops, render_status
+from stageferry.cli.display import follow, render_hops, render_status
 from stageferry.cli_hints import cli_command, submit_command
 from stageferry.client import Client, validate_job, with_upload_refs
 from stageferry.config import DEFAULT_STAGES, Settings

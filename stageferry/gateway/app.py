@@ -23,7 +23,6 @@ from stageferry.config import PipelineConfig, Settings
 from stageferry.errors import StageferryError, field_error
 from stageferry.gateway.auth import require_token
 from stageferry.gateway.codes import GatewayCode
-from stageferry.gateway.console import install_console
 from stageferry.gateway.errors import ApiError, clip, from_exception
 from stageferry.gateway.events_sse import MAX_EVENT_STREAMS
 from stageferry.gateway.health import HealthMonitor, health_connection
@@ -31,6 +30,7 @@ from stageferry.gateway.metrics import MetricsMiddleware
 from stageferry.gateway.results import ResultFiles
 from stageferry.gateway.routes import error_response, router
 from stageferry.gateway.service import VideoService
+from stageferry.gateway.web_console import install_console
 from stageferry.logs import EventSink
 from stageferry.schemas.envelope import request_key
 

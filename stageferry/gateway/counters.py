@@ -16,7 +16,7 @@ import httpx
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from stageferry.schemas.console import CountersReport, MetricsSource
+from stageferry.schemas.console_api import CountersReport, MetricsSource
 
 #: Metric families shown (counter families without their ``_total`` suffix, as the parser names them).
 SHOWN = (

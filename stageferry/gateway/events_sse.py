@@ -1,7 +1,7 @@
 """Live progress pushed to browsers: ``GET /v1/videos/{id}/events`` as server-sent events.
 
 Each frame is one row of the request's events stream (a status change or a logged event) as an
-:class:`~stageferry.schemas.console.EventFrame`; the stream replays the rows written so far, then follows
+:class:`~stageferry.schemas.console_api.EventFrame`; the stream replays the rows written so far, then follows
 new ones with blocking reads (XREAD BLOCK, no polling), and closes after the terminal status.  A comment
 line goes out when nothing happened for :data:`KEEPALIVE_S`, so proxies and browsers keep the connection.
 
@@ -25,7 +25,7 @@ from stageferry.client import Client
 from stageferry.errors import StageferryError
 from stageferry.gateway.codes import GatewayCode
 from stageferry.gateway.errors import ApiError
-from stageferry.schemas.console import EventFrame
+from stageferry.schemas.console_api import EventFrame
 from stageferry.trace.events import TraceEvent
 
 log = structlog.get_logger(__name__)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from stageferry.client import Client
 from stageferry.gateway.listing import video_index, video_records
 from stageferry.gateway.objects import progress_percent
-from stageferry.schemas.console import RecentReport, RecentRequest
+from stageferry.schemas.console_api import RecentReport, RecentRequest
 
 
 async def recent(client: Client, *, limit: int) -> RecentReport:

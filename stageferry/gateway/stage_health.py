@@ -19,7 +19,7 @@ from stageferry.broker.control.stage_counts import StageCounts, stage_counts
 from stageferry.client import Client
 from stageferry.config import StageConfig
 from stageferry.errors import ControlPlaneError
-from stageferry.schemas.console import Pool, RankPlacement, Replica, StageHealth, StagesReport
+from stageferry.schemas.console_api import Pool, RankPlacement, Replica, StageHealth, StagesReport
 
 #: The report never waits longer than this on Redis.
 REPORT_TIMEOUT_S = 2.0

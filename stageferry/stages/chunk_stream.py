@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 
-from stageferry.broker.data.connector import Incoming
+from stageferry.broker.data.connector_contract import Incoming
 from stageferry.schemas import Transport
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from stageferry.config import PipelineConfig
 from stageferry.schemas import RequestState, RequestStatus, Transport
-from stageferry.schemas.console import StageSpan, TraceHop, TraceReport, TraceRow
+from stageferry.schemas.console_api import StageSpan, TraceHop, TraceReport, TraceRow
 from stageferry.trace.events import TraceEvent, hops
 
 #: Event names containing one of these count as a retry of some kind.

@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from stageferry.broker.data import metrics
-from stageferry.broker.data.connector import Connector, Incoming, Outgoing, Payload
+from stageferry.broker.data.connector_contract import Connector, Incoming, Outgoing, Payload
 from stageferry.broker.data.payload_codec import decode_inline, encode_inline, validate_manifest
 from stageferry.errors import ManifestError, PayloadTooLargeError
 from stageferry.schemas import InlinePayload, PayloadRef, Transport

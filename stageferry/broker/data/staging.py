@@ -3,7 +3,7 @@
 A model that knows its output's shapes before computing the last op can ask its stage for the output
 tensors (:meth:`stageferry.stages.model.StageContext.output_tensors`) and write its results straight
 into them; on a NIXL leader they are views over a registered pool slot, so the put copies nothing
-(:mod:`stageferry.broker.data.nixl.staging`).  Everywhere else (followers, the inline connector, a
+(:mod:`stageferry.broker.data.nixl.staged_outputs`).  Everywhere else (followers, the inline connector, a
 full pool) they are ordinary tensors and the put copies as before.
 
 The request is a *template*: the payload's structure (dicts, lists, tuples, plain values) whose tensor

@@ -32,7 +32,7 @@ import anyio
 import structlog
 
 from stageferry.broker.control.chunks import ChunkChannel, ChunkRecord, StreamId
-from stageferry.broker.data.connector import Connector
+from stageferry.broker.data.connector_contract import Connector
 from stageferry.errors import (
     CancelledRequestError,
     ChunkTimeoutError,

@@ -35,7 +35,7 @@ import anyio
 import structlog
 
 from stageferry.broker.control.chunks import ChunkChannel, ChunkState, StreamId
-from stageferry.broker.data.connector import Connector, Outgoing
+from stageferry.broker.data.connector_contract import Connector, Outgoing
 from stageferry.config import Streaming
 from stageferry.errors import (
     CancelledRequestError,

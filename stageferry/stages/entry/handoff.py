@@ -27,7 +27,7 @@ import structlog
 
 from stageferry.broker.control.streams import LEASE_FIELD, Entry
 from stageferry.broker.data import metrics
-from stageferry.broker.data.connector import Outgoing
+from stageferry.broker.data.connector_contract import Outgoing
 from stageferry.config import StageConfig
 from stageferry.errors import CancelledRequestError, DataPlaneError, PayloadUnavailableError
 from stageferry.failpoints import PRODUCER_PUBLISHED, failpoint

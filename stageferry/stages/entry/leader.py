@@ -23,7 +23,7 @@ from stageferry.broker.control.liveness import Heartbeat
 from stageferry.broker.control.refusals import Refusals
 from stageferry.broker.control.requests import RequestStore
 from stageferry.broker.control.streams import StageStream
-from stageferry.broker.data.connector import Connector
+from stageferry.broker.data.connector_contract import Connector
 from stageferry.config import PipelineConfig, StageConfig
 
 

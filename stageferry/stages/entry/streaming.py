@@ -32,7 +32,7 @@ from stageferry.broker.control.chunks import ChunkChannel, StreamId
 from stageferry.broker.control.redis_conn import translated
 from stageferry.broker.control.streams import Entry
 from stageferry.broker.data import metrics
-from stageferry.broker.data.connector import Incoming
+from stageferry.broker.data.connector_contract import Incoming
 from stageferry.errors import ConfigError, ControlPlaneError, EnvelopeError, GroupBrokenError
 from stageferry.logs import bound_request
 from stageferry.schemas import Envelope, Transport, request_key

@@ -41,7 +41,7 @@ from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import is_connection_error, is_transient_error, with_reconnects
 from stageferry.broker.control.streams import Entry
 from stageferry.broker.data import metrics
-from stageferry.broker.data.connector import Connector, Incoming, holding
+from stageferry.broker.data.connector_contract import Connector, Incoming, holding
 from stageferry.config import PipelineConfig, StageConfig
 from stageferry.errors import (
     CancelledRequestError,

@@ -22,7 +22,7 @@ import torch
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client, wait_until_reachable
-from stageferry.broker.data.connectors import build_connectors
+from stageferry.broker.data.stage_connectors import build_connectors
 from stageferry.config import PipelineConfig, Settings, StageConfig
 from stageferry.errors import ConfigError
 from stageferry.logs import EventSink, configure_logging, flush_native_output

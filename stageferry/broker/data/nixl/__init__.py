@@ -8,7 +8,7 @@
 - :mod:`.leases` — the producer's lease table, expiry, settling and the claim key;
 - :mod:`.peers` — this agent's record in Redis, the cache of producer agents, the handshake;
 - :mod:`.connector` — :class:`~.connector.NixlConnector`, which composes them behind the
-  :class:`~stageferry.broker.data.connector.Connector` contract.
+  :class:`~stageferry.broker.data.connector_contract.Connector` contract.
 
 The side-channel wire formats (agent record, lease seal, resend request and reply, release tag) are in
 :mod:`stageferry.schemas.nixl`.  Import the modules themselves (they pull in torch); this package

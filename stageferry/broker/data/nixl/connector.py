@@ -8,17 +8,17 @@ share one :class:`~stageferry.broker.data.nixl.endpoint.Endpoint`:
   the resend service;
 * :mod:`~stageferry.broker.data.nixl.consumer` — claim, READ, unpack, ask for a resend;
 * :mod:`~stageferry.broker.data.nixl.leases` — the lease table, expiry, settling, claim-key marks;
-* :mod:`~stageferry.broker.data.nixl.staging` — pool slots handed to the model to write its output into;
+* :mod:`~stageferry.broker.data.nixl.staged_outputs` — pool slots handed to the model to write its output into;
 * :mod:`~stageferry.broker.data.nixl.peers` — this agent's record, the peer cache and handshake;
 * :mod:`~stageferry.broker.data.nixl.upstream` — the producers of the input edge, connected ahead of
   their payloads (``upstream``: the stage this process consumes from).
 
-Lifecycle (the stage service calls these; see :mod:`stageferry.broker.data.connectors`):
+Lifecycle (the stage service calls these; see :mod:`stageferry.broker.data.stage_connectors`):
 :meth:`NixlConnector.open` once at start-up, in a worker thread (creates the agent, registers the
 pools; if NIXL cannot be loaded the connector works inline only and says why once), then
 ``await tg.start(connector.run)`` for the background loops, :meth:`NixlConnector.put` /
 :meth:`NixlConnector.get` per request, :meth:`NixlConnector.aclose` at shutdown after the loops are
-cancelled.  The memory contract of put and get is :class:`~stageferry.broker.data.connector.Connector`'s.
+cancelled.  The memory contract of put and get is :class:`~stageferry.broker.data.connector_contract.Connector`'s.
 
 Threading: the NIXL agent is not thread-safe; every agent call happens on the event-loop thread (each
 is a short, non-blocking call), memory copies run in worker threads.
@@ -40,7 +40,7 @@ from stageferry.broker.control.redis_conn import durability_of
 from stageferry.broker.control.resp_link import open_link
 from stageferry.broker.control.streams import LeaseClaim
 from stageferry.broker.data import metrics
-from stageferry.broker.data.connector import Connector, Incoming, Outgoing, Payload
+from stageferry.broker.data.connector_contract import Connector, Incoming, Outgoing, Payload
 from stageferry.broker.data.inline import InlineConnector
 from stageferry.broker.data.nixl.address import pin_ucx_devices
 from stageferry.broker.data.nixl.agent import NixlAgent
@@ -50,7 +50,7 @@ from stageferry.broker.data.nixl.leases import LeaseTable, claim_on_read
 from stageferry.broker.data.nixl.peers import Peers
 from stageferry.broker.data.nixl.producer import Producer
 from stageferry.broker.data.nixl.same_gpu import export_arena, gpu_uuid
-from stageferry.broker.data.nixl.staging import Stagings
+from stageferry.broker.data.nixl.staged_outputs import Stagings
 from stageferry.broker.data.nixl.upstream import UpstreamWatch
 from stageferry.broker.data.pool import PoolSet
 from stageferry.broker.data.staging import Template

@@ -42,7 +42,7 @@ import torch
 
 from stageferry.broker.control.redis_conn import translated
 from stageferry.broker.data import metrics
-from stageferry.broker.data.connector import Incoming
+from stageferry.broker.data.connector_contract import Incoming
 from stageferry.broker.data.nixl.agent import XferState
 from stageferry.broker.data.nixl.endpoint import Endpoint
 from stageferry.broker.data.nixl.leases import check_fresh, claim

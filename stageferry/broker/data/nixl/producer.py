@@ -15,7 +15,7 @@ Who calls what, and when (the producer leader only):
   or a refusal), then settles the lease.
 
 A model may also write its output straight into pool slots (:meth:`Stagings.stage`, before the put;
-:mod:`stageferry.broker.data.nixl.staging`): the put then takes the staged slots, copies only the
+:mod:`stageferry.broker.data.nixl.staged_outputs`): the put then takes the staged slots, copies only the
 tensors the model made elsewhere, and puts the same slots under the lease.
 """
 
@@ -31,11 +31,11 @@ import structlog
 
 from stageferry.broker.control.redis_conn import translated
 from stageferry.broker.data import metrics
-from stageferry.broker.data.connector import Outgoing, Payload
+from stageferry.broker.data.connector_contract import Outgoing, Payload
 from stageferry.broker.data.inline import THREAD_ABOVE
 from stageferry.broker.data.nixl.endpoint import Endpoint
 from stageferry.broker.data.nixl.leases import Lease, LeaseTable
-from stageferry.broker.data.nixl.staging import Staging, Stagings
+from stageferry.broker.data.nixl.staged_outputs import Staging, Stagings
 from stageferry.broker.data.payload_codec import PackPlan, pack_into, plan_payload
 from stageferry.broker.data.pool import Slot
 from stageferry.errors import (

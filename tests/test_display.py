@@ -7,7 +7,7 @@ import io
 
 from rich.console import Console
 
-from stageferry.cli.console import RequestProgress, render_hops, render_status
+from stageferry.cli.display import RequestProgress, render_hops, render_status
 from stageferry.schemas import Progress, RequestState, RequestStatus, StageTiming, Transport
 from stageferry.trace.events import TraceEvent
 

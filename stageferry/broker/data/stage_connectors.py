@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 import torch
 
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.data.connector import Connector
+from stageferry.broker.data.connector_contract import Connector
 from stageferry.broker.data.inline import InlineConnector
 from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.config import ConnectorKind, PipelineConfig, StageConfig

@@ -34,7 +34,7 @@ from stageferry.gateway.auth import require_token
 from stageferry.gateway.events_sse import MAX_EVENT_STREAMS, EventStreams
 from stageferry.gateway.service import VideoService
 from stageferry.gateway.stage_health import stage_report
-from stageferry.schemas.console import (
+from stageferry.schemas.console_api import (
     ConsoleInfo,
     ConsoleLimits,
     CountersReport,
