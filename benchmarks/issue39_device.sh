@@ -9,6 +9,8 @@
 #   gpu_tests the same-GPU copy and its fallback (two processes on GPU 0), the upstream watch, the
 #             connector's VRAM tests: tests/broker/data/nixl/test_same_gpu.py, test_upstream.py, test_connector.py
 #   same_gpu  torch device copy vs NIXL READ vs the same-GPU copy, 1 / 11 / 65 MB (benchmarks/same_gpu.py)
+#   same_gpu_parts  where the same-GPU copy's fixed cost goes: each piece timed alone, two processes,
+#             torch only (benchmarks/same_gpu_parts.py)
 #   cold_gpu  the first hop against warm hops on the GPU, peers connected on request vs ahead
 #             (benchmarks/cold_hop.py, T2VA and FL2VA sizes)
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
@@ -40,6 +42,7 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
                  "tests/broker/data/nixl/test_connector.py::test_cuda_leaves_land_on_the_consumer_gpu" \
                  "tests/broker/data/nixl/test_connector.py::test_a_block_cancelled_with_cuda_slots_still_returns_them" ;;
     same_gpu) run_step "$s" 90 python3 benchmarks/same_gpu.py --iters 30 --warmup 5 --log "$out/same_gpu_producer.log" ;;
+    same_gpu_parts) run_step "$s" 120 python3 benchmarks/same_gpu_parts.py --iters 50 --warmup 10 ;;
     cold_gpu) run_step "${s}_t2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 359024 --rounds 3 --hops 20
               run_step "${s}_fl2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 11158136 --rounds 3 --hops 20 ;;
     commands) run_step "$s" 150 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \

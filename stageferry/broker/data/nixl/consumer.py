@@ -259,18 +259,23 @@ class Consumer:
         assert peer.ipc is not None
         await self.claim(ref, claimed)
         try:
-            await self.same_gpu.copy(ref, peer.ipc, slots)
+            done = self.same_gpu.launch(ref, peer.ipc, slots)
         except TransferError as exc:
             log.warning("nixl.same_gpu_fallback", peer=peer.name, token=ref.token, error=exc.message, fallback="nixl")
             return await self.read(ref, peer, slots, True, meanwhile=meanwhile), False
-        except anyio.get_cancelled_exc_class():  # the copy has ended (shielded wait): free the producer's slot
+        made: T | None = None
+        try:
+            # The payload's views over our slots are made while the copy runs, as a READ makes them.
+            made = meanwhile() if meanwhile is not None else None
+            await self.same_gpu.wait(done)
+        except TransferError as exc:
+            log.warning("nixl.same_gpu_fallback", peer=peer.name, token=ref.token, error=exc.message, fallback="nixl")
+            return await self.read(ref, peer, slots, True, meanwhile=meanwhile), False
+        except BaseException:  # the copy has ended (shielded wait, or it never ran): free the producer's slot
             with anyio.CancelScope(shield=True), contextlib.suppress(ControlPlaneError):
                 await self._release_producer(ref, peer)
             raise
-        try:
-            made = meanwhile() if meanwhile is not None else None
-        finally:
-            await self._release_producer(ref, peer)
+        await self._release_producer(ref, peer)
         self._ep.counters.reads += 1
         self._ep.counters.same_gpu += 1
         return made, True
