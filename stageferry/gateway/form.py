@@ -16,15 +16,17 @@ import base64
 import binascii
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from stageferry.config import Limits
 from stageferry.errors import field_error
 from stageferry.gateway.errors import invalid, invalid_fields
 from stageferry.gateway.uploads import ParsedForm, UploadedFile
-from stageferry.schemas import MediaInputs
+from stageferry.schemas import MediaInputs, Task
 from stageferry.schemas.validation import field_errors
 
 #: Text fields whose value may carry a whole upload as a data URL.
@@ -135,8 +137,15 @@ class _Builder:
         self.origin["media." + slot] = source
 
 
-def map_form(form: ParsedForm) -> MappedJob:
-    """The job for a parsed form; :class:`ApiError` (400) naming every field that cannot be mapped."""
+#: The tasks a deployment serves when the caller does not say (``Limits.tasks``'s default).
+DEFAULT_TASKS: tuple[Task, ...] = Limits.model_fields["tasks"].default
+
+
+def map_form(form: ParsedForm, tasks: Collection[Task] = DEFAULT_TASKS) -> MappedJob:
+    """The job for a parsed form; :class:`ApiError` (400) naming every field that cannot be mapped.
+
+    ``tasks``: those the deployment serves (``limits.tasks``), which a task inferred from the uploads
+    follows (one image on a deployment that serves i2va is an i2va job)."""
     fields = dict(form.fields)
     image_url, file_id = fields.pop(IMAGE_URL_FIELD, None), fields.pop(FILE_ID_FIELD, None)
     if file_id is not None:
@@ -183,7 +192,7 @@ def map_form(form: ParsedForm) -> MappedJob:
             b.put(EXTRA_PARAMS[key], value.lower() if key == "task" and isinstance(value, str) else value, source)
     if aspect is not None:
         _apply_aspect(b, *aspect)
-    inferred = "task" not in b.job and _infer_task(b, form, parsed, image_url is not None)
+    inferred = "task" not in b.job and _infer_task(b, form, parsed, image_url is not None, tasks)
     _map_media(b, form, parsed)
     if image_url is not None:  # the image of an input_reference object: where an uploaded one would go
         data = _data_url(json.dumps({"image_url": image_url}), "input_reference", "image_url")
@@ -272,9 +281,10 @@ _KIND_OF_FIELD = {"first_frame": "image", "last_frame": "image", "last_image": "
                   "reference_video": "video", "image_reference": "image", "audio_reference": "audio"}  # fmt: skip
 
 
-def _infer_task(b: _Builder, form: ParsedForm, parsed: VideoForm, image_url: bool) -> bool:
-    """With no task named, the one the uploads imply (an OpenAI client cannot name one): images alone are
-    an image-to-video job (fl2va; a single image is its first and last frame), a video or audio is ref2va.
+def _infer_task(b: _Builder, form: ParsedForm, parsed: VideoForm, image_url: bool, tasks: Collection[Task]) -> bool:
+    """With no task named, the one the uploads imply (an OpenAI client cannot name one), among those the
+    deployment serves: a video or audio is ref2va; one image is the first frame of an i2va job where the
+    deployment serves i2va, else of an fl2va job (the image its first and last frame); two images fl2va.
     True when a task was inferred; no upload leaves the default (t2va)."""
     kinds = [(_KIND_OF_FIELD.get(up.field) or media_kind(up.content_type, up.data), up.field) for up in form.files]
     kinds += [(_KIND_OF_FIELD[name], name) for name in DATA_URL_FIELDS if getattr(parsed, name) is not None]
@@ -282,8 +292,12 @@ def _infer_task(b: _Builder, form: ParsedForm, parsed: VideoForm, image_url: boo
     if not kinds:
         return False
     other = [source for kind, source in kinds if kind != "image"]
-    task, source = ("ref2va", other[0]) if other else ("fl2va", kinds[0][1])
-    b.put("task", task, f"{source} (task inferred)")
+    if other:
+        task, source = Task.REF2VA, other[0]
+    else:
+        single = len(kinds) == 1 and kinds[0][1] not in ("last_frame", "last_image")
+        task, source = (Task.I2VA if single and Task.I2VA in tasks else Task.FL2VA), kinds[0][1]
+    b.put("task", task.value, f"{source} (task inferred)")
     return True
 
 

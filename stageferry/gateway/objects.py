@@ -59,7 +59,7 @@ class VideoObject(BaseModel):
     )
     task: str | None = Field(
         None,
-        description="Which task ran: t2va, fl2va or ref2va (inferred from the upload when the request named none).",
+        description="Which task ran: t2va, fl2va, ref2va or i2va (inferred from the uploads when none was named).",
     )
 
 

@@ -72,7 +72,7 @@ async def _read_job(request: Request, service: VideoService) -> MappedJob:
         raise ApiError.of(GatewayCode.INVALID_FORM, "the client went away before sending the whole form") from None
     for upload in form.files:
         UPLOAD_BYTES.labels(upload.field if upload.field in MEDIA_FIELDS else "other").inc(len(upload.data))
-    return map_form(form)
+    return map_form(form, service.client.pipeline.limits.tasks)
 
 
 def _sync_timeout(request: Request, header: str | None) -> float:

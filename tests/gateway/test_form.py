@@ -166,6 +166,16 @@ def test_no_task_named_is_inferred_from_the_uploads() -> None:
         )
         assert ref.job["task"] == "ref2va" and ref.uploads == {slot: data}
     assert "task" not in map_form(ParsedForm({"prompt": "p"})).job  # the schema's t2va
+    ltx2 = (Task.T2VA, Task.I2VA)  # a deployment that serves i2va (the diffusers LTX-2 pair) and no fl2va
+    i2va = map_form(ParsedForm({"prompt": "p"}, [UploadedFile("input_reference", "a.png", "image/png", first)]), ltx2)
+    assert i2va.job["task"] == "i2va" and i2va.uploads == {"first_frame": first}
+    url = "data:image/png;base64," + base64.b64encode(first).decode()
+    by_url = map_form(ParsedForm({"prompt": "p", "input_reference[image_url]": url}), ltx2)
+    assert by_url.job["task"] == "i2va" and by_url.uploads == {"first_frame": first}
+    assert by_url.origin["task"] == "input_reference.image_url (task inferred)"
+    both = map_form(ParsedForm({"prompt": "p"}, [UploadedFile("input_reference", "a", "image/png", first),
+                                                UploadedFile("last_image", "b", "image/png", last)]), ltx2)  # fmt: skip
+    assert both.job["task"] == "fl2va"  # two images are fl2va (refused there by name), never a dropped frame
     with pytest.raises(ApiError):  # named ref2va: an image is refused, not taken as fl2va
         map_form(ParsedForm({"prompt": "p", "extra_params": '{"task": "ref2va"}'},
                             [UploadedFile("input_reference", "a.png", "image/png", first)]))  # fmt: skip

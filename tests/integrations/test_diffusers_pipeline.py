@@ -92,6 +92,47 @@ def test_ltx2_over_nixl_and_inline_gives_the_one_process_frames_and_audio(
             assert sum(1 for _ in container.decode(video=0)) == JOBS["ltx2"]["num_frames"]
 
 
+def test_the_openai_sdk_gets_an_i2va_job_from_one_image_on_ltx2(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, prefix: str, checkpoints: dict[str, Path]
+) -> None:
+    """The real ``openai`` SDK against a real gateway on the LTX-2 pair (tasks t2va and i2va: no fl2va):
+    ``create(input_reference=<one image>)`` names no task; the gateway infers i2va, a task this deployment
+    serves, the video object says so, and its frames and audio are the one-process i2va pipeline's."""
+    import openai
+
+    from stageferry.config import PipelineConfig
+    from stageferry.gateway import GatewayConfig
+    from tests.gateway.conftest import running_gateway
+
+    tmp = tmp_path_factory.mktemp("sdk")
+    png = tmp / "first.png"
+    png.write_bytes(first_frame_png())
+    job = JOBS["ltx2"]
+    with deploy(tmp, redis_url, prefix + "-s", checkpoints["ltx2"], "ltx2", "inline") as svc:
+        svc.start("encoder", "a")
+        svc.start("diffusion", "a")
+        config = GatewayConfig(redis_url=redis_url, prefix=prefix + "-s", pipeline=PipelineConfig.load(svc.pipeline))
+        with (
+            running_gateway(config) as base,
+            openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120) as sdk,
+        ):
+            extra = {k: job[k] for k in ("negative_prompt", "fps", "num_frames", "num_inference_steps", "seed")}
+            created = sdk.videos.create(
+                prompt=job["prompt"], size="64x64", input_reference=png,  # type: ignore[arg-type]
+                extra_body={**extra, "guidance_scale": job["guidance"]},
+            )  # fmt: skip
+            assert created.model_extra is not None and created.model_extra["task"] == "i2va", created
+            video = sdk.videos.poll(created.id, poll_interval_ms=200)
+            assert video.status == "completed", (video, svc.logs())
+            assert video.model_extra is not None and video.model_extra["task"] == "i2va"
+            assert sdk.videos.download_content(video.id).read()[4:8] == b"ftyp"
+        status = svc.client().status(video.id)
+    assert status is not None and status.result is not None
+    want = baseline(checkpoints["ltx2"], "ltx2", job, image=png.read_bytes())
+    got = (status.result.data["frames_sha256"], status.result.data["audio_sha256"])
+    assert got == (want["frames_sha256"], want["audio_sha256"])
+
+
 def test_wan_over_nixl_gives_the_one_process_frames_and_says_it_has_no_audio(
     tmp_path: Path, redis_url: str, prefix: str, checkpoints: dict[str, Path]
 ) -> None:
