@@ -3,7 +3,9 @@ before its last chunk, tests/gateway/streamed_deployment.py), a gateway with a t
 Debian's headless chromium (Playwright).  While the decode is held, the page's <video> already has the
 MP4's header and first fragments through MediaSource (bytes appended, metadata and a buffered range, the
 first frame decoded); once released, the job ends done and the player holds the whole video, byte for byte
-the finished file (chromium's MediaSource plays this H.264/AAC: the test checks isTypeSupported first)."""
+the finished file (chromium's MediaSource plays this H.264/AAC: the test checks isTypeSupported first).
+With isTypeSupported refusing (a browser without H.264 in MediaSource), the page says why and plays the
+whole file once done."""
 
 from __future__ import annotations
 
@@ -91,4 +93,30 @@ def test_the_console_plays_a_running_video_as_it_arrives(browser: Browser, deplo
     size = page.evaluate("async (url) => (await (await fetch(url)).arrayBuffer()).byteLength", link)
     assert size == len(whole.content)
     assert errors == []
+    page.close()
+
+
+def test_without_mediasource_support_the_whole_file_plays_when_done(
+    browser: Browser, deployment: StreamedDeployment
+) -> None:
+    page = browser.new_page()
+    page.add_init_script("MediaSource.isTypeSupported = () => false")  # a browser without H.264 in MSE
+    with httpx.Client(base_url=deployment.base_url, timeout=120, headers=AUTH) as http:
+        vid = http.post("/v1/videos", data=FORM).json()["id"]
+        page.goto(deployment.base_url + "/")
+        page.fill("#token-input", TOKEN)
+        page.click("#token-save")
+        page.goto(f"{deployment.base_url}/#{vid}")
+        page.reload()
+        page.wait_for_function("window.stageferryLive && window.stageferryLive.mode === 'whole'", timeout=180_000)
+        state = page.evaluate("window.stageferryLive")
+        assert "is not supported by this browser's MediaSource" in state["reason"] and state["appendedBytes"] == 0
+        expect(page.locator("#event-log")).to_contain_text("not played live", timeout=5_000)
+        deployment.release(vid)
+        expect(page.locator("#current-state")).to_have_text("done", timeout=180_000)
+        page.wait_for_function(f"{PLAYER}.readyState >= 2", timeout=60_000)
+        size = len(http.get(f"/v1/videos/{vid}/content").content)
+    link = page.get_attribute("#download", "href") or ""
+    assert page.evaluate("async (url) => (await (await fetch(url)).arrayBuffer()).byteLength", link) == size
+    assert abs(page.evaluate(f"{PLAYER}.duration") - FRAMES / 8) < 0.2
     page.close()
