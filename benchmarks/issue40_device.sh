@@ -5,11 +5,14 @@
 #   bash benchmarks/issue40_device.sh --cpu [step ...]   # the same steps at a small size on CPU (a dry run)
 # Carry [".whl"]: setup installs the wheels into python3's own site when nixl is missing there and starts
 # the carried redis-server on 6379 unless one answers (as benchmarks/issue39_device.sh does).
+# .whl must hold the gateway's wheels too (../shared/tools/device-wheels.sh .whl msgpack fastapi starlette uvicorn
+# h11 click python-multipart prometheus-client httpx httpcore idna certifi sniffio annotated-doc opentelemetry-api:
+# fastapi 0.165 imports opentelemetry).
 #   setup              nixl, redis-py, ... and a Redis
 #   streamed_reference the reference pipeline streamed (encoder → diffusion streaming latents → decode writing
-#                      fMP4) vs whole (two stages) at the seed's size 1344x768, every stage TP1 on cuda:0:
+#                      fMP4) vs whole (two stages) at the seed's size 1344x768, every stage TP1 on cuda (GPU 0):
 #                      submit → first playable bytes at the client, → last byte, throughput, side by side
-#   streaming          chunked vs whole payloads between two stages on cuda:0 (benchmarks/streaming.py):
+#   streaming          chunked vs whole payloads between two stages on cuda (GPU 0) (benchmarks/streaming.py):
 #                      time to first chunk, the per-chunk hop p50/p99 vs the whole-payload hop, throughput
 set -u
 cd "$(dirname "$0")/.."
@@ -17,7 +20,7 @@ out=${OUT:-/tmp/issue40}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 . benchmarks/device_steps.sh  # run_step
-device=cuda:0 size=(--width 1344 --height 768) requests=3
+device=cuda size=(--width 1344 --height 768) requests=3
 if [ "${1:-}" = "--cpu" ]; then
   shift
   device=cpu size=(--width 128 --height 64) requests=2
@@ -39,7 +42,7 @@ for s in ${*:-setup streamed_reference streaming}; do
     setup) setup 2>&1 | tee "$out/setup.txt" ;;
     streamed_reference) run_step "$s" 300 "$py" benchmarks/streamed_reference.py --device "$device" "${size[@]}" \
                           --duration 2 --steps 4 --requests "$requests" ;;
-    streaming) run_step "$s" 120 "$py" benchmarks/streaming.py --device "$device" --chunks 8 --chunk-kib 2048 --requests 10 ;;
+    streaming) run_step "$s" 90 "$py" benchmarks/streaming.py --device "$device" --chunks 8 --chunk-kib 2048 --requests 10 ;;
     *) echo "unknown step $s" >&2 ;;
   esac
 done

@@ -164,7 +164,7 @@ async def main() -> None:
     parser.add_argument("--duration", type=float, default=2.0)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--requests", type=int, default=5)
-    parser.add_argument("--device", default="cpu", help="every stage's device, TP1 (cuda:0: all on one GPU)")
+    parser.add_argument("--device", default="cpu", help="every stage's device, TP1: cpu or cuda (all on GPU 0)")
     args = parser.parse_args()
     configure_logging(fmt="auto", level="warning", service="bench")  # the in-process gateway's 409s: not news
     results: dict[str, dict[str, Any]] = {}

@@ -131,7 +131,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url", default=os.environ.get("STAGEFERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
     parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--device", default="cpu", help="every stage's device (cuda:0: both on one GPU)")
+    parser.add_argument("--device", default="cpu", help="every stage's device: cpu or cuda (both on GPU 0)")
     parser.add_argument("--chunk-kib", type=int, default=256)
     parser.add_argument("--step-ms", type=float, default=20.0)
     parser.add_argument("--consume-ms", type=float, default=10.0)
