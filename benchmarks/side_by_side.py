@@ -47,7 +47,7 @@ def hop_once(tree: Path, env: dict[str, str], iters: int, log: Path) -> dict[str
                          capture_output=True, text=True, timeout=1800)  # fmt: skip
     log.write_text(out.stdout + "\n--- stderr ---\n" + out.stderr)
     match = _HOP.search(out.stdout)
-    if out.returncode != 0 or match is None:
+    if match is None:  # (it exits 1 when its 1.2 ms target does not hold: the figures still count)
         raise SystemExit(f"transfer.py in {tree} failed ({out.returncode}); see {log}")
     _, n50, n99, i50, i99 = match.groups()
     return {"hop NIXL p50 ms": float(n50), "hop NIXL p99 ms": float(n99),
