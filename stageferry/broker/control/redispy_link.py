@@ -23,6 +23,8 @@ from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 
+from stageferry.broker.control.resp_link import RespLink
+
 Command = Sequence[Any]
 
 
@@ -41,12 +43,8 @@ class RedisPyLink:
         """Kept for the interface: this link does not poll while it waits."""
         self.hot_until = asyncio.get_running_loop().time() + seconds
 
-    async def call(self, *args: Any, block_s: float = 0.0) -> Any:
-        """One command's reply; an error reply is raised."""
-        (reply,) = await self.send([args], block_s=block_s)
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
+    #: One command's reply, an error reply raised: the link's own, over this ``send``.
+    call = RespLink.call
 
     async def send(self, commands: Sequence[Command], *, block_s: float = 0.0) -> list[Any]:
         """``commands`` in one write, their replies in order (error replies as exception values).  A broken
