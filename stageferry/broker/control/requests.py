@@ -147,7 +147,8 @@ class RequestStore:
         push's error raised.  Which submission of an id wins is decided by the first stage (duplicates are
         acknowledged there), not by this client: two clients racing on one id both enqueue, and the stage
         runs it once.  :class:`QueueFullError` when the intake holds ``stream_maxlen`` submissions
-        (checked just before, in the same round trip as whether the id is known and whose it is).  Both
+        (checked just before, in the same round trip as whether the id is known; whose it is, only for a
+        known id).  The
         round trips go over ``link`` (the client's lean connection) when given and the uploads are small
         (:data:`LINK_MAX_UPLOAD_BYTES`): redis-py's pipelines were most of a client's CPU per submission
         (``benchmarks/throughput.py``).  A connection lost after the MULTI was sent repeats it through
@@ -160,13 +161,18 @@ class RequestStore:
         acknowledged, so a resubmission never acknowledges a write that a failover could still lose."""
         intake = self._keys.intake(first_stage, tenant)
         rkey = self._keys.request(request_id)
-        checks = [("HGET", rkey, "job_sha"), ("EXISTS", rkey, self._keys.submitted(request_id)), ("LLEN", intake)]
+        checks = [("EXISTS", rkey, self._keys.submitted(request_id)), ("LLEN", intake)]
         uploads = uploads or {}
         if sum(len(blob) for blob in uploads.values()) > LINK_MAX_UPLOAD_BYTES:
             link = None
         ticket = ticket or new_ticket()
-        with translated():  # the three checks: one round trip
-            owner, known, queued = _raised(await run_pipeline(link, self._redis, checks, block_s=0.0))
+        with translated():  # the two checks: one round trip
+            known, queued = _raised(await run_pipeline(link, self._redis, checks, block_s=0.0))
+            # Whose the id is matters only for a known one (no record, no owner): read then, one round
+            # trip more for a resubmission, one command fewer for every new submission.
+            owner = None
+            if known:
+                (owner,) = _raised(await run_pipeline(link, self._redis, [("HGET", rkey, "job_sha")], block_s=0.0))
             if owner is not None and owner.decode() != job.digest():
                 raise taken(request_id)
             if known:
@@ -376,7 +382,10 @@ class RequestStore:
                     yield entry_id, fields
                     if _is_terminal(fields):
                         return
-                if rows or time.monotonic() < next_check:
+                if rows:  # it is heard from: the next check only after a quiet spell (no HGET per wait)
+                    next_check = max(next_check, time.monotonic() + QUIET_CHECK_S * (0.75 + random.random() / 2))
+                    continue
+                if time.monotonic() < next_check:
                     continue
                 next_check = time.monotonic() + QUIET_CHECK_S * (0.75 + random.random() / 2)
                 try:  # a quiet spell: the events may have expired while the request ended, or Redis lost it

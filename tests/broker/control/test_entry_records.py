@@ -235,6 +235,8 @@ def test_the_entry_life_writes_of_a_request_stay_within_the_bound(
 
     if os.environ.get("DUMP_NAMED"):
         Path(os.environ["DUMP_NAMED"]).write_text("\n".join(named))
+    if os.environ.get("DUMP_ALL"):
+        Path(os.environ["DUMP_ALL"]).write_text("".join(lines))
     assert per_request > 10, f"MONITOR saw too little to count: {len(named)} lines"
     assert per_request <= MAX_COMMANDS_PER_REQUEST, f"{per_request:.1f} commands per request:\n" + "\n".join(
         named[: int(per_request) + 5]
