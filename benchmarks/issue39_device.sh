@@ -16,6 +16,8 @@
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
 #             round's base (a copy of it carried as .base: `git archive <base> stageferry benchmarks tests
 #             pyproject.toml | tar -x -C .base`), benchmarks/commands_compare.py
+#   commands3 the same, 3 alternating rounds with each run's whole throughput.py output (its CPU table:
+#             Redis's main thread, the client, the busiest stage process), about 3 minutes
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/issue39}
@@ -47,6 +49,8 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
               run_step "${s}_fl2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 11158136 --rounds 3 --hops 20 ;;
     commands) run_step "$s" 150 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \
                 python3 benchmarks/commands_compare.py --base .base --replicas 8 --requests 2000 --rounds 1 ;;
+    commands3) run_step "$s" 330 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \
+                python3 benchmarks/commands_compare.py --base .base --replicas 8 --requests 2000 --rounds 3 --verbose ;;
     *) echo "unknown step $s" >&2 ;;
   esac
 done

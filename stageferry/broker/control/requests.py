@@ -431,6 +431,23 @@ class RequestStore:
     ) -> RequestStatus:
         """Block until the request is terminal (see :meth:`follow` for the errors and ``seen``); with
         ``exists_within=0`` an unknown id is :class:`RequestNotFoundError` at once."""
+        status, _ = await self.wait_ended(
+            request_id, timeout=timeout, on_quiet=on_quiet, exists_within=exists_within, seen=seen
+        )
+        return status
+
+    async def wait_ended(
+        self,
+        request_id: str,
+        *,
+        timeout: float | None = None,
+        on_quiet: Callable[[], Awaitable[None]] | None = None,
+        exists_within: float | None = None,
+        seen: bool = False,
+    ) -> tuple[RequestStatus, str | None]:
+        """:meth:`wait`, and the digest of the job the request ended as, when its terminal status event
+        named it (``job_sha``: the entry-life scripts write it there); None when the status came from the
+        record, or the event names no job (then :meth:`owner` tells, one HGET)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         # Redis away at the start is an outage like any other: waited out within the timeout.  A caller's
         # own submission (``seen``) is followed at once: its events from the first, its terminal status
@@ -449,10 +466,13 @@ class RequestStore:
                 last = fields
             # The terminal status event carries the status JSON the same script wrote to the record (a
             # terminal status is written once): read it from there, not with one more HGET per wait.
-            status = _terminal_status(last, request_id) or await self._get_retrying(request_id, deadline)
+            status = _terminal_status(last, request_id)
+            if status is not None:
+                return status, last.get("job_sha") or None
+            status = await self._get_retrying(request_id, deadline)
         if status is None:  # its terminal event came, then the record went (expired, or Redis lost it)
             raise _lost(request_id)
-        return status
+        return status, None
 
     async def _get_retrying(self, request_id: str, deadline: float | None) -> RequestStatus | None:
         """:meth:`get`, retried (:func:`reconnecting`) while Redis is unreachable and ``deadline`` is ahead."""
