@@ -325,19 +325,32 @@ class RequestStore:
         await self.append_events([(request_id, event)])
 
     async def append_events(self, events: Sequence[tuple[str, dict[str, Any]]]) -> None:
-        """Add trace events of any requests, in order, in one round trip: one XADD per event and one
-        PEXPIRE per events stream (a log sink's batch used to cost a round trip and an EXPIRE per event)."""
+        """Add trace events of any requests, in order, in one round trip: one XADD per event, made with
+        ``NOMKSTREAM`` — an events stream that exists has its TTL (every writer that makes one sets it), so
+        an event added to it needs no PEXPIRE (one per stream and batch before).  The events whose stream
+        did not exist yet are added again in a second round trip, which makes each such stream and sets
+        its TTL as long as the entry-life scripts' refresh (never shorter than it).  (A stream another writer
+        makes between two events of one batch may get the later one first: log events of one batch only.)"""
         if not events:
             return
+        rows = [
+            (self._keys.events(rid), {"kind": "log", "event": json.dumps(event, default=str, separators=(",", ":"))})
+            for rid, event in events
+        ]
         with translated():
             async with self._redis.pipeline(transaction=False) as pipe:
+                for key, fields in rows:
+                    pipe.xadd(key, fields, maxlen=self._maxlen, approximate=True, nomkstream=True)  # type: ignore[arg-type]
+                added = await pipe.execute()
+            missed = [row for row, entry_id in zip(rows, added, strict=True) if entry_id is None]
+            if not missed:
+                return
+            async with self._redis.pipeline(transaction=False) as pipe:
                 streams: dict[str, None] = {}
-                for request_id, event in events:
-                    key = self._keys.events(request_id)
-                    body = json.dumps(event, default=str, separators=(",", ":"))
-                    pipe.xadd(key, {"kind": "log", "event": body}, maxlen=self._maxlen, approximate=True)
+                for key, fields in missed:
+                    pipe.xadd(key, fields, maxlen=self._maxlen, approximate=True)  # type: ignore[arg-type]
                     streams[key] = None
-                for key in streams:  # as long as the entry-life scripts' refresh: never shorter than it
+                for key in streams:
                     pipe.pexpire(key, refreshed_ttl_ms(self._ttl))
                 await pipe.execute()
 
