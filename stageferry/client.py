@@ -19,7 +19,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from pydantic import ValidationError
 
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import BLOCK_MS, connect, durability_of, translated, with_reconnects
+from stageferry.broker.control.redis_conn import BLOCK_MS, connect, durability_of, with_reconnects
 from stageferry.broker.control.refusals import Refusal, Refusals
 from stageferry.broker.control.requests import RequestStore, taken
 from stageferry.broker.control.resp_link import open_link
@@ -291,9 +291,7 @@ class Client:
 
     async def result_bytes(self, request_id: str) -> bytes | None:
         """The stored result (e.g. the MP4), if the last stage stored it in Redis."""
-        with translated():
-            value = await self.redis.get(self.keys.result(request_id))
-        return value if value is None or isinstance(value, bytes) else str(value).encode()
+        return await self.store.result(request_id)
 
     async def watch(
         self, request_id: str, *, timeout: float | None = None, exists_within: float | None = None

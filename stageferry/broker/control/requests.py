@@ -239,6 +239,12 @@ class RequestStore:
         else:
             log.warning("request.submit_withdrawn", request_id=rid, keys=len(undo))
 
+    async def result(self, request_id: str) -> bytes | None:
+        """The stored result (e.g. the MP4), if the last stage stored it in Redis."""
+        with translated():
+            value = await self._redis.get(self._keys.result(request_id))
+        return value if value is None or isinstance(value, bytes) else str(value).encode()
+
     async def known(self, request_id: str) -> bool:
         """True if the request has a record, or a client marked it submitted (not yet picked up)."""
         with translated():
