@@ -251,7 +251,7 @@ class Client:
         mine = self._tickets.get(request_id)
         check = raise_if_refused if mine is not None else None
         try:
-            status = await self.store.wait(
+            status, ended_as = await self.store.wait_ended(
                 request_id,
                 timeout=timeout,
                 on_quiet=check,
@@ -261,8 +261,9 @@ class Client:
         except (RequestLostError, RequestNotFoundError):
             await raise_if_refused()
             raise
-        if mine is not None:  # a status under this id, but is it this client's job's? (``job_sha``)
-            owner = await self.store.owner(request_id)
+        if mine is not None:  # a status under this id, but is it this client's job's? (``job_sha``: its
+            # terminal event names it; else the record's, one HGET)
+            owner = ended_as or await self.store.owner(request_id)
             if owner is not None and owner != mine[1]:
                 raise taken(request_id)
         return status
