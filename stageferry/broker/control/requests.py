@@ -155,11 +155,6 @@ class RequestStore:
         redis-py, as redis-py's own retries would: the submission may then be queued twice, and the first
         stage runs it once.
 
-        A submission without uploads needs no MULTI: its push goes first and its marker after it in one
-        pipeline, so a connection lost between the two leaves a queued submission without its marker
-        (the stage runs it; a retry may queue it twice, and the stage runs it once), never a marker
-        without a submission; a push that fails withdraws the marker as above.
-
         With ``wait_replicas`` (:mod:`.replication`) the MULTI is followed by ``WAIT`` on its connection,
         and fewer replicas than asked is :class:`NotReplicatedError`; a known id then proves its earlier
         write the same way (its marker rewritten as it is, ``SET XX KEEPTTL``, then ``WAIT``) before it is
@@ -196,11 +191,8 @@ class RequestStore:
                 replies = await replicated_transaction(
                     link, self._redis, writes, self.durability, what=f"submission {request_id}", raise_errors=False
                 )
-            elif uploads:
+            else:
                 replies = await run_transaction(link, self._redis, writes, raise_errors=False)
-            else:  # the push, then the marker: one pipeline, no MULTI (two commands fewer; see the docstring)
-                pushed, marked = await run_pipeline(link, self._redis, writes[::-1], block_s=0.0)
-                replies = [marked, pushed]
             pushed = replies[-1]
             if isinstance(pushed, Exception):  # a MULTI does not roll back: undo what it wrote, then fail
                 await self._withdraw(link, [*uploads, marker], replies[: len(uploads) + 1], request_id)
