@@ -56,9 +56,10 @@ MODES = {
 }
 
 
-def pipeline_toml(mode: str, out: Path) -> str:
+def pipeline_toml(mode: str, out: Path, device: str = "cpu") -> str:
     stages = "".join(
-        f'[[stages]]\nname = "{n}"\nmodel = "{m}"\ntp = 1\ndevice = "cpu"\n{extra}\n' for n, m, extra in MODES[mode]
+        f'[[stages]]\nname = "{n}"\nmodel = "{m}"\ntp = 1\ndevice = "{device}"\n{extra}\n'
+        for n, m, extra in MODES[mode]
     )
     return (
         f'output_dir = "{out}"\n\n[data_plane]\nconnector = "nixl"\ninline_max_bytes = 65536\n\n'
@@ -106,7 +107,7 @@ async def run_mode(url: str, mode: str, args: argparse.Namespace, workdir: Path)
     prefix = f"sref-{uuid.uuid4().hex[:8]}"
     out_dir = workdir / prefix / "out"
     pipeline = workdir / f"{prefix}.toml"
-    pipeline.write_text(pipeline_toml(mode, out_dir))
+    pipeline.write_text(pipeline_toml(mode, out_dir, args.device))
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -163,6 +164,7 @@ async def main() -> None:
     parser.add_argument("--duration", type=float, default=2.0)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--requests", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="every stage's device, TP1 (cuda:0: all on one GPU)")
     args = parser.parse_args()
     configure_logging(fmt="auto", level="warning", service="bench")  # the in-process gateway's 409s: not news
     results: dict[str, dict[str, Any]] = {}
@@ -172,12 +174,16 @@ async def main() -> None:
     s, w = results["streamed"], results["whole"]
     print(f"# the reference pipeline, streamed (3 stages, fMP4 while written) vs whole (2 stages) — {machine_facts()}")
     print(
-        f"# {args.width}x{args.height}, {args.duration:g} s at 8 fps, {args.steps} steps, CPU; {args.requests} requests"
+        f"# {args.width}x{args.height}, {args.duration:g} s at 8 fps, {args.steps} steps, {args.device}, TP1; "
+        f"{args.requests} requests"
     )
     print(f"{'':36} {'streamed':>20} {'whole':>20} {'streamed / whole':>17}")
     for name, key in (("submit → first playable bytes, ms", "first"), ("submit → last byte, ms", "last")):
         print(f"{name:36} {cell(s[key], 1):>20} {cell(w[key], 1):>20} {median(s[key]) / median(w[key]):>17.3f}")
-    print("(cells: median / p99; at the client, through the gateway)")
+    rate = {k: len(r["last"]) / (sum(r["last"]) / 1e3) for k, r in results.items()}  # one request at a time
+    ratio = rate["streamed"] / rate["whole"]
+    print(f"{'throughput, requests/s':36} {rate['streamed']:>20.3f} {rate['whole']:>20.3f} {ratio:>17.3f}")
+    print("(cells: median / p99; at the client, through the gateway; one request at a time)")
 
 
 if __name__ == "__main__":
