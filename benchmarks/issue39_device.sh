@@ -19,6 +19,8 @@
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
 #             round's base (a copy of it carried as .base: `git archive <base> stageferry benchmarks tests
 #             pyproject.toml | tar -x -C .base`), benchmarks/commands_compare.py
+#   commands3 the same, 3 alternating rounds with each run's whole throughput.py output (its CPU table:
+#             Redis's main thread, the client, the busiest stage process), about 3 minutes
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/issue39}
@@ -62,6 +64,8 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
          unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     commands) run_step "$s" 150 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \
                 python3 benchmarks/commands_compare.py --base .base --replicas 8 --requests 2000 --rounds 1 ;;
+    commands3) run_step "$s" 330 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \
+                python3 benchmarks/commands_compare.py --base .base --replicas 8 --requests 2000 --rounds 3 --verbose ;;
     *) echo "unknown step $s" >&2 ;;
   esac
 done

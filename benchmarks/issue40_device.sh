@@ -20,10 +20,10 @@ out=${OUT:-/tmp/issue40}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 . benchmarks/device_steps.sh  # run_step
-device=cuda size=(--width 1344 --height 768) requests=3
+device=cuda size=(--width 1344 --height 768) requests=3 burst=6
 if [ "${1:-}" = "--cpu" ]; then
   shift
-  device=cpu size=(--width 128 --height 64) requests=2
+  device=cpu size=(--width 128 --height 64) requests=2 burst=3
 fi
 py=$(command -v python3)
 setup() {
@@ -41,7 +41,7 @@ for s in ${*:-setup streamed_reference streaming}; do
   case $s in
     setup) setup 2>&1 | tee "$out/setup.txt" ;;
     streamed_reference) run_step "$s" 300 "$py" benchmarks/streamed_reference.py --device "$device" "${size[@]}" \
-                          --duration 2 --steps 4 --requests "$requests" ;;
+                          --duration 2 --steps 4 --requests "$requests" --burst "$burst" ;;
     streaming) run_step "$s" 90 "$py" benchmarks/streaming.py --device "$device" --chunks 8 --chunk-kib 2048 --requests 10 ;;
     *) echo "unknown step $s" >&2 ;;
   esac

@@ -153,7 +153,7 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
             end = time.perf_counter()
             phase["wait"], phase["transfer"] = (end - t) * 1e3, (end - phase["launched"]) * 1e3
 
-    cons.read = timed(cons.read)  # type: ignore[method-assign]
+    cons.reader.read = timed(cons.reader.read)  # type: ignore[method-assign]
     cons.same_gpu.launch, cons.same_gpu.wait = launch_timed, wait_timed  # type: ignore[method-assign]
     rows = []
     try:
@@ -172,7 +172,8 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
                 for mode in ("nixl", "fast"):
                     conn.endpoint.config = conn.endpoint.config.model_copy(update={"same_gpu_copy": mode == "fast"})
                     await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"nbytes": nbytes, "count": 1}))
-                    transfer, gets, routes, parts = [], [], set(), {"launch": [], "wait": []}
+                    transfer, gets, routes = [], [], set()
+                    parts: dict[str, list[float]] = {"launch": [], "wait": []}
                     for i in range(args.warmup + args.iters):
                         _, raw = await redis.blpop([f"{args.prefix}:bench:refs"], timeout=60)  # type: ignore[misc]
                         ref = refs.validate_json(raw)
