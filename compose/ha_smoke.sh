@@ -138,7 +138,8 @@ deadline=$((SECONDS + 60))
 until rcli redis ping 2>/dev/null | grep -q PONG; do ((SECONDS < deadline)) || fail "redis did not answer"; sleep 0.5; done
 up "${data_nodes[@]:1}" "${sentinels[@]}"
 for svc in "${data_nodes[@]}"; do addr_of[$svc]="$(ip "$svc")" || fail "$svc has no address"; done
-for svc in "${data_nodes[@]}" "${sentinels[@]}"; do say "  $svc at $(ip "$svc") ($(node_container "$svc"))"; done
+mac() { podman inspect -f '{{range .NetworkSettings.Networks}}{{.MacAddress}}{{end}}' "$(cid "$1")" 2>/dev/null; }
+for svc in "${data_nodes[@]}" "${sentinels[@]}"; do say "  $svc at $(ip "$svc") $(mac "$svc") ($(node_container "$svc"))"; done
 deadline=$((SECONDS + 120))
 until [[ "$(sentinel_master)" == redis ]] \
   && [[ "$(rcli redis info replication 2>/dev/null | tr -d '\r' | grep -c '^slave[0-9]*:.*state=online')" == 2 ]] \
@@ -169,6 +170,7 @@ audit_jobs
 replication() { rcli "$1" info replication | tr -d '\r'; }
 announced() { echo "${addr_of[$1]}"; }   # the data nodes announce their fixed IPs (replica-announce-ip, docker-compose.ha.yml)
 await_rejoin
-say "4. $primary (started again $(since "$(cat "$work/restarted_at")" "$killed_at") s after the kill) is a replica of $new, link up"
+say "4. $primary (started again at $(ip "$primary") $(mac "$primary"))"
+say "   $primary (started again $(since "$(cat "$work/restarted_at")" "$killed_at") s after the kill) is a replica of $new, link up"
 say "   $new: $(replication "$new" | grep -E '^(role|connected_slaves):' | tr '\n' ' ')"
 say "every check passed: $accepted/$requests accepted, all done exactly once, lost=0 duplicated=0 stuck=0 across a failover under load"

@@ -136,3 +136,30 @@ def test_with_ha_env_no_redis_or_sentinel_resolves_a_name() -> None:
     assert _expand(SERVICES["sentinel-1"]["environment"]["PRIMARY_HOST"]) == addresses["redis"]
     # without ha.env (the file alone) the names stay: the single-Redis profiles are unchanged
     assert "ipv4_address" not in COMPOSE_TEXT and "ipam" not in COMPOSE_TEXT
+
+
+def test_a_data_node_greets_its_peers_and_asks_the_sentinels_before_it_serves() -> None:
+    """At its fixed IP a restarted container has a new MAC (podman's Docker API ignores mac_address) that
+    its peers' ARP tables do not know for 30 s or more: one PING to each peer first (its ARP requests update
+    their entries).  Reachable again at once, a primary restarted 1 s after its kill was back before the
+    sentinels' down-after and they never failed over (+reboot master: its AOF may lack the last second,
+    which the replicas hold): so it asks the sentinels first and, named the master with an AOF, waits for a
+    promotion, then replicates the new master, as the Kubernetes data nodes do."""
+    nodes, sentinels = _array("data_nodes"), _array("sentinels")
+    addresses = [HA_ENV[v] for v in ("REDIS_ANNOUNCE", "REDIS_REPLICA_1_ANNOUNCE", "REDIS_REPLICA_2_ANNOUNCE")]
+    sentinel_ips = [HA_ENV[f"SENTINEL_{n}_ANNOUNCE"] for n in (1, 2, 3)]
+    assert HA_ENV["HA_PEERS"].split() == [f"{a}:6379" for a in addresses] + [f"{a}:26379" for a in sentinel_ips]
+    assert HA_ENV["HA_SENTINELS"].split() == sentinel_ips
+    for name, address in zip(nodes, addresses, strict=True):
+        service = HA_OVERLAY["services"][name]
+        assert HA_ENV[service["environment"]["HA_SELF"][2:-1]] == address, name
+        assert service["environment"]["HA_PEERS"] == "${HA_PEERS:-}"
+        assert service["environment"]["HA_SENTINELS"] == "${HA_SENTINELS:-}"
+        shell, flag, script, argv0 = service["entrypoint"]
+        assert (shell, flag, argv0) == ("sh", "-c", "redis-node")
+        assert "for p in $$HA_PEERS" in script and "sentinel get-master-addr-by-name stageferry" in script
+        assert '[ "$$master" = "$$HA_SELF" ] && [ -e /data/appendonlydir ]' in script
+        assert 'exec "$$@" --replicaof "$$master" 6379' in script and script.rstrip().endswith('exec "$$@"')
+        assert SERVICES[name]["command"][0] == "redis-server"  # the compose file's command runs as "$@"
+    for name in sentinels:
+        assert "entrypoint" not in HA_OVERLAY["services"][name]
