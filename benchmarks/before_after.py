@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+
 ROOT = Path(__file__).resolve().parents[1]
 #: A row of throughput.py's throughput table: | T2VA (1,234 B) | 1 | nixl | 32.4 | ...
 _RPS = re.compile(r"^\| (\w+) \([\d,]+ B\) \| (\d+) \| (\w+) \| ([\d.]+) \|", re.M)
@@ -43,6 +45,13 @@ def free_port() -> int:
 Commands = dict[str, float]  #: per request: "total" and each command by name
 
 
+def _answers(port: int) -> bool:
+    try:
+        return bool(redis.Redis(port=port, socket_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
 def run_once(tree: Path, bench_args: list[str], log: Path) -> tuple[dict[str, float], dict[str, Commands]]:
     """One throughput.py run of ``tree`` on a fresh redis-server: requests/s and commands per request,
     by configuration."""
@@ -55,7 +64,7 @@ def run_once(tree: Path, bench_args: list[str], log: Path) -> tuple[dict[str, fl
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 10
-            while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip() != b"PONG":
+            while not _answers(port):  # redis-py, not redis-cli: the GPU host has only redis-server
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise SystemExit(f"redis-server on port {port} did not start")
                 time.sleep(0.1)

@@ -113,6 +113,11 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def _commit(tree: Path) -> str:
+    """The tree's commit, when the tree is a git checkout's root; "?" for an unpacked archive (then git
+    would name the commit of whatever repository holds it)."""
+    top = subprocess.run(["git", "-C", str(tree), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    if not top.stdout.strip() or Path(top.stdout.strip()).resolve() != tree.resolve():
+        return "? (not a git checkout's root)"
     done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return done.stdout.strip() or "?"
 

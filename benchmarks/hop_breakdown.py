@@ -98,15 +98,15 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
             wakeups = cons.wakeups
             t = critical = time.perf_counter()
             handles = [
-                cons._post(spec, remote, slots[spec.device], peer)
+                cons.reader._post(spec, remote, slots[spec.device], peer)
                 for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True)
                 if spec.nbytes
             ]
             t = timed("  post READs, no notification (CPU: CMA copies here)", t)
             await cons.claim(ref, entry.claimed(ref.token))  # the read's claim: no round trip here
-            await cons._wait_all(handles, time.monotonic() + 30)
+            await cons.reader._wait_all(handles, time.monotonic() + 30)
             t = timed("  wait for DONE", t)
-            await cons._release_producer(ref, peer)
+            await cons.reader.release_producer(ref, peer)
             for h in handles:
                 consumer.agent.release(h)  # type: ignore[union-attr]
             t = timed("  notify release", t)

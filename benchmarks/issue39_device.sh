@@ -13,9 +13,14 @@
 #             torch only (benchmarks/same_gpu_parts.py)
 #   cold_gpu  the first hop against warm hops on the GPU, peers connected on request vs ahead
 #             (benchmarks/cold_hop.py, T2VA and FL2VA sizes)
+#   mps       same_gpu and same_gpu_parts again with the CUDA MPS control daemon running (one shared GPU
+#             context for both processes: is the fixed cost the switch between contexts?); the daemon is
+#             this call's own (pipe and log dirs under /tmp), quit at the end; no GPU setting is changed
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
 #             round's base (a copy of it carried as .base: `git archive <base> stageferry benchmarks tests
 #             pyproject.toml | tar -x -C .base`), benchmarks/commands_compare.py
+#   commands3 the same, 3 alternating rounds with each run's whole throughput.py output (its CPU table:
+#             Redis's main thread, the client, the busiest stage process), about 3 minutes
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/issue39}
@@ -45,8 +50,22 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
     same_gpu_parts) run_step "$s" 120 python3 benchmarks/same_gpu_parts.py --iters 50 --warmup 10 ;;
     cold_gpu) run_step "${s}_t2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 359024 --rounds 3 --hops 20
               run_step "${s}_fl2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 11158136 --rounds 3 --hops 20 ;;
+    mps) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps/log
+         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+         if nvidia-cuda-mps-control -d; then
+           run_step mps_same_gpu 90 python3 benchmarks/same_gpu.py --iters 30 --warmup 5 --log "$out/mps_producer.log"
+           run_step mps_same_gpu_parts 120 python3 benchmarks/same_gpu_parts.py --iters 50 --warmup 10
+           echo get_server_list | nvidia-cuda-mps-control > "$out/mps_servers.txt" 2>&1
+           echo quit | nvidia-cuda-mps-control
+           cp "$CUDA_MPS_LOG_DIRECTORY"/*.log "$out/" 2>/dev/null
+         else
+           echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/mps_same_gpu.txt"
+         fi
+         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     commands) run_step "$s" 150 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \
                 python3 benchmarks/commands_compare.py --base .base --replicas 8 --requests 2000 --rounds 1 ;;
+    commands3) run_step "$s" 330 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \
+                python3 benchmarks/commands_compare.py --base .base --replicas 8 --requests 2000 --rounds 3 --verbose ;;
     *) echo "unknown step $s" >&2 ;;
   esac
 done

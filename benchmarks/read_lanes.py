@@ -35,7 +35,7 @@ import redis as sync_redis  # noqa: E402
 import torch  # noqa: E402
 
 from stageferry.broker.data.nixl.agent import NixlAgent, XferState  # noqa: E402
-from stageferry.broker.data.nixl.consumer import lane_spans  # noqa: E402
+from stageferry.broker.data.nixl.reads import lane_spans  # noqa: E402
 from stageferry.schemas.payload import MemKind  # noqa: E402
 
 WARMUP = 3

@@ -11,7 +11,8 @@ asked size in its CUDA pool and hands their references over a Redis list.  For e
 * ``torch copy``: ``dst.copy_(src)`` of that many bytes on the GPU, in this process (CUDA events);
 * ``NIXL READ``: the consumer's READ of the payload (post → DONE, UCX underneath), ``same_gpu_copy`` off;
   each payload is claimed first, as a stage's stream read claims it, so neither column holds a round trip;
-* ``same-GPU copy``: the fast path's copy of it (copy → done), ``same_gpu_copy`` on;
+* ``same-GPU copy``: the fast path's copy of it (launch → wait done, host wall time), ``same_gpu_copy`` on;
+  ``torch wall`` is the device copy timed the same way (launch → its event done, on the host);
 * and the whole ``get`` of each (checks, claim, transfer, release), what a stage's status shows.
 
 Medians of ``--iters`` payloads after ``--warmup``; the last column is the fast path's copy over the
@@ -85,18 +86,22 @@ async def producer(args: argparse.Namespace) -> None:
     await redis.aclose()
 
 
-def torch_copy_ms(nbytes: int, iters: int) -> float:
+def torch_copy_ms(nbytes: int, iters: int) -> tuple[float, float]:
+    """A device copy of ``nbytes`` in this process: (GPU time by CUDA events, host wall time from the
+    launch to its event's end: what the copy columns measure for the two-process paths)."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda:0")
     dst = torch.empty_like(src)
-    times = []
+    gpu, wall = [], []
     for _ in range(iters + 5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
         a.record()
         dst.copy_(src)
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times[5:])
+        wall.append((time.perf_counter() - t) * 1e3)
+        gpu.append(a.elapsed_time(b))
+    return statistics.median(gpu[5:]), statistics.median(wall[5:])
 
 
 def start_producer(args: argparse.Namespace) -> subprocess.Popen[bytes]:
@@ -129,7 +134,27 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
 
         return call
 
-    cons.read, cons.same_gpu.copy = timed(cons.read), timed(cons.same_gpu.copy)  # type: ignore[method-assign]
+    # The fast path is launch() then wait() (the payload's views are made between them, as a READ makes
+    # them while it runs): timed from the launch to the end of the wait.
+    launch, wait = cons.same_gpu.launch, cons.same_gpu.wait
+
+    def launch_timed(*a: Any, **k: Any) -> Any:
+        phase["launched"] = time.perf_counter()
+        try:
+            return launch(*a, **k)
+        finally:
+            phase["launch"] = (time.perf_counter() - phase["launched"]) * 1e3
+
+    async def wait_timed(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return await wait(*a, **k)
+        finally:
+            end = time.perf_counter()
+            phase["wait"], phase["transfer"] = (end - t) * 1e3, (end - phase["launched"]) * 1e3
+
+    cons.reader.read = timed(cons.reader.read)  # type: ignore[method-assign]
+    cons.same_gpu.launch, cons.same_gpu.wait = launch_timed, wait_timed  # type: ignore[method-assign]
     rows = []
     try:
         async with anyio.create_task_group() as tg:
@@ -142,25 +167,32 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
             (peer,) = conn.peers.peers_of(PRODUCER)
             mapped = peer.ipc is not None
             for nbytes in args.sizes:
-                row: dict[str, Any] = {"bytes": nbytes, "torch": torch_copy_ms(nbytes, args.iters)}
+                gpu_ms, wall_ms = torch_copy_ms(nbytes, args.iters)
+                row: dict[str, Any] = {"bytes": nbytes, "torch": gpu_ms, "torch_wall": wall_ms}
                 for mode in ("nixl", "fast"):
                     conn.endpoint.config = conn.endpoint.config.model_copy(update={"same_gpu_copy": mode == "fast"})
                     await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"nbytes": nbytes, "count": 1}))
                     transfer, gets, routes = [], [], set()
+                    parts: dict[str, list[float]] = {"launch": [], "wait": []}
                     for i in range(args.warmup + args.iters):
                         _, raw = await redis.blpop([f"{args.prefix}:bench:refs"], timeout=60)  # type: ignore[misc]
                         ref = refs.validate_json(raw)
                         assert isinstance(ref, NixlPayload), ref
                         await cons.claim(ref)  # as a stage's stream read does: no claim inside the timed part
+                        phase.pop("transfer", None)  # each get must time its own transfer
                         async with conn.get(ref, None, key=f"g{i}", claimed=True) as incoming:
                             routes.add(incoming.route)
                         if i + 1 < args.warmup + args.iters:  # the next put once this get is over: no overlap
                             await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"nbytes": nbytes, "count": 1}))
                         if i >= args.warmup:
+                            assert "transfer" in phase, f"{mode} path not timed ({incoming.route})"
                             transfer.append(phase["transfer"])
+                            for part, seen in parts.items():
+                                seen.extend([phase.pop(part)] if part in phase else [])
                             gets.append(incoming.seconds * 1e3)
                     row[mode] = statistics.median(transfer)
                     row[f"{mode}_get"] = statistics.median(gets)
+                    row.update({f"{mode}_{p}": statistics.median(v) for p, v in parts.items() if v})
                     row[f"{mode}_route"] = ", ".join(sorted(r or "?" for r in routes))
                 rows.append(row)
             await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"stop": True}))
@@ -171,19 +203,26 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
     print(f"$ python {' '.join(sys.argv)}\n")
     print(f"{torch.cuda.get_device_name(0)}; producer and consumer are two processes on GPU 0; producer's arena "
           f"mapped: {mapped}; medians of {args.iters} after {args.warmup}\n")  # fmt: skip
-    head = ["bytes", "torch copy ms", "NIXL READ ms", "same-GPU copy ms", "READ/torch", "copy/torch",
-            "NIXL get ms", "same-GPU get ms", "GB/s copy"]  # fmt: skip
+    head = ["bytes", "torch copy ms", "torch wall ms", "NIXL READ ms", "same-GPU copy ms", "READ/torch",
+            "copy/torch", "copy/torch wall", "NIXL get ms", "same-GPU get ms", "GB/s copy"]  # fmt: skip
     table = [head]
     for r in rows:
-        table.append([f"{r['bytes']:,}", f"{r['torch']:.4f}", f"{r['nixl']:.4f}", f"{r['fast']:.4f}",
-                      f"{r['nixl'] / r['torch']:.2f}×", f"{r['fast'] / r['torch']:.2f}×", f"{r['nixl_get']:.4f}",
-                      f"{r['fast_get']:.4f}", f"{r['bytes'] / r['fast'] / 1e6:.0f}"])  # fmt: skip
+        table.append([f"{r['bytes']:,}", f"{r['torch']:.4f}", f"{r['torch_wall']:.4f}", f"{r['nixl']:.4f}",
+                      f"{r['fast']:.4f}", f"{r['nixl'] / r['torch']:.2f}×", f"{r['fast'] / r['torch']:.2f}×",
+                      f"{r['fast'] / r['torch_wall']:.2f}×", f"{r['nixl_get']:.4f}", f"{r['fast_get']:.4f}",
+                      f"{r['bytes'] / r['fast'] / 1e6:.0f}"])  # fmt: skip
     widths = [max(len(t[i]) for t in table) for i in range(len(head))]
     for t in table:
         print("  ".join(c.rjust(w) for c, w in zip(t, widths, strict=True)))
     print()
     for r in rows:
         print(f"routes {r['bytes']:,}: NIXL [{r['nixl_route']}]  fast [{r['fast_route']}]")
+    for r in rows:
+        if "fast_launch" in r:  # the copy column = launch + the views made meanwhile + the wait
+            print(
+                f"same-GPU copy {r['bytes']:,}: launch {r['fast_launch']:.4f} ms, wait {r['fast_wait']:.4f} ms, "
+                f"between {r['fast'] - r['fast_launch'] - r['fast_wait']:.4f} ms"
+            )
 
 
 def main() -> None:

@@ -72,7 +72,7 @@ def hop_steps(role: str) -> StepTimer:
 
     from stageferry.broker.control import streams
     from stageferry.broker.data import pool
-    from stageferry.broker.data.nixl import consumer, peers, producer, staged_outputs
+    from stageferry.broker.data.nixl import consumer, peers, producer, reads, staged_outputs
 
     timer = StepTimer()
     if role == "producer":
@@ -96,10 +96,10 @@ def hop_steps(role: str) -> StepTimer:
         (consumer, "lease_seal", "get: seal"),
         (consumer, "check_fresh", "get: lease fresh"),
         (pool.PoolSet, "acquire_regions", "get: take a slot"),
-        (consumer.Consumer, "read", "get: READ (post, wait, release notification)"),
-        (consumer.Consumer, "_post", "get: READ: post"),
-        (consumer.Consumer, "_wait_all", "get: READ: wait for DONE"),
-        (consumer.Consumer, "_release_producer", "get: READ: release notification"),
+        (reads.Reader, "read", "get: READ (post, wait, release notification)"),
+        (reads.Reader, "_post", "get: READ: post"),
+        (reads.Reader, "_wait_all", "get: READ: wait for DONE"),
+        (reads.Reader, "release_producer", "get: READ: release notification"),
         (consumer, "unpack", "get: unpack"),
         (consumer.Consumer, "_route", "get: route label"),
         (consumer.Consumer, "_fetch", "get: all of it (to the payload in hand)"),

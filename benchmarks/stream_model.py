@@ -43,7 +43,7 @@ class Producer:
         parts = []
         for index in range(chunks):
             time.sleep(step_s)  # one step of the AR model
-            part = torch.full((chunk_bytes // 4,), float(index), dtype=torch.float32)
+            part = torch.full((chunk_bytes // 4,), float(index), dtype=torch.float32, device=ctx.device)
             if mode == "chunked":
                 ctx.emit_chunk({"latents": part})
             else:

@@ -56,9 +56,10 @@ MODES = {
 }
 
 
-def pipeline_toml(mode: str, out: Path) -> str:
+def pipeline_toml(mode: str, out: Path, device: str = "cpu") -> str:
     stages = "".join(
-        f'[[stages]]\nname = "{n}"\nmodel = "{m}"\ntp = 1\ndevice = "cpu"\n{extra}\n' for n, m, extra in MODES[mode]
+        f'[[stages]]\nname = "{n}"\nmodel = "{m}"\ntp = 1\ndevice = "{device}"\n{extra}\n'
+        for n, m, extra in MODES[mode]
     )
     return (
         f'output_dir = "{out}"\n\n[data_plane]\nconnector = "nixl"\ninline_max_bytes = 65536\n\n'
@@ -94,6 +95,24 @@ async def download(http: httpx.AsyncClient, vid: str, submitted: float, fragment
         await anyio.sleep(0.02)
 
 
+async def burst(http: httpx.AsyncClient, form: dict[str, str], count: int, fragmented: bool) -> float:
+    """Seconds from submitting ``count`` requests at once to the last byte of the last of them: what the
+    pipeline sustains with every stage busy (its stages overlap on different requests)."""
+    if count <= 0:
+        return float("nan")
+    started = time.time()
+
+    async def one(i: int) -> None:
+        created = await http.post("/v1/videos", data={**form, "seed": str(1000 + i)})
+        created.raise_for_status()
+        await download(http, created.json()["id"], started, fragmented)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(count):
+            tg.start_soon(one, i)
+    return time.time() - started
+
+
 def _started(server: uvicorn.Server, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not server.started:
@@ -106,7 +125,7 @@ async def run_mode(url: str, mode: str, args: argparse.Namespace, workdir: Path)
     prefix = f"sref-{uuid.uuid4().hex[:8]}"
     out_dir = workdir / prefix / "out"
     pipeline = workdir / f"{prefix}.toml"
-    pipeline.write_text(pipeline_toml(mode, out_dir))
+    pipeline.write_text(pipeline_toml(mode, out_dir, args.device))
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -145,6 +164,7 @@ async def run_mode(url: str, mode: str, args: argparse.Namespace, workdir: Path)
                     if i:
                         res["first"].append(first * 1e3)
                         res["last"].append(last * 1e3)
+                res["burst_s"] = await burst(http, form, args.burst, mode == "streamed")
             keys = [k async for k in client.redis.scan_iter(f"{prefix}:*")]
             for i in range(0, len(keys), 500):  # our own prefix only: the server is shared
                 await client.redis.delete(*keys[i : i + 500])
@@ -163,6 +183,8 @@ async def main() -> None:
     parser.add_argument("--duration", type=float, default=2.0)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--requests", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="every stage's device, TP1 (cuda: all on one GPU)")
+    parser.add_argument("--burst", type=int, default=0, help="then this many requests at once (throughput)")
     args = parser.parse_args()
     configure_logging(fmt="auto", level="warning", service="bench")  # the in-process gateway's 409s: not news
     results: dict[str, dict[str, Any]] = {}
@@ -172,12 +194,21 @@ async def main() -> None:
     s, w = results["streamed"], results["whole"]
     print(f"# the reference pipeline, streamed (3 stages, fMP4 while written) vs whole (2 stages) — {machine_facts()}")
     print(
-        f"# {args.width}x{args.height}, {args.duration:g} s at 8 fps, {args.steps} steps, CPU; {args.requests} requests"
+        f"# {args.width}x{args.height}, {args.duration:g} s at 8 fps, {args.steps} steps, {args.device}, TP1; "
+        f"{args.requests} requests"
     )
     print(f"{'':36} {'streamed':>20} {'whole':>20} {'streamed / whole':>17}")
     for name, key in (("submit → first playable bytes, ms", "first"), ("submit → last byte, ms", "last")):
         print(f"{name:36} {cell(s[key], 1):>20} {cell(w[key], 1):>20} {median(s[key]) / median(w[key]):>17.3f}")
-    print("(cells: median / p99; at the client, through the gateway)")
+    rate = {k: len(r["last"]) / (sum(r["last"]) / 1e3) for k, r in results.items()}  # one request at a time
+    ratio = rate["streamed"] / rate["whole"]
+    print(f"{'throughput, requests/s':36} {rate['streamed']:>20.3f} {rate['whole']:>20.3f} {ratio:>17.3f}")
+    if args.burst > 0:
+        rate = {k: args.burst / r["burst_s"] for k, r in results.items()}
+        ratio = rate["streamed"] / rate["whole"]
+        name = f"throughput, {args.burst} at once, req/s"
+        print(f"{name:36} {rate['streamed']:>20.3f} {rate['whole']:>20.3f} {ratio:>17.3f}")
+    print("(cells: median / p99; at the client, through the gateway; one request at a time unless 'at once')")
 
 
 if __name__ == "__main__":

@@ -42,8 +42,10 @@ from stageferry.schemas import RequestState  # noqa: E402
 STAGES = {"encoder": "benchmarks.stream_model:producer", "diffusion": "benchmarks.stream_model:consumer"}
 
 
-def pipeline_toml(chunk_bytes: int, chunks: int) -> str:
-    stages = "".join(f'[[stages]]\nname = "{n}"\nmodel = "{m}"\ntp = 1\ndevice = "cpu"\n\n' for n, m in STAGES.items())
+def pipeline_toml(chunk_bytes: int, chunks: int, device: str = "cpu") -> str:
+    stages = "".join(
+        f'[[stages]]\nname = "{n}"\nmodel = "{m}"\ntp = 1\ndevice = "{device}"\n\n' for n, m in STAGES.items()
+    )
     pool = max(256 << 20, 8 * chunk_bytes * chunks)
     return (
         f'[data_plane]\nconnector = "nixl"\ninline_max_bytes = 65536\ncpu_pool_bytes = {pool}\n\n'
@@ -56,7 +58,7 @@ async def run_mode(url: str, mode: str, args: argparse.Namespace, workdir: Path)
     prefix = f"strm-{uuid.uuid4().hex[:8]}"
     chunk_bytes = args.chunk_kib << 10
     pipeline = workdir / f"{prefix}.toml"
-    pipeline.write_text(pipeline_toml(chunk_bytes, args.chunks))
+    pipeline.write_text(pipeline_toml(chunk_bytes, args.chunks, args.device))
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -129,6 +131,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url", default=os.environ.get("STAGEFERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
     parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--device", default="cpu", help="every stage's device (cuda:0: both on one GPU)")
     parser.add_argument("--chunk-kib", type=int, default=256)
     parser.add_argument("--step-ms", type=float, default=20.0)
     parser.add_argument("--consume-ms", type=float, default=10.0)
@@ -142,7 +145,7 @@ async def main() -> None:
     total = args.chunks * args.chunk_kib
     print(f"# streaming vs whole payloads — {machine_facts()}")
     print(
-        f"# {args.chunks} chunks × {args.chunk_kib} KiB = {total} KiB a request, NIXL on CPU; producer "
+        f"# {args.chunks} chunks × {args.chunk_kib} KiB = {total} KiB a request, NIXL on {args.device}; producer "
         f"{args.step_ms:g} ms a chunk, consumer {args.consume_ms:g} ms a chunk; {args.requests} requests"
     )
     print(f"{'':34} {'chunked':>20} {'whole':>20} {'chunked / whole':>16}")

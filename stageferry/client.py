@@ -19,7 +19,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from pydantic import ValidationError
 
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_conn import BLOCK_MS, connect, durability_of, translated, with_reconnects
+from stageferry.broker.control.redis_conn import BLOCK_MS, connect, durability_of, with_reconnects
 from stageferry.broker.control.refusals import Refusal, Refusals
 from stageferry.broker.control.requests import RequestStore, taken
 from stageferry.broker.control.resp_link import open_link
@@ -251,7 +251,7 @@ class Client:
         mine = self._tickets.get(request_id)
         check = raise_if_refused if mine is not None else None
         try:
-            status = await self.store.wait(
+            status, ended_as = await self.store.wait_ended(
                 request_id,
                 timeout=timeout,
                 on_quiet=check,
@@ -261,8 +261,9 @@ class Client:
         except (RequestLostError, RequestNotFoundError):
             await raise_if_refused()
             raise
-        if mine is not None:  # a status under this id, but is it this client's job's? (``job_sha``)
-            owner = await self.store.owner(request_id)
+        if mine is not None:  # a status under this id, but is it this client's job's? (``job_sha``: its
+            # terminal event names it; else the record's, one HGET)
+            owner = ended_as or await self.store.owner(request_id)
             if owner is not None and owner != mine[1]:
                 raise taken(request_id)
         return status
@@ -290,9 +291,7 @@ class Client:
 
     async def result_bytes(self, request_id: str) -> bytes | None:
         """The stored result (e.g. the MP4), if the last stage stored it in Redis."""
-        with translated():
-            value = await self.redis.get(self.keys.result(request_id))
-        return value if value is None or isinstance(value, bytes) else str(value).encode()
+        return await self.store.result(request_id)
 
     async def watch(
         self, request_id: str, *, timeout: float | None = None, exists_within: float | None = None

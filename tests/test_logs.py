@@ -188,8 +188,12 @@ async def test_sink_flushes_on_cancellation_and_allows_one_per_process(redis_url
 
 
 @pytest.mark.anyio
-async def test_a_batch_of_events_is_one_round_trip_with_one_expire_per_stream(redis_url: str, prefix: str) -> None:
-    """Five events of two requests: one pipeline of five XADDs and two EXPIREs, each stream in order."""
+async def test_a_batch_of_events_is_one_round_trip_and_only_a_new_stream_pays_an_expire(
+    redis_url: str, prefix: str
+) -> None:
+    """Five events of two requests whose streams do not exist yet: five XADDs that make no stream
+    (``NOMKSTREAM``), then the five again with one PEXPIRE per stream, each stream in order; five more
+    to the streams that exist now: one pipeline of five XADDs, no PEXPIRE (the TTL stays as it was set)."""
     configure_logging(fmt="json", level="info", service="encoder")
     async with open_client(redis_url) as redis:
         store = RequestStore(redis, Keys(prefix), ttl_s=60, events_maxlen=100)
@@ -211,13 +215,14 @@ async def test_a_batch_of_events_is_one_round_trip_with_one_expire_per_stream(re
         sink = EventSink(store, interval=60)
         async with anyio.create_task_group() as tg:
             await tg.start(sink.run)
-            for i in range(5):
-                with bound_request(f"rid-{i % 2}"):
-                    log.info("stage.step", step=i)
-            await sink.flush()
+            for batch in (range(5), range(5, 10)):
+                for i in batch:
+                    with bound_request(f"rid-{i % 2}"):
+                        log.info("stage.step", step=i)
+                await sink.flush()
             tg.cancel_scope.cancel()
-        assert sent[0] == ["XADD"] * 5 + ["PEXPIRE"] * 2 and len(sent) == 1
-        for rid, steps in (("rid-0", [0, 2, 4]), ("rid-1", [1, 3])):
+        assert sent == [["XADD"] * 5, ["XADD"] * 5 + ["PEXPIRE"] * 2, ["XADD"] * 5]
+        for rid, steps in (("rid-0", [0, 2, 4, 6, 8]), ("rid-1", [1, 3, 5, 7, 9])):
             assert [row["event"]["step"] for _, row in await store.events(rid)] == steps
             assert 60 < await redis.ttl(Keys(prefix).events(rid)) <= 66  # the scripts' refresh: 60 s and a tenth
         assert sink.dropped == 0

@@ -12,7 +12,7 @@ import anyio
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import GAVE_UP, heartbeat_of, is_fresh, replica_id
-from stageferry.broker.control.redis_conn import open_client, translated
+from stageferry.broker.control.redis_conn import open_client, ping
 from stageferry.config import Settings
 from stageferry.errors import ControlPlaneError
 
@@ -23,8 +23,7 @@ async def check_health(settings: Settings, *, stage: str | None, timeout: float)
     try:
         with anyio.fail_after(timeout):
             async with open_client(url) as redis:
-                with translated():
-                    await redis.ping()
+                await ping(redis)
                 if stage is None:
                     return None
                 beat = await heartbeat_of(redis, Keys(settings.prefix), stage, settings.replica)

@@ -26,7 +26,7 @@ from rich.console import Console
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import live_by_stage
-from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.control.redis_conn import ping
 from stageferry.cli.display import follow, render_hops, render_status
 from stageferry.cli_hints import cli_command, submit_command
 from stageferry.client import Client, validate_job, with_upload_refs
@@ -192,8 +192,7 @@ async def run_up(
         if settings.pipeline is not None:
             env["STAGEFERRY_PIPELINE"] = str(settings.pipeline)  # made absolute by the caller
         client = await stack.enter_async_context(Client(url, prefix=settings.prefix, pipeline=pipeline))
-        with translated():  # an unreachable Redis is one line before any service starts
-            await client.redis.ping()
+        await ping(client.redis)  # an unreachable Redis is one line before any service starts
         if settings.pipeline is None and gpus and pipeline.stages != DEFAULT_STAGES:
             console.print(
                 f"pipeline: built-in default fitted to {gpus} GPU{'s' if gpus > 1 else ''} "

@@ -7,8 +7,7 @@ ends when the request does, and is the finished file byte for byte."""
 from __future__ import annotations
 
 import io
-import json
-import uuid
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,54 +15,17 @@ import av
 import httpx
 import pytest
 
-from stageferry.config import PipelineConfig
-from stageferry.gateway import GatewayConfig
-from tests.conftest import delete_prefix
-from tests.gateway.conftest import running_gateway
-from tests.procs import Services, wait_for, write_pipeline
+from tests.gateway.streamed_deployment import FORM, FRAMES, streamed_deployment
+from tests.procs import wait_for
 
 pytestmark = pytest.mark.timeout(300)
-EXTRA = json.dumps({"task": "t2va", "duration": 2.0})
-FORM = {"prompt": "a red fox runs", "width": "128", "height": "64", "fps": "8", "num_inference_steps": "2",
-        "seed": "5", "extra_params": EXTRA}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    import os
-
     redis_url = os.environ.get("STAGEFERRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-    prefix = f"t-live-{uuid.uuid4().hex[:10]}"
-    tmp = tmp_path_factory.mktemp("live")
-    out = tmp / "out"
-    path = write_pipeline(
-        tmp / "pipeline.toml",
-        [
-            {"name": "encoder", "model": "stageferry.stages.reference.encoder:factory", "tp": 1, "device": "cpu"},
-            {
-                "name": "diffusion",
-                "model": "stageferry.stages.reference.diffusion:factory",
-                "tp": 1,
-                "device": "cpu",
-                "options": {"stream_latent_frames": 1},
-            },
-            {"name": "decode", "model": "tests.gateway.models:held_decode", "tp": 1, "device": "cpu"},
-        ],
-        streaming={"chunk_timeout_s": 200.0},
-    )
-    path.write_text(f'output_dir = "{out}"\n' + path.read_text())
-    pipeline = PipelineConfig.load(path)
-    try:
-        with Services(tmp, redis_url=redis_url, prefix=prefix, pipeline=path, extra_env={}) as services:
-            for stage in ("encoder", "diffusion", "decode"):
-                services.start(stage, "a")
-            config = GatewayConfig(redis_url=redis_url, prefix=prefix, pipeline=pipeline, model_name="test-model")
-            with running_gateway(config) as base_url:
-                for stage in ("encoder", "diffusion", "decode"):
-                    services.wait_live(stage, f"{stage}-a", timeout=180)
-                yield base_url, out
-    finally:
-        delete_prefix(redis_url, prefix)
+    with streamed_deployment(tmp_path_factory.mktemp("live"), redis_url=redis_url) as dep:
+        yield dep.base_url, dep.out
 
 
 def test_a_running_video_downloads_as_it_is_written(live: tuple[str, Path]) -> None:
@@ -91,4 +53,4 @@ def test_a_running_video_downloads_as_it_is_written(live: tuple[str, Path]) -> N
         assert got == whole.content, "the live body is the finished MP4"
         with av.open(io.BytesIO(got)) as container:
             frames = sum(1 for _ in container.decode(video=0))
-        assert frames == 16 and not (out / f"{vid}.mp4.part").exists()
+        assert frames == FRAMES and not (out / f"{vid}.mp4.part").exists()

@@ -103,6 +103,16 @@ class ChunkChannel:
             self.keys.chunk_state(sid.request_id, sid.stage_index, sid.attempt),
         )
 
+    async def hand_on(self, next_stage: str, fields: dict[str, str]) -> None:
+        """XADD a streamed payload's envelope (``fields``) to ``next_stage``'s stream and wake it, in one
+        transaction."""
+        with translated():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.xadd(self.keys.stage_stream(next_stage), fields)  # type: ignore[arg-type]
+                pipe.lpush(self.keys.wake(next_stage), "1")
+                pipe.ltrim(self.keys.wake(next_stage), 0, 15)
+                await pipe.execute()
+
     async def announce(self, sid: StreamId, announcement: ChunkAnnouncement, blob: bytes | None) -> str:
         """Append ``announcement`` (and its inline ``blob``) to the stream; its entry id."""
         stream, _ = self._keys(sid)

@@ -129,4 +129,17 @@ class ClientKeySweeper:
             await anyio.sleep(every_s)
 
 
-__all__ = ["ClientKeySweeper", "KeyBound", "Swept", "client_key_bounds"]
+async def upload_size(redis: aioredis.Redis, key: str) -> int:
+    """An upload's length (0: none), read before its bytes so that a client's upload is bounded when read."""
+    with translated():
+        return int(await redis.strlen(key))
+
+
+async def upload_bytes(redis: aioredis.Redis, key: str) -> bytes:
+    """An upload's bytes (empty if it expired meanwhile); ask :func:`upload_size` first."""
+    with translated():
+        data = await redis.get(key)
+    return data or b""
+
+
+__all__ = ["ClientKeySweeper", "KeyBound", "Swept", "client_key_bounds", "upload_bytes", "upload_size"]

@@ -137,6 +137,7 @@ class EventFanIn:
         self._backoff = 0.0
         #: Read rounds so far, and the most streams one round read (for benchmarks and tests).
         self.rounds = 0
+        self.failed_rounds = 0  #: reads that met a transient error (Redis away, busy) and were retried
         self.widest_round = 0
 
     @property
@@ -213,6 +214,7 @@ class EventFanIn:
                 reply = await self._redis.xread(streams, count=self._count, block=block_ms)  # type: ignore[arg-type]
         except ControlPlaneError as exc:
             if is_transient_error(exc):  # connection trouble, BUSY, LOADING, ...
+                self.failed_rounds += 1
                 self._backoff = min(2.0, max(0.1, self._backoff * 2)) * (0.5 + random.random() / 2)
                 log.warning("events.read_failed", error=exc.message, waiters=len(self._subs), retry_in=self._backoff)
                 return

@@ -143,7 +143,10 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "`run:<stage>:<attempt>` (the entry id "
     "that owns that run: dedup of resubmits) and `crash:<stage>:<entry>` (deliveries of that entry its stage "
     "died with: set before the work, cleared after)",
-    "events": "stream: the request's trace (log events, status changes)",
+    "events": (
+        "stream: the request's trace (log events `kind=log`, `event`; status changes `kind=status`, `state`, "
+        "`status`, and on a terminal one the record's `job_sha`)"
+    ),
     "chunks": "stream: a streamed payload's chunk announcements (JSON `chunk`, inline `blob`), in order, TTL",
     "chunk_state": "hash: a streamed payload's progress: `applied` (highest chunk index the consumer applied), "
     "`taken` (a consumer began), `opened` (handed on), `abandoned`/`stopped` (restarted / given up), TTL",

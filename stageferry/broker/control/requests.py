@@ -147,7 +147,8 @@ class RequestStore:
         push's error raised.  Which submission of an id wins is decided by the first stage (duplicates are
         acknowledged there), not by this client: two clients racing on one id both enqueue, and the stage
         runs it once.  :class:`QueueFullError` when the intake holds ``stream_maxlen`` submissions
-        (checked just before, in the same round trip as whether the id is known and whose it is).  Both
+        (checked just before, in the same round trip as whether the id is known; whose it is, only for a
+        known id).  The
         round trips go over ``link`` (the client's lean connection) when given and the uploads are small
         (:data:`LINK_MAX_UPLOAD_BYTES`): redis-py's pipelines were most of a client's CPU per submission
         (``benchmarks/throughput.py``).  A connection lost after the MULTI was sent repeats it through
@@ -160,13 +161,18 @@ class RequestStore:
         acknowledged, so a resubmission never acknowledges a write that a failover could still lose."""
         intake = self._keys.intake(first_stage, tenant)
         rkey = self._keys.request(request_id)
-        checks = [("HGET", rkey, "job_sha"), ("EXISTS", rkey, self._keys.submitted(request_id)), ("LLEN", intake)]
+        checks = [("EXISTS", rkey, self._keys.submitted(request_id)), ("LLEN", intake)]
         uploads = uploads or {}
         if sum(len(blob) for blob in uploads.values()) > LINK_MAX_UPLOAD_BYTES:
             link = None
         ticket = ticket or new_ticket()
-        with translated():  # the three checks: one round trip
-            owner, known, queued = _raised(await run_pipeline(link, self._redis, checks, block_s=0.0))
+        with translated():  # the two checks: one round trip
+            known, queued = _raised(await run_pipeline(link, self._redis, checks, block_s=0.0))
+            # Whose the id is matters only for a known one (no record, no owner): read then, one round
+            # trip more for a resubmission, one command fewer for every new submission.
+            owner = None
+            if known:
+                (owner,) = _raised(await run_pipeline(link, self._redis, [("HGET", rkey, "job_sha")], block_s=0.0))
             if owner is not None and owner.decode() != job.digest():
                 raise taken(request_id)
             if known:
@@ -224,6 +230,12 @@ class RequestStore:
             log.warning("request.submit_not_withdrawn", request_id=rid, error=str(exc))
         else:
             log.warning("request.submit_withdrawn", request_id=rid, keys=len(undo))
+
+    async def result(self, request_id: str) -> bytes | None:
+        """The stored result (e.g. the MP4), if the last stage stored it in Redis."""
+        with translated():
+            value = await self._redis.get(self._keys.result(request_id))
+        return value if value is None or isinstance(value, bytes) else str(value).encode()
 
     async def known(self, request_id: str) -> bool:
         """True if the request has a record, or a client marked it submitted (not yet picked up)."""
@@ -319,19 +331,32 @@ class RequestStore:
         await self.append_events([(request_id, event)])
 
     async def append_events(self, events: Sequence[tuple[str, dict[str, Any]]]) -> None:
-        """Add trace events of any requests, in order, in one round trip: one XADD per event and one
-        PEXPIRE per events stream (a log sink's batch used to cost a round trip and an EXPIRE per event)."""
+        """Add trace events of any requests, in order, in one round trip: one XADD per event, made with
+        ``NOMKSTREAM`` — an events stream that exists has its TTL (every writer that makes one sets it), so
+        an event added to it needs no PEXPIRE (one per stream and batch before).  The events whose stream
+        did not exist yet are added again in a second round trip, which makes each such stream and sets
+        its TTL as long as the entry-life scripts' refresh (never shorter than it).  (A stream another writer
+        makes between two events of one batch may get the later one first: log events of one batch only.)"""
         if not events:
             return
+        rows = [
+            (self._keys.events(rid), {"kind": "log", "event": json.dumps(event, default=str, separators=(",", ":"))})
+            for rid, event in events
+        ]
         with translated():
             async with self._redis.pipeline(transaction=False) as pipe:
+                for key, fields in rows:
+                    pipe.xadd(key, fields, maxlen=self._maxlen, approximate=True, nomkstream=True)  # type: ignore[arg-type]
+                added = await pipe.execute()
+            missed = [row for row, entry_id in zip(rows, added, strict=True) if entry_id is None]
+            if not missed:
+                return
+            async with self._redis.pipeline(transaction=False) as pipe:
                 streams: dict[str, None] = {}
-                for request_id, event in events:
-                    key = self._keys.events(request_id)
-                    body = json.dumps(event, default=str, separators=(",", ":"))
-                    pipe.xadd(key, {"kind": "log", "event": body}, maxlen=self._maxlen, approximate=True)
+                for key, fields in missed:
+                    pipe.xadd(key, fields, maxlen=self._maxlen, approximate=True)  # type: ignore[arg-type]
                     streams[key] = None
-                for key in streams:  # as long as the entry-life scripts' refresh: never shorter than it
+                for key in streams:
                     pipe.pexpire(key, refreshed_ttl_ms(self._ttl))
                 await pipe.execute()
 
@@ -376,7 +401,10 @@ class RequestStore:
                     yield entry_id, fields
                     if _is_terminal(fields):
                         return
-                if rows or time.monotonic() < next_check:
+                if rows:  # it is heard from: the next check only after a quiet spell (no HGET per wait)
+                    next_check = max(next_check, time.monotonic() + QUIET_CHECK_S * (0.75 + random.random() / 2))
+                    continue
+                if time.monotonic() < next_check:
                     continue
                 next_check = time.monotonic() + QUIET_CHECK_S * (0.75 + random.random() / 2)
                 try:  # a quiet spell: the events may have expired while the request ended, or Redis lost it
@@ -422,6 +450,23 @@ class RequestStore:
     ) -> RequestStatus:
         """Block until the request is terminal (see :meth:`follow` for the errors and ``seen``); with
         ``exists_within=0`` an unknown id is :class:`RequestNotFoundError` at once."""
+        status, _ = await self.wait_ended(
+            request_id, timeout=timeout, on_quiet=on_quiet, exists_within=exists_within, seen=seen
+        )
+        return status
+
+    async def wait_ended(
+        self,
+        request_id: str,
+        *,
+        timeout: float | None = None,
+        on_quiet: Callable[[], Awaitable[None]] | None = None,
+        exists_within: float | None = None,
+        seen: bool = False,
+    ) -> tuple[RequestStatus, str | None]:
+        """:meth:`wait`, and the digest of the job the request ended as, when its terminal status event
+        named it (``job_sha``: the entry-life scripts write it there); None when the status came from the
+        record, or the event names no job (then :meth:`owner` tells, one HGET)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         # Redis away at the start is an outage like any other: waited out within the timeout.  A caller's
         # own submission (``seen``) is followed at once: its events from the first, its terminal status
@@ -440,10 +485,13 @@ class RequestStore:
                 last = fields
             # The terminal status event carries the status JSON the same script wrote to the record (a
             # terminal status is written once): read it from there, not with one more HGET per wait.
-            status = _terminal_status(last, request_id) or await self._get_retrying(request_id, deadline)
+            status = _terminal_status(last, request_id)
+            if status is not None:
+                return status, last.get("job_sha") or None
+            status = await self._get_retrying(request_id, deadline)
         if status is None:  # its terminal event came, then the record went (expired, or Redis lost it)
             raise _lost(request_id)
-        return status
+        return status, None
 
     async def _get_retrying(self, request_id: str, deadline: float | None) -> RequestStatus | None:
         """:meth:`get`, retried (:func:`reconnecting`) while Redis is unreachable and ``deadline`` is ahead."""

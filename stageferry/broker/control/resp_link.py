@@ -20,7 +20,8 @@ commands, so a read script queued behind the wait never runs).
 
 Where it cannot follow the client's configuration it is not used (:func:`open_link` returns None, and
 the caller uses redis-py alone): a credential provider, a connection class other than redis-py's TCP, TLS,
-Unix-socket and Sentinel-managed ones, or ``STAGEFERRY_REDIS_LINK=0``.  TLS reuses the client's own SSL
+Unix-socket and Sentinel-managed ones, or ``STAGEFERRY_REDIS_LINK=0`` (``=redis-py``: one dedicated redis-py
+connection in its place, for comparison).  TLS reuses the client's own SSL
 context.
 
 Behind Sentinel (a ``redis+sentinel://`` URL) the link follows the master: each connect asks the client's
@@ -61,6 +62,9 @@ log = structlog.get_logger(__name__)
 
 #: Set to ``0`` to send everything through redis-py (for comparison, or to rule the link out).
 ENV = "STAGEFERRY_REDIS_LINK"
+#: ``STAGEFERRY_REDIS_LINK=redis-py``: the link is one dedicated redis-py connection instead
+#: (:mod:`~stageferry.broker.control.redispy_link`), to measure the two side by side.
+REDIS_PY = "redis-py"
 #: A reply may come this long after the command's own blocking time before the link gives up on it,
 #: when the client has no socket timeout of its own.
 REPLY_MARGIN_S = 10.0
@@ -122,6 +126,11 @@ def open_link(redis: Redis) -> RespLink | None:
     if os.environ.get(ENV, "1") == "0":
         _say_off(f"{ENV}=0")
         return None
+    if os.environ.get(ENV) == REDIS_PY:  # the comparison: redis-py's own connection, without its pool
+        from stageferry.broker.control.redispy_link import RedisPyLink
+
+        _say_off(f"{ENV}={REDIS_PY}: one dedicated redis-py connection")
+        return RedisPyLink(redis)  # type: ignore[return-value]  # RespLink's interface, measured against it
     pool = redis.connection_pool
     conn = pool.connection_class(**pool.connection_kwargs)
     cls = type(conn)

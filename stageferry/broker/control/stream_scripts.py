@@ -75,19 +75,24 @@ return 1
 # when no claim was tried.  A first stage's read moves its clients' submissions into its stream first, in
 # the same call (:data:`~stageferry.broker.control.intake.MOVE_FN`, up to ``count`` items): then KEYS end
 # with the intake lists, and ARGV go on with the number of streams, the most bytes an item may have and
-# one tenant per list.
+# one tenant per list.  Starts beginning with 'ifmoved,' (a first stage's poll): the streams are read only if
+# the move moved something (an idle first stage polls its intake often, and its stream less often).
 READ_CAPPED = (
     MOVE_FN
     + """
 local cap = tonumber(ARGV[4])
 local want = tonumber(ARGV[3])
 local streams = #KEYS
+local phases = ARGV[5]
+local lazy = string.sub(phases, 1, 8) == 'ifmoved,'
+if lazy then phases = string.sub(phases, 9) end
 if #ARGV >= 10 then
   streams = tonumber(ARGV[10])
-  move_intake(KEYS[1], streams + 1, want, tonumber(ARGV[11]), 12)
+  local moved, oversized = move_intake(KEYS[1], streams + 1, want, tonumber(ARGV[11]), 12)
+  if lazy and moved + oversized == 0 then return {} end
 end
 local out = {}
-for start in string.gmatch(ARGV[5], '[^,]+') do
+for start in string.gmatch(phases, '[^,]+') do
 for k = 1, streams do
   local entries
   if start == 'claim' then

@@ -148,6 +148,8 @@ class StageStream:
         #: The first stage's clients' intake, moved into the stream by every read (None elsewhere).
         self.intake = intake
         self._poll_s = WAKE_POLL_S if intake is None else INTAKE_POLL_S
+        #: When a first stage's poll next reads its stream even if its intake was empty (:meth:`_wait_and_read`).
+        self._next_stream_look = 0.0
         self._source: dict[str, str] = {}  # entry id → its stream, for the entries in hand
         self._visibility_ms = visibility_ms
         #: Whether a read must look at this consumer's own pending entries first (after a start, a lost
@@ -272,12 +274,21 @@ class StageStream:
         it.  A script Redis has forgotten (a restart, ``SCRIPT FLUSH``) or any other failure of the read is
         retried alone, where :meth:`_read_via_script` loads the script and handles a lost group."""
         wake = ("BLPOP", self._keys.wake(self.stage), timeout)
-        commands = [wake, self._read_command(">", count)]
+        # A first stage polls its intake every INTAKE_POLL_S but looks at its stream only when the move
+        # moved something, when it was woken, or every WAKE_POLL_S (for entries others XADDed), as any stage.
+        now = time.monotonic()
+        lazy = self.intake is not None and now < self._next_stream_look
+        if not lazy:
+            self._next_stream_look = now + WAKE_POLL_S
+        commands = [wake, self._read_command("ifmoved,>" if lazy else ">", count)]
         with translated():
             replies = await run_pipeline(self._wait_link, self._redis, commands, block_s=timeout)
         if isinstance(replies[-1], Exception):
             return await self._read_via_script(">", count)
-        return await self._entries(replies[-1])
+        entries = await self._entries(replies[-1])
+        if lazy and not entries and replies[0] is not None:  # woken, and the lazy read did not look
+            return await self._read_via_script(">", count)
+        return entries
 
     def _read_keys(self) -> list[str]:
         """The read script's keys: the streams, then a first stage's intake lists (its move's)."""

@@ -90,7 +90,7 @@ const Api = (() => {
   }
 
   return {
-    token, setToken, json, post, blob, follow, ApiError,
+    token, setToken, headers, json, post, blob, follow, ApiError,
     set onUnauthorized(fn) { onUnauthorized = fn; },
   };
 })();

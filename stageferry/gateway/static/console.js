@@ -178,11 +178,16 @@ async function openRequest(id) {
   const controller = new AbortController();
   following = controller;
   let last = null;
+  let running = true;
+  let live = null; // the live player's promise, once the last stage runs
   try {
     await Api.follow(`/v1/videos/${encodeURIComponent(id)}/events`, (kind, frame) => {
       if (id !== currentId) return;
       if (kind === "end") { logFrame({ kind: "log", event: "stream ended: " + frame.code, timestamp: Date.now() / 1000 }); return; }
       logFrame(frame);
+      if (!live && frame.kind === "status" && frame.state === "running" && info && frame.stage === info.stages.at(-1)) {
+        live = playLive(id, controller.signal, () => running); // the last stage may write as it goes
+      }
       if (frame.kind === "status" || frame.step !== null) {
         const step = frame.step !== null && frame.step !== undefined ? `step ${frame.step}/${frame.total}` : "";
         if (frame.kind === "status") { last = frame; setState(frame.state, frame.stage, step); }
@@ -194,14 +199,18 @@ async function openRequest(id) {
     if (e.name === "AbortError") return;
     logFrame({ kind: "log", event: "live events unavailable: " + e.message, timestamp: Date.now() / 1000 });
   }
+  running = false;
   if (id !== currentId) return;
   // The stream closed: the request ended (or the stream was refused); read where it stands.
   try {
     const video = await Api.json(`/v1/videos/${encodeURIComponent(id)}`);
     setState(video.stageferry_state, null, video.error ? `${video.error.code}: ${video.error.message}` : "");
+    const streamed = live ? await live : null;
+    if (id !== currentId) return;
     if (video.stageferry_state === "done") {
       $("progress-bar").style.width = "100%";
-      await showVideo(id);
+      if (streamed) setDownload(id, URL.createObjectURL(streamed.blob)); // the player has it all already
+      else await showVideo(id);
     }
     if (TERMINAL.has(video.stageferry_state)) await showTrace(id);
   } catch (e) {
@@ -212,16 +221,55 @@ async function openRequest(id) {
 
 async function showVideo(id) {
   const data = await Api.blob(`/v1/videos/${encodeURIComponent(id)}/content`);
-  if (videoUrl) URL.revokeObjectURL(videoUrl);
-  videoUrl = URL.createObjectURL(data);
+  const url = URL.createObjectURL(data);
+  loadPlayer(url);
+  setDownload(id, url);
+}
+
+function loadPlayer(url) {
+  if (videoUrl && videoUrl !== url) URL.revokeObjectURL(videoUrl);
+  videoUrl = url;
   const player = $("player");
   player.removeAttribute("poster");
   player.addEventListener("loadeddata", () => posterFromFirstFrame(player), { once: true });
-  player.src = videoUrl;
+  if (player.src !== url) player.src = url;
+  $("player-box").hidden = false;
+}
+
+function setDownload(id, url) {
   const link = $("download");
-  link.href = videoUrl;
+  if (link.href.startsWith("blob:") && link.href !== videoUrl) URL.revokeObjectURL(link.href);
+  link.href = url;
   link.download = id + ".mp4";
   $("player-box").hidden = false;
+}
+
+// The running video played as its last stage writes it (live_player.js); null where it does not stream
+// (the reason is in the event log) or the request was left: the whole file is loaded once done.
+async function playLive(id, signal, isRunning) {
+  const player = $("player");
+  try {
+    return await LivePlayer.play(id, player, {
+      signal,
+      isRunning,
+      onStart: (url) => {
+        loadPlayer(url);
+        logFrame({ kind: "log", event: "playing as it arrives: " + window.stageferryLive.codec, timestamp: Date.now() / 1000 });
+        player.play().catch(() => { /* autoplay refused: the controls play it */ });
+      },
+    }).then((result) => {
+      if (!result && id === currentId) {
+        logFrame({ kind: "log", event: "not played live: " + window.stageferryLive.reason, timestamp: Date.now() / 1000 });
+      }
+      return result;
+    });
+  } catch (e) {
+    if (e.name !== "AbortError" && id === currentId) {
+      logFrame({ kind: "log", event: "live playback stopped: " + e.message, timestamp: Date.now() / 1000 });
+    }
+    if (window.stageferryLive) window.stageferryLive.reason = "stopped: " + e.message;
+    return null;
+  }
 }
 
 // The preview frame: the first decoded frame, drawn once, kept as the poster.

@@ -23,7 +23,7 @@ import av
 import redis.asyncio as aioredis
 from PIL import Image, UnidentifiedImageError
 
-from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.control.client_keys import upload_bytes, upload_size
 from stageferry.errors import JobValidationError, field_error
 from stageferry.schemas import JobRequest, MediaRef
 from stageferry.schemas.validation import path_may_be_allowed, path_refusal
@@ -83,15 +83,12 @@ async def load_media(
 async def _read_upload(key: str, field: str, *, redis: aioredis.Redis, upload_prefix: str, max_bytes: int) -> bytes:
     if not key.startswith(upload_prefix):
         raise _invalid(field, f"upload key must start with {upload_prefix!r}", "bad_upload_key")
-    with translated():
-        size = await redis.strlen(key)
+    size = await upload_size(redis, key)
     if size == 0:
         raise _invalid(field, "upload not found (expired or never uploaded)", "upload_missing")
     if size > max_bytes:
         raise _invalid(field, f"upload is {size} bytes; the limit is {max_bytes}", "too_large")
-    with translated():
-        data = await redis.get(key)
-    return data or b""
+    return await upload_bytes(redis, key)
 
 
 def read_local_file(path: str, field: str, roots: tuple[str, ...], max_bytes: int) -> bytes:

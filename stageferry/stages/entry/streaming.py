@@ -29,7 +29,6 @@ import structlog
 from anyio.from_thread import BlockingPortal
 
 from stageferry.broker.control.chunks import ChunkChannel, StreamId
-from stageferry.broker.control.redis_conn import translated
 from stageferry.broker.control.streams import Entry
 from stageferry.broker.data import metrics
 from stageferry.broker.data.connector_contract import Incoming
@@ -164,12 +163,7 @@ class Streaming:
             trace=envelope.trace.model_copy(update={"hop_started_at": time.time(), "force_inline": False}),
         )
         fields = {"request_id": rid, "envelope": nxt.model_dump_json()}
-        with translated():
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.xadd(self.keys.stage_stream(next_stage), fields)  # type: ignore[arg-type]
-                pipe.lpush(self.keys.wake(next_stage), "1")
-                pipe.ltrim(self.keys.wake(next_stage), 0, 15)
-                await pipe.execute()
+        await self.channel.hand_on(next_stage, fields)
         log.info("stream.handed_on", to_stage=next_stage, attempt=envelope.attempt)
 
     # ---------------------------------------------------------------- consumer side

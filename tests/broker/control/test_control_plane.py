@@ -147,8 +147,9 @@ async def test_worker_reconnects_after_redis_restart(tmp_path: Path, prefix: str
             await anyio.to_thread.run_sync(svc.wait_live, "encoder", "encoder-a")
             async with Client(server.url, prefix=prefix, pipeline=PipelineConfig.load(svc.pipeline)) as client:
                 rid = await client.submit({**JOB, "prompt": "sleep:2"})
-                while (s := await client.status(rid)) is None or s.state is not RequestState.RUNNING:
-                    await anyio.sleep(0.05)
+                with anyio.fail_after(60):
+                    while (s := await client.status(rid)) is None or s.state is not RequestState.RUNNING:
+                        await anyio.sleep(0.05)
             await server.restart()
             async with Client(server.url, prefix=prefix, pipeline=PipelineConfig.load(svc.pipeline)) as client:
                 status = await client.wait(rid, timeout=90)

@@ -4,7 +4,7 @@ fails only its own waiter, waits that ride through a Redis restart, and waits on
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 import pytest
@@ -14,7 +14,6 @@ from stageferry import Client, RequestState, RequestStatus
 from stageferry.broker.control import requests
 from stageferry.broker.control.fanin import FieldReads
 from stageferry.broker.control.redis_conn import MAX_CONNECTIONS, open_client
-from stageferry.broker.control.requests import QUIET_CHECK_S
 from stageferry.embedded_redis import EmbeddedRedis
 from stageferry.errors import ControlPlaneError, RequestLostError, RequestNotFoundError
 from stageferry.schemas import OutputInfo
@@ -22,6 +21,16 @@ from stageferry.schemas import OutputInfo
 pytestmark = pytest.mark.anyio
 
 JOB = {"task": "t2va", "prompt": "a boat", "width": 320, "height": 192}
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    """Wait until ``condition()`` holds (``what`` names it when it never does)."""
+    try:
+        with anyio.fail_after(timeout):
+            while not condition():
+                await anyio.sleep(0.02)
+    except TimeoutError:
+        pytest.fail(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -63,9 +72,11 @@ async def test_150_concurrent_waits_hold_one_blocking_connection(private_redis: 
             while client.store.fanin.waiters < n:
                 assert time.monotonic() < deadline, f"only {client.store.fanin.waiters} waiters registered"
                 await anyio.sleep(0.05)
-            for _ in range(5):  # all waiting: sample the server's view while they block
-                during.append(await connected_clients(admin))
-                await anyio.sleep(0.2)
+            rounds = client.store.fanin.rounds
+            with anyio.fail_after(30):  # all waiting: sample the server's view over two of their reads
+                while client.store.fanin.rounds < rounds + 2:
+                    during.append(await connected_clients(admin))
+                    await anyio.sleep(0.02)
             assert client.store.fanin.widest_round == n, "one read covers every waiter"
             for rid in rids:
                 await finish(client, rid)
@@ -94,8 +105,7 @@ async def test_a_key_of_the_wrong_type_fails_only_its_own_waiter(redis_url: str,
         async with anyio.create_task_group() as tg:
             tg.start_soon(wait, good)
             tg.start_soon(wait, bad)
-            while client.store.fanin.waiters < 2:
-                await anyio.sleep(0.02)
+            await until(lambda: client.store.fanin.waiters >= 2, "both waits under way")
             # A hostile client replaces the events stream of "bad-1" with a plain string.
             await client.redis.delete(client.keys.events(bad))
             await client.redis.set(client.keys.events(bad), b"not a stream")
@@ -119,10 +129,11 @@ async def test_wait_rides_through_a_redis_restart(private_redis: EmbeddedRedis) 
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(wait)
-            while client.store.fanin.waiters < 1:
-                await anyio.sleep(0.02)
+            await until(lambda: client.store.fanin.waiters >= 1, "the wait under way")
             await private_redis.kill()
-            await anyio.sleep(4)  # well beyond the ~1 s after which waits used to give up
+            # Five failed reads, backing off 0.1, 0.2, 0.4, 0.8, 1.6 s (each x 0.5-1): beyond the ~1 s after
+            # which waits used to give up, counted by the reader, not by this test's clock.
+            await until(lambda: client.store.fanin.failed_rounds >= 5, "five reads failed while Redis is away")
             assert not outcome, "the wait must not end while Redis is away"
             await private_redis.start()
             await finish(client, rid)
@@ -142,8 +153,20 @@ async def test_unknown_id_ends_at_once_when_it_must_exist(client_fixture: Client
     assert time.monotonic() - started < 10
 
 
-async def test_a_request_that_vanishes_while_waited_on_ends_the_wait(client_fixture: Client) -> None:
+async def test_a_request_that_vanishes_while_waited_on_ends_the_wait(
+    client_fixture: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
     client = client_fixture
+    monkeypatch.setattr(requests, "QUIET_CHECK_S", 0.1)  # quiet checks come quickly; counted below
+    checks: list[bool] = []
+    real_get = client.store.get
+
+    async def get(request_id: str) -> RequestStatus | None:
+        status = await real_get(request_id)
+        checks.append(True)
+        return status
+
+    monkeypatch.setattr(client.store, "get", get)
     rid = await client.submit(JOB, request_id="vanishing-1")
     outcome: list[RequestLostError] = []
 
@@ -155,9 +178,8 @@ async def test_a_request_that_vanishes_while_waited_on_ends_the_wait(client_fixt
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(wait)
-        while client.store.fanin.waiters < 1:
-            await anyio.sleep(0.02)
-        await anyio.sleep(QUIET_CHECK_S + 0.5)  # the waiter has seen its request by now
+        # Two quiet checks done: the first, which saw the request exist, has ended.
+        await until(lambda: client.store.fanin.waiters >= 1 and len(checks) >= 2, "the waiter to see its request")
         keys = client.keys  # as a restart without data would
         await client.redis.delete(keys.request(rid), keys.events(rid), keys.submitted(rid))
         with anyio.fail_after(15):

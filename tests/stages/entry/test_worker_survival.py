@@ -137,8 +137,9 @@ async def test_redis_restarting_empty_with_an_entry_in_hand(tmp_path: Path, pref
             pipeline = PipelineConfig.load(svc.pipeline)
             async with Client(server.url, prefix=prefix, pipeline=pipeline) as client:
                 lost = await client.submit({**JOB, "prompt": "sleep:3"})
-                while (s := await client.status(lost)) is None or s.state is not RequestState.RUNNING:
-                    await anyio.sleep(0.05)
+                with anyio.fail_after(60):
+                    while (s := await client.status(lost)) is None or s.state is not RequestState.RUNNING:
+                        await anyio.sleep(0.05)
                 outcome: list[RequestStatus | BaseException] = []
 
                 async def waiter() -> None:
@@ -146,8 +147,9 @@ async def test_redis_restarting_empty_with_an_entry_in_hand(tmp_path: Path, pref
 
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(waiter)
-                    while client.store.fanin.waiters < 1:  # the wait is under way
-                        await anyio.sleep(0.02)
+                    with anyio.fail_after(30):
+                        while client.store.fanin.waiters < 1:  # the wait is under way
+                            await anyio.sleep(0.02)
                     await server.restart()  # no persistence: streams, groups and the request are gone
                 assert [told(o) for o in outcome] == ["request_lost"], outcome
                 await anyio.to_thread.run_sync(
@@ -179,8 +181,9 @@ async def test_an_entry_run_again_after_redis_came_back_empty_is_not_admitted(tm
             pipeline = PipelineConfig.load(svc.pipeline)
             async with Client(server.url, prefix=prefix, pipeline=pipeline) as client:
                 lost = await client.submit({**JOB, "prompt": "sleep:2"})
-                while (s := await client.status(lost)) is None or s.state is not RequestState.RUNNING:
-                    await anyio.sleep(0.05)
+                with anyio.fail_after(60):
+                    while (s := await client.status(lost)) is None or s.state is not RequestState.RUNNING:
+                        await anyio.sleep(0.05)
                 await server.kill()
                 await anyio.to_thread.run_sync(
                     wait_for, lambda: "worker.redis_retry" in encoder_log(tmp_path), 60, "the encoder retries its entry"
@@ -218,8 +221,9 @@ async def test_told_lost_stays_lost_when_the_last_stage_finishes_it(tmp_path: Pa
 
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(waiter)
-                    while client.store.fanin.waiters < 1:  # the wait is under way
-                        await anyio.sleep(0.02)
+                    with anyio.fail_after(30):
+                        while client.store.fanin.waiters < 1:  # the wait is under way
+                            await anyio.sleep(0.02)
                     await server.restart()
                 assert [told(o) for o in outcome] == ["request_lost"], outcome
                 await anyio.to_thread.run_sync(

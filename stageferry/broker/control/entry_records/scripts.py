@@ -116,7 +116,7 @@ end
 
 -- Write status `w` unless the record is terminal or the mode forbids it (0), or it is older than the
 -- stored one (-1: orders compared field by field, so a late writer never moves a request back); 1 if
--- written, with its event on the events stream.
+-- written, with its event on the events stream (a terminal one names the record's job, ``job_sha``).
 local function set_status(rec, events, w)
   if rec.state and TERMINAL[rec.state] then return 0 end
   if (w.mode == 'create' and rec.state) or (w.mode == 'update' and not rec.state) then return 0 end
@@ -133,8 +133,14 @@ local function set_status(rec, events, w)
   put(rec, 'state', w.state, w.ttl)
   put(rec, 'status', w.status, w.ttl)
   put(rec, 'order', table.concat(w.order, ' '), w.ttl)
-  local id = redis.call('XADD', events, 'MAXLEN', '~', w.maxlen, '*',
-                        'kind', 'status', 'state', w.state, 'status', w.status)
+  local id
+  if TERMINAL[w.state] and rec.job_sha then  -- whose job ended: a waiter needs no HGET of job_sha
+    id = redis.call('XADD', events, 'MAXLEN', '~', w.maxlen, '*',
+                    'kind', 'status', 'state', w.state, 'status', w.status, 'job_sha', rec.job_sha)
+  else
+    id = redis.call('XADD', events, 'MAXLEN', '~', w.maxlen, '*',
+                    'kind', 'status', 'state', w.state, 'status', w.status)
+  end
   clock = tonumber(string.match(id, '^(%d+)'))
   rec.events = events
   return 1

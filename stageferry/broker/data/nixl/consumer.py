@@ -12,15 +12,15 @@ Who calls what, and when (the consumer leader only):
   it found the lease taken, and the payload counts as gone); once the claim is won, unpack as zero-copy
   views over our slots while the READs still run (views need no bytes, and nothing sees them before
   the READs are DONE); once every READ is DONE, notify the producer (the release that frees its slot).
-  See :meth:`Consumer.read` for why reading before the claim is won is safe.
+  See :meth:`~stageferry.broker.data.nixl.reads.Reader.read` for why reading before the claim is won is safe.
   Inside the block ``incoming.payload`` and ``incoming.regions`` are views of our pool slots; on exit the
   slots go back to the pool (after a CUDA synchronize, so queued kernels finish first).  Nothing may
   keep a view past the block.  A get cancelled with READs in flight gives its slots back only once no
-  READ can still write into them (:meth:`Consumer._settle_cancelled`).
+  READ can still write into them (:meth:`~stageferry.broker.data.nixl.reads.Reader.read`).
 * A producer on our own GPU (same GPU UUID, its CUDA arena mapped): the CUDA regions are copied device to
   device instead of READ, with the same checks, claim and release (:meth:`Consumer._copy_or_read`,
   :mod:`stageferry.broker.data.nixl.same_gpu`); any failure there falls back to the READ.
-* On handshake or transfer failure the producer is asked to resend inline (:meth:`Consumer.resend_inline`,
+* On handshake or transfer failure the producer is asked to resend inline (:mod:`stageferry.broker.data.nixl.resend`,
   up to ``inline_fallback_max_bytes``); if it cannot, :class:`PayloadUnavailableError` sends the request
   back to be recomputed.  Descriptors that fail validation raise :class:`ManifestError` before any
   native call.
@@ -40,14 +40,14 @@ import anyio
 import structlog
 import torch
 
-from stageferry.broker.control.redis_conn import translated
 from stageferry.broker.data import metrics
 from stageferry.broker.data.connector_contract import Incoming
-from stageferry.broker.data.nixl.agent import XferState
 from stageferry.broker.data.nixl.endpoint import Endpoint
-from stageferry.broker.data.nixl.leases import check_fresh, claim
+from stageferry.broker.data.nixl.leases import check_fresh
 from stageferry.broker.data.nixl.peers import Peer, Peers
+from stageferry.broker.data.nixl.reads import Reader, claim, mem_kind_of
 from stageferry.broker.data.nixl.ready import ReadySlots
+from stageferry.broker.data.nixl.resend import discard, resend_inline
 from stageferry.broker.data.nixl.same_gpu import SameGpu, copied_route
 from stageferry.broker.data.nixl.ucx_log import transport_names
 from stageferry.broker.data.payload_codec import unpack, validate_manifest, validate_remote_regions
@@ -56,56 +56,18 @@ from stageferry.errors import (
     ControlPlaneError,
     HandshakeError,
     ManifestError,
-    PayloadUnavailableError,
     PoolExhaustedError,
     ProtocolMismatchError,
     TransferError,
 )
-from stageferry.failpoints import CONSUMER_READ_POSTED, failpoint
-from stageferry.schemas import (
-    DeviceKind,
-    InlinePayload,
-    MemKind,
-    NixlPayload,
-    PayloadRef,
-    RegionSpec,
-    RemoteRegion,
-    Transport,
-)
-from stageferry.schemas.nixl import (
-    ResendAction,
-    ResendRequest,
-    decode_resend_reply,
-    lease_seal,
-    release_notification,
-)
+from stageferry.schemas import DeviceKind, InlinePayload, MemKind, NixlPayload, PayloadRef, Transport
+from stageferry.schemas.nixl import lease_seal
+
+__all__ = ["Consumer", "mem_kind_of"]
 
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-
-
-#: How long :meth:`Consumer._wait_all` yields without sleeping, and how long it then sleeps between looks.
-#: An event-loop sleep is never shorter than a millisecond (asyncio's epoll selector rounds its timeout
-#: up to whole milliseconds), so a shorter POLL_S would still cost 1 ms: a READ that ends just after the
-#: spin gave up paid that much on top of the hop (the hop's p99 on the GPU host, issue 20).  The spin
-#: covers what a READ of a hop's payload takes once posted (VRAM over cuda_ipc: 0.1–0.3 ms for 65 MB).
-SPIN_S = 0.002
-POLL_S = 0.001
-#: First, the READ wait polls this long without going back to the event loop at all: a small READ
-#: (VRAM over cuda_ipc: tens of µs) is then seen DONE in the same turn, without a loop round of its own.
-HOLD_S = 0.0001
-
-
-def lane_spans(nbytes: int, lanes: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` of ``lanes`` near-equal pieces of ``nbytes`` (4 KiB-aligned cuts; fewer pieces
-    when the region is too small for that many)."""
-    step = max(4096, -(-nbytes // max(1, lanes) // 4096) * 4096)
-    return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)] or [(0, 0)]
-
-
-def mem_kind_of(device: DeviceKind) -> MemKind:
-    return MemKind.VRAM if device is DeviceKind.CUDA else MemKind.DRAM
 
 
 def _where(kind: MemKind, device_id: int) -> str:
@@ -120,8 +82,7 @@ class Consumer:
         self._peers = peers
         self.ready = ReadySlots(endpoint)
         self.same_gpu = SameGpu(endpoint)
-        self._transport_logged: set[str] = set()
-        self.wakeups = 0  #: times a READ wait went back to the event loop (benchmarks show it per hop)
+        self.reader = Reader(endpoint, peers)
 
     @contextlib.asynccontextmanager
     async def get(
@@ -144,18 +105,21 @@ class Consumer:
                     self.ready.want(ref.manifest)
 
     async def claim(self, ref: NixlPayload, claimed: bool | None = None) -> None:
-        """Claim ``ref``'s lease (see :func:`stageferry.broker.data.nixl.leases.claim`), unless the stream
-        read did (``claimed`` True; False: it found the lease taken)."""
-        if claimed is None:
-            await claim(self._ep, ref)
-        elif not claimed:
-            raise PayloadUnavailableError("payload lease expired or already claimed", token=ref.token)
+        """Claim ``ref``'s lease unless the stream read did (:func:`~stageferry.broker.data.nixl.reads.claim`)."""
+        await claim(self._ep, ref, claimed)
 
     async def discard(self, ref: PayloadRef) -> None:
         """Tell the producer that a payload will never be read (the request was settled meanwhile)."""
-        if isinstance(ref, NixlPayload):
-            with contextlib.suppress(ControlPlaneError), translated():
-                await self._ask_producer(ref, ResendAction.DROP)
+        await discard(self._ep, ref)
+
+    async def resend_inline(self, ref: NixlPayload, *, reason: str) -> Incoming:
+        """Ask the producer to send the payload inline (:func:`~stageferry.broker.data.nixl.resend.resend_inline`)."""
+        return await resend_inline(self._ep, ref, reason=reason)
+
+    @property
+    def wakeups(self) -> int:
+        """Times a READ wait went back to the event loop (benchmarks show it per hop)."""
+        return self.reader.wakeups
 
     async def _fetch(
         self, ref: PayloadRef, blob: bytes | None, key: str, claimed: bool | None
@@ -251,18 +215,18 @@ class Consumer:
         meanwhile: Callable[[], T] | None = None,
     ) -> tuple[T | None, bool]:
         """The same-GPU copy when the producer is on our GPU (:mod:`~stageferry.broker.data.nixl.same_gpu`),
-        else :meth:`read`; whether it was copied.  The copy keeps the READ's order of duties: the claim
+        else :meth:`Reader.read`; whether it was copied.  The copy keeps the READ's order of duties: the claim
         first (won, or the stream read's), then the bytes, then ``meanwhile()``, then the release
         notification.  A copy that fails is logged and the READ follows, with the claim already ours."""
         if not self.same_gpu.usable(ref, peer.ipc, slots):
-            return await self.read(ref, peer, slots, claimed, meanwhile=meanwhile), False
+            return await self.reader.read(ref, peer, slots, claimed, meanwhile=meanwhile), False
         assert peer.ipc is not None
         await self.claim(ref, claimed)
         try:
             done = self.same_gpu.launch(ref, peer.ipc, slots)
         except TransferError as exc:
             log.warning("nixl.same_gpu_fallback", peer=peer.name, token=ref.token, error=exc.message, fallback="nixl")
-            return await self.read(ref, peer, slots, True, meanwhile=meanwhile), False
+            return await self.reader.read(ref, peer, slots, True, meanwhile=meanwhile), False
         made: T | None = None
         try:
             # The payload's views over our slots are made while the copy runs, as a READ makes them.
@@ -270,12 +234,12 @@ class Consumer:
             await self.same_gpu.wait(done)
         except TransferError as exc:
             log.warning("nixl.same_gpu_fallback", peer=peer.name, token=ref.token, error=exc.message, fallback="nixl")
-            return await self.read(ref, peer, slots, True, meanwhile=meanwhile), False
+            return await self.reader.read(ref, peer, slots, True, meanwhile=meanwhile), False
         except BaseException:  # the copy has ended (shielded wait, or it never ran): free the producer's slot
             with anyio.CancelScope(shield=True), contextlib.suppress(ControlPlaneError):
-                await self._release_producer(ref, peer)
+                await self.reader.release_producer(ref, peer)
             raise
-        await self._release_producer(ref, peer)
+        await self.reader.release_producer(ref, peer)
         self._ep.counters.reads += 1
         self._ep.counters.same_gpu += 1
         return made, True
@@ -309,220 +273,3 @@ class Consumer:
             metrics.GETS.labels(Transport.NIXL.value).inc()
             metrics.BYTES.labels("get", Transport.NIXL.value).inc(incoming.nbytes)
             metrics.TRANSFER_SECONDS.labels(Transport.NIXL.value, "get").observe(incoming.seconds)
-
-    async def read(
-        self,
-        ref: NixlPayload,
-        peer: Peer,
-        slots: dict[DeviceKind, Slot],
-        claimed: bool | None = None,
-        meanwhile: Callable[[], T] | None = None,
-    ) -> T | None:
-        """Claim ``ref``'s lease while READing all its regions into ``slots`` (ours, already taken), then
-        release the producer's slot.  The hop waits for the longer of the claim's round trip and the READs,
-        not for their sum; with ``claimed`` (the stream read's claim, :meth:`claim`) there is no round trip.
-        Once the claim is won, ``meanwhile()`` runs while the READs do (the unpack: views over our slots,
-        which need no bytes yet) and its result is returned; if it raises, the READs are waited for first,
-        so no READ still writes into the slots the caller then gives back.
-
-        In order: post one READ per non-empty region, all at once and without a notification; claim
-        (Redis ``SET NX``) while they run; wait until every READ is DONE; only then notify the producer
-        (:meth:`NixlAgent.notify`), so the release is sent once, by the claim's winner, after the bytes
-        arrived.  Why reading before the claim is won is safe: a READ changes nothing on the producer;
-        if the claim is won, the producer had not marked the claim key ``released``/``expired`` before it,
-        and it frees a slot only after that mark, so the slot held this payload throughout; if the claim
-        is lost, our copy is never unpacked nor handed on and nothing is notified.  A payload the stream
-        read claimed already (``claimed`` True) in one region is the common case: its READ carries the
-        release notification, which NIXL sends once the bytes are here, so no notify call follows the
-        wait (if the wait times out anyway, the inline resend it asks for may find the lease settled and
-        be refused: the request is computed again upstream).
-
-        What overlaps: an asynchronous READ (VRAM over cuda_ipc; DRAM when UCX's progress thread moves it)
-        runs during the claim's round trip.  On CPU, UCX's CMA copies inside the post call, so there the
-        claim follows the copy; sending the claim first from a task of its own was measured slower
-        (a task group and redis-py's send path cost more event-loop time than the wait they hide:
-        ``benchmarks/results/issue20_hop``).
-
-        Raises the claim's :class:`PayloadUnavailableError` / ``ControlPlaneError`` when it is lost (after
-        the READs ended: they write into ``slots``; the peer is dropped if they failed), and
-        :class:`TransferError` when a READ failed (to post or to complete) with the claim won (the caller
-        drops the peer and asks for an inline resend, which settles the lease).  The claim is always
-        settled first: a consumer that did not win it must never ask the producer for the payload, whose
-        resend frees the slot, perhaps under the winner's READ."""
-        agent = self._ep.agent
-        assert agent is not None
-        pairs = [(spec, remote) for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True) if spec.nbytes]
-        if not pairs:  # zero-size payload: nothing to READ, release the producer explicitly
-            await self.claim(ref, claimed)
-            await self.discard(ref)
-            return meanwhile() if meanwhile is not None else None
-        deadline = time.monotonic() + self._ep.timeouts.transfer
-        # Claimed already and one READ: it carries the release itself (NIXL sends it once the bytes are
-        # here).  Several READs each send their own notification on completion, so those are released
-        # by one notification after the last of them instead.
-        carried = release_notification(ref.token) if claimed is True and len(pairs) == 1 else b""
-        handles: list[object] = []
-        post_failed: TransferError | None = None
-        won = False  # the claim is ours: only then may the producer be released
-        try:
-            try:
-                for spec, remote in pairs:
-                    handles.append(self._post(spec, remote, slots[spec.device], peer, carried))
-            except TransferError as exc:  # raised once the claim is ours: only its winner may ask for a resend
-                post_failed = exc
-            failpoint(CONSUMER_READ_POSTED)  # fault injection: die with the READs in flight
-            try:
-                await self.claim(ref, claimed)
-            except (PayloadUnavailableError, ControlPlaneError):
-                try:  # our slots go back to the pool: no READ may still be writing into them
-                    await self._wait_all(handles, deadline)
-                except TransferError:
-                    self._peers.forget(peer.name)
-                raise
-            won = True
-            if post_failed is not None:
-                raise post_failed
-            made = None
-            if meanwhile is not None:
-                try:
-                    made = meanwhile()
-                except BaseException:  # the caller's error is the one raised, after the READs ended
-                    await self._end_reads(ref, peer, handles, deadline, released=bool(carried))
-                    raise
-            await self._wait_all(handles, deadline)
-        except anyio.get_cancelled_exc_class():
-            if await self._settle_cancelled(peer, handles, deadline) and won and not carried and not post_failed:
-                with anyio.CancelScope(shield=True), contextlib.suppress(ControlPlaneError):
-                    await self._release_producer(ref, peer)  # or its slot waits for the lease to expire
-            raise
-        finally:
-            for handle in handles:
-                agent.release(handle)
-        self._ep.counters.reads += 1
-        if not carried:
-            await self._release_producer(ref, peer)
-        if peer.name not in self._transport_logged:
-            self._transport_logged.add(peer.name)
-            transport = agent.transport_info(peer.name)
-            vram = any(r.mem_kind is MemKind.VRAM for r in ref.regions)
-            level = "warning" if vram and transport and "tcp" in transport.lower() else "info"
-            getattr(log, level)(
-                "nixl.transport", peer=peer.name, transport=transport or "unknown (set UCX_PROTO_INFO=y)"
-            )
-        return made
-
-    async def _end_reads(
-        self, ref: NixlPayload, peer: Peer, handles: list[object], deadline: float, *, released: bool
-    ) -> None:
-        """Wait for READs whose payload will not be used (the claim is ours), then free the producer's slot
-        unless the READ carried the release; a READ that failed drops the peer (no late bytes later)."""
-        try:
-            await self._wait_all(handles, deadline)
-        except TransferError:
-            self._peers.forget(peer.name)
-            return
-        if not released:
-            with contextlib.suppress(ControlPlaneError):
-                await self._release_producer(ref, peer)
-
-    async def _settle_cancelled(self, peer: Peer, handles: list[object], deadline: float) -> bool:
-        """The caller was cancelled with READs posted: before our slots go back to the pool, wait (shielded,
-        up to the READs' deadline) until none can still write into them.  Releasing a handle only asks NIXL
-        to cancel an active READ, so that alone proves nothing.  A READ that fails or outlives the deadline,
-        or a wait cancelled again (a native ``Task.cancel`` breaks the shield), drops the peer: its endpoint
-        closes, and nothing of it lands in a reused slot.  True when every READ was seen DONE."""
-        try:
-            with anyio.CancelScope(shield=True):
-                await self._wait_all(handles, deadline)
-        except (TransferError, anyio.get_cancelled_exc_class()):
-            log.warning("nixl.read_abandoned", peer=peer.name, reads=len(handles))
-            self._peers.forget(peer.name)
-            return False
-        return True
-
-    def _post(self, spec: RegionSpec, remote: RemoteRegion, local: Slot, peer: Peer, notif: bytes = b"") -> object:
-        """Post the READ of one region, with ``notif`` for the producer on completion.  A DRAM region of at least
-        ``read_lane_min_bytes`` becomes ``read_lanes`` descriptors of one transfer (NIXL's UCX backend
-        spreads them over its ``ucx_threads``)."""
-        agent = self._ep.agent
-        assert agent is not None
-        kind = mem_kind_of(spec.device)
-        config = self._ep.config
-        lanes = 1
-        if kind is MemKind.DRAM and remote.mem_kind is MemKind.DRAM and spec.nbytes >= config.read_lane_min_bytes:
-            lanes = config.read_lanes
-        spans = lane_spans(spec.nbytes, lanes)
-        return agent.start_read(
-            [(local.address + off, n, local.device_id) for off, n in spans],
-            kind,
-            [(remote.address + off, n, remote.device_id) for off, n in spans],
-            remote.mem_kind,
-            peer.name,
-            notif,
-        )
-
-    async def _release_producer(self, ref: NixlPayload, peer: Peer) -> None:
-        """Tell the producer its slot is free (claim won, bytes here); through Redis if NIXL cannot."""
-        agent = self._ep.agent
-        assert agent is not None
-        try:
-            agent.notify(peer.name, release_notification(ref.token))
-        except TransferError as exc:
-            log.warning("nixl.notify_failed", peer=peer.name, error=exc.message)
-            await self.discard(ref)  # the same release, as a drop request the producer settles
-
-    async def _wait_all(self, handles: list[object], deadline: float) -> None:
-        """Poll until every READ is DONE: without yielding for ``HOLD_S``, then yielding without sleeping
-        (a wake-up per turn of the event loop) within ``SPIN_S`` of the first look, then sleeping
-        ``POLL_S`` between looks: a READ still running by then is a large one (or a slow link), whose
-        end a millisecond later costs little next to its length."""
-        agent = self._ep.agent
-        assert agent is not None
-        pending = handles
-        started = time.monotonic()
-        hold_until, spin_until = started + HOLD_S, started + SPIN_S
-        while True:
-            pending = [h for h in pending if agent.poll(h) is not XferState.DONE]
-            if not pending:
-                return
-            now = time.monotonic()
-            if now < hold_until:
-                continue
-            if now > deadline:
-                raise TransferError("READ timed out", seconds=self._ep.timeouts.transfer)
-            self.wakeups += 1
-            await anyio.sleep(0 if now < spin_until else POLL_S)
-
-    async def resend_inline(self, ref: NixlPayload, *, reason: str) -> Incoming:
-        """Ask the producer to send the payload inline; it is gone if nobody answers in time."""
-        ep = self._ep
-        started = time.perf_counter()
-        reply_key = ep.keys.resend_reply(ref.token)
-        with translated():
-            await self._ask_producer(ref, ResendAction.RESEND)
-            reply = await ep.redis.blpop([reply_key], timeout=ep.timeouts.resend)
-        blob = decode_resend_reply(reply[1] if reply else None)
-        if blob is None:
-            raise PayloadUnavailableError("producer could not resend the payload", reason=reason, agent=ref.agent)
-        metrics.FALLBACKS.labels(reason).inc()
-        ep.counters.fallback(reason)
-        log.warning("payload.inline_fallback", reason=reason, side="consumer")
-        inline_ref = InlinePayload(manifest=ref.manifest, blob_bytes=len(blob), fallback_reason=reason)
-        incoming = await ep.inline.decode(inline_ref, blob)
-        return Incoming(
-            payload=incoming.payload,
-            transport=Transport.INLINE,
-            nbytes=incoming.nbytes,
-            seconds=time.perf_counter() - started,
-            fallback_reason=reason,
-        )
-
-    async def _ask_producer(self, ref: NixlPayload, action: ResendAction) -> None:
-        """Post a resend/drop request; the stream expires once no lease could still need it, so a
-        producer that died leaves nothing behind in Redis."""
-        ep = self._ep
-        stream = ep.keys.resend(ref.agent)
-        async with ep.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(stream, ResendRequest(token=ref.token, action=action).to_fields())  # type: ignore[arg-type]
-            pipe.expire(stream, int(ep.timeouts.lease + ep.timeouts.resend) + 60)
-            await pipe.execute()

@@ -29,7 +29,7 @@ from stageferry.broker.control.redis_conn import connect
 from stageferry.broker.data.nixl import consumer as consumer_module
 from stageferry.broker.data.nixl.agent import XferState
 from stageferry.broker.data.nixl.connector import NixlConnector
-from stageferry.broker.data.nixl.consumer import lane_spans
+from stageferry.broker.data.nixl.reads import lane_spans
 from stageferry.config import DataPlaneConfig, Timeouts
 from stageferry.errors import ManifestError, PayloadUnavailableError
 from stageferry.schemas import NixlPayload, Transport
