@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real run of the compose `ha` profile (docker-compose.yml with ha.env): the primary `redis`, two
+# A real run of the compose `ha` profile (docker-compose.yml + docker-compose.ha.yml with ha.env): the primary `redis`, two
 # replicas, three sentinels, the encoder and diffusion stages (TP1, the reference models, small jobs) and
 # the gateway, every process on STAGEFERRY_REDIS_URL=redis+sentinel://...?wait_replicas=2. Then, under load
 # (deploy/ha_load.sh, shared with deploy/kubernetes/ha_smoke.sh):
@@ -57,7 +57,7 @@ if docker compose version >/dev/null 2>&1; then compose=(docker compose)
 elif command -v docker-compose >/dev/null 2>&1; then compose=(docker-compose)
 else fail "neither 'docker compose' nor 'docker-compose' is installed"
 fi
-dc() { "${compose[@]}" --env-file ha.env -f docker-compose.yml "$@"; }
+dc() { "${compose[@]}" --env-file ha.env -f docker-compose.yml -f docker-compose.ha.yml "$@"; }  # ha.env's COMPOSE_FILE
 declare -A cid_of   # service -> its container, the same across its restart (asking compose takes a second)
 up() {  # services: docker-compose up -d --no-deps, then their containers remembered
   local svc
@@ -115,11 +115,17 @@ say "profiles $(grep -o '^COMPOSE_PROFILES=.*' ha.env | cut -d= -f2), project $C
 dc down -v --remove-orphans -t 5 >/dev/null 2>&1 || true   # a run before's
 
 rcli() { local a; a="$(ip "$1")" && timeout 5 redis-cli -h "$a" "${@:2}"; }
+declare -A addr_of  # data node -> its address when it started (fixed: docker-compose.ha.yml), kept while it is down
+node_at() {  # the data node at an address the sentinels name (ha.env's fixed IPs), else the address
+  local svc
+  for svc in "${data_nodes[@]}"; do [[ "${addr_of[$svc]:-}" == "$1" ]] && { echo "$svc"; return 0; }; done
+  echo "$1"
+}
 sentinel_master() {  # the master's service name, as the first sentinel that answers names it
   local s m
   for s in "${sentinels[@]}"; do
     m="$(rcli "$s" -p 26379 --raw sentinel get-master-addr-by-name stageferry 2>/dev/null | head -n 1)" || m=""
-    if [[ -n "$m" ]]; then echo "$m"; return 0; fi
+    if [[ -n "$m" ]]; then node_at "$m"; return 0; fi
   done
 }
 probe_write() { rcli "$1" set "$prefix:ha-smoke:probe" 1 2>/dev/null | grep -q OK; }
@@ -131,7 +137,9 @@ up redis
 deadline=$((SECONDS + 60))
 until rcli redis ping 2>/dev/null | grep -q PONG; do ((SECONDS < deadline)) || fail "redis did not answer"; sleep 0.5; done
 up "${data_nodes[@]:1}" "${sentinels[@]}"
-for svc in "${data_nodes[@]}" "${sentinels[@]}"; do say "  $svc at $(ip "$svc") ($(node_container "$svc"))"; done
+for svc in "${data_nodes[@]}"; do addr_of[$svc]="$(ip "$svc")" || fail "$svc has no address"; done
+mac() { podman inspect -f '{{range .NetworkSettings.Networks}}{{.MacAddress}}{{end}}' "$(cid "$1")" 2>/dev/null; }
+for svc in "${data_nodes[@]}" "${sentinels[@]}"; do say "  $svc at $(ip "$svc") $(mac "$svc") ($(node_container "$svc"))"; done
 deadline=$((SECONDS + 120))
 until [[ "$(sentinel_master)" == redis ]] \
   && [[ "$(rcli redis info replication 2>/dev/null | tr -d '\r' | grep -c '^slave[0-9]*:.*state=online')" == 2 ]] \
@@ -160,8 +168,9 @@ audit_jobs
 
 # --- 4. the old primary is a replica of the new one ---------------------------------------------------------
 replication() { rcli "$1" info replication | tr -d '\r'; }
-announced() { echo "$1"; }   # the data nodes announce their service names (replica-announce-ip)
+announced() { echo "${addr_of[$1]}"; }   # the data nodes announce their fixed IPs (replica-announce-ip, docker-compose.ha.yml)
 await_rejoin
-say "4. $primary (started again $(since "$(cat "$work/restarted_at")" "$killed_at") s after the kill) is a replica of $new, link up"
+say "4. $primary (started again at $(ip "$primary") $(mac "$primary"))"
+say "   $primary (started again $(since "$(cat "$work/restarted_at")" "$killed_at") s after the kill) is a replica of $new, link up"
 say "   $new: $(replication "$new" | grep -E '^(role|connected_slaves):' | tr '\n' ' ')"
 say "every check passed: $accepted/$requests accepted, all done exactly once, lost=0 duplicated=0 stuck=0 across a failover under load"
