@@ -13,13 +13,16 @@ import functools
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 import anyio
+import anyio.abc
 import structlog
 
 from stageferry.errors import ConfigError
@@ -53,8 +56,33 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """A server's TLS: the CA its peers and clients trust, its certificate and key (PEM files).  A server
+    with these listens on TLS only (``--port 0 --tls-port P``), replicates over TLS, and asks its clients
+    for no certificate."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    def args(self, port: int) -> list[str]:
+        return ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.cert),
+                "--tls-key-file", str(self.key), "--tls-ca-cert-file", str(self.ca),
+                "--tls-replication", "yes", "--tls-auth-clients", "no"]  # fmt: skip
+
+    def context(self) -> ssl.SSLContext:
+        """A client's context: trusts only :attr:`ca`, checks the host name."""
+        return ssl.create_default_context(cafile=str(self.ca))
+
+    def client_kwargs(self) -> dict[str, object]:
+        """redis-py's connection options for a client of such a server."""
+        return {"ssl": True, "ssl_ca_certs": str(self.ca)}
+
+
 class EmbeddedRedis:
-    """A ``redis-server`` child process on 127.0.0.1; use as ``async with`` or ``start()``/``stop()``."""
+    """A ``redis-server`` child process on 127.0.0.1; use as ``async with`` or ``start()``/``stop()``
+    (``tls``: on TLS only, see :class:`TlsFiles`)."""
 
     def __init__(
         self,
@@ -66,8 +94,10 @@ class EmbeddedRedis:
         binary: str | None = None,
         start_timeout: float = 10.0,
         stop_timeout: float = 5.0,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.port = port or free_port()
+        self.tls = tls
         self.appendonly = appendonly
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir is not None else None
@@ -80,6 +110,8 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
+        if self.tls is not None:
+            return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls.ca}"
         return f"redis://127.0.0.1:{self.port}/0"
 
     @property
@@ -93,7 +125,7 @@ class EmbeddedRedis:
     def _command(self, binary: str, data_dir: Path) -> list[str]:
         return [
             binary,
-            "--port", str(self.port),
+            *(self.tls.args(self.port) if self.tls is not None else ["--port", str(self.port)]),
             "--bind", "127.0.0.1",
             "--daemonize", "no",
             "--dir", str(data_dir),
@@ -128,7 +160,7 @@ class EmbeddedRedis:
                 code = self._process.poll()
                 if code is not None:
                     raise ConfigError(f"redis-server exited with code {code}: {self._log_tail()}", port=self.port)
-                if await _answers_ping(self.port):
+                if await _answers_ping(self.port, None if self.tls is None else self.tls.context()):
                     return
                 await anyio.sleep(0.02)
         raise ConfigError(
@@ -190,11 +222,18 @@ def _spawn(command: list[str]) -> subprocess.Popen[bytes]:
     )
 
 
-async def _answers_ping(port: int) -> bool:
+async def _answers_ping(port: int, tls: ssl.SSLContext | None = None) -> bool:
     """True once the server replies to PING (``-NOAUTH`` counts: it is up; ``-LOADING`` does not)."""
     try:
         with anyio.fail_after(1):
-            async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+            connected: Awaitable[anyio.abc.ByteStream]
+            if tls is None:
+                connected = anyio.connect_tcp("127.0.0.1", port)
+            else:  # no close_notify exchange on the way out: a probe, not a session
+                connected = anyio.connect_tcp(
+                    "127.0.0.1", port, ssl_context=tls, tls_hostname="127.0.0.1", tls_standard_compatible=False
+                )
+            async with await connected as stream:
                 await stream.send(b"PING\r\n")
                 reply = await stream.receive(64)
     except (OSError, TimeoutError, anyio.EndOfStream, anyio.BrokenResourceError):
@@ -202,4 +241,4 @@ async def _answers_ping(port: int) -> bool:
     return reply.startswith((b"+PONG", b"-NOAUTH"))
 
 
-__all__ = ["EmbeddedRedis", "find_redis_server", "free_port"]
+__all__ = ["EmbeddedRedis", "TlsFiles", "find_redis_server", "free_port"]

@@ -10,6 +10,10 @@ stops taking writes), diskless full syncs.  The sentinels' ``down-after-millisec
 (``SENTINEL FAILOVER``: a clean hand-over) and :meth:`SentinelGroup.cut_primary` (its port's packets
 dropped, both ways: a network partition, the primary still running and still answering whoever reaches
 it — nobody, here).  :meth:`SentinelGroup.heal` brings a killed primary back (it rejoins as a replica).
+
+With ``tls`` (:class:`~stageferry.embedded_redis.TlsFiles`) every process listens on TLS only — the data
+nodes replicate over TLS, the sentinels talk TLS to them and to each other — and this module's own
+clients and :meth:`SentinelGroup.url` (``ssl=true&ssl_ca_certs=...``) trust the group's CA.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import redis as sync_redis
@@ -28,7 +33,7 @@ import redis.sentinel
 import structlog
 
 from stageferry.broker.control.redis_url import parse_url
-from stageferry.embedded_redis import EmbeddedRedis, free_port
+from stageferry.embedded_redis import EmbeddedRedis, TlsFiles, free_port
 
 log = structlog.get_logger(__name__)
 
@@ -47,15 +52,16 @@ class GroupAuth:
 class SentinelProcess(EmbeddedRedis):
     """``redis-server <conf> --sentinel`` watching one service (its config file is its state)."""
 
-    def __init__(self, *, data_dir: Path, conf: str) -> None:
-        super().__init__(data_dir=data_dir)
+    def __init__(self, *, data_dir: Path, conf: str, tls: TlsFiles | None = None) -> None:
+        super().__init__(data_dir=data_dir, tls=tls)
         self._conf = conf
 
     def _command(self, binary: str, data_dir: Path) -> list[str]:
         path = data_dir / "sentinel.conf"
         if not path.exists():
             path.write_text(self._conf)
-        return [binary, str(path), "--sentinel", "--port", str(self.port), "--bind", "127.0.0.1",
+        ports = self.tls.args(self.port) if self.tls is not None else ["--port", str(self.port)]
+        return [binary, str(path), "--sentinel", *ports, "--bind", "127.0.0.1",
                 "--daemonize", "no", "--logfile", str(data_dir / "sentinel.log")]  # fmt: skip
 
 
@@ -74,10 +80,12 @@ class SentinelGroup:
         service: str = SERVICE,
         data_args: Sequence[str] = (),
         auth: GroupAuth | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.work_dir = work_dir
         self.service = service
         self.auth = auth
+        self.tls = tls
         self.max_lag_s = max_lag_s
         ports = [free_port() for _ in range(replicas + 1)]
         self.nodes = [
@@ -86,6 +94,7 @@ class SentinelGroup:
                 appendonly=True,
                 data_dir=work_dir / f"node-{port}",
                 extra_args=self._data_args(i, ports[0], data_args),
+                tls=tls,
             )
             for i, port in enumerate(ports)
         ]
@@ -99,7 +108,9 @@ class SentinelGroup:
               if auth else []),
             "",
         ])  # fmt: skip
-        self.sentinels = [SentinelProcess(data_dir=work_dir / f"sentinel-{i}", conf=conf) for i in range(sentinels)]
+        self.sentinels = [
+            SentinelProcess(data_dir=work_dir / f"sentinel-{i}", conf=conf, tls=tls) for i in range(sentinels)
+        ]
         self._cut: tuple[int, str | None] | None = None
 
     def _data_args(self, index: int, primary: int, extra: Sequence[str]) -> list[str]:
@@ -115,16 +126,25 @@ class SentinelGroup:
     # ------------------------------------------------------------------ where things are
 
     def url(self, *, userinfo: str = "", db: int = 0, query: str = "") -> str:
-        """The ``redis+sentinel://`` URL of this group's master (``userinfo``: ``user:pass@``)."""
+        """The ``redis+sentinel://`` URL of this group's master (``userinfo``: ``user:pass@``; with TLS,
+        ``ssl=true&ssl_ca_certs=<the CA>`` comes before ``query``)."""
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        tls = f"ssl=true&ssl_ca_certs={self.tls.ca}" if self.tls is not None else ""
+        query = "&".join(part for part in (tls, query) if part)
         return f"redis+sentinel://{userinfo}{hosts}/{self.service}/{db}" + (f"?{query}" if query else "")
 
+    def _tls_kwargs(self) -> dict[str, Any]:
+        return self.tls.client_kwargs() if self.tls is not None else {}
+
     def _sentinel(self, index: int = 0) -> sync_redis.Redis:
-        return sync_redis.Redis(host="127.0.0.1", port=self.sentinels[index].port, socket_timeout=2)
+        port = self.sentinels[index].port
+        return sync_redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, **self._tls_kwargs())
 
     def node_client(self, node: EmbeddedRedis) -> sync_redis.Redis:
         user, password = self.auth.admin if self.auth is not None else (None, None)
-        return sync_redis.Redis(host="127.0.0.1", port=node.port, username=user, password=password, socket_timeout=2)
+        return sync_redis.Redis(
+            host="127.0.0.1", port=node.port, username=user, password=password, socket_timeout=2, **self._tls_kwargs()
+        )
 
     def master_port(self) -> int | None:
         """The master's port as the sentinels agree on it now (a majority of those answering), or None."""
@@ -289,9 +309,13 @@ def sync_client(url: str, *, socket_timeout: float = 15, retries: int = 20) -> s
     target = parsed.sentinel
     if target is None:
         return sync_redis.Redis.from_url(parsed.url, socket_timeout=socket_timeout)
-    manager = sync_redis.sentinel.Sentinel(list(target.sentinels), socket_timeout=2)
+    tls: dict[str, Any] = {}
+    if target.ssl:  # TLS to the sentinels and the master alike, with the URL's CA and certificates
+        tls = {"ssl": True, **{name: v for name, v in target.options.items() if name.startswith("ssl_")}}
+    manager = sync_redis.sentinel.Sentinel(list(target.sentinels), sentinel_kwargs={"socket_timeout": 2, **tls})
     return manager.master_for(
         target.service,
+        **tls,
         db=target.db,
         username=target.username,
         password=target.password,
