@@ -239,7 +239,7 @@ class Client:
         All waits of this client share one blocking Redis read, however many run at once, and a Redis
         outage is ridden through within ``timeout``.  With ``exists_within`` (``0``: at once) an id that
         is not known by then is :class:`RequestNotFoundError`; without it an unknown id is given
-        :data:`~stageferry.broker.control.requests.UNKNOWN_GRACE_S` (a raw-protocol entry is known only
+        :data:`~stageferry.broker.control.request_waits.UNKNOWN_GRACE_S` (a raw-protocol entry is known only
         once the first stage reads it).  ``request_lost`` is final: a request it was said of never ends
         otherwise."""
 

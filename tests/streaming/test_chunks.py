@@ -51,7 +51,12 @@ async def announce(channel: ChunkChannel, index: int, *, final: bool = False, en
     key = request_key(SID.request_id, SID.stage_index, index)
     if end:
         ann = ChunkAnnouncement(
-            request_id=SID.request_id, from_stage="encoder", attempt=0, index=index, final=True, key=key,
+            request_id=SID.request_id,
+            from_stage="encoder",
+            attempt=0,
+            index=index,
+            final=True,
+            key=key,
             payload=NoPayload(),
         )
         await channel.announce(SID, ann, None)

@@ -1,4 +1,4 @@
-"""Request records in Redis: submit once, status transitions, terminal results written once, waiting.
+"""Request records in Redis: submit once, status transitions, terminal results written once (waits: request_waits).
 
 A request's record is the hash ``<p>:req:<id>`` (``state`` and ``status`` JSON); every status change is
 also appended to ``<p>:req-events:<id>``, so a waiter blocks on that stream instead of polling — through
@@ -11,13 +11,9 @@ MULTI, and until the first stage picks it up the request is known by its "submit
 
 from __future__ import annotations
 
-import functools
 import json
-import math
-import random
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
@@ -31,14 +27,11 @@ from stageferry.broker.control.entry_records import (
     WriteMode,
     refreshed_ttl_ms,
 )
-from stageferry.broker.control.fanin import EventFanIn, FieldReads, Row, text_rows
+from stageferry.broker.control.fanin import EventFanIn, FieldReads
 from stageferry.broker.control.held import Held
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import (
-    BLOCK_MS,
     durability_of,
-    is_transient_error,
-    reconnecting,
     translated,
 )
 from stageferry.broker.control.replication import (
@@ -48,32 +41,17 @@ from stageferry.broker.control.replication import (
     replicated_transaction,
     wait_command,
 )
+from stageferry.broker.control.request_waits import RequestWaits
 from stageferry.broker.control.resp_link import RespLink, run_pipeline, run_script, run_transaction
 from stageferry.errors import (
-    ControlPlaneError,
-    DeadlineExceededError,
     QueueFullError,
     RequestIdTakenError,
-    RequestLostError,
-    RequestNotFoundError,
 )
-from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestState, RequestStatus
+from stageferry.schemas import JobRequest, RequestState, RequestStatus
 from stageferry.schemas.submission import new_ticket, submission_item
 from stageferry.schemas.validation import parse_status
 
 log = structlog.get_logger(__name__)
-T = TypeVar("T")
-
-#: How long a waiter gives an id that it never saw (neither a record nor a "submitted" marker) before
-#: calling it not found: a raw client's submission may carry no marker, and is known only once a first stage (maybe
-#: still starting) takes it.  Not "lost": such an entry may still run, and a waiter told ``request_lost``
-#: must never see the request end otherwise (issue 34).  An id seen and then gone is lost at once (nothing
-#: can bring it back: stages write records only for entries they hold, ``held.py``).
-UNKNOWN_GRACE_S = 30.0
-_TERMINAL_NAMES = frozenset(state.value for state in TERMINAL_STATES)
-#: A waiter that heard nothing for this long reads the status itself (events may have expired, or Redis
-#: restarted empty); jittered so that many waiters do not check at once.
-QUIET_CHECK_S = 2.0
 #: A submission whose uploads add up to more than this goes through redis-py's pool, not a client's lean
 #: link: a link is one socket, so a large write would queue every other caller's commands behind it, and
 #: its reply timer starts at the write.
@@ -91,10 +69,6 @@ def _raised(replies: list[Any]) -> list[Any]:
     return replies
 
 
-def _is_terminal(fields: Mapping[str, str]) -> bool:
-    return fields.get("kind") == "status" and fields.get("state") in _TERMINAL_NAMES
-
-
 def taken(request_id: str) -> RequestIdTakenError:
     """The conflict a second, different submission under a used id gets."""
     return RequestIdTakenError(
@@ -103,7 +77,7 @@ def taken(request_id: str) -> RequestIdTakenError:
     )
 
 
-class RequestStore:
+class RequestStore(RequestWaits):
     """Reads and writes request records under one key prefix."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_s: int, events_maxlen: int) -> None:
@@ -365,166 +339,6 @@ class RequestStore:
         with translated():
             rows = await self._redis.xrange(self._keys.events(request_id))
         return [(eid.decode(), _decode_event(fields)) for eid, fields in rows]
-
-    async def follow(
-        self,
-        request_id: str,
-        *,
-        timeout: float | None = None,
-        on_quiet: Callable[[], Awaitable[None]] | None = None,
-        exists_within: float | None = None,
-        seen: bool = False,
-    ) -> AsyncIterator[tuple[str, dict[str, str]]]:
-        """Yield the request's events (entry id, fields) as they arrive, from the first, through the shared
-        reader; stop after a terminal status.  :class:`DeadlineExceededError` if not terminal within
-        ``timeout``; :class:`RequestLostError` if its record and marker vanish after being seen (final:
-        nothing writes a vanished request's record again but a stage's ``failed`` ``request_lost``);
-        :class:`RequestNotFoundError` if it stays unknown for ``exists_within`` seconds (default
-        :data:`UNKNOWN_GRACE_S`: a raw client's entry that no stage picked up, or an id never submitted).
-        ``on_quiet`` runs after each quiet spell (a caller's own check, e.g. for its entry's refusal).
-        ``seen``: the caller knows the request existed (it submitted it), so it is lost, not unknown, if
-        it vanishes before this waiter first finds it.  Redis being unreachable is waited out within
-        ``timeout``."""
-        started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
-        last = "0-0"
-        next_check = started + QUIET_CHECK_S * random.random()
-        async with self.fanin.subscribe(self._keys.events(request_id)) as events:
-            while True:
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    raise DeadlineExceededError("timed out waiting for the result", request_id=request_id)
-                wait_s = BLOCK_MS / 1000 if deadline is None else min(BLOCK_MS / 1000, deadline - now)
-                rows = await events.next_rows(min(wait_s, max(0.0, next_check - now)) or 0.001)
-                for entry_id, fields in rows:
-                    seen, last = True, entry_id
-                    yield entry_id, fields
-                    if _is_terminal(fields):
-                        return
-                if rows:  # it is heard from: the next check only after a quiet spell (no HGET per wait)
-                    next_check = max(next_check, time.monotonic() + QUIET_CHECK_S * (0.75 + random.random() / 2))
-                    continue
-                if time.monotonic() < next_check:
-                    continue
-                next_check = time.monotonic() + QUIET_CHECK_S * (0.75 + random.random() / 2)
-                try:  # a quiet spell: the events may have expired while the request ended, or Redis lost it
-                    current = await self.get(request_id)
-                    known = current is not None or await self.known(request_id)
-                    # A terminal record's event went on the stream with it (one script) and may not have
-                    # reached the shared reader yet: the rest of the trace is read here, not skipped.
-                    ended = current is not None and current.state.terminal
-                    rest = await self._rows_after(request_id, last) if ended else []
-                except ControlPlaneError as exc:
-                    if not is_transient_error(exc):
-                        raise
-                    continue  # Redis is away or busy: keep waiting within the deadline
-                if ended:
-                    for entry_id, fields in rest:
-                        yield entry_id, fields
-                        if _is_terminal(fields):
-                            break
-                    return
-                now = time.monotonic()
-                if known:
-                    seen = True
-                elif seen:
-                    raise _lost(request_id)
-                elif now - started >= (UNKNOWN_GRACE_S if exists_within is None else exists_within):
-                    raise _not_found(request_id)
-                if on_quiet is not None:
-                    await on_quiet()
-
-    async def _rows_after(self, request_id: str, last: str) -> list[Row]:
-        """The trace's rows after entry ``last``, as the shared reader hands them out."""
-        with translated():
-            return text_rows(await self._redis.xrange(self._keys.events(request_id), min=f"({last}"))
-
-    async def wait(
-        self,
-        request_id: str,
-        *,
-        timeout: float | None = None,
-        on_quiet: Callable[[], Awaitable[None]] | None = None,
-        exists_within: float | None = None,
-        seen: bool = False,
-    ) -> RequestStatus:
-        """Block until the request is terminal (see :meth:`follow` for the errors and ``seen``); with
-        ``exists_within=0`` an unknown id is :class:`RequestNotFoundError` at once."""
-        status, _ = await self.wait_ended(
-            request_id, timeout=timeout, on_quiet=on_quiet, exists_within=exists_within, seen=seen
-        )
-        return status
-
-    async def wait_ended(
-        self,
-        request_id: str,
-        *,
-        timeout: float | None = None,
-        on_quiet: Callable[[], Awaitable[None]] | None = None,
-        exists_within: float | None = None,
-        seen: bool = False,
-    ) -> tuple[RequestStatus, str | None]:
-        """:meth:`wait`, and the digest of the job the request ended as, when its terminal status event
-        named it (``job_sha``: the entry-life scripts write it there); None when the status came from the
-        record, or the event names no job (then :meth:`owner` tells, one HGET)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        # Redis away at the start is an outage like any other: waited out within the timeout.  A caller's
-        # own submission (``seen``) is followed at once: its events from the first, its terminal status
-        # among them, say what the record would (one HGET fewer per wait).
-        own = seen and exists_within is None
-        status = None if own else await self._get_retrying(request_id, deadline)
-        at_once = status is None and exists_within is not None and exists_within <= 0
-        if at_once and not await self._retrying(functools.partial(self.known, request_id), deadline):
-            raise _not_found(request_id)
-        if status is None or not status.state.terminal:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            last: dict[str, str] = {}
-            async for _entry_id, fields in self.follow(
-                request_id, timeout=remaining, on_quiet=on_quiet, exists_within=exists_within, seen=seen
-            ):
-                last = fields
-            # The terminal status event carries the status JSON the same script wrote to the record (a
-            # terminal status is written once): read it from there, not with one more HGET per wait.
-            status = _terminal_status(last, request_id)
-            if status is not None:
-                return status, last.get("job_sha") or None
-            status = await self._get_retrying(request_id, deadline)
-        if status is None:  # its terminal event came, then the record went (expired, or Redis lost it)
-            raise _lost(request_id)
-        return status, None
-
-    async def _get_retrying(self, request_id: str, deadline: float | None) -> RequestStatus | None:
-        """:meth:`get`, retried (:func:`reconnecting`) while Redis is unreachable and ``deadline`` is ahead."""
-        return await self._retrying(functools.partial(self.get, request_id), deadline)
-
-    async def _retrying(self, op: Callable[[], Awaitable[T]], deadline: float | None) -> T:
-        within = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
-        async for attempt in reconnecting(within=within, event="request.status_retry"):
-            with attempt:
-                return await op()
-        raise AssertionError("unreachable: reconnecting() returns or raises")
-
-
-def _terminal_status(fields: Mapping[str, str], request_id: str) -> RequestStatus | None:
-    """The status a terminal status event of ``request_id`` carries; None for any other row (or one that
-    does not parse, or names another request: then the record is read instead, and judged)."""
-    if fields.get("kind") != "status" or fields.get("state") not in _TERMINAL_NAMES or "status" not in fields:
-        return None
-    try:
-        status = RequestStatus.model_validate_json(fields["status"])
-    except ValueError:
-        return None
-    return status if status.state.terminal and status.request_id == request_id else None
-
-
-def _not_found(request_id: str) -> RequestNotFoundError:
-    return RequestNotFoundError(f"no request {request_id} (unknown id, or expired)", request_id=request_id)
-
-
-def _lost(request_id: str) -> RequestLostError:
-    return RequestLostError(
-        "the request is unknown, or was lost (did Redis restart without persistence?)", request_id=request_id
-    )
 
 
 def _decode_event(fields: dict[bytes, bytes]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from stageferry import Client, RequestState, RequestStatus
-from stageferry.broker.control import requests
+from stageferry.broker.control import request_waits
 from stageferry.broker.control.fanin import FieldReads
 from stageferry.broker.control.redis_conn import MAX_CONNECTIONS, open_client
 from stageferry.embedded_redis import EmbeddedRedis
@@ -157,7 +157,7 @@ async def test_a_request_that_vanishes_while_waited_on_ends_the_wait(
     client_fixture: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = client_fixture
-    monkeypatch.setattr(requests, "QUIET_CHECK_S", 0.1)  # quiet checks come quickly; counted below
+    monkeypatch.setattr(request_waits, "QUIET_CHECK_S", 0.1)  # quiet checks come quickly; counted below
     checks: list[bool] = []
     real_get = client.store.get
 
@@ -233,7 +233,7 @@ async def test_lost_only_of_what_was_seen_and_not_found_of_what_never_was(
     submission that vanishes before the waiter first looked is lost (it used to wait out the unknown-id
     grace); an id it never saw is not found after the grace (it used to be told lost, and a raw entry
     under that id could still run to done)."""
-    monkeypatch.setattr(requests, "UNKNOWN_GRACE_S", 1.0)
+    monkeypatch.setattr(request_waits, "UNKNOWN_GRACE_S", 1.0)
     client = client_fixture
     with pytest.raises(RequestNotFoundError):
         await client.wait("never-seen-1", timeout=30)
