@@ -11,3 +11,26 @@ run_step() {
     echo "rc=$?"
   } 2>&1 | tee "$out/$name.txt"
 }
+
+# device_setup: the carried wheels (.whl, ../shared/tools/device-wheels.sh) installed into python3's own
+# site (every time: a warm machine may hold an older set; pip skips what is there already), the carried
+# redis-server started on 6379 unless one answers (waited for, not slept on), then what there is.
+device_setup() {
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
+  fi
+  if ! python3 -c "import redis; redis.Redis(socket_timeout=1).ping()" 2>/dev/null && [ -x .whl/redis/redis-server ]; then
+    (LD_LIBRARY_PATH=$PWD/.whl/redis .whl/redis/redis-server --port 6379 --save '' --daemonize yes >/dev/null)
+    python3 -c "
+import time, redis
+deadline = time.monotonic() + 10
+while True:
+    try:
+        redis.Redis(socket_timeout=1).ping(); break
+    except redis.RedisError:
+        if time.monotonic() > deadline: raise
+        time.sleep(0.05)"
+  fi
+  python3 -c "import torch, nixl, redis; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0), redis.Redis().ping())"
+  nvidia-smi -L 2>/dev/null || true
+}

@@ -2,8 +2,8 @@
 # Issue 39 items 1 and 2 on the GPU machine (one H200), in one device call of about three minutes; no model
 # downloads.  Every step's output goes to $OUT/<step>.txt, headed by its command line, the time and nproc.
 #   bash benchmarks/issue39_device.sh [step ...]     # default: setup gpu_tests same_gpu cold_gpu
-# Carry [".whl"] (../shared/tools/device-wheels.sh .whl): setup installs the wheels into python3's own site
-# when nixl is missing there (the tests' producer processes get PYTHONPATH=<repo> only) and starts the
+# Carry [".whl"] (../shared/tools/device-wheels.sh .whl): setup (device_steps.sh's device_setup) installs the
+# wheels into python3's own site (the tests' producer processes get PYTHONPATH=<repo> only) and starts the
 # carried redis-server on 6379 unless one answers.
 #   setup     nixl, redis-py, ... and a Redis
 #   gpu_tests the same-GPU copy and its fallback (two processes on GPU 0), the upstream watch, the
@@ -27,20 +27,9 @@ out=${OUT:-/tmp/issue39}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 . benchmarks/device_steps.sh  # run_step
-setup() {
-  if ! python3 -c "import nixl, redis, pydantic, structlog" 2>/dev/null && [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
-  fi
-  if ! python3 -c "import redis; redis.Redis(socket_timeout=1).ping()" 2>/dev/null && [ -x .whl/redis/redis-server ]; then
-    (LD_LIBRARY_PATH=$PWD/.whl/redis .whl/redis/redis-server --port 6379 --save '' --daemonize yes >/dev/null)
-    sleep 0.5
-  fi
-  python3 -c "import torch, nixl, redis; print(torch.__version__, torch.cuda.get_device_name(0), redis.Redis().ping())"
-  nvidia-smi -L
-}
 for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
   case $s in
-    setup) setup 2>&1 | tee "$out/setup.txt" ;;
+    setup) device_setup 2>&1 | tee "$out/setup.txt" ;;
     gpu_tests) run_step "$s" 150 python3 -m pytest -q -p no:cacheprovider -p no:randomly -rs --tb=short \
                  --durations=6 tests/broker/data/nixl/test_same_gpu.py \
                  tests/broker/data/nixl/test_upstream.py \

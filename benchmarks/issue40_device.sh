@@ -3,8 +3,8 @@
 # Every step's output goes to $OUT/<step>.txt, headed by its command line, the time and nproc.
 #   bash benchmarks/issue40_device.sh [step ...]     # default: setup streamed_reference streaming
 #   bash benchmarks/issue40_device.sh --cpu [step ...]   # the same steps at a small size on CPU (a dry run)
-# Carry [".whl"]: setup installs the wheels into python3's own site when nixl is missing there and starts
-# the carried redis-server on 6379 unless one answers (as benchmarks/issue39_device.sh does).
+# Carry [".whl"]: setup (device_steps.sh's device_setup) installs the wheels into python3's own site and
+# starts the carried redis-server on 6379 unless one answers.
 # .whl must hold the gateway's wheels too (../shared/tools/device-wheels.sh .whl msgpack fastapi starlette uvicorn
 # h11 click python-multipart prometheus-client httpx httpcore idna certifi sniffio annotated-doc opentelemetry-api:
 # fastapi 0.165 imports opentelemetry).
@@ -26,20 +26,9 @@ if [ "${1:-}" = "--cpu" ]; then
   device=cpu size=(--width 128 --height 64) requests=2 burst=3
 fi
 py=$(command -v python3)
-setup() {
-  if ! python3 -c "import nixl, redis, pydantic, structlog" 2>/dev/null && [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
-  fi
-  if ! python3 -c "import redis; redis.Redis(socket_timeout=1).ping()" 2>/dev/null && [ -x .whl/redis/redis-server ]; then
-    (LD_LIBRARY_PATH=$PWD/.whl/redis .whl/redis/redis-server --port 6379 --save '' --daemonize yes >/dev/null)
-    sleep 0.5
-  fi
-  python3 -c "import torch, nixl, redis; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0), redis.Redis().ping())"
-  nvidia-smi -L 2>/dev/null || true
-}
 for s in ${*:-setup streamed_reference streaming}; do
   case $s in
-    setup) setup 2>&1 | tee "$out/setup.txt" ;;
+    setup) device_setup 2>&1 | tee "$out/setup.txt" ;;
     streamed_reference) run_step "$s" 300 "$py" benchmarks/streamed_reference.py --device "$device" "${size[@]}" \
                           --duration 2 --steps 4 --requests "$requests" --burst "$burst" ;;
     streaming) run_step "$s" 90 "$py" benchmarks/streaming.py --device "$device" --chunks 8 --chunk-kib 2048 --requests 10 ;;
