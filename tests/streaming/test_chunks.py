@@ -5,7 +5,7 @@ restart abandoning the old stream, and a recomputing producer starting where the
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from stageferry.schemas.chunks import ChunkAnnouncement
 from stageferry.stages.entry.chunk_input import ChunkReader
 from stageferry.stages.entry.chunk_output import ChunkProducer
 from tests.security.servers import AclRedis
+from tests.waits import until
 
 pytestmark = pytest.mark.anyio
 
@@ -75,17 +76,6 @@ async def take_all(reader: ChunkReader) -> list[int]:
         taken.append(got.index)
     await reader.aclose()
     return taken
-
-
-async def until(predicate: Callable[[], Any], what: str, timeout: float = 20.0) -> None:
-    """Wait on a condition (never a fixed sleep): polls the event loop until ``predicate()`` holds."""
-    with anyio.fail_after(timeout):
-        while not await _value(predicate()):
-            await anyio.sleep(0.01)
-
-
-async def _value(v: Any) -> Any:
-    return await v if hasattr(v, "__await__") else v
 
 
 async def test_each_index_is_applied_once_and_in_order_under_repeats_and_reordering(channel: ChunkChannel) -> None:

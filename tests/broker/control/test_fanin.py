@@ -4,7 +4,7 @@ fails only its own waiter, waits that ride through a Redis restart, and waits on
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import anyio
 import pytest
@@ -17,20 +17,11 @@ from stageferry.broker.control.redis_conn import MAX_CONNECTIONS, open_client
 from stageferry.embedded_redis import EmbeddedRedis
 from stageferry.errors import ControlPlaneError, RequestLostError, RequestNotFoundError
 from stageferry.schemas import OutputInfo
+from tests.waits import until
 
 pytestmark = pytest.mark.anyio
 
 JOB = {"task": "t2va", "prompt": "a boat", "width": 320, "height": 192}
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    """Wait until ``condition()`` holds (``what`` names it when it never does)."""
-    try:
-        with anyio.fail_after(timeout):
-            while not condition():
-                await anyio.sleep(0.02)
-    except TimeoutError:
-        pytest.fail(f"timed out waiting for {what}")
 
 
 @pytest.fixture

@@ -1,0 +1,24 @@
+"""Waiting on a condition in async tests (never a fixed sleep: they break on a loaded box)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import pytest
+
+
+async def until(predicate: Callable[[], Any], what: str, timeout: float = 30.0) -> None:
+    """Poll the event loop until ``predicate()`` (a value or an awaitable) holds; a test failure naming
+    ``what`` if it does not within ``timeout`` seconds."""
+    try:
+        with anyio.fail_after(timeout):
+            while not await _value(predicate()):
+                await anyio.sleep(0.01)
+    except TimeoutError:
+        pytest.fail(f"timed out waiting for {what}")
+
+
+async def _value(v: Any) -> Any:
+    return await v if hasattr(v, "__await__") else v
