@@ -11,6 +11,7 @@ and waits; the store adds the writes.
 
 from __future__ import annotations
 
+import abc
 import functools
 import math
 import random
@@ -44,19 +45,22 @@ def _is_terminal(fields: Mapping[str, str]) -> bool:
     return fields.get("kind") == "status" and fields.get("state") in _TERMINAL_NAMES
 
 
-class RequestWaits:
-    """Follow and wait for requests under one key prefix (the store's reads; see the module docstring)."""
+class RequestWaits(abc.ABC):
+    """Follow and wait for requests under one key prefix (see the module docstring).  The store that
+    subclasses it provides the connection, the keys, the shared reader and the two record reads."""
 
     _redis: aioredis.Redis
     _keys: Keys
     #: The one blocking reader every wait and follow of this store shares.
     fanin: EventFanIn
 
+    @abc.abstractmethod
     async def get(self, request_id: str) -> RequestStatus | None:
-        raise NotImplementedError  # the store's record read
+        """The request's status; None: no record."""
 
+    @abc.abstractmethod
     async def known(self, request_id: str) -> bool:
-        raise NotImplementedError  # the store's record-or-marker check
+        """Whether the request has a record or a "submitted" marker."""
 
     async def follow(
         self,
