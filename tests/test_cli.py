@@ -416,8 +416,20 @@ def test_hops_ignore_a_hand_off_queued_that_lands_after_the_next_stage_started()
 
 def test_wait_started_while_redis_is_down_retries_until_its_timeout(tmp_path: Path) -> None:
     """``wait --timeout`` started while Redis is down rides the outage out (it gave up after 6 s with
-    ``control_plane``): Redis comes back after 10 s, the request ends, and the wait prints it."""
-    server = EmbeddedRedis(data_dir=tmp_path / "redis")  # its port is chosen; nothing listens there yet
+    ``control_plane``): Redis comes back after 10 s, the request ends, and the wait prints it.
+
+    The request is known before the outage (an AOF server, written then stopped): a wait that reconnects
+    to a server with no record of it says ``not_found`` at once, which is right, and raced the test's
+    write when the record was only written after the restart."""
+    server = EmbeddedRedis(data_dir=tmp_path / "redis", appendonly=True)
+
+    async def known_then_down() -> None:
+        await server.start()
+        async with Client(server.url) as client:
+            assert await client.store.set_status(RequestStatus(request_id="w-4", state=RequestState.RUNNING))
+        await server.stop()
+
+    anyio.run(known_then_down)
     base = {k: v for k, v in os.environ.items() if not k.startswith("STAGEFERRY_")} | {"PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "stageferry", "--redis-url", server.url, "wait", "w-4", "--timeout", "120"]
     proc = subprocess.Popen(command, cwd=tmp_path, env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
