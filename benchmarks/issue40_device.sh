@@ -12,6 +12,10 @@
 #   streamed_reference the reference pipeline streamed (encoder → diffusion streaming latents → decode writing
 #                      fMP4) vs whole (two stages) at the seed's size 1344x768, every stage TP1 on cuda (GPU 0):
 #                      submit → first playable bytes at the client, → last byte, throughput, side by side
+#   streamed_chunks2   streamed_reference with chunks of 2 latent frames (fewer, larger chunks)
+#   mps                streamed_reference and streamed_chunks2 again with the CUDA MPS control daemon running
+#                      (the stages' kernels share the GPU instead of time-slicing contexts); the daemon is this
+#                      call's own (pipe and log dirs under /tmp), quit at the end; no GPU setting is changed
 #   streaming          chunked vs whole payloads between two stages on cuda (GPU 0) (benchmarks/streaming.py):
 #                      time to first chunk, the per-chunk hop p50/p99 vs the whole-payload hop, throughput
 set -u
@@ -31,6 +35,20 @@ for s in ${*:-setup streamed_reference streaming}; do
     setup) device_setup 2>&1 | tee "$out/setup.txt" ;;
     streamed_reference) run_step "$s" 300 "$py" benchmarks/streamed_reference.py --device "$device" "${size[@]}" \
                           --duration 2 --steps 4 --requests "$requests" --burst "$burst" ;;
+    streamed_chunks2) run_step "$s" 300 "$py" benchmarks/streamed_reference.py --device "$device" "${size[@]}" \
+                          --duration 2 --steps 4 --requests "$requests" --burst "$burst" --chunk-latent-frames 2 ;;
+    mps) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps/log
+         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+         if nvidia-cuda-mps-control -d; then
+           for n in 1 2; do
+             run_step "mps_streamed_chunks$n" 300 "$py" benchmarks/streamed_reference.py --device "$device" \
+               "${size[@]}" --duration 2 --steps 4 --requests "$requests" --burst "$burst" --chunk-latent-frames $n
+           done
+           echo quit | nvidia-cuda-mps-control
+         else
+           echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/mps_streamed_chunks1.txt"
+         fi
+         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     streaming) run_step "$s" 90 "$py" benchmarks/streaming.py --device "$device" --chunks 8 --chunk-kib 2048 --requests 10 ;;
     *) echo "unknown step $s" >&2 ;;
   esac

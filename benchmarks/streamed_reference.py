@@ -56,9 +56,10 @@ MODES = {
 }
 
 
-def pipeline_toml(mode: str, out: Path, device: str = "cpu") -> str:
+def pipeline_toml(mode: str, out: Path, device: str = "cpu", chunk_latent_frames: int = 1) -> str:
     stages = "".join(
-        f'[[stages]]\nname = "{n}"\nmodel = "{m}"\ntp = 1\ndevice = "{device}"\n{extra}\n'
+        f'[[stages]]\nname = "{n}"\nmodel = "{m}"\ntp = 1\ndevice = "{device}"\n'
+        f"{extra.replace('stream_latent_frames = 1', f'stream_latent_frames = {chunk_latent_frames}')}\n"
         for n, m, extra in MODES[mode]
     )
     return (
@@ -125,7 +126,7 @@ async def run_mode(url: str, mode: str, args: argparse.Namespace, workdir: Path)
     prefix = f"sref-{uuid.uuid4().hex[:8]}"
     out_dir = workdir / prefix / "out"
     pipeline = workdir / f"{prefix}.toml"
-    pipeline.write_text(pipeline_toml(mode, out_dir, args.device))
+    pipeline.write_text(pipeline_toml(mode, out_dir, args.device, args.chunk_latent_frames))
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -185,6 +186,8 @@ async def main() -> None:
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="every stage's device, TP1 (cuda: all on one GPU)")
     parser.add_argument("--burst", type=int, default=0, help="then this many requests at once (throughput)")
+    parser.add_argument("--chunk-latent-frames", type=int, default=1,
+                        help="streamed: latent frames per chunk (the diffusion stage's stream_latent_frames)")
     args = parser.parse_args()
     configure_logging(fmt="auto", level="warning", service="bench")  # the in-process gateway's 409s: not news
     results: dict[str, dict[str, Any]] = {}
@@ -195,7 +198,8 @@ async def main() -> None:
     print(f"# the reference pipeline, streamed (3 stages, fMP4 while written) vs whole (2 stages) — {machine_facts()}")
     print(
         f"# {args.width}x{args.height}, {args.duration:g} s at 8 fps, {args.steps} steps, {args.device}, TP1; "
-        f"{args.requests} requests"
+        f"{args.requests} requests; streamed in chunks of {args.chunk_latent_frames} latent frame(s)"
+        f"{'; CUDA MPS on' if os.environ.get('CUDA_MPS_PIPE_DIRECTORY') else ''}"
     )
     print(f"{'':36} {'streamed':>20} {'whole':>20} {'streamed / whole':>17}")
     for name, key in (("submit → first playable bytes, ms", "first"), ("submit → last byte, ms", "last")):
