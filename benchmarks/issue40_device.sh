@@ -13,7 +13,7 @@
 #                      fMP4) vs whole (two stages) at the seed's size 1344x768, every stage TP1 on cuda (GPU 0):
 #                      submit → first playable bytes at the client, → last byte, throughput, side by side
 #   streamed_chunks2   streamed_reference with chunks of 2 latent frames (fewer, larger chunks)
-#   mps                streamed_reference and streamed_chunks2 again with the CUDA MPS control daemon running
+#   mps                streamed_reference (MPS_CHUNKS="1 2": and streamed_chunks2) again with the CUDA MPS control daemon running
 #                      (the stages' kernels share the GPU instead of time-slicing contexts); the daemon is this
 #                      call's own (pipe and log dirs under /tmp), quit at the end; no GPU setting is changed
 #   streaming          chunked vs whole payloads between two stages on cuda (GPU 0) (benchmarks/streaming.py):
@@ -40,7 +40,7 @@ for s in ${*:-setup streamed_reference streaming}; do
     mps) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps/log
          mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
          if nvidia-cuda-mps-control -d; then
-           for n in 1 2; do
+           for n in ${MPS_CHUNKS:-1}; do
              run_step "mps_streamed_chunks$n" 300 "$py" benchmarks/streamed_reference.py --device "$device" \
                "${size[@]}" --duration 2 --steps 4 --requests "$requests" --burst "$burst" --chunk-latent-frames $n
            done
