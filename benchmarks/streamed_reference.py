@@ -186,8 +186,12 @@ async def main() -> None:
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="every stage's device, TP1 (cuda: all on one GPU)")
     parser.add_argument("--burst", type=int, default=0, help="then this many requests at once (throughput)")
-    parser.add_argument("--chunk-latent-frames", type=int, default=1,
-                        help="streamed: latent frames per chunk (the diffusion stage's stream_latent_frames)")
+    parser.add_argument(
+        "--chunk-latent-frames",
+        type=int,
+        default=1,
+        help="streamed: latent frames per chunk (the diffusion stage's stream_latent_frames)",
+    )
     args = parser.parse_args()
     configure_logging(fmt="auto", level="warning", service="bench")  # the in-process gateway's 409s: not news
     results: dict[str, dict[str, Any]] = {}

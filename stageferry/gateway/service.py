@@ -76,6 +76,7 @@ class VideoService:
             checked = validate_job(with_upload_refs(mapped.job, refs), limits)
             check_job_limits(checked, limits, upload_prefix=keys.upload_prefix())
             rid, created = new_request_id(self.client.tenant, kind=id_kind), True
+            asked_at = int(time.time())  # before the submission: a fast job may end before its record is put
             if idempotency is not None:
                 earlier = await self.idempotency.claim(idempotency, rid, fingerprint(mapped.job, mapped.uploads))
                 rid, created = (earlier, False) if earlier is not None else (rid, True)
@@ -100,6 +101,7 @@ class VideoService:
                 origin=mapped.origin,
                 task=checked.task.value,
                 index_entry=await self.index.append(rid) if created else None,
+                created_at=asked_at,
             )
             await self.records.put(rid, meta, only_new=not created)
         except StageferryError as exc:  # the job is in: the answer must still name it
