@@ -24,7 +24,7 @@ out=${OUT:-/tmp/issue40}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 . benchmarks/device_steps.sh  # run_step
-device=cuda size=(--width 1344 --height 768) requests=3 burst=6
+device=cuda size=(--width 1344 --height 768 --gpu-util) requests=3 burst=6
 if [ "${1:-}" = "--cpu" ]; then
   shift
   device=cpu size=(--width 128 --height 64) requests=2 burst=3

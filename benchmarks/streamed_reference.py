@@ -15,6 +15,11 @@ Printed, median / p99 over ``--requests`` requests one after another:
   fragment — the header and a ``moof`` whose ``mdat`` is followed by the next box; whole: the whole file,
   an MP4 whose index is written last);
 * **submit → last byte** at the client.
+
+Then where the time went, per stage (median ms over the requests, one at a time and at once): the stage's
+model time from the final status, the model's own timings (``denoise_s``, ``decode_s``, ``mp4_s``,
+``decode_mux_s``) and the seconds back-pressure held the streaming producer (its ``stream.done`` event);
+with ``--gpu-util``, the GPU's mean utilisation during the burst (``nvidia-smi``, every 100 ms).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -96,7 +102,7 @@ async def download(http: httpx.AsyncClient, vid: str, submitted: float, fragment
         await anyio.sleep(0.02)
 
 
-async def burst(http: httpx.AsyncClient, form: dict[str, str], count: int, fragmented: bool) -> float:
+async def burst(http: httpx.AsyncClient, form: dict[str, str], count: int, fragmented: bool, ids: list[str]) -> float:
     """Seconds from submitting ``count`` requests at once to the last byte of the last of them: what the
     pipeline sustains with every stage busy (its stages overlap on different requests)."""
     if count <= 0:
@@ -106,7 +112,8 @@ async def burst(http: httpx.AsyncClient, form: dict[str, str], count: int, fragm
     async def one(i: int) -> None:
         created = await http.post("/v1/videos", data={**form, "seed": str(1000 + i)})
         created.raise_for_status()
-        await download(http, created.json()["id"], started, fragmented)
+        ids.append(created.json()["id"])
+        await download(http, ids[-1], started, fragmented)
 
     async with anyio.create_task_group() as tg:
         for i in range(count):
@@ -144,7 +151,7 @@ async def run_mode(url: str, mode: str, args: argparse.Namespace, workdir: Path)
     server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
-    res: dict[str, Any] = {"first": [], "last": []}
+    res: dict[str, Any] = {"first": [], "last": [], "single": [], "burst": []}
     form = {"prompt": "a red fox runs through deep snow", "width": str(args.width), "height": str(args.height),
             "fps": "8", "num_inference_steps": str(args.steps),
             "extra_params": json.dumps({"task": "t2va", "duration": args.duration})}  # fmt: skip
@@ -165,7 +172,12 @@ async def run_mode(url: str, mode: str, args: argparse.Namespace, workdir: Path)
                     if i:
                         res["first"].append(first * 1e3)
                         res["last"].append(last * 1e3)
-                res["burst_s"] = await burst(http, form, args.burst, mode == "streamed")
+                        res["single"].append(created.json()["id"])
+                with GpuUtil(enabled=args.gpu_util) as util:
+                    res["burst_s"] = await burst(http, form, args.burst, mode == "streamed", res["burst"])
+                res["gpu_util"] = util.mean
+            for key in ("single", "burst"):
+                res[key] = [await stage_times(client, rid) for rid in res[key]]
             keys = [k async for k in client.redis.scan_iter(f"{prefix}:*")]
             for i in range(0, len(keys), 500):  # our own prefix only: the server is shared
                 await client.redis.delete(*keys[i : i + 500])
@@ -174,6 +186,68 @@ async def run_mode(url: str, mode: str, args: argparse.Namespace, workdir: Path)
         await anyio.to_thread.run_sync(thread.join, 15)
         await services.stop()
     return res
+
+
+async def stage_times(client: Client, rid: str) -> dict[str, float]:
+    """Seconds by ``<stage>`` (model time; a streaming producer's: running → ``stream.done``),
+    ``<stage>.<timing>`` (the model's own) and ``<stage>.backpressure_s`` for one finished request."""
+    status = await client.status(rid)
+    out: dict[str, float] = {}
+    if status is None:
+        return out
+    for timing in status.timings:
+        out[timing.stage] = timing.seconds
+    if status.result is not None:
+        last = status.timings[-1].stage if status.timings else "last"
+        for name, value in (status.result.data.get("timings") or {}).items():
+            if isinstance(value, int | float):
+                out[f"{last}.{name}"] = float(value)
+    began: dict[str, float] = {}
+    for ev in await client.trace(rid):
+        if ev.event == "status.running" and ev.stage is not None:
+            began.setdefault(ev.stage, ev.timestamp)
+        if ev.event == "stream.done" and ev.stage is not None:  # a streaming producer: no timing of its own
+            out[f"{ev.stage}.backpressure_s"] = float(ev.raw.get("backpressure_s") or 0.0)
+            if ev.stage in began:
+                out.setdefault(ev.stage, ev.timestamp - began[ev.stage])
+    return out
+
+
+class GpuUtil:
+    """The GPU's mean utilisation (%) while the block runs, sampled by ``nvidia-smi`` every 100 ms."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.mean = enabled, float("nan")
+        self._proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> GpuUtil:
+        if self.enabled:
+            cmd = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"]
+            self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=10)
+        samples = [float(x) for x in out.split() if x.strip().isdigit()]
+        self.mean = sum(samples) / len(samples) if samples else float("nan")
+
+
+def print_breakdown(results: dict[str, dict[str, Any]]) -> None:
+    """Median ms per stage and timing, one at a time and at once, streamed and whole side by side."""
+    names = sorted({k for r in results.values() for key in ("single", "burst") for t in r[key] for k in t})
+    print(f"{'where the time went, ms (median)':36} {'streamed 1 / at once':>20} {'whole 1 / at once':>20}")
+    for name in names:
+        cells = []
+        for r in results.values():
+            got = [[t[name] * 1e3 for t in r[key] if name in t] for key in ("single", "burst")]
+            cells.append(" / ".join(f"{median(g):.1f}" if g else "-" for g in got))
+        print(f"{name:36} {cells[0]:>20} {cells[1]:>20}")
+    util = [r.get("gpu_util", float("nan")) for r in results.values()]
+    if any(u == u for u in util):
+        print(f"{'GPU utilisation during the burst, %':36} {util[0]:>20.1f} {util[1]:>20.1f}")
 
 
 async def main() -> None:
@@ -192,6 +266,7 @@ async def main() -> None:
         default=1,
         help="streamed: latent frames per chunk (the diffusion stage's stream_latent_frames)",
     )
+    parser.add_argument("--gpu-util", action="store_true", help="sample nvidia-smi's utilisation during the burst")
     args = parser.parse_args()
     configure_logging(fmt="auto", level="warning", service="bench")  # the in-process gateway's 409s: not news
     results: dict[str, dict[str, Any]] = {}
@@ -217,6 +292,7 @@ async def main() -> None:
         name = f"throughput, {args.burst} at once, req/s"
         print(f"{name:36} {rate['streamed']:>20.3f} {rate['whole']:>20.3f} {ratio:>17.3f}")
     print("(cells: median / p99; at the client, through the gateway; one request at a time unless 'at once')")
+    print_breakdown(results)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,3 +24,12 @@ async def until(predicate: Callable[[], Any], what: str, timeout: float = 30.0) 
 
 async def _value(v: Any) -> Any:
     return await v if hasattr(v, "__await__") else v
+
+
+def until_sync(predicate: Callable[[], Any], what: str, timeout: float = 30.0) -> None:
+    """:func:`until` for a thread that is not an event loop's (a model's, a hook called from one)."""
+    deadline, tick = time.monotonic() + timeout, threading.Event()
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        tick.wait(0.01)

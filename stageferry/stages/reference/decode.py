@@ -15,6 +15,12 @@ frames (:func:`stageferry.stages.reference.diffusion.latent_chunks`: ``first``, 
 3. after the last chunk, decodes the rest, closes the file (renamed to ``<request_id>.mp4``) and returns
    :class:`FinalOutput` with the probed media facts, as the two-stage diffusion stage does.
 
+The VAE decode (on the stage's device) and the mux (colour conversion, H.264 and AAC encoding: CPU) overlap:
+a writer thread of this request encodes a chunk's frames while the model thread decodes the next chunk's,
+at most :data:`MUX_AHEAD` chunks of frames waiting for it (so decoded frames do not pile up in memory when
+the encoder is the slower).  Frames reach the file in order; a writer error ends the request as it would
+in the model thread.
+
 The frames are those the two-stage pipeline's diffusion stage decodes from the same latents. A whole
 payload (one dict holding all the latents) is taken too.  The weights' ``seed`` must be the diffusion
 stage's.  Other ranks only drain the stream: decoding is not sharded.
@@ -24,8 +30,11 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -42,6 +51,8 @@ from stageferry.stages.reference.mp4 import probe_mp4
 from stageferry.stages.reference.vae import VideoVAE, decodable
 
 MODEL_NAME = "stageferry.reference.decode/1"
+#: Chunks of decoded frames that may wait for the writer thread while the next chunk decodes.
+MUX_AHEAD = 2
 
 
 class ReferenceDecode:
@@ -75,10 +86,9 @@ class ReferenceDecode:
         have: list[torch.Tensor] = []
         written = 0
         writer: FragmentedMp4 | None = None
-        first_fragment_s = None
-        digest = hashlib.sha256()  # of the frames, as the two-stage diffusion stage's frames_sha256
+        mux = _Mux(started)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), mux:
                 for chunk in chunks:
                     latents = _latents_of(chunk, sum(int(t.shape[1]) for t in have), layout)
                     have.append(latents.to(torch.float32).clone())  # the chunk's view is freed by the next
@@ -93,11 +103,9 @@ class ReferenceDecode:
                     if upto > written:
                         z = torch.cat(have, dim=1)
                         frames = vae.decode_range(z, layout.frames, layout.latent_frames, written, upto)
-                        digest.update(frames.contiguous().numpy().tobytes())
-                        writer.write(frames)
+                        mux.submit(writer, frames)
                         written = upto
-                        if first_fragment_s is None:
-                            first_fragment_s = round(time.perf_counter() - started, 3)
+                mux.drain()
                 if writer is None or written < layout.frames:
                     got = sum(int(t.shape[1]) for t in have)
                     raise PayloadContractError(
@@ -115,10 +123,51 @@ class ReferenceDecode:
             "task": job.task.value,
             "seed": job.seed,
             "chunks": len(have),
-            "frames_sha256": digest.hexdigest(),
-            "timings": {"first_frames_s": first_fragment_s, "decode_mux_s": round(time.perf_counter() - started, 3)},
+            "frames_sha256": mux.digest.hexdigest(),
+            "timings": {"first_frames_s": mux.first_s, "decode_mux_s": round(time.perf_counter() - started, 3)},
         }
         return FinalOutput(path=path, media=probe_mp4(path), info=info)
+
+
+class _Mux:
+    """One request's writer thread: frames written in order, at most :data:`MUX_AHEAD` waiting; the
+    frames' digest (as the two-stage diffusion stage's ``frames_sha256``) and when the first were written.
+    Leaving the block waits for the thread; on an error, after dropping the writes not started."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.digest = hashlib.sha256()
+        self.first_s: float | None = None
+        self._pending: deque[Future[None]] = deque()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="fmp4")
+
+    def __enter__(self) -> _Mux:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if kind is not None:
+            for future in self._pending:
+                future.cancel()
+            self._pending.clear()
+        self._thread.shutdown(wait=True)
+
+    def submit(self, writer: FragmentedMp4, frames: torch.Tensor) -> None:
+        """Queue ``frames`` for the writer; waits (and raises its error) while :data:`MUX_AHEAD` are queued."""
+        while len(self._pending) >= MUX_AHEAD:
+            self._pending.popleft().result()
+        self._pending.append(self._thread.submit(self._write, writer, frames))
+
+    def _write(self, writer: FragmentedMp4, frames: torch.Tensor) -> None:
+        frames = frames.contiguous()
+        self.digest.update(frames.numpy().data)  # the contiguous bytes, not a copy
+        writer.write(frames)
+        if self.first_s is None:
+            self.first_s = round(time.perf_counter() - self.started, 3)
+
+    def drain(self) -> None:
+        """Wait for every queued write (raising the first error)."""
+        while self._pending:
+            self._pending.popleft().result()
 
 
 def _latents_of(chunk: Any, expect_first: int, layout: Layout) -> torch.Tensor:

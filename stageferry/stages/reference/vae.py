@@ -116,4 +116,4 @@ class VideoVAE:
             h = F.conv2d(F.interpolate(h, scale_factor=2, mode="nearest"), weight, padding=1)
             h = F.silu(h) if i < len(self.dec) - 1 else torch.tanh(h)
         rgb = (colour + _TEXTURE * h).clamp(-1.0, 1.0)
-        return ((rgb + 1.0) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+        return ((rgb + 1.0) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu()  # HWC on the device

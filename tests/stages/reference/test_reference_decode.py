@@ -21,9 +21,10 @@ from stageferry.schemas.payload_layout import latent_frames
 from stageferry.stages.chunk_stream import Chunk, ChunkStream
 from stageferry.stages.model import FinalOutput
 from stageferry.stages.reference import decode, diffusion, encoder
-from stageferry.stages.reference.fmp4 import part_path
+from stageferry.stages.reference.fmp4 import FragmentedMp4, part_path
 from stageferry.stages.reference.vae import VideoVAE, decodable
 from tests.stages.reference.test_reference_models import SMALL, context, job
+from tests.waits import until_sync
 
 pytestmark = pytest.mark.timeout(120)
 PIPE = PipelineConfig()
@@ -86,13 +87,15 @@ def test_the_decode_stage_writes_a_fragmented_mp4_as_the_chunks_come(runs: dict[
     ctx = context(tmp, request_id="req-three")
     part = part_path(tmp / "req-three.mp4")
     seen: dict[int, bytes] = {}
+    last = len(runs["chunks"]) - 1
 
     def before(i: int) -> None:
+        if i == last:  # the writer thread muxes the chunks before: their fragments reach the file meanwhile
+            until_sync(lambda: part.exists() and b"moof" in part.read_bytes(), "a fragment before the last chunk")
         seen[i] = part.read_bytes() if part.exists() else b""
 
     out = decode.factory(stage=StageConfig(name="decode"), pipeline=PIPE)(j, stream_of(runs["chunks"], before), ctx)
     assert isinstance(out, FinalOutput) and out.path == tmp / "req-three.mp4" and not part.exists()
-    last = len(runs["chunks"]) - 1
     assert b"moof" in seen[last] and b"mvex" in seen[last], "fragments are in the file before the last chunk"
     assert len(seen[last]) < out.path.stat().st_size
     assert out.info["frames_sha256"] == two.info["frames_sha256"], "the two-stage pipeline's frames"
@@ -126,6 +129,30 @@ def test_chunks_that_do_not_fit_are_refused_typed_and_leave_no_file(runs: dict[s
             model(runs["job"], stream_of(bad), ctx)
         assert not part_path(runs["tmp"] / f"req-{name}.mp4").exists(), name
         assert not (runs["tmp"] / f"req-{name}.mp4").exists(), name
+
+
+def test_an_error_in_the_writer_thread_ends_the_request_and_leaves_no_file(
+    runs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mux runs in a thread of its own: its error is the model's, raised before the next chunk's
+    frames are queued behind it, and the half-written file is dropped."""
+    writes: list[int] = []
+    real = FragmentedMp4.write
+
+    def failing(self: FragmentedMp4, frames: torch.Tensor) -> None:
+        writes.append(int(frames.shape[0]))
+        if len(writes) == 2:
+            raise av.FFmpegError(-28, "No space left on device")
+        real(self, frames)
+
+    monkeypatch.setattr(FragmentedMp4, "write", failing)
+    ctx = context(runs["tmp"], request_id="req-disk-full")
+    model = decode.factory(stage=StageConfig(name="decode"), pipeline=PIPE)
+    with pytest.raises(av.FFmpegError):
+        model(runs["job"], stream_of(runs["chunks"]), ctx)
+    assert len(writes) <= 2 + decode.MUX_AHEAD, "no write queued far past the failed one"
+    assert not part_path(runs["tmp"] / "req-disk-full.mp4").exists()
+    assert not (runs["tmp"] / "req-disk-full.mp4").exists()
 
 
 def test_the_stream_option_is_read_from_the_stage_and_checked(tmp_path: Path) -> None:
