@@ -22,6 +22,7 @@ fault gets a kind and a random moment in the run window.  :class:`Injector` carr
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import random
 import shutil
@@ -58,6 +59,10 @@ class FaultKind(enum.StrEnum):
 
 
 #: The faults that need a Sentinel group (``Cluster(sentinel=True)``).
+#: How long an empty restart pauses the server's writes at most while it reads what it will wipe (the kill
+#: follows at once; the paused clients see their connection drop and retry on the empty server).
+WIPE_PAUSE_MS = 30_000
+
 FAILOVER_KINDS = frozenset({FaultKind.PRIMARY_KILL, FaultKind.SENTINEL_FAILOVER, FaultKind.PRIMARY_CUT})
 
 
@@ -265,9 +270,13 @@ class Injector:
         return True, f"SIGKILL, data deleted, restart empty after {down_s:.1f}s ({len(seen)} requests wiped)"
 
     def _requests_now(self) -> dict[str, str]:
-        """Every request Redis knows now (a record, or only a client's marker), with its state."""
+        """Every request Redis knows now (a record, or only a client's marker), with its state — and will
+        know until it is killed: writes are paused first (``CLIENT PAUSE … WRITE``; reads go on), so a
+        submission acknowledged between this read and the kill cannot escape the wipe's accounting.  The
+        pause ends with the server (or here, if the read fails)."""
         keys = self.cluster.keys
         client = self.cluster.client()
+        client.client_pause(WIPE_PAUSE_MS, all=False)
         try:
             out: dict[str, str] = {}
             for pattern, state_of in ((keys.submitted("*"), None), (keys.request("*"), "state")):
@@ -278,6 +287,10 @@ class Injector:
                     state = client.hget(key, state_of) if state_of else None
                     out[rid] = state.decode() if state else out.get(rid, "submitted")
             return out
+        except sync_redis.RedisError:
+            with contextlib.suppress(sync_redis.RedisError):
+                client.client_unpause()
+            raise
         finally:
             client.close()
 
