@@ -16,6 +16,7 @@
 #   mps       same_gpu and same_gpu_parts again with the CUDA MPS control daemon running (one shared GPU
 #             context for both processes: is the fixed cost the switch between contexts?); the daemon is
 #             this call's own (pipe and log dirs under /tmp), quit at the end; no GPU setting is changed
+#   mps_copy  same_gpu alone under this call's own MPS control daemon (as mps, without same_gpu_parts)
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
 #             round's base (a copy of it carried as .base: `git archive <base> stageferry benchmarks tests
 #             pyproject.toml | tar -x -C .base`), benchmarks/commands_compare.py
@@ -31,7 +32,7 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
   case $s in
     setup) device_setup 2>&1 | tee "$out/setup.txt" ;;
     gpu_tests) run_step "$s" 150 python3 -m pytest -q -p no:cacheprovider -p no:randomly -rs --tb=short \
-                 --durations=6 tests/broker/data/nixl/test_same_gpu.py \
+                 --durations=6 tests/broker/data/nixl/test_same_gpu.py tests/broker/data/nixl/test_cuda_runtime.py \
                  tests/broker/data/nixl/test_upstream.py \
                  "tests/broker/data/nixl/test_connector.py::test_cuda_leaves_land_on_the_consumer_gpu" \
                  "tests/broker/data/nixl/test_connector.py::test_a_block_cancelled_with_cuda_slots_still_returns_them" ;;
@@ -47,6 +48,15 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
            echo get_server_list | nvidia-cuda-mps-control > "$out/mps_servers.txt" 2>&1
            echo quit | nvidia-cuda-mps-control
            cp "$CUDA_MPS_LOG_DIRECTORY"/*.log "$out/" 2>/dev/null
+         else
+           echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/mps_same_gpu.txt"
+         fi
+         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+    mps_copy) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps/log
+         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+         if nvidia-cuda-mps-control -d; then
+           run_step mps_same_gpu 90 python3 benchmarks/same_gpu.py --iters 30 --warmup 5 --log "$out/mps_producer.log"
+           echo quit | nvidia-cuda-mps-control
          else
            echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/mps_same_gpu.txt"
          fi

@@ -11,12 +11,14 @@ asked size in its CUDA pool and hands their references over a Redis list.  For e
 * ``torch copy``: ``dst.copy_(src)`` of that many bytes on the GPU, in this process (CUDA events);
 * ``NIXL READ``: the consumer's READ of the payload (post → DONE, UCX underneath), ``same_gpu_copy`` off;
   each payload is claimed first, as a stage's stream read claims it, so neither column holds a round trip;
-* ``same-GPU copy``: the fast path's copy of it (launch → wait done, host wall time), ``same_gpu_copy`` on;
+* ``same-GPU copy``: the fast path's copy of it (launch → wait done, host wall time), ``same_gpu_copy`` on,
+  twice: queued through torch (stream context, views, ``copy_``, event) and through the CUDA runtime's own
+  calls (``cudaMemcpyAsync`` + an event: the default wherever torch's runtime is found);
   ``torch wall`` is the device copy timed the same way (launch → its event done, on the host);
 * and the whole ``get`` of each (checks, claim, transfer, release), what a stage's status shows.
 
-Medians of ``--iters`` payloads after ``--warmup``; the last column is the fast path's copy over the
-torch copy (the issue's target: at most 2× for 1 MB and up).
+Medians of ``--iters`` payloads after ``--warmup``; the ratio columns are each copy over the torch copy's
+host wall time (the issue's target: at most 2× for 1 MB and up).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from pydantic import TypeAdapter  # noqa: E402
 from stageferry.broker.control.keys import Keys  # noqa: E402
 from stageferry.broker.control.redis_conn import connect  # noqa: E402
 from stageferry.broker.data.nixl.connector import NixlConnector  # noqa: E402
+from stageferry.broker.data.nixl.cuda_runtime import CudaRuntime  # noqa: E402
 from stageferry.config import DataPlaneConfig, Timeouts  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402
 from stageferry.schemas import NixlPayload, PayloadRef  # noqa: E402
@@ -104,6 +107,34 @@ def torch_copy_ms(nbytes: int, iters: int) -> tuple[float, float]:
     return statistics.median(gpu[5:]), statistics.median(wall[5:])
 
 
+def call_costs(src: int, nbytes: int, iters: int = 200) -> dict[str, float]:
+    """Each host call the runtime path makes, timed alone in this process (µs, medians of ``iters``); the
+    stream idle before each (the previous call's work waited for)."""
+    rt = CudaRuntime.loaded()
+    assert rt is not None
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    stream, event, ptr = rt.stream(), rt.event(), dst.data_ptr()
+    calls: dict[str, Any] = {
+        "cudaSetDevice": lambda: rt.set_device(0),
+        "data_ptr": dst.data_ptr,
+        "cudaMemcpyAsync D2D": lambda: rt.copy(ptr, src, nbytes, stream),
+        "cudaMemcpyAsync default": lambda: rt._memcpy(ptr, src, nbytes, 4, stream),
+        "cudaEventRecord": lambda: rt.record(event, stream),
+        "cudaEventQuery": lambda: rt.done(event),
+    }
+    out = {}
+    for name, call in calls.items():
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t) * 1e6)
+            rt.record(event, stream)
+            rt.synchronize(event)
+        out[name] = statistics.median(times)
+    return out
+
+
 def start_producer(args: argparse.Namespace) -> subprocess.Popen[bytes]:
     args.prefix = f"samegpu-{uuid.uuid4().hex[:8]}"
     args.log = args.log or f"/tmp/{args.prefix}-producer.log"
@@ -117,6 +148,8 @@ def start_producer(args: argparse.Namespace) -> subprocess.Popen[bytes]:
 async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> None:
     torch.cuda.set_device(0)
     redis = connect(args.redis_url)
+    plain_src = torch.empty(MiB, dtype=torch.uint8, device="cuda:0")
+    costs = {"plain process, local source": call_costs(plain_src.data_ptr(), MiB)} if CudaRuntime.loaded() else {}
     conn = make(redis, args.prefix, CONSUMER, args.pool_bytes, upstream=PRODUCER)
     conn.open()
     assert conn.agent is not None, conn.unavailable_reason
@@ -169,8 +202,11 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
             for nbytes in args.sizes:
                 gpu_ms, wall_ms = torch_copy_ms(nbytes, args.iters)
                 row: dict[str, Any] = {"bytes": nbytes, "torch": gpu_ms, "torch_wall": wall_ms}
-                for mode in ("nixl", "fast"):
-                    conn.endpoint.config = conn.endpoint.config.model_copy(update={"same_gpu_copy": mode == "fast"})
+                for mode in ("nixl", "fast", "runtime"):
+                    conn.endpoint.config = conn.endpoint.config.model_copy(update={"same_gpu_copy": mode != "nixl"})
+                    cons.same_gpu.use_runtime = mode == "runtime"
+                    if mode == "runtime" and cons.same_gpu.runtime is None:
+                        raise SystemExit("the CUDA runtime torch uses was not found in this process")
                     await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"nbytes": nbytes, "count": 1}))
                     transfer, gets, routes = [], [], set()
                     parts: dict[str, list[float]] = {"launch": [], "wait": []}
@@ -195,6 +231,9 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
                     row.update({f"{mode}_{p}": statistics.median(v) for p, v in parts.items() if v})
                     row[f"{mode}_route"] = ", ".join(sorted(r or "?" for r in routes))
                 rows.append(row)
+            if costs:  # the same calls with the connector running (its agent's threads, a mapped arena)
+                costs["connector running, local source"] = call_costs(plain_src.data_ptr(), MiB)
+                costs["connector running, mapped arena"] = call_costs(peer.ipc.base, MiB) if peer.ipc else {}
             await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"stop": True}))
             tg.cancel_scope.cancel()
     finally:
@@ -203,26 +242,39 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
     print(f"$ python {' '.join(sys.argv)}\n")
     print(f"{torch.cuda.get_device_name(0)}; producer and consumer are two processes on GPU 0; producer's arena "
           f"mapped: {mapped}; medians of {args.iters} after {args.warmup}\n")  # fmt: skip
-    head = ["bytes", "torch copy ms", "torch wall ms", "NIXL READ ms", "same-GPU copy ms", "READ/torch",
-            "copy/torch", "copy/torch wall", "NIXL get ms", "same-GPU get ms", "GB/s copy"]  # fmt: skip
+    head = ["bytes", "torch copy ms", "torch wall ms", "NIXL READ ms", "copy via torch ms", "copy via runtime ms",
+            "READ/torch wall", "torch-path/torch wall", "runtime-path/torch wall", "NIXL get ms",
+            "copy get (torch) ms", "copy get (runtime) ms"]  # fmt: skip
     table = [head]
     for r in rows:
-        table.append([f"{r['bytes']:,}", f"{r['torch']:.4f}", f"{r['torch_wall']:.4f}", f"{r['nixl']:.4f}",
-                      f"{r['fast']:.4f}", f"{r['nixl'] / r['torch']:.2f}×", f"{r['fast'] / r['torch']:.2f}×",
-                      f"{r['fast'] / r['torch_wall']:.2f}×", f"{r['nixl_get']:.4f}", f"{r['fast_get']:.4f}",
-                      f"{r['bytes'] / r['fast'] / 1e6:.0f}"])  # fmt: skip
+        wall = r["torch_wall"]
+        table.append([f"{r['bytes']:,}", f"{r['torch']:.4f}", f"{wall:.4f}", f"{r['nixl']:.4f}", f"{r['fast']:.4f}",
+                      f"{r['runtime']:.4f}", f"{r['nixl'] / wall:.2f}×", f"{r['fast'] / wall:.2f}×",
+                      f"{r['runtime'] / wall:.2f}×", f"{r['nixl_get']:.4f}", f"{r['fast_get']:.4f}",
+                      f"{r['runtime_get']:.4f}"])  # fmt: skip
     widths = [max(len(t[i]) for t in table) for i in range(len(head))]
     for t in table:
         print("  ".join(c.rjust(w) for c, w in zip(t, widths, strict=True)))
     print()
+    print(f"CUDA runtime: {cons.same_gpu.runtime.path if cons.same_gpu.runtime else 'not found'}")
     for r in rows:
-        print(f"routes {r['bytes']:,}: NIXL [{r['nixl_route']}]  fast [{r['fast_route']}]")
+        print(f"routes {r['bytes']:,}: NIXL [{r['nixl_route']}]  copy [{r['fast_route']}] [{r['runtime_route']}]")
+    if costs:
+        print("\nthe runtime path's host calls, each alone, 1 MiB, µs (medians of 200):")
+        names = list(next(iter(costs.values())))
+        print("| where | " + " | ".join(names) + " |")
+        print("| --- |" + " ---: |" * len(names))
+        for where, row in costs.items():
+            print(f"| {where} | " + " | ".join(f"{row[n]:.1f}" if n in row else "-" for n in names) + " |")
+        print()
     for r in rows:
-        if "fast_launch" in r:  # the copy column = launch + the views made meanwhile + the wait
-            print(
-                f"same-GPU copy {r['bytes']:,}: launch {r['fast_launch']:.4f} ms, wait {r['fast_wait']:.4f} ms, "
-                f"between {r['fast'] - r['fast_launch'] - r['fast_wait']:.4f} ms"
-            )
+        for mode in ("fast", "runtime"):
+            if f"{mode}_launch" in r:  # the copy column = launch + the views made meanwhile + the wait
+                print(
+                    f"copy via {'torch' if mode == 'fast' else 'runtime'} {r['bytes']:,}: launch "
+                    f"{r[f'{mode}_launch']:.4f} ms, wait {r[f'{mode}_wait']:.4f} ms, "
+                    f"between {r[mode] - r[f'{mode}_launch'] - r[f'{mode}_wait']:.4f} ms"
+                )
 
 
 def main() -> None:
