@@ -9,6 +9,12 @@ edge by default, each against a fresh private ``redis-server`` (``INFO commandst
 client of a server, so a shared one would add others' commands), ``--rounds`` times in turn.  Printed:
 each run's requests/s and commands per request, then the commands per request by name for both trees and
 the ratios (this tree / base).
+
+``--clients N`` goes to both trees' throughput.py (its client processes) when the base tree's throughput.py
+has that option.  A base from before it (found by looking for ``--clients`` in its throughput.py) submits
+from one client, so then this tree runs with ``--clients 1`` too and ``N`` is not used; which of the two
+happened is printed first.  Without ``--clients`` each tree runs with its own default, except that against
+such an old base this tree, again, runs with one client.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from bench_stats import machine_facts, median  # noqa: E402
 from stageferry.embedded_redis import EmbeddedRedis  # noqa: E402
 
 _ROW = re.compile(r"^\| (\w+) \([\d,]+ B\) \| (\d+) \| (\w+) \| ([\d.]+) \|")
+#: The line naming the client processes (throughput.py with ``--clients``; an older one has none).
+_CLIENTS = re.compile(r"shared by (\d+) client process", re.M)
 
 
 def parse(output: str) -> tuple[float, dict[str, float]]:
@@ -40,13 +48,45 @@ def parse(output: str) -> tuple[float, dict[str, float]]:
     return rps, {name: float(value) for name, value in zip(names, values, strict=True)}
 
 
-async def run_tree(tree: Path, args: argparse.Namespace, workdir: Path) -> tuple[float, dict[str, float], str]:
+def clients_of(output: str) -> str:
+    """How many client processes throughput.py said it ran ("1, in-process" for one from before ``--clients``)."""
+    m = _CLIENTS.search(output)
+    return m.group(1) if m else "1, in-process"
+
+
+def has_clients_option(tree: Path) -> bool:
+    """Whether the tree's throughput.py takes ``--clients``."""
+    try:
+        return "--clients" in (tree / "benchmarks" / "throughput.py").read_text()
+    except OSError:
+        return False
+
+
+def clients_args(trees: dict[str, Path], clients: int | None) -> tuple[dict[str, list[str]], str]:
+    """Each tree's ``--clients`` arguments, and a line saying what was chosen: ``clients`` for both (nothing:
+    their defaults) when the base takes the option, else ``--clients 1`` for a tree that takes it (the old
+    base submits from one client)."""
+    if has_clients_option(trees["base"]):
+        given = [] if clients is None else ["--clients", str(clients)]
+        said = f"--clients {clients} to both trees" if given else "each tree's default --clients"
+        return {name: given for name in trees}, f"client processes: {said} (the base's throughput.py has --clients)"
+    args = {name: ["--clients", "1"] if has_clients_option(tree) else [] for name, tree in trees.items()}
+    unused = "" if clients is None else f"; --clients {clients} not used"
+    return args, (
+        "client processes: the base's throughput.py has no --clients (one client): one for both, "
+        f"--clients 1 to a tree that takes it{unused}"
+    )
+
+
+async def run_tree(
+    tree: Path, args: argparse.Namespace, workdir: Path, extra: list[str]
+) -> tuple[float, dict[str, float], str]:
     async with EmbeddedRedis(data_dir=workdir / "redis") as server:
         command = [
             sys.executable,
             str(tree / "benchmarks" / "throughput.py"),
             "--tasks", args.task, "--replicas", str(args.replicas), "--requests", str(args.requests),
-            "--edges", args.edge, "--redis-url", server.url,
+            "--edges", args.edge, "--redis-url", server.url, *extra,
         ]  # fmt: skip
         done = await anyio.run_process(command, check=False, cwd=tree, env=_env(tree), stderr=subprocess.STDOUT)
     output = done.stdout.decode(errors="replace")
@@ -70,23 +110,29 @@ async def main_async(args: argparse.Namespace) -> None:
 
     trees = {"base": args.base, "this": args.this}
     runs: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in trees}
+    extra, clients_line = clients_args(trees, args.clients)
+    print(clients_line, flush=True)
     with tempfile.TemporaryDirectory(prefix="sf-cmp-") as tmp:
         for r in range(args.rounds):
             for name, tree in trees.items():
                 workdir = Path(tmp) / f"{name}-{r}"
                 workdir.mkdir()
-                rps, commands, output = await run_tree(tree, args, workdir)
+                rps, commands, output = await run_tree(tree, args, workdir, extra[name])
                 runs[name].append((rps, commands))
                 if args.verbose:
                     print(f"### {name} ({tree}), round {r + 1}\n\n{output}\n")
-                print(f"# {name} round {r + 1}: {rps:.1f} req/s, {commands['total']:.1f} commands/request", flush=True)
+                print(
+                    f"# {name} round {r + 1}: {rps:.1f} req/s, {commands['total']:.1f} commands/request, "
+                    f"client processes: {clients_of(output)}",
+                    flush=True,
+                )
     base_commit = _commit(trees["base"])
     this_commit = _commit(trees["this"])
     print(f"\nmachine: {machine_facts()}")
     print(
         f"{args.task} over {args.edge}, {args.replicas} replica(s) per stage, {args.requests} requests at once, "
         f"{args.rounds} round(s), a fresh redis-server per run; base {base_commit} ({trees['base']}), this "
-        f"{this_commit}\n"
+        f"{this_commit}\n{clients_line}\n"
     )
     print("| tree | requests/s (median) | Redis commands per request (median) |")
     print("| --- | ---: | ---: |")
@@ -135,6 +181,11 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--clients",
+        type=int,
+        help="throughput.py's --clients for both trees, if the base's throughput.py has it (default: theirs)",
+    )
     parser.add_argument("--verbose", action="store_true", help="print each run's whole throughput.py output")
     args = parser.parse_args()
     args.base, args.this = Path(args.base).resolve(), Path(args.this).resolve()

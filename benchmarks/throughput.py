@@ -3,32 +3,45 @@
     python benchmarks/throughput.py                # T2VA and Ref2VA payloads, 1 and 2 replicas, NIXL vs inline
     python benchmarks/throughput.py --tasks T2VA --replicas 1 --requests 50
     python benchmarks/throughput.py --tasks Ref2VA --replicas 4,8 --edges nixl --output in-place
+    python benchmarks/throughput.py --tasks T2VA --replicas 8 --edges nixl --requests 2000 --clients 4
 
 Real services, as deployed: per configuration a private key prefix, ``stageferry serve`` processes for an
-``encoder`` and a ``diffusion`` stage (``--replicas`` of each, TP1, ``benchmarks/null_model.py``), and a
-client that submits ``--requests`` jobs at once and waits for all of them.  The edge between the stages is
-NIXL or inline (the ``connector`` of the pipeline config; inline carries every payload in the stream
-entry), side by side in the same run.  Printed: requests/s (first submit → last done), per-request
-latency p50/p99 (submit → done), and the payload hop (the diffusion leader's get) p50/p99; then, per
+``encoder`` and a ``diffusion`` stage (``--replicas`` of each, TP1, ``benchmarks/null_model.py``), and
+``--clients`` client processes (``benchmarks/throughput_client.py``, each with its own ``Client``) that
+share the ``--requests`` jobs: each submits its share at once (one by one, as fast as it can) and waits
+for all of them.  The clients connect and warm up first, then start submitting together on this process's
+word (a barrier, after the "before" figures are taken), and report their times back as JSON.  A single
+client process submits about 1,350 jobs/s (a 16-core host), so one client caps the figure there; the
+default, a quarter of the usable CPUs between 1 and 4, keeps the clients out of the way of the 3,000 req/s
+being chased without crowding a small box (1 on 2-7 CPUs: one client, as before ``--clients`` existed;
+``--clients 1`` asks for that anywhere).  The edge between the stages is NIXL or inline (the
+``connector`` of the pipeline config; inline carries every payload in the stream entry), side by side in
+the same run.  Printed: requests/s (first submit → last done, over every client), per-request latency
+p50/p99 (submit → done), and the payload hop (the diffusion leader's get) p50/p99; then, per
 request, the Redis commands the server ran (``INFO commandstats``, commands inside scripts included — use a
 private server) and the round trips every process sent, by call site (``STAGEFERRY_REDIS_TALLY``, see
 ``stageferry/broker/control/tally.py``; set here for every process of a configuration).
 
 Where the time goes, per configuration (the "CPU" table): the CPU seconds each party used over the measured
 requests divided by their wall time, i.e. how many cores it kept busy — Redis's main thread (``INFO cpu``,
-``used_cpu_*_main_thread``: ≈ 1.0 means Redis, single-threaded, is saturated), this client process (submits
-and waits for every request), and the stage processes by stage (their sum, and the busiest one: a Python
-process near 1.0 is bound by its event loop).  Whichever is near 1.0 is what limits the configuration.
+``used_cpu_*_main_thread``: ≈ 1.0 means Redis, single-threaded, is saturated), the client processes and
+the stage processes by stage (each: their sum, and the busiest one — a Python process near 1.0 is bound by
+its event loop).  Whichever is near 1.0 is what limits the configuration.  Under it, per configuration, the
+slowest client's "submit s" (from its go to its last submission): near the wall time, submitting is still
+what the run measures.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import subprocess
 import sys
 import tempfile
-import time
 import uuid
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +49,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import anyio  # noqa: E402
+from anyio.abc import Process  # noqa: E402
+from anyio.streams.buffered import BufferedByteReceiveStream  # noqa: E402
 from bench_stats import TASK_BYTES, cell, machine_facts, median  # noqa: E402
+from throughput_client import JOB, flush_tally  # noqa: E402
 
 from stageferry.broker.control import tally  # noqa: E402
 from stageferry.cli.launcher import ServiceGroup, wait_for_workers  # noqa: E402
 from stageferry.client import Client  # noqa: E402
 from stageferry.config import Timeouts  # noqa: E402
 from stageferry.cpus import usable_cpus  # noqa: E402
-from stageferry.schemas import RequestState  # noqa: E402
 
 STAGES = ("encoder", "diffusion")
+CLIENT_SCRIPT = Path(__file__).resolve().with_name("throughput_client.py")
+#: The seed of the first measured request (warm-ups: 0-2 this process's, 3 + n client n's).
+FIRST_SEED = 1000
 
 
 def pipeline_toml(connector: str, payload_bytes: int, ready_slots: bool = True, hot_wait: float | None = None) -> str:
@@ -71,6 +89,95 @@ def hot_wait_text(hot_wait: float | None) -> str:
     return f"the default ({Timeouts().hot_wait_s()} s on {usable_cpus()} usable CPUs)"
 
 
+def default_clients() -> int:
+    """Client processes when ``--clients`` is not given: a quarter of the usable CPUs, at least 1 and at most
+    4 (one client submits ~1,350 jobs/s on a 16-core host: four leave room above 3,000 req/s)."""
+    return max(1, min(4, usable_cpus() // 4))
+
+
+def client_shares(requests: int, clients: int) -> list[int]:
+    """The requests each client process submits: as even as they go, the first ones one more."""
+    return [requests // clients + (k < requests % clients) for k in range(clients)]
+
+
+class ClientProcess:
+    """One ``throughput_client.py`` process and its JSON-lines pipe (that module describes the protocol)."""
+
+    def __init__(self, process: Process) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        self.process = process
+        self._stdin = process.stdin
+        self._stdout = BufferedByteReceiveStream(process.stdout)
+
+    @classmethod
+    async def start(cls, env: Mapping[str, str], index: int, requests: int, first_seed: int) -> ClientProcess:
+        """Client ``client<index>`` (its ``STAGEFERRY_REPLICA``: how :func:`service_cpu_seconds` names it),
+        submitting ``requests`` jobs from seed ``first_seed``; its stderr is this process's."""
+        argv = [sys.executable, str(CLIENT_SCRIPT), "--requests", str(requests), "--first-seed", str(first_seed),
+                "--warm-up-seed", str(3 + index)]  # fmt: skip
+        process = await anyio.open_process(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,
+            env={**env, "STAGEFERRY_REPLICA": f"client{index}"},
+        )
+        return cls(process)
+
+    async def receive(self) -> dict[str, Any]:
+        """Its next JSON line; SystemExit, with its exit status, if it ended without writing one."""
+        try:
+            line = await self._stdout.receive_until(b"\n", 1 << 30)
+        except (anyio.IncompleteRead, anyio.EndOfStream):
+            code = await self.process.wait()
+            raise SystemExit(f"client process {self.process.pid} exited {code} (its stderr is above)") from None
+        return json.loads(line)
+
+    async def go(self) -> None:
+        """Tell it to start submitting."""
+        await self._stdin.send(b"go\n")
+
+    async def close(self) -> None:
+        """Let it go (its stdin closed: it closes its client and exits), killed if it has not within 30 s."""
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await self._stdin.aclose()
+        with anyio.move_on_after(30) as waited:
+            await self.process.wait()
+        if waited.cancelled_caught:
+            self.process.kill()
+        await self.process.aclose()
+
+
+@contextlib.asynccontextmanager
+async def client_processes(env: Mapping[str, str], shares: list[int]) -> AsyncIterator[list[ClientProcess]]:
+    """One client process per share, the measured requests' seeds numbered across them; all of them let go
+    (or killed) on the way out."""
+    procs: list[ClientProcess] = []
+    try:
+        for index, requests in enumerate(shares):
+            procs.append(await ClientProcess.start(env, index, requests, FIRST_SEED + sum(shares[:index])))
+        yield procs
+    finally:
+        with anyio.CancelScope(shield=True):
+            for proc in procs:
+                await proc.close()
+
+
+def client_figures(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's figures from its clients' reports (``time.monotonic()`` seconds, one clock for all): the
+    wall time (first submit → last done over every client), latencies (ms), hops (ms), failures, and the
+    slowest client's submission time (its go → its last submission) and how far apart the clients began."""
+    started = [r["started"] for r in reports]
+    return {
+        "wall": max(max(r["done"]) for r in reports) - min(started),
+        "latency": [(d - s) * 1e3 for r in reports for s, d in zip(r["submitted"], r["done"], strict=True)],
+        "hop": [h for r in reports for h in r["hops"]] or [0.0],
+        "failed": sum(r["failed"] for r in reports),
+        "submit_s": max(r["submitted"][-1] - r["started"] for r in reports),
+        "start_spread_ms": (max(started) - min(started)) * 1e3,
+    }
+
+
 async def run_config(
     url: str,
     task: str,
@@ -81,6 +188,7 @@ async def run_config(
     output: str = "copy",
     ready_slots: bool = True,
     hot_wait: float | None = None,
+    clients: int = 1,
 ) -> dict[str, Any]:
     prefix = f"tput-{uuid.uuid4().hex[:8]}"
     tally_dir = workdir / f"{prefix}-tally"  # every process's round trips per call site (tally.py)
@@ -113,44 +221,27 @@ async def run_config(
         async with Client(url, prefix=prefix, pipeline=config) as client:
             await wait_for_workers(client.redis, client.keys, list(STAGES), timeout=120)
             await anyio.sleep(1.0 * replicas)  # let every replica join its consumer group
-            job = {"task": "t2va", "prompt": "throughput", "num_inference_steps": 1}
             for i in range(3):  # warm-up: NIXL handshakes, code paths
-                await client.wait(await client.submit({**job, "seed": i}), timeout=120)
-            submitted: dict[str, float] = {}
-            done: dict[str, float] = {}
-            hops: list[float] = []
-            failed = 0
-            await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)  # idle readers poll within BLOCK_MS: files flushed
-            _flush_own_tally()
-            trips_before = tally.read_dir(tally_dir)
-            before = await command_counts(client.redis)
-            cpu_before = await cpu_seconds(client.redis, prefix)
-            started = time.perf_counter()
-            for i in range(requests):
-                rid = await client.submit({**job, "seed": 1000 + i})
-                submitted[rid] = time.perf_counter()
-
-            async def wait_one(rid: str) -> None:
-                nonlocal failed
-                status = await client.wait(rid, timeout=600)
-                done[rid] = time.perf_counter()
-                if status.state is not RequestState.DONE:
-                    failed += 1
-                    return
-                hops.extend(t.transfer_seconds * 1e3 for t in status.timings if t.stage == "diffusion")
-
-            async with anyio.create_task_group() as tg:
-                for rid in submitted:
-                    tg.start_soon(wait_one, rid)
-            wall = max(done.values()) - started
-            cpu = {k: (v - cpu_before.get(k, 0.0)) / wall for k, v in (await cpu_seconds(client.redis, prefix)).items()}
-            submit_s = max(submitted.values()) - started
-            latencies = [(done[r] - submitted[r]) * 1e3 for r in submitted]
-            after = await command_counts(client.redis)
-            commands = {name: (after[name] - before.get(name, 0)) / requests for name in after}
-            await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)
-            _flush_own_tally()
-            trips_after = tally.read_dir(tally_dir)
+                await client.wait(await client.submit({**JOB, "seed": i}), timeout=120)
+            async with client_processes(env, client_shares(requests, clients)) as procs:
+                for proc in procs:
+                    await proc.receive()  # ready: connected, warmed up, its tally file written
+                await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)  # idle readers poll within BLOCK_MS: files flushed
+                flush_tally()
+                trips_before = tally.read_dir(tally_dir)
+                before = await command_counts(client.redis)
+                cpu_before = await cpu_seconds(client.redis, prefix)
+                for proc in procs:
+                    await proc.go()
+                figures = client_figures([await proc.receive() for proc in procs])
+                wall = figures["wall"]
+                cpu_after = await cpu_seconds(client.redis, prefix)  # the clients idle, still there
+                cpu = {k: (v - cpu_before.get(k, 0.0)) / wall for k, v in cpu_after.items()}
+                after = await command_counts(client.redis)
+                commands = {name: (after[name] - before.get(name, 0)) / requests for name in after}
+                await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)
+                flush_tally()
+                trips_after = tally.read_dir(tally_dir)
             trips = {
                 key: [(n - trips_before.get(key, [0, 0])[i]) / requests for i, n in enumerate(row)]
                 for key, row in trips_after.items()
@@ -158,33 +249,30 @@ async def run_config(
     finally:
         await services.stop()
     return {
+        **figures,
         "rps": requests / wall,
-        "latency": latencies,
-        "hop": hops or [0.0],
-        "failed": failed,
-        "wall": wall,
         "commands": {k: v for k, v in commands.items() if v > 0},
         "trips": {k: v for k, v in trips.items() if v[0] > 0},
         "cpu": cpu,
-        "submit_s": submit_s,
+        "clients": clients,
     }
 
 
 async def cpu_seconds(redis: Any, prefix: str) -> dict[str, float]:
-    """CPU seconds used so far: ``redis`` (its main thread, the one that runs commands), ``client`` (this
-    process) and, per service process of ``prefix`` (found by its environment), ``<stage><replica>``."""
+    """CPU seconds used so far: ``redis`` (its main thread, the one that runs commands) and, per process of
+    ``prefix`` (found by its environment: services and client processes), ``<stage><replica>`` and
+    ``client<n>``."""
     info = await redis.info("cpu")
     main = "used_cpu_user_main_thread" in info
     suffix = "_main_thread" if main else ""
     out = {"redis": float(info[f"used_cpu_user{suffix}"]) + float(info[f"used_cpu_sys{suffix}"])}
-    out["client"] = time.process_time()
     out.update(service_cpu_seconds(prefix))
     return out
 
 
 def service_cpu_seconds(prefix: str) -> dict[str, float]:
     """CPU seconds (user + system, all threads) of every live process started for ``prefix``, keyed by its
-    ``STAGEFERRY_REPLICA`` (``encoder0``); TP followers, if any, add to their replica's figure."""
+    ``STAGEFERRY_REPLICA`` (``encoder0``, ``client0``); TP followers, if any, add to their replica's figure."""
     tick = os.sysconf("SC_CLK_TCK")
     want = f"STAGEFERRY_PREFIX={prefix}".encode()
     out: dict[str, float] = {}
@@ -203,19 +291,29 @@ def service_cpu_seconds(prefix: str) -> dict[str, float]:
     return out
 
 
-def _flush_own_tally() -> None:
-    """This process's (the client's) counts, written now: its file only follows on its next send."""
-    own = tally.process_tally()
-    if own is not None:
-        own.flush()
-
-
 async def command_counts(redis: Any) -> dict[str, int]:
     """Redis commands served so far, by name (``INFO commandstats``).  The deltas over a run, divided by
     its requests, are the control plane's commands per request — every client of *this* Redis counted,
     so use a private server (``--redis-url``) for a clean figure."""
     info = await redis.info("commandstats")
     return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in info.items()}
+
+
+def submission_line(task: str, replicas: int, connector: str, r: dict[str, Any]) -> str:
+    """Whether submitting is still the limit: the slowest client's submit s against the wall time."""
+    line = (
+        f"{task} x{replicas} {connector}: submit s {r['submit_s']:.2f} (the slowest of {r['clients']} client "
+        f"process(es), go → its last submission) of wall s {r['wall']:.2f}"
+    )
+    if r["clients"] > 1:
+        line += f"; the clients began within {r['start_spread_ms']:.2f} ms of each other"
+    return line
+
+
+def busy_cell(cpu: dict[str, float], party: str) -> str:
+    """``sum / busiest`` of the cores kept busy by the processes whose names start with ``party``."""
+    mine = [v for k, v in cpu.items() if k.startswith(party)]
+    return f"{sum(mine):.2f} / {max(mine, default=0):.2f}"
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -234,11 +332,15 @@ async def main_async(args: argparse.Namespace) -> None:
                         args.output,
                         args.ready_slots == "on",
                         args.hot_wait,
+                        args.clients,
                     )
                     rows.append((task, replicas, connector, r))
                     print(f"# {task} x{replicas} {connector}: {r['rps']:.1f} req/s", file=sys.stderr, flush=True)
     print(f"machine: {machine_facts()}")
-    print(f"{args.requests} requests submitted at once per configuration; times in ms, median / p99")
+    print(
+        f"{args.requests} requests submitted at once per configuration, shared by {args.clients} client "
+        f"process(es); times in ms, median / p99"
+    )
     print(
         f"first stage's output: {args.output} (benchmarks/null_model.py); ready slots {args.ready_slots}; "
         f"hot wait {hot_wait_text(args.hot_wait)}\n"
@@ -252,24 +354,25 @@ async def main_async(args: argparse.Namespace) -> None:
             f"| {cell(r['hop'], 2)} | {r['failed']} |"
         )
     print("\n## CPU: cores kept busy over the measured requests (CPU seconds / wall seconds)\n")
-    print("Redis: its main thread (≈ 1.0 = saturated); client: the one process that submits and waits; stages:")
-    print("all replicas' processes together, and the busiest one (≈ 1.0 = its event loop is the limit).\n")
+    print(f"Redis: its main thread (≈ 1.0 = saturated); clients: the {args.clients} client process(es) that submit")
+    print("and wait; stages: all replicas' processes; each the sum, and the busiest process (≈ 1.0 = its event")
+    print("loop is the limit).  submit s: the slowest client's, from its go to its last submission.\n")
     print(
-        "| payload | replicas | edge | wall s | submit s | Redis | client | "
+        "| payload | replicas | edge | wall s | submit s | Redis | clients (sum / busiest) | "
         + " | ".join(f"{stage} (sum / busiest)" for stage in STAGES)
         + " |"
     )
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: |" + " ---: |" * len(STAGES))
     for task, replicas, connector, r in rows:
         cpu = r["cpu"]
-        stage_cells = []
-        for stage in STAGES:
-            mine = [v for k, v in cpu.items() if k.startswith(stage)]
-            stage_cells.append(f"{sum(mine):.2f} / {max(mine, default=0):.2f}")
+        cells = " | ".join(busy_cell(cpu, party) for party in ("client", *STAGES))
         print(
             f"| {task} | {replicas} | {connector} | {r['wall']:.2f} | {r['submit_s']:.2f} | {cpu['redis']:.2f} "
-            f"| {cpu['client']:.2f} | " + " | ".join(stage_cells) + " |"
+            f"| {cells} |"
         )
+    print()
+    for task, replicas, connector, r in rows:
+        print(submission_line(task, replicas, connector, r))
     print("\n## Redis commands per request (INFO commandstats deltas over the measured requests)\n")
     names = sorted(
         {n for *_, r in rows for n in r["commands"]}, key=lambda n: -max(r["commands"].get(n, 0) for *_, r in rows)
@@ -337,7 +440,16 @@ def main() -> None:
     parser.add_argument(
         "--hot-wait", type=float, help="timeouts.hot_wait of both stages, seconds (default: the config's default)"
     )
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=default_clients(),
+        help="client processes sharing the requests, each submitting its share at once and waiting for it "
+        f"(default: a quarter of the usable CPUs, 1 to 4: {default_clients()} here; 1 = one client, as before)",
+    )
     args = parser.parse_args()
+    if not 1 <= args.clients <= args.requests:
+        parser.error(f"--clients must be between 1 and --requests ({args.requests})")
     print(f"$ python {' '.join(sys.argv)}\n")
     anyio.run(main_async, args)
 
