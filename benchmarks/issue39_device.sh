@@ -16,6 +16,10 @@
 #   mps       same_gpu and same_gpu_parts again with the CUDA MPS control daemon running (one shared GPU
 #             context for both processes: is the fixed cost the switch between contexts?); the daemon is
 #             this call's own (pipe and log dirs under /tmp), quit at the end; no GPU setting is changed
+#   tput      requests/s and commands per request with several submitting processes (throughput.py
+#             --clients, default 4 here, TPUT_CLIENTS), 8 replicas a stage, 4000 requests, this tree against
+#             .base (the base's stageferry with this tree's benchmarks: the same benchmark), 2 rounds
+#   tput_io   this tree's throughput.py alone against a redis-server with io-threads 1 and 4 (reads too)
 #   mps_copy  same_gpu alone under this call's own MPS control daemon (as mps, without same_gpu_parts)
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
 #             round's base (a copy of it carried as .base: `git archive <base> stageferry benchmarks tests
@@ -65,6 +69,31 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
                 python3 benchmarks/commands_compare.py --base .base --replicas 8 --requests 2000 --rounds 1 ;;
     commands3) run_step "$s" 330 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \
                 python3 benchmarks/commands_compare.py --base .base --replicas 8 --requests 2000 --rounds 3 --verbose ;;
+    tput) run_step "$s" 420 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \
+            python3 benchmarks/commands_compare.py --base .base --replicas 8 --requests 4000 --rounds 2 \
+            --clients "${TPUT_CLIENTS:-4}" --verbose ;;
+    tput_io) port=6391
+         for io in 1 4; do
+           (LD_LIBRARY_PATH=$PWD/.whl/redis .whl/redis/redis-server --port $port --save '' --appendonly no \
+              --io-threads $io --io-threads-do-reads yes --daemonize yes --logfile /tmp/sf-io$io.log >/dev/null)
+           python3 -c "
+import time, redis
+deadline = time.monotonic() + 10
+while True:
+    try:
+        redis.Redis(port=$port, socket_timeout=1).ping(); break
+    except redis.RedisError:
+        if time.monotonic() > deadline: raise
+        time.sleep(0.05)"
+           run_step "tput_io$io" 150 python3 benchmarks/throughput.py --tasks T2VA --replicas 8 --requests 4000 \
+             --edges nixl --clients "${TPUT_CLIENTS:-4}" --redis-url "redis://127.0.0.1:$port/0"
+           python3 -c "
+import redis
+try:
+    redis.Redis(port=$port).shutdown(nosave=True)
+except redis.ConnectionError:
+    pass" 
+         done ;;
     *) echo "unknown step $s" >&2 ;;
   esac
 done

@@ -110,11 +110,14 @@ class ClientProcess:
         self._stdout = BufferedByteReceiveStream(process.stdout)
 
     @classmethod
-    async def start(cls, env: Mapping[str, str], index: int, requests: int, first_seed: int) -> ClientProcess:
+    async def start(
+        cls, env: Mapping[str, str], index: int, requests: int, first_seed: int, in_flight: int = 1
+    ) -> ClientProcess:
         """Client ``client<index>`` (its ``STAGEFERRY_REPLICA``: how :func:`service_cpu_seconds` names it),
-        submitting ``requests`` jobs from seed ``first_seed``; its stderr is this process's."""
+        submitting ``requests`` jobs from seed ``first_seed``, ``in_flight`` at a time; its stderr is this
+        process's."""
         argv = [sys.executable, str(CLIENT_SCRIPT), "--requests", str(requests), "--first-seed", str(first_seed),
-                "--warm-up-seed", str(3 + index)]  # fmt: skip
+                "--warm-up-seed", str(3 + index), "--in-flight", str(in_flight)]  # fmt: skip
         process = await anyio.open_process(
             argv,
             stdin=subprocess.PIPE,
@@ -149,13 +152,16 @@ class ClientProcess:
 
 
 @contextlib.asynccontextmanager
-async def client_processes(env: Mapping[str, str], shares: list[int]) -> AsyncIterator[list[ClientProcess]]:
+async def client_processes(
+    env: Mapping[str, str], shares: list[int], in_flight: int = 1
+) -> AsyncIterator[list[ClientProcess]]:
     """One client process per share, the measured requests' seeds numbered across them; all of them let go
     (or killed) on the way out."""
     procs: list[ClientProcess] = []
     try:
         for index, requests in enumerate(shares):
-            procs.append(await ClientProcess.start(env, index, requests, FIRST_SEED + sum(shares[:index])))
+            first = FIRST_SEED + sum(shares[:index])
+            procs.append(await ClientProcess.start(env, index, requests, first, in_flight))
         yield procs
     finally:
         with anyio.CancelScope(shield=True):
@@ -173,7 +179,7 @@ def client_figures(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "latency": [(d - s) * 1e3 for r in reports for s, d in zip(r["submitted"], r["done"], strict=True)],
         "hop": [h for r in reports for h in r["hops"]] or [0.0],
         "failed": sum(r["failed"] for r in reports),
-        "submit_s": max(r["submitted"][-1] - r["started"] for r in reports),
+        "submit_s": max(max(r["submitted"]) - r["started"] for r in reports),
         "start_spread_ms": (max(started) - min(started)) * 1e3,
     }
 
@@ -189,6 +195,7 @@ async def run_config(
     ready_slots: bool = True,
     hot_wait: float | None = None,
     clients: int = 1,
+    in_flight: int = 1,
 ) -> dict[str, Any]:
     prefix = f"tput-{uuid.uuid4().hex[:8]}"
     tally_dir = workdir / f"{prefix}-tally"  # every process's round trips per call site (tally.py)
@@ -223,7 +230,7 @@ async def run_config(
             await anyio.sleep(1.0 * replicas)  # let every replica join its consumer group
             for i in range(3):  # warm-up: NIXL handshakes, code paths
                 await client.wait(await client.submit({**JOB, "seed": i}), timeout=120)
-            async with client_processes(env, client_shares(requests, clients)) as procs:
+            async with client_processes(env, client_shares(requests, clients), in_flight) as procs:
                 for proc in procs:
                     await proc.receive()  # ready: connected, warmed up, its tally file written
                 await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)  # idle readers poll within BLOCK_MS: files flushed
@@ -333,13 +340,14 @@ async def main_async(args: argparse.Namespace) -> None:
                         args.ready_slots == "on",
                         args.hot_wait,
                         args.clients,
+                        args.in_flight,
                     )
                     rows.append((task, replicas, connector, r))
                     print(f"# {task} x{replicas} {connector}: {r['rps']:.1f} req/s", file=sys.stderr, flush=True)
     print(f"machine: {machine_facts()}")
     print(
         f"{args.requests} requests submitted at once per configuration, shared by {args.clients} client "
-        f"process(es); times in ms, median / p99"
+        f"process(es), {args.in_flight} submission(s) in flight in each; times in ms, median / p99"
     )
     print(
         f"first stage's output: {args.output} (benchmarks/null_model.py); ready slots {args.ready_slots}; "
@@ -447,7 +455,16 @@ def main() -> None:
         help="client processes sharing the requests, each submitting its share at once and waiting for it "
         f"(default: a quarter of the usable CPUs, 1 to 4: {default_clients()} here; 1 = one client, as before)",
     )
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=16,
+        help="submissions each client process has outstanding at once (default 16; 1 = one after another, "
+        "as before: a client then submits at one submission per two round trips)",
+    )
     args = parser.parse_args()
+    if args.in_flight < 1:
+        parser.error("--in-flight must be at least 1")
     if not 1 <= args.clients <= args.requests:
         parser.error(f"--clients must be between 1 and --requests ({args.requests})")
     print(f"$ python {' '.join(sys.argv)}\n")

@@ -9,7 +9,8 @@ connections opened, its scripts loaded), and then talks to its parent in JSON li
 
 1. it writes ``{"ready": true}`` and waits for the parent's ``go`` line (the barrier: every client starts
    submitting when the parent says so, after the parent has taken its "before" figures);
-2. it submits all of its requests one by one, as fast as it can, then waits for all of them at once;
+2. it submits all of its requests, ``--in-flight`` at a time (1: one by one), as fast as it can, then
+   waits for all of them at once;
 3. it writes its report — ``started`` (when it read ``go``), per request ``submitted`` and ``done`` (after
    the submit returned / after the wait returned), ``failed`` (requests that ended other than ``done``)
    and ``hops`` (the diffusion stage's payload get, ms) — and waits for its stdin to close, then exits.
@@ -65,14 +66,23 @@ def flush_tally() -> None:
         own.flush()
 
 
-async def submit_and_wait(client: Client, requests: int, first_seed: int) -> dict[str, Any]:
-    """Submit ``requests`` jobs one by one, then wait for all of them; the report's figures."""
+async def submit_and_wait(client: Client, requests: int, first_seed: int, in_flight: int = 1) -> dict[str, Any]:
+    """Submit ``requests`` jobs, ``in_flight`` at a time (each submission is two round trips: one after
+    another, a client submits at the rate of its round trips), then wait for all of them; the report's
+    figures."""
     started = time.monotonic()
-    rids: list[str] = []
-    submitted: list[float] = []
-    for i in range(requests):
-        rids.append(await client.submit({**JOB, "seed": first_seed + i}))
-        submitted.append(time.monotonic())
+    rids: list[str] = [""] * requests
+    submitted: list[float] = [0.0] * requests
+    turn = iter(range(requests))
+
+    async def submitter() -> None:
+        for i in turn:  # the shared iterator hands each index to one submitter
+            rids[i] = await client.submit({**JOB, "seed": first_seed + i})
+            submitted[i] = time.monotonic()
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(min(in_flight, requests)):
+            tg.start_soon(submitter)
     done = [0.0] * requests
     hops: list[float] = []
     failed = 0
@@ -99,7 +109,7 @@ async def main_async(args: argparse.Namespace, channel: TextIO) -> None:
         channel.write(json.dumps({"ready": True}) + "\n")
         if (await read_parent_line()).strip() != "go":
             raise SystemExit("throughput_client: the parent closed its pipe before saying go")
-        report = await submit_and_wait(client, args.requests, args.first_seed)
+        report = await submit_and_wait(client, args.requests, args.first_seed, args.in_flight)
         flush_tally()
         channel.write(json.dumps(report) + "\n")
         await read_parent_line()  # "": the parent has taken its "after" figures and let this process go
@@ -110,6 +120,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, required=True, help="this process's share of the requests")
     parser.add_argument("--first-seed", type=int, required=True, help="the seed of its first request (+1 each)")
     parser.add_argument("--warm-up-seed", type=int, default=0)
+    parser.add_argument("--in-flight", type=int, default=1, help="submissions outstanding at once")
     args = parser.parse_args()
     anyio.run(main_async, args, protocol_channel())
 

@@ -50,12 +50,13 @@ class DataPlaneConfig(Strict):
     1 by measurement: 2-8, with or without ``ucx_threads``, never beat one (``benchmarks/read_lanes.py``)."""
     read_lane_min_bytes: Annotated[int, Field(ge=64 * KiB, le=16 * GiB)] = 8 * MiB
     """Smallest DRAM region split into ``read_lanes`` descriptors."""
-    same_gpu_copy: bool = False
-    """When a payload's producer is on this process's own GPU (same GPU UUID), copy its CUDA regions device
-    to device through the producer's exported pool arena (CUDA IPC) instead of a NIXL READ; any failure
-    falls back to the READ.  Same leases, seal and release as the READ.  Off by default, by measurement: on
-    an H200 the copy took what NIXL's own cuda_ipc READ takes (0.26-0.29 ms against 0.27-0.32 ms, 1-65 MB)
-    and the whole get was 0.05-0.08 ms slower (``benchmarks/same_gpu.py``)."""
+    same_gpu_copy: bool = True
+    """When a payload's producer is on this process's own GPU (same GPU UUID) and its non-empty regions are
+    all VRAM, copy them device to device through the producer's exported pool arena (CUDA IPC, the copy
+    queued with the CUDA runtime's own calls) instead of a NIXL READ; any failure falls back to the READ.
+    Same leases, seal and release as the READ.  On by default, by measurement (H200, two processes on one
+    GPU, ``benchmarks/same_gpu.py``): the whole get 0.31-0.34 ms against the READ's 0.34-0.40 ms (1-65
+    MB), and 0.17-0.20 ms against 0.25-0.26 ms under CUDA MPS."""
     ucx_threads: Annotated[int, Field(ge=0, le=64)] = 0
     """Threads of NIXL's UCX backend (its ``num_threads``); above 0 a transfer's descriptors are spread over
     them.  0 (NIXL's default engine) by measurement: 4 or 8 threads made no DRAM READ faster."""

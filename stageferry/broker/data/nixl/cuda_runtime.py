@@ -21,7 +21,6 @@ slot before it copies).
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import threading
 from pathlib import Path
@@ -70,16 +69,20 @@ class CudaRuntime:
         return fn
 
     @classmethod
-    @functools.cache
     def loaded(cls) -> CudaRuntime | None:
-        """The runtime torch mapped into this process (call after torch has initialised CUDA), or None."""
+        """The runtime torch mapped into this process, or None (none yet: asked again next time, so a
+        call before torch has initialised CUDA does not settle it)."""
+        global _loaded
+        if _loaded is not None:
+            return _loaded
         path = _mapped_cudart()
         if path is None:
             return None
         try:
-            return cls(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW), path)
+            _loaded = cls(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW), path)
         except (OSError, AttributeError):  # not loadable after all, or a runtime without these symbols
             return None
+        return _loaded
 
     def _check(self, status: int, call: str) -> None:
         if status != SUCCESS:
@@ -124,6 +127,9 @@ class CudaRuntime:
     def synchronize(self, event: int) -> None:
         """Block this thread until the work before ``event`` has finished."""
         self._check(self._sync(event), "cudaEventSynchronize")
+
+
+_loaded: CudaRuntime | None = None
 
 
 class RuntimeCopy:

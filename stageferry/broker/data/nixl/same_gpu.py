@@ -13,9 +13,10 @@ On one GPU a NIXL READ (UCX's cuda_ipc under it) was measured at 7–9× a ``tor
   sides and lies inside the mapped arena, and after the same checks as a READ (manifest, arenas, seal,
   freshness) and the same claim, the regions are copied on a stream of our own into our pool slots;
   once the copy is done the producer is released exactly as after a READ (the release notification).
-  The copy is queued with the CUDA runtime's own calls where torch's runtime can be found
-  (:mod:`~stageferry.broker.data.nixl.cuda_runtime`: a few µs of host time against 0.11–0.16 ms through
-  torch's stream, views, ``copy_`` and event in a connector's process), else through torch.
+  The copy is queued with the CUDA runtime's own calls (:mod:`~stageferry.broker.data.nixl.cuda_runtime`:
+  ``cudaMemcpyAsync`` and an event, 0.06 ms of host time in a connector's process where torch's stream,
+  views, ``copy_`` and event took 0.15–0.19 ms); where torch's runtime is not a shared library the arena
+  is not mapped (a :class:`HandshakeError` below) and the peer is READ.
 
 Selected only when both sides are on one GPU UUID; any failure falls back to the NIXL READ: a record
 whose handle does not parse or cannot be opened (another container's ``/dev/shm``, no CUDA) is a
@@ -128,6 +129,8 @@ def open_arena(spec: CudaIpcArena, device: torch.device | None) -> IpcArena:
         )
         if spec.tensor_offset + spec.length > storage.nbytes():
             raise HandshakeError("cuda_ipc arena lies outside its exported storage", length=spec.length)
+        if CudaRuntime.loaded() is None:  # the copy is queued with its calls (cuda_runtime)
+            raise HandshakeError("torch's CUDA runtime is not a shared library here: no same-GPU copy")
         typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)
         view = torch._utils._rebuild_tensor(typed, spec.tensor_offset, (spec.length,), (1,))  # type: ignore[attr-defined]
     except HandshakeError:
@@ -152,18 +155,9 @@ class SameGpu:
 
     def __init__(self, endpoint: Endpoint) -> None:
         self._ep = endpoint
-        self._stream: Any = None  # our own CUDA stream: a copy never queues behind the model's kernels
-        self._events: EventPool | None = None  # the runtime's events, and its stream (made at the first copy)
-        self._raw_stream = 0
+        self._events: EventPool | None = None  # our own stream's events, and the stream: made at the first copy
+        self._stream = 0  # a copy never queues behind the model's kernels
         self.copies = 0  #: payloads copied this way (tests and benchmarks read it)
-        self.use_runtime = True
-        """Queue the copy with the CUDA runtime's calls where it can be found (benchmarks turn it off to
-        compare torch's path side by side)."""
-
-    @property
-    def runtime(self) -> CudaRuntime | None:
-        """The CUDA runtime the copy is queued with, None where torch's path is used."""
-        return CudaRuntime.loaded() if self.use_runtime else None
 
     def usable(self, ref: NixlPayload, arena: IpcArena | None, slots: dict[DeviceKind, Slot]) -> bool:
         """Whether ``ref`` can be copied: the path is on, the peer's arena is mapped, and every non-empty
@@ -179,50 +173,33 @@ class SameGpu:
             for s, r in pairs
         )
 
-    def launch(self, ref: NixlPayload, arena: IpcArena, slots: dict[DeviceKind, Slot]) -> Any:
-        """Queue every region's copy into our slots on our own stream; what is returned says when they are
-        done (``query``, ``synchronize``).  :class:`TransferError` if it cannot be queued."""
-        runtime = self.runtime
-        if runtime is None:
-            return self._launch_torch(ref, arena, slots[DeviceKind.CUDA])
+    def launch(self, ref: NixlPayload, arena: IpcArena, slots: dict[DeviceKind, Slot]) -> RuntimeCopy:
+        """Queue every region's copy into our slot on our own stream (the CUDA runtime's calls); what is
+        returned says when they are done (``query``, ``synchronize``).  :class:`TransferError` if it
+        cannot be queued."""
+        rt = CudaRuntime.loaded()
+        if rt is None:  # open_arena maps nothing without it
+            raise TransferError("same-GPU copy failed: no CUDA runtime to queue it with")
+        local = slots[DeviceKind.CUDA]
         try:
-            return self._launch_runtime(runtime, ref, arena, slots[DeviceKind.CUDA])
-        except RuntimeError as exc:
+            rt.set_device(local.device_id)
+            if self._events is None:
+                self._stream, self._events = rt.stream(), EventPool(rt)
+            dst = local.view.data_ptr()
+            for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True):
+                if not spec.nbytes:
+                    continue
+                start = arena.offset(remote.address, remote.length)
+                if start is None or spec.nbytes > remote.length or spec.nbytes > local.nbytes:
+                    raise TransferError("same-GPU copy failed: a region does not fit its arena or our slot")
+                rt.copy(dst, arena.base + start, spec.nbytes, self._stream)
+            event = self._events.take()
+            rt.record(event, self._stream)
+        except RuntimeError as exc:  # the runtime's status, translated once here
             raise TransferError(f"same-GPU copy failed: {exc}") from exc
-
-    def _launch_runtime(self, rt: CudaRuntime, ref: NixlPayload, arena: IpcArena, local: Slot) -> RuntimeCopy:
-        rt.set_device(local.device_id)
-        if self._events is None:
-            self._raw_stream, self._events = rt.stream(), EventPool(rt)
-        dst = local.view.data_ptr()
-        for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True):
-            if not spec.nbytes:
-                continue
-            start = arena.offset(remote.address, remote.length)
-            if start is None or spec.nbytes > remote.length or spec.nbytes > local.nbytes:
-                raise TransferError("same-GPU copy: a region does not fit its arena or our slot", bytes=spec.nbytes)
-            rt.copy(dst, arena.base + start, spec.nbytes, self._raw_stream)
-        event = self._events.take()
-        rt.record(event, self._raw_stream)
         return RuntimeCopy(event, self._events)
 
-    def _launch_torch(self, ref: NixlPayload, arena: IpcArena, local: Slot) -> Any:
-        try:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(local.view.device)
-            with torch.cuda.stream(self._stream):
-                for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True):
-                    if spec.nbytes:
-                        src = arena.region(remote.address, remote.length)
-                        assert src is not None  # usable() checked it
-                        local.view[: spec.nbytes].copy_(src[: spec.nbytes], non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self._stream)
-        except Exception as exc:  # noqa: BLE001 - torch's errors, translated once here
-            raise TransferError(f"same-GPU copy failed: {type(exc).__name__}: {exc}") from exc
-        return done
-
-    async def wait(self, done: Any) -> None:
+    async def wait(self, done: RuntimeCopy) -> None:
         """Return once the copy :meth:`launch` queued is done; :class:`TransferError` if it outlives the
         transfer timeout; a cancelled wait still waits (shielded) for the copy, so nothing writes into
         slots given back."""
@@ -238,7 +215,7 @@ class SameGpu:
         """:meth:`launch` then :meth:`wait`: the bytes are there when it returns (for any stream)."""
         await self.wait(self.launch(ref, arena, slots))
 
-    async def _wait(self, done: Any, deadline: float) -> None:
+    async def _wait(self, done: RuntimeCopy, deadline: float) -> None:
         started = time.monotonic()
         while not done.query():
             now = time.monotonic()

@@ -19,6 +19,7 @@ import structlog
 import torch
 
 from stageferry.broker.control.keys import Keys
+from stageferry.broker.data.nixl.cuda_runtime import CudaRuntime
 from stageferry.broker.data.nixl.same_gpu import IpcArena, SameGpu
 from stageferry.broker.data.payload_codec import plan_payload
 from stageferry.config import DataPlaneConfig
@@ -174,22 +175,19 @@ def test_the_handle_message_is_versioned_and_bounded() -> None:
 
 
 @CUDA
-@pytest.mark.parametrize("path", ["runtime", "torch"])
 @pytest.mark.parametrize("spec", ["gpu:T2VA", "gpu:FL2VA", "gpu:Ref2VA"])
 async def test_a_producer_on_our_gpu_is_copied_device_to_device(
     start_producer: Any,  # noqa: F811 - the fixture imported above
     redis_url: str,
     prefix: str,
     spec: str,
-    path: str,
 ) -> None:
-    """Both ways of queueing the copy — the CUDA runtime's calls (the default wherever torch's runtime is a
-    shared library, as in every CUDA wheel) and torch's — deliver the producer's bytes exactly."""
+    """The copy, queued with the CUDA runtime's calls (torch's own libcudart), delivers the producer's
+    bytes exactly, by default (``same_gpu_copy`` is on unless switched off)."""
     dev = torch.device("cuda", 0)
     producer = start_producer("--payloads", f"{spec},{spec}", "--device", "cuda:0", "--hold", "go")
-    async with consumer(redis_url, prefix, cuda_device=dev, upstream="encoder", same_gpu_copy=True) as conn:
-        conn.consumer.same_gpu.use_runtime = path == "runtime"
-        assert (conn.consumer.same_gpu.runtime is not None) is (path == "runtime")  # found where CUDA is
+    async with consumer(redis_url, prefix, cuda_device=dev, upstream="encoder") as conn:
+        assert CudaRuntime.loaded() is not None  # found where CUDA is
         peer = await eventually(
             lambda: _async(next(iter(conn.peers.peers_of("encoder")), None)), timeout=60, what="connected"
         )
@@ -208,27 +206,22 @@ async def test_a_producer_on_our_gpu_is_copied_device_to_device(
 
 
 @CUDA
-@pytest.mark.parametrize("path", ["runtime", "torch"])
 async def test_a_copy_that_fails_falls_back_to_the_read(
     start_producer: Any,  # noqa: F811 - the fixture imported above
     redis_url: str,
     prefix: str,
-    path: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     dev = torch.device("cuda", 0)
     producer = start_producer("--payloads", "gpu:FL2VA", "--device", "cuda:0", "--hold", "go")
     async with consumer(redis_url, prefix, cuda_device=dev, upstream="encoder", same_gpu_copy=True) as conn:
-        same_gpu = conn.consumer.same_gpu
-        same_gpu.use_runtime = path == "runtime"
         peer = await eventually(
             lambda: _async(next(iter(conn.peers.peers_of("encoder")), None)), timeout=60, what="connected"
         )
         assert peer.ipc is not None
-        if same_gpu.runtime is not None:  # the runtime refuses the copy: cudaErrorInvalidValue (1)
-            monkeypatch.setattr(same_gpu.runtime, "_memcpy", lambda *args: 1)
-        else:
-            peer.ipc.view = peer.ipc.view[:16]  # every region now reads 16 bytes: torch refuses the copy
+        runtime = CudaRuntime.loaded()
+        assert runtime is not None
+        monkeypatch.setattr(runtime, "_memcpy", lambda *args: 1)  # the runtime refuses: cudaErrorInvalidValue
         producer.redis.set(f"{prefix}:test:go", 1)
         item = producer.take()
         ref, blob = ref_of(item)
