@@ -262,6 +262,18 @@ def test_hops_merge_progress_and_carry_transports() -> None:
     assert found[-1].seconds is None
 
 
+def test_a_start_folded_into_the_next_one_still_shows_in_the_trace() -> None:
+    """A first stage's queued and running are one events row (written by one script): the row's ``folded``
+    field, the queued status, still makes its own event and the queue's hop."""
+    rows = sample_rows()
+    queued, running = rows[0][1], rows[1][1]
+    folded_rows = [(rows[1][0], {**running, "folded": json.dumps(queued["status"])}), *rows[2:]]
+    assert parse_events(folded_rows) == parse_events([(rows[1][0], queued), (rows[1][0], running), *rows[2:]])
+    found = hops(parse_events(folded_rows))
+    assert [(h.state, h.stage) for h in found[:2]] == [("queued", "encoder"), ("running", "encoder")]
+    assert found[0].seconds == pytest.approx(0.1)  # the time the entry waited for the first stage
+
+
 def test_format_trace_table() -> None:
     text = format_trace(parse_events(sample_rows()))
     lines = text.splitlines()

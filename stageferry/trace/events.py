@@ -1,7 +1,8 @@
 """A request's trace: the rows of ``<p>:req-events:<id>`` turned into time-ordered events and a table.
 
 Two kinds of rows land in that stream: ``status`` rows (written with every status change, fields
-``state`` and ``status``) and ``log`` rows (structured log events forwarded by each service's
+``state`` and ``status``; ``folded``, on one that replaced a status written by the same script:
+:func:`folded_row`) and ``log`` rows (structured log events forwarded by each service's
 :class:`~stageferry.logs.EventSink`, field ``event``).  Log events are read by these keys, so that
 services only need to log them: ``timestamp`` (ISO), ``service``, ``stage``, ``rank``, ``event``,
 ``transport``, ``bytes`` (or ``payload_bytes``/``nbytes``) and ``seconds`` (or ``elapsed_s``,
@@ -114,9 +115,20 @@ def parse_row(entry_id: str, fields: Mapping[str, Any]) -> TraceEvent | None:
     return None
 
 
+def folded_row(entry_id: str, fields: Mapping[str, Any]) -> TraceEvent | None:
+    """The status a ``status`` row replaced within the same script (its ``folded`` field: a first stage's
+    ``queued``, written with its ``running`` at one instant, gets no event of its own), as the event it
+    would have had; None for a row without one."""
+    if fields.get("kind") != "status" or fields.get("folded") is None:
+        return None
+    status = _json_object(fields["folded"])
+    return parse_row(entry_id, {"kind": "status", "state": status.get("state"), "status": status})
+
+
 def parse_events(rows: Iterable[tuple[str, Mapping[str, Any]]]) -> list[TraceEvent]:
-    """All rows → events sorted by time (ties keep stream order)."""
-    events = [ev for eid, fields in rows if (ev := parse_row(eid, fields)) is not None]
+    """All rows → events sorted by time (ties keep stream order); a status row that carries the status it
+    replaced (:func:`folded_row`) counts as both, the replaced one first."""
+    events = [ev for eid, fields in rows for ev in (folded_row(eid, fields), parse_row(eid, fields)) if ev is not None]
     return sorted(events, key=lambda ev: (ev.timestamp, _entry_seq(ev.entry_id)))
 
 
@@ -339,6 +351,7 @@ __all__ = [
     "SAVED_TRACE_VERSION",
     "Hop",
     "TraceEvent",
+    "folded_row",
     "format_trace",
     "hops",
     "load_saved_trace",

@@ -343,7 +343,7 @@ class RequestStore(RequestWaits):
 
 def _decode_event(fields: dict[bytes, bytes]) -> dict[str, Any]:
     out: dict[str, Any] = {k.decode(): v.decode(errors="replace") for k, v in fields.items()}
-    for name in ("event", "status"):
+    for name in ("event", "status", "folded"):
         if name in out:
             try:
                 out[name] = json.loads(out[name])

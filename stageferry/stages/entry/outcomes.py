@@ -192,7 +192,9 @@ class Outcomes:
         (``EntryGuard.admit_and_look``): a client's entry's :meth:`submitted`, and its :meth:`running` when
         the job has no media to load (``media_free``: a first stage writes ``running`` after loading the
         job's media, which may refuse it, so then that stays a write of its own); on a later stage
-        :meth:`running`; none for an entry of another kind."""
+        :meth:`running`; none for an entry of another kind.  The script writes both into the record and
+        one status event for them, the ``running`` one, carrying the ``queued`` status (``folded``) so
+        that a trace still shows the time the entry waited."""
         if envelope.from_stage == "client":
             queued = self.status_write(
                 envelope.request_id, RequestState.QUEUED, mode="create", **self._submitted(entry)

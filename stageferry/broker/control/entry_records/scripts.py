@@ -114,10 +114,30 @@ local function status_at(at)
           order={ARGV[at + 5], ARGV[at + 6], ARGV[at + 7], ARGV[at + 8]}}
 end
 
+-- The event of status `w` on the events stream (a terminal one names the record's job, ``job_sha``; one
+-- that replaced `folded`, a status written by the same script at the same instant, carries that status
+-- as its field ``folded``, so that a trace still shows it); it tells the script the server's clock.
+local function emit(rec, events, w, folded)
+  local fields = {'kind', 'status', 'state', w.state, 'status', w.status}
+  if TERMINAL[w.state] and rec.job_sha then  -- whose job ended: a waiter needs no HGET of job_sha
+    fields[#fields + 1] = 'job_sha'
+    fields[#fields + 1] = rec.job_sha
+  end
+  if folded then
+    fields[#fields + 1] = 'folded'
+    fields[#fields + 1] = folded.status
+  end
+  local id = redis.call('XADD', events, 'MAXLEN', '~', w.maxlen, '*', unpack(fields))
+  clock = tonumber(string.match(id, '^(%d+)'))
+  rec.events = events
+end
+
 -- Write status `w` unless the record is terminal or the mode forbids it (0), or it is older than the
 -- stored one (-1: orders compared field by field, so a late writer never moves a request back); 1 if
--- written, with its event on the events stream (a terminal one names the record's job, ``job_sha``).
-local function set_status(rec, events, w)
+-- written, with its event on the events stream.  `quiet`: a write that the next one of the same script
+-- may replace (a script makes one quiet write at a time), whose event waits (``rec.unsent``): the next
+-- write's event carries it (``emit``), and ``flush`` sends it alone when no next write is written.
+local function set_status(rec, events, w, quiet)
   if rec.state and TERMINAL[rec.state] then return 0 end
   if (w.mode == 'create' and rec.state) or (w.mode == 'update' and not rec.state) then return 0 end
   if w.mode == 'unowned' and rec.job_sha then return 0 end
@@ -133,17 +153,22 @@ local function set_status(rec, events, w)
   put(rec, 'state', w.state, w.ttl)
   put(rec, 'status', w.status, w.ttl)
   put(rec, 'order', table.concat(w.order, ' '), w.ttl)
-  local id
-  if TERMINAL[w.state] and rec.job_sha then  -- whose job ended: a waiter needs no HGET of job_sha
-    id = redis.call('XADD', events, 'MAXLEN', '~', w.maxlen, '*',
-                    'kind', 'status', 'state', w.state, 'status', w.status, 'job_sha', rec.job_sha)
+  local folded = rec.unsent
+  rec.unsent = nil
+  if quiet then
+    rec.unsent = {w=w, events=events}
   else
-    id = redis.call('XADD', events, 'MAXLEN', '~', w.maxlen, '*',
-                    'kind', 'status', 'state', w.state, 'status', w.status)
+    emit(rec, events, w, folded and folded.w)
   end
-  clock = tonumber(string.match(id, '^(%d+)'))
-  rec.events = events
   return 1
+end
+
+-- Send the event of a quiet write that no later write replaced (``set_status``).
+local function flush(rec)
+  if rec.unsent then
+    emit(rec, rec.unsent.events, rec.unsent.w, nil)
+    rec.unsent = nil
+  end
 end
 
 -- Whether `consumer` owns entry `id` of `stream` (a lost group raises NOGROUP: the caller makes it again).
@@ -206,7 +231,9 @@ return admitted
 #: A first delivery's whole start in one step: the admission, the crash mark, what the stage must know
 #: before it runs the entry (the look: the record's status, the cancel flag, and which entry owns this run —
 #: the record's field ``run:<stage>:<attempt>``, taken by the first entry that looks), and the statuses that
-#: start it (up to two, written only when it will run: not cancelled, and this entry owns the run).  KEYS:
+#: start it (up to two, written only when it will run: not cancelled, and this entry owns the run; with one
+#: status event, the last start's, which carries the first as its ``folded`` field: a first stage's
+#: ``queued`` and ``running``, written at one instant, never showed apart in the record).  KEYS:
 #: record, cancel flag, events [, the entry's stream].  ARGV: job digest, ttl, group, consumer, entry id,
 #: run field, crash field, number of starts, then each start's nine.  Returns {admitted} for a taken
 #: id (-1: no mark, no look) or an entry not held (0: nothing), else {admitted, status, cancelled, claimed,
@@ -228,10 +255,12 @@ local cancelled = redis.call('EXISTS', KEYS[2])
 local claimed, owner = own_run(rec, ARGV[6], id, ARGV[2])
 local started = 0
 if cancelled == 0 and owner == id then
-  for i = 1, tonumber(ARGV[8]) do
-    set_status(rec, KEYS[3], status_at(9 + (i - 1) * 9))
+  local n = tonumber(ARGV[8])
+  for i = 1, n do  -- one event for them all: every start but the last is folded into the next one's
+    set_status(rec, KEYS[3], status_at(9 + (i - 1) * 9), i < n)
     started = 1
   end
+  flush(rec)
 end
 save(rec)
 return {admitted, status, cancelled, claimed, owner, started}
