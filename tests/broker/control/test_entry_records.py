@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,15 +64,24 @@ def run_keys(keys: Keys, rid: str, entry_id: str = "1-0", attempt: int = 0) -> E
     return EntryKeys.of(keys, rid, "diffusion", attempt, entry_id)
 
 
+def queued_then_running(
+    store: RequestStore, rid: str, then: Any = "update", first: Any = "any"
+) -> tuple[StatusWrite, StatusWrite]:
+    """A first stage's two starts of ``rid`` at stage diffusion: ``queued`` (mode ``first``), then
+    ``running`` (mode ``then``)."""
+    queued = store.status_write(RequestStatus(request_id=rid, state=RequestState.QUEUED, stage="diffusion"), mode=first)
+    running = store.status_write(
+        RequestStatus(request_id=rid, state=RequestState.RUNNING, stage="diffusion"), mode=then
+    )
+    return queued, running
+
+
 @pytest.mark.anyio
 async def test_a_first_delivery_s_start_comes_back_typed_and_writes_its_starts_in_order(
     records: tuple[EntryRecords, RequestStore, Keys],
 ) -> None:
     entry_records, store, keys = records
-    queued = store.status_write(RequestStatus(request_id="e-1", state=RequestState.QUEUED, stage="diffusion"))
-    running = store.status_write(
-        RequestStatus(request_id="e-1", state=RequestState.RUNNING, stage="diffusion"), mode="update"
-    )
+    queued, running = queued_then_running(store, "e-1")
     assert isinstance(queued, StatusWrite) and queued.order.rank == 0 and running.order.rank == 1
     run = run_keys(keys, "e-1")
     admitted = await entry_records.admit_mark_and_look(run, JOB_DIGEST, "1-0", held=None, starts=(queued, running))
@@ -108,10 +118,7 @@ async def test_a_start_that_is_not_replaced_keeps_its_own_event(
     records: tuple[EntryRecords, RequestStore, Keys],
 ) -> None:
     entry_records, store, keys = records
-    queued = store.status_write(RequestStatus(request_id="e-8", state=RequestState.QUEUED, stage="diffusion"))
-    refused = store.status_write(  # the record has a job once admitted: an 'unowned' write is refused
-        RequestStatus(request_id="e-8", state=RequestState.RUNNING, stage="diffusion"), mode="unowned"
-    )
+    queued, refused = queued_then_running(store, "e-8", "unowned")  # admitted, the record has a job: refused
     await entry_records.admit_mark_and_look(
         run_keys(keys, "e-8"), JOB_DIGEST, "1-0", held=None, starts=(queued, refused)
     )
@@ -121,12 +128,8 @@ async def test_a_start_that_is_not_replaced_keeps_its_own_event(
     assert status is not None and status.state is RequestState.QUEUED
 
     assert await store.set_status(RequestStatus(request_id="e-9", state=RequestState.QUEUED, stage="encoder"))
-    queued = store.status_write(
-        RequestStatus(request_id="e-9", state=RequestState.QUEUED, stage="diffusion"), mode="create"
-    )
-    running = store.status_write(
-        RequestStatus(request_id="e-9", state=RequestState.RUNNING, stage="diffusion"), mode="update"
-    )  # the record exists: the 'create' start is refused, the running one written with an event of its own
+    queued, running = queued_then_running(store, "e-9", first="create")
+    # the record exists: the 'create' start is refused, the running one written with an event of its own
     await entry_records.admit_mark_and_look(
         run_keys(keys, "e-9"), JOB_DIGEST, "1-0", held=None, starts=(queued, running)
     )
