@@ -21,8 +21,7 @@ The first stage also has an :class:`~stageferry.broker.control.intake.Intake`: c
 onto lists, never onto the stream, and every read moves up to ``count`` of them into the stream first (the
 read script does the move itself: one call, no extra round trip nor script).  Clients cannot push the wake
 list (a client's item there would be popped whole), so an idle first stage polls its intake every
-:data:`INTAKE_POLL_S`; a read of its that moves nothing looks at the stream itself only now and then
-(:meth:`StageStream._first_phases`), as what its clients sent comes with the move.
+:data:`INTAKE_POLL_S`.
 
 The wait and the scripts (read, hand-off, finish, ack, renew) go over two lean connections of this stream's
 own (:mod:`~stageferry.broker.control.resp_link`: one blocks in the wait, one carries the scripts), which
@@ -246,7 +245,7 @@ class StageStream:
         own un-acked ones would otherwise come back first, and as redeliveries).  It skips the reclaim of
         dead replicas' entries too: such a reader takes its own and reclaimed ones with plain reads, when
         it starts and whenever it has nothing in hand."""
-        entries = await self._read_via_script(">" if new_only else self._first_phases(), count)
+        entries = await self._read_via_script(">" if new_only else self._phases(), count)
         deadline = time.monotonic() + block_ms / 1000
         while not entries:
             remaining = deadline - time.monotonic()
@@ -255,22 +254,6 @@ class StageStream:
             entries = await self._wait_and_read(min(remaining, self._poll_s), count)
         self._keep_hot()
         return entries
-
-    def _first_phases(self) -> str:
-        """A read's first try (no wait): :meth:`_phases`; a first stage's that would only read new entries
-        looks at its stream only if its move moves something, unless it last looked :data:`WAKE_POLL_S`
-        ago or more, as its polls do (:meth:`_wait_and_read`), or its last read may have left entries
-        there (:meth:`_entries`).  Its clients' submissions come with the move, and the read that moves
-        them reads them in the same script; the look is for entries others XADDed, and whoever delivers one
-        of those looks again on its next read (so a stream of them is read at once, not once a poll)."""
-        phases = self._phases()
-        if self.intake is None:
-            return phases
-        now = time.monotonic()
-        if phases == ">" and now < self._next_stream_look:
-            return "ifmoved,>"
-        self._next_stream_look = now + WAKE_POLL_S
-        return phases
 
     def _phases(self) -> str:
         """A full read's phases: own pending entries while there may be some, the reclaim when it is due,
@@ -354,8 +337,6 @@ class StageStream:
                 lease_claimed=None if int(claimed) < 0 else bool(int(claimed)),
             )
             self._source[entry.id] = stream
-            if phase != b">" or not ("submission" in entry.fields or "oversized" in entry.fields):
-                self._next_stream_look = 0.0  # not a submission this read moved: more may wait in the stream
             if phase == b"claim":
                 log.warning("stream.reclaimed", stream=stream, entry=entry.id, deliveries=entry.deliveries)
             entries.append(entry)

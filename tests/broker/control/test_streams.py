@@ -1,7 +1,6 @@
 """A stage stream's read, on real Redis: it claims each new entry's lease in the same script
 (:class:`LeaseClaim`): won, taken already, not tried for redeliveries or without the field, and never
-outside the prefix; a new-only read skips the entries in hand; the links stay hot after an entry; a first
-stage's read that moved nothing looks at its stream only when it may hold something."""
+outside the prefix; a new-only read skips the entries in hand; the links stay hot after an entry."""
 
 from __future__ import annotations
 
@@ -10,8 +9,6 @@ import asyncio
 import anyio
 import pytest
 
-from stageferry.broker.control import streams
-from stageferry.broker.control.intake import Intake
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
 from stageferry.broker.control.streams import LEASE_FIELD, LeaseClaim, StageStream
@@ -147,40 +144,3 @@ async def test_a_new_only_read_skips_entries_in_hand_and_a_plain_read_returns_th
         (again,) = await a.read(1, block_ms=0)  # a plain read: its own un-acked entries first
         assert again.id == first.id and again.deliveries == 2 and again.lease_claimed is None
         await a.aclose()
-
-
-async def test_a_first_stage_s_read_after_an_entry_looks_at_its_stream_only_when_it_may_hold_something(
-    prefix: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A first stage's clients' submissions come with its read's move (read in the same script), so a read
-    that moves nothing looks at the stream (XREADGROUP) only every ``WAKE_POLL_S`` (here 30 s), when woken,
-    or after it delivered an entry that was no submission it moved — so entries XADDed by others are still
-    read one after another at once."""
-    monkeypatch.setattr(streams, "WAKE_POLL_S", 30.0)
-    keys = Keys(prefix)
-    async with EmbeddedRedis() as server, open_client(server.url) as redis:
-        intake = Intake(redis, keys, "encoder", max_item_bytes=1 << 20)
-        first = StageStream(redis, keys, "encoder", "encoder-a", visibility_ms=60_000, intake=intake)
-        await first.ensure_group()
-
-        async def looks() -> int:  # XREADGROUPs so far (inside scripts too)
-            return int((await redis.info("commandstats")).get("cmdstat_xreadgroup", {}).get("calls", 0))
-
-        assert await first.read(1, block_ms=0) == []  # a full look, then none for WAKE_POLL_S
-        await redis.rpush(keys.intake("encoder"), b'{"request_id": "s1"}')
-        before = await looks()
-        (moved,) = await first.read(1, block_ms=0)  # moved and read in one script
-        assert moved.text("submission") == '{"request_id": "s1"}' and await looks() == before + 1
-        assert await first.ack(moved.id)
-        assert await first.read(1, block_ms=0) == [] and await looks() == before + 1  # moved nothing: no look
-
-        stream = keys.stage_stream("encoder")
-        await redis.xadd(stream, {"request_id": "r1"})  # someone else's entry, no wake: not looked for yet
-        assert await first.read(1, block_ms=0) == []
-        await redis.lpush(keys.wake("encoder"), b"1")  # a hand-back wakes it: it looks
-        (woken,) = await first.read(1, block_ms=5_000)
-        assert woken.text("request_id") == "r1" and await first.ack(woken.id)
-        await redis.xadd(stream, {"request_id": "r2"})  # an entry that was no submission: the next read looks
-        (after,) = await first.read(1, block_ms=0)
-        assert after.text("request_id") == "r2"
-        await first.aclose()
