@@ -145,7 +145,9 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "died with: set before the work, cleared after)",
     "events": (
         "stream: the request's trace (log events `kind=log`, `event`; status changes `kind=status`, `state`, "
-        "`status`, and on a terminal one the record's `job_sha`)"
+        "`status`, and on a terminal one the record's `job_sha`; a first stage's `queued` and `running`, "
+        "written together for a job without media, are one row, the `running` one, with the `queued` status "
+        "in its field `folded`)"
     ),
     "chunks": "stream: a streamed payload's chunk announcements (JSON `chunk`, inline `blob`), in order, TTL",
     "chunk_state": "hash: a streamed payload's progress: `applied` (highest chunk index the consumer applied), "
