@@ -12,6 +12,19 @@ run_step() {
   } 2>&1 | tee "$out/$name.txt"
 }
 
+# wait_for_redis PORT: returns once the Redis on 127.0.0.1:PORT answers PING (10 s at most: then it fails).
+wait_for_redis() {
+  python3 -c "
+import sys, time, redis
+deadline = time.monotonic() + 10
+while True:
+    try:
+        redis.Redis(port=int(sys.argv[1]), socket_timeout=1).ping(); break
+    except redis.RedisError:
+        if time.monotonic() > deadline: raise
+        time.sleep(0.05)" "$1"
+}
+
 # device_setup: the carried wheels (.whl, ../shared/tools/device-wheels.sh) installed into python3's own
 # site (every time: a warm machine may hold an older set; pip skips what is there already), the carried
 # redis-server started on 6379 unless one answers (waited for, not slept on), then what there is.
@@ -21,15 +34,7 @@ device_setup() {
   fi
   if ! python3 -c "import redis; redis.Redis(socket_timeout=1).ping()" 2>/dev/null && [ -x .whl/redis/redis-server ]; then
     (LD_LIBRARY_PATH=$PWD/.whl/redis .whl/redis/redis-server --port 6379 --save '' --daemonize yes >/dev/null)
-    python3 -c "
-import time, redis
-deadline = time.monotonic() + 10
-while True:
-    try:
-        redis.Redis(socket_timeout=1).ping(); break
-    except redis.RedisError:
-        if time.monotonic() > deadline: raise
-        time.sleep(0.05)"
+    wait_for_redis 6379
   fi
   python3 -c "import torch, nixl, redis; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0), redis.Redis().ping())"
   nvidia-smi -L 2>/dev/null || true

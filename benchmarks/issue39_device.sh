@@ -20,7 +20,7 @@
 #             --clients, default 4 here, TPUT_CLIENTS), 8 replicas a stage, 4000 requests, this tree against
 #             .base (the base's stageferry with this tree's benchmarks: the same benchmark), 2 rounds
 #   tput_io   this tree's throughput.py alone against a redis-server with io-threads 1 and 4 (reads too)
-#   mps_copy  same_gpu alone under this call's own MPS control daemon (as mps, without same_gpu_parts)
+#   mps_copy  same_gpu alone under this call's own MPS control daemon (mps without same_gpu_parts)
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
 #             round's base (a copy of it carried as .base: `git archive <base> stageferry benchmarks tests
 #             pyproject.toml | tar -x -C .base`), benchmarks/commands_compare.py
@@ -44,23 +44,16 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
     same_gpu_parts) run_step "$s" 120 python3 benchmarks/same_gpu_parts.py --iters 50 --warmup 10 ;;
     cold_gpu) run_step "${s}_t2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 359024 --rounds 3 --hops 20
               run_step "${s}_fl2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 11158136 --rounds 3 --hops 20 ;;
-    mps) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps/log
+    mps|mps_copy) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps/log
          mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
          if nvidia-cuda-mps-control -d; then
            run_step mps_same_gpu 90 python3 benchmarks/same_gpu.py --iters 30 --warmup 5 --log "$out/mps_producer.log"
-           run_step mps_same_gpu_parts 120 python3 benchmarks/same_gpu_parts.py --iters 50 --warmup 10
-           echo get_server_list | nvidia-cuda-mps-control > "$out/mps_servers.txt" 2>&1
+           if [ "$s" = mps ]; then
+             run_step mps_same_gpu_parts 120 python3 benchmarks/same_gpu_parts.py --iters 50 --warmup 10
+             echo get_server_list | nvidia-cuda-mps-control > "$out/mps_servers.txt" 2>&1
+           fi
            echo quit | nvidia-cuda-mps-control
-           cp "$CUDA_MPS_LOG_DIRECTORY"/*.log "$out/" 2>/dev/null
-         else
-           echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/mps_same_gpu.txt"
-         fi
-         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
-    mps_copy) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps/log
-         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-         if nvidia-cuda-mps-control -d; then
-           run_step mps_same_gpu 90 python3 benchmarks/same_gpu.py --iters 30 --warmup 5 --log "$out/mps_producer.log"
-           echo quit | nvidia-cuda-mps-control
+           [ "$s" = mps ] && cp "$CUDA_MPS_LOG_DIRECTORY"/*.log "$out/" 2>/dev/null
          else
            echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/mps_same_gpu.txt"
          fi
@@ -76,15 +69,7 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
          for io in 1 4; do
            (LD_LIBRARY_PATH=$PWD/.whl/redis .whl/redis/redis-server --port $port --save '' --appendonly no \
               --io-threads $io --io-threads-do-reads yes --daemonize yes --logfile /tmp/sf-io$io.log >/dev/null)
-           python3 -c "
-import time, redis
-deadline = time.monotonic() + 10
-while True:
-    try:
-        redis.Redis(port=$port, socket_timeout=1).ping(); break
-    except redis.RedisError:
-        if time.monotonic() > deadline: raise
-        time.sleep(0.05)"
+           wait_for_redis $port
            run_step "tput_io$io" 150 python3 benchmarks/throughput.py --tasks T2VA --replicas 8 --requests 4000 \
              --edges nixl --clients "${TPUT_CLIENTS:-4}" --redis-url "redis://127.0.0.1:$port/0"
            python3 -c "

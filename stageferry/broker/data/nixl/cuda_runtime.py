@@ -9,7 +9,7 @@ microseconds of host time.
 The library is the ``libcudart`` torch itself mapped (found in ``/proc/self/maps`` once torch has
 initialised CUDA), so the calls run in torch's own runtime and primary context; where there is none to
 find (a torch with the runtime linked in statically, no CUDA), :meth:`CudaRuntime.loaded` returns None and
-the caller keeps torch's path.  Every call's status is checked: a failure is a ``RuntimeError`` naming the
+the same-GPU path maps no arena (its peers are READ).  Every call's status is checked: a failure is a ``RuntimeError`` naming the
 call and the runtime's message, which the same-GPU path turns into its :class:`TransferError` (and the
 READ follows).
 
