@@ -9,9 +9,9 @@ microseconds of host time.
 The library is the ``libcudart`` torch itself mapped (found in ``/proc/self/maps`` once torch has
 initialised CUDA), so the calls run in torch's own runtime and primary context; where there is none to
 find (a torch with the runtime linked in statically, no CUDA), :meth:`CudaRuntime.loaded` returns None and
-the same-GPU path maps no arena (its peers are READ).  Every call's status is checked: a failure is a ``RuntimeError`` naming the
-call and the runtime's message, which the same-GPU path turns into its :class:`TransferError` (and the
-READ follows).
+the same-GPU path maps no arena (its peers are READ).  Every call's status is checked: a failure is a
+``RuntimeError`` naming the call and the runtime's message, which the same-GPU path turns into its
+:class:`TransferError` (and the READ follows).
 
 Contract for callers: pointers are device addresses valid in this process (our pool's slots, a mapped
 CUDA IPC arena); bounds are the caller's (the same-GPU path checks every region against the arena and the
