@@ -4,6 +4,7 @@
     python benchmarks/throughput.py --tasks T2VA --replicas 1 --requests 50
     python benchmarks/throughput.py --tasks Ref2VA --replicas 4,8 --edges nixl --output in-place
     python benchmarks/throughput.py --tasks T2VA --replicas 8 --edges nixl --requests 2000 --clients 4
+    python benchmarks/throughput.py --tasks T2VA --replicas 8 --edges nixl --entries-in-flight 1,4 --requests 4000
 
 Real services, as deployed: per configuration a private key prefix, ``stageferry serve`` processes for an
 ``encoder`` and a ``diffusion`` stage (``--replicas`` of each, TP1, ``benchmarks/null_model.py``), and
@@ -66,9 +67,17 @@ CLIENT_SCRIPT = Path(__file__).resolve().with_name("throughput_client.py")
 FIRST_SEED = 1000
 
 
-def pipeline_toml(connector: str, payload_bytes: int, ready_slots: bool = True, hot_wait: float | None = None) -> str:
+def pipeline_toml(
+    connector: str,
+    payload_bytes: int,
+    ready_slots: bool = True,
+    hot_wait: float | None = None,
+    entries_in_flight: int = 1,
+) -> str:
+    # entries_in_flight is written only when it is not the default, so a base tree from before it still loads
+    held = "" if entries_in_flight == 1 else f"entries_in_flight = {entries_in_flight}\n"
     stages = "".join(
-        f'[[stages]]\nname = "{name}"\nmodel = "benchmarks.null_model:factory"\ntp = 1\ndevice = "cpu"\n\n'
+        f'[[stages]]\nname = "{name}"\nmodel = "benchmarks.null_model:factory"\ntp = 1\ndevice = "cpu"\n{held}\n'
         for name in STAGES
     )
     pool = max(256 << 20, 8 * payload_bytes)
@@ -196,12 +205,13 @@ async def run_config(
     hot_wait: float | None = None,
     clients: int = 1,
     in_flight: int = 1,
+    entries_in_flight: int = 1,
 ) -> dict[str, Any]:
     prefix = f"tput-{uuid.uuid4().hex[:8]}"
     tally_dir = workdir / f"{prefix}-tally"  # every process's round trips per call site (tally.py)
     os.environ[tally.ENV] = str(tally_dir)
     pipeline = workdir / f"{prefix}.toml"
-    pipeline.write_text(pipeline_toml(connector, TASK_BYTES[task], ready_slots, hot_wait))
+    pipeline.write_text(pipeline_toml(connector, TASK_BYTES[task], ready_slots, hot_wait, entries_in_flight))
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -306,7 +316,7 @@ async def command_counts(redis: Any) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in info.items()}
 
 
-def submission_line(task: str, replicas: int, connector: str, r: dict[str, Any]) -> str:
+def submission_line(task: str, replicas: str, connector: str, r: dict[str, Any]) -> str:
     """Whether submitting is still the limit: the slowest client's submit s against the wall time."""
     line = (
         f"{task} x{replicas} {connector}: submit s {r['submit_s']:.2f} (the slowest of {r['clients']} client "
@@ -315,6 +325,11 @@ def submission_line(task: str, replicas: int, connector: str, r: dict[str, Any])
     if r["clients"] > 1:
         line += f"; the clients began within {r['start_spread_ms']:.2f} ms of each other"
     return line
+
+
+def replicas_label(replicas: int, entries_in_flight: int) -> str:
+    """The replicas column: ``8``, or ``8 (4 held)`` for leaders holding 4 entries at once."""
+    return str(replicas) if entries_in_flight == 1 else f"{replicas} ({entries_in_flight} held)"
 
 
 def busy_cell(cpu: dict[str, float], party: str) -> str:
@@ -327,7 +342,7 @@ async def main_async(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="sf-tput-") as tmp:
         rows = []
         for task in args.tasks:
-            for replicas in args.replicas:
+            for replicas, held in [(n, k) for n in args.replicas for k in args.entries_in_flight]:
                 for connector in args.edges:
                     r = await run_config(
                         args.redis_url,
@@ -341,9 +356,11 @@ async def main_async(args: argparse.Namespace) -> None:
                         args.hot_wait,
                         args.clients,
                         args.in_flight,
+                        held,
                     )
-                    rows.append((task, replicas, connector, r))
-                    print(f"# {task} x{replicas} {connector}: {r['rps']:.1f} req/s", file=sys.stderr, flush=True)
+                    label = replicas_label(replicas, held)
+                    rows.append((task, label, connector, r))
+                    print(f"# {task} x{label} {connector}: {r['rps']:.1f} req/s", file=sys.stderr, flush=True)
     print(f"machine: {machine_facts()}")
     print(
         f"{args.requests} requests submitted at once per configuration, shared by {args.clients} client "
@@ -414,7 +431,7 @@ async def main_async(args: argparse.Namespace) -> None:
         print()
     print()
     for task in args.tasks:
-        for replicas in args.replicas:
+        for replicas in dict.fromkeys(n for t, n, _, _ in rows if t == task):
             by = {c: r for t, n, c, r in rows if t == task and n == replicas}
             if len(by) < 2:
                 continue
@@ -462,7 +479,16 @@ def main() -> None:
         help="submissions each client process has outstanding at once (default 16; 1 = one after another, "
         "as before: a client then submits at one submission per two round trips)",
     )
+    parser.add_argument(
+        "--entries-in-flight",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1],
+        help="the stages' entries_in_flight (entries a leader holds at once, its model one at a time), a list "
+        "run side by side like --replicas (default 1; the replicas column reads '8 (4 held)')",
+    )
     args = parser.parse_args()
+    if min(args.entries_in_flight) < 1:
+        parser.error("--entries-in-flight must be at least 1")
     if args.in_flight < 1:
         parser.error("--in-flight must be at least 1")
     if not 1 <= args.clients <= args.requests:

@@ -105,6 +105,10 @@ class StageConfig(Strict):
     devices: _Devices | None = None
     """GPU indices, one per rank: rank i on GPU ``devices[i]`` (default: placed by the planner)."""
     parts: Annotated[tuple[StageConfig, ...], Field(max_length=16)] = ()
+    entries_in_flight: Annotated[int, Field(ge=1, le=64)] = 1
+    """Entries the leader holds at once: one computes, the others are admitted, fetched and handed on
+    meanwhile (1: one at a time). Helps a model that is quick next to its Redis round trips; a slow one
+    gains nothing, and keeps entries another replica could have taken (see docs/operations.md)."""
     options: Annotated[dict[str, JsonValue], Field(max_length=64)] = {}
     """Plain values the stage's model reads (a TOML table), e.g. the diffusers pair's `model_path`, `dtype`."""
 

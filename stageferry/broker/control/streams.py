@@ -234,7 +234,9 @@ class StageStream:
             await self.ensure_group()
             return False
 
-    async def read(self, count: int = 1, *, block_ms: int = BLOCK_MS, new_only: bool = False) -> list[Entry]:
+    async def read(
+        self, count: int = 1, *, block_ms: int = BLOCK_MS, new_only: bool = False, in_hand: bool = False
+    ) -> list[Entry]:
         """Entries to work on: first this consumer's own un-acked ones (after a restart, a lost group, or
         while entries read before are in hand), then entries idle past the visibility timeout (reclaimed
         from dead replicas; at most every :data:`CLAIM_EVERY_S`), then new ones — in one script, one round
@@ -244,8 +246,13 @@ class StageStream:
         ``new_only``: new entries alone, for a reader that keeps entries in hand while it reads more (its
         own un-acked ones would otherwise come back first, and as redeliveries).  It skips the reclaim of
         dead replicas' entries too: such a reader takes its own and reclaimed ones with plain reads, when
-        it starts and whenever it has nothing in hand."""
-        entries = await self._read_via_script(">" if new_only else self._phases(), count)
+        it starts and whenever it has nothing in hand.
+
+        ``in_hand``: this consumer holds entries it read before and is still working on (a leader with
+        ``entries_in_flight`` > 1): its own pending entries are skipped as with ``new_only``, but dead
+        replicas' idle ones are still reclaimed when due.  The reclaim may hand back an entry of its own
+        that sat idle past the visibility timeout: the caller skips ids it holds."""
+        entries = await self._read_via_script(">" if new_only else self._phases(in_hand=in_hand), count)
         deadline = time.monotonic() + block_ms / 1000
         while not entries:
             remaining = deadline - time.monotonic()
@@ -255,11 +262,11 @@ class StageStream:
         self._keep_hot()
         return entries
 
-    def _phases(self) -> str:
-        """A full read's phases: own pending entries while there may be some, the reclaim when it is due,
-        then new entries."""
+    def _phases(self, *, in_hand: bool = False) -> str:
+        """A full read's phases: own pending entries while there may be some (never while entries are in
+        hand), the reclaim when it is due, then new entries."""
         phases = []
-        if self._own_pending or self._source:
+        if not in_hand and (self._own_pending or self._source):
             phases.append("0")
         now = time.monotonic()
         if now >= self._next_claim:

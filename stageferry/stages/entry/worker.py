@@ -179,6 +179,8 @@ class StageWorker:
         # the first stage holds the client-written keys to their bounds
         self.sweeper = ClientKeySweeper(redis, bounds) if leader.first else None
         self._stopping = False
+        #: The model runs one entry at a time, also while more are in hand (``entries_in_flight``).
+        self._computing = anyio.Lock()
         self.processed = 0
 
     # ---------------------------------------------------------------- service loop
@@ -214,13 +216,53 @@ class StageWorker:
                 tg.start_soon(self.sweeper.run)
             task_status.started()
             log.info("worker.started", stage=self.stage.name, consumer=self.stream.consumer)
-            while not self._stopping:
-                entries = await self._with_redis_retry(functools.partial(self.stream.read, 1, block_ms=500))
-                for entry in entries or []:
-                    await self._with_redis_retry(functools.partial(self.process, entry))
-                if not entries:
-                    await self.compute.idle()
+            if self.stage.entries_in_flight == 1:
+                while not self._stopping:
+                    entries = await self._with_redis_retry(functools.partial(self.stream.read, 1, block_ms=500))
+                    for entry in entries or []:
+                        await self._with_redis_retry(functools.partial(self.process, entry))
+                    if not entries:
+                        await self.compute.idle()
+            else:
+                await self._serve_overlapped(self.stage.entries_in_flight)
             tg.cancel_scope.cancel()
+
+    async def _serve_overlapped(self, most: int) -> None:
+        """Hold up to ``most`` entries at once (``StageConfig.entries_in_flight``): each is processed in a
+        task of its own, from admission to hand-off, and only the model's compute is taken one at a time
+        (:meth:`_compute_holding_claim`), so the next entries' round trips and fetches overlap it.
+
+        While entries are in hand the read skips this consumer's own pending ones (they are those entries:
+        ``StageStream.read(in_hand=True)``) and skips any id it holds.  A task's error ends like the one
+        entry's of the plain loop: a transient Redis error is ridden out by :meth:`_with_redis_retry`, a
+        broken group takes the worker down (with every entry it holds left pending for another replica).
+        Asked to stop, it reads no more and returns once the entries in hand are settled."""
+        room = anyio.Semaphore(most)
+        held: set[str] = set()
+
+        async def one(entry: Entry) -> None:
+            try:
+                await self._with_redis_retry(functools.partial(self.process, entry))
+            finally:
+                held.discard(entry.id)
+                room.release()
+
+        async with anyio.create_task_group() as entries_tg:
+            while not self._stopping:
+                await room.acquire()
+                taken = 1
+                while taken < most and room.value > 0:  # read as many as there is room for
+                    room.acquire_nowait()
+                    taken += 1
+                read = functools.partial(self.stream.read, taken, block_ms=500, in_hand=bool(held))
+                entries = [e for e in await self._with_redis_retry(read) or [] if e.id not in held]
+                for _ in range(taken - len(entries)):
+                    room.release()
+                for entry in entries:
+                    held.add(entry.id)
+                    entries_tg.start_soon(one, entry)
+                if not entries and not held:
+                    await self.compute.idle()
 
     async def _with_redis_retry(self, op: Callable[[], Awaitable[Any]]) -> Any:
         """Run ``op``, riding out Redis outages up to ``timeouts.redis_unreachable`` (5 s once draining),
@@ -377,7 +419,8 @@ class StageWorker:
     async def _compute_holding_claim(
         self, entry: Entry, envelope: Envelope, incoming: Incoming, progress: ProgressSink, media: dict[str, bytes]
     ) -> Any:
-        """Run the model while renewing the entry's claim and publishing progress."""
+        """Run the model while renewing the entry's claim and publishing progress (also while the entry
+        waits for the model behind another one in hand)."""
         item = WorkItem(
             job=envelope.job,
             payload=incoming.payload,
@@ -394,7 +437,8 @@ class StageWorker:
 
         async def run_model() -> None:
             try:
-                result.append(await self.compute(item, progress))
+                async with self._computing:  # one entry at a time on the group, however many are in hand
+                    result.append(await self.compute(item, progress))
             except Exception as exc:  # re-raised below as itself, not wrapped in an ExceptionGroup
                 failure.append(exc)
             tg.cancel_scope.cancel()
