@@ -20,6 +20,12 @@
 #             --clients, default 4 here, TPUT_CLIENTS), 8 replicas a stage, 4000 requests, this tree against
 #             .base (the base's stageferry with this tree's benchmarks: the same benchmark), 2 rounds
 #   tput_io   this tree's throughput.py alone against a redis-server with io-threads 1 and 4 (reads too)
+#   held      this tree's throughput.py, 8 replicas a stage, the leaders holding 1, 2 and 4 entries at once
+#             (--entries-in-flight 1,2,4), 4000 requests, 4 clients, the default hot wait (HELD_HOT_WAIT to set
+#             one: HELD_HOT_WAIT=0 held), HELD_REPLICAS for another replica count, HELD_STEPS=1 to time
+#             each leader's steps (--steps)
+#   held_base the same benchmark (this tree's benchmarks) on the base's stageferry (.base), one entry at a
+#             time: the side-by-side figure for held
 #   mps_copy  same_gpu alone under this call's own MPS control daemon (mps without same_gpu_parts)
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
 #             round's base (a copy of it carried as .base: `git archive <base> stageferry benchmarks tests
@@ -79,6 +85,15 @@ try:
 except redis.ConnectionError:
     pass" 
          done ;;
+    held) hot=${HELD_HOT_WAIT:+--hot-wait $HELD_HOT_WAIT}
+          run_step "held_r${HELD_REPLICAS:-8}_hot${HELD_HOT_WAIT:-default}" 400 python3 benchmarks/throughput.py \
+            --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 --edges nixl \
+            --clients "${TPUT_CLIENTS:-4}" --entries-in-flight "${HELD_IN_FLIGHT:-1,2,4}" $hot \
+            ${HELD_STEPS:+--steps} ;;
+    held_base) hot=${HELD_HOT_WAIT:+--hot-wait $HELD_HOT_WAIT}
+          (cd .base && PYTHONPATH=$PWD run_step "held_base_r${HELD_REPLICAS:-8}_hot${HELD_HOT_WAIT:-default}" 200 \
+            python3 benchmarks/throughput.py --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 \
+            --edges nixl --clients "${TPUT_CLIENTS:-4}" $hot) ;;
     *) echo "unknown step $s" >&2 ;;
   esac
 done

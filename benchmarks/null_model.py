@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from benchmarks.step_timer import STEPS_ENV, entry_steps
 from stageferry.config import PipelineConfig, StageConfig
 from stageferry.errors import ConfigError
 from stageferry.schemas import JobRequest
@@ -50,6 +51,9 @@ class NullModel:
 
 
 def factory(*, stage: StageConfig, pipeline: PipelineConfig) -> NullModel:
+    steps = os.environ.get(STEPS_ENV)
+    if steps:  # throughput.py --steps: time this leader's steps of each entry
+        entry_steps(stage.name, steps)
     return NullModel(
         final=pipeline.stages[-1].name == stage.name,
         task=os.environ.get("STAGEFERRY_BENCH_TASK", "T2VA"),

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
+import os
 import time
 from typing import Any
-
-from bench_stats import print_steps
 
 
 class StepTimer:
@@ -62,6 +62,8 @@ class StepTimer:
         self.times.clear()
 
     def print(self, title: str) -> None:
+        from bench_stats import print_steps  # benchmarks/ is on the path of a benchmark's own process
+
         print_steps(title, dict(sorted(self.times.items())), unit="ms", q=99, digits=3)
 
 
@@ -103,6 +105,59 @@ def hop_steps(role: str) -> StepTimer:
         (consumer, "unpack", "get: unpack"),
         (consumer.Consumer, "_route", "get: route label"),
         (consumer.Consumer, "_fetch", "get: all of it (to the payload in hand)"),
+    ):
+        timer.wrap(owner, attr, name)
+    return timer
+
+
+#: ``throughput.py --steps``: the directory each stage process writes its entry steps to (:func:`entry_steps`).
+STEPS_ENV = "STAGEFERRY_BENCH_STEPS"
+_WRITE_EVERY_S = 0.5
+
+
+class FileTimer(StepTimer):
+    """A :class:`StepTimer` that rewrites ``path`` (JSON: step → ms) at most every half second, for a
+    process that is killed rather than asked to report (a stage service)."""
+
+    def __init__(self, path: Any) -> None:
+        super().__init__()
+        self.path = path
+        self._written = 0.0
+
+    def add(self, name: str, ms: float) -> None:
+        super().add(name, ms)
+        now = time.monotonic()
+        if now - self._written >= _WRITE_EVERY_S:
+            self._written = now
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.times))
+            tmp.replace(self.path)
+
+
+def entry_steps(stage: str, directory: str) -> StepTimer:
+    """A timer wrapped around a stage leader's steps of an entry (in its ``stageferry serve`` process; the
+    null model's factory installs it when :data:`STEPS_ENV` is set), from the read to the hand-off: where
+    a replica's time per entry goes.  Async steps count their awaits: the model's step counts the wait
+    for the model behind other entries in hand, the thread hop there and back, and the model's run,
+    which is also timed alone, in its thread."""
+    from pathlib import Path
+
+    from stageferry.broker.control import streams
+    from stageferry.stages.entry import handoff, worker
+    from stageferry.stages.group import group
+
+    timer = FileTimer(Path(directory) / f"{stage}-{os.getpid()}.json")
+    for owner, attr, name in (
+        (worker.StageWorker, "process", "entry: all of it (admission to hand-off)"),
+        (streams.StageStream, "read", "read (its wait included)"),
+        (worker.StageWorker, "_admitted", "admission (parse + script)"),
+        (worker.StageWorker, "_compute_holding_claim", "model: wait for it, hop, run, hop back"),
+        (group.GroupCompute, "__call__", "model: hop, run, hop back"),
+        (group.GroupCompute, "_run", "model: run (in its thread)"),
+        (handoff.HandOn, "hand_on", "hand-off: put + script"),
+        (streams.StageStream, "hand_off", "hand-off: script"),
+        (handoff.HandOn, "store_result", "last stage: store + finish script"),
+        (streams.StageStream, "finish", "last stage: finish script"),
     ):
         timer.wrap(owner, attr, name)
     return timer

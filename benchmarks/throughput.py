@@ -53,6 +53,7 @@ import anyio  # noqa: E402
 from anyio.abc import Process  # noqa: E402
 from anyio.streams.buffered import BufferedByteReceiveStream  # noqa: E402
 from bench_stats import TASK_BYTES, cell, machine_facts, median  # noqa: E402
+from step_timer import STEPS_ENV  # noqa: E402
 from throughput_client import JOB, flush_tally  # noqa: E402
 
 from stageferry.broker.control import tally  # noqa: E402
@@ -206,10 +207,13 @@ async def run_config(
     clients: int = 1,
     in_flight: int = 1,
     entries_in_flight: int = 1,
+    steps: bool = False,
 ) -> dict[str, Any]:
     prefix = f"tput-{uuid.uuid4().hex[:8]}"
     tally_dir = workdir / f"{prefix}-tally"  # every process's round trips per call site (tally.py)
     os.environ[tally.ENV] = str(tally_dir)
+    steps_dir = workdir / f"{prefix}-steps"  # every leader's entry steps (step_timer.entry_steps), with --steps
+    steps_dir.mkdir()
     pipeline = workdir / f"{prefix}.toml"
     pipeline.write_text(pipeline_toml(connector, TASK_BYTES[task], ready_slots, hot_wait, entries_in_flight))
     env = {
@@ -223,6 +227,7 @@ async def run_config(
         "STAGEFERRY_BENCH_TASK": task,
         "STAGEFERRY_BENCH_OUTPUT": output,
         "OMP_NUM_THREADS": "1",
+        **({STEPS_ENV: str(steps_dir)} if steps else {}),
     }
     services = ServiceGroup(env, workdir / prefix)
     from stageferry.config import PipelineConfig
@@ -246,6 +251,7 @@ async def run_config(
                 await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)  # idle readers poll within BLOCK_MS: files flushed
                 flush_tally()
                 trips_before = tally.read_dir(tally_dir)
+                steps_before = read_steps(steps_dir)
                 before = await command_counts(client.redis)
                 cpu_before = await cpu_seconds(client.redis, prefix)
                 for proc in procs:
@@ -259,6 +265,7 @@ async def run_config(
                 await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)
                 flush_tally()
                 trips_after = tally.read_dir(tally_dir)
+                steps_after = read_steps(steps_dir)
             trips = {
                 key: [(n - trips_before.get(key, [0, 0])[i]) / requests for i, n in enumerate(row)]
                 for key, row in trips_after.items()
@@ -272,7 +279,30 @@ async def run_config(
         "trips": {k: v for k, v in trips.items() if v[0] > 0},
         "cpu": cpu,
         "clients": clients,
+        "steps": steps_between(steps_before, steps_after),
     }
+
+
+def read_steps(directory: Path) -> dict[str, dict[str, list[float]]]:
+    """Every leader's entry steps so far (``step_timer.FileTimer``'s files): file stem → step → ms."""
+    out = {}
+    for path in sorted(directory.glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            out[path.stem] = json.loads(path.read_text())
+    return out
+
+
+def steps_between(
+    before: dict[str, dict[str, list[float]]], after: dict[str, dict[str, list[float]]]
+) -> dict[str, dict[str, list[float]]]:
+    """The steps recorded between two :func:`read_steps`, merged per stage (the files' stems start with it)."""
+    merged: dict[str, dict[str, list[float]]] = {}
+    for process, steps in after.items():
+        stage = process.rsplit("-", 1)[0]
+        for name, values in steps.items():
+            skip = len(before.get(process, {}).get(name, []))
+            merged.setdefault(stage, {}).setdefault(name, []).extend(values[skip:])
+    return merged
 
 
 async def cpu_seconds(redis: Any, prefix: str) -> dict[str, float]:
@@ -327,6 +357,30 @@ def submission_line(task: str, replicas: str, connector: str, r: dict[str, Any])
     return line
 
 
+def print_entry_steps(rows: list[tuple[str, str, str, dict[str, Any]]]) -> None:
+    """``--steps``: per configuration, each stage's entry steps over every replica, median and p90 in ms."""
+    print("## A leader's steps of an entry, ms (`--steps`: `step_timer.entry_steps`, every replica's entries)\n")
+    print("Async steps include their awaits; the model's outer step includes its wait behind other entries in")
+    print("hand; `entry: all of it` runs from the admission to the hand-off (the read is apart).\n")
+    for task, replicas, connector, r in rows:
+        steps = r["steps"]
+        stages = [s for s in STAGES if s in steps]
+        names = list(dict.fromkeys(name for s in stages for name in steps[s]))
+        print(f"### {task}, {replicas} replica(s), {connector}\n")
+        print("| step | " + " | ".join(f"{s} p50 | {s} p90 | {s} n" for s in stages) + " |")
+        print("| --- |" + " ---: | ---: | ---: |" * len(stages))
+        for name in names:
+            cells = []
+            for s in stages:
+                values = sorted(steps[s].get(name, []))
+                if not values:
+                    cells += ["", "", "0"]
+                    continue
+                cells += [f"{median(values):.3f}", f"{values[int(0.9 * (len(values) - 1))]:.3f}", str(len(values))]
+            print(f"| {name} | " + " | ".join(cells) + " |")
+        print()
+
+
 def replicas_label(replicas: int, entries_in_flight: int) -> str:
     """The replicas column: ``8``, or ``8 (4 held)`` for leaders holding 4 entries at once."""
     return str(replicas) if entries_in_flight == 1 else f"{replicas} ({entries_in_flight} held)"
@@ -357,6 +411,7 @@ async def main_async(args: argparse.Namespace) -> None:
                         args.clients,
                         args.in_flight,
                         held,
+                        args.steps,
                     )
                     label = replicas_label(replicas, held)
                     rows.append((task, label, connector, r))
@@ -429,6 +484,8 @@ async def main_async(args: argparse.Namespace) -> None:
             )
             print(f"| {comp} | {n:.2f} | {c:.2f} | {what} |")
         print()
+    if args.steps:
+        print_entry_steps(rows)
     print()
     for task in args.tasks:
         for replicas in dict.fromkeys(n for t, n, _, _ in rows if t == task):
@@ -485,6 +542,12 @@ def main() -> None:
         default=[1],
         help="the stages' entries_in_flight (entries a leader holds at once, its model one at a time), a list "
         "run side by side like --replicas (default 1; the replicas column reads '8 (4 held)')",
+    )
+    parser.add_argument(
+        "--steps",
+        action="store_true",
+        help="time every leader's steps of each entry (read, admission, model, hand-off: step_timer.entry_steps) "
+        "and print their medians and p90 per stage",
     )
     args = parser.parse_args()
     if min(args.entries_in_flight) < 1:

@@ -11,6 +11,7 @@ the entry that owns each run, the crash marks of entries the stage died with; ``
 ``<p>:req-events:<id>`` (the trace stream), ``<p>:req-result:<id>`` (result bytes, TTL),
 ``<p>:req-chunks:<id>:<stage index>:<attempt>`` and ``<p>:req-chunk-state:…`` (a streamed payload's chunks),
 ``<p>:refused:<ticket>`` and ``<p>:refused:<tenant>.<ticket>`` (why the first stage refused a submission),
+``<p>:client-keys:sweep`` (whose turn it is to sweep the client-written keys),
 the dead-letter streams ``<p>:stage:<stage>:dlq``, heartbeats ``<p>:stage:<stage>:workers`` and the NIXL keys
 ``<p>:nixl:agent:<name>``, ``<p>:nixl:agents:<stage>``, ``<p>:nixl:claim:<token>``, ``<p>:nixl:resend:<agent>``,
 ``<p>:nixl:reply:<token>``; by the gateway: ``<p>:req-video:<id>``, ``<p>:gateway:recent`` (a capped stream
@@ -101,6 +102,10 @@ class Keys:
     def upload(self, request_id: str, name: str) -> str:
         return f"{self.prefix}:upload:{request_id}:{name}"
 
+    def client_sweep(self) -> str:
+        """Which first-stage replica sweeps the client-written keys now (see ``client_keys``)."""
+        return f"{self.prefix}:client-keys:sweep"
+
     def upload_prefix(self) -> str:
         return f"{self.prefix}:upload:"
 
@@ -138,6 +143,8 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "wake": "list: pushed after each XADD by the stages (never by clients); idle workers BLPOP it (at most 16 items)",
     "dead_letter": "stream: entries given up on, with the reason",
     "workers": "hash: replica → last heartbeat (unix seconds)",
+    "client_sweep": "string: the first-stage replica whose turn it is to sweep the client-written keys (`SET NX`, "
+    "TTL: the sweep interval)",
     "request": "hash: `state` and `status` (JSON RequestStatus); for the stages, the job's digest `job_sha`, "
     "the status's `order`, `ttl_at` (when the record and its events expire, as of their last TTL refresh) "
     "`run:<stage>:<attempt>` (the entry id "

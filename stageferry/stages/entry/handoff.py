@@ -67,7 +67,8 @@ class HandOn:
             force_inline=envelope.trace.force_inline,
             deadline=envelope.deadline,
         )
-        return lambda template: anyio.from_thread.run(stage, template)
+        token = anyio.lowlevel.current_token()  # the model thread is not one of anyio's: name the loop
+        return lambda template: anyio.from_thread.run(stage, template, token=token)
 
     def unstage(self, envelope: Envelope) -> None:
         """The request is done with on this stage: free output tensors the model was handed that no put took."""

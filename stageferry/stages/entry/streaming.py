@@ -186,8 +186,10 @@ class Streaming:
         async def anext_chunk() -> Chunk | None:
             return await reader.next()
 
+        token = anyio.lowlevel.current_token()  # the model thread is not one of anyio's: name the loop
+
         def next_chunk() -> Chunk | None:
-            return anyio.from_thread.run(anext_chunk)
+            return anyio.from_thread.run(anext_chunk, token=token)
 
         stream = ChunkStream(next_chunk, anext_chunk)
         try:
@@ -216,6 +218,7 @@ class Emitter:
     def __init__(self, publish: Publish, portal: BlockingPortal | None) -> None:
         self._publish = publish
         self._portal = portal
+        self._token = anyio.lowlevel.current_token()  # made on the event loop, called in the model thread
         self._last: concurrent.futures.Future[None] | None = None
         self.emitted = 0
 
@@ -223,7 +226,7 @@ class Emitter:
         self.wait()
         self.emitted += 1
         if self._portal is None:
-            anyio.from_thread.run(self._publish, payload, final)
+            anyio.from_thread.run(self._publish, payload, final, token=self._token)
         else:
             self._last = self._portal.start_task_soon(self._publish, payload, final)
 

@@ -94,7 +94,8 @@ class Compute(Protocol):
     """How the leader gets its group to run the model (one rank: a thread; TP: fan-out first)."""
 
     async def __call__(self, item: WorkItem, progress: ProgressSink) -> Any:
-        """Run the model on every rank; the leader's output, or a typed error."""
+        """Run the model on every rank; the leader's output, or a typed error.  Calls may overlap (a leader
+        holding several entries): the group runs them one at a time, in call order."""
 
     async def abort(self, request_id: str, key: str, error: StageferryError) -> None:
         """The leader could not get the payload: tell the other ranks (they raise the same error)."""
@@ -177,10 +178,9 @@ class StageWorker:
             keys, request_ttl_s=pipeline.retention.request_ttl_s, max_upload_bytes=pipeline.limits.max_upload_bytes
         )
         # the first stage holds the client-written keys to their bounds
-        self.sweeper = ClientKeySweeper(redis, bounds) if leader.first else None
+        sweeper = ClientKeySweeper(redis, bounds, turn=keys.client_sweep(), holder=replica)
+        self.sweeper = sweeper if leader.first else None
         self._stopping = False
-        #: The model runs one entry at a time, also while more are in hand (``entries_in_flight``).
-        self._computing = anyio.Lock()
         self.processed = 0
 
     # ---------------------------------------------------------------- service loop
@@ -229,8 +229,8 @@ class StageWorker:
 
     async def _serve_overlapped(self, most: int) -> None:
         """Hold up to ``most`` entries at once (``StageConfig.entries_in_flight``): each is processed in a
-        task of its own, from admission to hand-off, and only the model's compute is taken one at a time
-        (:meth:`_compute_holding_claim`), so the next entries' round trips and fetches overlap it.
+        task of its own, from admission to hand-off, and only the model runs one entry at a time (the
+        :class:`Compute` queues overlapping calls), so the next entries' round trips and fetches overlap it.
 
         While entries are in hand the read skips this consumer's own pending ones (they are those entries:
         ``StageStream.read(in_hand=True)``) and skips any id it holds.  A task's error ends like the one
@@ -437,8 +437,7 @@ class StageWorker:
 
         async def run_model() -> None:
             try:
-                async with self._computing:  # one entry at a time on the group, however many are in hand
-                    result.append(await self.compute(item, progress))
+                result.append(await self.compute(item, progress))  # one at a time, however many are in hand
             except Exception as exc:  # re-raised below as itself, not wrapped in an ExceptionGroup
                 failure.append(exc)
             tg.cancel_scope.cancel()

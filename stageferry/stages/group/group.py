@@ -15,7 +15,9 @@ stop, and everyone exits 0.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import ctypes
 import datetime
 import os
@@ -23,6 +25,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +148,13 @@ def connector_calls() -> tuple[int, int]:
 
 
 class GroupCompute:
-    """The leader's side of a group: fan out, compute on every rank, agree on success."""
+    """The leader's side of a group: fan out, compute on every rank, agree on success.
+
+    The model runs in one thread of its own (the *model thread*), one item at a time in call order.  A
+    leader holding several entries (``entries_in_flight``) calls while an earlier call still runs: the
+    call waits in the thread's queue, and the thread takes it the moment the earlier one ends, without
+    a round trip through the event loop in between (a hop there and back per entry is what a lock around
+    a thread-pool call would cost, and on a busy host each hop waits for a core)."""
 
     def __init__(self, model: StageModel, stage: StageConfig, pipeline: PipelineConfig, channel: GroupChannel):
         self.model = model
@@ -155,11 +164,15 @@ class GroupCompute:
         self.rank_calls: list[list[int]] = []
         self.rank_receipts: list[list[int]] = []
         self._lock = threading.Lock()  # one message at a time on the channel
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{stage.name}")
         self._last_sent = time.monotonic()
         self.broken = False
 
     async def __call__(self, item: WorkItem, progress: ProgressSink) -> Any:
-        return await anyio.to_thread.run_sync(self._run, item, progress)
+        context = contextvars.copy_context()  # the caller's bound request id and key reach the model's logs
+        done = asyncio.get_running_loop().run_in_executor(self._model_thread, context.run, self._run, item, progress)
+        with anyio.CancelScope(shield=True):  # as anyio's run_sync: a started run is waited for, not abandoned
+            return await done
 
     def _run(self, item: WorkItem, progress: ProgressSink) -> Any:
         chunked = isinstance(item.payload, ChunkStream)  # a streamed payload: each chunk is fanned out
@@ -239,6 +252,7 @@ class GroupCompute:
 
         if not self.broken:
             await anyio.to_thread.run_sync(stop)
+        self._model_thread.shutdown(wait=False)
 
     def _send(self, kind: MessageKind, header: dict[str, Any]) -> None:
         with self._lock, self._collectives():

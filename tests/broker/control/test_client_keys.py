@@ -36,3 +36,19 @@ async def test_oversized_and_ageless_client_keys_are_bounded(redis_url: str, pre
         assert (again.expired, again.deleted) == (0, 0)  # all within bounds now
     finally:
         await redis.aclose()
+
+
+async def test_one_replica_at_a_time_takes_the_sweep(redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix)
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        bounds = client_key_bounds(keys, request_ttl_s=600, max_upload_bytes=4096)
+        a, b = (ClientKeySweeper(redis, bounds, turn=keys.client_sweep(), holder=h) for h in ("enc-a", "enc-b"))
+        assert await a.my_turn(30.0) and not await b.my_turn(30.0)  # a sweeps; b skips this round
+        assert await redis.get(keys.client_sweep()) == b"enc-a"
+        assert 29_000 < await redis.pttl(keys.client_sweep()) <= 30_000  # held for the sweep interval
+        await redis.delete(keys.client_sweep())  # as when the turn expires
+        assert await b.my_turn(30.0)
+        assert await ClientKeySweeper(redis, bounds).my_turn(30.0), "without a turn key it always sweeps"
+    finally:
+        await redis.aclose()
