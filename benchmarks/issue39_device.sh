@@ -23,7 +23,7 @@
 #   held      this tree's throughput.py, 8 replicas a stage, the leaders holding 1, 2 and 4 entries at once
 #             (--entries-in-flight 1,2,4), 4000 requests, 4 clients, the default hot wait (HELD_HOT_WAIT to set
 #             one: HELD_HOT_WAIT=0 held), HELD_REPLICAS for another replica count, HELD_STEPS=1 to time
-#             each leader's steps (--steps)
+#             each leader's steps (--steps), HELD_SUBMITS for each client's submissions in flight (--in-flight)
 #   held_base the same benchmark (this tree's benchmarks) on the base's stageferry (.base), one entry at a
 #             time: the side-by-side figure for held
 #   mps_copy  same_gpu alone under this call's own MPS control daemon (mps without same_gpu_parts)
@@ -89,7 +89,7 @@ except redis.ConnectionError:
           run_step "held_r${HELD_REPLICAS:-8}_hot${HELD_HOT_WAIT:-default}" 400 python3 benchmarks/throughput.py \
             --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 --edges nixl \
             --clients "${TPUT_CLIENTS:-4}" --entries-in-flight "${HELD_IN_FLIGHT:-1,2,4}" $hot \
-            ${HELD_STEPS:+--steps} ;;
+            ${HELD_STEPS:+--steps} ${HELD_SUBMITS:+--in-flight $HELD_SUBMITS} ;;
     held_base) hot=${HELD_HOT_WAIT:+--hot-wait $HELD_HOT_WAIT}
           (cd .base && PYTHONPATH=$PWD run_step "held_base_r${HELD_REPLICAS:-8}_hot${HELD_HOT_WAIT:-default}" 200 \
             python3 benchmarks/throughput.py --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 \

@@ -108,7 +108,7 @@ class StageConfig(Strict):
     entries_in_flight: Annotated[int, Field(ge=1, le=64)] = 1
     """Entries the leader holds at once: one computes, the others are admitted, fetched and handed on
     meanwhile (1: one at a time). Helps a model that is quick next to its Redis round trips; a slow one
-    gains nothing, and keeps entries another replica could have taken (see docs/operations.md)."""
+    gains nothing, and keeps entries another replica could have taken (see docs/data-plane.md)."""
     options: Annotated[dict[str, JsonValue], Field(max_length=64)] = {}
     """Plain values the stage's model reads (a TOML table), e.g. the diffusers pair's `model_path`, `dtype`."""
 
