@@ -248,10 +248,8 @@ class StageStream:
         dead replicas' entries too: such a reader takes its own and reclaimed ones with plain reads, when
         it starts and whenever it has nothing in hand.
 
-        ``in_hand``: this consumer holds entries it read before and is still working on (a leader with
-        ``entries_in_flight`` > 1): its own pending entries are skipped as with ``new_only``, but dead
-        replicas' idle ones are still reclaimed when due.  The reclaim may hand back an entry of its own
-        that sat idle past the visibility timeout: the caller skips ids it holds."""
+        ``in_hand``: entries read before are still being worked on (``entries_in_flight`` > 1): skip own
+        pending ones as ``new_only`` does, but still reclaim idle ones when due (the caller skips ids it holds)."""
         entries = await self._read_via_script(">" if new_only else self._phases(in_hand=in_hand), count)
         deadline = time.monotonic() + block_ms / 1000
         while not entries:

@@ -178,8 +178,9 @@ class StageWorker:
             keys, request_ttl_s=pipeline.retention.request_ttl_s, max_upload_bytes=pipeline.limits.max_upload_bytes
         )
         # the first stage holds the client-written keys to their bounds
-        sweeper = ClientKeySweeper(redis, bounds, turn=keys.client_sweep(), holder=replica)
-        self.sweeper = sweeper if leader.first else None
+        self.sweeper = (
+            ClientKeySweeper(redis, bounds, turn=keys.client_sweep(), holder=replica) if leader.first else None
+        )
         self._stopping = False
         self.processed = 0
 
@@ -216,21 +217,14 @@ class StageWorker:
                 tg.start_soon(self.sweeper.run)
             task_status.started()
             log.info("worker.started", stage=self.stage.name, consumer=self.stream.consumer)
-            if self.stage.entries_in_flight == 1:
-                while not self._stopping:
-                    entries = await self._with_redis_retry(functools.partial(self.stream.read, 1, block_ms=500))
-                    for entry in entries or []:
-                        await self._with_redis_retry(functools.partial(self.process, entry))
-                    if not entries:
-                        await self.compute.idle()
-            else:
-                await self._serve_overlapped(self.stage.entries_in_flight)
+            await self._serve_entries(self.stage.entries_in_flight)
             tg.cancel_scope.cancel()
 
-    async def _serve_overlapped(self, most: int) -> None:
-        """Hold up to ``most`` entries at once (``StageConfig.entries_in_flight``): each is processed in a
-        task of its own, from admission to hand-off, and only the model runs one entry at a time (the
-        :class:`Compute` queues overlapping calls), so the next entries' round trips and fetches overlap it.
+    async def _serve_entries(self, most: int) -> None:
+        """Hold up to ``most`` entries at once (``StageConfig.entries_in_flight``; 1: read one, process it,
+        read the next): each is processed in a task of its own, from admission to hand-off, and only the
+        model runs one entry at a time (the :class:`Compute` queues overlapping calls), so the next
+        entries' round trips and fetches overlap it.
 
         While entries are in hand the read skips this consumer's own pending ones (they are those entries:
         ``StageStream.read(in_hand=True)``) and skips any id it holds.  A task's error ends like the one

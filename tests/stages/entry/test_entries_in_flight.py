@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +32,7 @@ from stageferry.stages.group.group_channel import GroupChannel
 from stageferry.stages.model import StageContext
 from stageferry.stages.passthrough import Passthrough
 from tests.procs import write_pipeline
+from tests.waits import until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 
@@ -72,14 +73,6 @@ class Deployment:
     keys: Keys
     #: Set when the encoder's ``run`` has returned.
     encoder_returned: anyio.Event
-
-
-async def until(condition: Callable[[], Any], what: str, timeout: float = 60) -> None:
-    with anyio.move_on_after(timeout):
-        while not await condition():
-            await anyio.sleep(0.02)
-        return
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @asynccontextmanager
