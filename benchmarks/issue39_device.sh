@@ -26,6 +26,9 @@
 #             each leader's steps (--steps), HELD_SUBMITS for each client's submissions in flight (--in-flight)
 #   held_base the same benchmark (this tree's benchmarks) on the base's stageferry (.base), one entry at a
 #             time: the side-by-side figure for held
+#   held_pair the base's stageferry (.base) and this tree's, both holding HELD_IN_FLIGHT entries (default
+#             16), one after the other, HELD_ROUNDS times (default 2): the side-by-side figure when the
+#             base has entries_in_flight too
 #   mps_copy  same_gpu alone under this call's own MPS control daemon (mps without same_gpu_parts)
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
 #             round's base (a copy of it carried as .base: `git archive <base> stageferry benchmarks tests
@@ -94,6 +97,15 @@ except redis.ConnectionError:
           (cd .base && PYTHONPATH=$PWD run_step "held_base_r${HELD_REPLICAS:-8}_hot${HELD_HOT_WAIT:-default}" 200 \
             python3 benchmarks/throughput.py --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 \
             --edges nixl --clients "${TPUT_CLIENTS:-4}" $hot) ;;
+    held_pair) hot=${HELD_HOT_WAIT:+--hot-wait $HELD_HOT_WAIT}
+          for round in $(seq "${HELD_ROUNDS:-2}"); do
+            (cd .base && PYTHONPATH=$PWD run_step "pair${round}_base_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}" 200 \
+              python3 benchmarks/throughput.py --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 \
+              --edges nixl --clients "${TPUT_CLIENTS:-4}" --entries-in-flight "${HELD_IN_FLIGHT:-16}" $hot)
+            run_step "pair${round}_this_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}" 200 python3 benchmarks/throughput.py \
+              --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 --edges nixl \
+              --clients "${TPUT_CLIENTS:-4}" --entries-in-flight "${HELD_IN_FLIGHT:-16}" $hot
+          done ;;
     *) echo "unknown step $s" >&2 ;;
   esac
 done

@@ -96,7 +96,7 @@ async def test_every_control_plane_script_runs_as_the_stage_user(tmp_path: Path,
                 write = store.status_write(status.model_copy(update={"stage": "diffusion"}), stage_index=1)
                 assert await stream.hand_off(
                     first.id, "diffusion", {"request_id": "r-1", "envelope": "{}"}, status=write,
-                    cancel=keys.cancel("r-1"), crash_field=crash_field("encoder", first.id),
+                    crash_field=crash_field("encoder", first.id),
                 )  # fmt: skip
 
             second = await entry_for("r-2")

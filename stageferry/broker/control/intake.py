@@ -41,39 +41,51 @@ from stageferry.schemas.submission import TICKET_WINDOW
 #: tenant of list ``KEYS[first + i]`` is ``ARGV[tenant_at + i]`` ('' for the single-tenant list).  Returns
 #: moved, oversized: items added whole, and items added as their size and ticket only.
 MOVE_FN = f"""
+local function move_item(stream, item, cap, tenant)
+  local ticket = string.match(string.sub(item, 1, {TICKET_WINDOW}), '"ticket"%s*:%s*"([0-9a-f]+)"') or ''
+  if #ticket ~= 32 then ticket = '' end
+  local fields, whole
+  if #item > cap then
+    fields, whole = {{'oversized', tostring(#item), 'ticket', ticket}}, false
+  else
+    fields, whole = {{'submission', item, 'ticket', ticket}}, true
+  end
+  if tenant ~= '' then
+    fields[#fields + 1] = 'tenant'
+    fields[#fields + 1] = tenant
+  end
+  redis.call('XADD', stream, '*', unpack(fields))
+  return whole
+end
+
 local function move_intake(stream, first, want, cap, tenant_at)
   local moved, oversized = 0, 0
-  local open = {{}}
-  for k = first, #KEYS do open[k] = true end
-  local any = #KEYS >= first
-  while any and moved + oversized < want do
-    any = false
+  local open, left = {{}}, 0
+  for k = first, #KEYS do open[k] = true; left = left + 1 end
+  while left > 0 and moved + oversized < want do
+    -- one LPOP per open list and round, an equal share of what is still wanted each (one at least)
+    local share = math.max(1, math.floor((want - moved - oversized) / left))
+    local popped, most, taken = {{}}, 0, 0
     for k = first, #KEYS do
-      if open[k] and moved + oversized < want then
-        local item = redis.call('LPOP', KEYS[k])
+      local n = math.min(share, want - moved - oversized - taken)
+      if open[k] and n > 0 then
+        local items = redis.call('LPOP', KEYS[k], n) or {{}}
+        if #items < n then open[k] = false; left = left - 1 end
+        popped[k] = items
+        taken = taken + #items
+        if #items > most then most = #items end
+      end
+    end
+    for i = 1, most do  -- round-robin over the lists, item by item, as if popped one at a time
+      for k = first, #KEYS do
+        local item = popped[k] and popped[k][i]
         if item then
-          any = true
-          local ticket = string.match(string.sub(item, 1, {TICKET_WINDOW}), '"ticket"%s*:%s*"([0-9a-f]+)"') or ''
-          if #ticket ~= 32 then ticket = '' end
-          local fields
-          if #item > cap then
-            fields = {{'oversized', tostring(#item), 'ticket', ticket}}
-            oversized = oversized + 1
-          else
-            fields = {{'submission', item, 'ticket', ticket}}
-            moved = moved + 1
-          end
-          local tenant = ARGV[tenant_at + k - first]
-          if tenant ~= '' then
-            fields[#fields + 1] = 'tenant'
-            fields[#fields + 1] = tenant
-          end
-          redis.call('XADD', stream, '*', unpack(fields))
-        else
-          open[k] = false
+          if move_item(stream, item, cap, ARGV[tenant_at + k - first]) then moved = moved + 1
+          else oversized = oversized + 1 end
         end
       end
     end
+    if most == 0 then break end
   end
   return moved, oversized
 end

@@ -77,7 +77,7 @@ class Keys:
         return f"{self.prefix}:req-cancel:{request_id}"
 
     def submitted(self, request_id: str) -> str:
-        """Set by a client in the same MULTI as its XADD: the request exists before a stage picks it up."""
+        """Set by a client right after its push (one pipeline): the request exists before a stage picks it up."""
         return f"{self.prefix}:req-submitted:{request_id}"
 
     def result(self, request_id: str) -> str:
@@ -160,7 +160,7 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "chunk_state": "hash: a streamed payload's progress: `applied` (highest chunk index the consumer applied), "
     "`taken` (a consumer began), `opened` (handed on), `abandoned`/`stopped` (restarted / given up), TTL",
     "cancel": "string: set when the client cancels",
-    "submitted": "string: set by a client with its XADD (the request exists before a stage picks it up), TTL",
+    "submitted": "string: set by a client right after its push (the request exists before a stage picks it up), TTL",
     "result": "string: the result bytes (e.g. the MP4), with a TTL",
     "video_meta": "string (JSON): the HTTP gateway's record of a video job (model, prompt, size, seconds), "
     "with the request's TTL",

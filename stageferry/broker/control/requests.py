@@ -6,7 +6,8 @@ the store's one shared reader (:class:`~stageferry.broker.control.fanin.EventFan
 waiters hold one connection, not a thousand.  Waits ride through a Redis outage within their timeout.
 Stages write records, in Lua scripts, so that a terminal state is written exactly once even when two
 replicas race after a crash.  Clients run no scripts (their ACL user may not): a submission is one
-MULTI, and until the first stage picks it up the request is known by its "submitted" marker.
+pipeline (its push, then its marker), and until the first stage picks it up the request is known by its
+"submitted" marker.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from stageferry.broker.control.replication import (
     wait_command,
 )
 from stageferry.broker.control.request_waits import RequestWaits
-from stageferry.broker.control.resp_link import RespLink, run_pipeline, run_script, run_transaction
+from stageferry.broker.control.resp_link import RespLink, run_pipeline, run_script
 from stageferry.errors import (
     QueueFullError,
     RequestIdTakenError,
@@ -96,6 +97,9 @@ class RequestStore(RequestWaits):
         self.status_reads = FieldReads(redis, "status")
         #: Owner reads likewise (a client checks ``job_sha`` after each wait of its own submissions).
         self.owner_reads = FieldReads(redis, "job_sha")
+        #: Each intake list's length as this store last saw it (its ``LLEN``, or the reply of its own
+        #: push): a submission reads the length only when it is unknown or was half way to the bound.
+        self._intake_seen: dict[str, int] = {}
 
     async def submit(
         self,
@@ -115,33 +119,49 @@ class RequestStore(RequestWaits):
         ``request_id`` is already known (nothing is enqueued, nothing uploaded);
         :class:`RequestIdTakenError` if a stage admitted the id for a *different* job (nothing enqueued).
 
-        One MULTI writes the uploads, the "submitted" marker (``SET NX``) and the submission, pushed onto
-        the first stage's intake list (``tenant``'s when given; the stage moves it into its stream); when
-        its push fails the uploads and the marker it wrote are withdrawn (:meth:`_withdraw`) and the
-        push's error raised.  Which submission of an id wins is decided by the first stage (duplicates are
+        One pipeline writes, in this order, the uploads, the submission, pushed onto the first stage's
+        intake list (``tenant``'s when given; the stage moves it into its stream), and the "submitted"
+        marker (``SET NX``); when its push fails the uploads and the marker it wrote are withdrawn
+        (:meth:`_withdraw`) and the push's error raised.  No ``MULTI`` (two commands of a submission's
+        six): Redis runs one client's pipelined commands in order, and a connection lost part-way can
+        only leave uploads that expire, or a queued submission without its marker — which runs as any
+        submission does; its marker only makes a resubmission before the stage's record exists an
+        acknowledgement instead of a second push, and a second push runs once (the stage's admission).
+        The order is what makes that so: a marker before its push could be left alone, an id known
+        with nothing queued.  Which submission of an id wins is decided by the first stage (duplicates are
         acknowledged there), not by this client: two clients racing on one id both enqueue, and the stage
         runs it once.  :class:`QueueFullError` when the intake holds ``stream_maxlen`` submissions
         (checked just before, in the same round trip as whether the id is known; whose it is, only for a
-        known id).  The
+        known id) — read only while the length this store last saw (its last check, or its own push's
+        reply) is unknown or at least half the bound: far from full, a submission pays no ``LLEN``.
+        Concurrent submissions may pass the bound by as many as are in flight, checked or not, as they
+        always could; the bound is the cooperating clients' back-pressure (a hostile client's user may
+        push at will: the stage's move and ``maxmemory`` bound what it can do).  The
         round trips go over ``link`` (the client's lean connection) when given and the uploads are small
         (:data:`LINK_MAX_UPLOAD_BYTES`): redis-py's pipelines were most of a client's CPU per submission
-        (``benchmarks/throughput.py``).  A connection lost after the MULTI was sent repeats it through
+        (``benchmarks/throughput.py``).  A connection lost after the writes were sent repeats them through
         redis-py, as redis-py's own retries would: the submission may then be queued twice, and the first
         stage runs it once.
 
-        With ``wait_replicas`` (:mod:`.replication`) the MULTI is followed by ``WAIT`` on its connection,
+        With ``wait_replicas`` (:mod:`.replication`) the writes are one MULTI, followed by ``WAIT`` on its connection,
         and fewer replicas than asked is :class:`NotReplicatedError`; a known id then proves its earlier
         write the same way (its marker rewritten as it is, ``SET XX KEEPTTL``, then ``WAIT``) before it is
         acknowledged, so a resubmission never acknowledges a write that a failover could still lose."""
         intake = self._keys.intake(first_stage, tenant)
         rkey = self._keys.request(request_id)
-        checks = [("EXISTS", rkey, self._keys.submitted(request_id)), ("LLEN", intake)]
+        checks: list[tuple[Any, ...]] = [("EXISTS", rkey, self._keys.submitted(request_id))]
+        seen = self._intake_seen.get(intake)
+        if seen is None or seen >= stream_maxlen // 2:  # else the backlog is far from full: no LLEN
+            checks.append(("LLEN", intake))
         uploads = uploads or {}
         if sum(len(blob) for blob in uploads.values()) > LINK_MAX_UPLOAD_BYTES:
             link = None
         ticket = ticket or new_ticket()
         with translated():  # the two checks: one round trip
-            known, queued = _raised(await run_pipeline(link, self._redis, checks, block_s=0.0))
+            known, *length = _raised(await run_pipeline(link, self._redis, checks, block_s=0.0))
+            queued = int(length[0]) if length else 0
+            if length:
+                self._intake_seen[intake] = queued
             # Whose the id is matters only for a known one (no record, no owner): read then, one round
             # trip more for a resubmission, one command fewer for every new submission.
             owner = None
@@ -158,20 +178,22 @@ class RequestStore(RequestWaits):
             marker = self._keys.submitted(request_id)
             writes: list[tuple[Any, ...]] = [
                 *(("SET", key, blob, "EX", upload_ttl_s) for key, blob in uploads.items()),
-                ("SET", marker, first_stage, "NX", "EX", self._ttl),
                 ("RPUSH", intake, submission_item(ticket, request_id, job.model_dump_json())),
+                ("SET", marker, first_stage, "NX", "EX", self._ttl),
             ]
             if self.durability.on:
                 replies = await replicated_transaction(
                     link, self._redis, writes, self.durability, what=f"submission {request_id}", raise_errors=False
                 )
-            else:
-                replies = await run_transaction(link, self._redis, writes, raise_errors=False)
-            pushed = replies[-1]
-            if isinstance(pushed, Exception):  # a MULTI does not roll back: undo what it wrote, then fail
-                await self._withdraw(link, [*uploads, marker], replies[: len(uploads) + 1], request_id)
+            else:  # in order, in one write: see the docstring for why no MULTI
+                replies = await run_pipeline(link, self._redis, writes, block_s=0.0)
+            pushed = replies[len(uploads)]
+            if isinstance(pushed, Exception):  # nothing rolls back: undo what was written, then fail
+                written = [*replies[: len(uploads)], replies[-1]]
+                await self._withdraw(link, [*uploads, marker], written, request_id)
                 raise pushed
             _raised(replies)
+            self._intake_seen[intake] = int(pushed)  # RPUSH's reply: the list's length with this one
         return ticket
 
     async def _prove_replicated(self, request_id: str, first_stage: str, link: RespLink | None) -> None:

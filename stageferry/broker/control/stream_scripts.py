@@ -72,11 +72,14 @@ return 1
 # across the streams.  Deliveries come from XPENDING in the same script (a new entry's is 1), so a read is
 # one round trip however many phases it tries (was one per phase, plus one for the counts).  ``claimed``
 # is 1 (won) or 0 (taken already) for a new whole entry naming a lease, when a claim prefix is given; -1
-# when no claim was tried.  A first stage's read moves its clients' submissions into its stream first, in
-# the same call (:data:`~stageferry.broker.control.intake.MOVE_FN`, up to ``count`` items): then KEYS end
-# with the intake lists, and ARGV go on with the number of streams, the most bytes an item may have and
-# one tenant per list.  Starts beginning with 'ifmoved,' (a first stage's poll): the streams are read only if
-# the move moved something (an idle first stage polls its intake often, and its stream less often).
+# when no claim was tried.  A first stage's read moves its clients' submissions into its stream in the
+# same call (:data:`~stageferry.broker.control.intake.MOVE_FN`): then KEYS end with the intake lists, and
+# ARGV go on with the number of streams, the surplus (how many submissions more than it takes now a move
+# may put into the stream, for the next reads of any replica), the most bytes an item may have and one
+# tenant per list.  The move comes when the new entries already in the stream fall short of ``count``
+# (then the stream is read again): a busy stage's reads pay it once per surplus, not once per read.
+# Starts beginning with 'ifmoved,' (a first stage's poll) move first, and read the streams only if the
+# move moved something (an idle first stage polls its intake often, and its stream less often).
 READ_CAPPED = (
     MOVE_FN
     + """
@@ -86,21 +89,18 @@ local streams = #KEYS
 local phases = ARGV[5]
 local lazy = string.sub(phases, 1, 8) == 'ifmoved,'
 if lazy then phases = string.sub(phases, 9) end
-if #ARGV >= 10 then
+local mover = #ARGV >= 10
+if mover then
   streams = tonumber(ARGV[10])
-  local moved, oversized = move_intake(KEYS[1], streams + 1, want, tonumber(ARGV[11]), 12)
-  if lazy and moved + oversized == 0 then return {} end
+  if lazy then
+    local moved, oversized = move_intake(KEYS[1], streams + 1, want, tonumber(ARGV[12]), 13)
+    if moved + oversized == 0 then return {} end
+    mover = false
+  end
 end
 local out = {}
-for start in string.gmatch(phases, '[^,]+') do
-for k = 1, streams do
-  local entries
-  if start == 'claim' then
-    entries = redis.call('XAUTOCLAIM', KEYS[k], ARGV[1], ARGV[2], ARGV[6], '0-0', 'COUNT', want - #out)[2]
-  else
-    local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want - #out, 'STREAMS', KEYS[k], start)
-    entries = reply and reply[1][2] or {}
-  end
+
+local function take(entries, k, start)
   for _, e in ipairs(entries) do
     local fields = e[2]
     local size = 0
@@ -132,9 +132,31 @@ for k = 1, streams do
     end
     out[#out + 1] = {e[1], fields, size, k, deliveries, start, claimed}
   end
-  if #out >= want then break end
 end
-if #out > 0 then break end
+
+local function read_new(k)
+  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want - #out, 'STREAMS', KEYS[k], '>')
+  take(reply and reply[1][2] or {}, k, '>')
+end
+
+for start in string.gmatch(phases, '[^,]+') do
+  for k = 1, streams do
+    if start == 'claim' then
+      take(redis.call('XAUTOCLAIM', KEYS[k], ARGV[1], ARGV[2], ARGV[6], '0-0', 'COUNT', want - #out)[2], k, start)
+    elseif start == '>' then
+      read_new(k)
+    else
+      local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want - #out, 'STREAMS', KEYS[k], start)
+      take(reply and reply[1][2] or {}, k, start)
+    end
+    if #out >= want then break end
+  end
+  if start == '>' and mover and #out < want then  -- short: move submissions in, then read them
+    local moved, oversized = move_intake(KEYS[1], streams + 1, want - #out + tonumber(ARGV[11]),
+                                         tonumber(ARGV[12]), 13)
+    if moved + oversized > 0 then read_new(1) end
+  end
+  if #out > 0 then break end
 end
 return out
 """

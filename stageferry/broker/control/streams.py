@@ -18,8 +18,9 @@ in one pipeline: Redis keeps a blocked client's next command until the block end
 woken replica gets its entries with the wake-up instead of one round trip later.
 
 The first stage also has an :class:`~stageferry.broker.control.intake.Intake`: clients push submissions
-onto lists, never onto the stream, and every read moves up to ``count`` of them into the stream first (the
-read script does the move itself: one call, no extra round trip nor script).  Clients cannot push the wake
+onto lists, never onto the stream, and a read whose stream holds fewer than ``count`` new entries moves
+up to that many more, and :data:`MOVE_SURPLUS` besides, into the stream (the read script does the move
+itself: one call, no extra round trip nor script).  Clients cannot push the wake
 list (a client's item there would be popped whole), so an idle first stage polls its intake every
 :data:`INTAKE_POLL_S`.
 
@@ -69,6 +70,10 @@ log = structlog.get_logger(__name__)
 WAKE_POLL_S = 0.05
 #: The same for a first stage, which polls its clients' intake lists (clients cannot wake it).
 INTAKE_POLL_S = 0.01
+#: How many submissions more than a read takes its move may put into a first stage's stream (for the
+#: next reads, any replica's): a busy first stage then moves once every this many entries, not on every
+#: read (``READ_CAPPED``); they wait there as they would have in the intake.
+MOVE_SURPLUS = 16
 DEFAULT_MAX_ENTRY_BYTES = 32 * 1024 * 1024
 
 
@@ -309,7 +314,7 @@ class StageStream:
         lc = self._lease_claim
         args = [self.group, self.consumer, count, self._max_entry_bytes, start, self._visibility_ms]
         args += [lc.prefix, lc.holder, lc.ttl_ms] if lc is not None else ["", "", 0]
-        return args if self.intake is None else [*args, len(self.streams), *self.intake.read_args()]
+        return args if self.intake is None else [*args, len(self.streams), MOVE_SURPLUS, *self.intake.read_args()]
 
     async def _read_via_script(self, start: str, count: int) -> list[Entry]:
         try:
@@ -362,15 +367,14 @@ class StageStream:
         fields: Mapping[str, bytes | str],
         *,
         status: StatusWrite | None = None,
-        cancel: str | None = None,
         crash_field: str | None = None,
     ) -> bool:
         """Atomically XADD ``fields`` to ``next_stage``'s stream and ack+delete this entry — and, given
-        ``status`` (:meth:`RequestStore.status_write`), write that status in the same
-        script, so the hand-off and its status cost one round trip.  With ``status``, the same script
-        first looks at the request's ``cancel`` flag (raising :class:`CancelledRequestError`, nothing
-        done, when it is set) and clears the entry's crash mark (``crash_field`` of the request's record) once the entry
-        is handed on or found not ours.
+        ``status`` (:meth:`RequestStore.status_write`: the next stage's ``queued``), write that status into
+        the request's record in the same script (no event of its own: the next stage's admission writes
+        its event with its ``running``) and clear the entry's crash mark (``crash_field`` of the record)
+        once the entry is handed on or found not ours.  The cancel flag is the next stage's to read, at
+        its admission (before it fetches or computes anything).
 
         False if this consumer no longer owns the entry (nothing was written, the status neither).  A
         stream or group that went with Redis (``NOGROUP``) is made again (so that the stage reads on), and
@@ -382,9 +386,9 @@ class StageStream:
         if status is None:
             script, keys, args = self._handoff, [src, dst, wake], [self.group, self.consumer, entry_id, *flat]
         else:
-            if cancel is None or crash_field is None:
-                raise ValueError("a hand-off with a status needs the request's cancel key and the entry's crash mark")
-            script, keys = self._handoff_with_status, [src, dst, status.record, status.events, cancel, wake]
+            if crash_field is None:
+                raise ValueError("a hand-off with a status needs the entry's crash mark")
+            script, keys = self._handoff_with_status, [src, dst, status.record, status.events, wake]
             args = [self.group, self.consumer, entry_id, crash_field, *status.args(), *flat]
         try:
             with translated():
@@ -395,8 +399,6 @@ class StageStream:
             log.warning("stream.group_lost", stream=src, error=exc.message)
             await self.ensure_group()
             done = 0
-        if done == -2:  # the entry stays ours and pending: the outcome (cancelled) acks it
-            raise CancelledRequestError("cancelled by the client")
         self._settled(entry_id)
         return done == 1
 

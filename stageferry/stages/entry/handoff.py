@@ -2,13 +2,15 @@
 
 * :meth:`HandOn.hand_on` puts the output through the output connector (producer side) and hands the
   envelope on in one ownership-checked Lua script (:meth:`StageStream.hand_off`), which also marks the
-  request ``queued`` on the next stage, looks at its cancel flag and deletes the entry's crash mark;
+  request ``queued`` on the next stage (in the record: the next stage's admission writes that status's
+  event with its ``running``) and clears the entry's crash mark;
 * :meth:`HandOn.store_result` (last stage) stores the result, writes ``done`` once and acks the entry, in
   one script (:meth:`StageStream.finish`: the cancel flag and the crash mark too);
 
-Either way the request's cancel flag is read in the step that settles the entry: a cancel that comes
-while the model runs is seen there at the latest (the worker's watcher sees it sooner, within a step),
-and costs no round trip of its own.
+A cancel that comes while the model runs is seen by the worker's watcher within a step; one that comes
+after its last look is seen by the next stage's admission (before it fetches the payload: it lets the
+producer free it) or, on the last stage, by the finish script, which writes nothing then.  Neither
+costs a round trip of its own.
 * :meth:`HandOn.recompute` sends a request whose payload is gone back to be computed again — by default
   to the previous stage — up to ``limits.max_recomputes``; past that it declines and the request fails
   (the outcome table's ``recompute`` row, :mod:`stageferry.stages.entry.outcomes`).
@@ -29,7 +31,7 @@ from stageferry.broker.control.streams import LEASE_FIELD, Entry
 from stageferry.broker.data import metrics
 from stageferry.broker.data.connector_contract import Outgoing
 from stageferry.config import StageConfig
-from stageferry.errors import CancelledRequestError, DataPlaneError, PayloadUnavailableError
+from stageferry.errors import DataPlaneError, PayloadUnavailableError
 from stageferry.failpoints import PRODUCER_PUBLISHED, failpoint
 from stageferry.schemas import Envelope, NoPayload, OutputInfo, RequestState, StageTiming, Transport, request_key
 from stageferry.stages.entry.entry_guard import CrashMark
@@ -79,9 +81,8 @@ class HandOn:
         self, entry: Entry, envelope: Envelope, output: Any, timing: StageTiming, *, mark: CrashMark
     ) -> None:
         """Publish ``output`` and hand the request to the next stage.  A put that fails here computes the
-        request again on this stage (maybe on another replica), or fails it past the recompute limit.
-        :class:`CancelledRequestError` (the payload put is abandoned) when the client cancelled; the entry's
-        crash ``mark`` is cleared by the hand-off's script."""
+        request again on this stage (maybe on another replica), or fails it past the recompute limit.  The
+        entry's crash ``mark`` is cleared by the hand-off's script."""
         assert self.next_stage is not None and self.output_connector is not None
         key = request_key(envelope.request_id, self.index)
         try:
@@ -129,18 +130,9 @@ class HandOn:
             attempt=envelope.attempt,
             timings=trace.timings,
         )
-        try:
-            handed = await self.stream.hand_off(
-                entry.id,
-                self.next_stage.name,
-                fields,
-                status=status,
-                cancel=self.keys.cancel(envelope.request_id),
-                crash_field=mark.field,
-            )
-        except CancelledRequestError:
-            self.output_connector.abandon(outgoing)
-            raise
+        handed = await self.stream.hand_off(
+            entry.id, self.next_stage.name, fields, status=status, crash_field=mark.field
+        )
         mark.cleared = True
         if not handed:  # not held any more: another replica has it, or Redis lost it (then so is the request)
             log.warning("worker.handoff_lost", entry=entry.id)

@@ -191,17 +191,26 @@ class Outcomes:
         """The status writes that start ``entry``'s work here, in order, for the admission's script to make
         (``EntryGuard.admit_and_look``): a client's entry's :meth:`submitted`, and its :meth:`running` when
         the job has no media to load (``media_free``: a first stage writes ``running`` after loading the
-        job's media, which may refuse it, so then that stays a write of its own); on a later stage
-        :meth:`running`; none for an entry of another kind.  The script writes both into the record and
-        one status event for them, the ``running`` one, carrying the ``queued`` status (``folded``) so
-        that a trace still shows the time the entry waited."""
+        job's media, which may refuse it, so then that stays a write of its own); on a later stage its
+        ``queued`` again (the hand-off wrote it into the record without an event) and :meth:`running`;
+        none for an entry of another kind.  The script writes both into the record and one status event
+        for them, the ``running`` one, carrying the ``queued`` status (``folded``), dated by the entry's
+        id (when it was queued), so that a trace still shows the time the entry waited."""
         if envelope.from_stage == "client":
             queued = self.status_write(
                 envelope.request_id, RequestState.QUEUED, mode="create", **self._submitted(entry)
             )
             return (queued, self._running_write(envelope, None)) if media_free else (queued,)
         if self.stages and self.stages[0] != self.stage:
-            return (self._running_write(envelope, None),)
+            queued = self.status_write(
+                envelope.request_id,
+                RequestState.QUEUED,
+                mode="update",
+                attempt=envelope.attempt,
+                timings=envelope.trace.timings,
+                **self._submitted(entry),
+            )
+            return (queued, self._running_write(envelope, None))
         return ()
 
     def _running_write(self, envelope: Envelope, progress: Progress | None) -> StatusWrite:

@@ -154,7 +154,8 @@ async def test_a_submission_takes_the_lean_link_unless_its_uploads_are_large(
     assert entry is not None and await store._redis.llen(keys.intake("encoder")) == 1  # type: ignore[misc]
     assert (await store._redis.strlen(keys.upload("r-1", "ref"))) == upload_bytes
     sent = [name for trip in trips for name in trip]
-    assert ("EXEC" in sent) is over_link and ("LLEN" in sent) is over_link
+    assert ("RPUSH" in sent) is over_link and ("LLEN" in sent) is over_link
+    assert "MULTI" not in sent  # a pipeline: the push, then the marker
 
 
 async def test_a_follower_whose_shared_reader_lags_still_gets_the_terminal_event(store: RequestStore) -> None:

@@ -3,8 +3,9 @@
 * A first delivery's admission script also sets its crash mark and reads what ``Admission.settled``
   needs (record status, cancel flag, run owner): the decision is the same as with the separate read; and
   it writes the entry's start status (a later stage's ``running``) only when the entry will run.
-* The hand-off script looks at the cancel flag first (cancelled: nothing handed on, the entry still in
-  hand) and deletes the crash mark with the hand-off.
+* The hand-off script writes the next stage's ``queued`` into the record (its event comes with that
+  stage's ``running``) and clears the crash mark with the hand-off; the cancel flag is the next stage's
+  admission's to read.
 * The last stage's finish script stores the result, writes ``done``, acks the entry and deletes the
   crash mark — or, cancelled, writes nothing; for an entry no longer ours it writes nothing either (an
   owned write: its holder finishes the request), and only deletes the crash mark.
@@ -23,6 +24,7 @@ from stageferry.errors import CancelledRequestError, RequestIdTakenError
 from stageferry.schemas import JobRequest, RequestState, RequestStatus
 from stageferry.stages.entry.entry_guard import EntryGuard
 from stageferry.stages.entry.outcomes import Outcomes
+from stageferry.trace.events import parse_events
 from tests.stages.entry import test_admission
 from tests.stages.entry.test_admission import RoundTrips, Stage, crashes, envelope, set_crashes
 
@@ -137,28 +139,52 @@ def outcomes_of(stage: Stage) -> Outcomes:
     return Outcomes(stage="diffusion", stream=stage.stream, store=stage.store, stages=("encoder", "diffusion"))
 
 
-async def test_the_hand_off_looks_at_the_cancel_flag_and_clears_the_crash_mark(stage: Stage) -> None:
-    [entry] = await stage.entries("req-5", 1)
+async def test_the_hand_off_writes_queued_into_the_record_and_clears_the_crash_mark(stage: Stage) -> None:
+    warm, entry = await stage.entries("req-5", 2)
+    await stage.stream.hand_off(warm.id, "next", {"request_id": "req-5"}, status=None)  # scripts loaded
     mark = crash_field("diffusion", entry.id)
     await set_crashes(stage.redis, stage.keys, "req-5", "diffusion", entry.id, 1)
     status = outcomes_of(stage).status_write("req-5", RequestState.QUEUED, stage="next")
     fields = {"request_id": "req-5", "envelope": "{}"}
-    cancel = stage.keys.cancel("req-5")
-    await stage.redis.set(cancel, b"1")
-    with pytest.raises(CancelledRequestError):
-        await stage.stream.hand_off(entry.id, "next", fields, status=status, cancel=cancel, crash_field=mark)
-    assert await stage.redis.xlen(stage.keys.stage_stream("next")) == 0  # nothing handed on
-    assert await stage.stream.pending_count() == 1  # still ours: the outcome acks it
-    assert await crashes(stage.redis, stage.keys, "req-5", "diffusion", entry.id) == 1  # the guard clears it
-    await stage.redis.delete(cancel)
+    events = stage.keys.events("req-5")
+    before = await stage.redis.xlen(events)
+    await stage.redis.set(stage.keys.cancel("req-5"), b"1")  # the next stage's admission reads it, not this
     trips = RoundTrips(stage.redis, stage.stream)
-    assert await stage.stream.hand_off(entry.id, "next", fields, status=status, cancel=cancel, crash_field=mark)
+    assert await stage.stream.hand_off(entry.id, "next", fields, status=status, crash_field=mark)
     assert trips.count == 1
-    assert await stage.redis.xlen(stage.keys.stage_stream("next")) == 1
+    assert await stage.redis.xlen(stage.keys.stage_stream("next")) == 2
     assert await crashes(stage.redis, stage.keys, "req-5", "diffusion", entry.id) == 0
     got = await stage.store.get("req-5")
     assert got is not None and got.state is RequestState.QUEUED and got.stage == "next"
+    # no event of its own: the next stage's admission sends it with its running (folded)
+    assert await stage.redis.xlen(events) == before
     assert await stage.stream.pending_count() == 0
+
+
+async def test_a_later_stages_admission_sends_the_hand_offs_queued_with_its_running(stage: Stage) -> None:
+    """The event the hand-off did not send: the admission's one event, ``running``, carries the ``queued``
+    (``folded``), dated by the entry's id, so that the trace still shows how long the entry waited."""
+    guard = guard_of(stage)
+    await warm_up(guard, stage)
+    await stage.store.set_status(RequestStatus(request_id="req-10", state=RequestState.RUNNING, stage="encoder"))
+    [entry] = await stage.entries("req-10", 1)  # handed on after the encoder's running
+    env = envelope("req-10")
+    starts = outcomes_of(stage).start_writes(entry, env, media_free=True)
+    assert [w.state for w in starts] == ["queued", "running"]
+    before = await stage.redis.xlen(stage.keys.events("req-10"))
+    _, looked = await guard.admit_and_look(env, entry, starts)
+    assert looked is not None and looked.started
+    rows = await stage.redis.xrange(stage.keys.events("req-10"))
+    assert len(rows) == before + 1
+    events = parse_events([(eid.decode(), {k.decode(): v.decode() for k, v in f.items()}) for eid, f in rows])
+    queued, running = events[-2:]
+    assert (queued.event, queued.stage, running.event, running.stage) == (
+        "status.queued",
+        "diffusion",
+        "status.running",
+        "diffusion",
+    )
+    assert queued.timestamp == pytest.approx(int(entry.id.split("-")[0]) / 1000)
 
 
 async def test_finish_stores_the_result_writes_done_and_acks_in_one_round_trip(stage: Stage) -> None:

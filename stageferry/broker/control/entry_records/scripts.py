@@ -290,26 +290,31 @@ return n
 """
 
 #: The hand-off with the next stage's status in one step.  KEYS: source stream, next stage's stream,
-#: record, events, cancel flag, next stage's wake list.  ARGV: group, consumer, entry id, crash field, the
-#: status's nine, then the new entry's field, value, ...  Returns -2 when the request is cancelled (nothing
-#: done), 0 when this consumer no longer owns the entry, 1 handed on.  The crash mark is cleared once the
-#: entry is handed on or found not ours; the status is written only when it was handed on.
+#: record, events, next stage's wake list.  ARGV: group, consumer, entry id, crash field, the status's nine,
+#: then the new entry's field, value, ...  Returns 0 when this consumer no longer owns the entry (nothing
+#: written), 1 handed on.  The crash mark is cleared once the entry is handed on or found not ours.  The
+#: status (the next stage's ``queued``) goes into the record only, with no event of its own: the next
+#: stage's admission writes it again, dated by the new entry's id (the hand-off's instant), with its
+#: ``running`` and one event for both (``folded``).  The new entry's id tells the script the clock.  The
+#: cancel flag is not read here: the next stage's admission reads it before it spends anything.
 HAND_OFF = (
     LIBRARY
     + """
-if redis.call('EXISTS', KEYS[5]) == 1 then return -2 end
 if not owns(KEYS[1], ARGV[1], ARGV[2], ARGV[3]) then
   redis.call('HDEL', KEYS[3], ARGV[4])
   return 0
 end
 local fields = {}
 for i = 14, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('XADD', KEYS[2], '*', unpack(fields))
-if redis.call('LPUSH', KEYS[6], '1') > 16 then redis.call('LTRIM', KEYS[6], 0, 7) end
+local handed = redis.call('XADD', KEYS[2], '*', unpack(fields))
+clock = tonumber(string.match(handed, '^(%d+)'))
+if redis.call('LPUSH', KEYS[5], '1') > 16 then redis.call('LTRIM', KEYS[5], 0, 7) end
 ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
 local rec = record(KEYS[3], nil, ARGV[4])
+rec.events = KEYS[4]  -- refreshed with the record, though this step adds no event to it
 local w = status_at(5)
-set_status(rec, KEYS[4], w)
+set_status(rec, KEYS[4], w, true)
+rec.unsent = nil  -- its event comes with the next stage's running
 unmark(rec, ARGV[4], w.ttl)
 save(rec)
 return 1
