@@ -134,27 +134,24 @@ local function take(entries, k, start)
   end
 end
 
-local function read_new(k)
-  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want - #out, 'STREAMS', KEYS[k], '>')
-  take(reply and reply[1][2] or {}, k, '>')
+local function read(k, start)
+  if start == 'claim' then
+    take(redis.call('XAUTOCLAIM', KEYS[k], ARGV[1], ARGV[2], ARGV[6], '0-0', 'COUNT', want - #out)[2], k, start)
+  else
+    local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want - #out, 'STREAMS', KEYS[k], start)
+    take(reply and reply[1][2] or {}, k, start)
+  end
 end
 
 for start in string.gmatch(phases, '[^,]+') do
   for k = 1, streams do
-    if start == 'claim' then
-      take(redis.call('XAUTOCLAIM', KEYS[k], ARGV[1], ARGV[2], ARGV[6], '0-0', 'COUNT', want - #out)[2], k, start)
-    elseif start == '>' then
-      read_new(k)
-    else
-      local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want - #out, 'STREAMS', KEYS[k], start)
-      take(reply and reply[1][2] or {}, k, start)
-    end
+    read(k, start)
     if #out >= want then break end
   end
   if start == '>' and mover and #out < want then  -- short: move submissions in, then read them
     local moved, oversized = move_intake(KEYS[1], streams + 1, want - #out + tonumber(ARGV[11]),
                                          tonumber(ARGV[12]), 13)
-    if moved + oversized > 0 then read_new(1) end
+    if moved + oversized > 0 then read(1, '>') end
   end
   if #out > 0 then break end
 end

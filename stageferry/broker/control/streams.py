@@ -70,9 +70,8 @@ log = structlog.get_logger(__name__)
 WAKE_POLL_S = 0.05
 #: The same for a first stage, which polls its clients' intake lists (clients cannot wake it).
 INTAKE_POLL_S = 0.01
-#: How many submissions more than a read takes its move may put into a first stage's stream (for the
-#: next reads, any replica's): a busy first stage then moves once every this many entries, not on every
-#: read (``READ_CAPPED``); they wait there as they would have in the intake.
+#: How many submissions more than a read takes its move may put into a first stage's stream, for the next
+#: reads of any replica: a busy first stage moves once every this many entries (``READ_CAPPED``).
 MOVE_SURPLUS = 16
 DEFAULT_MAX_ENTRY_BYTES = 32 * 1024 * 1024
 
@@ -373,8 +372,7 @@ class StageStream:
         ``status`` (:meth:`RequestStore.status_write`: the next stage's ``queued``), write that status into
         the request's record in the same script (no event of its own: the next stage's admission writes
         its event with its ``running``) and clear the entry's crash mark (``crash_field`` of the record)
-        once the entry is handed on or found not ours.  The cancel flag is the next stage's to read, at
-        its admission (before it fetches or computes anything).
+        once the entry is handed on or found not ours.  The cancel flag is the next stage's admission's to read.
 
         False if this consumer no longer owns the entry (nothing was written, the status neither).  A
         stream or group that went with Redis (``NOGROUP``) is made again (so that the stage reads on), and
