@@ -49,6 +49,7 @@ from stageferry.client import Client  # noqa: E402
 from stageferry.config import PipelineConfig  # noqa: E402
 from stageferry.embedded_redis import free_port  # noqa: E402
 from stageferry.gateway import GatewayConfig, create_app  # noqa: E402
+from stageferry.gateway.server import uvicorn_config  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402
 
 ENCODER = ("encoder", "stageferry.stages.reference.encoder:factory", "")
@@ -148,7 +149,7 @@ async def run_mode(url: str, mode: str, args: argparse.Namespace, workdir: Path)
     config = PipelineConfig.load(pipeline)
     port = free_port()
     gateway = GatewayConfig(redis_url=url, prefix=prefix, pipeline=config, model_name="bench")
-    server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(create_app(gateway), host="127.0.0.1", port=port))
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
     res: dict[str, Any] = {"first": [], "last": [], "single": [], "burst": []}

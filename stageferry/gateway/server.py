@@ -6,6 +6,7 @@ import signal
 from types import FrameType
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from stageferry.errors import ConfigError
 from stageferry.gateway.app import GatewayConfig, create_app
@@ -26,6 +27,30 @@ class _Server(uvicorn.Server):
             captured.remove(sig)
 
 
+#: The largest request head (request line and headers) that is always read whole, in bytes.  h11 answers a
+#: bare ``400`` once an *incomplete* head outgrows its buffer (16 KiB by default), so a long URL got a 400
+#: or the gateway's typed answer depending on how many reads its bytes took.  This bound sits above the
+#: longest URL an HTTP client sends (httpx: 64 KiB) with room for headers; a longer head still gets h11's
+#: 400, and every answer the gateway writes is bounded whatever the client sent.
+MAX_REQUEST_HEAD_BYTES = 80 * 1024
+
+
+def uvicorn_config(app: ASGIApp, *, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
+    """The uvicorn settings of every gateway (``serve``, the tests', the benchmarks'): h11, with
+    :data:`MAX_REQUEST_HEAD_BYTES`; uvicorn's access log and its logging configuration off."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http="h11",
+        h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        log_config=None,
+    )
+
+
 def serve(config: GatewayConfig, *, host: str = "127.0.0.1", port: int = 8091, log_level: str = "info") -> None:
     """Serve until SIGTERM (drain, exit 0) or SIGINT (drain, then the interruption).
 
@@ -33,17 +58,8 @@ def serve(config: GatewayConfig, *, host: str = "127.0.0.1", port: int = 8091, l
     configuration: its loggers propagate to the root handler that :func:`stageferry.logs.configure_logging`
     installed, so the gateway's log is JSON lines like every service's.
     """
-    server = _Server(
-        uvicorn.Config(
-            create_app(config),
-            host=host,
-            port=port,
-            log_level="warning" if log_level == "info" else log_level,
-            access_log=False,
-            lifespan="on",
-            log_config=None,
-        )
-    )
+    quiet = "warning" if log_level == "info" else log_level
+    server = _Server(uvicorn_config(create_app(config), host=host, port=port, log_level=quiet))
     # Collections mid-burst stalled every request, /health too (see stageferry.heap for the figures).
     settle_heap("gateway.heap_settled", young_threshold=GATEWAY_YOUNG_THRESHOLD)
     try:

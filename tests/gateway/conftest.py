@@ -23,6 +23,7 @@ import uvicorn
 
 from stageferry.config import PipelineConfig
 from stageferry.gateway import GatewayConfig, create_app
+from stageferry.gateway.server import uvicorn_config
 from tests.conftest import delete_prefix
 from tests.procs import Services, write_pipeline
 
@@ -51,7 +52,7 @@ def _free_port() -> int:
 def running_gateway(config: GatewayConfig, *, start_timeout: float = 120) -> Iterator[str]:
     """The gateway for ``config`` served by uvicorn in a background thread; yields its base URL."""
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(create_app(config), host="127.0.0.1", port=port))
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout
@@ -95,22 +96,11 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, redis_url: str, module_
     with Services(tmp, redis_url=redis_url, prefix=module_prefix, pipeline=path, extra_env={}) as services:
         services.start("encoder", "a")
         services.start("diffusion", "a")
-        port = _free_port()
         config = GatewayConfig(redis_url=redis_url, prefix=module_prefix, pipeline=pipeline, model_name="test-model")
-        server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, name="gateway", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 120
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.05)
-        services.wait_live("encoder", "encoder-a", timeout=180)
-        services.wait_live("diffusion", "diffusion-a", timeout=180)
-        try:
-            yield Deployment(services, pipeline, f"http://127.0.0.1:{port}", module_prefix, redis_url)
-        finally:
-            server.should_exit = True
-            thread.join(timeout=15)
+        with running_gateway(config) as base_url:
+            services.wait_live("encoder", "encoder-a", timeout=180)
+            services.wait_live("diffusion", "diffusion-a", timeout=180)
+            yield Deployment(services, pipeline, base_url, module_prefix, redis_url)
 
 
 @pytest.fixture(scope="module")

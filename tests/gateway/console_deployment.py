@@ -5,18 +5,14 @@ event streams, and the stages' metrics URLs (plus one that answers nothing).
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import uvicorn
-
 from stageferry.config import PipelineConfig
-from stageferry.gateway import GatewayConfig, create_app
-from tests.gateway.conftest import LORA, MAX_STEPS, MAX_UPLOAD_BYTES, _free_port
+from stageferry.gateway import GatewayConfig
+from tests.gateway.conftest import LORA, MAX_STEPS, MAX_UPLOAD_BYTES, _free_port, running_gateway
 from tests.procs import Services, write_pipeline
 
 TOKEN = "console-test-token-0123456789"
@@ -58,7 +54,6 @@ def console_deployment(tmp: Path, *, redis_url: str, prefix: str) -> Iterator[Co
             services.start(stage, "a")
             urls.append(f"http://127.0.0.1:{port}/metrics")
         dead = f"http://127.0.0.1:{_free_port()}/metrics"
-        port = _free_port()
         config = GatewayConfig(
             redis_url=redis_url,
             prefix=prefix,
@@ -68,17 +63,7 @@ def console_deployment(tmp: Path, *, redis_url: str, prefix: str) -> Iterator[Co
             event_streams=EVENT_STREAMS,
             metrics_urls=(*urls, dead),
         )
-        server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, name="gateway", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 120
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.05)
-        services.wait_live("encoder", "encoder-a", timeout=180)
-        services.wait_live("diffusion", "diffusion-a", timeout=180)
-        try:
-            yield ConsoleDeployment(services, pipeline, f"http://127.0.0.1:{port}", prefix, tuple(urls), dead)
-        finally:
-            server.should_exit = True
-            thread.join(timeout=15)
+        with running_gateway(config) as base_url:
+            services.wait_live("encoder", "encoder-a", timeout=180)
+            services.wait_live("diffusion", "diffusion-a", timeout=180)
+            yield ConsoleDeployment(services, pipeline, base_url, prefix, tuple(urls), dead)

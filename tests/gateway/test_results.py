@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from stageferry.config import PipelineConfig
 from stageferry.gateway import GatewayConfig
 from stageferry.gateway.errors import MAX_FIELD_CHARS
 from stageferry.gateway.results import ResultFiles, ResultRefused
+from stageferry.gateway.server import MAX_REQUEST_HEAD_BYTES
 from stageferry.schemas import OutputInfo, RequestState, RequestStatus
 from tests.conftest import delete_prefix
 from tests.gateway.conftest import running_gateway
@@ -171,3 +173,21 @@ def test_error_answers_never_echo_client_input_unbounded(gateway: tuple[str, str
         assert len(answer.content) < 2_000, len(answer.content)
         [error] = answer.json()["error"]["field_errors"]
         assert error["field"].startswith("lora.kkk") and len(error["field"]) <= MAX_FIELD_CHARS
+
+
+def test_a_long_request_line_in_many_reads_gets_the_gateways_answer(gateway: tuple[str, str]) -> None:
+    """The 60,000-character id above got h11's bare 400 instead of the gateway's 404 whenever its request line
+    took more than one read (h11's 16 KiB bound on an incomplete head): sent here 1 KiB per segment."""
+    host, port = gateway[0].removeprefix("http://").split(":")
+    head = f"GET /v1/videos/{'v' * 60_000} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+    assert len(head) <= MAX_REQUEST_HEAD_BYTES
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for at in range(0, len(head), 1024):
+            sock.sendall(head[at : at + 1024])
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line == b"HTTP/1.1 404 Not Found", answer[:300]
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["code"] == "not_found"
