@@ -29,6 +29,9 @@
 #   held_pair the base's stageferry (.base) and this tree's, both holding HELD_IN_FLIGHT entries (default
 #             16), one after the other, HELD_ROUNDS times (default 2): the side-by-side figure when the
 #             base has entries_in_flight too
+#   profile   where Redis's time goes: this tree's throughput.py as held_pair runs it, with --script-times (each
+#             script's share of the main thread, SLOWLOG), then benchmarks/script_cost.py (each hot script's
+#             µs against the commands it runs: Lua's own share), both on the call's Redis (6379)
 #   mps_copy  same_gpu alone under this call's own MPS control daemon (mps without same_gpu_parts)
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
 #             round's base (a copy of it carried as .base: `git archive <base> stageferry benchmarks tests
@@ -106,6 +109,10 @@ except redis.ConnectionError:
               --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 --edges nixl \
               --clients "${TPUT_CLIENTS:-4}" --entries-in-flight "${HELD_IN_FLIGHT:-16}" $hot
           done ;;
+    profile) run_step "profile_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}" 200 python3 benchmarks/throughput.py \
+               --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 --edges nixl \
+               --clients "${TPUT_CLIENTS:-4}" --entries-in-flight "${HELD_IN_FLIGHT:-16}" --script-times
+             run_step script_cost 120 python3 benchmarks/script_cost.py --redis-url redis://127.0.0.1:6379/0 --calls 5000 ;;
     *) echo "unknown step $s" >&2 ;;
   esac
 done

@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import anyio  # noqa: E402
+import redis_profile  # noqa: E402
 from anyio.abc import Process  # noqa: E402
 from anyio.streams.buffered import BufferedByteReceiveStream  # noqa: E402
 from bench_stats import TASK_BYTES, cell, machine_facts, median  # noqa: E402
@@ -208,6 +209,7 @@ async def run_config(
     in_flight: int = 1,
     entries_in_flight: int = 1,
     steps: bool = False,
+    script_times: bool = False,
 ) -> dict[str, Any]:
     prefix = f"tput-{uuid.uuid4().hex[:8]}"
     tally_dir = workdir / f"{prefix}-tally"  # every process's round trips per call site (tally.py)
@@ -253,6 +255,9 @@ async def run_config(
                 trips_before = tally.read_dir(tally_dir)
                 steps_before = read_steps(steps_dir)
                 before = await command_counts(client.redis)
+                usec_before = await command_usec(client.redis)
+                log_len = requests * 60
+                logged = await redis_profile.start(client.redis, log_len) if script_times else None
                 cpu_before = await cpu_seconds(client.redis, prefix)
                 for proc in procs:
                     await proc.go()
@@ -261,7 +266,10 @@ async def run_config(
                 cpu_after = await cpu_seconds(client.redis, prefix)  # the clients idle, still there
                 cpu = {k: (v - cpu_before.get(k, 0.0)) / wall for k, v in cpu_after.items()}
                 after = await command_counts(client.redis)
+                usec_after = await command_usec(client.redis)
+                profile = {} if logged is None else await redis_profile.collect(client.redis, logged, log_len)
                 commands = {name: (after[name] - before.get(name, 0)) / requests for name in after}
+                usec = {name: (usec_after[name] - usec_before.get(name, 0)) / requests for name in usec_after}
                 await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)
                 flush_tally()
                 trips_after = tally.read_dir(tally_dir)
@@ -276,6 +284,8 @@ async def run_config(
         **figures,
         "rps": requests / wall,
         "commands": {k: v for k, v in commands.items() if v > 0},
+        "usec": {k: v for k, v in usec.items() if v > 0},
+        "profile": profile,
         "trips": {k: v for k, v in trips.items() if v[0] > 0},
         "cpu": cpu,
         "clients": clients,
@@ -346,6 +356,14 @@ async def command_counts(redis: Any) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in info.items()}
 
 
+async def command_usec(redis: Any) -> dict[str, int]:
+    """Microseconds Redis spent in each command so far (``INFO commandstats``'s ``usec``): a script's
+    (``evalsha``) is the whole script, its own commands included (they are also counted under their names).
+    What is left of the main thread's CPU is reading, parsing and answering: the network's share."""
+    info = await redis.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(v["usec"]) for name, v in info.items()}
+
+
 def submission_line(task: str, replicas: str, connector: str, r: dict[str, Any]) -> str:
     """Whether submitting is still the limit: the slowest client's submit s against the wall time."""
     line = (
@@ -392,6 +410,26 @@ def busy_cell(cpu: dict[str, float], party: str) -> str:
     return f"{sum(mine):.2f} / {max(mine, default=0):.2f}"
 
 
+def print_redis_time(rows: list[tuple[str, str, str, dict[str, Any]]]) -> None:
+    """Where Redis's main thread spent its time per request: its CPU, the scripts' share (``INFO
+    commandstats``' usec of ``evalsha``: whole scripts, their commands included), and each command's."""
+    print("\n## Redis main-thread µs per request (INFO commandstats usec; a script's time includes its commands)\n")
+    for task, replicas, connector, r in rows:
+        cpu_us = r["cpu"]["redis"] / r["rps"] * 1e6
+        usec = r["usec"]
+        scripts = usec.get("evalsha", 0.0) + usec.get("eval", 0.0)
+        print(
+            f"### {task}, {replicas} replica(s), {connector}: main thread {cpu_us:.1f} µs per request, scripts "
+            f"{scripts:.1f}\n"
+        )
+        print("| command | µs per request | µs per call | calls per request |")
+        print("| --- | ---: | ---: | ---: |")
+        for name, v in sorted(usec.items(), key=lambda kv: -kv[1]):
+            calls = r["commands"].get(name, 0.0)
+            print(f"| {name} | {v:.1f} | {v / calls if calls else 0.0:.2f} | {calls:.2f} |")
+        print()
+
+
 async def main_async(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="sf-tput-") as tmp:
         rows = []
@@ -412,6 +450,7 @@ async def main_async(args: argparse.Namespace) -> None:
                         args.in_flight,
                         held,
                         args.steps,
+                        args.script_times,
                     )
                     label = replicas_label(replicas, held)
                     rows.append((task, label, connector, r))
@@ -462,6 +501,11 @@ async def main_async(args: argparse.Namespace) -> None:
     for task, replicas, connector, r in rows:
         cells = " | ".join(f"{r['commands'].get(n, 0):.1f}" for n in names)
         print(f"| {task} | {replicas} | {connector} | {sum(r['commands'].values()):.1f} | {cells} |")
+    print_redis_time(rows)
+    if args.script_times:
+        print("## Redis time by script (`--script-times`: SLOWLOG of every command over the measured requests)\n")
+        for task, replicas, connector, r in rows:
+            redis_profile.print_table(f"{task}, {replicas} replica(s), {connector}", r["profile"], args.requests)
     print("\n## Redis round trips per request, by call site (client tally, `STAGEFERRY_REDIS_TALLY`)\n")
     print("Each process counts what it sends (one command, pipeline or script call = one round trip); the")
     print("differences over the measured requests (idle polling — blocking reads, heartbeats — included).\n")
@@ -548,6 +592,12 @@ def main() -> None:
         action="store_true",
         help="time every leader's steps of each entry (read, admission, model, hand-off: step_timer.entry_steps) "
         "and print their medians and p90 per stage",
+    )
+    parser.add_argument(
+        "--script-times",
+        action="store_true",
+        help="log every Redis command over the measured requests (SLOWLOG, benchmarks/redis_profile.py) and print "
+        "the time of each script by name (a private Redis: the log holds some 60 entries a request)",
     )
     args = parser.parse_args()
     if min(args.entries_in_flight) < 1:
