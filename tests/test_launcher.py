@@ -22,6 +22,9 @@ from stageferry.cli.launcher import ServiceGroup, wait_for_workers
 from stageferry.cli_hints import cli_command
 from stageferry.errors import StageFailedError
 
+#: up's job, small (what these tests check is up's wiring, not the model's cost at the default 320×192).
+SMALL_JOB = ["--width", "160", "--height", "96", "--fps", "8", "--duration", "1", "--steps", "2"]
+
 
 @pytest.mark.anyio
 async def test_wait_for_workers(redis_url: str, prefix: str) -> None:
@@ -63,7 +66,7 @@ def test_up_runs_one_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.chdir(tmp_path)  # outputs land under the working directory: never in the repository
     result = CliRunner().invoke(
         app,
-        ["--prefix", "t-up", "up", "--startup-timeout", "90", "--timeout", "120"],
+        ["--prefix", "t-up", "up", *SMALL_JOB, "--startup-timeout", "90", "--timeout", "120"],
         env={"STAGEFERRY_REDIS_URL": None, "STAGEFERRY_PIPELINE": None},
     )
     logs = tmp_path / "out" / "logs"
@@ -117,7 +120,7 @@ def test_up_serve_prints_a_submit_and_a_trace_command_that_work(tmp_path: Path) 
     env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
     env["PATH"] = "/usr/bin:/bin"  # no stageferry on PATH, as after scripts/up.sh
     up = subprocess.Popen(
-        [str(program), "--prefix", "t-up-serve", "up", "--serve", "--steps", "2", "--startup-timeout", "240",
+        [str(program), "--prefix", "t-up-serve", "up", "--serve", *SMALL_JOB, "--startup-timeout", "240",
          "--warm-runs", "0"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -129,7 +132,7 @@ def test_up_serve_prints_a_submit_and_a_trace_command_that_work(tmp_path: Path) 
             assert line, f"up ended early: {''.join(lines)}"
             lines.append(line)
         hint = lines[-1].removeprefix("submit another job: ").strip()
-        assert " --width 320 --height 192 " in hint and shlex.split(hint)[0] == str(program)
+        assert " --width 160 --height 96 " in hint and shlex.split(hint)[0] == str(program)  # up's job size
         submitted = subprocess.run(shlex.split(hint), cwd=tmp_path, env=env, capture_output=True, text=True,
                                    timeout=400)  # fmt: skip
         assert submitted.returncode == 0, submitted.stderr
