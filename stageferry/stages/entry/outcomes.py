@@ -187,6 +187,17 @@ class Outcomes:
             submitted_at = time.time()
         return {"stage": self.stage, "updated_at": submitted_at}
 
+    def _handed_on(self, entry: Entry, envelope: Envelope) -> dict[str, Any]:
+        """A later stage's ``queued``, dated by the hand-off: the producer's own instant of it
+        (``trace.hop_started_at``, taken after its ``running``, so that a trace never shows this stage
+        queued before the last one ran, as the entry id's whole milliseconds could), unless it is more than
+        a second from the entry id's (another clock, or none): then the entry id's."""
+        dated = self._submitted(entry)
+        hop = envelope.trace.hop_started_at
+        if abs(hop - dated["updated_at"]) < 1.0:
+            dated["updated_at"] = min(hop, time.time())
+        return dated
+
     def start_writes(self, entry: Entry, envelope: Envelope, *, media_free: bool) -> tuple[StatusWrite, ...]:
         """The status writes that start ``entry``'s work here, in order, for the admission's script to make
         (``EntryGuard.admit_and_look``): a client's entry's :meth:`submitted`, and its :meth:`running` when
@@ -195,7 +206,8 @@ class Outcomes:
         ``queued`` again (the hand-off wrote it into the record without an event) and :meth:`running`;
         none for an entry of another kind.  The script writes both into the record and one status event
         for them, the ``running`` one, carrying the ``queued`` status (``folded``), dated by the entry's
-        id (when it was queued), so that a trace still shows the time the entry waited."""
+        id (when it was queued; a later stage's by the hand-off's own instant, :meth:`_handed_on`), so that
+        a trace still shows the time the entry waited."""
         if envelope.from_stage == "client":
             queued = self.status_write(
                 envelope.request_id, RequestState.QUEUED, mode="create", **self._submitted(entry)
@@ -208,7 +220,7 @@ class Outcomes:
                 mode="update",
                 attempt=envelope.attempt,
                 timings=envelope.trace.timings,
-                **self._submitted(entry),
+                **self._handed_on(entry, envelope),
             )
             return (queued, self._running_write(envelope, None))
         return ()
