@@ -33,19 +33,25 @@ from bench_stats import machine_facts, median  # noqa: E402
 
 from stageferry.embedded_redis import EmbeddedRedis  # noqa: E402
 
-_ROW = re.compile(r"^\| (\w+) \([\d,]+ B\) \| (\d+) \| (\w+) \| ([\d.]+) \|")
+_ROW = re.compile(r"^\| (\w+) \([\d,]+ B\) \| (\d+)(?: \(\d+ held\))? \| (\w+) \| ([\d.]+) \|")
+#: Redis's main thread per request (throughput.py's "where the time goes" heading): its CPU, the scripts'.
+_MAIN_THREAD = re.compile(r"main thread ([\d.]+) µs per request, scripts ([\d.]+)")
 #: The line naming the client processes (throughput.py with ``--clients``; an older one has none).
 _CLIENTS = re.compile(r"shared by (\d+) client process", re.M)
 
 
 def parse(output: str) -> tuple[float, dict[str, float]]:
-    """The requests/s and the commands per request (by name, and ``total``) that throughput.py printed."""
+    """The requests/s and the commands per request (by name, and ``total``) that throughput.py printed, with
+    Redis's main-thread CPU µs per request (``cpu_us``) and the scripts' (``scripts_us``) where it printed them."""
     lines = output.splitlines()
     rps = next(float(m.group(4)) for line in lines if (m := _ROW.match(line)))
     at = next(i for i, line in enumerate(lines) if line.startswith("| payload | replicas | edge | total |"))
     names = [cell.strip() for cell in lines[at].strip("|").split("|")][3:]
     values = [cell.strip() for cell in lines[at + 2].strip("|").split("|")][3:]
-    return rps, {name: float(value) for name, value in zip(names, values, strict=True)}
+    counts = {name: float(value) for name, value in zip(names, values, strict=True)}
+    if m := _MAIN_THREAD.search(output):
+        counts["cpu_us"], counts["scripts_us"] = float(m.group(1)), float(m.group(2))
+    return rps, counts
 
 
 def clients_of(output: str) -> str:
@@ -87,6 +93,7 @@ async def run_tree(
             str(tree / "benchmarks" / "throughput.py"),
             "--tasks", args.task, "--replicas", str(args.replicas), "--requests", str(args.requests),
             "--edges", args.edge, "--redis-url", server.url, *extra,
+            *(["--entries-in-flight", str(args.entries_in_flight)] if args.entries_in_flight else []),
         ]  # fmt: skip
         done = await anyio.run_process(command, check=False, cwd=tree, env=_env(tree), stderr=subprocess.STDOUT)
     output = done.stdout.decode(errors="replace")
@@ -123,6 +130,7 @@ async def main_async(args: argparse.Namespace) -> None:
                     print(f"### {name} ({tree}), round {r + 1}\n\n{output}\n")
                 print(
                     f"# {name} round {r + 1}: {rps:.1f} req/s, {commands['total']:.1f} commands/request, "
+                    f"Redis main thread {commands.get('cpu_us', 0.0):.1f} µs/request, "
                     f"client processes: {clients_of(output)}",
                     flush=True,
                 )
@@ -134,21 +142,27 @@ async def main_async(args: argparse.Namespace) -> None:
         f"{args.rounds} round(s), a fresh redis-server per run; base {base_commit} ({trees['base']}), this "
         f"{this_commit}\n{clients_line}\n"
     )
-    print("| tree | requests/s (median) | Redis commands per request (median) |")
-    print("| --- | ---: | ---: |")
+    print(
+        "| tree | requests/s (median) | Redis commands per request (median) | Redis main thread µs per request "
+        "(median) | of it in scripts |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: |")
     summary = {}
     for name in trees:
         rps = median([r for r, _ in runs[name]])
         total = median([c["total"] for _, c in runs[name]])
-        summary[name] = (rps, total)
-        print(f"| {name} | {rps:.1f} | {total:.1f} |")
-    (base_rps, base_total), (this_rps, this_total) = summary["base"], summary["this"]
+        cpu = median([c.get("cpu_us", 0.0) for _, c in runs[name]])
+        scripts = median([c.get("scripts_us", 0.0) for _, c in runs[name]])
+        summary[name] = (rps, total, cpu)
+        print(f"| {name} | {rps:.1f} | {total:.1f} | {cpu:.1f} | {scripts:.1f} |")
+    (base_rps, base_total, base_cpu), (this_rps, this_total, this_cpu) = summary["base"], summary["this"]
+    cpu_ratio = f", Redis main thread µs per request {this_cpu / base_cpu:.2f}×" if base_cpu and this_cpu else ""
     print(
         f"\nthis / base: requests/s {this_rps / base_rps:.2f}×, commands per request {this_total / base_total:.2f}× "
-        f"({base_total:.1f} → {this_total:.1f})\n"
+        f"({base_total:.1f} → {this_total:.1f}){cpu_ratio}\n"
     )
     names = sorted(
-        {n for name in trees for _, c in runs[name] for n in c if n != "total"},
+        {n for name in trees for _, c in runs[name] for n in c if n not in ("total", "cpu_us", "scripts_us")},
         key=lambda n: -max(c.get(n, 0.0) for name in trees for _, c in runs[name]),
     )
     print("| command | base | this |")
@@ -186,6 +200,7 @@ def main() -> None:
         type=int,
         help="throughput.py's --clients for both trees, if the base's throughput.py has it (default: theirs)",
     )
+    parser.add_argument("--entries-in-flight", type=int, help="throughput.py's --entries-in-flight, for both trees")
     parser.add_argument("--verbose", action="store_true", help="print each run's whole throughput.py output")
     args = parser.parse_args()
     args.base, args.this = Path(args.base).resolve(), Path(args.this).resolve()

@@ -9,7 +9,8 @@ server is the only thing timed.  Printed per script: its µs per call (``INFO co
 the µs of the commands it ran (the other rows, which Redis counts inside scripts too) and what is left,
 Lua's share: the script's own work (tables, closures, strings) and the call's set-up.  Beside them, the
 same commands sent plainly in one pipeline (the floor a script cannot go under), an empty script with
-the scripts' shared library (the library's cost on every call), an empty one given one large argument
+every function of the scripts' library (what the library would cost on every call if each script defined
+all of it: each defines only those it calls), an empty one given one large argument
 (Lua makes a string of every argument: what the bytes cost) and seven ``redis.call`` of ``EXISTS``
 (a call's cost from Lua, against ``exists``'s own row).
 
@@ -27,6 +28,7 @@ from typing import Any
 
 import redis
 
+from stageferry.broker.control.entry_records import StatusOrder
 from stageferry.broker.control.entry_records.scripts import ADMIT_MARK_AND_LOOK, FINISH, HAND_OFF, LIBRARY
 
 STATUS = json.dumps({"request_id": "t2va-" + "0" * 26, "state": "running", "stage": "encoder", "detail": "y" * 200})
@@ -34,8 +36,8 @@ TTL = 3600
 
 
 def status_args(state: str, rank: int) -> list[Any]:
-    """``StatusWrite.args``: the nine of ``status_at``."""
-    return [state, STATUS, TTL, 64, "any", 0, 0, rank, 0]
+    """``StatusWrite.args``: the six of the scripts' ``set_status``."""
+    return [state, STATUS, TTL, 64, "any", StatusOrder(0, 0, rank, 0).key()]
 
 
 class Bench:
@@ -89,7 +91,7 @@ def main() -> None:
     admit = r.register_script(ADMIT_MARK_AND_LOOK)
     hand_off = r.register_script(HAND_OFF)
     finish = r.register_script(FINISH)
-    empty = r.register_script(LIBRARY + "\nreturn 1\n")
+    empty = r.register_script("".join(lua for _, lua in LIBRARY) + "\nreturn 1\n")
     bare = r.register_script("return 1\n")
     print(f"$ python benchmarks/script_cost.py --calls {args.calls}; redis {r.info('server')['redis_version']}\n")
     print("| script | µs per call | its commands µs | Lua and call set-up µs | commands inside, µs per call |")
@@ -132,7 +134,7 @@ def main() -> None:
 
         report("FINISH", b.timed(end, f"{p}s4"), args.calls)
         library = b.timed(lambda pipe, k, e: empty(client=pipe), f"{p}s5")
-        report("the shared library, then return 1", library, args.calls)
+        report("the whole library, then return 1", library, args.calls)
         report("return 1", b.timed(lambda pipe, k, e: bare(client=pipe), f"{p}s6"), args.calls)
         big = "y" * 9000  # Lua makes a string of every argument: the cost of a large one (an envelope's size)
         report("return 1, one 9,000-byte argument", b.timed(lambda pipe, k, e: bare(args=[k + big], client=pipe),

@@ -73,16 +73,18 @@ return 1
 # one round trip however many phases it tries (was one per phase, plus one for the counts).  ``claimed``
 # is 1 (won) or 0 (taken already) for a new whole entry naming a lease, when a claim prefix is given; -1
 # when no claim was tried.  A first stage's read moves its clients' submissions into its stream in the
-# same call (:data:`~stageferry.broker.control.intake.MOVE_FN`): then KEYS end with the intake lists, and
+# same call (:data:`READ_CAPPED_MOVING`, the same read with
+# :data:`~stageferry.broker.control.intake.MOVE_FN`): then KEYS end with the intake lists, and
 # ARGV go on with the number of streams, the surplus (how many submissions more than it takes now a move
 # may put into the stream, for the next reads of any replica), the most bytes an item may have and one
 # tenant per list.  The move comes when the new entries already in the stream fall short of ``count``
 # (then the stream is read again): a busy stage's reads pay it once per surplus, not once per read.
 # Starts beginning with 'ifmoved,' (a first stage's poll) move first, and read the streams only if the
 # move moved something (an idle first stage polls its intake often, and its stream less often).
-READ_CAPPED = (
-    MOVE_FN
-    + """
+# Every entry read passes through Lua (a string made of each of its bytes), so the script makes nothing it
+# can do without: no move functions where there is no intake (READ_CAPPED), Redis strings rather than Lua
+# numbers as arguments (Redis formats each number with %.17g), one table per entry returned.
+_READ = """
 local cap = tonumber(ARGV[4])
 local want = tonumber(ARGV[3])
 local streams = #KEYS
@@ -99,11 +101,13 @@ if mover then
   end
 end
 local out = {}
+local claim = ARGV[7] ~= ''
 
 local function take(entries, k, start)
   for _, e in ipairs(entries) do
     local fields = e[2]
     local size = 0
+    local claimed = -1
     if type(fields) ~= 'table' then
       fields = {}
     else
@@ -116,30 +120,32 @@ local function take(entries, k, start)
         fields = {'request_id', rid}
       else
         size = 0
+        if claim and start == '>' then
+          for i = 1, #fields - 1, 2 do
+            local lease = fields[i + 1]
+            if fields[i] == 'lease' and #lease > 0 and #lease <= 200 then
+              claimed = redis.call('SET', ARGV[7] .. lease, ARGV[8], 'NX', 'PX', ARGV[9]) and 1 or 0
+            end
+          end
+        end
       end
     end
     local deliveries = 1
-    local claimed = -1
     if start ~= '>' then
-      local p = redis.call('XPENDING', KEYS[k], ARGV[1], e[1], e[1], 1)
+      local p = redis.call('XPENDING', KEYS[k], ARGV[1], e[1], e[1], '1')
       if #p > 0 then deliveries = p[1][4] end
-    elseif ARGV[7] ~= '' and size == 0 then
-      for i = 1, #fields - 1, 2 do
-        if fields[i] == 'lease' and #fields[i + 1] > 0 and #fields[i + 1] <= 200 then
-          claimed = redis.call('SET', ARGV[7] .. fields[i + 1], ARGV[8], 'NX', 'PX', ARGV[9]) and 1 or 0
-        end
-      end
     end
     out[#out + 1] = {e[1], fields, size, k, deliveries, start, claimed}
   end
 end
 
 local function read(k, start)
+  local count = #out == 0 and ARGV[3] or string.format('%d', want - #out)
   if start == 'claim' then
-    take(redis.call('XAUTOCLAIM', KEYS[k], ARGV[1], ARGV[2], ARGV[6], '0-0', 'COUNT', want - #out)[2], k, start)
+    take(redis.call('XAUTOCLAIM', KEYS[k], ARGV[1], ARGV[2], ARGV[6], '0-0', 'COUNT', count)[2], k, start)
   else
-    local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want - #out, 'STREAMS', KEYS[k], start)
-    take(reply and reply[1][2] or {}, k, start)
+    local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count, 'STREAMS', KEYS[k], start)
+    if reply then take(reply[1][2], k, start) end
   end
 end
 
@@ -157,4 +163,9 @@ for start in string.gmatch(phases, '[^,]+') do
 end
 return out
 """
-)
+
+#: A stage's read (see above), for a stage without an intake: no move.
+READ_CAPPED = _READ
+
+#: A first stage's read: the same, moving its clients' submissions from the intake lists.
+READ_CAPPED_MOVING = MOVE_FN + _READ

@@ -60,7 +60,7 @@ from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import BLOCK_MS, durability_of, translated
 from stageferry.broker.control.replication import replicated_script
 from stageferry.broker.control.resp_link import RespLink, open_link, run_pipeline, run_script
-from stageferry.broker.control.stream_scripts import ACK, HANDOFF, READ_CAPPED, RENEW
+from stageferry.broker.control.stream_scripts import ACK, HANDOFF, READ_CAPPED, READ_CAPPED_MOVING, RENEW
 from stageferry.broker.control.tally import pass_through
 from stageferry.errors import CancelledRequestError, ControlPlaneError
 
@@ -170,7 +170,7 @@ class StageStream:
         self._finish = redis.register_script(FINISH)
         self._ack = redis.register_script(ACK)
         self._renew = redis.register_script(RENEW)
-        self._read_capped = redis.register_script(READ_CAPPED)
+        self._read_capped = redis.register_script(READ_CAPPED if intake is None else READ_CAPPED_MOVING)
         self._max_entry_bytes = max_entry_bytes
         #: How many replicas a hand-off and a last stage's ending must reach (the URL's ``wait_replicas``).
         self.durability = durability_of(redis)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import threading
 import time
@@ -27,14 +28,16 @@ from stageferry.broker.control.entry_records import (
     EntryKeys,
     EntryRecords,
     Look,
+    StatusOrder,
     StatusWrite,
+    scripts,
 )
 from stageferry.broker.control.held import Held
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
 from stageferry.broker.control.requests import RequestStore
 from stageferry.embedded_redis import EmbeddedRedis, find_redis_server
-from stageferry.schemas import RequestState, RequestStatus
+from stageferry.schemas import Progress, RequestState, RequestStatus
 from stageferry.trace.events import parse_events
 from tests.procs import Services, write_pipeline
 
@@ -98,8 +101,7 @@ async def test_a_first_delivery_s_start_comes_back_typed_and_writes_its_starts_i
     assert rows[0][1]["folded"]["state"] == "queued"  # carrying the first (a trace still shows the queue time)
     assert [ev.event for ev in parse_events(rows)] == ["status.queued", "status.running"]
     record = await entry_records.redis.hgetall(run.record)  # as the running write leaves it
-    o = running.order
-    assert record[b"order"] == f"{o.attempt} {o.stage_index} {o.rank} {o.step}".encode()
+    assert record[b"order"] == running.order.key().encode() == b"0000000010000000"  # fixed width: compared as strings
     assert record[b"state"] == b"running" and record[b"status"] == running.status_json.encode()
     assert await entry_records.crashes(run.record, run.crash_field) == 1
     record_ttl, events_ttl = await entry_records.redis.ttl(run.record), await entry_records.redis.ttl(run.events)
@@ -217,6 +219,56 @@ async def test_a_status_write_is_refused_when_older_or_after_the_end(
     assert not await store.set_status(running, stage_index=1)  # terminal: written once
     got = await store.get("e-6")
     assert got is not None and got.state is RequestState.FAILED
+
+
+@pytest.mark.anyio
+async def test_orders_compare_field_by_field_in_either_form(records: tuple[EntryRecords, RequestStore, Keys]) -> None:
+    """A status's order is 16 fixed-width digits (``StatusOrder.key``), compared as a string; a record
+    written before that form (four numbers, space-separated) is compared field by field, so that a rolling
+    upgrade never moves a request back (nor refuses a newer write)."""
+    entry_records, store, keys = records
+    redis, record = entry_records.redis, keys.request("e-9")
+    step = RequestStatus(request_id="e-9", state=RequestState.RUNNING, stage="diffusion")
+
+    def running_at(n: int) -> RequestStatus:
+        return step.model_copy(update={"progress": Progress(stage="diffusion", step=n, total=20)})
+
+    assert await store.set_status(running_at(9), stage_index=1)
+    assert not await store.set_status(running_at(8), stage_index=1)  # 9 < 10 as numbers, not as text
+    assert await store.set_status(running_at(10), stage_index=1)
+    assert await redis.hget(record, "order") == b"0000000110000010"
+    for old, refused, written in (("0 1 1 10", 9, 11), ("0 1 1 9", 8, 10), ("0 2 0 0", 19, None)):
+        await redis.hset(record, "order", old)  # as a stage before this form wrote it
+        assert not await store.set_status(running_at(refused), stage_index=1), old
+        if written is not None:
+            assert await store.set_status(running_at(written), stage_index=1), old
+    assert await store.set_status(step, stage_index=2)  # a later stage: newer whatever its step
+
+
+def test_an_order_key_is_fixed_width_and_ordered_as_its_fields() -> None:
+    fields = [(a, s, r, p) for a in (0, 1, 12) for s in (0, 3, 10) for r in (0, 1, 2) for p in (0, 9, 10, 500)]
+    orders = [StatusOrder(*f) for f in fields]
+    keys = [o.key() for o in orders]
+    assert {len(k) for k in keys} == {16} and all(k.isdigit() for k in keys)
+    assert sorted(keys) == [o.key() for o in sorted(orders, key=lambda o: (o.attempt, o.stage_index, o.rank, o.step))]
+    assert StatusOrder(0, 0, 0, 10**9).key() == "0000000009999999"  # cut to the width, never longer
+
+
+def test_each_script_defines_what_it_calls_and_nothing_more() -> None:
+    """:func:`scripts.script` prefixes a body with the library entries it uses (a script pays for each
+    function it defines on every call): every library function a script names is defined in it, and every
+    one defined in it is called."""
+    library = "".join(lua for _, lua in scripts.LIBRARY)
+    names = set(re.findall(r"local function ([a-z_]+)", library)) | {"TERMINAL", "clock"}
+    for name in ("SET_STATUS", "ADMIT", "ADMIT_AND_MARK", "ADMIT_MARK_AND_LOOK", "LOOK", "HAND_OFF", "FINISH",
+                 "END_IF_LOST"):  # fmt: skip
+        code = re.sub(r"--[^\n]*", "", getattr(scripts, name))
+        defined = set(re.findall(r"local function ([a-z_]+)", code))
+        defined |= set(re.findall(r"^local (TERMINAL|clock)\b", code, re.M))
+        for function in names:
+            uses = len(re.findall(rf"\b{function}\b", code))
+            assert uses >= 2 if function in defined else uses == 0, (name, function, uses)
+    assert "set_status" not in scripts.ADMIT and "held" not in scripts.HAND_OFF
 
 
 def _names(line: str, rid: str) -> bool:

@@ -11,7 +11,7 @@ frozen dataclasses back.  :class:`~stageferry.broker.control.requests.RequestSto
 finish from here.
 
 Each script is one atomic step, so that each costs one round trip and the fewest commands: every script
-reads the record once (``HMGET``, :data:`LIBRARY`'s ``record``), its steps share that read and their
+reads the record once (``HMGET``, the library's ``record``), its steps share that read and their
 writes reach the record in one ``HSET`` at the end (``save``).  A request's record and events stream
 live at least ``ttl`` after its terminal status: a write sets their TTLs to ``ttl`` and a margin (a
 tenth of it, a minute at most: :func:`refreshed_ttl_ms`), and sets them again only once less than ``ttl``
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import redis.asyncio as aioredis
 
@@ -63,12 +63,22 @@ class Admission(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class StatusOrder:
-    """Where a status sits in a request's progress: compared field by field by the writing script."""
+    """Where a status sits in a request's progress: compared field by field by the writing script, as
+    :meth:`key` (fixed-width digits, so that Lua compares two orders as strings)."""
 
     attempt: int
     stage_index: int
     rank: int  #: queued 0, running 1, terminal 2
     step: int  #: the progress step (0 without progress)
+
+    #: Each field's digits in :meth:`key` (16 in all: the scripts' ``before`` knows the form by its length).
+    WIDTHS: ClassVar[tuple[int, int, int, int]] = (5, 3, 1, 7)
+
+    def key(self) -> str:
+        """The order as 16 digits, each field zero-padded to its width (:data:`WIDTHS`; a larger value is cut
+        to the width's largest, which no pipeline reaches: 99,999 attempts, 999 stages, 9,999,999 steps)."""
+        values = (self.attempt, self.stage_index, self.rank, self.step)
+        return "".join(f"{min(max(v, 0), 10**w - 1):0{w}d}" for v, w in zip(values, self.WIDTHS, strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,19 +95,8 @@ class StatusWrite:
     events_maxlen: int
 
     def args(self) -> list[Any]:
-        """The nine arguments :data:`LIBRARY`'s ``status_at`` reads, in its order."""
-        o = self.order
-        return [
-            self.state,
-            self.status_json,
-            self.ttl_s,
-            self.events_maxlen,
-            self.mode,
-            o.attempt,
-            o.stage_index,
-            o.rank,
-            o.step,
-        ]
+        """The six arguments the scripts' ``set_status`` and ``emit`` read from ``ARGV``, in their order."""
+        return [self.state, self.status_json, self.ttl_s, self.events_maxlen, self.mode, self.order.key()]
 
 
 @dataclass(frozen=True, slots=True)
