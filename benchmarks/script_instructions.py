@@ -8,7 +8,7 @@ machine does).  For each tree (``--base`` and this one, or ``--this``), in a pro
 tree first on its path, against a private ``redis-server`` run under callgrind (``--hz 1``: few timer
 ticks inside a measurement), a request's steps as the stages send them, each over ``--requests`` fresh
 requests through the tree's own API (``EntryRecords``, ``StageStream``, ``RequestStore``), with
-T2VA-sized arguments (a client's submission, statuses with a timing, a 3.1 KB envelope, a result): a
+T2VA-sized arguments (a client's submission, statuses with a timing, a 2.1 KB envelope, a result): a
 first stage's read of one entry (its read script moves the submissions its clients pushed onto the intake
 list, the count and a surplus at a time, as a busy stage's reads do), its start (``admit_mark_and_look``
 with its queued and running), the hand-off to the next stage (with its
@@ -41,7 +41,7 @@ STEPS = (
     "next stage's start",
     "finish",
 )
-ENVELOPE_BYTES = 3_100  #: a T2VA envelope with a NIXL payload, as the stages wrote it (MONITOR, 2026-12-04)
+ENVELOPE_BYTES = 2_077  #: a T2VA envelope with a NIXL payload, as the stages wrote it (MONITOR, 2026-12-04)
 
 
 class Callgrind:
