@@ -101,7 +101,7 @@ async def test_a_first_delivery_s_start_comes_back_typed_and_writes_its_starts_i
     assert rows[0][1]["folded"]["state"] == "queued"  # carrying the first (a trace still shows the queue time)
     assert [ev.event for ev in parse_events(rows)] == ["status.queued", "status.running"]
     record = await entry_records.redis.hgetall(run.record)  # as the running write leaves it
-    assert record[b"order"] == running.order.key().encode() == b"0000000010000000"  # fixed width: compared as strings
+    assert record[b"order"] == running.order.key().encode() == b"00000 000 1 0000000"  # compared as strings
     assert record[b"state"] == b"running" and record[b"status"] == running.status_json.encode()
     assert await entry_records.crashes(run.record, run.crash_field) == 1
     record_ttl, events_ttl = await entry_records.redis.ttl(run.record), await entry_records.redis.ttl(run.events)
@@ -223,9 +223,9 @@ async def test_a_status_write_is_refused_when_older_or_after_the_end(
 
 @pytest.mark.anyio
 async def test_orders_compare_field_by_field_in_either_form(records: tuple[EntryRecords, RequestStore, Keys]) -> None:
-    """A status's order is 16 fixed-width digits (``StatusOrder.key``), compared as a string; a record
-    written before that form (four numbers, space-separated) is compared field by field, so that a rolling
-    upgrade never moves a request back (nor refuses a newer write)."""
+    """A status's order is four fixed-width fields (``StatusOrder.key``), compared as a string; a record
+    written before that form (four numbers, space-separated) is compared number by number, so that a
+    rolling upgrade never moves a request back (nor refuses a newer write)."""
     entry_records, store, keys = records
     redis, record = entry_records.redis, keys.request("e-9")
     step = RequestStatus(request_id="e-9", state=RequestState.RUNNING, stage="diffusion")
@@ -236,7 +236,7 @@ async def test_orders_compare_field_by_field_in_either_form(records: tuple[Entry
     assert await store.set_status(running_at(9), stage_index=1)
     assert not await store.set_status(running_at(8), stage_index=1)  # 9 < 10 as numbers, not as text
     assert await store.set_status(running_at(10), stage_index=1)
-    assert await redis.hget(record, "order") == b"0000000110000010"
+    assert await redis.hget(record, "order") == b"00000 001 1 0000010"
     for old, refused, written in (("0 1 1 10", 9, 11), ("0 1 1 9", 8, 10), ("0 2 0 0", 19, None)):
         await redis.hset(record, "order", old)  # as a stage before this form wrote it
         assert not await store.set_status(running_at(refused), stage_index=1), old
@@ -249,9 +249,10 @@ def test_an_order_key_is_fixed_width_and_ordered_as_its_fields() -> None:
     fields = [(a, s, r, p) for a in (0, 1, 12) for s in (0, 3, 10) for r in (0, 1, 2) for p in (0, 9, 10, 500)]
     orders = [StatusOrder(*f) for f in fields]
     keys = [o.key() for o in orders]
-    assert {len(k) for k in keys} == {16} and all(k.isdigit() for k in keys)
+    assert {len(k) for k in keys} == {19}
+    assert [[int(x) for x in k.split()] for k in keys] == [list(f) for f in fields]
     assert sorted(keys) == [o.key() for o in sorted(orders, key=lambda o: (o.attempt, o.stage_index, o.rank, o.step))]
-    assert StatusOrder(0, 0, 0, 10**9).key() == "0000000009999999"  # cut to the width, never longer
+    assert StatusOrder(0, 0, 0, 10**9).key() == "00000 000 0 9999999"  # cut to the width, never longer
 
 
 def test_each_script_defines_what_it_calls_and_nothing_more() -> None:

@@ -141,7 +141,10 @@ def outcomes_of(stage: Stage) -> Outcomes:
 
 async def test_the_hand_off_writes_queued_into_the_record_and_clears_the_crash_mark(stage: Stage) -> None:
     warm, entry = await stage.entries("req-5", 2)
-    await stage.stream.hand_off(warm.id, "next", {"request_id": "req-5"}, status=None)  # scripts loaded
+    warming = outcomes_of(stage).status_write("req-5-warm", RequestState.QUEUED, stage="next")
+    await stage.stream.hand_off(  # this script loaded (a first call is NOSCRIPT, then a load through redis-py)
+        warm.id, "next", {"request_id": "req-5"}, status=warming, crash_field=crash_field("diffusion", warm.id)
+    )
     mark = crash_field("diffusion", entry.id)
     await set_crashes(stage.redis, stage.keys, "req-5", "diffusion", entry.id, 1)
     status = outcomes_of(stage).status_write("req-5", RequestState.QUEUED, stage="next")

@@ -64,21 +64,23 @@ class Admission(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class StatusOrder:
     """Where a status sits in a request's progress: compared field by field by the writing script, as
-    :meth:`key` (fixed-width digits, so that Lua compares two orders as strings)."""
+    :meth:`key` (fixed-width fields, so that Lua compares two orders as strings)."""
 
     attempt: int
     stage_index: int
     rank: int  #: queued 0, running 1, terminal 2
     step: int  #: the progress step (0 without progress)
 
-    #: Each field's digits in :meth:`key` (16 in all: the scripts' ``before`` knows the form by its length).
+    #: Each field's digits in :meth:`key` (19 characters in all: the scripts' ``before`` knows the form by it).
     WIDTHS: ClassVar[tuple[int, int, int, int]] = (5, 3, 1, 7)
 
     def key(self) -> str:
-        """The order as 16 digits, each field zero-padded to its width (:data:`WIDTHS`; a larger value is cut
-        to the width's largest, which no pipeline reaches: 99,999 attempts, 999 stages, 9,999,999 steps)."""
+        """The order as its four fields, space-separated, each zero-padded to its width (:data:`WIDTHS`; a
+        larger value is cut to the width's largest, which no pipeline reaches: 99,999 attempts, 999 stages,
+        9,999,999 steps).  Two keys compare as strings the way their fields compare as numbers, and a stage
+        of the version before, which parses the numbers, reads the same order."""
         values = (self.attempt, self.stage_index, self.rank, self.step)
-        return "".join(f"{min(max(v, 0), 10**w - 1):0{w}d}" for v, w in zip(values, self.WIDTHS, strict=True))
+        return " ".join(f"{min(max(v, 0), 10**w - 1):0{w}d}" for v, w in zip(values, self.WIDTHS, strict=True))
 
 
 @dataclass(frozen=True, slots=True)

@@ -195,23 +195,13 @@ end
     (
         "set_status",
         """
--- Whether order `a` comes before order `b`: StatusOrder.key's fixed-width digits (16) compare as strings;
--- a record written in the earlier form (its four numbers space-separated) is compared field by field.
-local function fields_of(order)
-  if #order == 16 then
-    return {tonumber(string.sub(order, 1, 5)), tonumber(string.sub(order, 6, 8)),
-            tonumber(string.sub(order, 9, 9)), tonumber(string.sub(order, 10, 16))}
-  end
-  local t = {}
-  for value in string.gmatch(order, '%d+') do t[#t + 1] = tonumber(value) end
-  return t
-end
-
+-- Whether order `a` comes before order `b` (four numbers, space-separated): two in StatusOrder.key's
+-- fixed-width form (19 characters) compare as strings; any other (a record written before it) number by number.
 local function before(a, b)
-  if #a == 16 and #b == 16 then return a < b end
-  local x, y = fields_of(a), fields_of(b)
-  for i = 1, #y do
-    local m, n = x[i] or 0, y[i]
+  if #a == 19 and #b == 19 then return a < b end
+  local fields = string.gmatch(b, '%d+')
+  for value in string.gmatch(a, '%d+') do
+    local m, n = tonumber(value), tonumber(fields() or '0')
     if m ~= n then return m < n end
   end
   return false
@@ -268,7 +258,7 @@ _USES: dict[str, tuple[str, ...]] = {
     "flush": ("emit",),
 }
 #: Functions defined inside another entry (found by name in a body, they take that entry).
-_DEFINED_IN = {"put": "record", "fields_of": "set_status", "before": "set_status"}
+_DEFINED_IN = {"put": "record", "before": "set_status"}
 _NAMES = tuple(name for name, _ in LIBRARY) + tuple(_DEFINED_IN)
 
 
