@@ -24,7 +24,7 @@ from dataclasses import dataclass
 #: stage ACL user has.
 HELD_FN = """
 local function held(stream, group, consumer, id)
-  local p = redis.pcall('XPENDING', stream, group, id, id, 1)
+  local p = redis.pcall('XPENDING', stream, group, id, id, '1')
   if type(p) ~= 'table' or p.err then return false end
   return #p > 0 and p[1][2] == consumer
 end

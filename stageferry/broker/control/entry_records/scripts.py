@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import re
 
+from stageferry.broker.control.held import HELD_FN
+
 #: The Lua functions the scripts share, in definition order: (name, Lua).  A function may call those
 #: defined before it; :func:`script` takes the ones a script uses, found by name.
 LIBRARY: tuple[tuple[str, str], ...] = (
@@ -28,17 +30,7 @@ LIBRARY: tuple[tuple[str, str], ...] = (
 local TERMINAL = {done=true, failed=true, rejected=true, cancelled=true}
 """,
     ),
-    (
-        "held",
-        """
--- Whether `consumer` holds entry `id` in `group` of `stream` (a missing stream or group holds nothing).
-local function held(stream, group, consumer, id)
-  local p = redis.pcall('XPENDING', stream, group, id, id, '1')
-  if type(p) ~= 'table' or p.err then return false end
-  return #p > 0 and p[1][2] == consumer
-end
-""",
-    ),
+    ("held", HELD_FN),
     (
         "owns",
         """
@@ -173,21 +165,11 @@ end
 local function emit(rec, events, at, folded)
   local state = ARGV[at]
   local job = TERMINAL[state] and rec.job_sha  -- whose job ended: a waiter needs no HGET of job_sha
-  local id
-  if job and folded then
-    id = redis.call('XADD', events, 'MAXLEN', '~', ARGV[at + 3], '*', 'kind', 'status', 'state', state,
-                    'status', ARGV[at + 1], 'job_sha', job, 'folded', ARGV[folded + 1])
-  elseif job then
-    id = redis.call('XADD', events, 'MAXLEN', '~', ARGV[at + 3], '*', 'kind', 'status', 'state', state,
-                    'status', ARGV[at + 1], 'job_sha', job)
-  elseif folded then
-    id = redis.call('XADD', events, 'MAXLEN', '~', ARGV[at + 3], '*', 'kind', 'status', 'state', state,
-                    'status', ARGV[at + 1], 'folded', ARGV[folded + 1])
-  else
-    id = redis.call('XADD', events, 'MAXLEN', '~', ARGV[at + 3], '*', 'kind', 'status', 'state', state,
-                    'status', ARGV[at + 1])
-  end
-  clock = id
+  local more = {}
+  if job then more[1], more[2] = 'job_sha', job end
+  if folded then more[#more + 1], more[#more + 2] = 'folded', ARGV[folded + 1] end
+  clock = redis.call('XADD', events, 'MAXLEN', '~', ARGV[at + 3], '*', 'kind', 'status', 'state', state,
+                     'status', ARGV[at + 1], unpack(more))
   rec.events = events
 end
 """,
@@ -247,32 +229,30 @@ end
     ),
 )
 
-#: What each library entry calls: the entries (or the functions inside them) it needs defined before it.
-_USES: dict[str, tuple[str, ...]] = {
-    "save": ("record", "clock"),
-    "own_run": ("record",),
-    "unmark": ("record",),
-    "admit": ("record", "TERMINAL"),
-    "emit": ("clock", "TERMINAL"),
-    "set_status": ("emit", "record"),
-    "flush": ("emit",),
-}
-#: Functions defined inside another entry (found by name in a body, they take that entry).
-_DEFINED_IN = {"put": "record", "before": "set_status"}
-_NAMES = tuple(name for name, _ in LIBRARY) + tuple(_DEFINED_IN)
+#: The names each library entry defines (``local function f`` or ``local x``), found in its Lua.
+_DEFINES = {entry: set(re.findall(r"^local (?:function )?(\w+)", lua, re.M)) for entry, lua in LIBRARY}
+
+
+def _entries_named(lua: str, but: str = "") -> set[str]:
+    """The library entries (other than ``but``) that define a name ``lua`` uses."""
+    code = re.sub(r"--[^\n]*", "", lua)
+    return {e for e, names in _DEFINES.items() if e != but and any(re.search(rf"\b{n}\b", code) for n in names)}
+
+
+#: Which entries each entry calls (each must come before it in :data:`LIBRARY`).
+_USES = {entry: _entries_named(lua, but=entry) for entry, lua in LIBRARY}
 
 
 def script(body: str) -> str:
     """``body`` after the :data:`LIBRARY` entries it calls (and those they call), in the library's order:
     a script pays, on every call, for each function it defines."""
     wanted: set[str] = set()
-    todo = [name for name in _NAMES if re.search(rf"\b{name}\b", body)]
+    todo = list(_entries_named(body))
     while todo:
-        name = todo.pop()
-        entry = _DEFINED_IN.get(name, name)
+        entry = todo.pop()
         if entry not in wanted:
             wanted.add(entry)
-            todo += _USES.get(entry, ())
+            todo += _USES[entry]
     return "".join(lua for name, lua in LIBRARY if name in wanted) + body
 
 
