@@ -1,6 +1,7 @@
 """Where a Redis server's time goes, script by script: every command's duration from ``SLOWLOG``.
 
-``INFO commandstats`` sums every script under ``evalsha``; this names each one.  For a measured window,
+``INFO commandstats`` sums every script under ``evalsha`` and every library function under ``fcall``;
+this names each one (a function by its step's name, ``function hand_off``).  For a measured window,
 :func:`start` makes the server log every command (``slowlog-log-slower-than 0``) in a log long enough for
 the window, :func:`collect` reads it back, puts back the settings it found, and sums the durations by
 command, an ``EVALSHA`` by the name of the script constant whose SHA1 it carries (any string constant of
@@ -71,6 +72,8 @@ async def collect(redis: Any, settings: dict[str, str], max_len: int) -> dict[st
             name = f"{NESTED}{name}"
         elif name in ("evalsha", "evalsha_ro") and len(parts) > 1:
             name = f"script {names.get(parts[1].lower(), parts[1][:10])}"
+        elif name in ("fcall", "fcall_ro") and len(parts) > 1:  # a library function: sf<tag>_<step>
+            name = f"function {parts[1].partition('_')[2] or parts[1]}"
         totals[name][0] += 1
         totals[name][1] += int(entry["duration"])
     return {name: (calls, usec) for name, (calls, usec) in totals.items()}

@@ -5,12 +5,12 @@
 For each script of a request's hot path (a first delivery's start, the hand-off, the finish: the scripts
 of :mod:`stageferry.broker.control.entry_records`, as the stages call them, with a T2VA-sized status), one
 fresh entry per call, read into a consumer group first, the calls pipelined from one client so that the
-server is the only thing timed.  Printed per script: its µs per call (``INFO commandstats``' ``evalsha``),
+server is the only thing timed.  Printed per script: its µs per call (``INFO commandstats``' ``fcall``:
+the steps are functions of one library, :mod:`stageferry.broker.control.functions`; ``evalsha`` for a script),
 the µs of the commands it ran (the other rows, which Redis counts inside scripts too) and what is left,
 Lua's share: the script's own work (tables, closures, strings) and the call's set-up.  Beside them, the
-same commands sent plainly in one pipeline (the floor a script cannot go under), an empty script with
-every function of the scripts' library (what the library would cost on every call if each script defined
-all of it: each defines only those it calls), an empty one given one large argument
+same commands sent plainly in one pipeline (the floor a script cannot go under), an empty function and
+an empty script (each call's set-up), an empty script given one large argument
 (Lua makes a string of every argument: what the bytes cost) and seven ``redis.call`` of ``EXISTS``
 (a call's cost from Lua, against ``exists``'s own row).
 
@@ -29,7 +29,8 @@ from typing import Any
 import redis
 
 from stageferry.broker.control.entry_records import StatusOrder
-from stageferry.broker.control.entry_records.scripts import ADMIT_MARK_AND_LOOK, FINISH, HAND_OFF, LIBRARY
+from stageferry.broker.control.entry_records.scripts import ADMIT_MARK_AND_LOOK, ENTRY_LIBRARY, FINISH, HAND_OFF
+from stageferry.broker.control.functions import LibraryFunction, library
 
 STATUS = json.dumps({"request_id": "t2va-" + "0" * 26, "state": "running", "stage": "encoder", "detail": "y" * 200})
 TTL = 3600
@@ -73,8 +74,8 @@ class Bench:
 
 
 def report(name: str, stats: dict[str, tuple[int, float]], calls: int) -> None:
-    script = stats.get("evalsha", (0, 0.0))[1] / calls
-    inner = {k: v for k, v in stats.items() if k not in ("evalsha", "config|resetstat")}
+    script = (stats.get("evalsha", (0, 0.0))[1] + stats.get("fcall", (0, 0.0))[1]) / calls
+    inner = {k: v for k, v in stats.items() if k not in ("evalsha", "fcall", "config|resetstat")}
     commands = sum(usec for _, usec in inner.values()) / calls
     rows = ", ".join(f"{k} {usec / calls:.2f}" for k, (_, usec) in sorted(inner.items(), key=lambda kv: -kv[1][1]))
     print(f"| {name} | {script:.1f} | {commands:.1f} | {script - commands:.1f} | {rows} |")
@@ -88,10 +89,21 @@ def main() -> None:
     r = redis.Redis.from_url(args.redis_url)
     b = Bench(r, args.calls)
     p = b.prefix
-    admit = r.register_script(ADMIT_MARK_AND_LOOK)
-    hand_off = r.register_script(HAND_OFF)
-    finish = r.register_script(FINISH)
-    empty = r.register_script("".join(lua for _, lua in LIBRARY) + "\nreturn 1\n")
+    empty_library = library("script_cost", "", {"empty": "function(keys, args) return 1 end"})
+    for lib in (ENTRY_LIBRARY, empty_library):
+        if not r.function_list(library=lib.name):
+            r.function_load(lib.code)
+
+    def bound(function: LibraryFunction) -> Callable[..., None]:
+        def call(
+            keys: tuple[Any, ...] | list[Any] = (), args: tuple[Any, ...] | list[Any] = (), client: Any = None
+        ) -> None:
+            client.fcall(function.name, len(keys), *keys, *args)
+
+        return call
+
+    admit, hand_off, finish = bound(ADMIT_MARK_AND_LOOK), bound(HAND_OFF), bound(FINISH)
+    empty = bound(empty_library.function("empty"))
     bare = r.register_script("return 1\n")
     print(f"$ python benchmarks/script_cost.py --calls {args.calls}; redis {r.info('server')['redis_version']}\n")
     print("| script | µs per call | its commands µs | Lua and call set-up µs | commands inside, µs per call |")
@@ -133,8 +145,7 @@ def main() -> None:
             finish(keys=keys, args=argv, client=pipe)
 
         report("FINISH", b.timed(end, f"{p}s4"), args.calls)
-        library = b.timed(lambda pipe, k, e: empty(client=pipe), f"{p}s5")
-        report("the whole library, then return 1", library, args.calls)
+        report("an empty function (FCALL)", b.timed(lambda pipe, k, e: empty(client=pipe), f"{p}s5"), args.calls)
         report("return 1", b.timed(lambda pipe, k, e: bare(client=pipe), f"{p}s6"), args.calls)
         big = "y" * 9000  # Lua makes a string of every argument: the cost of a large one (an envelope's size)
         report("return 1, one 9,000-byte argument", b.timed(lambda pipe, k, e: bare(args=[k + big], client=pipe),

@@ -358,7 +358,8 @@ async def command_counts(redis: Any) -> dict[str, int]:
 
 async def command_usec(redis: Any) -> dict[str, int]:
     """Microseconds Redis spent in each command so far (``INFO commandstats``'s ``usec``): a script's
-    (``evalsha``) is the whole script, its own commands included (they are also counted under their names).
+    (``evalsha``, a library function's ``fcall``) is the whole script, its own commands included (they are
+    also counted under their names).
     What is left of the main thread's CPU is reading, parsing and answering: the network's share."""
     info = await redis.info("commandstats")
     return {name.removeprefix("cmdstat_"): int(v["usec"]) for name, v in info.items()}
@@ -412,12 +413,12 @@ def busy_cell(cpu: dict[str, float], party: str) -> str:
 
 def print_redis_time(rows: list[tuple[str, str, str, dict[str, Any]]]) -> None:
     """Where Redis's main thread spent its time per request: its CPU, the scripts' share (``INFO
-    commandstats``' usec of ``evalsha``: whole scripts, their commands included), and each command's."""
+    commandstats``' usec of ``evalsha`` and ``fcall``: whole scripts, their commands included), and each command's."""
     print("\n## Redis main-thread µs per request (INFO commandstats usec; a script's time includes its commands)\n")
     for task, replicas, connector, r in rows:
         cpu_us = r["cpu"]["redis"] / r["rps"] * 1e6
         usec = r["usec"]
-        scripts = usec.get("evalsha", 0.0) + usec.get("eval", 0.0)
+        scripts = usec.get("evalsha", 0.0) + usec.get("eval", 0.0) + usec.get("fcall", 0.0)
         print(
             f"### {task}, {replicas} replica(s), {connector}: main thread {cpu_us:.1f} µs per request, scripts "
             f"{scripts:.1f}\n"

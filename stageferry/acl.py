@@ -41,10 +41,10 @@ from stageferry.schemas.job import TENANT_SEPARATOR, is_tenant
 #: full pipeline runs and from reading ``broker/``; ``tests/security/test_stage_acl.py`` holds every Lua
 #: script in the package to this list and runs the control plane's scripts as this user).
 STAGE_COMMANDS = (
-    "hello", "auth", "ping", "select", "multi", "exec", "discard", "evalsha", "script|load", "exists", "get",
-    "set", "strlen", "del", "expire", "pexpire", "pttl", "scan", "hget", "hmget", "hset", "hdel", "hgetall", "rpush",
-    "lpush", "lpop", "ltrim", "llen", "blpop", "xadd", "xack", "xdel", "xtrim", "xclaim", "xautoclaim",
-    "xgroup|create", "xlen", "xpending", "xrange", "xrevrange", "xread", "xreadgroup", "wait",
+    "hello", "auth", "ping", "select", "multi", "exec", "discard", "evalsha", "script|load", "fcall", "function|load",
+    "exists", "get", "set", "strlen", "del", "expire", "pexpire", "pttl", "scan", "hget", "hmget", "hset", "hdel",
+    "hgetall", "rpush", "lpush", "lpop", "ltrim", "llen", "blpop", "xadd", "xack", "xdel", "xtrim", "xclaim",
+    "xautoclaim", "xgroup|create", "xlen", "xpending", "xrange", "xrevrange", "xread", "xreadgroup", "wait",
 )  # fmt: skip
 _CONNECTION = "+hello +auth +ping +select +multi +exec +discard +wait"
 _CLIENT_CONNECTION = "+hello +auth +ping +multi +exec +discard +wait"

@@ -196,7 +196,7 @@ def test_the_consumer_claims_each_lease_in_its_stream_read(tmp_path: Path, redis
 
         def stored() -> dict[str, list[int]] | None:  # each process rewrites its file every few seconds
             counts = tally.read_dir(tally_dir)
-            return counts if counts.get("broker.control.streams:finish EVALSHA", [0])[0] >= len(rids) else None
+            return counts if counts.get("broker.control.streams:finish FCALL", [0])[0] >= len(rids) else None
 
         counts = wait_for(stored, 30, "the diffusion stage's tally to show the stored results")
     assert not [site for site in counts if site.startswith("broker.data.nixl.leases:claim")], sorted(counts)

@@ -55,7 +55,7 @@ class RecordLoss:
 
     def __init__(self, redis: aioredis.Redis, store: RequestStore) -> None:
         self._store = store
-        self._script = redis.register_script(END_IF_LOST)
+        self._script = END_IF_LOST.bind(redis)
 
     async def end_if_lost(
         self, held: Held, request_id: str, *, stage: str, stage_index: int = 0, link: RespLink | None = None

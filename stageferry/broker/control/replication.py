@@ -27,7 +27,9 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 from redis import exceptions as redis_errors
+from redis.commands.core import AsyncScript
 
+from stageferry.broker.control.functions import BoundFunction, invocation, loading, unknown
 from stageferry.broker.control.redis_url import Durability
 from stageferry.broker.control.resp_link import Command, RespLink, fall_back
 from stageferry.errors import NotReplicatedError
@@ -108,23 +110,24 @@ async def replicated_transaction(
 async def replicated_script(
     link: RespLink | None,
     redis: aioredis.Redis,
-    script: Any,
+    script: AsyncScript | BoundFunction,
     keys: Sequence[Any],
     args: Sequence[Any],
     durability: Durability,
     *,
     what: str,
 ) -> Any:
-    """A registered redis-py ``script`` then ``WAIT`` on the same connection; the script's reply (its error
-    raised).  Over the link first (``EVALSHA``); on ``NOSCRIPT``, or without a link, the script is loaded
-    in the same batch.  Fewer replicas than asked is logged (``redis.not_replicated``), not raised: the
-    write stands (see the module docstring)."""
-    call: Command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+    """A registered redis-py ``script`` or a library function, then ``WAIT`` on the same connection; its
+    reply (its error raised).  Over the link first (``EVALSHA``, ``FCALL``); when Redis does not know it,
+    it is loaded in the same batch (the load's own reply ignored: a library loaded meanwhile by another
+    caller is refused as there already).  Fewer replicas than asked is logged (``redis.not_replicated``),
+    not raised: the write stands (see the module docstring)."""
+    call = invocation(script, keys, args)
     wait = wait_command(durability)
     block_s = durability.timeout_ms / 1000
     replies = await exchange(link, redis, [call, wait], block_s=block_s)
-    if isinstance(replies[0], redis_errors.NoScriptError):  # nothing ran: load it, run it, on one connection
-        replies = (await exchange(None, redis, [("SCRIPT", "LOAD", script.script), call, wait], block_s=block_s))[1:]
+    if unknown(replies[0]):  # nothing ran: load it, run it, on one connection
+        replies = (await exchange(None, redis, [loading(script), call, wait], block_s=block_s))[1:]
     reply, acked = replies
     if isinstance(reply, Exception):
         raise reply

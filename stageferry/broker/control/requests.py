@@ -87,8 +87,8 @@ class RequestStore(RequestWaits):
         self._keys = keys
         self._ttl = ttl_s
         self._maxlen = events_maxlen
-        self._set_status = redis.register_script(SET_STATUS)
-        self._admit = redis.register_script(ADMIT)
+        self._set_status = SET_STATUS.bind(redis)
+        self._admit = ADMIT.bind(redis)
         #: How many replicas a submission and a terminal status must reach (the URL's ``wait_replicas``).
         self.durability = durability_of(redis)
         #: The one blocking reader every wait and follow of this store shares.

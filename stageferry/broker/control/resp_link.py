@@ -49,7 +49,9 @@ from redis._parsers.base import BaseParser
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.sentinel import SentinelConnectionPool, SentinelManagedConnection, SentinelManagedSSLConnection
+from redis.commands.core import AsyncScript
 
+from stageferry.broker.control.functions import BoundFunction, invocation, unknown
 from stageferry.broker.control.redis_conn import (
     FollowingConnection,
     FollowingSSLConnection,
@@ -347,14 +349,19 @@ def _expire(wire: _Wire, future: asyncio.Future[list[Any]]) -> None:
         wire.fail(redis_errors.TimeoutError("redis link: no reply in time"))
 
 
-async def run_script(link: RespLink | None, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-    """Run a registered redis-py ``script`` over ``link`` (one ``EVALSHA``); through redis-py itself when
-    there is no link, when Redis does not know the script (redis-py loads it) or when the link's connection
-    fails (redis-py retries).  Errors are redis-py's: wrap the call in ``translated()``."""
+async def run_script(
+    link: RespLink | None, script: AsyncScript | BoundFunction, keys: Sequence[Any], args: Sequence[Any]
+) -> Any:
+    """Run a registered redis-py ``script`` or a library function over ``link`` (one ``EVALSHA`` or
+    ``FCALL``); through the client it is bound to when there is no link, when Redis does not know it (that
+    call loads it) or when the link's connection fails (redis-py retries).  Errors are redis-py's: wrap the
+    call in ``translated()``."""
     if link is not None:
         try:
-            return await link.call("EVALSHA", script.sha, len(keys), *keys, *args)
-        except redis_errors.NoScriptError:
+            return await link.call(*invocation(script, keys, args))
+        except redis_errors.ResponseError as exc:
+            if not unknown(exc):
+                raise
             link.fallbacks += 1
         except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
             fall_back(link, exc)

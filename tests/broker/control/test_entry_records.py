@@ -255,21 +255,39 @@ def test_an_order_key_is_fixed_width_and_ordered_as_its_fields() -> None:
     assert StatusOrder(0, 0, 0, 10**9).key() == "00000 000 0 9999999"  # cut to the width, never longer
 
 
-def test_each_script_defines_what_it_calls_and_nothing_more() -> None:
-    """:func:`scripts.script` prefixes a body with the library entries it uses (a script pays for each
-    function it defines on every call): every library function a script names is defined in it, and every
-    one defined in it is called."""
-    library = "".join(lua for _, lua in scripts.LIBRARY)
-    names = set(re.findall(r"local function ([a-z_]+)", library)) | {"TERMINAL", "clock"}
-    for name in ("SET_STATUS", "ADMIT", "ADMIT_AND_MARK", "ADMIT_MARK_AND_LOOK", "LOOK", "HAND_OFF", "FINISH",
-                 "END_IF_LOST"):  # fmt: skip
-        code = re.sub(r"--[^\n]*", "", getattr(scripts, name))
-        defined = set(re.findall(r"local function ([a-z_]+)", code))
-        defined |= set(re.findall(r"^local (TERMINAL|clock)\b", code, re.M))
-        for function in names:
-            uses = len(re.findall(rf"\b{function}\b", code))
-            assert uses >= 2 if function in defined else uses == 0, (name, function, uses)
-    assert "set_status" not in scripts.ADMIT and "held" not in scripts.HAND_OFF
+def test_the_steps_are_one_library_defining_each_shared_function_once() -> None:
+    """Every step is a function of :data:`scripts.ENTRY_LIBRARY`, whose shared functions are defined once,
+    at load (a script defined them again on every call), and whose steps define none of their own."""
+    code = scripts.ENTRY_LIBRARY.code
+    shared = set(re.findall(r"^local function ([a-z_]+)", "".join(lua for _, lua in scripts.LIBRARY), re.M))
+    assert {"held", "record", "save", "set_status", "emit", "admit"} <= shared
+    for name in shared:
+        assert len(re.findall(rf"^local function {name}\b", code, re.M)) == 1, name
+    steps = re.findall(
+        r"^redis\.register_function\('([a-z0-9_]+)', function\(keys, args\)\n(.*?)^end\)$", code, re.M | re.S
+    )
+    assert sorted(name for name, _ in steps) == sorted(scripts.ENTRY_LIBRARY.functions.values())
+    for name, body in steps:
+        assert body.startswith("KEYS, ARGV, clock = keys, args, nil\n"), name
+        assert "local function" not in re.sub(r"--[^\n]*", "", body) or name.endswith("_read"), name
+    for constant in ("SET_STATUS", "ADMIT", "ADMIT_AND_MARK", "ADMIT_MARK_AND_LOOK", "LOOK", "MARK", "HAND_OFF",
+                     "FINISH", "END_IF_LOST"):  # fmt: skip
+        function = getattr(scripts, constant)
+        assert function.library is scripts.ENTRY_LIBRARY and function.name.endswith("_" + constant.lower())
+
+
+@pytest.mark.anyio
+async def test_no_call_reads_the_clock_an_earlier_call_left(records: tuple[EntryRecords, RequestStore, Keys]) -> None:
+    """The library's locals outlive a call and are shared by every client: a write that adds no event does
+    not know the clock, so it sets the TTLs again (with a stale clock from an earlier call it would find
+    them fresh, and leave a record that expires early)."""
+    entry_records, store, keys = records
+    rid = "clock-1"
+    assert await store.set_status(RequestStatus(request_id=rid, state=RequestState.QUEUED, stage="diffusion"))
+    record = keys.request(rid)
+    await entry_records.redis.pexpire(record, 5_000)  # as if its TTL had run down
+    assert await entry_records.admit(rid, JOB_DIGEST) is Admission.NEW  # an HSET, no event: clock unknown
+    assert await entry_records.redis.ttl(record) > 600, "refreshed: no clock of the earlier call was read"
 
 
 def _names(line: str, rid: str) -> bool:

@@ -11,6 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from stageferry.broker.control.functions import invocation
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import connect
 from stageferry.broker.control.requests import LINK_MAX_UPLOAD_BYTES, Admission, RequestStore
@@ -130,7 +131,7 @@ async def test_a_wait_ends_with_the_status_its_terminal_event_carries(store: Req
         done = RequestStatus(request_id="r-1", state=RequestState.DONE, stage="diffusion")
         write = store.status_write(done, stage_index=1)
         async with store._redis.pipeline(transaction=True) as pipe:
-            await store._set_status(keys=[write.record, write.events], args=write.args(), client=pipe)
+            pipe.execute_command(*invocation(store._set_status, [write.record, write.events], write.args()))
             pipe.delete(keys.request("r-1"))
             await pipe.execute()
     assert [(s.state, s.stage) for s in result] == [(RequestState.DONE, "diffusion")]

@@ -184,7 +184,7 @@ async def test_status_writes_take_the_streams_script_link(stage: Stage) -> None:
     entry = await stage.entry("req-link")
     trips.clear()  # the read above took the link too
     assert await stage.outcomes.finish("req-link", RequestState.DONE)
-    assert trips == [["EVALSHA"]]
+    assert trips == [["FCALL"]]
     status = await stage.store.get("req-link")
     assert status is not None and status.state is RequestState.DONE
     await stage.stream.ack(entry.id)

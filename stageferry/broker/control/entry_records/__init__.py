@@ -4,7 +4,8 @@ An entry a stage takes changes its request's record ``<p>:req:<id>`` (and events
 ``<p>:req-events:<id>``) at a few points: its admission (whose job the id is; :class:`Admission`), its
 crash mark, what the stage must know before it runs it (:class:`Look`: the record's status, the cancel
 flag, which entry owns the run), the status writes (:class:`StatusWrite`), and the step that settles it — the
-hand-off to the next stage or the last stage's finish.  This package owns those scripts (:mod:`.scripts`);
+hand-off to the next stage or the last stage's finish.  This package owns those scripts (:mod:`.scripts`:
+one Redis Functions library, each step a function of it);
 stages hold the policy (what to write when) and call :class:`EntryRecords` with named parameters, getting
 frozen dataclasses back.  :class:`~stageferry.broker.control.requests.RequestStore` and
 :class:`~stageferry.broker.control.streams.StageStream` register the status write, the hand-off and the
@@ -179,11 +180,11 @@ class EntryRecords:
         self.keys = keys
         self.ttl_s = ttl_s  #: the record's TTL
         self.link = link
-        self._admit = redis.register_script(ADMIT)
-        self._admit_and_mark = redis.register_script(ADMIT_AND_MARK)
-        self._admit_mark_and_look = redis.register_script(ADMIT_MARK_AND_LOOK)
-        self._look = redis.register_script(LOOK)
-        self._mark = redis.register_script(MARK)
+        self._admit = ADMIT.bind(redis)
+        self._admit_and_mark = ADMIT_AND_MARK.bind(redis)
+        self._admit_mark_and_look = ADMIT_MARK_AND_LOOK.bind(redis)
+        self._look = LOOK.bind(redis)
+        self._mark = MARK.bind(redis)
 
     async def admit(self, request_id: str, digest: str, *, held: Held | None = None) -> Admission:
         """Bind ``request_id`` to the job with ``digest`` unless it is bound already; with ``held`` an owned

@@ -1,28 +1,30 @@
-"""The Lua scripts of an entry's life (:mod:`stageferry.broker.control.entry_records`), whole, one per step.
+"""The Lua of an entry's life (:mod:`stageferry.broker.control.entry_records`): one library, a function per step.
 
-Each script is the library functions it uses (:data:`LIBRARY`: the held check, the record read once and
-saved once, the admission, the status write, ...; :func:`script` prefixes the ones a body names, with
-those they use) and a body of its own; the comment above each names its keys and arguments in order,
-which :class:`~stageferry.broker.control.entry_records.EntryRecords` and the stores that register them
-(``RequestStore``, ``StageStream``, ``RecordLoss``) build from named parameters.  Scripts use only the
+The steps share :data:`LIBRARY` (the held check, the record read once and saved once, the admission, the
+status write, ...); each step is a body of its own, and the comment above each names its keys and
+arguments in order, which :class:`~stageferry.broker.control.entry_records.EntryRecords` and the stores
+that call them (``RequestStore``, ``StageStream``, ``RecordLoss``) build from named parameters.  They are
+loaded as one Redis Functions library, :data:`ENTRY_LIBRARY` (:mod:`~stageferry.broker.control.functions`:
+``FUNCTION LOAD`` once, ``FCALL`` per step), so the shared functions are defined once, at load, not on
+every call as a script's are; the constants (``HAND_OFF``, ...) are its functions.  They use only the
 commands of the stage ACL user (:data:`stageferry.acl.STAGE_COMMANDS`).
 
-These scripts are most of what Redis does per request (``benchmarks/script_cost.py``), and most of a
-script's cost is Lua's own work, not its commands: so each script defines only the functions it calls,
-builds no table it can do without (a status write is read from ``ARGV`` where it lies, the record's writes
-gather in one flat ``HSET`` argument list, the entry's fields are passed on with ``unpack(ARGV, i)``),
-passes Redis strings, never Lua numbers (Redis formats each number argument with ``%.17g``), and compares
-status orders as fixed-width strings (:meth:`StatusOrder.key`), not field by field.
+These steps are most of what Redis does per request (``benchmarks/script_instructions.py``), and most of
+their cost is Lua's own work, not its commands: so they build no table they can do without (a status
+write is read from ``ARGV`` where it lies, the record's writes gather in one flat ``HSET`` argument list,
+the entry's fields are passed on with ``unpack(ARGV, i)``), pass Redis strings, never Lua numbers (Redis
+formats each number argument with ``%.17g``), and compare status orders as fixed-width strings
+(:meth:`StatusOrder.key`), not field by field.  A library's locals outlive a call and are shared by every
+client: each step sets ``KEYS``, ``ARGV`` and ``clock`` first (:func:`_callback`).
 """
 
 from __future__ import annotations
 
-import re
-
+from stageferry.broker.control.functions import LibraryFunction, library
 from stageferry.broker.control.held import HELD_FN
 
-#: The Lua functions the scripts share, in definition order: (name, Lua).  A function may call those
-#: defined before it; :func:`script` takes the ones a script uses, found by name.
+#: The Lua functions the steps share, in definition order: (name, Lua).  A function may call those
+#: defined before it.
 LIBRARY: tuple[tuple[str, str], ...] = (
     (
         "TERMINAL",
@@ -229,65 +231,41 @@ end
     ),
 )
 
-#: The names each library entry defines (``local function f`` or ``local x``), found in its Lua.
-_DEFINES = {entry: set(re.findall(r"^local (?:function )?(\w+)", lua, re.M)) for entry, lua in LIBRARY}
 
-
-def _entries_named(lua: str, but: str = "") -> set[str]:
-    """The library entries (other than ``but``) that define a name ``lua`` uses."""
-    code = re.sub(r"--[^\n]*", "", lua)
-    return {e for e, names in _DEFINES.items() if e != but and any(re.search(rf"\b{n}\b", code) for n in names)}
-
-
-#: Which entries each entry calls (each must come before it in :data:`LIBRARY`).
-_USES = {entry: _entries_named(lua, but=entry) for entry, lua in LIBRARY}
-
-
-def script(body: str) -> str:
-    """``body`` after the :data:`LIBRARY` entries it calls (and those they call), in the library's order:
-    a script pays, on every call, for each function it defines."""
-    wanted: set[str] = set()
-    todo = list(_entries_named(body))
-    while todo:
-        entry = todo.pop()
-        if entry not in wanted:
-            wanted.add(entry)
-            todo += _USES[entry]
-    return "".join(lua for name, lua in LIBRARY if name in wanted) + body
+def _callback(body: str) -> str:
+    """A step's body as a library function: it takes ``KEYS`` and ``ARGV`` (the library's locals, which
+    the shared functions read) and starts with the clock unknown (``clock`` outlives a call: each call sets
+    it afresh, so that no call reads the clock of the one before)."""
+    return f"function(keys, args)\nKEYS, ARGV, clock = keys, args, nil\n{body}end"
 
 
 #: A status write on its own.  KEYS: record, events [, the entry's stream: an owned write].  ARGV: the
 #: status (six), then group, consumer, entry id (owned writes).  1 written, 0 terminal or refused by the
 #: mode, -1 older than the record's, -2 not held (nothing written).
-SET_STATUS = script(
-    """
+_SET_STATUS = """
 if #KEYS > 2 and not held(KEYS[3], ARGV[7], ARGV[8], ARGV[9]) then return -2 end
 local rec = record(KEYS[1], ARGV[3])
 local written = set_status(rec, KEYS[2], 1)
 save(rec)
 return written
 """
-)
 
 #: An admission alone (a redelivery's, whose crash marks are checked first; or a tool's).  KEYS: record
 #: [, the entry's stream].  ARGV: job digest, ttl, group, consumer, entry id.  Returns what ``admit``
 #: returns, 0 when the entry is not held.
-ADMIT = script(
-    """
+_ADMIT = """
 if #KEYS > 1 and not held(KEYS[2], ARGV[3], ARGV[4], ARGV[5]) then return 0 end
 local rec = record(KEYS[1], ARGV[2])
 local admitted = admit(rec, ARGV[1])
 save(rec)
 return admitted
 """
-)
 
 #: A first delivery's admission and crash mark (the record's field ``crash:<stage>:<entry>``).  KEYS:
 #: record [, the entry's stream].  ARGV: job digest, ttl, group, consumer, entry id, crash field.  A taken
 #: id (-1) gets no mark; a first delivery's mark is set to 1, not counted up (a script run twice after a
 #: lost connection must not count one crash as two).
-ADMIT_AND_MARK = script(
-    """
+_ADMIT_AND_MARK = """
 if #KEYS > 1 and not held(KEYS[2], ARGV[3], ARGV[4], ARGV[5]) then return 0 end
 local rec = record(KEYS[1], ARGV[2])
 local admitted = admit(rec, ARGV[1])
@@ -295,7 +273,6 @@ if admitted ~= -1 then put(rec, ARGV[6], '1') end
 save(rec)
 return admitted
 """
-)
 
 #: A first delivery's whole start in one step: the admission, the crash mark, what the stage must know
 #: before it runs the entry (the look: the record's status, the cancel flag, and which entry owns this run —
@@ -307,8 +284,7 @@ return admitted
 #: run field, crash field, number of starts, then each start's six.  Returns {admitted} for a taken
 #: id (-1: no mark, no look) or an entry not held (0: nothing), else {admitted, status, cancelled, claimed,
 #: owner, started} (the status as it was before this entry's start).
-ADMIT_MARK_AND_LOOK = script(
-    """
+_ADMIT_MARK_AND_LOOK = """
 if #KEYS > 3 and not held(KEYS[4], ARGV[3], ARGV[4], ARGV[5]) then return {0} end
 local id = ARGV[5]
 local rec = record(KEYS[1], ARGV[2], ARGV[6], nil, true)
@@ -333,23 +309,20 @@ end
 save(rec)
 return {admitted, status, cancelled, claimed, owner, started}
 """
-)
 
 #: The look alone (a redelivery's, after its admission).  KEYS: record, cancel flag.  ARGV: entry id, run
 #: field, ttl.  Returns {status, cancelled, claimed, owner}.
-LOOK = script(
-    """
+_LOOK = """
 local rec = record(KEYS[1], ARGV[3], ARGV[2], nil, true)
 local cancelled = redis.call('EXISTS', KEYS[2])
 local claimed, owner = own_run(rec, ARGV[2], ARGV[1])
 save(rec)
 return {rec.status, cancelled, claimed, owner}
 """
-)
 
 #: Count one more crash of an entry (a redelivery's, admitted first: its record exists).  KEYS: record.
 #: ARGV: crash field.  Returns the count (0: no record, nothing written).
-MARK = """
+_MARK = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local n = (tonumber(redis.call('HGET', KEYS[1], ARGV[1])) or 0) + 1
 redis.call('HSET', KEYS[1], ARGV[1], n)
@@ -364,8 +337,7 @@ return n
 #: stage's admission writes it again, dated by the hand-off, with its ``running`` and one event for both
 #: (``folded``).  The new entry's id tells the script the clock.  The cancel flag is not read here: the
 #: next stage's admission reads it before it spends anything.
-HAND_OFF = script(
-    """
+_HAND_OFF = """
 if not owns(KEYS[1], ARGV[1], ARGV[2], ARGV[3]) then
   redis.call('HDEL', KEYS[3], ARGV[4])
   return 0
@@ -380,7 +352,6 @@ unmark(rec, ARGV[4])
 save(rec)
 return 1
 """
-)
 
 #: The last stage's whole ending in one step.  KEYS: source stream, record, events, cancel flag, result
 #: key.  ARGV: group, consumer, entry id, crash field, the status's six, then '1', the result's ttl and
@@ -388,8 +359,7 @@ return 1
 #: else {owned, written}: owned is 0 (nothing written) when another consumer holds the entry, -1 when its
 #: stream or group is gone (Redis lost it, and the record with it: ``record_loss`` ends it instead).  The
 #: crash mark is cleared either way.
-FINISH = script(
-    """
+_FINISH = """
 if redis.call('EXISTS', KEYS[4]) == 1 then return {-2, 0} end
 local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], '1')
 if type(p) ~= 'table' or p.err or #p == 0 or p[1][2] ~= ARGV[2] then
@@ -405,13 +375,11 @@ save(rec)
 ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
 return {1, written}
 """
-)
 
 #: The end of a request whose entry is gone.  KEYS: record, events, the entry's stream.  ARGV: entry id,
 #: then the status's six (mode 'create').  Returns 'recorded' (it has a record), 'queued' (its entry is
 #: still in its stream) or 'ended' (the status written).
-END_IF_LOST = script(
-    """
+_END_IF_LOST = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 'recorded' end
 local e = redis.pcall('XRANGE', KEYS[3], ARGV[1], ARGV[1])
 if type(e) == 'table' and not e.err and #e > 0 then return 'queued' end
@@ -420,4 +388,34 @@ set_status(rec, KEYS[2], 2)
 save(rec)
 return 'ended'
 """
+
+
+#: The steps' library (:mod:`~stageferry.broker.control.functions`): every :data:`LIBRARY` entry defined
+#: once, at load, after the ``KEYS`` and ``ARGV`` its functions read; then one function per step.
+ENTRY_LIBRARY = library(
+    "stageferry_entries",
+    "local KEYS, ARGV = {}, {}\n" + "".join(lua for _, lua in LIBRARY),
+    {
+        name: _callback(body)
+        for name, body in (
+            ("set_status", _SET_STATUS),
+            ("admit", _ADMIT),
+            ("admit_and_mark", _ADMIT_AND_MARK),
+            ("admit_mark_and_look", _ADMIT_MARK_AND_LOOK),
+            ("look", _LOOK),
+            ("mark", _MARK),
+            ("hand_off", _HAND_OFF),
+            ("finish", _FINISH),
+            ("end_if_lost", _END_IF_LOST),
+        )
+    },
 )
+SET_STATUS: LibraryFunction = ENTRY_LIBRARY.function("set_status")
+ADMIT: LibraryFunction = ENTRY_LIBRARY.function("admit")
+ADMIT_AND_MARK: LibraryFunction = ENTRY_LIBRARY.function("admit_and_mark")
+ADMIT_MARK_AND_LOOK: LibraryFunction = ENTRY_LIBRARY.function("admit_mark_and_look")
+LOOK: LibraryFunction = ENTRY_LIBRARY.function("look")
+MARK: LibraryFunction = ENTRY_LIBRARY.function("mark")
+HAND_OFF: LibraryFunction = ENTRY_LIBRARY.function("hand_off")
+FINISH: LibraryFunction = ENTRY_LIBRARY.function("finish")
+END_IF_LOST: LibraryFunction = ENTRY_LIBRARY.function("end_if_lost")
