@@ -24,6 +24,10 @@ The contract:
   such a command first on the path that writes, so what is refused is what was refused before; a path
   that would only have read or deleted (a finish that finds the request cancelled, a hand-off that finds
   the entry taken) is refused too, and its caller retries it like any refused write.
+* **Killing.**  Sentinel answers a master stuck ``BUSY`` with ``SCRIPT KILL``, which Redis does not apply to
+  a function (``FUNCTION KILL`` is its counterpart); neither kills one that has written already.  Every
+  function here runs a bounded number of commands (no loop over anything a client sizes) and writes
+  within its first few, so there is nothing for either to stop.
 * **Rights.**  The stage ACL user has ``FCALL`` and ``FUNCTION LOAD`` (:data:`stageferry.acl.STAGE_COMMANDS`),
   clients neither.  Each release leaves its library behind (a few KB); ``FUNCTION DELETE`` removes one.
 """
