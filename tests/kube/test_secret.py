@@ -4,6 +4,7 @@ backlog (what KEDA's redis-streams trigger sends) and nothing else."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +29,16 @@ def secret() -> dict[str, Any]:
 
 
 @pytest.fixture
-def server(tmp_path: Path, secret: dict[str, Any]) -> PrivateRedis:
+def server(tmp_path: Path, secret: dict[str, Any]) -> Iterator[PrivateRedis]:
+    """The Secret's ACL file loaded by a private redis-server, killed after the test (it was left running,
+    one orphaned server per run of the suite)."""
     acl = tmp_path / "users.acl"
     acl.write_text(secret["stringData"]["users.acl"])
     work = tmp_path / "redis"
     work.mkdir()
-    redis = PrivateRedis(work, ["--aclfile", str(acl)])
     password = secret["stringData"]["password"]
-    return redis.start(f"redis://stageferry:{password}@127.0.0.1:{redis.port}/0")
+    with PrivateRedis(work, ["--aclfile", str(acl)]) as redis:
+        yield redis.start(f"redis://stageferry:{password}@127.0.0.1:{redis.port}/0")
 
 
 def test_passwords_are_fresh_and_the_url_names_the_service(secret: dict[str, Any]) -> None:
