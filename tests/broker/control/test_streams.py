@@ -9,10 +9,16 @@ import asyncio
 import anyio
 import pytest
 
+from stageferry.broker.control import functions
+from stageferry.broker.control.entry_records import crash_field
+from stageferry.broker.control.entry_records.scripts import ENTRY_LIBRARY
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
+from stageferry.broker.control.requests import RequestStore
 from stageferry.broker.control.streams import LEASE_FIELD, LeaseClaim, StageStream
 from stageferry.embedded_redis import EmbeddedRedis
+from stageferry.errors import ControlPlaneError
+from stageferry.schemas import RequestState, RequestStatus
 
 pytestmark = pytest.mark.anyio
 
@@ -144,3 +150,36 @@ async def test_a_new_only_read_skips_entries_in_hand_and_a_plain_read_returns_th
         (again,) = await a.read(1, block_ms=0)  # a plain read: its own un-acked entries first
         assert again.id == first.id and again.deliveries == 2 and again.lease_claimed is None
         await a.aclose()
+
+
+async def test_a_hand_off_above_maxmemory_is_refused_whole_then_goes_through(prefix: str) -> None:
+    """The hand-off is a library function without flags (:mod:`~stageferry.broker.control.functions`):
+    above ``maxmemory`` Redis refuses it before it runs, so nothing of it is written (the next entry, the
+    ack, the status); once memory is back the same call goes through."""
+    keys = Keys(prefix)
+    async with EmbeddedRedis() as server, open_client(server.url) as redis:
+        store = RequestStore(redis, keys, ttl_s=60, events_maxlen=100)
+        enc = StageStream(redis, keys, "encoder", "encoder-a", visibility_ms=60_000)
+        await enc.ensure_group()
+        await redis.xadd(keys.stage_stream("encoder"), {"request_id": "r1"})
+        (entry,) = await enc.read(1, block_ms=0)
+        queued = RequestStatus(request_id="r1", state=RequestState.QUEUED, stage="diffusion")
+        write = store.status_write(queued, stage_index=1)
+
+        async def hand_off() -> bool:
+            fields = {"request_id": "r1", "envelope": "{}"}
+            return await enc.hand_off(
+                entry.id, "diffusion", fields, status=write, crash_field=crash_field("encoder", entry.id)
+            )
+
+        await functions.load(redis, ENTRY_LIBRARY)  # as a first call would have (a load is refused too)
+        await redis.config_set("maxmemory", 1)  # whatever it holds is above it: every write needing memory
+        with pytest.raises(ControlPlaneError, match="OutOfMemoryError"):
+            await hand_off()
+        assert await redis.exists(keys.stage_stream("diffusion"), keys.request("r1")) == 0
+        assert (await redis.xpending(keys.stage_stream("encoder"), enc.group))["pending"] == 1, "still held"
+        await redis.config_set("maxmemory", 0)
+        assert await hand_off()
+        assert await redis.xlen(keys.stage_stream("diffusion")) == 1
+        assert (await store.get("r1")).state is RequestState.QUEUED  # type: ignore[union-attr]
+        await enc.aclose()
