@@ -90,7 +90,7 @@ def main() -> None:
     b = Bench(r, args.calls)
     p = b.prefix
     empty_library = library("script_cost", "", {"empty": "function(keys, args) return 1 end"})
-    for lib in (ENTRY_LIBRARY, empty_library):
+    for lib in (ENTRY_LIBRARY.named(), empty_library.named()):
         if not r.function_list(library=lib.name):
             r.function_load(lib.code)
 
@@ -98,7 +98,7 @@ def main() -> None:
         def call(
             keys: tuple[Any, ...] | list[Any] = (), args: tuple[Any, ...] | list[Any] = (), client: Any = None
         ) -> None:
-            client.fcall(function.name, len(keys), *keys, *args)
+            client.fcall(function.source.named().functions[function.short], len(keys), *keys, *args)
 
         return call
 

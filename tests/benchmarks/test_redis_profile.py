@@ -19,7 +19,7 @@ async def test_a_window_is_summed_by_script_and_function_with_their_commands_apa
         client = aioredis.from_url(server.url)
         try:
             found = {name: (await client.config_get(name))[name] for name in redis_profile._SETTINGS}
-            await functions.load(client, ENTRY_LIBRARY)  # (an FCALL refused as unknown would be logged too)
+            await functions.load(client, ENTRY_LIBRARY.named())  # (an FCALL refused as unknown would be logged too)
             mark = MARK.bind(client)
             wake = client.register_script(WAKE_LUA)
             await client.script_load(WAKE_LUA)

@@ -8,11 +8,17 @@ functions of one library for that reason.
 
 The contract:
 
-* **Names are content-addressed.**  The library is ``stageferry_<h>`` and its functions ``sf<h>_<name>``,
-  where ``<h>`` is taken from the SHA-1 of the library's code.  Two versions of the code never share a
-  name (Redis's function names are global across libraries), so a rolling upgrade runs both side by side,
-  each stage calling its own; and a name always means the same code, so nothing is ever loaded with
-  ``REPLACE``: a caller that finds the library there already has what it asked for.
+* **Names come from the code and the client's credentials.**  The library is ``<name>_<t>`` and its
+  functions ``sf<t>_<step>``, where ``<t>`` is an HMAC-SHA256 of the library's code keyed by the client's
+  user and password (:func:`credential_key`; a plain SHA-1 for a client without a password, which can do
+  anything anyway).  Two versions of the code never share a name, so a rolling upgrade runs both side by
+  side, each stage calling its own, and nothing is ever loaded with ``REPLACE``: a caller that finds the
+  library there already has what it asked for.  The key is there because Redis's function names are
+  global: any user allowed ``FUNCTION LOAD`` (another application's, on a Redis shared with it) could
+  register the names a library will have, code and all, and a stage would run that code with its own
+  rights.  Names keyed by the services' credential cannot be guessed without it.  A load refused for
+  anything but the library being there already (a function of its name held by another library, OOM,
+  READONLY, NOPERM) is raised, never skipped.
 * **Loaded by the first caller that misses it.**  A call Redis answers with ``Function not found`` ran
   nothing; the caller loads the library and calls again (:meth:`BoundFunction.__call__`, and the lean
   link's callers through :func:`invocation` / :func:`loading` / :func:`unknown`, which treat a script's
@@ -20,10 +26,13 @@ The contract:
   (RDB and AOF), so a failover's new master has it; an empty restart does not, and the next call loads it.
 * **No flags.**  A function that declares none may write, and Redis refuses it whole on a replica
   (``READONLY``), without enough replicas (``NOREPLICAS``) and above ``maxmemory`` (``OOM``), where a
-  script without flags is refused at its first write that needs memory.  Every function here writes with
-  such a command first on the path that writes, so what is refused is what was refused before; a path
-  that would only have read or deleted (a finish that finds the request cancelled, a hand-off that finds
-  the entry taken) is refused too, and its caller retries it like any refused write.
+  script without flags was refused at its first write that needs memory.  Every function here writes with
+  such a command first on the path that writes, so what is refused there is what was refused before.  A
+  path that would only have read or deleted (a finish that finds the request cancelled, a hand-off that
+  finds the entry taken, a status write that finds the entry not held) is refused too above ``maxmemory``,
+  where it answered before: its caller gets the ``OOM`` error a writing path gets (READONLY and
+  NOREPLICAS are waited out as transient; OOM is not: the worker settles the entry as for any refused
+  write).
 * **Killing.**  Sentinel answers a master stuck ``BUSY`` with ``SCRIPT KILL``, which Redis does not apply to
   a function (``FUNCTION KILL`` is its counterpart); neither kills one that has written already.  Every
   function here runs a bounded number of commands (no loop over anything a client sizes) and writes
@@ -34,7 +43,9 @@ The contract:
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import hmac
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,33 +56,61 @@ from redis.commands.core import AsyncScript
 
 #: What Redis answers an ``FCALL`` of a function it does not have (nothing ran).
 _NOT_FOUND = "Function not found"
-#: What it answers a ``FUNCTION LOAD`` of a library it has (another caller loaded it first).
-_EXISTS = "already exists"
 
 
 @dataclass(frozen=True, slots=True)
 class Library:
-    """A function library: its name, its whole code (``#!lua name=...`` first) and its functions' names."""
+    """A named library: its name, its whole code (``#!lua name=...`` first) and its functions' names."""
 
     name: str
     code: str
     functions: Mapping[str, str]
     """Short name (``hand_off``) → the function's name in Redis."""
 
+    def is_loaded_reply(self, reply: Any) -> bool:
+        """Whether ``reply`` to ``FUNCTION LOAD`` of this library says Redis has it: its name back, or the
+        refusal of a library of this name that is there already (loaded by another caller first).  Any
+        other refusal — a function name another library holds, OOM, READONLY, NOPERM — is not."""
+        if isinstance(reply, bytes | str):
+            return (reply.decode() if isinstance(reply, bytes) else reply) == self.name
+        return isinstance(reply, redis_errors.ResponseError) and str(reply) == f"Library '{self.name}' already exists"
+
+
+@dataclass(frozen=True, slots=True)
+class LibrarySource:
+    """A library's code before it is named: each client names it with its own credentials (:meth:`named`)."""
+
+    name: str
+    shared: str
+    callbacks: tuple[tuple[str, str], ...]
+
+    @property
+    def code(self) -> str:
+        """The library as a client without credentials names it (tests, benchmarks, a Redis without ACL)."""
+        return self.named().code
+
+    def named(self, key: bytes = b"") -> Library:
+        """The library named from its code and ``key`` (an HMAC of the code; a plain hash without one)."""
+        return _named(self, key)
+
     def function(self, short: str) -> LibraryFunction:
-        return LibraryFunction(self, self.functions[short])
+        if short not in dict(self.callbacks):
+            raise KeyError(short)
+        return LibraryFunction(self, short)
 
 
 @dataclass(frozen=True, slots=True)
 class LibraryFunction:
-    """One function of a :class:`Library`."""
+    """One function of a :class:`LibrarySource`, by its short name."""
 
-    library: Library
-    name: str
+    source: LibrarySource
+    short: str
 
     def bind(self, redis: aioredis.Redis) -> BoundFunction:
-        """This function called through ``redis`` (as ``redis.register_script`` binds a script)."""
-        return BoundFunction(redis, self)
+        """This function called through ``redis`` (as ``redis.register_script`` binds a script), under the
+        names ``redis``'s credentials give the library (:func:`credential_key`)."""
+        lib = self.source.named(credential_key(redis))
+        return BoundFunction(redis, lib, lib.functions[self.short])
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +119,8 @@ class BoundFunction:
     registered script (called with ``keys`` and ``args``, loaded when Redis does not have it)."""
 
     redis: aioredis.Redis
-    function: LibraryFunction
+    library: Library
+    name: str
 
     async def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
         call = invocation(self, keys, args)
@@ -89,49 +129,61 @@ class BoundFunction:
         except redis_errors.ResponseError as exc:
             if not unknown(exc):
                 raise
-        await load(self.redis, self.function.library)
+        await load(self.redis, self.library)
         return await self.redis.execute_command(*call)
 
 
-def library(name: str, shared: str, callbacks: Mapping[str, str]) -> Library:
-    """A library named ``name`` (made unique by its code's hash) whose functions are ``callbacks``
-    (short name → a Lua function expression taking ``keys, args``), after ``shared`` (its locals, defined
-    once at load).  The callbacks' names in Redis carry the same hash."""
+def library(name: str, shared: str, callbacks: Mapping[str, str]) -> LibrarySource:
+    """A library whose functions are ``callbacks`` (short name → a Lua function expression taking ``keys,
+    args``), after ``shared`` (its locals, defined once at load); named ``<name>_<tag>`` when a client
+    binds it (see the module docstring for the tag)."""
+    return LibrarySource(name, shared, tuple(callbacks.items()))
 
+
+@functools.cache
+def _named(source: LibrarySource, key: bytes) -> Library:
     def build(tag: str) -> tuple[str, dict[str, str]]:
-        names = {short: f"sf{tag}_{short}" for short in callbacks}
+        names = {short: f"sf{tag}_{short}" for short, _ in source.callbacks}
         registrations = "".join(
-            f"\nredis.register_function('{names[short]}', {body})\n" for short, body in callbacks.items()
+            f"\nredis.register_function('{names[short]}', {body})\n" for short, body in source.callbacks
         )
-        return f"#!lua name={name}_{tag}\n{shared}{registrations}", names
+        return f"#!lua name={source.name}_{tag}\n{source.shared}{registrations}", names
 
-    draft, _ = build("")
-    tag = hashlib.sha1(draft.encode()).hexdigest()[:12]
-    code, names = build(tag)
-    return Library(f"{name}_{tag}", code, names)
+    draft = build("")[0].encode()
+    digest = hmac.new(key, draft, hashlib.sha256).hexdigest() if key else hashlib.sha1(draft).hexdigest()
+    code, names = build(digest[:16])
+    return Library(f"{source.name}_{digest[:16]}", code, names)
+
+
+def credential_key(redis: aioredis.Redis) -> bytes:
+    """What names a client's libraries: its user and password (empty without a password)."""
+    kwargs = redis.connection_pool.connection_kwargs
+    password = kwargs.get("password")
+    return f"{kwargs.get('username') or ''}\0{password}".encode() if password else b""
 
 
 async def load(redis: aioredis.Redis, lib: Library) -> None:
-    """``FUNCTION LOAD`` ``lib``, unless Redis has it already."""
+    """``FUNCTION LOAD`` ``lib``, unless Redis has it already; any other refusal is raised."""
     try:
-        await redis.execute_command("FUNCTION", "LOAD", lib.code)
+        reply: Any = await redis.execute_command("FUNCTION", "LOAD", lib.code)
     except redis_errors.ResponseError as exc:
-        if _EXISTS not in str(exc):
-            raise
+        reply = exc
+    if not lib.is_loaded_reply(reply):
+        raise reply if isinstance(reply, Exception) else redis_errors.ResponseError(f"FUNCTION LOAD: {reply!r}")
 
 
 def invocation(script: AsyncScript | BoundFunction, keys: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...]:
     """The command that runs ``script`` (a redis-py registered script, or a library function)."""
     if isinstance(script, BoundFunction):
-        return ("FCALL", script.function.name, len(keys), *keys, *args)
+        return ("FCALL", script.name, len(keys), *keys, *args)
     return ("EVALSHA", script.sha, len(keys), *keys, *args)
 
 
 def loading(script: AsyncScript | BoundFunction) -> tuple[Any, ...]:
-    """The command that makes Redis know ``script`` (its reply, an error when the library is loaded
-    already, can be ignored: see :func:`load`)."""
+    """The command that makes Redis know ``script`` (a function's library: its reply is checked with
+    :meth:`Library.is_loaded_reply`)."""
     if isinstance(script, BoundFunction):
-        return ("FUNCTION", "LOAD", script.function.library.code)
+        return ("FUNCTION", "LOAD", script.library.code)
     return ("SCRIPT", "LOAD", script.script)
 
 
@@ -143,4 +195,15 @@ def unknown(reply: Any) -> bool:
     )
 
 
-__all__ = ["BoundFunction", "Library", "LibraryFunction", "invocation", "library", "load", "loading", "unknown"]
+__all__ = [
+    "BoundFunction",
+    "Library",
+    "LibraryFunction",
+    "LibrarySource",
+    "credential_key",
+    "invocation",
+    "library",
+    "load",
+    "loading",
+    "unknown",
+]

@@ -119,15 +119,17 @@ async def replicated_script(
 ) -> Any:
     """A registered redis-py ``script`` or a library function, then ``WAIT`` on the same connection; its
     reply (its error raised).  Over the link first (``EVALSHA``, ``FCALL``); when Redis does not know it,
-    it is loaded in the same batch (the load's own reply ignored: a library loaded meanwhile by another
-    caller is refused as there already).  Fewer replicas than asked is logged (``redis.not_replicated``),
-    not raised: the write stands (see the module docstring)."""
+    it is loaded in the same batch (a library's load refused for anything but being there already, say
+    above ``maxmemory``, is what is raised: the call's own "not found" would hide why).  Fewer replicas
+    than asked is logged (``redis.not_replicated``), not raised: the write stands (see the module docstring)."""
     call = invocation(script, keys, args)
     wait = wait_command(durability)
     block_s = durability.timeout_ms / 1000
     replies = await exchange(link, redis, [call, wait], block_s=block_s)
     if unknown(replies[0]):  # nothing ran: load it, run it, on one connection
-        replies = (await exchange(None, redis, [loading(script), call, wait], block_s=block_s))[1:]
+        loaded, *replies = await exchange(None, redis, [loading(script), call, wait], block_s=block_s)
+        if isinstance(script, BoundFunction) and not script.library.is_loaded_reply(loaded):
+            raise loaded if isinstance(loaded, Exception) else redis_errors.ResponseError(repr(loaded))
     reply, acked = replies
     if isinstance(reply, Exception):
         raise reply

@@ -266,14 +266,14 @@ def test_the_steps_are_one_library_defining_each_shared_function_once() -> None:
     steps = re.findall(
         r"^redis\.register_function\('([a-z0-9_]+)', function\(keys, args\)\n(.*?)^end\)$", code, re.M | re.S
     )
-    assert sorted(name for name, _ in steps) == sorted(scripts.ENTRY_LIBRARY.functions.values())
+    assert sorted(name for name, _ in steps) == sorted(scripts.ENTRY_LIBRARY.named().functions.values())
     for name, body in steps:
         assert body.startswith("KEYS, ARGV, clock = keys, args, nil\n"), name
         assert "local function" not in re.sub(r"--[^\n]*", "", body) or name.endswith("_read"), name
     for constant in ("SET_STATUS", "ADMIT", "ADMIT_AND_MARK", "ADMIT_MARK_AND_LOOK", "LOOK", "MARK", "HAND_OFF",
                      "FINISH", "END_IF_LOST"):  # fmt: skip
         function = getattr(scripts, constant)
-        assert function.library is scripts.ENTRY_LIBRARY and function.name.endswith("_" + constant.lower())
+        assert function.source is scripts.ENTRY_LIBRARY and function.short == constant.lower()
 
 
 @pytest.mark.anyio

@@ -172,7 +172,8 @@ async def test_a_hand_off_above_maxmemory_is_refused_whole_then_goes_through(pre
                 entry.id, "diffusion", fields, status=write, crash_field=crash_field("encoder", entry.id)
             )
 
-        await functions.load(redis, ENTRY_LIBRARY)  # as a first call would have (a load is refused too)
+        key = functions.credential_key(redis)
+        await functions.load(redis, ENTRY_LIBRARY.named(key))  # as a first call would (above maxmemory: refused)
         await redis.config_set("maxmemory", 1)  # whatever it holds is above it: every write needing memory
         with pytest.raises(ControlPlaneError, match="OutOfMemoryError"):
             await hand_off()
