@@ -8,17 +8,18 @@ functions of one library for that reason.
 
 The contract:
 
-* **Names come from the code and the client's credentials.**  The library is ``<name>_<t>`` and its
-  functions ``sf<t>_<step>``, where ``<t>`` is an HMAC-SHA256 of the library's code keyed by the client's
-  user and password (:func:`credential_key`; a plain SHA-1 for a client without a password, which can do
-  anything anyway).  Two versions of the code never share a name, so a rolling upgrade runs both side by
-  side, each stage calling its own, and nothing is ever loaded with ``REPLACE``: a caller that finds the
-  library there already has what it asked for.  The key is there because Redis's function names are
-  global: any user allowed ``FUNCTION LOAD`` (another application's, on a Redis shared with it) could
-  register the names a library will have, code and all, and a stage would run that code with its own
-  rights.  Names keyed by the services' credential cannot be guessed without it.  A load refused for
-  anything but the library being there already (a function of its name held by another library, OOM,
-  READONLY, NOPERM) is raised, never skipped.
+* **Names come from the code and the client's credentials.**  The library is ``<name>_<t>`` and its functions
+  ``sf<t>_<step>``, where ``<t>`` is an HMAC-SHA256 of the library's code keyed by the client's user and
+  password (:func:`credential_key`; a plain SHA-1 for a client without a password in its URL: one with the
+  default user can do anything anyway; one whose credentials come from a credential provider gets the plain
+  names too, and with them the exposure below).  Two versions of the code never share a name, so a rolling
+  upgrade runs both side by side, each stage calling its own, and nothing is ever loaded with ``REPLACE``: a
+  caller that finds the library there already has what it asked for.  The key is there because Redis's function
+  names are global: any user allowed ``FUNCTION LOAD`` (another application's, on a Redis shared with it)
+  could register the names a library will have, code and all, and a stage would run that code with its own
+  rights.  Names keyed by the services' credential cannot be guessed without it.  A load refused for anything
+  but the library being there already (a function of its name held by another library, OOM, READONLY, NOPERM)
+  is raised, never skipped.
 * **Loaded by the first caller that misses it.**  A call Redis answers with ``Function not found`` ran
   nothing; the caller loads the library and calls again (:meth:`BoundFunction.__call__`, and the lean
   link's callers through :func:`invocation` / :func:`loading` / :func:`unknown`, which treat a script's
