@@ -169,6 +169,12 @@ async def load(redis: aioredis.Redis, lib: Library) -> None:
         reply: Any = await redis.execute_command("FUNCTION", "LOAD", lib.code)
     except redis_errors.ResponseError as exc:
         reply = exc
+    check_loaded(lib, reply)
+
+
+def check_loaded(lib: Library, reply: Any) -> None:
+    """Raise what ``reply`` to ``FUNCTION LOAD`` of ``lib`` says unless it says Redis has the library
+    (:meth:`Library.is_loaded_reply`)."""
     if not lib.is_loaded_reply(reply):
         raise reply if isinstance(reply, Exception) else redis_errors.ResponseError(f"FUNCTION LOAD: {reply!r}")
 
@@ -201,6 +207,7 @@ __all__ = [
     "Library",
     "LibraryFunction",
     "LibrarySource",
+    "check_loaded",
     "credential_key",
     "invocation",
     "library",

@@ -29,7 +29,7 @@ import structlog
 from redis import exceptions as redis_errors
 from redis.commands.core import AsyncScript
 
-from stageferry.broker.control.functions import BoundFunction, invocation, loading, unknown
+from stageferry.broker.control.functions import BoundFunction, check_loaded, invocation, loading, unknown
 from stageferry.broker.control.redis_url import Durability
 from stageferry.broker.control.resp_link import Command, RespLink, fall_back
 from stageferry.errors import NotReplicatedError
@@ -128,8 +128,8 @@ async def replicated_script(
     replies = await exchange(link, redis, [call, wait], block_s=block_s)
     if unknown(replies[0]):  # nothing ran: load it, run it, on one connection
         loaded, *replies = await exchange(None, redis, [loading(script), call, wait], block_s=block_s)
-        if isinstance(script, BoundFunction) and not script.library.is_loaded_reply(loaded):
-            raise loaded if isinstance(loaded, Exception) else redis_errors.ResponseError(repr(loaded))
+        if isinstance(script, BoundFunction):
+            check_loaded(script.library, loaded)
     reply, acked = replies
     if isinstance(reply, Exception):
         raise reply
