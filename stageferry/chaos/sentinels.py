@@ -9,7 +9,8 @@ stops taking writes), diskless full syncs.  The sentinels' ``down-after-millisec
 :meth:`SentinelGroup.kill_primary` (SIGKILL, as a crash), :meth:`SentinelGroup.failover`
 (``SENTINEL FAILOVER``: a clean hand-over) and :meth:`SentinelGroup.cut_primary` (its port's packets
 dropped, both ways: a network partition, the primary still running and still answering whoever reaches
-it — nobody, here).  :meth:`SentinelGroup.heal` brings a killed primary back (it rejoins as a replica).
+it — nobody, here).  :meth:`SentinelGroup.heal` brings a killed primary back (it rejoins as a replica);
+:meth:`SentinelGroup.replicas_frozen` stops the replicas (no acknowledgement, no promotion) for a while.
 
 With ``tls`` (:class:`~stageferry.embedded_redis.TlsFiles`) every process listens on TLS only — the data
 nodes replicate over TLS, the sentinels talk TLS to them and to each other — and this module's own
@@ -18,9 +19,12 @@ clients and :meth:`SentinelGroup.url` (``ssl=true&ssl_ca_certs=...``) trust the 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -259,6 +263,27 @@ class SentinelGroup:
         await primary.kill()
         log.info("sentinels.primary_killed", port=primary.port)
         return primary
+
+    @contextlib.contextmanager
+    def replicas_frozen(self) -> Iterator[Callable[[], None]]:
+        """SIGSTOP every replica (they stop acknowledging replication, answering the sentinels, and cannot
+        be promoted); SIGCONT them on exit, or earlier through the function yielded.  With the master
+        killed meanwhile, the sentinels see it down but find no replica to promote: the failover is held
+        (``s_down,o_down``) until the replicas are thawed."""
+        primary = self.primary()
+        stopped = [n.pid for n in self.nodes if n is not primary and n.pid is not None]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        log.info("sentinels.replicas_frozen", pids=stopped)
+
+        def thaw() -> None:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+
+        try:
+            yield thaw
+        finally:
+            thaw()
 
     def failover(self) -> int:
         """``SENTINEL FAILOVER``: hand the master role to a replica now; the old master's port."""

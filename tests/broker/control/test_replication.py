@@ -5,11 +5,6 @@ ever sent (nothing changes for a single server)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-from collections.abc import Callable, Iterator
-
 import anyio
 import pytest
 from structlog.testing import capture_logs
@@ -34,25 +29,6 @@ PIPELINE = PipelineConfig.model_validate(
     {"stages": [{"name": "encoder", "model": "m:f"}, {"name": "diffusion", "model": "m:f"}]}
 )
 JOB = {"prompt": "a cat", "width": 320, "height": 192, "num_inference_steps": 2}
-
-
-@contextlib.contextmanager
-def replicas_frozen(group: SentinelGroup) -> Iterator[Callable[[], None]]:
-    """SIGSTOP every replica (they stop acknowledging replication); SIGCONT them on exit, or earlier
-    through the function yielded."""
-    primary = group.primary()
-    stopped = [n.pid for n in group.nodes if n is not primary and n.pid is not None]
-    for pid in stopped:
-        os.kill(pid, signal.SIGSTOP)
-
-    def thaw() -> None:
-        for pid in stopped:
-            os.kill(pid, signal.SIGCONT)
-
-    try:
-        yield thaw
-    finally:
-        thaw()
 
 
 def on_replicas(group: SentinelGroup, key: str) -> list[int]:
@@ -81,10 +57,10 @@ async def test_a_submission_no_replica_acknowledges_is_refused_then_proved_on_re
 ) -> None:
     url = sentinel_group.url(query="wait_timeout_ms=300&failover_wait_s=0")
     async with Client(url, prefix="ha", pipeline=PIPELINE) as client:
-        with replicas_frozen(sentinel_group), pytest.raises(NotReplicatedError) as caught:
+        with sentinel_group.replicas_frozen(), pytest.raises(NotReplicatedError) as caught:
             await client.submit(JOB, request_id="video_sync-unreplicated")
         assert caught.value.details == {"replicas": 0, "wanted": 1}
-        with replicas_frozen(sentinel_group), pytest.raises(NotReplicatedError):
+        with sentinel_group.replicas_frozen(), pytest.raises(NotReplicatedError):
             await client.submit(JOB, request_id="video_sync-unreplicated")  # known, but still not proved
         assert await client.submit(JOB, request_id="video_sync-unreplicated") == "video_sync-unreplicated"
         assert on_replicas(sentinel_group, Keys("ha").submitted("video_sync-unreplicated")) == [1, 1]
@@ -95,7 +71,7 @@ async def test_a_client_rides_out_replicas_that_answer_late(sentinel_group: Sent
     the replicas are frozen until the client has been refused once."""
     url = sentinel_group.url(query="wait_timeout_ms=200&failover_wait_s=30")
     async with Client(url, prefix="ha", pipeline=PIPELINE) as client:
-        with capture_logs() as logs, replicas_frozen(sentinel_group) as thaw:
+        with capture_logs() as logs, sentinel_group.replicas_frozen() as thaw:
 
             async def thaw_after_a_refusal() -> None:
                 await eventually(
@@ -132,7 +108,7 @@ async def test_a_stages_hand_off_result_and_terminal_status_wait_for_a_replica(s
         assert on_replicas(sentinel_group, keys.stage_stream("diffusion")) == [1, 1]
         assert any(trip[-1] == "WAIT" for trip in trips)
         failed = RequestStatus(request_id="r1", state=RequestState.FAILED, stage="encoder")
-        with replicas_frozen(sentinel_group), capture_logs() as logs:
+        with sentinel_group.replicas_frozen(), capture_logs() as logs:
             assert await store.set_status(failed)  # the write stands; the short count is told
         assert next(e for e in logs if e["event"] == "redis.not_replicated")["replicas"] == 0
         await stream.aclose()

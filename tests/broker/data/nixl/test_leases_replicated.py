@@ -6,8 +6,6 @@ go through."""
 
 from __future__ import annotations
 
-import os
-import signal
 import uuid
 from collections.abc import AsyncIterator
 
@@ -49,30 +47,13 @@ async def endpoint(sentinel_group: SentinelGroup) -> AsyncIterator[Endpoint]:
     await redis.aclose()
 
 
-def freeze(group: SentinelGroup) -> list[int]:
-    primary = group.primary()
-    pids = [n.pid for n in group.nodes if n is not primary and n.pid is not None]
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    return pids
-
-
-def thaw(pids: list[int]) -> None:
-    for pid in pids:
-        os.kill(pid, signal.SIGCONT)
-
-
 async def test_a_claim_no_replica_has_is_refused_and_one_on_a_replica_holds(
     endpoint: Endpoint, sentinel_group: SentinelGroup
 ) -> None:
     ep, table = endpoint, LeaseTable(endpoint)
     first, second = await held(ep, table, "r-1_0_0"), await held(ep, table, "r-2_0_0")
-    pids = freeze(sentinel_group)
-    try:
-        with pytest.raises(PayloadUnavailableError):
-            await claim(ep, first)  # set on the master only: it could vanish with it
-    finally:
-        thaw(pids)
+    with sentinel_group.replicas_frozen(), pytest.raises(PayloadUnavailableError):
+        await claim(ep, first)  # set on the master only: it could vanish with it
     await claim(ep, second)
     assert await ep.redis.get(ep.keys.claim(second.token)) == ep.name.encode()
 
@@ -82,12 +63,9 @@ async def test_a_release_mark_no_replica_has_keeps_the_slot_held(
 ) -> None:
     ep, table = endpoint, LeaseTable(endpoint)
     ref = await held(ep, table)
-    pids = freeze(sentinel_group)
-    try:
+    with sentinel_group.replicas_frozen():
         await table.settle(ref.token, reason="released")
         assert ref.token in table  # not freed: its mark might be lost with the master
-    finally:
-        thaw(pids)
     await table.settle(ref.token, reason="released")
     assert ref.token not in table
     assert await ep.redis.get(ep.keys.claim(ref.token)) == b"released"
