@@ -39,3 +39,30 @@ device_setup() {
   python3 -c "import torch, nixl, redis; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0), redis.Redis().ping())"
   nvidia-smi -L 2>/dev/null || true
 }
+
+# pin_redis CPU: restarts the carried redis-server on 6379 bound to CPU (taskset), and prints the CPUs left
+# for everything else: all usable ones but CPU and its hyperthread siblings (so no stage process shares
+# the core Redis's main thread runs on).  The topology goes to stderr, for the record.
+pin_redis() {
+  local cpu=$1 siblings rest
+  siblings=$(cat "/sys/devices/system/cpu/cpu$cpu/topology/thread_siblings_list")
+  rest=$(python3 -c "
+import os, sys
+def cpus(text):
+    out = set()
+    for part in text.split(','):
+        lo, _, hi = part.partition('-')
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+print(','.join(map(str, sorted(os.sched_getaffinity(0) - cpus(sys.argv[1])))))" "$siblings")
+  echo "# redis pinned to CPU $cpu (core siblings $siblings); the rest on $rest; $(lscpu | grep -E '^(Thread|Core|Socket)' | tr -s ' ' | paste -sd';')" >&2
+  python3 -c "
+import redis
+try:
+    redis.Redis(port=6379).shutdown(nosave=True)
+except redis.ConnectionError:
+    pass"
+  (LD_LIBRARY_PATH=$PWD/.whl/redis taskset -c "$cpu" .whl/redis/redis-server --port 6379 --save '' --daemonize yes >/dev/null)
+  wait_for_redis 6379 >&2
+  echo "$rest"
+}

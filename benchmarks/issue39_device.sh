@@ -28,7 +28,9 @@
 #             time: the side-by-side figure for held
 #   held_pair the base's stageferry (.base) and this tree's, both holding HELD_IN_FLIGHT entries (default
 #             16), one after the other, HELD_ROUNDS times (default 2): the side-by-side figure when the
-#             base has entries_in_flight too
+#             base has entries_in_flight too; HELD_REQUESTS requests a run (default 4000); PIN_REDIS=<cpu>
+#             restarts the Redis on 6379 bound to that CPU and runs both trees on the CPUs left once its core
+#             (hyperthread siblings too) is taken out (device_steps.sh's pin_redis; the topology: pin.txt)
 #   profile   where Redis's time goes: this tree's throughput.py as held_pair runs it, with --script-times (each
 #             script's share of the main thread, SLOWLOG), then benchmarks/script_cost.py (each hot script's
 #             µs against the commands it runs: Lua's own share), both on the call's Redis (6379)
@@ -101,12 +103,15 @@ except redis.ConnectionError:
             python3 benchmarks/throughput.py --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 \
             --edges nixl --clients "${TPUT_CLIENTS:-4}" $hot) ;;
     held_pair) hot=${HELD_HOT_WAIT:+--hot-wait $HELD_HOT_WAIT}
+          pin=(); tag=""
+          if [ -n "${PIN_REDIS:-}" ]; then rest=$(pin_redis "$PIN_REDIS" 2>"$out/pin.txt"); pin=(taskset -c "$rest"); tag=_pinned; fi
+          n=${HELD_REQUESTS:-4000}
           for round in $(seq "${HELD_ROUNDS:-2}"); do
-            (cd .base && PYTHONPATH=$PWD run_step "pair${round}_base_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}" 200 \
-              python3 benchmarks/throughput.py --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 \
+            (cd .base && PYTHONPATH=$PWD run_step "pair${round}_base_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}_n$n$tag" 200 \
+              "${pin[@]}" python3 benchmarks/throughput.py --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests "$n" \
               --edges nixl --clients "${TPUT_CLIENTS:-4}" --entries-in-flight "${HELD_IN_FLIGHT:-16}" $hot)
-            run_step "pair${round}_this_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}" 200 python3 benchmarks/throughput.py \
-              --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 --edges nixl \
+            run_step "pair${round}_this_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}_n$n$tag" 200 "${pin[@]}" \
+              python3 benchmarks/throughput.py --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests "$n" --edges nixl \
               --clients "${TPUT_CLIENTS:-4}" --entries-in-flight "${HELD_IN_FLIGHT:-16}" $hot
           done ;;
     profile) run_step "profile_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}" 200 python3 benchmarks/throughput.py \
@@ -116,3 +121,10 @@ except redis.ConnectionError:
     *) echo "unknown step $s" >&2 ;;
   esac
 done
+# The device tool brings back at most 8 files from $OUT: once more than 6 are there, the steps' outputs are
+# appended to one archive (steps.tar; a later invocation in the same call appends to it), leaving room for
+# a caller's own all_stdout.txt.
+if [ "$(find "$out" -maxdepth 1 -type f ! -name steps.tar | wc -l)" -gt 6 ]; then
+  (cd "$out" && find . -maxdepth 1 -type f ! -name steps.tar ! -name all_stdout.txt -printf '%P\n' \
+     | tar rf steps.tar -T - --remove-files)
+fi
