@@ -34,6 +34,10 @@
 #   profile   where Redis's time goes: this tree's throughput.py as held_pair runs it, with --script-times (each
 #             script's share of the main thread, SLOWLOG), then benchmarks/script_cost.py (each hot script's
 #             µs against the commands it runs: Lua's own share), both on the call's Redis (6379)
+#   server_pair  the same benchmark as held_pair (8 replicas, 16 held, HELD_REQUESTS, default 12000) three
+#             ways, HELD_ROUNDS times (default 2): the base on the Redis on 6379, this tree on it, and this
+#             tree on a valkey-server carried as .whl/valkey/valkey-server (built from source, `make
+#             BUILD_TLS=no`, stripped; it needs libc alone) on 6393: what a newer server's Lua engine gives
 #   mps_copy  same_gpu alone under this call's own MPS control daemon (mps without same_gpu_parts)
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
 #             round's base (a copy of it carried as .base: `git archive <base> stageferry benchmarks tests
@@ -113,6 +117,20 @@ except redis.ConnectionError:
             run_step "pair${round}_this_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}_n$n$tag" 200 "${pin[@]}" \
               python3 benchmarks/throughput.py --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests "$n" --edges nixl \
               --clients "${TPUT_CLIENTS:-4}" --entries-in-flight "${HELD_IN_FLIGHT:-16}" $hot
+          done ;;
+    server_pair) n=${HELD_REQUESTS:-12000}
+          (.whl/valkey/valkey-server --port 6393 --save '' --appendonly no --daemonize yes \
+             --logfile /tmp/sf-valkey.log >/dev/null)
+          wait_for_redis 6393
+          .whl/valkey/valkey-server --version > "$out/valkey_version.txt"
+          for round in $(seq "${HELD_ROUNDS:-2}"); do
+            (cd .base && PYTHONPATH=$PWD run_step "srv${round}_base_redis_n$n" 200 python3 benchmarks/throughput.py \
+              --tasks T2VA --replicas 8 --requests "$n" --edges nixl --clients 4 --entries-in-flight 16)
+            for server in redis:6379 valkey:6393; do
+              run_step "srv${round}_this_${server%%:*}_n$n" 200 python3 benchmarks/throughput.py --tasks T2VA \
+                --replicas 8 --requests "$n" --edges nixl --clients 4 --entries-in-flight 16 \
+                --redis-url "redis://127.0.0.1:${server##*:}/0"
+            done
           done ;;
     profile) run_step "profile_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}" 200 python3 benchmarks/throughput.py \
                --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 --edges nixl \
