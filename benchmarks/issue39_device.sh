@@ -49,7 +49,9 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/issue39}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
-. benchmarks/device_steps.sh  # run_step
+. benchmarks/device_steps.sh  # run_step, start_server, stop_server
+# The throughput run the steps below vary (each tree's own benchmarks/throughput.py, from its root).
+T2VA=(python3 benchmarks/throughput.py --tasks T2VA --edges nixl --clients "${TPUT_CLIENTS:-4}")
 for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
   case $s in
     setup) device_setup 2>&1 | tee "$out/setup.txt" ;;
@@ -85,56 +87,46 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
             --clients "${TPUT_CLIENTS:-4}" --verbose ;;
     tput_io) port=6391
          for io in 1 4; do
-           (LD_LIBRARY_PATH=$PWD/.whl/redis .whl/redis/redis-server --port $port --save '' --appendonly no \
-              --io-threads $io --io-threads-do-reads yes --daemonize yes --logfile /tmp/sf-io$io.log >/dev/null)
-           wait_for_redis $port
-           run_step "tput_io$io" 150 python3 benchmarks/throughput.py --tasks T2VA --replicas 8 --requests 4000 \
-             --edges nixl --clients "${TPUT_CLIENTS:-4}" --redis-url "redis://127.0.0.1:$port/0"
-           python3 -c "
-import redis
-try:
-    redis.Redis(port=$port).shutdown(nosave=True)
-except redis.ConnectionError:
-    pass" 
+           start_server $port .whl/redis/redis-server --appendonly no --io-threads $io --io-threads-do-reads yes \
+             --logfile /tmp/sf-io$io.log
+           run_step "tput_io$io" 150 "${T2VA[@]}" --replicas 8 --requests 4000 --redis-url "redis://127.0.0.1:$port/0"
+           stop_server $port
          done ;;
     held) hot=${HELD_HOT_WAIT:+--hot-wait $HELD_HOT_WAIT}
-          run_step "held_r${HELD_REPLICAS:-8}_hot${HELD_HOT_WAIT:-default}" 400 python3 benchmarks/throughput.py \
-            --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 --edges nixl \
-            --clients "${TPUT_CLIENTS:-4}" --entries-in-flight "${HELD_IN_FLIGHT:-1,2,4}" $hot \
+          run_step "held_r${HELD_REPLICAS:-8}_hot${HELD_HOT_WAIT:-default}" 400 "${T2VA[@]}" \
+            --replicas "${HELD_REPLICAS:-8}" --requests 4000 --entries-in-flight "${HELD_IN_FLIGHT:-1,2,4}" $hot \
             ${HELD_STEPS:+--steps} ${HELD_SUBMITS:+--in-flight $HELD_SUBMITS} ;;
     held_base) hot=${HELD_HOT_WAIT:+--hot-wait $HELD_HOT_WAIT}
           (cd .base && PYTHONPATH=$PWD run_step "held_base_r${HELD_REPLICAS:-8}_hot${HELD_HOT_WAIT:-default}" 200 \
-            python3 benchmarks/throughput.py --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 \
-            --edges nixl --clients "${TPUT_CLIENTS:-4}" $hot) ;;
+            "${T2VA[@]}" --replicas "${HELD_REPLICAS:-8}" --requests 4000 $hot) ;;
     held_pair) hot=${HELD_HOT_WAIT:+--hot-wait $HELD_HOT_WAIT}
           pin=(); tag=""
           if [ -n "${PIN_REDIS:-}" ]; then rest=$(pin_redis "$PIN_REDIS" 2>"$out/pin.txt"); pin=(taskset -c "$rest"); tag=_pinned; fi
           n=${HELD_REQUESTS:-4000}
+          run=("${pin[@]}" "${T2VA[@]}" --replicas "${HELD_REPLICAS:-8}" --requests "$n" \
+               --entries-in-flight "${HELD_IN_FLIGHT:-16}" $hot)
           for round in $(seq "${HELD_ROUNDS:-2}"); do
-            (cd .base && PYTHONPATH=$PWD run_step "pair${round}_base_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}_n$n$tag" 200 \
-              "${pin[@]}" python3 benchmarks/throughput.py --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests "$n" \
-              --edges nixl --clients "${TPUT_CLIENTS:-4}" --entries-in-flight "${HELD_IN_FLIGHT:-16}" $hot)
-            run_step "pair${round}_this_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}_n$n$tag" 200 "${pin[@]}" \
-              python3 benchmarks/throughput.py --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests "$n" --edges nixl \
-              --clients "${TPUT_CLIENTS:-4}" --entries-in-flight "${HELD_IN_FLIGHT:-16}" $hot
-          done ;;
-    server_pair) n=${HELD_REQUESTS:-12000}
-          (.whl/valkey/valkey-server --port 6393 --save '' --appendonly no --daemonize yes \
-             --logfile /tmp/sf-valkey.log >/dev/null)
-          wait_for_redis 6393
-          .whl/valkey/valkey-server --version > "$out/valkey_version.txt"
-          for round in $(seq "${HELD_ROUNDS:-2}"); do
-            (cd .base && PYTHONPATH=$PWD run_step "srv${round}_base_redis_n$n" 200 python3 benchmarks/throughput.py \
-              --tasks T2VA --replicas 8 --requests "$n" --edges nixl --clients 4 --entries-in-flight 16)
-            for server in redis:6379 valkey:6393; do
-              run_step "srv${round}_this_${server%%:*}_n$n" 200 python3 benchmarks/throughput.py --tasks T2VA \
-                --replicas 8 --requests "$n" --edges nixl --clients 4 --entries-in-flight 16 \
-                --redis-url "redis://127.0.0.1:${server##*:}/0"
+            for tree in base this; do
+              name="pair${round}_${tree}_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}_n$n$tag"
+              if [ $tree = base ]; then
+                (cd .base && PYTHONPATH=$PWD run_step "$name" 200 "${run[@]}")
+              else
+                run_step "$name" 200 "${run[@]}"
+              fi
             done
           done ;;
-    profile) run_step "profile_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}" 200 python3 benchmarks/throughput.py \
-               --tasks T2VA --replicas "${HELD_REPLICAS:-8}" --requests 4000 --edges nixl \
-               --clients "${TPUT_CLIENTS:-4}" --entries-in-flight "${HELD_IN_FLIGHT:-16}" --script-times
+    server_pair) n=${HELD_REQUESTS:-12000}
+          start_server 6393 .whl/valkey/valkey-server --appendonly no --logfile /tmp/sf-valkey.log
+          .whl/valkey/valkey-server --version > "$out/valkey_version.txt"
+          run=("${T2VA[@]}" --replicas 8 --requests "$n" --entries-in-flight 16)
+          for round in $(seq "${HELD_ROUNDS:-2}"); do
+            (cd .base && PYTHONPATH=$PWD run_step "srv${round}_base_redis_n$n" 200 "${run[@]}")
+            for server in redis:6379 valkey:6393; do
+              run_step "srv${round}_this_${server%%:*}_n$n" 200 "${run[@]}" --redis-url "redis://127.0.0.1:${server##*:}/0"
+            done
+          done ;;
+    profile) run_step "profile_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}" 200 "${T2VA[@]}" \
+               --replicas "${HELD_REPLICAS:-8}" --requests 4000 --entries-in-flight "${HELD_IN_FLIGHT:-16}" --script-times
              run_step script_cost 120 python3 benchmarks/script_cost.py --redis-url redis://127.0.0.1:6379/0 --calls 5000 ;;
     *) echo "unknown step $s" >&2 ;;
   esac
