@@ -151,8 +151,8 @@ def _raw_submit(sentinels: list[tuple[str, int]], prefix: str, rid: str) -> None
     """docs/protocol.md behind Sentinel, with redis-py alone: the master from the sentinels, the MULTI,
     then, on one connection, the marker rewritten as it is and ``WAIT 1`` (a pooled client's MULTI and
     WAIT may take different connections, and a WAIT proves only its own connection's writes); connection
-    trouble, READONLY (a failover) or a short WAIT: ask the sentinels again and submit the same id again
-    (the first stage runs it once)."""
+    trouble, READONLY (a failover), NOREPLICAS or a short WAIT: ask the sentinels again and submit the same
+    id again (the first stage runs it once), as docs/high-availability.md says."""
     master = redis.sentinel.Sentinel(sentinels, socket_timeout=2).master_for("stageferry", socket_timeout=5)
     job = json.dumps({k: v for k, v in JOB.items()})
     deadline = time.monotonic() + 150  # a loaded 2-core box: the election and a full resync take a while
@@ -170,6 +170,9 @@ def _raw_submit(sentinels: list[tuple[str, int]], prefix: str, rid: str) -> None
                     return
         except (sync_redis.ConnectionError, sync_redis.TimeoutError, sync_redis.ReadOnlyError):
             pass
+        except sync_redis.ResponseError as exc:  # NOREPLICAS: a new master whose replica has not linked yet
+            if "NOREPLICAS" not in str(exc):
+                raise
         if time.monotonic() > deadline:
             raise TimeoutError("the raw submission never reached a replica")
         time.sleep(0.2)
