@@ -38,6 +38,20 @@
 #             ways, HELD_ROUNDS times (default 2): the base on the Redis on 6379, this tree on it, and this
 #             tree on a valkey-server carried as .whl/valkey/valkey-server (built from source, `make
 #             BUILD_TLS=no`, stripped; it needs libc alone) on 6393: what a newer server's Lua engine gives
+#   sweep     this tree's throughput (8 replicas, HELD_REQUESTS, default 12000) under each setting SWEEP names
+#             (default "k16 k32"): kN entries in flight N; hwS (16 held) hot wait S seconds; cN (16 held) N client
+#             processes; ifN (16 held) N submissions in flight a client; base (16 held) the base's stageferry;
+#             outputs sweep<i>_<setting>_n<requests>.txt, i its place in SWEEP (a setting may come twice)
+#   trio      the issue's own code against the round's base and this tree, HELD_ROUNDS times (default 2), 8 replicas,
+#             HELD_REQUESTS (default 12000): .issue_base (d346e8a, the code the issue measured, one entry at a time: it
+#             has no entries_in_flight), .base (16 held) and this tree (16 held).  .issue_base is made with
+#               mkdir .issue_base && git archive d346e8a stageferry pyproject.toml | tar -x -C .issue_base
+#               cp -r benchmarks .issue_base/ && rm -rf .issue_base/benchmarks/results
+#               printf 'from stageferry.launcher import ServiceGroup, wait_for_workers  # noqa: F401\n' \
+#                 > .issue_base/stageferry/cli/launcher.py   # where this tree's benchmarks import it from
+#   spy       where a stage process's CPU goes at full rate: this tree's run as sweep's k16, with py-spy sampling
+#             one encoder and one diffusion replica for 4 s each mid-run (raw stacks: spy_<stage>.raw, Python
+#             frames only); carry it as .whl/py-spy (`pip install py-spy`, then copy its static binary there)
 #   mps_copy  same_gpu alone under this call's own MPS control daemon (mps without same_gpu_parts)
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
 #             round's base (a copy of it carried as .base: `git archive <base> stageferry benchmarks tests
@@ -125,6 +139,46 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
               run_step "srv${round}_this_${server%%:*}_n$n" 200 "${run[@]}" --redis-url "redis://127.0.0.1:${server##*:}/0"
             done
           done ;;
+    sweep) n=${HELD_REQUESTS:-12000}
+          i=0
+          for v in ${SWEEP:-k16 k32}; do
+            i=$((i + 1)) extra=(--entries-in-flight 16)
+            case $v in
+              k*) extra=(--entries-in-flight "${v#k}") ;;
+              hw*) extra+=(--hot-wait "${v#hw}") ;;
+              c*) extra+=(--clients "${v#c}") ;;
+              if*) extra+=(--in-flight "${v#if}") ;;
+            esac
+            if [ "$v" = base ]; then
+              (cd .base && PYTHONPATH=$PWD run_step "sweep${i}_base_n$n" 200 "${T2VA[@]}" --replicas 8 --requests "$n" "${extra[@]}")
+            else
+              run_step "sweep${i}_${v}_n$n" 200 "${T2VA[@]}" --replicas 8 --requests "$n" "${extra[@]}"
+            fi
+          done ;;
+    trio) n=${HELD_REQUESTS:-12000}
+          run=("${T2VA[@]}" --replicas 8 --requests "$n")
+          for round in $(seq "${HELD_ROUNDS:-2}"); do
+            (cd .issue_base && PYTHONPATH=$PWD run_step "trio${round}_issue_k1_n$n" 200 "${run[@]}")
+            (cd .base && PYTHONPATH=$PWD run_step "trio${round}_base_k16_n$n" 200 "${run[@]}" --entries-in-flight 16)
+            run_step "trio${round}_this_k16_n$n" 200 "${run[@]}" --entries-in-flight 16
+          done ;;
+    spy) run_step spy_run 200 "${T2VA[@]}" --replicas 8 --requests 20000 --entries-in-flight 16 &
+         for stage in encoder diffusion; do
+           for _ in $(seq 120); do pgrep -f "stageferry serve $stage" >/dev/null && break; sleep 0.5; done
+         done
+         # sample once Redis runs the measured requests (40,000 commands/s and more: over 1,000 req/s)
+         python3 -c "
+import time, redis
+r, deadline = redis.Redis(), time.monotonic() + 120
+while r.info('stats')['instantaneous_ops_per_sec'] < 40000 and time.monotonic() < deadline:
+    time.sleep(0.2)"
+         sleep 1
+         for stage in encoder diffusion; do
+           pid=$(pgrep -f "stageferry serve $stage" | head -1)
+           .whl/py-spy record -p "$pid" -d 4 -r 250 -f raw -o "$out/spy_$stage.raw" --nonblocking \
+             > "$out/spy_$stage.log" 2>&1 &
+         done
+         wait ;;
     profile) run_step "profile_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}" 200 "${T2VA[@]}" \
                --replicas "${HELD_REPLICAS:-8}" --requests 4000 --entries-in-flight "${HELD_IN_FLIGHT:-16}" --script-times
              run_step script_cost 120 python3 benchmarks/script_cost.py --redis-url redis://127.0.0.1:6379/0 --calls 5000 ;;
