@@ -12,6 +12,14 @@ run_step() {
   } 2>&1 | tee "$out/$name.txt"
 }
 
+# run_tree TREE NAME SECONDS COMMAND...: run_step from another tree's root (a base carried beside this one, e.g.
+# .base), its own stageferry alone on PYTHONPATH (its benchmarks are this tree's, copied in).
+run_tree() {
+  local tree=$1
+  shift
+  (cd "$tree" && PYTHONPATH=$PWD run_step "$@")
+}
+
 # wait_for_redis PORT: returns once the Redis on 127.0.0.1:PORT answers PING (10 s at most: then it fails).
 wait_for_redis() {
   python3 -c "

@@ -63,7 +63,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/issue39}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
-. benchmarks/device_steps.sh  # run_step, start_server, stop_server
+. benchmarks/device_steps.sh  # run_step, run_tree, start_server, stop_server
 # The throughput run the steps below vary (each tree's own benchmarks/throughput.py, from its root).
 T2VA=(python3 benchmarks/throughput.py --tasks T2VA --edges nixl --clients "${TPUT_CLIENTS:-4}")
 for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
@@ -111,8 +111,8 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
             --replicas "${HELD_REPLICAS:-8}" --requests 4000 --entries-in-flight "${HELD_IN_FLIGHT:-1,2,4}" $hot \
             ${HELD_STEPS:+--steps} ${HELD_SUBMITS:+--in-flight $HELD_SUBMITS} ;;
     held_base) hot=${HELD_HOT_WAIT:+--hot-wait $HELD_HOT_WAIT}
-          (cd .base && PYTHONPATH=$PWD run_step "held_base_r${HELD_REPLICAS:-8}_hot${HELD_HOT_WAIT:-default}" 200 \
-            "${T2VA[@]}" --replicas "${HELD_REPLICAS:-8}" --requests 4000 $hot) ;;
+          run_tree .base "held_base_r${HELD_REPLICAS:-8}_hot${HELD_HOT_WAIT:-default}" 200 \
+            "${T2VA[@]}" --replicas "${HELD_REPLICAS:-8}" --requests 4000 $hot ;;
     held_pair) hot=${HELD_HOT_WAIT:+--hot-wait $HELD_HOT_WAIT}
           pin=(); tag=""
           if [ -n "${PIN_REDIS:-}" ]; then rest=$(pin_redis "$PIN_REDIS" 2>"$out/pin.txt"); pin=(taskset -c "$rest"); tag=_pinned; fi
@@ -123,7 +123,7 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
             for tree in base this; do
               name="pair${round}_${tree}_r${HELD_REPLICAS:-8}_k${HELD_IN_FLIGHT:-16}_n$n$tag"
               if [ $tree = base ]; then
-                (cd .base && PYTHONPATH=$PWD run_step "$name" 200 "${run[@]}")
+                run_tree .base "$name" 200 "${run[@]}"
               else
                 run_step "$name" 200 "${run[@]}"
               fi
@@ -134,7 +134,7 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
           .whl/valkey/valkey-server --version > "$out/valkey_version.txt"
           run=("${T2VA[@]}" --replicas 8 --requests "$n" --entries-in-flight 16)
           for round in $(seq "${HELD_ROUNDS:-2}"); do
-            (cd .base && PYTHONPATH=$PWD run_step "srv${round}_base_redis_n$n" 200 "${run[@]}")
+            run_tree .base "srv${round}_base_redis_n$n" 200 "${run[@]}"
             for server in redis:6379 valkey:6393; do
               run_step "srv${round}_this_${server%%:*}_n$n" 200 "${run[@]}" --redis-url "redis://127.0.0.1:${server##*:}/0"
             done
@@ -150,7 +150,7 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
               if*) extra+=(--in-flight "${v#if}") ;;
             esac
             if [ "$v" = base ]; then
-              (cd .base && PYTHONPATH=$PWD run_step "sweep${i}_base_n$n" 200 "${T2VA[@]}" --replicas 8 --requests "$n" "${extra[@]}")
+              run_tree .base "sweep${i}_base_n$n" 200 "${T2VA[@]}" --replicas 8 --requests "$n" "${extra[@]}"
             else
               run_step "sweep${i}_${v}_n$n" 200 "${T2VA[@]}" --replicas 8 --requests "$n" "${extra[@]}"
             fi
@@ -158,8 +158,8 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
     trio) n=${HELD_REQUESTS:-12000}
           run=("${T2VA[@]}" --replicas 8 --requests "$n")
           for round in $(seq "${HELD_ROUNDS:-2}"); do
-            (cd .issue_base && PYTHONPATH=$PWD run_step "trio${round}_issue_k1_n$n" 200 "${run[@]}")
-            (cd .base && PYTHONPATH=$PWD run_step "trio${round}_base_k16_n$n" 200 "${run[@]}" --entries-in-flight 16)
+            run_tree .issue_base "trio${round}_issue_k1_n$n" 200 "${run[@]}"
+            run_tree .base "trio${round}_base_k16_n$n" 200 "${run[@]}" --entries-in-flight 16
             run_step "trio${round}_this_k16_n$n" 200 "${run[@]}" --entries-in-flight 16
           done ;;
     spy) run_step spy_run 200 "${T2VA[@]}" --replicas 8 --requests 20000 --entries-in-flight 16 &
