@@ -79,7 +79,7 @@ def run_once(tree: Path, bench_args: list[str], log: Path) -> tuple[dict[str, fl
     if out.returncode != 0:
         raise SystemExit(f"throughput.py in {tree} failed ({out.returncode}); see {log}")
     throughput, _, rest = out.stdout.partition("## CPU")
-    commands = rest.partition("## Redis commands per request")[2].partition("## Redis round trips")[0]
+    commands = rest.partition("## Redis commands per request")[2].partition("\n## ")[0]  # up to the next table
     rps = {f"{t} x{n} {e}": float(v) for t, n, e, v in _RPS.findall(throughput)}
     header = _HEADER.search(commands)
     names = [n.strip() for n in header.group(1).split("|")] if header else []

@@ -210,10 +210,15 @@ async def run_config(
     entries_in_flight: int = 1,
     steps: bool = False,
     script_times: bool = False,
+    *,
+    tally_on: bool = False,
 ) -> dict[str, Any]:
     prefix = f"tput-{uuid.uuid4().hex[:8]}"
-    tally_dir = workdir / f"{prefix}-tally"  # every process's round trips per call site (tally.py)
-    os.environ[tally.ENV] = str(tally_dir)
+    tally_dir = workdir / f"{prefix}-tally"  # every process's round trips per call site (tally.py), with --tally
+    if tally_on:  # its bookkeeping costs the stages CPU on every send: off unless asked for
+        os.environ[tally.ENV] = str(tally_dir)
+    else:
+        os.environ.pop(tally.ENV, None)
     steps_dir = workdir / f"{prefix}-steps"  # every leader's entry steps (step_timer.entry_steps), with --steps
     steps_dir.mkdir()
     pipeline = workdir / f"{prefix}.toml"
@@ -452,6 +457,7 @@ async def main_async(args: argparse.Namespace) -> None:
                         held,
                         args.steps,
                         args.script_times,
+                        tally_on=args.tally,
                     )
                     label = replicas_label(replicas, held)
                     rows.append((task, label, connector, r))
@@ -507,6 +513,27 @@ async def main_async(args: argparse.Namespace) -> None:
         print("## Redis time by script (`--script-times`: SLOWLOG of every command over the measured requests)\n")
         for task, replicas, connector, r in rows:
             redis_profile.print_table(f"{task}, {replicas} replica(s), {connector}", r["profile"], args.requests)
+    if args.tally:
+        print_trips(rows)
+    else:
+        print("\n(Round trips by call site: not counted; `--tally` counts them, at some CPU cost to every process.)")
+    if args.steps:
+        print_entry_steps(rows)
+    print()
+    for task in args.tasks:
+        for replicas in dict.fromkeys(n for t, n, _, _ in rows if t == task):
+            by = {c: r for t, n, c, r in rows if t == task and n == replicas}
+            if len(by) < 2:
+                continue
+            rps = by["nixl"]["rps"] / by["inline"]["rps"]
+            latency = median(by["inline"]["latency"]) / median(by["nixl"]["latency"])
+            print(
+                f"{task}, {replicas} replica(s): requests/s NIXL/inline {rps:.2f}×, latency inline/NIXL {latency:.2f}×"
+            )
+
+
+def print_trips(rows: list[tuple[str, str, str, dict[str, Any]]]) -> None:
+    """The round trips each call site sent per request (``--tally``)."""
     print("\n## Redis round trips per request, by call site (client tally, `STAGEFERRY_REDIS_TALLY`)\n")
     print("Each process counts what it sends (one command, pipeline or script call = one round trip); the")
     print("differences over the measured requests (idle polling — blocking reads, heartbeats — included).\n")
@@ -529,19 +556,6 @@ async def main_async(args: argparse.Namespace) -> None:
             )
             print(f"| {comp} | {n:.2f} | {c:.2f} | {what} |")
         print()
-    if args.steps:
-        print_entry_steps(rows)
-    print()
-    for task in args.tasks:
-        for replicas in dict.fromkeys(n for t, n, _, _ in rows if t == task):
-            by = {c: r for t, n, c, r in rows if t == task and n == replicas}
-            if len(by) < 2:
-                continue
-            rps = by["nixl"]["rps"] / by["inline"]["rps"]
-            latency = median(by["inline"]["latency"]) / median(by["nixl"]["latency"])
-            print(
-                f"{task}, {replicas} replica(s): requests/s NIXL/inline {rps:.2f}×, latency inline/NIXL {latency:.2f}×"
-            )
 
 
 def main() -> None:
@@ -599,6 +613,12 @@ def main() -> None:
         action="store_true",
         help="log every Redis command over the measured requests (SLOWLOG, benchmarks/redis_profile.py) and print "
         "the time of each script by name (a private Redis: the log holds some 60 entries a request)",
+    )
+    parser.add_argument(
+        "--tally",
+        action="store_true",
+        help="count every process's Redis round trips by call site (STAGEFERRY_REDIS_TALLY) and print them; off by "
+        "default, since the bookkeeping on every send costs the stages CPU (requests/s then measures it too)",
     )
     args = parser.parse_args()
     if min(args.entries_in_flight) < 1:
