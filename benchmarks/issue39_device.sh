@@ -52,6 +52,9 @@
 #   spy       where a stage process's CPU goes at full rate: this tree's run as sweep's k16, with py-spy sampling
 #             one encoder and one diffusion replica for 4 s each mid-run (raw stacks: spy_<stage>.raw, Python
 #             frames only); carry it as .whl/py-spy (`pip install py-spy`, then copy its static binary there)
+#   up_gpu    `stageferry up` at 1344x768 (the issue's measure of item 1: its own table, each hop's first transfer
+#             beside the median of 3 warm runs) for each of UP_TASKS (default "t2va fl2va ref2va"), both stages on
+#             GPU 0 as the planner places them on one GPU, with --mps UP_MPS (default auto: up's private daemon)
 #   mps_copy  same_gpu alone under this call's own MPS control daemon (mps without same_gpu_parts)
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
 #             round's base (a copy of it carried as .base: `git archive <base> stageferry benchmarks tests
@@ -78,6 +81,12 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
     same_gpu_parts) run_step "$s" 120 python3 benchmarks/same_gpu_parts.py --iters 50 --warmup 10 ;;
     cold_gpu) run_step "${s}_t2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 359024 --rounds 3 --hops 20
               run_step "${s}_fl2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 11158136 --rounds 3 --hops 20 ;;
+    up_gpu) for task in ${UP_TASKS:-t2va fl2va ref2va}; do  # `up`'s own first/warm table, as the issue measured it
+              name="up_${task}_mps_${UP_MPS:-auto}"
+              run_step "$name" 200 python3 -m stageferry --prefix "up39-$task" up --task "$task" \
+                --width 1344 --height 768 --warm-runs 3 --mps "${UP_MPS:-auto}" --log-dir "/tmp/$name"
+              grep -h '"placement\.\|"nixl\.\(same_gpu\|transport\)\|"mps\.' "/tmp/$name"/*.log > "$out/${name}_events.txt"
+            done ;;
     mps|mps_copy) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps/log
          mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
          if nvidia-cuda-mps-control -d; then

@@ -21,6 +21,7 @@ from stageferry.cli import app
 from stageferry.cli.launcher import ServiceGroup, wait_for_workers
 from stageferry.cli_hints import cli_command
 from stageferry.errors import StageFailedError
+from tests.fake_mps import install
 
 #: up's job, small (what these tests check is up's wiring, not the model's cost at the default 320×192).
 SMALL_JOB = ["--width", "160", "--height", "96", "--fps", "8", "--duration", "1", "--steps", "2"]
@@ -64,10 +65,11 @@ async def test_service_group_stops_children_and_reports_early_exits(tmp_path: Pa
 @pytest.mark.slow
 def test_up_runs_one_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # outputs land under the working directory: never in the repository
+    record = tmp_path / "mps.txt"  # --mps on with the stand-in daemon (tests/fake_mps.py; CI has no driver)
     result = CliRunner().invoke(
         app,
-        ["--prefix", "t-up", "up", *SMALL_JOB, "--startup-timeout", "90", "--timeout", "120"],
-        env={"STAGEFERRY_REDIS_URL": None, "STAGEFERRY_PIPELINE": None},
+        ["--prefix", "t-up", "up", *SMALL_JOB, "--startup-timeout", "90", "--timeout", "120", "--mps", "on"],
+        env={"STAGEFERRY_REDIS_URL": None, "STAGEFERRY_PIPELINE": None, **install(tmp_path / "bin", record)},
     )
     logs = tmp_path / "out" / "logs"
     assert result.exit_code == 0, result.output + "".join(p.read_text()[-2000:] for p in logs.glob("*.log"))
@@ -75,9 +77,13 @@ def test_up_runs_one_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert "encoder" in result.stdout and "diffusion" in result.stdout
     assert result.stderr.count("outputs: ") == 1 and f"outputs: {tmp_path / 'out'}" in result.stderr
     # Service logs are JSON lines only (NIXL's own lines included), and name the request key.
-    for log in logs.glob("*.log"):
-        for line in log.read_text().splitlines():
-            json.loads(line)
+    events = [json.loads(line) for log in logs.glob("*.log") for line in log.read_text().splitlines()]
+    # The daemon was up before the stages (each names its pipe) and was asked to quit after them.
+    assert "cuda mps: private control daemon for the stages" in result.stderr
+    started, quit_ = record.read_text().splitlines()
+    pipe = started.removeprefix("started ")
+    placed = {e["stage"]: e["cuda_mps"] for e in events if e.get("event") == "placement.stage"}
+    assert placed == {"encoder": pipe, "diffusion": pipe} and quit_ == "quit"
     # The job ran once more (--warm-runs 1 by default): each hop's first transfer beside the warm one.
     table = result.stdout.splitlines()
     head = next(i for i, line in enumerate(table) if line.startswith("hop "))

@@ -35,6 +35,7 @@ from stageferry.embedded_redis import EmbeddedRedis
 from stageferry.errors import StageFailedError, StageferryError
 from stageferry.procs import astop
 from stageferry.schemas import RequestState, RequestStatus
+from stageferry.stages.process.mps import MpsMode, decide, start_mps
 from stageferry.stages.process.placement import REFERENCE_GPUS, host_gpus, pipeline_for_host, plan
 from stageferry.trace.events import save_trace, saved_trace_path
 
@@ -162,15 +163,18 @@ async def run_up(
     log_dir: Path | None,
     console: Console,
     warm_runs: int = 0,
+    mps: MpsMode = MpsMode.AUTO,
 ) -> int:
     """Run the pipeline and one job; the exit status (0 done, 1 not done, 130 interrupted).
 
     The placement is planned (and a layout this host cannot run refused) before anything starts; each
     ``serve`` child plans the same from the same file and GPU count.  With ``warm_runs``, the job is run
-    that many times more once it is done, and each hop's first transfer is shown beside the warm ones."""
+    that many times more once it is done, and each hop's first transfer is shown beside the warm ones.
+    Stages placed on one GPU get a private CUDA MPS daemon as ``mps`` says (``stages/process/mps.py``)."""
     gpus = host_gpus()
     pipeline = pipeline_for_host(settings.pipeline, gpus)
     the_plan = plan(pipeline, gpus)
+    use_mps = decide(mps, the_plan.shared, os.environ)  # a refusal (--mps on, no daemon) before anything starts
     validate_job(with_upload_refs(job, {name: "precheck" for name in uploads}))
     output_dir = Path(await anyio.Path(pipeline.output_dir).resolve())  # the services run here too: the same dir
     console.print(f"outputs: {output_dir}")
@@ -191,6 +195,10 @@ async def run_up(
         }
         if settings.pipeline is not None:
             env["STAGEFERRY_PIPELINE"] = str(settings.pipeline)  # made absolute by the caller
+        use_mps, mps_env = await start_mps(stack, mps, use_mps, env)  # it stops after the services
+        env.update(mps_env)
+        if the_plan.shared or mps is MpsMode.ON:
+            console.print(f"cuda mps: {use_mps.reason}")
         client = await stack.enter_async_context(Client(url, prefix=settings.prefix, pipeline=pipeline))
         await ping(client.redis)  # an unreachable Redis is one line before any service starts
         if settings.pipeline is None and gpus and pipeline.stages != DEFAULT_STAGES:

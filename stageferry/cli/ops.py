@@ -37,6 +37,7 @@ from stageferry.logs import configure_logging
 from stageferry.schemas import JobRequest, Task
 from stageferry.schemas.job import REQUEST_ID_PATTERN, TENANT_PATTERN, TENANT_SEPARATOR
 from stageferry.schemas.submission import TICKET_PATTERN, Submission
+from stageferry.stages.process.mps import MpsMode
 
 
 class SchemaName(enum.StrEnum):
@@ -266,6 +267,15 @@ def up(
             help="Run the job this many times more and show each hop's first transfer beside the warm ones.",
         ),
     ] = 1,
+    mps: Annotated[
+        MpsMode,
+        typer.Option(
+            "--mps",
+            case_sensitive=False,
+            help="CUDA MPS for stages placed on one GPU: auto starts a private daemon when the plan shares a GPU "
+            "and nvidia-cuda-mps-control is on PATH (the same-GPU copy then skips the context switch).",
+        ),
+    ] = MpsMode.AUTO,
 ) -> None:
     """Run the whole pipeline here (a private Redis if none is configured) and one job through it."""
     settings = _settings(ctx)
@@ -288,7 +298,7 @@ def up(
     code = anyio.run(
         functools.partial(
             run_up, settings, job, uploads, serve=serve_forever, startup_timeout=startup_timeout,
-            job_timeout=timeout, log_dir=log_dir, console=stderr, warm_runs=warm_runs,
+            job_timeout=timeout, log_dir=log_dir, console=stderr, warm_runs=warm_runs, mps=mps,
         )
     )  # fmt: skip
     raise typer.Exit(code)

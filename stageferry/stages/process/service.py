@@ -112,6 +112,7 @@ def _log_placement(the_plan: Plan, placement: StagePlacement) -> None:
         devices=list(placement.devices),
         placed_by=placement.placed_by.value,
         gpus=the_plan.gpus,
+        cuda_mps=os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),  # the MPS daemon this process's CUDA reaches, if any
     )
     mine = {gpu: ranks for gpu, ranks in the_plan.shared.items() if gpu in placement.gpus}
     if mine:
