@@ -88,6 +88,6 @@ def test_each_hop_shows_its_first_transfer_beside_the_warm_ones() -> None:
 
     lines = render_hops(status("a", 0.0030), [status("b", 0.0010), status("c", 0.0020), status("d", 0.0040)])
     head, row = lines.splitlines()
-    assert head.split() == ["hop", "payload", "first", "s", "warm", "s", "first/warm"]
-    assert row.split() == ["encoder", "→", "diffusion", "789,504", "0.0030", "0.0020", "1.50×"]
+    assert head.split() == ["hop", "payload", "first", "ms", "warm", "ms", "first/warm"]
+    assert row.split() == ["encoder", "→", "diffusion", "789,504", "3.000", "2.000", "1.50×"]
     assert render_hops(status("a", 0.003), []) == ""  # no warm run ended done: no table

@@ -87,7 +87,7 @@ def test_up_runs_one_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     # The job ran once more (--warm-runs 1 by default): each hop's first transfer beside the warm one.
     table = result.stdout.splitlines()
     head = next(i for i, line in enumerate(table) if line.startswith("hop "))
-    assert table[head].split() == ["hop", "payload", "first", "s", "warm", "s", "first/warm"], table[head]
+    assert table[head].split() == ["hop", "payload", "first", "ms", "warm", "ms", "first/warm"], table[head]
     hop = table[head + 1].split()
     assert hop[:3] == ["encoder", "→", "diffusion"] and hop[-1].endswith("×"), table[head + 1]
     # The trace outlives up's private Redis: `trace` finds it with no flags.
