@@ -105,7 +105,13 @@ class MpsDaemon:
         env = {**self._base_env, **self.env}
         try:
             self._proc = await anyio.open_process(
-                [CONTROL, "-f"], stdin=None, stdout=None, stderr=None, env=env, start_new_session=True
+                # stdin closed: a control binary that took -f for its client mode would read EOF and leave
+                [CONTROL, "-f"],
+                stdin=subprocess.DEVNULL,
+                stdout=None,
+                stderr=None,
+                env=env,
+                start_new_session=True,
             )
             await self._wait_for_pipe(pipe / "control")
         except BaseException:
