@@ -275,9 +275,11 @@ async def run_config(
                 profile = {} if logged is None else await redis_profile.collect(client.redis, logged, log_len)
                 commands = {name: (after[name] - before.get(name, 0)) / requests for name in after}
                 usec = {name: (usec_after[name] - usec_before.get(name, 0)) / requests for name in usec_after}
-                await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)
-                flush_tally()
-                trips_after = tally.read_dir(tally_dir)
+                trips_after = trips_before
+                if tally_on:  # the services' files follow within a flush interval of their last send
+                    await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)
+                    flush_tally()
+                    trips_after = tally.read_dir(tally_dir)
                 steps_after = read_steps(steps_dir)
             trips = {
                 key: [(n - trips_before.get(key, [0, 0])[i]) / requests for i, n in enumerate(row)]

@@ -85,7 +85,7 @@ class MpsDaemon:
     :attr:`env` is what the stage processes need to reach it."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
-        self._base_env = dict(env)
+        self._env = dict(env)
         self._dir: Path | None = None
         self._proc: anyio.abc.Process | None = None
         self.env: dict[str, str] = {}
@@ -102,7 +102,7 @@ class MpsDaemon:
         pipe.mkdir()
         logs.mkdir()
         self.env = {PIPE_ENV: str(pipe), LOG_ENV: str(logs)}
-        env = {**self._base_env, **self.env}
+        self._env.update(self.env)  # the daemon's and its control client's environment
         try:
             self._proc = await anyio.open_process(
                 # stdin closed: a control binary that took -f for its client mode would read EOF and leave
@@ -110,7 +110,7 @@ class MpsDaemon:
                 stdin=subprocess.DEVNULL,
                 stdout=None,
                 stderr=None,
-                env=env,
+                env=self._env,
                 start_new_session=True,
             )
             await self._wait_for_pipe(pipe / "control")
@@ -146,8 +146,7 @@ class MpsDaemon:
 
     async def _quit(self, daemon: anyio.abc.Process) -> None:
         """Ask the daemon to ``quit`` through its control pipe and wait for it to leave (bounded)."""
-        env = {**self._base_env, **self.env}
-        control = await anyio.open_process([CONTROL], stdin=subprocess.PIPE, env=env, start_new_session=True)
+        control = await anyio.open_process([CONTROL], stdin=subprocess.PIPE, env=self._env, start_new_session=True)
         with anyio.move_on_after(QUIT_S):
             assert control.stdin is not None
             await control.stdin.send(b"quit\n")
