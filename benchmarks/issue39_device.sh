@@ -74,7 +74,7 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
     setup) device_setup 2>&1 | tee "$out/setup.txt" ;;
     gpu_tests) run_step "$s" 150 python3 -m pytest -q -p no:cacheprovider -p no:randomly -rs --tb=short \
                  --durations=6 tests/broker/data/nixl/test_same_gpu.py tests/broker/data/nixl/test_cuda_runtime.py \
-                 tests/broker/data/nixl/test_upstream.py \
+                 tests/broker/data/nixl/test_upstream.py tests/stages/process/test_mps.py \
                  "tests/broker/data/nixl/test_connector.py::test_cuda_leaves_land_on_the_consumer_gpu" \
                  "tests/broker/data/nixl/test_connector.py::test_a_block_cancelled_with_cuda_slots_still_returns_them" ;;
     same_gpu) run_step "$s" 90 python3 benchmarks/same_gpu.py --iters 30 --warmup 5 --log "$out/same_gpu_producer.log" ;;
@@ -83,9 +83,11 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
               run_step "${s}_fl2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 11158136 --rounds 3 --hops 20 ;;
     up_gpu) for task in ${UP_TASKS:-t2va fl2va ref2va}; do  # `up`'s own first/warm table, as the issue measured it
               name="up_${task}_mps_${UP_MPS:-auto}"
-              run_step "$name" 200 python3 -m stageferry --prefix "up39-$task" up --task "$task" \
+              # up starts its own private Redis: the carried redis-server (setup's) on its PATH
+              run_step "$name" 200 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \
+                python3 -m stageferry --prefix "up39-$task" up --task "$task" \
                 --width 1344 --height 768 --warm-runs 3 --mps "${UP_MPS:-auto}" --log-dir "/tmp/$name"
-              grep -h '"placement\.\|"nixl\.\(same_gpu\|transport\)\|"mps\.' "/tmp/$name"/*.log > "$out/${name}_events.txt"
+              grep -h '"placement\.\|"nixl\.\(same_gpu\|transport\)\|"mps\.\|"payload\.get' "/tmp/$name"/*.log > "$out/${name}_events.txt"
             done ;;
     mps|mps_copy) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps/log
          mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"

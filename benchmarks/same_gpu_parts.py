@@ -241,13 +241,14 @@ def consumer(args: argparse.Namespace, child: Child) -> list[tuple[str, list[flo
 
 def anyio_rows(arena: Any, n: int, it: int, wu: int, child: Child) -> dict[str, float]:
     """The event loop's part, and :meth:`SameGpu.copy` old and new wait, on an asyncio loop."""
-    from stageferry.schemas import DeviceKind
+    from stageferry.schemas import DeviceKind, MemKind
 
     res: dict[str, float] = {}
-    slot = SimpleNamespace(view=torch.empty(n, dtype=torch.uint8, device="cuda:0"), device_id=0)
+    slot = SimpleNamespace(view=torch.empty(n, dtype=torch.uint8, device="cuda:0"), device_id=0, nbytes=n)
     ep = SimpleNamespace(config=SimpleNamespace(same_gpu_copy=True), timeouts=SimpleNamespace(transfer=30.0))
-    region = SimpleNamespace(address=arena.spec.address, length=n)
-    ref = SimpleNamespace(manifest=SimpleNamespace(regions=[SimpleNamespace(nbytes=n)]), regions=[region])
+    region = SimpleNamespace(address=arena.spec.address, length=n, mem_kind=MemKind.VRAM)
+    spec = SimpleNamespace(nbytes=n, device=DeviceKind.CUDA)
+    ref = SimpleNamespace(manifest=SimpleNamespace(regions=[spec]), regions=[region])
 
     async def run() -> None:
         async def timed(fn: Callable[[], Any], before: Callable[[], None] | None = None) -> float:

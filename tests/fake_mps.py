@@ -29,6 +29,7 @@ if sys.argv[1:] == ["-f"]:
     server.bind(os.path.join(pipe, "control.new"))
     server.listen()
     note("started " + pipe)
+    print("fake mps control: listening on " + pipe, flush=True)  # as the real one logs in the foreground
     os.rename(os.path.join(pipe, "control.new"), os.path.join(pipe, "control"))  # ready once it is there
     while True:
         conn, _ = server.accept()

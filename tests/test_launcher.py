@@ -84,6 +84,8 @@ def test_up_runs_one_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     pipe = started.removeprefix("started ")
     placed = {e["stage"]: e["cuda_mps"] for e in events if e.get("event") == "placement.stage"}
     assert placed == {"encoder": pipe, "diffusion": pipe} and quit_ == "quit"
+    # What the daemon prints goes beside the stages' logs, not to up's terminal.
+    assert f"listening on {pipe}" in (logs / "mps-control.txt").read_text() and "listening" not in result.output
     # The job ran once more (--warm-runs 1 by default): each hop's first transfer beside the warm one.
     table = result.stdout.splitlines()
     head = next(i for i, line in enumerate(table) if line.startswith("hop "))

@@ -195,7 +195,9 @@ async def run_up(
         }
         if settings.pipeline is not None:
             env["STAGEFERRY_PIPELINE"] = str(settings.pipeline)  # made absolute by the caller
-        use_mps, mps_env = await start_mps(stack, mps, use_mps, env)  # it stops after the services
+        logs = log_dir or output_dir / "logs"
+        # the daemon stops after the services; what it prints goes beside their logs
+        use_mps, mps_env = await start_mps(stack, mps, use_mps, env, logs / "mps-control.txt")
         env.update(mps_env)
         if the_plan.shared or mps is MpsMode.ON:
             console.print(f"cuda mps: {use_mps.reason}")
@@ -207,7 +209,7 @@ async def run_up(
                 f"(the reference TP2 → TP4 needs {REFERENCE_GPUS}; give --pipeline to choose)"
             )
         console.print(f"placement: {the_plan.summary()}")  # planned (or refused) above, before anything
-        services = ServiceGroup(env, log_dir or output_dir / "logs")
+        services = ServiceGroup(env, logs)
         stack.push_async_callback(services.stop)
         interrupted = False
         async with anyio.create_task_group() as tg:

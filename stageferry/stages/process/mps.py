@@ -15,7 +15,8 @@ built-in default on a 1-GPU host puts both stages on GPU 0), so ``up`` starts MP
 * ``off``: never.
 
 The daemon is private: it runs in the foreground (``-f``) as ``up``'s child, with its own pipe and log
-directories under a temporary directory, and only the stage processes ``up`` starts get that pipe
+directories under a temporary directory (what it and its servers print goes to ``mps-control.txt`` beside
+the stages' logs, not to ``up``'s terminal), and only the stage processes ``up`` starts get that pipe
 directory in their environment; no other CUDA program on the host is moved onto it.  CUDA's documented
 behaviour covers a daemon that died: a client that cannot reach it runs without MPS.  On the way out
 the daemon is asked to ``quit`` (after the stages stopped), stopped if it has not within a bound, and
@@ -84,8 +85,9 @@ class MpsDaemon:
     """A private ``nvidia-cuda-mps-control -f`` for the lifetime of an ``async with`` (module docstring);
     :attr:`env` is what the stage processes need to reach it."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], log_file: Path | None = None) -> None:
         self._env = dict(env)
+        self._log_file = log_file  # what the daemon and its servers print (None: inherited)
         self._dir: Path | None = None
         self._proc: anyio.abc.Process | None = None
         self.env: dict[str, str] = {}
@@ -104,15 +106,20 @@ class MpsDaemon:
         self.env = {PIPE_ENV: str(pipe), LOG_ENV: str(logs)}
         self._env.update(self.env)  # the daemon's and its control client's environment
         try:
-            self._proc = await anyio.open_process(
-                # stdin closed: a control binary that took -f for its client mode would read EOF and leave
-                [CONTROL, "-f"],
-                stdin=subprocess.DEVNULL,
-                stdout=None,
-                stderr=None,
-                env=self._env,
-                start_new_session=True,
-            )
+            with contextlib.ExitStack() as files:
+                out = None
+                if self._log_file is not None:
+                    self._log_file.parent.mkdir(parents=True, exist_ok=True)
+                    out = files.enter_context(self._log_file.open("ab"))
+                self._proc = await anyio.open_process(
+                    # stdin closed: a control binary that took -f for its client mode would read EOF and leave
+                    [CONTROL, "-f"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    env=self._env,
+                    start_new_session=True,
+                )
             await self._wait_for_pipe(pipe / "control")
         except BaseException:
             await self._stop()
@@ -159,15 +166,19 @@ class MpsDaemon:
 
 
 async def start_mps(
-    stack: contextlib.AsyncExitStack, mode: MpsMode, decision: MpsDecision, env: Mapping[str, str]
+    stack: contextlib.AsyncExitStack,
+    mode: MpsMode,
+    decision: MpsDecision,
+    env: Mapping[str, str],
+    log_file: Path | None = None,
 ) -> tuple[MpsDecision, dict[str, str]]:
-    """Start the daemon ``decision`` asks for, kept until ``stack`` closes; what happened and the variables
-    the stages get.  A daemon that fails to start is a :class:`ConfigError` under ``--mps on``; under
-    ``auto`` the stages run without it and the reason says why."""
+    """Start the daemon ``decision`` asks for, kept until ``stack`` closes, its output in ``log_file``; what
+    happened and the variables the stages get.  A daemon that fails to start is a :class:`ConfigError`
+    under ``--mps on``; under ``auto`` the stages run without it and the reason says why."""
     if not decision.start:
         return decision, {}
     try:
-        daemon = await stack.enter_async_context(MpsDaemon(env))
+        daemon = await stack.enter_async_context(MpsDaemon(env, log_file))
     except ConfigError as exc:
         if mode is MpsMode.ON:
             raise

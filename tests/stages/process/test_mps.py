@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import sys
 from pathlib import Path
 
 import anyio
@@ -48,7 +50,8 @@ def test_on_without_the_daemon_is_refused() -> None:
 @pytest.mark.anyio
 async def test_the_daemon_lives_for_the_block_and_quits_after(fake: tuple[dict[str, str], Path]) -> None:
     env, record = fake
-    async with MpsDaemon(env) as daemon:
+    out = record.parent / "logs" / "mps-control.txt"
+    async with MpsDaemon(env, out) as daemon:
         pipe = Path(daemon.env[mps.PIPE_ENV])
         assert await anyio.Path(pipe / "control").exists() and await anyio.Path(daemon.env[mps.LOG_ENV]).is_dir()
         assert record.read_text().splitlines() == [f"started {pipe}"]
@@ -57,6 +60,7 @@ async def test_the_daemon_lives_for_the_block_and_quits_after(fake: tuple[dict[s
     assert record.read_text().splitlines() == [f"started {pipe}", "quit"]
     assert proc.returncode == 0  # it left on quit, not on a signal
     assert not pipe.parent.exists()
+    assert out.read_text() == f"fake mps control: listening on {pipe}\n"  # its output, in the file given
 
 
 @pytest.mark.anyio
@@ -102,3 +106,28 @@ async def test_a_failed_start_is_said_under_auto_and_refused_under_on(fake: tupl
     async with contextlib.AsyncExitStack() as stack:
         decision, stage_env = await start_mps(stack, MpsMode.AUTO, wanted, fake[0])
         assert decision is wanted and await anyio.Path(stage_env[mps.PIPE_ENV], "control").exists()
+
+
+def _real_gpu() -> bool:
+    if shutil.which(mps.CONTROL) is None:
+        return False
+    torch = pytest.importorskip("torch")
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not _real_gpu(), reason="the real nvidia-cuda-mps-control and a GPU (the device machine)")
+async def test_the_real_daemon_serves_a_cuda_process_and_quits(tmp_path: Path) -> None:
+    """The real path (the device machine): a CUDA process started with the daemon's variables is served by
+    an MPS server the daemon spawned for it, and the daemon leaves on ``quit`` with its directories."""
+    probe = "import os, torch; x = torch.ones(1 << 20, device='cuda'); torch.cuda.synchronize(); print(os.getpid())"
+    async with MpsDaemon(os.environ) as daemon:
+        env = {**os.environ, **daemon.env}
+        client = await anyio.run_process([sys.executable, "-c", probe], env=env)
+        servers = await anyio.run_process([mps.CONTROL], input=b"get_server_list\n", env=env)
+        listed = servers.stdout.decode().split()
+        assert listed and all(pid.isdigit() for pid in listed)  # the client's work went through an MPS server
+        assert client.returncode == 0
+        proc, pipe = daemon.process, Path(daemon.env[mps.PIPE_ENV])
+    assert proc is not None and proc.returncode == 0  # it left on quit
+    assert not pipe.parent.exists()

@@ -48,12 +48,11 @@ from stageferry.broker.data.nixl.peers import Peer, Peers
 from stageferry.broker.data.nixl.reads import Reader, claim, mem_kind_of
 from stageferry.broker.data.nixl.ready import ReadySlots
 from stageferry.broker.data.nixl.resend import discard, resend_inline
-from stageferry.broker.data.nixl.same_gpu import SameGpu, copied_route
+from stageferry.broker.data.nixl.same_gpu import ArenaCopy, SameGpu
 from stageferry.broker.data.nixl.ucx_log import transport_names
 from stageferry.broker.data.payload_codec import unpack, validate_manifest, validate_remote_regions
 from stageferry.broker.data.pool import Slot
 from stageferry.errors import (
-    ControlPlaneError,
     HandshakeError,
     ManifestError,
     PoolExhaustedError,
@@ -169,7 +168,7 @@ class Consumer:
             buffers = {kind: slot.view for kind, slot in slots.items()}
             views = functools.partial(unpack, ref.manifest, buffers, copy=False)
         try:  # claims the lease, and makes the payload's views over our slots, while the READs run
-            payload, copied = await self._copy_or_read(ref, peer, slots, claimed, meanwhile=views)
+            payload, copy = await self._copy_or_read(ref, peer, slots, claimed, meanwhile=views)
         except TransferError as exc:
             metrics.TRANSFER_FAILURES.labels(exc.code).inc()
             log.warning("nixl.read_failed", key=key, error=exc.message, peer=peer.name)
@@ -191,7 +190,7 @@ class Consumer:
             seconds=seconds,
             manifest=ref.manifest,
             regions=regions,
-            route=copied_route(ref, slots) if copied else self._route(ref, peer, slots),
+            route=self._route(ref, peer, slots, copy),
         )
         log.info(
             "payload.get",
@@ -213,52 +212,56 @@ class Consumer:
         slots: dict[DeviceKind, Slot],
         claimed: bool | None,
         meanwhile: Callable[[], T] | None = None,
-    ) -> tuple[T | None, bool]:
-        """The same-GPU copy when the producer is on our GPU (:mod:`~stageferry.broker.data.nixl.same_gpu`),
-        else :meth:`Reader.read`; whether it was copied.  The copy keeps the READ's order of duties: the claim
-        first (won, or the stream read's), then the bytes, then ``meanwhile()``, then the release
-        notification.  A copy that fails is logged and the READ follows, with the claim already ours."""
-        if not self.same_gpu.usable(ref, peer.ipc, slots):
-            return await self.reader.read(ref, peer, slots, claimed, meanwhile=meanwhile), False
-        assert peer.ipc is not None
-        await self.claim(ref, claimed)
+    ) -> tuple[T | None, ArenaCopy | None]:
+        """:meth:`Reader.read`, with the same-GPU copy (:mod:`~stageferry.broker.data.nixl.same_gpu`) of
+        the regions it can take queued first and waited for beside the READs of the rest; the copy, if it
+        was used.  A copy that cannot be queued or fails is logged and the whole payload READ, with the
+        claim already ours in the second case."""
+        copy: ArenaCopy | None = None
+        if self.same_gpu.usable(ref, peer.ipc, slots):
+            try:
+                copy = self.same_gpu.launch(ref, peer.ipc, slots)
+            except TransferError as exc:
+                self._fell_back(ref, peer, exc)
         try:
-            done = self.same_gpu.launch(ref, peer.ipc, slots)
+            made = await self.reader.read(ref, peer, slots, claimed, meanwhile=meanwhile, beside=copy)
         except TransferError as exc:
-            log.warning("nixl.same_gpu_fallback", peer=peer.name, token=ref.token, error=exc.message, fallback="nixl")
-            return await self.reader.read(ref, peer, slots, True, meanwhile=meanwhile), False
-        made: T | None = None
-        try:
-            # The payload's views over our slots are made while the copy runs, as a READ makes them.
-            made = meanwhile() if meanwhile is not None else None
-            await self.same_gpu.wait(done)
-        except TransferError as exc:
-            log.warning("nixl.same_gpu_fallback", peer=peer.name, token=ref.token, error=exc.message, fallback="nixl")
-            return await self.reader.read(ref, peer, slots, True, meanwhile=meanwhile), False
-        except BaseException:  # the copy has ended (shielded wait, or it never ran): free the producer's slot
-            with anyio.CancelScope(shield=True), contextlib.suppress(ControlPlaneError):
-                await self.reader.release_producer(ref, peer)
-            raise
-        await self.reader.release_producer(ref, peer)
-        self._ep.counters.reads += 1
-        self._ep.counters.same_gpu += 1
-        return made, True
+            if copy is None or copy.error is None:  # a READ's failure: the caller's to handle
+                raise
+            self._fell_back(ref, peer, exc)
+            return await self.reader.read(ref, peer, slots, True, meanwhile=meanwhile), None
+        if copy is not None:
+            self._ep.counters.same_gpu += 1
+        return made, copy
 
-    def _route(self, ref: NixlPayload, peer: Peer, slots: dict[DeviceKind, Slot]) -> str:
-        """Each region's memory on both sides and the UCX transport that READ it (``?`` when UCX did
-        not say): ``VRAM:0→VRAM:1 cuda_ipc, DRAM→DRAM cma``.  Kept per peer and layout once every
-        transport is known (a peer loaded again starts afresh)."""
+    @staticmethod
+    def _fell_back(ref: NixlPayload, peer: Peer, exc: TransferError) -> None:
+        log.warning("nixl.same_gpu_fallback", peer=peer.name, token=ref.token, error=exc.message, fallback="nixl")
+
+    def _route(self, ref: NixlPayload, peer: Peer, slots: dict[DeviceKind, Slot], copy: ArenaCopy | None) -> str:
+        """Each region's memory on both sides and what moved it: the UCX transport that READ it (``?`` when
+        UCX did not say) or the same-GPU copy: ``VRAM:0→VRAM:1 cuda_ipc, DRAM→DRAM cma``, ``DRAM→DRAM cma,
+        VRAM:0→VRAM:0 same-gpu copy``.  Kept per peer and layout once every transport is known (a peer
+        loaded again starts afresh)."""
         agent = self._ep.agent
         assert agent is not None
-        pairs = [(spec, remote) for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True) if spec.nbytes]
-        layout = tuple((s.device, r.mem_kind, r.device_id, slots[s.device].device_id) for s, r in pairs)
+        pairs = [
+            (i, spec, remote)
+            for i, (spec, remote) in enumerate(zip(ref.manifest.regions, ref.regions, strict=True))
+            if spec.nbytes
+        ]
+        copied = {i for i, _, _ in pairs if copy is not None and copy.covers(i)}
+        layout = tuple((s.device, r.mem_kind, r.device_id, slots[s.device].device_id, i in copied) for i, s, r in pairs)
         known = peer.routes.get(layout)
         if known is not None:
             return known
         parts = []
-        for spec, remote in pairs:
+        for i, spec, remote in pairs:
             kind, local = mem_kind_of(spec.device), slots[spec.device]
-            names = transport_names(agent.transport_info(peer.name, kind, remote.mem_kind)) or ["?"]
+            if i in copied:
+                names = ["same-gpu copy"]
+            else:
+                names = transport_names(agent.transport_info(peer.name, kind, remote.mem_kind)) or ["?"]
             where = _where(remote.mem_kind, remote.device_id), _where(kind, local.device_id)
             parts.append(f"{where[0]}→{where[1]} {'+'.join(names)}")
         route = ", ".join(parts)

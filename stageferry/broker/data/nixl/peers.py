@@ -35,7 +35,7 @@ import structlog
 from stageferry.broker.control.redis_conn import translated
 from stageferry.broker.data.nixl.agent import XferState
 from stageferry.broker.data.nixl.endpoint import Endpoint
-from stageferry.broker.data.nixl.same_gpu import IpcArena, open_arena
+from stageferry.broker.data.nixl.same_gpu import IpcArena, open_arena, warm_copy
 from stageferry.errors import (
     ControlPlaneError,
     DataPlaneError,
@@ -44,7 +44,7 @@ from stageferry.errors import (
     PayloadUnavailableError,
     TransferError,
 )
-from stageferry.schemas import MemKind, NixlPayload, RemoteRegion
+from stageferry.schemas import DeviceKind, MemKind, NixlPayload, RemoteRegion
 from stageferry.schemas.cuda_ipc import CudaIpcArena
 from stageferry.schemas.nixl import WARM_NOTIFICATION, AgentRecord
 
@@ -272,11 +272,27 @@ class Peers:
             ):
                 raise HandshakeError("cuda_ipc arena is not the record's VRAM arena", agent=record.name)
             arena = open_arena(spec, ep.cuda_device)
+            self._warm_copy(arena)
         except HandshakeError as exc:
             log.warning("nixl.same_gpu_unavailable", peer=record.name, error=exc.message, fallback="nixl")
             return None
         log.info("nixl.same_gpu", peer=record.name, gpu=ep.gpu_uuid, arena_bytes=spec.length)
         return arena
+
+    def _warm_copy(self, arena: IpcArena) -> None:
+        """The first copy from a newly mapped arena (:func:`warm_copy`) into a free slot of our CUDA pool (none
+        free: skipped), so that a payload's is not the first; :class:`HandshakeError` if it fails."""
+        pools = self._ep.pools
+        pool = pools.pools.get(DeviceKind.CUDA) if pools is not None else None
+        slot = pool.take_now(WARM_BYTES) if pool is not None else None
+        if pool is None or slot is None:
+            return
+        try:
+            warm_copy(arena, slot, WARM_BYTES)
+        except RuntimeError as exc:
+            raise HandshakeError(f"the warm-up copy from the producer's arena failed: {exc}") from exc
+        finally:
+            pool.release(slot)
 
     def _keep(self, peer: Peer) -> Peer:
         self._peers[peer.name] = peer

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import anyio
 import structlog
@@ -44,6 +44,21 @@ POLL_S = 0.001
 HOLD_S = 0.0001
 
 
+class Beside(Protocol):
+    """Regions the caller moves itself while the READs run (the same-GPU copy,
+    :class:`~stageferry.broker.data.nixl.same_gpu.ArenaCopy`), already under way: :meth:`Reader.read`
+    posts no READ for them and releases the producer only once they are done too."""
+
+    def covers(self, index: int) -> bool:
+        """Whether the region at ``index`` of the manifest is moved by this copy."""
+        ...
+
+    async def wait(self) -> None:
+        """Return once the copy is done; :class:`TransferError` if it failed; a cancelled wait still ends
+        only once nothing writes into our slots any more."""
+        ...
+
+
 def lane_spans(nbytes: int, lanes: int) -> list[tuple[int, int]]:
     """``(offset, length)`` of ``lanes`` near-equal pieces of ``nbytes`` (4 KiB-aligned cuts; fewer pieces
     when the region is too small for that many)."""
@@ -64,6 +79,13 @@ async def claim(ep: Endpoint, ref: NixlPayload, claimed: bool | None = None) -> 
         raise PayloadUnavailableError("payload lease expired or already claimed", token=ref.token)
 
 
+async def _settle(beside: Beside | None) -> None:
+    """Wait (shielded) until ``beside`` no longer writes into our slots, whatever its outcome."""
+    if beside is not None:
+        with anyio.CancelScope(shield=True), contextlib.suppress(TransferError):
+            await beside.wait()
+
+
 class Reader:
     """The READs of one leader's consumer."""
 
@@ -80,10 +102,14 @@ class Reader:
         slots: dict[DeviceKind, Slot],
         claimed: bool | None = None,
         meanwhile: Callable[[], T] | None = None,
+        beside: Beside | None = None,
     ) -> T | None:
-        """Claim ``ref``'s lease while READing all its regions into ``slots`` (ours, already taken), then
-        release the producer's slot.  The hop waits for the longer of the claim's round trip and the READs,
-        not for their sum; with ``claimed`` (the stream read's claim, :func:`claim`) there is no round trip.
+        """Claim ``ref``'s lease while READing its regions into ``slots`` (ours, already taken), then
+        release the producer's slot.  Regions ``beside`` covers are not READ: that copy runs meanwhile,
+        is waited for after the READs and before the release; if it fails, :class:`TransferError` is
+        raised with the claim won and nothing released (the caller READs the payload instead).  The hop
+        waits for the longer of the claim's round trip and the READs, not for their sum; with ``claimed``
+        (the stream read's claim, :func:`claim`) there is no round trip.
         Once the claim is won, ``meanwhile()`` runs while the READs do (the unpack: views over our slots,
         which need no bytes yet) and its result is returned; if it raises, the READs are waited for first,
         so no READ still writes into the slots the caller then gives back.
@@ -114,8 +140,12 @@ class Reader:
         resend frees the slot, perhaps under the winner's READ."""
         agent = self._ep.agent
         assert agent is not None
-        pairs = [(spec, remote) for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True) if spec.nbytes]
-        if not pairs:  # zero-size payload: nothing to READ, release the producer explicitly
+        pairs = [
+            (spec, remote)
+            for i, (spec, remote) in enumerate(zip(ref.manifest.regions, ref.regions, strict=True))
+            if spec.nbytes and not (beside is not None and beside.covers(i))
+        ]
+        if not pairs and beside is None:  # zero-size payload: nothing to READ, release the producer explicitly
             await claim(self._ep, ref, claimed)
             await discard(self._ep, ref)
             return meanwhile() if meanwhile is not None else None
@@ -123,7 +153,7 @@ class Reader:
         # Claimed already and one READ: it carries the release itself (NIXL sends it once the bytes are
         # here).  Several READs each send their own notification on completion, so those are released
         # by one notification after the last of them instead.
-        carried = release_notification(ref.token) if claimed is True and len(pairs) == 1 else b""
+        carried = release_notification(ref.token) if claimed is True and len(pairs) == 1 and beside is None else b""
         handles: list[object] = []
         post_failed: TransferError | None = None
         won = False  # the claim is ours: only then may the producer be released
@@ -150,13 +180,20 @@ class Reader:
                 try:
                     made = meanwhile()
                 except BaseException:  # the caller's error is the one raised, after the READs ended
+                    await _settle(beside)  # the producer's slot is read until then
                     await self._end_reads(ref, peer, handles, deadline, released=bool(carried))
                     raise
             await self._wait_all(handles, deadline)
+            if beside is not None:
+                await beside.wait()  # a failure: raised with the claim won, nothing released
         except anyio.get_cancelled_exc_class():
+            await _settle(beside)
             if await self._settle_cancelled(peer, handles, deadline) and won and not carried and not post_failed:
                 with anyio.CancelScope(shield=True), contextlib.suppress(ControlPlaneError):
                     await self.release_producer(ref, peer)  # or its slot waits for the lease to expire
+            raise
+        except BaseException:  # whatever is raised, the copy beside has ended first: the slots go back
+            await _settle(beside)
             raise
         finally:
             for handle in handles:
@@ -164,7 +201,7 @@ class Reader:
         self._ep.counters.reads += 1
         if not carried:
             await self.release_producer(ref, peer)
-        if peer.name not in self._transport_logged:
+        if handles and peer.name not in self._transport_logged:
             self._transport_logged.add(peer.name)
             transport = agent.transport_info(peer.name)
             vram = any(r.mem_kind is MemKind.VRAM for r in ref.regions)

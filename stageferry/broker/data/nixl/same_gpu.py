@@ -9,10 +9,12 @@ On one GPU a NIXL READ (UCX's cuda_ipc under it) was measured at 7–9× a ``tor
 * consumer side, when the producer's agent is loaded (:func:`open_arena`, from
   :mod:`~stageferry.broker.data.nixl.peers`): only if the record's ``gpu_uuid`` is the UUID of our own GPU,
   the arena is mapped once (CUDA IPC) and kept with the peer;
-* per payload (:class:`SameGpu`, called by the consumer): when every non-empty region is VRAM on both
-  sides and lies inside the mapped arena, and after the same checks as a READ (manifest, arenas, seal,
-  freshness) and the same claim, the regions are copied on a stream of our own into our pool slots;
-  once the copy is done the producer is released exactly as after a READ (the release notification).
+* per payload (:class:`SameGpu`, called by the consumer): each non-empty region that is VRAM on both
+  sides and lies inside the mapped arena is copied on the arena's own stream (made when it was mapped)
+  into our pool slot, after the same checks as a READ (manifest, arenas, seal, freshness); the rest of
+  the payload (a pipeline's small host-memory ``layout``) is READ over NIXL meanwhile, and the producer
+  is released once both are done, as after a READ.  :class:`ArenaCopy` is what
+  :meth:`~stageferry.broker.data.nixl.reads.Reader.read` waits for beside its READs (its ``beside``).
   The copy is queued with the CUDA runtime's own calls (:mod:`~stageferry.broker.data.nixl.cuda_runtime`:
   ``cudaMemcpyAsync`` and an event, 0.06 ms of host time in a connector's process where torch's stream,
   views, ``copy_`` and event took 0.15–0.19 ms); where torch's runtime is not a shared library the arena
@@ -93,6 +95,10 @@ class IpcArena:
     """The arena's bytes (uint8, on our GPU)."""
     base: int = field(init=False)
     """Our device address of the arena's first byte."""
+    stream: int = 0
+    """The stream its copies are queued on (ours: a copy never queues behind the model's kernels)."""
+    events: EventPool | None = None
+    """Events for those copies' completion (one made with the stream)."""
 
     def __post_init__(self) -> None:
         self.base = self.view.data_ptr()
@@ -133,21 +139,61 @@ def open_arena(spec: CudaIpcArena, device: torch.device | None) -> IpcArena:
             raise HandshakeError("torch's CUDA runtime is not a shared library here: no same-GPU copy")
         typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)
         view = torch._utils._rebuild_tensor(typed, spec.tensor_offset, (spec.length,), (1,))  # type: ignore[attr-defined]
+        # the copy's stream and first event, made here, when the peer is loaded: not on its first payload
+        runtime = CudaRuntime.loaded()
+        assert runtime is not None
+        runtime.set_device(index)
+        events = EventPool(runtime)
+        stream = runtime.stream()
+        events.put(runtime.event())
     except HandshakeError:
         raise
     except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/TypeError/AssertionError here
         raise HandshakeError(f"cannot open the producer's CUDA IPC arena: {type(exc).__name__}: {exc}") from exc
-    return IpcArena(spec, view)
+    return IpcArena(spec, view, stream, events)
 
 
-def copied_route(ref: NixlPayload, slots: dict[DeviceKind, Slot]) -> str:
-    """``VRAM:0→VRAM:0 same-gpu copy``, per region, for a payload taken by the same-GPU copy."""
-    local = slots[DeviceKind.CUDA]
-    return ", ".join(
-        f"VRAM:{r.device_id}→VRAM:{local.device_id} same-gpu copy"
-        for spec, r in zip(ref.manifest.regions, ref.regions, strict=True)
-        if spec.nbytes
-    )
+def warm_copy(arena: IpcArena, slot: Slot, nbytes: int) -> None:
+    """Copy the arena's first ``nbytes`` into ``slot`` and wait (blocking, a few µs): the first copy through
+    a newly mapped arena, done when the peer is loaded (:mod:`~stageferry.broker.data.nixl.peers`), so a
+    payload's copy is not the first.  ``RuntimeError`` from the runtime if it fails."""
+    runtime = CudaRuntime.loaded()
+    if runtime is None or arena.events is None:
+        return
+    runtime.set_device(slot.device_id)
+    event = arena.events.take()
+    runtime.copy(slot.view.data_ptr(), arena.base, min(nbytes, arena.spec.length, slot.nbytes), arena.stream)
+    runtime.record(event, arena.stream)
+    RuntimeCopy(event, arena.events).synchronize()
+
+
+@dataclass(eq=False, slots=True)
+class ArenaCopy:
+    """One payload's queued copy: the regions it moves (their index in the manifest) and its completion;
+    the ``beside`` of :meth:`~stageferry.broker.data.nixl.reads.Reader.read`, which READs the rest."""
+
+    owner: SameGpu
+    regions: frozenset[int]
+    done: RuntimeCopy
+    error: TransferError | None = None
+    """Why it failed, once :meth:`wait` raised (the consumer then READs the whole payload instead)."""
+    ended: bool = False
+
+    def covers(self, index: int) -> bool:
+        return index in self.regions
+
+    async def wait(self) -> None:
+        """See :meth:`SameGpu.wait`; once it has returned or raised, again returns or raises at once."""
+        if self.error is not None:
+            raise self.error
+        if self.ended:
+            return
+        try:
+            await self.owner.wait(self.done)
+        except TransferError as exc:
+            self.error = exc
+            raise
+        self.ended = True
 
 
 class SameGpu:
@@ -155,49 +201,49 @@ class SameGpu:
 
     def __init__(self, endpoint: Endpoint) -> None:
         self._ep = endpoint
-        self._events: EventPool | None = None  # our own stream's events, and the stream: made at the first copy
-        self._stream = 0  # a copy never queues behind the model's kernels
         self.copies = 0  #: payloads copied this way (tests and benchmarks read it)
 
-    def usable(self, ref: NixlPayload, arena: IpcArena | None, slots: dict[DeviceKind, Slot]) -> bool:
-        """Whether ``ref`` can be copied: the path is on, the peer's arena is mapped, and every non-empty
-        region is VRAM on both sides, inside the arena."""
-        if arena is None or not self._ep.config.same_gpu_copy:
-            return False
-        pairs = [(s, r) for s, r in zip(ref.manifest.regions, ref.regions, strict=True) if s.nbytes]
-        return bool(pairs) and all(
-            s.device is DeviceKind.CUDA
+    def regions(self, ref: NixlPayload, arena: IpcArena | None, slots: dict[DeviceKind, Slot]) -> frozenset[int]:
+        """The regions of ``ref`` the copy can take: the path is on, the peer's arena is mapped, and the
+        region is non-empty, VRAM on both sides and inside the arena.  Empty: READ it all."""
+        if arena is None or not self._ep.config.same_gpu_copy or DeviceKind.CUDA not in slots:
+            return frozenset()
+        return frozenset(
+            i
+            for i, (s, r) in enumerate(zip(ref.manifest.regions, ref.regions, strict=True))
+            if s.nbytes
+            and s.device is DeviceKind.CUDA
             and r.mem_kind is MemKind.VRAM
-            and DeviceKind.CUDA in slots
             and arena.offset(r.address, r.length) is not None
-            for s, r in pairs
         )
 
-    def launch(self, ref: NixlPayload, arena: IpcArena, slots: dict[DeviceKind, Slot]) -> RuntimeCopy:
-        """Queue every region's copy into our slot on our own stream (the CUDA runtime's calls); what is
-        returned says when they are done (``query``, ``synchronize``).  :class:`TransferError` if it
-        cannot be queued."""
+    def usable(self, ref: NixlPayload, arena: IpcArena | None, slots: dict[DeviceKind, Slot]) -> bool:
+        """Whether any region of ``ref`` can be copied (:meth:`regions`)."""
+        return bool(self.regions(ref, arena, slots))
+
+    def launch(self, ref: NixlPayload, arena: IpcArena | None, slots: dict[DeviceKind, Slot]) -> ArenaCopy:
+        """Queue the copy of every region :meth:`regions` names into our slot on the arena's stream (the
+        CUDA runtime's calls); what is returned says which regions and when they are done.
+        :class:`TransferError` if it cannot be queued."""
         rt = CudaRuntime.loaded()
-        if rt is None:  # open_arena maps nothing without it
+        if rt is None or arena is None or arena.events is None:  # open_arena maps nothing without it
             raise TransferError("same-GPU copy failed: no CUDA runtime to queue it with")
+        regions = self.regions(ref, arena, slots)
         local = slots[DeviceKind.CUDA]
         try:
             rt.set_device(local.device_id)
-            if self._events is None:
-                self._stream, self._events = rt.stream(), EventPool(rt)
             dst = local.view.data_ptr()
-            for spec, remote in zip(ref.manifest.regions, ref.regions, strict=True):
-                if not spec.nbytes:
-                    continue
+            for i in sorted(regions):
+                spec, remote = ref.manifest.regions[i], ref.regions[i]
                 start = arena.offset(remote.address, remote.length)
                 if start is None or spec.nbytes > remote.length or spec.nbytes > local.nbytes:
                     raise TransferError("same-GPU copy failed: a region does not fit its arena or our slot")
-                rt.copy(dst, arena.base + start, spec.nbytes, self._stream)
-            event = self._events.take()
-            rt.record(event, self._stream)
+                rt.copy(dst, arena.base + start, spec.nbytes, arena.stream)
+            event = arena.events.take()
+            rt.record(event, arena.stream)
         except RuntimeError as exc:  # the runtime's status, translated once here
             raise TransferError(f"same-GPU copy failed: {exc}") from exc
-        return RuntimeCopy(event, self._events)
+        return ArenaCopy(self, regions, RuntimeCopy(event, arena.events))
 
     async def wait(self, done: RuntimeCopy) -> None:
         """Return once the copy :meth:`launch` queued is done; :class:`TransferError` if it outlives the
@@ -213,7 +259,7 @@ class SameGpu:
 
     async def copy(self, ref: NixlPayload, arena: IpcArena, slots: dict[DeviceKind, Slot]) -> None:
         """:meth:`launch` then :meth:`wait`: the bytes are there when it returns (for any stream)."""
-        await self.wait(self.launch(ref, arena, slots))
+        await self.launch(ref, arena, slots).wait()
 
     async def _wait(self, done: RuntimeCopy, deadline: float) -> None:
         started = time.monotonic()

@@ -31,7 +31,7 @@ from stageferry.broker.data.nixl.agent import XferState
 from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.broker.data.nixl.reads import lane_spans
 from stageferry.config import DataPlaneConfig, Timeouts
-from stageferry.errors import ManifestError, PayloadUnavailableError
+from stageferry.errors import ManifestError, PayloadUnavailableError, TransferError
 from stageferry.schemas import NixlPayload, Transport
 from stageferry.schemas.nixl import released_token
 from stageferry.testing import assert_same, sized_payload
@@ -395,3 +395,126 @@ async def test_a_get_cancelled_with_a_read_that_never_ends_drops_the_peer_at_the
         for conn in (consumer, producer):
             await conn.aclose()
             await conn.endpoint.redis.aclose()
+
+
+class CopyBeside:
+    """Stands in for the same-GPU copy (:class:`~stageferry.broker.data.nixl.same_gpu.ArenaCopy`: CUDA, so
+    not in CI; the real one runs in test_same_gpu.py on the device machine): it covers ``regions``, so the
+    READ skips them, and ends when the test opens it, failing with ``fail``.  ``order`` records when it
+    ended beside the producer's release."""
+
+    def __init__(self, conn: NixlConnector, regions: frozenset[int], order: list[str], fail: str | None = None) -> None:
+        self.regions, self.order, self.fail = regions, order, fail
+        self.error: TransferError | None = None
+        self.opened, self.waits = anyio.Event(), 0
+        self.reads_at_wait: list[int] = []  # the consumer's open READ handles when each wait began
+        self._agent = conn.agent
+
+    def covers(self, index: int) -> bool:
+        return index in self.regions
+
+    async def wait(self) -> None:
+        if self.error is not None:
+            raise self.error
+        assert self._agent is not None
+        self.waits += 1
+        self.reads_at_wait.append(self._agent.open_handles())
+        await self.opened.wait()
+        if self.fail is not None:
+            self.error = TransferError(self.fail)
+            raise self.error
+        self.order.append("copy ended")
+
+
+def copy_beside(
+    monkeypatch: pytest.MonkeyPatch, consumer: NixlConnector, regions: frozenset[int], fail: str | None = None
+) -> tuple[CopyBeside, list[str]]:
+    """Make ``consumer`` take ``regions`` of its next payloads by a :class:`CopyBeside`, recording when the
+    producer is released."""
+    order: list[str] = []
+    beside = CopyBeside(consumer, regions, order, fail)
+    cons = consumer.consumer
+    monkeypatch.setattr(cons.same_gpu, "usable", lambda *args: True)
+    monkeypatch.setattr(cons.same_gpu, "launch", lambda *args: beside)
+    real_release, real_wait_all = cons.reader.release_producer, cons.reader._wait_all
+
+    async def release(*args: Any) -> None:
+        order.append("released")
+        await real_release(*args)
+
+    async def wait_all(handles: list[object], deadline: float) -> None:
+        await real_wait_all(handles, deadline)
+        order.append(f"{len(handles)} reads ended")
+
+    monkeypatch.setattr(cons.reader, "release_producer", release)
+    monkeypatch.setattr(cons.reader, "_wait_all", wait_all)
+    return beside, order
+
+
+async def test_a_copy_beside_the_read_ends_before_the_producer_is_released(
+    pair: tuple[NixlConnector, NixlConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same-GPU copy of a payload's VRAM runs beside the READ of its host-memory rest: the READ is
+    waited for first, then the copy, and only then is the producer released, once."""
+    producer, consumer = pair
+    beside, order = copy_beside(monkeypatch, consumer, frozenset())  # covers no region here: all READ
+    beside.opened.set()
+    ref, payload = await put(producer, "k-1", seed=1)
+    async with consumer.get(ref, None, key="k-1") as incoming:
+        assert_same(incoming.payload, payload)
+        assert incoming.route is not None and "same-gpu" not in incoming.route
+    assert order == ["1 reads ended", "copy ended", "released"]
+    assert (await releases_until(producer, ref.token)).count(ref.token) == 1
+    assert consumer.counters.same_gpu == 1
+
+
+async def test_a_copy_that_fails_beside_the_read_is_followed_by_the_read_of_it_all(
+    pair: tuple[NixlConnector, NixlConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A region the copy covers is not READ; when the copy fails, the claim is ours and nothing was
+    released: the whole payload is READ then, bit-exact, and the producer released once."""
+    producer, consumer = pair
+    beside, order = copy_beside(monkeypatch, consumer, frozenset({0}), fail="the copy failed")
+    beside.opened.set()
+    ref, payload = await put(producer, "k-1", seed=1)
+    with capture_logs() as logs:
+        async with consumer.get(ref, None, key="k-1") as incoming:
+            assert_same(incoming.payload, payload)
+    assert beside.reads_at_wait == [0], "no READ was posted for the covered region"
+    (fallback,) = [e for e in logs if e["event"] == "nixl.same_gpu_fallback"]
+    assert fallback["error"] == "the copy failed" and fallback["fallback"] == "nixl"
+    # the READ after it carries the release (the claim is ours): no notify of its own
+    assert order == ["0 reads ended", "1 reads ended"] and consumer.counters.same_gpu == 0
+    assert (await releases_until(producer, ref.token)).count(ref.token) == 1
+    assert consumer.pools is not None and consumer.pools.slots_in_use == 0
+
+
+async def test_a_get_cancelled_during_the_copy_keeps_the_slot_until_the_copy_ended(
+    pair: tuple[NixlConnector, NixlConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    producer, consumer = pair
+    beside, order = copy_beside(monkeypatch, consumer, frozenset({0}))
+    ref, _ = await put(producer, "k-1", seed=1)
+    pools = consumer.pools
+    assert pools is not None
+    scope = anyio.CancelScope()
+
+    async def get() -> None:
+        with scope:
+            async with consumer.get(ref, None, key="k-1"):
+                pytest.fail("a cancelled get was handed on")
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(get)
+            while beside.waits < 1:
+                await anyio.sleep(0.001)
+            scope.cancel()
+            while beside.waits < 2:  # waited for again, shielded
+                await anyio.sleep(0.001)
+            assert pools.slots_in_use == 1, "our slot is held while the copy may still write into it"
+            beside.opened.set()
+    assert pools.slots_in_use == 0
+    # the cancel's settling waits for the (here no) READs too; the claim was ours, the bytes here: released
+    assert order == ["0 reads ended", "copy ended", "0 reads ended", "released"]
+    assert (await releases_until(producer, ref.token)).count(ref.token) == 1

@@ -1,6 +1,7 @@
-"""The same-GPU fast path (issue 39): chosen only for a producer on our own GPU UUID, for payloads wholly in
-VRAM inside its mapped arena; anything else — another GPU, a handle that does not parse, is of another
-version, names another arena or cannot be opened, a copy that fails — is logged and READ over NIXL.
+"""The same-GPU fast path (issue 39): chosen only for a producer on our own GPU UUID, for the regions of a
+payload in VRAM inside its mapped arena (a host-memory rest, as a pipeline's ``layout``, is READ beside
+it); anything else — another GPU, a handle that does not parse, is of another version, names another
+arena or cannot be opened, a copy that fails — is logged and READ over NIXL.
 
 On this CPU box the selection and every fallback run with real agents (a producer process, DRAM over
 UCX) and real Redis: the producer's record is given a GPU UUID and an exported arena as a GPU producer
@@ -153,6 +154,13 @@ async def test_the_copy_is_chosen_only_for_vram_regions_inside_the_mapped_arena(
         assert not same.usable(below, arena, slots)
         dram = inside.model_copy(update={"regions": [inside.regions[0].model_copy(update={"mem_kind": "DRAM"})]})
         assert not same.usable(dram, arena, slots)
+        host = dram.manifest.regions[0].model_copy(update={"device": DeviceKind.CPU})
+        mixed = NixlPayload.model_construct(  # a pipeline's payload: its layout in host memory, the rest VRAM
+            manifest=inside.manifest.model_copy(update={"regions": [host, inside.manifest.regions[0]]}),
+            regions=[dram.regions[0], inside.regions[0]],
+            agent=inside.agent,
+        )
+        assert same.regions(mixed, arena, slots) == frozenset({1})  # the VRAM region; the layout is READ
         conn.endpoint.config = DataPlaneConfig(same_gpu_copy=False)
         assert not same.usable(inside, arena, slots)  # switched off
 
@@ -175,7 +183,7 @@ def test_the_handle_message_is_versioned_and_bounded() -> None:
 
 
 @CUDA
-@pytest.mark.parametrize("spec", ["gpu:T2VA", "gpu:FL2VA", "gpu:Ref2VA"])
+@pytest.mark.parametrize("spec", ["gpu:T2VA", "gpu:FL2VA", "gpu:Ref2VA", "mixed"])
 async def test_a_producer_on_our_gpu_is_copied_device_to_device(
     start_producer: Any,  # noqa: F811 - the fixture imported above
     redis_url: str,
@@ -183,7 +191,8 @@ async def test_a_producer_on_our_gpu_is_copied_device_to_device(
     spec: str,
 ) -> None:
     """The copy, queued with the CUDA runtime's calls (torch's own libcudart), delivers the producer's
-    bytes exactly, by default (``same_gpu_copy`` is on unless switched off)."""
+    bytes exactly, by default (``same_gpu_copy`` is on unless switched off); a payload with host-memory
+    leaves too (``mixed``, as the pipeline's encoder writes them) has those READ beside the copy."""
     dev = torch.device("cuda", 0)
     producer = start_producer("--payloads", f"{spec},{spec}", "--device", "cuda:0", "--hold", "go")
     async with consumer(redis_url, prefix, cuda_device=dev, upstream="encoder") as conn:
@@ -198,7 +207,12 @@ async def test_a_producer_on_our_gpu_is_copied_device_to_device(
             ref, blob = ref_of(item)
             async with conn.get(ref, blob, key=item["key"]) as incoming:
                 assert incoming.transport is Transport.NIXL
-                assert incoming.route == "VRAM:0→VRAM:0 same-gpu copy", incoming.route
+                if spec == "mixed":
+                    parts = sorted((incoming.route or "").split(", "))
+                    assert len(parts) == 2 and parts[0].startswith("DRAM→DRAM "), incoming.route
+                    assert parts[1] == "VRAM:0→VRAM:0 same-gpu copy", incoming.route
+                else:
+                    assert incoming.route == "VRAM:0→VRAM:0 same-gpu copy", incoming.route
                 assert_same(incoming.payload, build(item["spec"], item["seed"], "cuda:0"))
         assert conn.counters.same_gpu == 2 and conn.counters.fallbacks == {}
         producer.wait_stats(leases=0, slots_in_use=0)  # the release notification freed both slots
