@@ -51,9 +51,9 @@ class DataPlaneConfig(Strict):
     read_lane_min_bytes: Annotated[int, Field(ge=64 * KiB, le=16 * GiB)] = 8 * MiB
     """Smallest DRAM region split into ``read_lanes`` descriptors."""
     same_gpu_copy: bool = True
-    """When a payload's producer is on this process's own GPU (same GPU UUID) and its non-empty regions are
-    all VRAM, copy them device to device through the producer's exported pool arena (CUDA IPC, the copy
-    queued with the CUDA runtime's own calls) instead of a NIXL READ; any failure falls back to the READ.
+    """When a payload's producer is on this process's own GPU (same GPU UUID), copy its VRAM regions device
+    to device through the producer's exported pool arena (CUDA IPC, the copy queued with the CUDA runtime's
+    own calls) instead of a NIXL READ, its host-memory rest READ beside; any failure falls back to the READ.
     Same leases, seal and release as the READ.  On by default, by measurement (H200, two processes on one
     GPU, ``benchmarks/same_gpu.py``): the whole get 0.31-0.34 ms against the READ's 0.34-0.40 ms (1-65
     MB), and 0.17-0.20 ms against 0.25-0.26 ms under CUDA MPS."""
