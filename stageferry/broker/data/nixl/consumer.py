@@ -156,6 +156,7 @@ class Consumer:
             # In the producer's pool but not what it leased under this token: another request's slot.
             raise ManifestError("descriptors are not the ones the producer leased", agent=ref.agent, token=ref.token)
         check_fresh(ref)
+        checked = time.perf_counter()
         ready = self.ready.take(ref.manifest)  # slots and views made while idle, for this very structure
         if ready is not None:
             slots, views = ready.slots, ready.views
@@ -167,8 +168,10 @@ class Consumer:
                 return await self.resend_inline(ref, reason="pool_exhausted"), {}
             buffers = {kind: slot.view for kind, slot in slots.items()}
             views = functools.partial(unpack, ref.manifest, buffers, copy=False)
+        taken = time.perf_counter()
+        steps: dict[str, int] = {}
         try:  # claims the lease, and makes the payload's views over our slots, while the READs run
-            payload, copy = await self._copy_or_read(ref, peer, slots, claimed, meanwhile=views)
+            payload, copy = await self._copy_or_read(ref, peer, slots, claimed, meanwhile=views, steps=steps)
         except TransferError as exc:
             metrics.TRANSFER_FAILURES.labels(exc.code).inc()
             log.warning("nixl.read_failed", key=key, error=exc.message, peer=peer.name)
@@ -181,7 +184,8 @@ class Consumer:
         except BaseException:
             pools.release_all(slots)
             raise
-        seconds = time.perf_counter() - started
+        ended = time.perf_counter()
+        seconds = ended - started
         regions = {kind: slot.view for kind, slot in slots.items()}  # a TP group fans these out as they are
         incoming = Incoming(
             payload=payload,
@@ -202,6 +206,16 @@ class Consumer:
             source=peer.address,  # the producer's advertised IP, and ours: both ends of the hop
             destination=ep.address,
             route=incoming.route,
+            # where the hop's time went, in µs: the peer and the checks, our slots (made ahead: ``ready``),
+            # the claim (by the stream read already: ``claimed``), bytes and release
+            steps_us={
+                "checks": round((checked - started) * 1e6),
+                "slots": round((taken - checked) * 1e6),
+                "move": round((ended - taken) * 1e6),
+                **steps,  # the move's own steps (Reader.read)
+            },
+            ready=ready is not None,
+            claimed=claimed is True,
         )
         return incoming, slots
 
@@ -212,6 +226,7 @@ class Consumer:
         slots: dict[DeviceKind, Slot],
         claimed: bool | None,
         meanwhile: Callable[[], T] | None = None,
+        steps: dict[str, int] | None = None,
     ) -> tuple[T | None, ArenaCopy | None]:
         """:meth:`Reader.read`, with the same-GPU copy (:mod:`~stageferry.broker.data.nixl.same_gpu`) of
         the regions it can take queued first and waited for beside the READs of the rest; the copy, if it
@@ -224,7 +239,7 @@ class Consumer:
             except TransferError as exc:
                 self._fell_back(ref, peer, exc)
         try:
-            made = await self.reader.read(ref, peer, slots, claimed, meanwhile=meanwhile, beside=copy)
+            made = await self.reader.read(ref, peer, slots, claimed, meanwhile=meanwhile, beside=copy, steps=steps)
         except TransferError as exc:
             if copy is None or copy.error is None:  # a READ's failure: the caller's to handle
                 raise

@@ -86,6 +86,21 @@ async def _settle(beside: Beside | None) -> None:
             await beside.wait()
 
 
+class _Steps:
+    """µs between marks, into ``into`` (nothing when it is None)."""
+
+    __slots__ = ("_into", "_last")
+
+    def __init__(self, into: dict[str, int] | None) -> None:
+        self._into, self._last = into, time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        if self._into is not None:
+            now = time.perf_counter()
+            self._into[name] = round((now - self._last) * 1e6)
+            self._last = now
+
+
 class Reader:
     """The READs of one leader's consumer."""
 
@@ -103,6 +118,7 @@ class Reader:
         claimed: bool | None = None,
         meanwhile: Callable[[], T] | None = None,
         beside: Beside | None = None,
+        steps: dict[str, int] | None = None,
     ) -> T | None:
         """Claim ``ref``'s lease while READing its regions into ``slots`` (ours, already taken), then
         release the producer's slot.  Regions ``beside`` covers are not READ: that copy runs meanwhile,
@@ -137,7 +153,10 @@ class Reader:
         :class:`TransferError` when a READ failed (to post or to complete) with the claim won (the caller
         drops the peer and asks for an inline resend, which settles the lease).  The claim is always
         settled first: a consumer that did not win it must never ask the producer for the payload, whose
-        resend frees the slot, perhaps under the winner's READ."""
+        resend frees the slot, perhaps under the winner's READ.
+
+        ``steps``, when given, gets each step's µs: ``post``, ``claim``, ``views`` (``meanwhile``), ``wait``
+        (the READs, then ``beside``) and ``release``."""
         agent = self._ep.agent
         assert agent is not None
         pairs = [
@@ -155,6 +174,7 @@ class Reader:
         # by one notification after the last of them instead.
         carried = release_notification(ref.token) if claimed is True and len(pairs) == 1 and beside is None else b""
         handles: list[object] = []
+        clock = _Steps(steps)
         post_failed: TransferError | None = None
         won = False  # the claim is ours: only then may the producer be released
         try:
@@ -164,6 +184,7 @@ class Reader:
             except TransferError as exc:  # raised once the claim is ours: only its winner may ask for a resend
                 post_failed = exc
             failpoint(CONSUMER_READ_POSTED)  # fault injection: die with the READs in flight
+            clock.mark("post")
             try:
                 await claim(self._ep, ref, claimed)
             except (PayloadUnavailableError, ControlPlaneError):
@@ -173,6 +194,7 @@ class Reader:
                     self._peers.forget(peer.name)
                 raise
             won = True
+            clock.mark("claim")
             if post_failed is not None:
                 raise post_failed
             made = None
@@ -183,9 +205,11 @@ class Reader:
                     await _settle(beside)  # the producer's slot is read until then
                     await self._end_reads(ref, peer, handles, deadline, released=bool(carried))
                     raise
+            clock.mark("views")
             await self._wait_all(handles, deadline)
             if beside is not None:
                 await beside.wait()  # a failure: raised with the claim won, nothing released
+            clock.mark("wait")
         except anyio.get_cancelled_exc_class():
             await _settle(beside)
             if await self._settle_cancelled(peer, handles, deadline) and won and not carried and not post_failed:
@@ -201,6 +225,7 @@ class Reader:
         self._ep.counters.reads += 1
         if not carried:
             await self.release_producer(ref, peer)
+        clock.mark("release")
         if handles and peer.name not in self._transport_logged:
             self._transport_logged.add(peer.name)
             transport = agent.transport_info(peer.name)

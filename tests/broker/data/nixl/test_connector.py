@@ -287,8 +287,10 @@ async def test_cuda_leaves_land_on_the_consumer_gpu(start_producer: Any, redis_u
                 assert got["gpu"].device == dst and got["ids"].device == dst and got["empty_gpu"].device == dst
                 assert got["cpu"]["hidden_states"].device.type == "cpu"
                 assert_same(got, build("mixed", item["seed"], "cuda:0"))
-                # each region's memory on both sides, and what UCX used for it: cuda_ipc on one host
-                assert incoming.route is not None and f"VRAM:0→VRAM:{dst.index} cuda_ipc" in incoming.route
+                # each region's memory on both sides, and what moved it: cuda_ipc on one host, the same-GPU
+                # copy when both processes are on one GPU (the VRAM; the host memory is READ beside it)
+                moved = "same-gpu copy" if dst.index == 0 else "cuda_ipc"
+                assert incoming.route is not None and f"VRAM:0→VRAM:{dst.index} {moved}" in incoming.route
                 assert "DRAM→DRAM " in incoming.route, incoming.route
         producer.wait_stats(leases=0, slots_in_use=0)
     producer.stop()
