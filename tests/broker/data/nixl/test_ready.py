@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from stageferry.broker.data.nixl import consumer as consumer_module
+from stageferry.broker.data.nixl import ready as ready_module
 from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.schemas import NixlPayload
 from stageferry.testing import assert_same, sized_payload
@@ -201,3 +202,36 @@ async def test_a_payload_of_the_same_size_but_another_layout_is_not_read_into_re
         assert incoming.payload["blob"].dtype == torch.float32
         assert_same(incoming.payload, floats)
     assert ready.hits == 0, "same bytes, another dtype: the ready views were not used"
+
+
+async def test_the_get_path_is_rehearsed_once_at_start_and_holds_nothing(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before its first want, the ready loop runs a get's local steps once (slots, structure key, unpack)
+    on a small payload of the usual leaf kinds, gives the slots back and counts nothing as made ready."""
+    consumer = make(redis_url, prefix, "diffusion", cpu_pool_bytes=4 << 20)
+    ready = consumer.consumer.ready
+    unpacked: list[Any] = []
+    real_unpack = ready_module.unpack
+
+    def watched(manifest: Any, buffers: Any, *, copy: bool) -> Any:
+        unpacked.append(manifest)
+        return real_unpack(manifest, buffers, copy=copy)
+
+    monkeypatch.setattr(ready_module, "unpack", watched)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ready.run)
+            while not unpacked:
+                await anyio.lowlevel.checkpoint()
+            assert consumer.pools is not None and consumer.pools.slots_in_use == 0 and ready.slots == 0
+            assert ready.made == 0 and ready.hits == 0
+            (manifest,) = unpacked
+            assert {t.dtype for t in manifest.tensors} >= {"bfloat16", "float32", "int64", "bool", "uint8"}
+            tg.cancel_scope.cancel()
+        consumer.endpoint.config = consumer.endpoint.config.model_copy(update={"ready_slots": False})
+        assert not ready.rehearse()  # turned off: nothing runs
+        assert len(unpacked) == 1
+    finally:
+        await consumer.aclose()
+        await consumer.endpoint.redis.aclose()
