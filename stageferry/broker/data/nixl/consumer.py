@@ -241,7 +241,7 @@ class Consumer:
         try:
             made = await self.reader.read(ref, peer, slots, claimed, meanwhile=meanwhile, beside=copy, steps=steps)
         except TransferError as exc:
-            if copy is None or copy.error is None:  # a READ's failure: the caller's to handle
+            if copy is None or exc is not copy.error:  # a READ's failure (the copy's too, maybe): the caller's
                 raise
             self._fell_back(ref, peer, exc)
             return await self.reader.read(ref, peer, slots, True, meanwhile=meanwhile), None

@@ -155,8 +155,8 @@ class RuntimeCopy:
             self._give_back()
 
     def _give_back(self) -> None:
-        self._returned = True
-        self._pool.put(self._event)
+        # once only, though a cancelled wait's worker thread and the loop may both see it done
+        self._pool.put_once(self)
 
 
 class EventPool:
@@ -176,3 +176,10 @@ class EventPool:
     def put(self, event: int) -> None:
         with self._lock:
             self._free.append(event)
+
+    def put_once(self, copy: RuntimeCopy) -> None:
+        """Take ``copy``'s event back unless it was already."""
+        with self._lock:
+            if not copy._returned:
+                copy._returned = True
+                self._free.append(copy._event)

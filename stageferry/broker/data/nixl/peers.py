@@ -287,12 +287,16 @@ class Peers:
         slot = pool.take_now(WARM_BYTES) if pool is not None else None
         if pool is None or slot is None:
             return
+        ended = True
         try:
-            warm_copy(arena, slot, WARM_BYTES)
-        except RuntimeError as exc:
+            ended = warm_copy(arena, slot, WARM_BYTES, timeout=WARM_TIMEOUT_S)
+        except RuntimeError as exc:  # nothing was queued
             raise HandshakeError(f"the warm-up copy from the producer's arena failed: {exc}") from exc
         finally:
-            pool.release(slot)
+            if ended:
+                pool.release(slot)
+        if not ended:  # the slot is kept: a copy that may still run must not write into a reused one
+            raise HandshakeError("the warm-up copy from the producer's arena did not end", slot_kept=WARM_BYTES)
 
     def _keep(self, peer: Peer) -> Peer:
         self._peers[peer.name] = peer

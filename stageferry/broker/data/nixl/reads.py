@@ -80,10 +80,14 @@ async def claim(ep: Endpoint, ref: NixlPayload, claimed: bool | None = None) -> 
 
 
 async def _settle(beside: Beside | None) -> None:
-    """Wait (shielded) until ``beside`` no longer writes into our slots, whatever its outcome."""
+    """Wait (shielded) until ``beside`` no longer writes into our slots, whatever its outcome (a failure is
+    the caller's to raise, or was raised already: never one that skips the rest of the clean-up)."""
     if beside is not None:
-        with anyio.CancelScope(shield=True), contextlib.suppress(TransferError):
-            await beside.wait()
+        with anyio.CancelScope(shield=True):
+            try:
+                await beside.wait()
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                log.debug("nixl.beside_settled", error=str(exc)[:200])
 
 
 class _Steps:

@@ -168,7 +168,10 @@ class ReadySlots:
             log.warning("nixl.rehearsal_failed", error=str(exc)[:200])
             return False
         ready = self._ready
-        self._make(manifest, count=False)
+        try:
+            self._make(manifest, count=False)
+        except Exception as exc:  # noqa: BLE001 - a warm-up: the loop and the connector run on without it
+            log.warning("nixl.rehearsal_failed", error=str(exc)[:200])
         made, self._ready = self._ready, ready
         if made is None or made is ready:
             return False

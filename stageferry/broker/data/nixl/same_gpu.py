@@ -28,7 +28,9 @@ copy that fails is a :class:`TransferError`, logged (``nixl.same_gpu_fallback``)
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,13 +141,10 @@ def open_arena(spec: CudaIpcArena, device: torch.device | None) -> IpcArena:
             raise HandshakeError("torch's CUDA runtime is not a shared library here: no same-GPU copy")
         typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)
         view = torch._utils._rebuild_tensor(typed, spec.tensor_offset, (spec.length,), (1,))  # type: ignore[attr-defined]
-        # the copy's stream and first event, made here, when the peer is loaded: not on its first payload
+        # the copy's stream and first event, made when the first peer is loaded: not on its first payload
         runtime = CudaRuntime.loaded()
         assert runtime is not None
-        runtime.set_device(index)
-        events = EventPool(runtime)
-        stream = runtime.stream()
-        events.put(runtime.event())
+        stream, events = _copy_stream(runtime, index)
     except HandshakeError:
         raise
     except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/TypeError/AssertionError here
@@ -153,18 +152,50 @@ def open_arena(spec: CudaIpcArena, device: torch.device | None) -> IpcArena:
     return IpcArena(spec, view, stream, events)
 
 
-def warm_copy(arena: IpcArena, slot: Slot, nbytes: int) -> None:
-    """Copy the arena's first ``nbytes`` into ``slot`` and wait (blocking, a few µs): the first copy through
-    a newly mapped arena, done when the peer is loaded (:mod:`~stageferry.broker.data.nixl.peers`), so a
-    payload's copy is not the first.  ``RuntimeError`` from the runtime if it fails."""
+_streams: dict[int, tuple[int, EventPool]] = {}
+_streams_lock = threading.Lock()
+
+
+def _copy_stream(runtime: CudaRuntime, index: int) -> tuple[int, EventPool]:
+    """The stream the same-GPU copies on device ``index`` are queued on and their events: made once per
+    process and device (a peer loaded again maps its arena again, not another stream).  ``RuntimeError``
+    from the runtime."""
+    with _streams_lock:
+        if index not in _streams:
+            runtime.set_device(index)
+            events = EventPool(runtime)
+            stream = runtime.stream()
+            events.put(runtime.event())
+            _streams[index] = (stream, events)
+        return _streams[index]
+
+
+def warm_copy(arena: IpcArena, slot: Slot, nbytes: int, timeout: float) -> bool:
+    """Copy the arena's first ``nbytes`` into ``slot`` and wait up to ``timeout`` (blocking, a few µs): the
+    first copy through a newly mapped arena, done when the peer is loaded
+    (:mod:`~stageferry.broker.data.nixl.peers`), so a payload's copy is not the first.  True once it ended;
+    False when that cannot be known (not ended in time, or the runtime failed once it was queued): then
+    ``slot`` may still be written and must not be reused.  ``RuntimeError`` if it could not be queued."""
     runtime = CudaRuntime.loaded()
     if runtime is None or arena.events is None:
-        return
+        return True
     runtime.set_device(slot.device_id)
     event = arena.events.take()
-    runtime.copy(slot.view.data_ptr(), arena.base, min(nbytes, arena.spec.length, slot.nbytes), arena.stream)
-    runtime.record(event, arena.stream)
-    RuntimeCopy(event, arena.events).synchronize()
+    try:
+        runtime.copy(slot.view.data_ptr(), arena.base, min(nbytes, arena.spec.length, slot.nbytes), arena.stream)
+    except RuntimeError:
+        arena.events.put(event)
+        raise
+    try:
+        runtime.record(event, arena.stream)
+        done, deadline = RuntimeCopy(event, arena.events), time.monotonic() + timeout
+        while not done.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0001)
+    except RuntimeError:
+        return False
+    return True
 
 
 @dataclass(eq=False, slots=True)
@@ -185,7 +216,7 @@ class ArenaCopy:
     async def wait(self) -> None:
         """See :meth:`SameGpu.wait`; once it has returned or raised, again returns or raises at once."""
         if self.error is not None:
-            raise self.error
+            raise TransferError(self.error.message) from self.error
         if self.ended:
             return
         try:
@@ -247,14 +278,16 @@ class SameGpu:
 
     async def wait(self, done: RuntimeCopy) -> None:
         """Return once the copy :meth:`launch` queued is done; :class:`TransferError` if it outlives the
-        transfer timeout; a cancelled wait still waits (shielded) for the copy, so nothing writes into
-        slots given back."""
+        transfer timeout or the runtime reports an error (translated here, once); a cancelled wait still
+        waits (shielded) for the copy, so nothing writes into slots given back."""
         try:
             await self._wait(done, time.monotonic() + self._ep.timeouts.transfer)
         except anyio.get_cancelled_exc_class():
-            with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True), contextlib.suppress(RuntimeError):
                 await anyio.to_thread.run_sync(done.synchronize)
             raise
+        except RuntimeError as exc:  # the runtime's status (cudaEventQuery / cudaEventSynchronize)
+            raise TransferError(f"same-GPU copy failed: {exc}") from exc
         self.copies += 1
 
     async def copy(self, ref: NixlPayload, arena: IpcArena, slots: dict[DeviceKind, Slot]) -> None:

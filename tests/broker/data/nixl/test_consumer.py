@@ -518,3 +518,29 @@ async def test_a_get_cancelled_during_the_copy_keeps_the_slot_until_the_copy_end
     # the cancel's settling waits for the (here no) READs too; the claim was ours, the bytes here: released
     assert order == ["0 reads ended", "copy ended", "0 reads ended", "released"]
     assert (await releases_until(producer, ref.token)).count(ref.token) == 1
+
+
+async def test_a_read_that_fails_beside_a_failing_copy_is_a_read_failure(
+    pair: tuple[NixlConnector, NixlConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The READ of the host-memory rest fails and the copy beside it fails too: the READ's failure is the
+    one handled (the peer is dropped, no READ of it all follows into the same slots), not the copy's."""
+    producer, consumer = pair
+    beside, _ = copy_beside(monkeypatch, consumer, frozenset(), fail="the copy failed")
+    beside.opened.set()
+    agent = consumer.agent
+    assert agent is not None and producer.agent is not None
+
+    def broken(handle: object) -> XferState:
+        raise TransferError("READ reported ERR")
+
+    monkeypatch.setattr(agent, "poll", broken)
+    ref, _ = await put(producer, "k-1", seed=1)
+    with capture_logs() as logs, pytest.raises(PayloadUnavailableError):  # the inline resend goes unanswered
+        async with consumer.get(ref, None, key="k-1"):
+            pytest.fail("a failed READ was handed on")
+    assert beside.error is not None, "the copy was waited for (and failed) before the slots went back"
+    assert [e["event"] for e in logs if e["event"].startswith("nixl.")].count("nixl.same_gpu_fallback") == 0
+    assert any(e["event"] == "nixl.read_failed" and e["error"] == "READ reported ERR" for e in logs), logs
+    assert producer.agent.name not in agent.remotes(), "the peer was dropped"
+    assert consumer.pools is not None and consumer.pools.slots_in_use == 0

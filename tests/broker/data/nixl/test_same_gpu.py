@@ -24,7 +24,7 @@ from stageferry.broker.data.nixl.cuda_runtime import CudaRuntime
 from stageferry.broker.data.nixl.same_gpu import IpcArena, SameGpu
 from stageferry.broker.data.payload_codec import plan_payload
 from stageferry.config import DataPlaneConfig
-from stageferry.errors import HandshakeError
+from stageferry.errors import HandshakeError, TransferError
 from stageferry.schemas import DeviceKind, NixlPayload, RemoteRegion, Transport
 from stageferry.schemas.cuda_ipc import CUDA_IPC_VERSION, CudaIpcArena
 from stageferry.testing import assert_same
@@ -252,3 +252,23 @@ async def test_a_copy_that_fails_falls_back_to_the_read(
 
 async def _async(value: Any) -> Any:
     return value
+
+
+class FailingCopy:
+    """Stands in for a queued copy (CUDA) whose completion the runtime reports as an error."""
+
+    def query(self) -> bool:
+        raise RuntimeError("cudaEventQuery failed: an illegal memory access was encountered")
+
+    def synchronize(self) -> None:
+        raise RuntimeError("cudaEventSynchronize failed: an illegal memory access was encountered")
+
+
+async def test_a_runtime_error_while_waiting_for_the_copy_is_a_transfer_error(redis_url: str, prefix: str) -> None:
+    """Translated once, where the copy is waited for: the consumer then READs the payload instead (a raw
+    RuntimeError would skip the fallback and leave the producer's slot to its lease's expiry)."""
+    async with consumer(redis_url, prefix, same_gpu_copy=True) as conn:
+        same = SameGpu(conn.endpoint)
+        with pytest.raises(TransferError, match="same-GPU copy failed: cudaEventQuery failed"):
+            await same.wait(FailingCopy())  # type: ignore[arg-type]
+        assert same.copies == 0
