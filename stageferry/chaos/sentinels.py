@@ -285,11 +285,22 @@ class SentinelGroup:
         finally:
             thaw()
 
-    def failover(self) -> int:
-        """``SENTINEL FAILOVER``: hand the master role to a replica now; the old master's port."""
+    def failover(self, *, timeout: float = 30.0) -> int:
+        """``SENTINEL FAILOVER``: hand the master role to a replica now; the old master's port.  Asked again
+        while the sentinel answers ``NOGOODSLAVE`` (up to ``timeout``): it picks only a replica it has sent
+        ``INFO`` to itself lately (every 10 s), and a group that just settled may have a replica it counts
+        but has not asked yet (seen on a loaded 2-core box)."""
         old = self.primary().port
+        deadline = time.monotonic() + timeout
         with self._sentinel() as client:
-            client.execute_command("SENTINEL", "FAILOVER", self.service)
+            while True:
+                try:
+                    client.execute_command("SENTINEL", "FAILOVER", self.service)
+                    break
+                except sync_redis.ResponseError as exc:
+                    if "NOGOODSLAVE" not in str(exc) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)  # a sync method, run in a worker thread
         log.info("sentinels.failover_asked", old=old)
         return old
 
