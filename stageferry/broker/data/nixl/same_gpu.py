@@ -10,7 +10,7 @@ On one GPU a NIXL READ (UCX's cuda_ipc under it) was measured at 7–9× a ``tor
   :mod:`~stageferry.broker.data.nixl.peers`): only if the record's ``gpu_uuid`` is the UUID of our own GPU,
   the arena is mapped once (CUDA IPC) and kept with the peer;
 * per payload (:class:`SameGpu`, called by the consumer): each non-empty region that is VRAM on both
-  sides and lies inside the mapped arena is copied on the arena's own stream (made when it was mapped)
+  sides and lies inside the mapped arena is copied on a stream of ours (made when the first arena was mapped)
   into our pool slot, after the same checks as a READ (manifest, arenas, seal, freshness); the rest of
   the payload (a pipeline's small host-memory ``layout``) is READ over NIXL meanwhile, and the producer
   is released once both are done, as after a READ.  :class:`ArenaCopy` is what
@@ -98,9 +98,10 @@ class IpcArena:
     base: int = field(init=False)
     """Our device address of the arena's first byte."""
     stream: int = 0
-    """The stream its copies are queued on (ours: a copy never queues behind the model's kernels)."""
+    """The stream its copies are queued on: ours, one per device (a copy never queues behind the model's
+    kernels)."""
     events: EventPool | None = None
-    """Events for those copies' completion (one made with the stream)."""
+    """Events for those copies' completion (the stream's)."""
 
     def __post_init__(self) -> None:
         self.base = self.view.data_ptr()
