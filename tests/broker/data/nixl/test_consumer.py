@@ -407,6 +407,7 @@ class CopyBeside:
         self.regions, self.order, self.fail = regions, order, fail
         self.error: TransferError | None = None
         self.opened, self.waits = anyio.Event(), 0
+        self.entered = [anyio.Event(), anyio.Event()]  # set as the first and the second wait begin
         self.reads_at_wait: list[int] = []  # the consumer's open READ handles when each wait began
         self._agent = conn.agent
 
@@ -418,6 +419,8 @@ class CopyBeside:
             raise self.error
         assert self._agent is not None
         self.waits += 1
+        if self.waits <= len(self.entered):
+            self.entered[self.waits - 1].set()
         self.reads_at_wait.append(self._agent.open_handles())
         await self.opened.wait()
         if self.fail is not None:
@@ -507,11 +510,9 @@ async def test_a_get_cancelled_during_the_copy_keeps_the_slot_until_the_copy_end
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(get)
-            while beside.waits < 1:
-                await anyio.sleep(0.001)
+            await beside.entered[0].wait()
             scope.cancel()
-            while beside.waits < 2:  # waited for again, shielded
-                await anyio.sleep(0.001)
+            await beside.entered[1].wait()  # waited for again, shielded
             assert pools.slots_in_use == 1, "our slot is held while the copy may still write into it"
             beside.opened.set()
     assert pools.slots_in_use == 0
