@@ -94,6 +94,7 @@ class Consumer:
             self._count_get(incoming)
             yield incoming
         finally:
+            self.reader.log_transport()  # once per peer: after the block, off the request's path
             pools = self._ep.pools
             if slots and pools is not None:
                 if DeviceKind.CUDA in slots:  # kernels queued on the payload must finish before reuse

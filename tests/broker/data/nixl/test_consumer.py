@@ -146,6 +146,22 @@ async def test_a_lease_the_stream_read_claimed_is_read_without_a_claim_of_its_ow
     assert notified == []
 
 
+async def test_the_transport_is_logged_once_per_peer_after_the_get_block_off_the_hop(
+    pair: tuple[NixlConnector, NixlConnector],
+) -> None:
+    producer, consumer = pair
+    with capture_logs() as logs:
+        for n in range(2):
+            ref, _ = await put(producer, f"k-{n}", seed=n)
+            async with consumer.get(ref, None, key=f"k-{n}"):
+                # the hop is timed and handed on; its first-per-peer diagnostics line has not run yet
+                assert n or not [e for e in logs if e["event"] == "nixl.transport" and "peer" in e]
+    events = [e["event"] for e in logs if e["event"] == "payload.get" or "peer" in e and e["event"] == "nixl.transport"]
+    assert events == ["payload.get", "nixl.transport", "payload.get"], events
+    logged = next(e for e in logs if e["event"] == "nixl.transport" and "peer" in e)
+    assert producer.agent is not None and logged["peer"] == producer.agent.name
+
+
 def spy_on_notify(conn: NixlConnector) -> list[bytes]:
     """The notifications ``conn``'s agent sends on their own (not carried by a READ), as they go."""
     agent = conn.agent
