@@ -156,7 +156,9 @@ async def test_the_transport_is_logged_once_per_peer_after_the_get_block_off_the
             async with consumer.get(ref, None, key=f"k-{n}"):
                 # the hop is timed and handed on; its first-per-peer diagnostics line has not run yet
                 assert n or not [e for e in logs if e["event"] == "nixl.transport" and "peer" in e]
-    events = [e["event"] for e in logs if e["event"] == "payload.get" or "peer" in e and e["event"] == "nixl.transport"]
+    events = [
+        e["event"] for e in logs if e["event"] == "payload.get" or ("peer" in e and e["event"] == "nixl.transport")
+    ]
     assert events == ["payload.get", "nixl.transport", "payload.get"], events
     logged = next(e for e in logs if e["event"] == "nixl.transport" and "peer" in e)
     assert producer.agent is not None and logged["peer"] == producer.agent.name
