@@ -413,21 +413,30 @@ class PoolSet:
     def take_regions_now(self, manifest: Manifest) -> dict[DeviceKind, Slot] | None:
         """A slot for every region of ``manifest`` if each is free now and nobody waits on any pool, else ``None``
         with nothing taken (never waits).  The manifest is a checked one (one region per device kind)."""
+        return self.take_sized_now({region.device: region.nbytes for region in manifest.regions})
+
+    def take_sized_now(self, sizes: Mapping[DeviceKind, int]) -> dict[DeviceKind, Slot] | None:
+        """A slot of ``sizes[kind]`` bytes in each kind's pool if each is free now and nobody waits on any
+        pool, else ``None`` with nothing taken (never waits)."""
         if any(pool.waiting for pool in self.pools.values()):
             return None
         taken: dict[DeviceKind, Slot] = {}
-        for region in manifest.regions:
-            pool = self.pools.get(region.device)
-            slot = pool.take_now(region.nbytes) if pool is not None else None
+        for kind, nbytes in sizes.items():
+            pool = self.pools.get(kind)
+            slot = pool.take_now(nbytes) if pool is not None else None
             if slot is None:
                 self.release_all(taken)
                 return None
-            taken[region.device] = slot
+            taken[kind] = slot
         return taken
 
     def release_all(self, slots: Mapping[DeviceKind, Slot] | Iterable[Slot]) -> None:
         """Release every slot (from :meth:`acquire_regions`, or any iterable); stale ones are ignored."""
-        for slot in slots.values() if isinstance(slots, Mapping) else slots:
+        # concrete types first: the first ``isinstance(a_list, Mapping)`` of a process walks the ABC's
+        # subclasses (≈ 0.1 ms, paid inside a get)
+        for slot in (
+            slots if isinstance(slots, list | tuple) else slots.values() if isinstance(slots, Mapping) else slots
+        ):
             self.pools[slot.kind].release(slot)
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ is a short, non-blocking call), memory copies run in worker threads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import uuid
 
@@ -229,7 +230,7 @@ class NixlConnector(Connector):
             tg.start_soon(self.stagings.run_expiry)
             tg.start_soon(self.producer.run_resends)
             tg.start_soon(self.peers.run_sweep)
-            tg.start_soon(self.consumer.ready.run)
+            tg.start_soon(functools.partial(self.consumer.ready.run, ahead=self.upstream is not None))
             task_status.started()
 
     async def aclose(self) -> None:

@@ -69,6 +69,10 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 
+def _exactly(view: torch.Tensor, nbytes: int) -> torch.Tensor:
+    return view if view.numel() == nbytes else view[:nbytes]
+
+
 def _where(kind: MemKind, device_id: int) -> str:
     return f"VRAM:{device_id}" if kind is MemKind.VRAM else kind.value
 
@@ -158,9 +162,11 @@ class Consumer:
             raise ManifestError("descriptors are not the ones the producer leased", agent=ref.agent, token=ref.token)
         check_fresh(ref)
         checked = time.perf_counter()
-        ready = self.ready.take(ref.manifest)  # slots and views made while idle, for this very structure
+        ready = self.ready.take(ref.manifest)  # slots (and views, for this very structure) made while idle
         if ready is not None:
-            slots, views = ready.slots, ready.views
+            slots = ready.slots
+            buffers = {kind: slot.view for kind, slot in slots.items()}
+            views = ready.views if ready.has_views else functools.partial(unpack, ref.manifest, buffers, copy=False)
         else:
             try:
                 slots = await pools.acquire_regions(ref.manifest, timeout=ep.timeouts.pool_wait)
@@ -187,7 +193,8 @@ class Consumer:
             raise
         ended = time.perf_counter()
         seconds = ended - started
-        regions = {kind: slot.view for kind, slot in slots.items()}  # a TP group fans these out as they are
+        # a TP group fans these out as they are: each exactly its region (a ready slot may be a size class up)
+        regions = {r.device: _exactly(slots[r.device].view, r.nbytes) for r in ref.manifest.regions}
         incoming = Incoming(
             payload=payload,
             transport=Transport.NIXL,
@@ -215,7 +222,7 @@ class Consumer:
                 "move": round((ended - taken) * 1e6),
                 **steps,  # the move's own steps (Reader.read)
             },
-            ready=ready is not None,
+            ready="views" if ready is not None and ready.has_views else "slots" if ready is not None else None,
             claimed=claimed is True,
         )
         return incoming, slots

@@ -14,6 +14,14 @@ structure_key` — everything the views depend on: tree, dtypes, shapes, offsets
 one it was made for.  The views are fresh objects, made after the previous payload's block ended, so
 nothing of an earlier request is handed on.
 
+Slots that outlive their shape: a payload's structure changes with what it carries (the text states' length
+follows the prompt), so the next get often has another structure than the ready one.  Its views are then
+useless, but its slots are not: a ready payload's slots are taken a size class larger than its regions
+(the next power of two, at most an eighth of the pool, never less than the region), and a get whose regions
+all fit them READs into them and makes only its views (``reused``) instead of giving them back and taking
+its own.  Likewise the first get: after the rehearsal, a consumer with an upstream stage holds one slot of a
+sixteenth of each pool (``ahead``), so that get takes no slot either.
+
 Memory: at most one payload's slots are held ready, per consumer.  They are never taken while anybody waits
 on a pool (:meth:`~stageferry.broker.data.pool.PoolSet.take_regions_now`); they go back before a get of
 another shape takes slots of its own, and whenever a put, a staging or a get would otherwise wait on the
@@ -27,7 +35,8 @@ first to run the get's code at all — taking slots, the structure key, the unpa
 first call costs several times a later one (Python and torch build what they cache: 184 µs against
 20 µs for a T2VA unpack on the CPU box; a first hop's slots and views 0.12 and 0.37 ms against 0.005 and
 0.003 ms ready, issue 39).  So :meth:`ReadySlots.run` first runs that code once on a small payload of the
-usual leaf kinds in each pool (:func:`rehearsal_payload`), then gives its slots back.
+usual leaf kinds in each pool (:func:`rehearsal_payload`), with the get's checks (manifest, descriptors
+against our own arenas, seal), then gives its slots back.
 
 Who calls: the consumer (:meth:`ReadySlots.take` per get, :meth:`ReadySlots.want` when a get's block ends),
 the connector (:meth:`ReadySlots.run` among its background loops, :meth:`ReadySlots.drop` at shutdown).
@@ -44,11 +53,12 @@ import structlog
 import torch
 
 from stageferry.broker.data.nixl.endpoint import Endpoint
-from stageferry.broker.data.payload_codec import unpack
+from stageferry.broker.data.payload_codec import unpack, validate_manifest, validate_remote_regions
 from stageferry.broker.data.payload_plan import plan_payload
 from stageferry.broker.data.payload_validation import checked_key
 from stageferry.broker.data.pool import Slot
 from stageferry.schemas import DeviceKind, Manifest
+from stageferry.schemas.nixl import lease_seal
 
 log = structlog.get_logger(__name__)
 
@@ -74,13 +84,33 @@ def rehearsal_payload(devices: dict[DeviceKind, torch.device]) -> dict[str, Any]
     return {kind.value: leaves(on) for kind, on in devices.items()}
 
 
+#: A ready slot is at most this share of its pool, or its region's size if larger (see the module docstring).
+SIZE_CLASS_SHARE = 8
+#: The first get's slot, held from the rehearsal on by a consumer with an upstream stage: this share of each pool.
+AHEAD_SHARE = 16
+#: The smallest size class (a host region of a few integers still gets a slot that a longer one fits).
+MIN_SIZE_CLASS = 64 << 10
+
+
+def size_class(nbytes: int, capacity: int) -> int:
+    """The ready slot for a region of ``nbytes`` in a pool of ``capacity``: the next power of two (at least
+    :data:`MIN_SIZE_CLASS`), at most ``capacity // SIZE_CLASS_SHARE``, never less than ``nbytes``."""
+    rounded = max(MIN_SIZE_CLASS, 1 << max(0, nbytes - 1).bit_length())
+    return max(nbytes, min(rounded, capacity // SIZE_CLASS_SHARE))
+
+
 @dataclass(slots=True)
 class Ready:
-    """Slots taken for one payload of a shape, and its views over them."""
+    """Slots held for the next payload and, when its structure is known, its views over them (``key`` and
+    ``payload``; ``None`` for slots alone, whose views the get makes)."""
 
-    key: bytes
+    key: bytes | None
     slots: dict[DeviceKind, Slot]
-    payload: Any
+    payload: Any = None
+
+    @property
+    def has_views(self) -> bool:
+        return self.key is not None
 
     def views(self) -> Any:
         """The payload's views over the slots (what the get's unpack would have made)."""
@@ -96,6 +126,7 @@ class ReadySlots:
         self._wanted: Manifest | None = None
         self._wake = anyio.Event()
         self.hits = 0  #: gets that found their payload ready
+        self.reused = 0  #: gets of another structure that READ into the ready slots (their views made then)
         self.made = 0  #: ready payloads made
 
     @property
@@ -113,14 +144,22 @@ class ReadySlots:
         return pools.held_bytes(self._ready.slots.values()) if self._ready is not None and pools else 0
 
     def take(self, manifest: Manifest) -> Ready | None:
-        """The ready payload if ``manifest`` (validated) has its structure, else ``None`` — and then the ready
-        slots, if any, are back in the pool, so the caller's own acquire never waits on them."""
+        """For ``manifest`` (validated): the ready payload if it has its structure; else the ready slots alone
+        if its regions fit them (:attr:`Ready.has_views` false: the caller unpacks); else ``None`` — and then
+        the ready slots, if any, are back in the pool, so the caller's own acquire never waits on them."""
         ready, self._ready = self._ready, None
         if ready is None:
             return None
-        if checked_key(manifest) == ready.key:
+        if ready.has_views and checked_key(manifest) == ready.key:
             self.hits += 1
             return ready
+        wanted = {region.device: region.nbytes for region in manifest.regions}
+        if all(kind in ready.slots and ready.slots[kind].nbytes >= n for kind, n in wanted.items()):
+            pools = self._ep.pools
+            if pools is not None:  # a kind this payload has none of goes back
+                pools.release_all([slot for kind, slot in ready.slots.items() if kind not in wanted])
+            self.reused += 1
+            return Ready(None, {kind: ready.slots[kind] for kind in wanted})
         self._release(ready)
         return None
 
@@ -136,11 +175,14 @@ class ReadySlots:
         if ready is not None:
             self._release(ready)
 
-    async def run(self) -> None:
-        """Rehearse (module docstring), then make what :meth:`want` asked for, whenever the event loop gets to
-        it; runs until cancelled."""
+    async def run(self, *, ahead: bool = False) -> None:
+        """Rehearse (module docstring), with ``ahead`` (a consumer with an upstream stage) hold the first get's
+        slots, then make what :meth:`want` asked for, whenever the event loop gets to it; runs until
+        cancelled."""
         try:
             self.rehearse()
+            if ahead:
+                self.hold_ahead()
             while True:
                 await self._wake.wait()
                 self._wake = anyio.Event()
@@ -170,6 +212,11 @@ class ReadySlots:
         ready = self._ready
         try:
             self._make(manifest, count=False)
+            if self._ready is not None and self._ready is not ready:  # and a get's checks, on its slots
+                regions = [self._ready.slots[r.device].remote_region() for r in manifest.regions]
+                validate_manifest(manifest, max_payload_bytes=self._ep.config.max_payload_bytes)
+                validate_remote_regions(manifest, regions, pools.arenas())
+                lease_seal(b"rehearsal", "rehearsal", "rehearsal", regions)
         except Exception as exc:  # noqa: BLE001 - a warm-up: the loop and the connector run on without it
             log.warning("nixl.rehearsal_failed", error=str(exc)[:200])
         made, self._ready = self._ready, ready
@@ -178,12 +225,28 @@ class ReadySlots:
         self._release(made)
         return True
 
+    def hold_ahead(self) -> bool:
+        """Hold a slot of ``capacity // AHEAD_SHARE`` in each pool for the first get (slots alone, no views:
+        its structure is not known yet); whether they were taken (not: turned off, something held ready
+        already, or a pool is busy)."""
+        pools = self._ep.pools
+        if pools is None or not self.enabled or self._ready is not None:
+            return False
+        slots = pools.take_sized_now({kind: pool.capacity // AHEAD_SHARE for kind, pool in pools.pools.items()})
+        if slots is None:
+            return False
+        self._ready = Ready(None, slots)
+        return True
+
     def _make(self, manifest: Manifest, *, count: bool = True) -> None:
         pools = self._ep.pools
         key = checked_key(manifest)
-        if pools is None or key is None:
+        if pools is None or key is None or any(r.device not in pools.pools for r in manifest.regions):
             return
-        slots = pools.take_regions_now(manifest)
+        # a size class up, so that a payload of another structure that fits finds slots ready (``reused``)
+        sizes = {r.device: size_class(r.nbytes, pools.pools[r.device].capacity) for r in manifest.regions}
+        slots = pools.take_sized_now(sizes) if count else None
+        slots = slots or pools.take_regions_now(manifest)
         if slots is None:  # the pool is busy: nothing is taken from a get that needs it
             return
         try:

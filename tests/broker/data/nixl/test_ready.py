@@ -6,6 +6,7 @@ consumer's ready loop runs in the test's task group, the producer's background l
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from stageferry.broker.data.nixl import consumer as consumer_module
 from stageferry.broker.data.nixl import ready as ready_module
@@ -220,6 +222,10 @@ async def test_the_get_path_is_rehearsed_once_at_start_and_holds_nothing(
 
     monkeypatch.setattr(ready_module, "unpack", watched)
     try:
+        with capture_logs() as logs:
+            assert ready.rehearse()
+        assert not [e for e in logs if e["event"] == "nixl.rehearsal_failed"], "the get's checks passed too"
+        unpacked.clear()
         async with anyio.create_task_group() as tg:
             tg.start_soon(ready.run)
             while not unpacked:
@@ -235,3 +241,81 @@ async def test_the_get_path_is_rehearsed_once_at_start_and_holds_nothing(
     finally:
         await consumer.aclose()
         await consumer.endpoint.redis.aclose()
+
+
+def test_a_ready_slot_is_a_size_class_up_within_an_eighth_of_its_pool() -> None:
+    size_class = ready_module.size_class
+    assert size_class(100, 256 << 20) == ready_module.MIN_SIZE_CLASS, "a few integers: the smallest class"
+    assert size_class((1 << 20) + 1, 256 << 20) == 2 << 20, "the next power of two"
+    assert size_class(1 << 20, 256 << 20) == 1 << 20
+    assert size_class(3 << 20, 16 << 20) == 3 << 20, "never past an eighth of the pool..."
+    assert size_class(1 << 20, 4 << 20) == 1 << 20, "...and never less than the region"
+
+
+async def test_a_get_of_another_structure_that_fits_reads_into_the_ready_slots(
+    running: tuple[NixlConnector, NixlConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt of another length changes the payload's structure: its views are made, the ready slot is used."""
+    producer, consumer = running
+    ready, pools = consumer.consumer.ready, consumer.pools
+    assert pools is not None
+    ref, _ = await put(producer, "k-1", 200_000, seed=1)
+    async with consumer.get(ref, None, key="k-1"):
+        pass
+    await idle()
+    assert ready.slots == 1
+    (slot,) = ready._ready.slots.values()  # type: ignore[union-attr]
+    assert slot.nbytes == 256 << 10, "a size class up: 200 kB in a 4 MiB pool"
+    acquires = count_acquires(monkeypatch, consumer)
+    for i, nbytes in enumerate((150_000, 250_000), start=2):  # other structures, both fit
+        other, payload = await put(producer, f"k-{i}", nbytes, seed=i)
+        assert other.manifest != ref.manifest
+        async with consumer.get(other, None, key=f"k-{i}") as incoming:
+            assert_same(incoming.payload, payload)
+            assert incoming.regions is not None
+            assert {k: v.data_ptr() for k, v in incoming.regions.items()} == {slot.kind: slot.address}, "in it"
+            assert {k: v.numel() for k, v in incoming.regions.items()} == {
+                r.device: r.nbytes for r in other.manifest.regions
+            }, "handed on as exactly its regions (a TP group fans them out)"
+        await idle()
+    assert acquires == [] and ready.reused == 2 and ready.hits == 0, "no slot of its own taken"
+    big, payload = await put(producer, "k-9", 1 << 20, seed=9)  # does not fit: slots back, its own taken
+    async with consumer.get(big, None, key="k-9") as incoming:
+        assert_same(incoming.payload, payload)
+    assert acquires == [1] and ready.reused == 2
+
+
+async def test_a_consumer_with_an_upstream_holds_its_first_gets_slots_from_the_start(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    producer = make(redis_url, prefix, "encoder")
+    consumer = make(redis_url, prefix, "diffusion", cpu_pool_bytes=4 << 20)
+    await producer.peers.publish_record()
+    ready, pools = consumer.consumer.ready, consumer.pools
+    assert pools is not None
+    acquires = count_acquires(monkeypatch, consumer)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(ready.run, ahead=True))
+            await idle()
+            assert ready.slots == 1 and ready.made == 0, "slots alone: no structure is known yet"
+            assert pools.bytes_in_use == (4 << 20) // ready_module.AHEAD_SHARE
+            resources = consumer.resources()
+            assert resources["pool_slots_in_use"] == 0 and resources["ready_slots"] == 1, "counted apart"
+            ref, payload = await put(producer, "k-1", 100_000, seed=1)
+            async with consumer.get(ref, None, key="k-1") as incoming:
+                assert_same(incoming.payload, payload)
+            assert acquires == [] and ready.reused == 1, "the first get took no slot of its own"
+            # under pressure they go back like any ready slots: a put that needs the whole pool does not wait
+            await idle()
+            assert ready.slots == 1
+            with anyio.fail_after(5):
+                out = await consumer.put("k-out", sized_payload(4_100_000, seed=9))
+            assert isinstance(out.ref, NixlPayload) and ready.slots == 0
+            consumer.abandon(out)
+            tg.cancel_scope.cancel()
+    finally:
+        for conn in (consumer, producer):
+            await conn.aclose()
+            await conn.endpoint.redis.aclose()
+    assert pools.slots_in_use == 0
