@@ -55,6 +55,8 @@
 #   up_gpu    `stageferry up` at 1344x768 (the issue's measure of item 1: its own table, each hop's first transfer
 #             beside the median of 3 warm runs) for each of UP_TASKS (default "t2va fl2va ref2va"), both stages on
 #             GPU 0 as the planner places them on one GPU, with --mps UP_MPS (default auto: up's private daemon)
+#   first_get a fresh process's first get's local steps (checks, slots, views) against its later gets, 4 processes
+#             each for the T2VA and FL2VA structures (benchmarks/first_get_steps.py, CUDA pool, 1 s idle before each)
 #   mps_copy  same_gpu alone under this call's own MPS control daemon (mps without same_gpu_parts)
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
 #             round's base (a copy of it carried as .base: `git archive <base> stageferry benchmarks tests
@@ -89,6 +91,8 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
                 --width 1344 --height 768 --warm-runs 3 --mps "${UP_MPS:-auto}" --log-dir "/tmp/$name"
               grep -h '"placement\.\|"nixl\.\(same_gpu\|transport\)\|"mps\.\|"payload\.get' "/tmp/$name"/*.log > "$out/${name}_events.txt"
             done ;;
+    first_get) run_step first_get_t2va 90 python3 benchmarks/first_get_steps.py --device cuda --processes 4 --idle 1
+               run_step first_get_fl2va 90 python3 benchmarks/first_get_steps.py --device cuda --processes 4 --frames 2 --idle 1 ;;
     mps|mps_copy) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps/log
          mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
          if nvidia-cuda-mps-control -d; then
