@@ -62,7 +62,9 @@ class DataPlaneConfig(Strict):
     them.  0 (NIXL's default engine) by measurement: 4 or 8 threads made no DRAM READ faster."""
     ready_slots: bool = True
     """A consumer leader keeps the slots and views of one more payload of its last shape ready, made while
-    idle, so a get of that shape skips taking slots and unpacking (:mod:`stageferry.broker.data.nixl.ready`)."""
+    idle, so a get of that shape skips taking slots and unpacking, and one of another shape that fits the
+    slots (a size class up) skips taking slots; with an upstream stage it holds its first get's slots from
+    start-up (:mod:`stageferry.broker.data.nixl.ready`)."""
     agent_heartbeat_s: Annotated[float, Field(gt=0, le=60)] = 2.0
     """Seconds between refreshes of the agent record in Redis."""
     agent_ttl_s: Annotated[float, Field(gt=0, le=600)] = 6.0
