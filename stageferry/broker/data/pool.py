@@ -86,6 +86,19 @@ class ArenaAllocator:
                 return offset
         return None
 
+    def shrink(self, offset: int, nbytes: int) -> None:
+        """Keep the live block at ``offset`` only ``nbytes`` long (rounded up) and free its tail; a block
+        already that small is left as it is.  ValueError for an offset that is not live."""
+        size = self._live.get(offset)
+        if size is None:
+            raise ValueError(f"offset {offset} is not an allocated block")
+        kept = max(1, -(-nbytes // self.alignment)) * self.alignment
+        if kept >= size:
+            return
+        self._live[offset] = kept
+        self._live[offset + kept] = size - kept  # the tail as a block of its own, freed (and merged) at once
+        self.free(offset + kept)
+
     def free(self, offset: int) -> None:
         """Return a block; ValueError for an offset that is not live (double free, or never allocated)."""
         size = self._live.pop(offset, None)
@@ -268,6 +281,26 @@ class MemoryPool:
     def held_bytes(self, slot: Slot) -> int:
         """What ``slot`` adds to :attr:`bytes_in_use` (its size rounded to the alignment); 0 once released."""
         return self._alloc.size_of(slot.offset) if self._slots.get(slot.offset) is slot else 0
+
+    def shrink(self, slot: Slot, nbytes: int) -> Slot:
+        """``slot`` cut to its first ``nbytes`` (at most its size): the tail goes back to the pool (and may
+        wake a waiter) and a new slot object of that size is returned, which is the one to release; ``slot``
+        itself is then stale.  A slot no longer live is returned as it is."""
+        if self._slots.get(slot.offset) is not slot or nbytes >= slot.nbytes:
+            return slot
+        self._alloc.shrink(slot.offset, nbytes)
+        cut = Slot(
+            kind=slot.kind,
+            offset=slot.offset,
+            nbytes=nbytes,
+            view=slot.view[:nbytes],
+            address=slot.address,
+            device_id=slot.device_id,
+        )
+        self._slots[slot.offset] = cut
+        self._publish()
+        self._wake_head()
+        return cut
 
     def release(self, slot: Slot) -> bool:
         """Free ``slot`` and wake the next waiter; True if freed.

@@ -61,7 +61,11 @@ def manifest_of(**regions: int) -> Manifest:
 # -- allocator --------------------------------------------------------------------------------------------
 
 ops = st.lists(
-    st.one_of(st.tuples(st.just("alloc"), st.integers(0, 1500)), st.tuples(st.just("free"), st.integers(0, 63))),
+    st.one_of(
+        st.tuples(st.just("alloc"), st.integers(0, 1500)),
+        st.tuples(st.just("free"), st.integers(0, 63)),
+        st.tuples(st.just("shrink"), st.integers(0, 63)),
+    ),
     max_size=120,
 )
 
@@ -78,10 +82,14 @@ def test_allocator_never_overlaps_and_coalesces(ops: list[tuple[str, int]], alig
             if off is not None:
                 assert off % alignment == 0 and off not in live
                 live[off] = arg
-        elif live:
+        elif live and op == "free":
             off = sorted(live)[arg % len(live)]
             a.free(off)
             del live[off]
+        elif live:  # shrink a live block to half what it asked for: its tail is free again
+            off = sorted(live)[arg % len(live)]
+            a.shrink(off, live[off] // 2)
+            live[off] //= 2
         spans = sorted((o, o + max(1, -(-n // alignment)) * alignment) for o, n in live.items())
         assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans))
         assert all(end <= a.capacity for _, end in spans)
@@ -92,6 +100,18 @@ def test_allocator_never_overlaps_and_coalesces(ops: list[tuple[str, int]], alig
     for off in list(live):
         a.free(off)
     assert a.free_blocks() == [(0, a.capacity)] and a.bytes_in_use == 0 and a.live == 0
+
+
+def test_allocator_shrink_frees_the_tail_and_merges_it() -> None:
+    a = ArenaAllocator(1024, 256)
+    x = a.allocate(1000)
+    a.shrink(x, 300)  # two units kept, the last two free again and one block
+    assert a.bytes_in_use == 512 and a.free_blocks() == [(512, 512)]
+    a.shrink(x, 600)  # already that small: nothing changes
+    assert a.bytes_in_use == 512
+    assert a.allocate(512) == 512
+    with pytest.raises(ValueError, match="not an allocated block"):
+        a.shrink(256, 1)
 
 
 def test_allocator_first_fit_reuse_and_errors() -> None:
@@ -234,6 +254,29 @@ async def test_second_release_is_ignored_and_cannot_free_a_reused_offset() -> No
     assert pool.slots_in_use == 1
     assert pool.release(b) is True and pool.release(b) is False
     assert pool.slots_in_use == 0
+
+
+@pytest.mark.anyio
+async def test_a_shrunk_slot_gives_its_tail_back_to_a_waiter_and_the_old_object_goes_stale() -> None:
+    pool = cpu_pool(4096)
+    big = await pool.acquire(4096, timeout=1)
+    big.view.fill_(7)
+    got: list[Slot] = []
+
+    async def waiter() -> None:
+        got.append(await pool.acquire(2048, timeout=5))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await until(lambda: pool.waiting == 1)
+        cut = pool.shrink(big, 1000)
+    assert got and got[0].offset == 1024, "the tail woke the waiter"
+    assert (cut.offset, cut.nbytes, cut.address) == (big.offset, 1000, big.address)
+    assert cut.view.numel() == 1000 and cut.view.data_ptr() == big.view.data_ptr() and int(cut.view[999]) == 7
+    assert pool.shrink(cut, 2000) is cut, "never grows"
+    assert pool.release(big) is False, "the uncut object is stale"
+    assert pool.release(cut) is True and pool.release(got[0]) is True and pool.slots_in_use == 0
+    assert pool.shrink(cut, 10) is cut, "a slot no longer live is left as it is"
 
 
 @pytest.mark.anyio

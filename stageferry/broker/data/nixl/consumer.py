@@ -69,10 +69,6 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 
-def _exactly(view: torch.Tensor, nbytes: int) -> torch.Tensor:
-    return view if view.numel() == nbytes else view[:nbytes]
-
-
 def _where(kind: MemKind, device_id: int) -> str:
     return f"VRAM:{device_id}" if kind is MemKind.VRAM else kind.value
 
@@ -98,7 +94,6 @@ class Consumer:
             self._count_get(incoming)
             yield incoming
         finally:
-            self.reader.log_transport()  # once per peer: after the block, off the request's path
             pools = self._ep.pools
             if slots and pools is not None:
                 if DeviceKind.CUDA in slots:  # kernels queued on the payload must finish before reuse
@@ -107,6 +102,7 @@ class Consumer:
                 pools.release_all(slots)
                 if isinstance(ref, NixlPayload):  # the next payload of this shape, made while we are idle
                     self.ready.want(ref.manifest)
+            self.reader.log_transport()  # once per peer: after the block, off the request's path
 
     async def claim(self, ref: NixlPayload, claimed: bool | None = None) -> None:
         """Claim ``ref``'s lease unless the stream read did (:func:`~stageferry.broker.data.nixl.reads.claim`)."""
@@ -193,8 +189,7 @@ class Consumer:
             raise
         ended = time.perf_counter()
         seconds = ended - started
-        # a TP group fans these out as they are: each exactly its region (a ready slot may be a size class up)
-        regions = {r.device: _exactly(slots[r.device].view, r.nbytes) for r in ref.manifest.regions}
+        regions = {kind: slot.view for kind, slot in slots.items()}  # a TP group fans these out as they are
         incoming = Incoming(
             payload=payload,
             transport=Transport.NIXL,

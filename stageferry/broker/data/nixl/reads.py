@@ -244,11 +244,17 @@ class Reader:
         for name, ref in due.items():
             if agent is None or name in self._transport_logged:
                 continue
+            try:
+                transport = agent.transport_info(name)
+                vram = any(r.mem_kind is MemKind.VRAM for r in ref.regions)
+                level = "warning" if vram and transport and "tcp" in transport.lower() else "info"
+                getattr(log, level)(
+                    "nixl.transport", peer=name, transport=transport or "unknown (set UCX_PROTO_INFO=y)"
+                )
+            except Exception:  # noqa: BLE001 - diagnostics: never the get's failure; the next get tries again
+                self._transport_due.setdefault(name, ref)
+                continue
             self._transport_logged.add(name)
-            transport = agent.transport_info(name)
-            vram = any(r.mem_kind is MemKind.VRAM for r in ref.regions)
-            level = "warning" if vram and transport and "tcp" in transport.lower() else "info"
-            getattr(log, level)("nixl.transport", peer=name, transport=transport or "unknown (set UCX_PROTO_INFO=y)")
 
     async def _end_reads(
         self, ref: NixlPayload, peer: Peer, handles: list[object], deadline: float, *, released: bool

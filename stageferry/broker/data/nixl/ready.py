@@ -19,8 +19,10 @@ follows the prompt), so the next get often has another structure than the ready 
 useless, but its slots are not: a ready payload's slots are taken a size class larger than its regions
 (the next power of two, at most an eighth of the pool, never less than the region), and a get whose regions
 all fit them READs into them and makes only its views (``reused``) instead of giving them back and taking
-its own.  Likewise the first get: after the rehearsal, a consumer with an upstream stage holds one slot of a
-sixteenth of each pool (``ahead``), so that get takes no slot either.
+its own.  A get takes them cut to its regions (:meth:`~stageferry.broker.data.pool.MemoryPool.shrink`):
+the rest is back in the pool while its block runs.  Likewise the first get: after the rehearsal, a
+consumer with an upstream stage holds one slot of a sixteenth of each pool (``ahead``), so that get takes
+no slot either.
 
 Memory: at most one payload's slots are held ready, per consumer.  They are never taken while anybody waits
 on a pool (:meth:`~stageferry.broker.data.pool.PoolSet.take_regions_now`); they go back before a get of
@@ -148,20 +150,23 @@ class ReadySlots:
         if its regions fit them (:attr:`Ready.has_views` false: the caller unpacks); else ``None`` — and then
         the ready slots, if any, are back in the pool, so the caller's own acquire never waits on them."""
         ready, self._ready = self._ready, None
-        if ready is None:
+        pools = self._ep.pools
+        if ready is None or pools is None:
             return None
+        wanted = {region.device: region.nbytes for region in manifest.regions}
         if ready.has_views and checked_key(manifest) == ready.key:
             self.hits += 1
-            return ready
-        wanted = {region.device: region.nbytes for region in manifest.regions}
-        if all(kind in ready.slots and ready.slots[kind].nbytes >= n for kind, n in wanted.items()):
-            pools = self._ep.pools
-            if pools is not None:  # a kind this payload has none of goes back
-                pools.release_all([slot for kind, slot in ready.slots.items() if kind not in wanted])
+        elif all(kind in ready.slots and ready.slots[kind].nbytes >= n for kind, n in wanted.items()):
+            pools.release_all([slot for kind, slot in ready.slots.items() if kind not in wanted])
             self.reused += 1
-            return Ready(None, {kind: ready.slots[kind] for kind in wanted})
-        self._release(ready)
-        return None
+            ready = Ready(None, {kind: ready.slots[kind] for kind in wanted})
+        else:
+            self._release(ready)
+            return None
+        # the get holds them for its whole block: each cut to its region, the rest back in the pool now, so
+        # the size class up never makes a put or a staging of the block wait (nor lets a view reach past it)
+        ready.slots = {kind: pools.pools[kind].shrink(slot, wanted[kind]) for kind, slot in ready.slots.items()}
+        return ready
 
     def want(self, manifest: Manifest) -> None:
         """A get of ``manifest`` ended and gave its slots back: have the next payload of its shape ready."""
@@ -212,11 +217,13 @@ class ReadySlots:
         ready = self._ready
         try:
             self._make(manifest, count=False)
-            if self._ready is not None and self._ready is not ready:  # and a get's checks, on its slots
-                regions = [self._ready.slots[r.device].remote_region() for r in manifest.regions]
+            made = self._ready
+            if made is not None and made is not ready:  # and a get's checks on its slots, and their cut
+                regions = [made.slots[r.device].remote_region() for r in manifest.regions]
                 validate_manifest(manifest, max_payload_bytes=self._ep.config.max_payload_bytes)
                 validate_remote_regions(manifest, regions, pools.arenas())
                 lease_seal(b"rehearsal", "rehearsal", "rehearsal", regions)
+                made.slots = {k: pools.pools[k].shrink(slot, slot.nbytes // 2) for k, slot in made.slots.items()}
         except Exception as exc:  # noqa: BLE001 - a warm-up: the loop and the connector run on without it
             log.warning("nixl.rehearsal_failed", error=str(exc)[:200])
         made, self._ready = self._ready, ready

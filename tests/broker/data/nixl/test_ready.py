@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 from stageferry.broker.data.nixl import consumer as consumer_module
 from stageferry.broker.data.nixl import ready as ready_module
 from stageferry.broker.data.nixl.connector import NixlConnector
-from stageferry.schemas import NixlPayload
+from stageferry.schemas import DeviceKind, NixlPayload, RegionSpec
 from stageferry.testing import assert_same, sized_payload
 from tests.broker.data.nixl.test_consumer import make
 
@@ -279,10 +279,22 @@ async def test_a_get_of_another_structure_that_fits_reads_into_the_ready_slots(
             }, "handed on as exactly its regions (a TP group fans them out)"
         await idle()
     assert acquires == [] and ready.reused == 2 and ready.hits == 0, "no slot of its own taken"
+    # the get holds its slot cut to its region: the size class's rest is the pool's while the block runs
+    await idle()
+    small, _ = await put(producer, "k-5", 100_000, seed=5)
+    async with consumer.get(small, None, key="k-5"):
+        assert pools.bytes_in_use < 110_000
+        rest = small.manifest.model_copy(
+            update={"tensors": [], "regions": [RegionSpec(device=DeviceKind.CPU, nbytes=(4 << 20) - (128 << 10))]}
+        )
+        held = pools.take_regions_now(rest)  # what the block's own put would take: no wait, no pressure
+        assert held is not None, "the size class's rest is free while the block runs"
+        pools.release_all(held)
+    await idle()
     big, payload = await put(producer, "k-9", 1 << 20, seed=9)  # does not fit: slots back, its own taken
     async with consumer.get(big, None, key="k-9") as incoming:
         assert_same(incoming.payload, payload)
-    assert acquires == [1] and ready.reused == 2
+    assert acquires == [1] and ready.reused == 3
 
 
 async def test_a_consumer_with_an_upstream_holds_its_first_gets_slots_from_the_start(
@@ -305,6 +317,7 @@ async def test_a_consumer_with_an_upstream_holds_its_first_gets_slots_from_the_s
             ref, payload = await put(producer, "k-1", 100_000, seed=1)
             async with consumer.get(ref, None, key="k-1") as incoming:
                 assert_same(incoming.payload, payload)
+                assert pools.bytes_in_use < 110_000, "held cut to its region while the block runs"
             assert acquires == [] and ready.reused == 1, "the first get took no slot of its own"
             # under pressure they go back like any ready slots: a put that needs the whole pool does not wait
             await idle()
