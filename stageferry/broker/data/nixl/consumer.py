@@ -161,14 +161,15 @@ class Consumer:
         ready = self.ready.take(ref.manifest)  # slots (and views, for this very structure) made while idle
         if ready is not None:
             slots = ready.slots
-            buffers = {kind: slot.view for kind, slot in slots.items()}
-            views = ready.views if ready.has_views else functools.partial(unpack, ref.manifest, buffers, copy=False)
         else:
             try:
                 slots = await pools.acquire_regions(ref.manifest, timeout=ep.timeouts.pool_wait)
             except PoolExhaustedError:
                 await self.claim(ref, claimed)  # ours before its producer is asked for it inline
                 return await self.resend_inline(ref, reason="pool_exhausted"), {}
+        if ready is not None and ready.has_views:
+            views = ready.views
+        else:
             buffers = {kind: slot.view for kind, slot in slots.items()}
             views = functools.partial(unpack, ref.manifest, buffers, copy=False)
         taken = time.perf_counter()
@@ -236,9 +237,10 @@ class Consumer:
         was used.  A copy that cannot be queued or fails is logged and the whole payload READ, with the
         claim already ours in the second case."""
         copy: ArenaCopy | None = None
-        if self.same_gpu.usable(ref, peer.ipc, slots):
+        regions = self.same_gpu.regions(ref, peer.ipc, slots)
+        if regions:
             try:
-                copy = self.same_gpu.launch(ref, peer.ipc, slots)
+                copy = self.same_gpu.launch(ref, peer.ipc, slots, regions)
             except TransferError as exc:
                 self._fell_back(ref, peer, exc)
         try:

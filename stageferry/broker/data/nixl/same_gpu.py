@@ -253,14 +253,21 @@ class SameGpu:
         """Whether any region of ``ref`` can be copied (:meth:`regions`)."""
         return bool(self.regions(ref, arena, slots))
 
-    def launch(self, ref: NixlPayload, arena: IpcArena | None, slots: dict[DeviceKind, Slot]) -> ArenaCopy:
-        """Queue the copy of every region :meth:`regions` names into our slot on the arena's stream (the
-        CUDA runtime's calls); what is returned says which regions and when they are done.
-        :class:`TransferError` if it cannot be queued."""
+    def launch(
+        self,
+        ref: NixlPayload,
+        arena: IpcArena | None,
+        slots: dict[DeviceKind, Slot],
+        regions: frozenset[int] | None = None,
+    ) -> ArenaCopy:
+        """Queue the copy of every region :meth:`regions` names (``regions``, when the caller has them
+        already) into our slot on the arena's stream (the CUDA runtime's calls); what is returned says which
+        regions and when they are done.  :class:`TransferError` if it cannot be queued."""
         rt = CudaRuntime.loaded()
         if rt is None or arena is None or arena.events is None:  # open_arena maps nothing without it
             raise TransferError("same-GPU copy failed: no CUDA runtime to queue it with")
-        regions = self.regions(ref, arena, slots)
+        if regions is None:
+            regions = self.regions(ref, arena, slots)
         local = slots[DeviceKind.CUDA]
         try:
             rt.set_device(local.device_id)

@@ -455,7 +455,8 @@ def copy_beside(
     order: list[str] = []
     beside = CopyBeside(consumer, regions, order, fail)
     cons = consumer.consumer
-    monkeypatch.setattr(cons.same_gpu, "usable", lambda *args: True)
+    # the copy is launched whatever it covers (an index no region has when it covers none)
+    monkeypatch.setattr(cons.same_gpu, "regions", lambda *args: regions or frozenset({-1}))
     monkeypatch.setattr(cons.same_gpu, "launch", lambda *args: beside)
     real_release, real_wait_all = cons.reader.release_producer, cons.reader._wait_all
 
