@@ -76,7 +76,7 @@ def child(args: argparse.Namespace) -> None:
     rehearsal = plan_payload(rehearsal_payload(devices)).manifest
     slots = poolset.take_regions_now(rehearsal)
     assert slots is not None and checked_key(rehearsal) is not None
-    unpack(rehearsal, {k: s.view for k, s in slots.items()}, copy=False)
+    unpack(rehearsal, {k: s.span for k, s in slots.items()}, copy=False)
     own = [slots[r.device].remote_region() for r in rehearsal.regions]
     validate_manifest(rehearsal, max_payload_bytes=1 << 30)
     validate_remote_regions(rehearsal, own, poolset.arenas())
@@ -114,7 +114,7 @@ def child(args: argparse.Namespace) -> None:
         t3 = time.perf_counter()
         slots = await poolset.acquire_regions(manifest, timeout=1.0)
         t4 = time.perf_counter()
-        unpack(manifest, {k: s.view for k, s in slots.items()}, copy=False)
+        unpack(manifest, {k: s.span for k, s in slots.items()}, copy=False)
         t5 = time.perf_counter()
         poolset.release_all(slots)
         t6 = time.perf_counter()

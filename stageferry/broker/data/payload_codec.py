@@ -27,7 +27,8 @@ public names are re-exported here, so callers import the codec as one thing.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,7 +60,10 @@ __all__ = [
     "MAX_DEVICE_ID",
     "MAX_STRING_CHARS",
     "TORCH_DTYPE",
+    "Buffer",
     "PackPlan",
+    "Span",
+    "TypedViews",
     "decode_inline",
     "encode_inline",
     "pack_into",
@@ -72,16 +76,67 @@ __all__ = [
 _MAX_ITEMSIZE = max(ITEMSIZE.values())
 
 
-def _check_buffers(manifest: Manifest, buffers: Mapping[DeviceKind, torch.Tensor]) -> None:
-    """Caller-side contract on buffers: a uint8, 1-D, contiguous tensor of at least the region's size."""
+class TypedViews:
+    """A contiguous 1-D uint8 tensor (a pool's arena) and its views as each dtype, each made once and kept.
+
+    Why kept: in a process that has been idle (a stage waiting for its first request), the first call of
+    each torch op costs 30–130 µs (cold caches), a repeat of it 3–5 µs.  A payload's tensors made over a
+    pool's :class:`Span` with the arena's dtype views kept take one ``as_strided`` each and no other torch
+    op (no dtype view, slice or empty tensor per get): a get of a structure never seen pays one cold op,
+    not four.  Not thread-safe to fill; a pool makes every dtype's view when it is created."""
+
+    __slots__ = ("_typed", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, dtypes: Iterable[torch.dtype] = ()) -> None:
+        if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
+            raise ValueError("typed views need a contiguous 1-D uint8 tensor")
+        self.tensor = tensor
+        self._typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+        for dtype in dtypes:
+            self.typed(dtype)
+
+    def typed(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """The tensor as ``dtype`` (a last partial element cut off) and the storage offset, in elements of
+        ``dtype``, of the tensor's first byte (a view's ``as_strided`` offset counts from the storage)."""
+        got = self._typed.get(dtype)
+        if got is None:
+            n, size = self.tensor.numel(), dtype.itemsize
+            whole = (self.tensor if n % size == 0 else self.tensor[: n - n % size]).view(dtype)
+            got = self._typed[dtype] = (whole, int(whole.storage_offset()))
+        return got
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Where a region's bytes are: ``nbytes`` from byte ``offset`` of ``views``' tensor (a pool slot:
+    :attr:`~stageferry.broker.data.pool.Slot.span`).  ``offset`` is aligned to every dtype's size."""
+
+    views: TypedViews
+    offset: int
+    nbytes: int
+
+
+#: What a region's buffer may be given as: a contiguous 1-D uint8 tensor of at least the region's size
+#: (its dtype views made on each call), or a :class:`Span` of a pool's arena (its dtype views kept).
+Buffer = torch.Tensor | Span
+
+
+def _spans(manifest: Manifest, buffers: Mapping[DeviceKind, Buffer]) -> dict[DeviceKind, Span]:
+    """Each region's buffer as a :class:`Span`, checked: there, of the right kind, at least the region's size."""
+    spans: dict[DeviceKind, Span] = {}
     for r in manifest.regions:
         buf = buffers.get(r.device)
         if buf is None:
             raise ValueError(f"no buffer given for the {r.device} region")
-        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
-            raise ValueError(f"the {r.device} buffer must be a contiguous 1-D uint8 tensor")
-        if buf.numel() < r.nbytes:
-            raise ValueError(f"the {r.device} buffer holds {buf.numel()} bytes, region needs {r.nbytes}")
+        if not isinstance(buf, Span):
+            try:
+                buf = Span(TypedViews(buf), 0, buf.numel())
+            except ValueError:
+                raise ValueError(f"the {r.device} buffer must be a contiguous 1-D uint8 tensor") from None
+        if buf.nbytes < r.nbytes:
+            raise ValueError(f"the {r.device} buffer holds {buf.nbytes} bytes, region needs {r.nbytes}")
+        spans[r.device] = buf
+    return spans
 
 
 #: The leaves of manifests that passed the structure checks, by structure key (see ``_checked_leaves``).
@@ -101,45 +156,43 @@ def _checked_leaves(manifest: Manifest) -> tuple[Leaf, ...]:
     return leaves
 
 
-def _views(leaves: Sequence[Leaf], buffers: Mapping[DeviceKind, torch.Tensor], *, bits: bool) -> list[torch.Tensor]:
-    """The tensors ``leaves`` describe, as views over ``buffers`` (checked by ``_check_buffers``): each as
-    its own dtype, or with ``bits`` as the integer dtype of its width.
+def _views(leaves: Sequence[Leaf], spans: Mapping[DeviceKind, Span], *, bits: bool) -> list[torch.Tensor]:
+    """The tensors ``leaves`` describe, as views over ``spans`` (made by ``_spans``): each as its own dtype,
+    or with ``bits`` as the integer dtype of its width.
 
-    Each buffer is viewed as each dtype once, and each tensor is one ``as_strided`` of that view (one
-    torch call per tensor).  ``as_strided`` is bounded by the whole pool, not the slot, so every view is
-    checked to end inside its buffer, although the manifest's checks already guarantee it."""
-    typed: dict[tuple[DeviceKind, torch.dtype], torch.Tensor] = {}
+    Each is one ``as_strided`` of its span's arena viewed as its dtype (:meth:`TypedViews.typed`), empty
+    tensors too, and nothing else reaches torch.  ``as_strided`` is bounded by the whole arena, not the
+    span, so every view is checked to end inside its span, although the manifest's checks already
+    guarantee it."""
     views = []
     for leaf in leaves:
         dtype = leaf.bits if bits else leaf.dtype
-        buf = buffers[leaf.device]
-        if leaf.count == 0:
-            views.append(torch.empty(leaf.shape, dtype=dtype, device=buf.device))
-            continue
-        whole = typed.get((leaf.device, dtype))
-        if whole is None:
-            size, n = dtype.itemsize, buf.numel()
-            whole = typed[leaf.device, dtype] = (buf if n % size == 0 else buf[: n - n % size]).view(dtype)
-        if leaf.start + leaf.count > whole.numel():
+        span = spans[leaf.device]
+        size = dtype.itemsize
+        if span.offset % size:
+            raise ValueError(f"a span at byte {span.offset} cannot hold {dtype} elements")
+        whole, first = span.views.typed(dtype)
+        if leaf.count and leaf.start + leaf.count > span.nbytes // size:
             raise ManifestError("tensor extends beyond its buffer", start=leaf.start, count=leaf.count)
-        views.append(whole.as_strided(leaf.shape, leaf.strides, whole.storage_offset() + leaf.start))
+        start = first + span.offset // size + (leaf.start if leaf.count else 0)
+        views.append(whole.as_strided(leaf.shape, leaf.strides, start))
     return views
 
 
-def pack_into(plan: PackPlan, buffers: Mapping[DeviceKind, torch.Tensor]) -> None:
+def pack_into(plan: PackPlan, buffers: Mapping[DeviceKind, Buffer]) -> None:
     """Copy every tensor of ``plan`` into its region's buffer (one copy, strided sources included).
 
     A buffer may live elsewhere than its kind says (:func:`encode_inline` stages CUDA leaves in host
     memory).  CUDA destinations are synchronised before returning: a NIXL READ does not wait on streams.
     """
     manifest = plan.manifest
-    _check_buffers(manifest, buffers)
+    spans = _spans(manifest, buffers)
     with torch.no_grad():
-        for leaf, dest, src in zip(plan.leaves, _views(plan.leaves, buffers, bits=True), plan.tensors, strict=True):
+        for leaf, dest, src in zip(plan.leaves, _views(plan.leaves, spans, bits=True), plan.tensors, strict=True):
             if leaf.count:
                 dest.copy_(src.resolve_neg().resolve_conj().view(leaf.bits))
     for r in manifest.regions:
-        buf = buffers[r.device]
+        buf = spans[r.device].views.tensor
         if buf.is_cuda:
             torch.cuda.synchronize(buf.device)
 
@@ -156,16 +209,15 @@ def _build(node: dict[str, Any], leaves: Sequence[Any]) -> Any:
     return children if tag == "l" else tuple(children)
 
 
-def _unpack(manifest: Manifest, leaves: Sequence[Leaf], buffers: Mapping[DeviceKind, torch.Tensor], copy: bool) -> Any:
-    _check_buffers(manifest, buffers)
-    views = _views(leaves, buffers, bits=False)
-    if copy:
-        views = [view.clone() if leaf.count else view for leaf, view in zip(leaves, views, strict=True)]
+def _unpack(manifest: Manifest, leaves: Sequence[Leaf], buffers: Mapping[DeviceKind, Buffer], copy: bool) -> Any:
+    views = _views(leaves, _spans(manifest, buffers), bits=False)
+    if copy:  # empty ones too: a view keeps its whole arena alive
+        views = [view.clone() for view in views]
     return _build(manifest.tree, views)
 
 
-def unpack(manifest: Manifest, buffers: Mapping[DeviceKind, torch.Tensor], *, copy: bool) -> Any:
-    """Rebuild the payload over ``buffers`` (one per region kind, e.g. pool slot views).
+def unpack(manifest: Manifest, buffers: Mapping[DeviceKind, Buffer], *, copy: bool) -> Any:
+    """Rebuild the payload over ``buffers`` (one per region kind: a pool slot's :class:`Span`, or a tensor).
 
     ``copy=False``: tensors are views of the buffers (zero-copy); the caller keeps the buffers (the slots)
     alive and unchanged while the payload is in use.  ``copy=True``: every tensor owns its memory, so the

@@ -23,6 +23,7 @@ import structlog
 import torch
 
 from stageferry.broker.data.metrics import POOL_BYTES_IN_USE
+from stageferry.broker.data.payload_codec import TORCH_DTYPE, Span, TypedViews
 from stageferry.config import DataPlaneConfig
 from stageferry.errors import ManifestError, PoolExhaustedError
 from stageferry.schemas.payload import MEM_KIND_OF, DeviceKind, Manifest, RemoteRegion
@@ -141,6 +142,13 @@ class Slot:
     view: torch.Tensor = field(repr=False)
     address: int
     device_id: int
+    typed: TypedViews = field(repr=False)  # the pool's arena as each dtype
+
+    @property
+    def span(self) -> Span:
+        """This slot in its pool's arena: what :func:`~stageferry.broker.data.payload_codec.unpack` makes
+        views over without a torch op of its own (:class:`~stageferry.broker.data.payload_codec.TypedViews`)."""
+        return Span(self.typed, self.offset, self.nbytes)
 
     def remote_region(self) -> RemoteRegion:
         """The wire form of this slot, for a NIXL descriptor."""
@@ -178,6 +186,7 @@ class MemoryPool:
         self.kind = kind
         self._alloc = ArenaAllocator(capacity, alignment)
         self._buffer = torch.empty(self._alloc.capacity, dtype=torch.uint8, device=device)
+        self._typed = TypedViews(self._buffer, TORCH_DTYPE.values())  # every dtype's view, made now
         self.device_id = self._buffer.get_device() if kind is DeviceKind.CUDA else 0
         self._registrar = registrar
         self._handle = registrar.register(self._buffer) if registrar is not None else None
@@ -296,6 +305,7 @@ class MemoryPool:
             view=slot.view[:nbytes],
             address=slot.address,
             device_id=slot.device_id,
+            typed=slot.typed,
         )
         self._slots[slot.offset] = cut
         self._publish()
@@ -344,6 +354,7 @@ class MemoryPool:
             view=view,
             address=self._buffer.data_ptr() + offset,
             device_id=self.device_id,
+            typed=self._typed,
         )
         self._slots[offset] = slot
         self._publish()

@@ -10,10 +10,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from stageferry.broker.data import payload_codec
 from stageferry.broker.data.payload_codec import (
     TORCH_DTYPE,
+    Span,
+    TypedViews,
     decode_inline,
     encode_inline,
     pack_into,
@@ -21,6 +24,7 @@ from stageferry.broker.data.payload_codec import (
     unpack,
     validate_manifest,
 )
+from stageferry.broker.data.pool import MemoryPool, PoolSet
 from stageferry.errors import ManifestError
 from stageferry.schemas.payload import (
     MAX_TREE_DEPTH,
@@ -296,14 +300,68 @@ def test_cuda_leaves_inline() -> None:
 
 
 def test_a_view_never_reaches_past_its_buffer() -> None:
-    """Views are ``as_strided`` over the whole pool; each is checked against its own buffer first."""
+    """Views are ``as_strided`` over the whole arena; each is checked against its own span first, whether
+    the region's buffer is a tensor (a slice of the arena) or a :class:`Span` of it."""
     plan = plan_payload({"x": torch.arange(16, dtype=torch.int32)})
-    pool = torch.zeros(1024, dtype=torch.uint8)
-    slot = pool[256:320]  # exactly the region: 64 bytes
-    pack_into(plan, {DeviceKind.CPU: slot})
-    assert torch.equal(
-        unpack(plan.manifest, {DeviceKind.CPU: slot}, copy=False)["x"], torch.arange(16, dtype=torch.int32)
-    )
-    beyond = dataclasses.replace(plan.leaves[0], start=1)  # one element past the slot's end
-    with pytest.raises(ManifestError, match="beyond its buffer"):
-        payload_codec._views([beyond], {DeviceKind.CPU: slot}, bits=False)
+    arena = TypedViews(torch.zeros(1024, dtype=torch.uint8))
+    for buffer in (arena.tensor[256:320], Span(arena, 256, 64)):  # exactly the region: 64 bytes
+        arena.tensor.zero_()
+        pack_into(plan, {DeviceKind.CPU: buffer})
+        assert torch.equal(
+            unpack(plan.manifest, {DeviceKind.CPU: buffer}, copy=False)["x"], torch.arange(16, dtype=torch.int32)
+        )
+        assert not arena.tensor[:256].any() and not arena.tensor[320:].any()
+        spans = payload_codec._spans(plan.manifest, {DeviceKind.CPU: buffer})
+        beyond = dataclasses.replace(plan.leaves[0], start=1)  # one element past the slot's end
+        with pytest.raises(ManifestError, match="beyond its buffer"):
+            payload_codec._views([beyond], spans, bits=False)
+
+
+def test_a_span_is_checked_like_a_tensor() -> None:
+    plan = plan_payload({"x": torch.arange(16, dtype=torch.int32)})
+    arena = TypedViews(torch.zeros(1024, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="holds 60 bytes"):
+        unpack(plan.manifest, {DeviceKind.CPU: Span(arena, 256, 60)}, copy=False)
+    with pytest.raises(ValueError, match="cannot hold"):  # int32 elements at a byte offset of 2
+        unpack(plan.manifest, {DeviceKind.CPU: Span(arena, 258, 64)}, copy=False)
+    with pytest.raises(ValueError, match="uint8"):
+        TypedViews(torch.zeros(16))
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops run under it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["zero_copy", "copy"])
+def test_views_over_a_pool_slot_are_one_as_strided_each(task_payload: Any, copy: bool) -> None:
+    """Over a pool slot's :class:`Span` a payload's tensors, empty ones too, are made with one ``as_strided``
+    each and no other torch op (the pool made its arena's dtype views when it was created); with ``copy``
+    each is then cloned, empty ones too, so none keeps the arena alive."""
+    payload = {"task": task_payload, "empty": torch.empty(3, 0, dtype=torch.int64)}
+    plan = plan_payload(payload)
+    size = plan.manifest.total_bytes + (1 << 16)
+    pools = PoolSet({DeviceKind.CPU: MemoryPool(DeviceKind.CPU, size, device=torch.device("cpu"), registrar=None)})
+    slots = pools.take_regions_now(plan.manifest)
+    assert slots is not None
+    spans = {kind: slot.span for kind, slot in slots.items()}
+    pack_into(plan, spans)
+    manifest = over_the_wire(plan.manifest)
+    validate_manifest(manifest, max_payload_bytes=GiB)
+    with _Ops() as ops:
+        got = unpack(manifest, spans, copy=copy)
+    n = len(manifest.tensors)
+    assert ops.names[:n] == ["aten.as_strided.default"] * n
+    assert len(ops.names) == (2 * n if copy else n)  # clone: its own ops, one tensor each
+    assert_same(got, payload)
+    arena = pools.pools[DeviceKind.CPU].buffer.untyped_storage().data_ptr()
+    for t in tensors_of(got):
+        assert (t.untyped_storage().data_ptr() == arena) is not copy
+    pools.release_all(slots)

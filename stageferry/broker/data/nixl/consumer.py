@@ -170,8 +170,8 @@ class Consumer:
         if ready is not None and ready.has_views:
             views = ready.views
         else:
-            buffers = {kind: slot.view for kind, slot in slots.items()}
-            views = functools.partial(unpack, ref.manifest, buffers, copy=False)
+            spans = {kind: slot.span for kind, slot in slots.items()}
+            views = functools.partial(unpack, ref.manifest, spans, copy=False)
         taken = time.perf_counter()
         steps: dict[str, int] = {}
         try:  # claims the lease, and makes the payload's views over our slots, while the READs run

@@ -115,7 +115,7 @@ class Producer:
         if reason is not None:
             return await self._inline_fallback(payload, reason)
         try:
-            buffers = {kind: slot.view for kind, slot in slots.items()}
+            buffers = {kind: slot.span for kind, slot in slots.items()}
             if total < THREAD_ABOVE:  # a thread hop costs more than copying this much here
                 pack_into(plan, buffers)
             else:

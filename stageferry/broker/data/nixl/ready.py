@@ -257,7 +257,7 @@ class ReadySlots:
         if slots is None:  # the pool is busy: nothing is taken from a get that needs it
             return
         try:
-            payload = unpack(manifest, {kind: slot.view for kind, slot in slots.items()}, copy=False)
+            payload = unpack(manifest, {kind: slot.span for kind, slot in slots.items()}, copy=False)
         except Exception as exc:  # a get will take slots itself; this loop must not end the connector's
             pools.release_all(slots)
             log.warning("nixl.ready_failed", error=str(exc)[:200])

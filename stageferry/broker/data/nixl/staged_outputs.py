@@ -130,7 +130,7 @@ class Stagings:
             return materialize(template)
         expires_at = deadline if deadline is not None else time.time() + ep.timeouts.request
         try:
-            payload = unpack(plan.manifest, {kind: slot.view for kind, slot in slots.items()}, copy=False)
+            payload = unpack(plan.manifest, {kind: slot.span for kind, slot in slots.items()}, copy=False)
         except BaseException:
             ep.pools.release_all(slots)
             raise
