@@ -302,7 +302,7 @@ class MemoryPool:
             kind=slot.kind,
             offset=slot.offset,
             nbytes=nbytes,
-            view=slot.view[:nbytes],
+            view=self._view(slot.offset, nbytes),
             address=slot.address,
             device_id=slot.device_id,
             typed=slot.typed,
@@ -346,7 +346,7 @@ class MemoryPool:
         offset = self._alloc.allocate(nbytes)
         if offset is None:
             return None
-        view = self._buffer[offset : offset + nbytes]
+        view = self._view(offset, nbytes)
         slot = Slot(
             kind=self.kind,
             offset=offset,
@@ -359,6 +359,11 @@ class MemoryPool:
         self._slots[offset] = slot
         self._publish()
         return slot
+
+    def _view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the arena from ``offset``: an ``as_strided`` view, the one torch op a get's views
+        run too (a process's first call of an op after idling is the costly one: see ``TypedViews``)."""
+        return self._buffer.as_strided((nbytes,), (1,), offset)
 
     def _wake_head(self) -> None:
         if self._waiters and self._waiters[0].event is not None:
