@@ -55,6 +55,8 @@
 #   up_gpu    `stageferry up` at 1344x768 (the issue's measure of item 1: its own table, each hop's first transfer
 #             beside the median of 3 warm runs) for each of UP_TASKS (default "t2va fl2va ref2va"), both stages on
 #             GPU 0 as the planner places them on one GPU, with --mps UP_MPS (default auto: up's private daemon)
+#   first_get_pair  first_get's two runs on the previous tree (.prev: `mkdir .prev && git archive <prev> stageferry
+#             benchmarks pyproject.toml | tar -x -C .prev`, its own benchmarks) and on this one, side by side
 #   first_get a fresh process's first get's local steps (checks, slots, views) against its later gets, 4 processes
 #             each for the T2VA and FL2VA structures (benchmarks/first_get_steps.py, CUDA pool, 1 s idle before each)
 #   mps_copy  same_gpu alone under this call's own MPS control daemon (mps without same_gpu_parts)
@@ -74,9 +76,10 @@ T2VA=(python3 benchmarks/throughput.py --tasks T2VA --edges nixl --clients "${TP
 for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
   case $s in
     setup) device_setup 2>&1 | tee "$out/setup.txt" ;;
-    gpu_tests) run_step "$s" 150 python3 -m pytest -q -p no:cacheprovider -p no:randomly -rs --tb=short \
+    gpu_tests) run_step "$s" 240 python3 -m pytest -q -p no:cacheprovider -p no:randomly -rs --tb=short \
                  --durations=6 tests/broker/data/nixl/test_same_gpu.py tests/broker/data/nixl/test_cuda_runtime.py \
                  tests/broker/data/nixl/test_upstream.py tests/stages/process/test_mps.py \
+                 tests/broker/data/test_payload_codec.py tests/broker/data/test_pool.py \
                  "tests/broker/data/nixl/test_connector.py::test_cuda_leaves_land_on_the_consumer_gpu" \
                  "tests/broker/data/nixl/test_connector.py::test_a_block_cancelled_with_cuda_slots_still_returns_them" ;;
     same_gpu) run_step "$s" 90 python3 benchmarks/same_gpu.py --iters 30 --warmup 5 --log "$out/same_gpu_producer.log" ;;
@@ -85,12 +88,18 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
               run_step "${s}_fl2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 11158136 --rounds 3 --hops 20 ;;
     up_gpu) for task in ${UP_TASKS:-t2va fl2va ref2va}; do  # `up`'s own first/warm table, as the issue measured it
               name="up_${task}_mps_${UP_MPS:-auto}"
+              n=2; base=$name; while [ -e "$out/$name.txt" ]; do name="${base}_$n"; n=$((n + 1)); done  # a task run again
               # up starts its own private Redis: the carried redis-server (setup's) on its PATH
               run_step "$name" 200 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \
                 python3 -m stageferry --prefix "up39-$task" up --task "$task" \
                 --width 1344 --height 768 --warm-runs 3 --mps "${UP_MPS:-auto}" --log-dir "/tmp/$name"
               grep -h '"placement\.\|"nixl\.\(same_gpu\|transport\)\|"mps\.\|"payload\.get' "/tmp/$name"/*.log > "$out/${name}_events.txt"
             done ;;
+    first_get_pair) for task in "t2va 0" "fl2va 2"; do  # the previous tree (.prev) and this one, one after the other
+                      set -- $task
+                      run_tree .prev "first_get_prev_$1" 90 python3 benchmarks/first_get_steps.py --device cuda --processes 4 --frames "$2" --idle 1
+                      run_step "first_get_this_$1" 90 python3 benchmarks/first_get_steps.py --device cuda --processes 4 --frames "$2" --idle 1
+                    done ;;
     first_get) run_step first_get_t2va 90 python3 benchmarks/first_get_steps.py --device cuda --processes 4 --idle 1
                run_step first_get_fl2va 90 python3 benchmarks/first_get_steps.py --device cuda --processes 4 --frames 2 --idle 1 ;;
     mps|mps_copy) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps/log

@@ -340,15 +340,12 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("copy", [False, True], ids=["zero_copy", "copy"])
-def test_views_over_a_pool_slot_are_one_as_strided_each(task_payload: Any, copy: bool) -> None:
-    """Over a pool slot's :class:`Span` a payload's tensors, empty ones too, are made with one ``as_strided``
-    each and no other torch op (the pool made its arena's dtype views when it was created); with ``copy``
-    each is then cloned, empty ones too, so none keeps the arena alive."""
-    payload = {"task": task_payload, "empty": torch.empty(3, 0, dtype=torch.int64)}
+def _unpack_over_pool_slots(payload: Any, devices: dict[DeviceKind, torch.device], copy: bool) -> None:
+    """Pack ``payload`` into slots of pools on ``devices`` and unpack it over their spans: one ``as_strided``
+    per tensor and no other torch op; with ``copy`` each then cloned, so none keeps an arena alive."""
     plan = plan_payload(payload)
     size = plan.manifest.total_bytes + (1 << 16)
-    pools = PoolSet({DeviceKind.CPU: MemoryPool(DeviceKind.CPU, size, device=torch.device("cpu"), registrar=None)})
+    pools = PoolSet({kind: MemoryPool(kind, size, device=device, registrar=None) for kind, device in devices.items()})
     slots = pools.take_regions_now(plan.manifest)
     assert slots is not None
     spans = {kind: slot.span for kind, slot in slots.items()}
@@ -361,7 +358,28 @@ def test_views_over_a_pool_slot_are_one_as_strided_each(task_payload: Any, copy:
     assert ops.names[:n] == ["aten.as_strided.default"] * n
     assert len(ops.names) == (2 * n if copy else n)  # clone: its own ops, one tensor each
     assert_same(got, payload)
-    arena = pools.pools[DeviceKind.CPU].buffer.untyped_storage().data_ptr()
+    arenas = {pool.buffer.untyped_storage().data_ptr() for pool in pools.pools.values()}
     for t in tensors_of(got):
-        assert (t.untyped_storage().data_ptr() == arena) is not copy
+        assert (t.untyped_storage().data_ptr() in arenas) is not copy
     pools.release_all(slots)
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["zero_copy", "copy"])
+def test_views_over_a_pool_slot_are_one_as_strided_each(task_payload: Any, copy: bool) -> None:
+    """Over a pool slot's :class:`Span` a payload's tensors, empty ones too, are made with one ``as_strided``
+    each (the pool made its arena's dtype views when it was created)."""
+    payload = {"task": task_payload, "empty": torch.empty(3, 0, dtype=torch.int64)}
+    _unpack_over_pool_slots(payload, {DeviceKind.CPU: torch.device("cpu")}, copy)
+
+
+@needs_cuda
+@pytest.mark.parametrize("copy", [False, True], ids=["zero_copy", "copy"])
+def test_views_over_cuda_and_host_slots_are_one_as_strided_each(copy: bool) -> None:
+    """The same-GPU plan's shape: bf16 states and an empty latent in a CUDA slot, the layout in a host one."""
+    cuda = torch.device("cuda", 0)
+    payload = {
+        "hidden_states": randn(35, 64, dtype=torch.bfloat16).to(cuda),
+        "audio_latents": torch.zeros(1, 64, 0, device=cuda),
+        "layout": torch.arange(11),
+    }
+    _unpack_over_pool_slots(payload, {DeviceKind.CPU: torch.device("cpu"), DeviceKind.CUDA: cuda}, copy)
