@@ -130,7 +130,12 @@ class Registrar(Protocol):
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Slot:
-    """One acquired region of a pool; ``view`` is exactly ``nbytes`` long and valid until released.
+    """One acquired region of a pool: ``nbytes`` at byte ``offset`` of the pool's arena (``typed``), valid
+    until released.
+
+    Taking, cutting and giving back a slot runs no torch op: its bytes as a tensor (:attr:`view`) are made
+    on first use, and a payload's views are made over :attr:`span` (in a process that has idled, the first
+    call of a torch op costs 30–130 µs: see :class:`~stageferry.broker.data.payload_codec.TypedViews`).
 
     Identity matters (``eq=False``): a pool only frees the very slot object it handed out, so a stale
     copy released twice cannot free someone else's reuse of the same offset.
@@ -139,10 +144,25 @@ class Slot:
     kind: DeviceKind
     offset: int
     nbytes: int
-    view: torch.Tensor = field(repr=False)
     address: int
     device_id: int
     typed: TypedViews = field(repr=False)  # the pool's arena as each dtype
+    _view: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    @property
+    def view(self) -> torch.Tensor:
+        """The slot's bytes: a contiguous uint8 tensor exactly ``nbytes`` long (made once, on first use)."""
+        view = self._view
+        if view is None:
+            arena, first = self.typed.typed(torch.uint8)
+            view = arena.as_strided((self.nbytes,), (1,), first + self.offset)
+            object.__setattr__(self, "_view", view)  # a cache: the slot's fields never change
+        return view
+
+    @property
+    def device(self) -> torch.device:
+        """The device the slot's memory is on."""
+        return self.typed.tensor.device
 
     @property
     def span(self) -> Span:
@@ -302,7 +322,6 @@ class MemoryPool:
             kind=slot.kind,
             offset=slot.offset,
             nbytes=nbytes,
-            view=self._view(slot.offset, nbytes),
             address=slot.address,
             device_id=slot.device_id,
             typed=slot.typed,
@@ -346,12 +365,10 @@ class MemoryPool:
         offset = self._alloc.allocate(nbytes)
         if offset is None:
             return None
-        view = self._view(offset, nbytes)
         slot = Slot(
             kind=self.kind,
             offset=offset,
             nbytes=nbytes,
-            view=view,
             address=self._buffer.data_ptr() + offset,
             device_id=self.device_id,
             typed=self._typed,
@@ -359,11 +376,6 @@ class MemoryPool:
         self._slots[offset] = slot
         self._publish()
         return slot
-
-    def _view(self, offset: int, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of the arena from ``offset``: an ``as_strided`` view, the one torch op a get's views
-        run too (a process's first call of an op after idling is the costly one: see ``TypedViews``)."""
-        return self._buffer.as_strided((nbytes,), (1,), offset)
 
     def _wake_head(self) -> None:
         if self._waiters and self._waiters[0].event is not None:

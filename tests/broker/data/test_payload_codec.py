@@ -10,7 +10,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from stageferry.broker.data import payload_codec
 from stageferry.broker.data.payload_codec import (
@@ -33,7 +32,7 @@ from stageferry.schemas.payload import (
     RegionSpec,
     TensorSpec,
 )
-from stageferry.testing import HIDDEN, TASKS, assert_same, bits, randn, tensor_bytes, tensors_of
+from stageferry.testing import HIDDEN, TASKS, TorchOps, assert_same, bits, randn, tensor_bytes, tensors_of
 from tests.broker.data.test_payload_validation import with_tensor
 
 GiB = 1 << 30
@@ -328,18 +327,6 @@ def test_a_span_is_checked_like_a_tensor() -> None:
         TypedViews(torch.zeros(16))
 
 
-class _Ops(TorchDispatchMode):
-    """The aten ops run under it, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def _unpack_over_pool_slots(payload: Any, devices: dict[DeviceKind, torch.device], copy: bool) -> None:
     """Pack ``payload`` into slots of pools on ``devices`` and unpack it over their spans: one ``as_strided``
     per tensor and no other torch op; with ``copy`` each then cloned, so none keeps an arena alive."""
@@ -352,7 +339,7 @@ def _unpack_over_pool_slots(payload: Any, devices: dict[DeviceKind, torch.device
     pack_into(plan, spans)
     manifest = over_the_wire(plan.manifest)
     validate_manifest(manifest, max_payload_bytes=GiB)
-    with _Ops() as ops:
+    with TorchOps() as ops:
         got = unpack(manifest, spans, copy=copy)
     n = len(manifest.tensors)
     assert ops.names[:n] == ["aten.as_strided.default"] * n

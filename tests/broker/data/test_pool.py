@@ -19,6 +19,7 @@ from stageferry.broker.data.pool import ArenaAllocator, MemoryPool, PoolSet, Slo
 from stageferry.config import DataPlaneConfig, MiB
 from stageferry.errors import ManifestError, NixlUnavailableError, PoolExhaustedError
 from stageferry.schemas.payload import DeviceKind, Manifest, MemKind, RegionSpec
+from stageferry.testing import TorchOps
 
 CPU = torch.device("cpu")
 
@@ -254,6 +255,26 @@ async def test_second_release_is_ignored_and_cannot_free_a_reused_offset() -> No
     assert pool.slots_in_use == 1
     assert pool.release(b) is True and pool.release(b) is False
     assert pool.slots_in_use == 0
+
+
+def test_taking_cutting_and_giving_back_a_slot_asks_nothing_of_torch() -> None:
+    """No torch op until the slot's bytes are wanted as a tensor (``view``, made once) or its payload's
+    views are made over its ``span`` (one ``as_strided`` a tensor: tests/broker/data/test_payload_codec.py)."""
+    pool = cpu_pool(4096)
+    with TorchOps() as ops:
+        slot = pool.take_now(2048)
+        assert slot is not None
+        cut = pool.shrink(slot, 1000)
+        span = cut.span
+        assert cut.device == torch.device("cpu")
+        assert pool.release(cut)
+    assert ops.names == []
+    assert (span.offset, span.nbytes, span.views.tensor.data_ptr()) == (slot.offset, 1000, pool.arena().address)
+    slot = pool.take_now(64)
+    assert slot is not None
+    with TorchOps() as ops:
+        assert slot.view is slot.view
+    assert ops.names == ["aten.as_strided.default"]
 
 
 @pytest.mark.anyio

@@ -98,7 +98,7 @@ class Consumer:
             if slots and pools is not None:
                 if DeviceKind.CUDA in slots:  # kernels queued on the payload must finish before reuse
                     with anyio.CancelScope(shield=True):  # a cancelled block still waits, or the slots leak
-                        await anyio.to_thread.run_sync(torch.cuda.synchronize, slots[DeviceKind.CUDA].view.device)
+                        await anyio.to_thread.run_sync(torch.cuda.synchronize, slots[DeviceKind.CUDA].device)
                 pools.release_all(slots)
                 if isinstance(ref, NixlPayload):  # the next payload of this shape, made while we are idle
                     self.ready.want(ref.manifest)

@@ -271,7 +271,7 @@ class SameGpu:
         local = slots[DeviceKind.CUDA]
         try:
             rt.set_device(local.device_id)
-            dst = local.view.data_ptr()
+            dst = local.address
             for i in sorted(regions):
                 spec, remote = ref.manifest.regions[i], ref.regions[i]
                 start = arena.offset(remote.address, remote.length)

@@ -84,8 +84,8 @@ class Staging:
                 self.view(spec).copy_(src)
                 copied += 1
         for slot in self.slots.values():
-            if slot.view.is_cuda:
-                torch.cuda.synchronize(slot.view.device)
+            if slot.kind is DeviceKind.CUDA:
+                torch.cuda.synchronize(slot.device)
         return copied
 
 

@@ -20,7 +20,7 @@ from stageferry.broker.data.nixl import consumer as consumer_module
 from stageferry.broker.data.nixl import ready as ready_module
 from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.schemas import DeviceKind, NixlPayload, RegionSpec
-from stageferry.testing import assert_same, sized_payload
+from stageferry.testing import TorchOps, assert_same, sized_payload
 from tests.broker.data.nixl.test_consumer import make
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -295,6 +295,30 @@ async def test_a_get_of_another_structure_that_fits_reads_into_the_ready_slots(
     async with consumer.get(big, None, key="k-9") as incoming:
         assert_same(incoming.payload, payload)
     assert acquires == [1] and ready.reused == 3
+
+
+async def test_taking_ready_slots_asks_nothing_of_torch(running: tuple[NixlConnector, NixlConnector]) -> None:
+    """A get's slots step runs no torch op, whether its payload was made ready (views and all) or it reuses
+    the ready slots (cut to its regions): after idling, the first call of a torch op is the costly one."""
+    producer, consumer = running
+    ready, pools = consumer.consumer.ready, consumer.pools
+    assert pools is not None
+    ref, _ = await put(producer, "k-1", 200_000, seed=1)
+    async with consumer.get(ref, None, key="k-1"):
+        pass
+    await idle()
+    other, payload = await put(producer, "k-2", 150_000, seed=2)
+    for manifest, views in ((ref.manifest, True), (other.manifest, False)):
+        assert ready.slots == 1
+        with TorchOps() as ops:
+            taken = ready.take(manifest)
+        assert taken is not None and taken.has_views is views and ops.names == []
+        assert {k: s.nbytes for k, s in taken.slots.items()} == {r.device: r.nbytes for r in manifest.regions}
+        pools.release_all(taken.slots)
+        ready.want(ref.manifest)
+        await idle()
+    async with consumer.get(other, None, key="k-2") as incoming:
+        assert_same(incoming.payload, payload)
 
 
 async def test_a_consumer_with_an_upstream_holds_its_first_gets_slots_from_the_start(
