@@ -54,6 +54,16 @@ async def idle() -> None:
         await anyio.lowlevel.checkpoint()
 
 
+async def one_get_then_idle(producer: NixlConnector, consumer: NixlConnector) -> NixlPayload:
+    """A get of a 200 kB payload (key ``k-1``), then idle: one payload of its shape is made ready."""
+    ref, _ = await put(producer, "k-1", 200_000, seed=1)
+    async with consumer.get(ref, None, key="k-1"):
+        pass
+    await idle()
+    assert consumer.consumer.ready.slots == 1
+    return ref
+
+
 def count_acquires(monkeypatch: pytest.MonkeyPatch, conn: NixlConnector) -> list[int]:
     assert conn.pools is not None
     calls: list[int] = []
@@ -259,11 +269,7 @@ async def test_a_get_of_another_structure_that_fits_reads_into_the_ready_slots(
     producer, consumer = running
     ready, pools = consumer.consumer.ready, consumer.pools
     assert pools is not None
-    ref, _ = await put(producer, "k-1", 200_000, seed=1)
-    async with consumer.get(ref, None, key="k-1"):
-        pass
-    await idle()
-    assert ready.slots == 1
+    ref = await one_get_then_idle(producer, consumer)
     (slot,) = ready._ready.slots.values()  # type: ignore[union-attr]
     assert slot.nbytes == 256 << 10, "a size class up: 200 kB in a 4 MiB pool"
     acquires = count_acquires(monkeypatch, consumer)
@@ -303,10 +309,7 @@ async def test_taking_ready_slots_asks_nothing_of_torch(running: tuple[NixlConne
     producer, consumer = running
     ready, pools = consumer.consumer.ready, consumer.pools
     assert pools is not None
-    ref, _ = await put(producer, "k-1", 200_000, seed=1)
-    async with consumer.get(ref, None, key="k-1"):
-        pass
-    await idle()
+    ref = await one_get_then_idle(producer, consumer)
     other, payload = await put(producer, "k-2", 150_000, seed=2)
     for manifest, views in ((ref.manifest, True), (other.manifest, False)):
         assert ready.slots == 1
