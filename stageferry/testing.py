@@ -11,21 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 HIDDEN = 5120
-
-
-class TorchOps(TorchDispatchMode):
-    """The aten ops run while it is entered, by name (``aten.as_strided.default``): what a step asks of torch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:

@@ -207,6 +207,7 @@ class MemoryPool:
         self._alloc = ArenaAllocator(capacity, alignment)
         self._buffer = torch.empty(self._alloc.capacity, dtype=torch.uint8, device=device)
         self._typed = TypedViews(self._buffer, TORCH_DTYPE.values())  # every dtype's view, made now
+        self._address = self._buffer.data_ptr()
         self.device_id = self._buffer.get_device() if kind is DeviceKind.CUDA else 0
         self._registrar = registrar
         self._handle = registrar.register(self._buffer) if registrar is not None else None
@@ -369,7 +370,7 @@ class MemoryPool:
             kind=self.kind,
             offset=offset,
             nbytes=nbytes,
-            address=self._buffer.data_ptr() + offset,
+            address=self._address + offset,
             device_id=self.device_id,
             typed=self._typed,
         )

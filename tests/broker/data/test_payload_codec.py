@@ -32,8 +32,9 @@ from stageferry.schemas.payload import (
     RegionSpec,
     TensorSpec,
 )
-from stageferry.testing import HIDDEN, TASKS, TorchOps, assert_same, bits, randn, tensor_bytes, tensors_of
+from stageferry.testing import HIDDEN, TASKS, assert_same, bits, randn, tensor_bytes, tensors_of
 from tests.broker.data.test_payload_validation import with_tensor
+from tests.torch_ops import TorchOps
 
 GiB = 1 << 30
 CUDA = torch.cuda.is_available()

@@ -19,7 +19,7 @@ from stageferry.broker.data.pool import ArenaAllocator, MemoryPool, PoolSet, Slo
 from stageferry.config import DataPlaneConfig, MiB
 from stageferry.errors import ManifestError, NixlUnavailableError, PoolExhaustedError
 from stageferry.schemas.payload import DeviceKind, Manifest, MemKind, RegionSpec
-from stageferry.testing import TorchOps
+from tests.torch_ops import TorchOps
 
 CPU = torch.device("cpu")
 

@@ -20,8 +20,9 @@ from stageferry.broker.data.nixl import consumer as consumer_module
 from stageferry.broker.data.nixl import ready as ready_module
 from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.schemas import DeviceKind, NixlPayload, RegionSpec
-from stageferry.testing import TorchOps, assert_same, sized_payload
+from stageferry.testing import assert_same, sized_payload
 from tests.broker.data.nixl.test_consumer import make
+from tests.torch_ops import TorchOps
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
