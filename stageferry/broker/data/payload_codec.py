@@ -165,17 +165,17 @@ def _views(leaves: Sequence[Leaf], spans: Mapping[DeviceKind, Span], *, bits: bo
     span, so every view is checked to end inside its span, although the manifest's checks already
     guarantee it."""
     views = []
-    for leaf in leaves:
-        dtype = leaf.bits if bits else leaf.dtype
-        span = spans[leaf.device]
+    for device, dtype, wide, shape, strides, start, numel in leaves:
+        if bits:
+            dtype = wide
+        span = spans[device]
         size = dtype.itemsize
         if span.offset % size:
             raise ValueError(f"a span at byte {span.offset} cannot hold {dtype} elements")
         whole, first = span.views.typed(dtype)
-        if leaf.count and leaf.start + leaf.count > span.nbytes // size:
-            raise ManifestError("tensor extends beyond its buffer", start=leaf.start, count=leaf.count)
-        start = first + span.offset // size + (leaf.start if leaf.count else 0)
-        views.append(whole.as_strided(leaf.shape, leaf.strides, start))
+        if numel and start + numel > span.nbytes // size:
+            raise ManifestError("tensor extends beyond its buffer", start=start, count=numel)
+        views.append(whole.as_strided(shape, strides, first + span.offset // size + (start if numel else 0)))
     return views
 
 
@@ -189,7 +189,7 @@ def pack_into(plan: PackPlan, buffers: Mapping[DeviceKind, Buffer]) -> None:
     spans = _spans(manifest, buffers)
     with torch.no_grad():
         for leaf, dest, src in zip(plan.leaves, _views(plan.leaves, spans, bits=True), plan.tensors, strict=True):
-            if leaf.count:
+            if leaf.numel:
                 dest.copy_(src.resolve_neg().resolve_conj().view(leaf.bits))
     for r in manifest.regions:
         buf = spans[r.device].views.tensor

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
@@ -44,11 +44,13 @@ from stageferry.schemas.payload import (
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-@dataclass(frozen=True, slots=True)
-class Leaf:
+class Leaf(NamedTuple):
     """One tensor of a checked manifest in the terms torch takes: its dtype (and the integer dtype of the
     same width, which copies go through so that every bit survives), a contiguous shape and strides,
-    and where it starts in its region, in elements.  Worked out once per payload shape."""
+    and where it starts in its region and how many elements it has.  Worked out once per payload shape.
+
+    A named tuple: a structure never seen makes one per tensor inside its first get's hop, after the
+    stage idled, where a frozen dataclass's field-by-field ``__init__`` cost several times as much."""
 
     device: DeviceKind
     dtype: torch.dtype
@@ -56,30 +58,35 @@ class Leaf:
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     start: int
-    count: int
+    numel: int
+
+
+#: Per dtype of a manifest: its torch dtype, the integer dtype of its width, and that width.
+_TYPES: dict[DType, tuple[torch.dtype, torch.dtype, int]] = {
+    k: (v, _BITS_DTYPE[v.itemsize], v.itemsize) for k, v in TORCH_DTYPE.items()
+}
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Contiguous strides of ``shape`` (a dimension of 0 counts as 1, as torch's do)."""
+    n = len(shape)
+    if n <= 1:
+        return (1,) * n
+    strides = [1] * n
+    step = 1
+    for i in range(n - 1, 0, -1):
+        step *= shape[i] or 1
+        strides[i - 1] = step
+    return tuple(strides)
 
 
 def leaves_of(manifest: Manifest) -> tuple[Leaf, ...]:
     """The :class:`Leaf` of every tensor of ``manifest``, which must have passed ``check_structure``."""
     leaves = []
     for spec in manifest.tensors:
-        dtype = TORCH_DTYPE[spec.dtype]
-        size = dtype.itemsize
-        strides, step = [], 1
-        for dim in reversed(spec.shape):
-            strides.append(step)
-            step *= max(dim, 1)
-        leaves.append(
-            Leaf(
-                device=spec.device,
-                dtype=dtype,
-                bits=_BITS_DTYPE[size],
-                shape=tuple(spec.shape),
-                strides=tuple(reversed(strides)),
-                start=spec.offset // size,
-                count=spec.nbytes // size,
-            )
-        )
+        dtype, bits, size = _TYPES[spec.dtype]
+        shape = tuple(spec.shape)
+        leaves.append(Leaf(spec.device, dtype, bits, shape, _strides(shape), spec.offset // size, spec.nbytes // size))
     return tuple(leaves)
 
 

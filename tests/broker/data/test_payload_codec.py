@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -312,7 +311,7 @@ def test_a_view_never_reaches_past_its_buffer() -> None:
         )
         assert not arena.tensor[:256].any() and not arena.tensor[320:].any()
         spans = payload_codec._spans(plan.manifest, {DeviceKind.CPU: buffer})
-        beyond = dataclasses.replace(plan.leaves[0], start=1)  # one element past the slot's end
+        beyond = plan.leaves[0]._replace(start=1)  # one element past the slot's end
         with pytest.raises(ManifestError, match="beyond its buffer"):
             payload_codec._views([beyond], spans, bits=False)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -130,3 +131,12 @@ def test_a_payload_with_long_plain_values_is_planned_but_not_kept() -> None:
     first, again = plan_payload(payload), plan_payload(payload)
     assert first.manifest == again.manifest and first.manifest is not again.manifest
     assert len(payload_plan._manifests) == before
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 0, 4), (1, 64, 0), (2, 3, 4, 5), (0, 16, 1, 96, 168)])
+def test_leaves_carry_torchs_contiguous_strides(shape: tuple[int, ...]) -> None:
+    """A leaf's strides are those of a contiguous tensor of its shape, empty dimensions included."""
+    plan = plan_payload({"x": torch.zeros(shape, dtype=torch.float16)})
+    (leaf,) = plan.leaves
+    assert leaf.shape == shape and leaf.strides == torch.empty(shape).stride()
+    assert leaf.numel == math.prod(shape) and leaf.dtype is torch.float16 and leaf.bits is torch.int16
