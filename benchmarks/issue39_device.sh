@@ -89,6 +89,7 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
     up_gpu) for task in ${UP_TASKS:-t2va fl2va ref2va}; do  # `up`'s own first/warm table, as the issue measured it
               name="up_${task}_mps_${UP_MPS:-auto}"
               n=2; base=$name; while [ -e "$out/$name.txt" ]; do name="${base}_$n"; n=$((n + 1)); done  # a task run again
+              rm -rf "/tmp/$name"  # a machine kept warm between calls still has an earlier call's logs there
               # up starts its own private Redis: the carried redis-server (setup's) on its PATH
               run_step "$name" 200 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \
                 python3 -m stageferry --prefix "up39-$task" up --task "$task" \
