@@ -57,6 +57,8 @@
 #             GPU 0 as the planner places them on one GPU, with --mps UP_MPS (default auto: up's private daemon)
 #   first_get_pair  first_get's two runs on the previous tree (.prev: `mkdir .prev && git archive <prev> stageferry
 #             benchmarks pyproject.toml | tar -x -C .prev`, its own benchmarks) and on this one, side by side
+#   wake      the same-GPU copy's runtime calls and a torch copy right after the thread slept 0 / 2 / 50 ms,
+#             without and with CUDA MPS (benchmarks/wake_cost.py)
 #   first_get a fresh process's first get's local steps (checks, slots, views) against its later gets, 4 processes
 #             each for the T2VA and FL2VA structures (benchmarks/first_get_steps.py, CUDA pool, 1 s idle before each)
 #   mps_copy  same_gpu alone under this call's own MPS control daemon (mps without same_gpu_parts)
@@ -101,6 +103,14 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
                       run_tree .prev "first_get_prev_$1" 90 python3 benchmarks/first_get_steps.py --device cuda --processes 4 --frames "$2" --idle 1
                       run_step "first_get_this_$1" 90 python3 benchmarks/first_get_steps.py --device cuda --processes 4 --frames "$2" --idle 1
                     done ;;
+    wake) run_step wake_cost 60 python3 benchmarks/wake_cost.py  # runtime calls after a sleep, no MPS, then under it
+          export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps-wake/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps-wake/log
+          mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+          if nvidia-cuda-mps-control -d; then
+            run_step wake_cost_mps 60 python3 benchmarks/wake_cost.py
+            echo quit | nvidia-cuda-mps-control
+          fi
+          unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     first_get) run_step first_get_t2va 90 python3 benchmarks/first_get_steps.py --device cuda --processes 4 --idle 1
                run_step first_get_fl2va 90 python3 benchmarks/first_get_steps.py --device cuda --processes 4 --frames 2 --idle 1 ;;
     mps|mps_copy) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps/log
