@@ -50,7 +50,8 @@ class Leaf(NamedTuple):
     and where it starts in its region and how many elements it has.  Worked out once per payload shape.
 
     A named tuple: a structure never seen makes one per tensor inside its first get's hop, after the
-    stage idled, where a frozen dataclass's field-by-field ``__init__`` cost several times as much."""
+    stage idled, where a frozen dataclass's field-by-field ``__init__`` costs four times as much (1.0 against
+    0.24 µs a leaf on the CPU box)."""
 
     device: DeviceKind
     dtype: torch.dtype
