@@ -249,10 +249,6 @@ class SameGpu:
             and arena.offset(r.address, r.length) is not None
         )
 
-    def usable(self, ref: NixlPayload, arena: IpcArena | None, slots: dict[DeviceKind, Slot]) -> bool:
-        """Whether any region of ``ref`` can be copied (:meth:`regions`)."""
-        return bool(self.regions(ref, arena, slots))
-
     def launch(
         self,
         ref: NixlPayload,

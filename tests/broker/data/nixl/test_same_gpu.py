@@ -145,15 +145,15 @@ async def test_the_copy_is_chosen_only_for_vram_regions_inside_the_mapped_arena(
         cuda_slot: Any = object()
         slots: Any = {DeviceKind.CUDA: cuda_slot}
         inside = vram_ref(4096, VRAM_ARENA.address + 8192)
-        assert same.usable(inside, arena, slots)
-        assert not same.usable(inside, None, slots)  # the producer's arena is not mapped (another GPU)
-        assert not same.usable(inside, arena, {DeviceKind.CPU: cuda_slot})  # no CUDA slot of ours
+        assert same.regions(inside, arena, slots)
+        assert not same.regions(inside, None, slots)  # the producer's arena is not mapped (another GPU)
+        assert not same.regions(inside, arena, {DeviceKind.CPU: cuda_slot})  # no CUDA slot of ours
         past_end = vram_ref(4096, VRAM_ARENA.address + VRAM_ARENA.length - 2048)
-        assert not same.usable(past_end, arena, slots)
+        assert not same.regions(past_end, arena, slots)
         below = vram_ref(4096, VRAM_ARENA.address - 4096)
-        assert not same.usable(below, arena, slots)
+        assert not same.regions(below, arena, slots)
         dram = inside.model_copy(update={"regions": [inside.regions[0].model_copy(update={"mem_kind": "DRAM"})]})
-        assert not same.usable(dram, arena, slots)
+        assert not same.regions(dram, arena, slots)
         host = dram.manifest.regions[0].model_copy(update={"device": DeviceKind.CPU})
         mixed = NixlPayload.model_construct(  # a pipeline's payload: its layout in host memory, the rest VRAM
             manifest=inside.manifest.model_copy(update={"regions": [host, inside.manifest.regions[0]]}),
@@ -162,7 +162,7 @@ async def test_the_copy_is_chosen_only_for_vram_regions_inside_the_mapped_arena(
         )
         assert same.regions(mixed, arena, slots) == frozenset({1})  # the VRAM region; the layout is READ
         conn.endpoint.config = DataPlaneConfig(same_gpu_copy=False)
-        assert not same.usable(inside, arena, slots)  # switched off
+        assert not same.regions(inside, arena, slots)  # switched off
 
 
 def test_the_handle_message_is_versioned_and_bounded() -> None:
