@@ -36,6 +36,7 @@ import redis.retry
 import redis.sentinel
 import structlog
 
+from stageferry.broker.control.redis_conn import FAILOVER_FLAGS
 from stageferry.broker.control.redis_url import parse_url
 from stageferry.embedded_redis import EmbeddedRedis, TlsFiles, free_port
 
@@ -208,7 +209,7 @@ class SentinelGroup:
 
     async def wait_settled(self, *, timeout: float = 30.0, replicas: int | None = None) -> EmbeddedRedis:
         """Until the sentinels agree on a master that has ``replicas`` (default: all other running nodes)
-        replicas online and every sentinel knows the others; the master."""
+        replicas online, every sentinel knows the others and none flags a failover; the master."""
         deadline = time.monotonic() + timeout
         last = "nothing checked"
         while time.monotonic() < deadline:
@@ -236,6 +237,11 @@ class SentinelGroup:
                     return f"sentinel {sentinel.port} knows {state.get('num-other-sentinels')} others"
                 if int(state.get("num-slaves", 0)) < want:
                     return f"sentinel {sentinel.port} knows {state.get('num-slaves')} replicas"
+                # A promoted master with its replicas linked may still be in the failover's last step
+                # (reconfiguring the others): the sentinels still flag it, and the health says so.
+                flags = [f for f in str(state.get("flags", "")).split(",") if f in FAILOVER_FLAGS]
+                if flags:
+                    return f"sentinel {sentinel.port} flags the master {','.join(flags)}"
         except (sync_redis.RedisError, RuntimeError, OSError) as exc:
             return repr(exc)
         return ""
