@@ -49,7 +49,6 @@ MAX_STRING_CHARS = 4096
 """Longest plain string value or dict key; conditioning metadata, not documents."""
 MAX_ADDRESS = 2**64
 MAX_DEVICE_ID = 1024
-MAX_INT = 2**63 - 1  # plain ints stay within int64 so that every JSON reader keeps them exact
 
 TORCH_DTYPE: dict[DType, torch.dtype] = {
     DType.BFLOAT16: torch.bfloat16,
@@ -65,9 +64,8 @@ TORCH_DTYPE: dict[DType, torch.dtype] = {
 }
 DTYPE_OF: dict[torch.dtype, DType] = {v: k for k, v in TORCH_DTYPE.items()}
 ITEMSIZE: dict[DType, int] = {k: v.itemsize for k, v in TORCH_DTYPE.items()}
-# Copies go through same-width integer views so that every bit (NaN payloads included) survives.
 MAX_INT = 2**63 - 1
-"""Plain ints stay within int64 so that every JSON reader keeps them exact."""
+"""Plain ints and a tensor's strides stay within int64 (every JSON reader keeps them exact; torch's views)."""
 _TAGS = frozenset({"t", "d", "l", "u", "v"})
 
 
@@ -167,6 +165,10 @@ def _check_tensor(i: int, t: TensorSpec, regions: Sequence[RegionSpec]) -> None:
         fail("tensor shape malformed or has too many dimensions", tensor=i, limit=MAX_NDIM)
     if not all(_is_int(d) and 0 <= d <= MAX_DIM for d in t.shape):
         fail("tensor dimension out of range", tensor=i, shape=[str(d) for d in t.shape], limit=MAX_DIM)
+    # An empty tensor's other dimensions are not bounded by its bytes (0): its strides (torch counts a 0 as
+    # 1) must still fit int64, or making its view fails inside torch instead of here.
+    if math.prod(d or 1 for d in t.shape[1:]) > MAX_INT:
+        fail("tensor strides overflow int64", tensor=i, shape=[str(d) for d in t.shape])
     for name in ("offset", "nbytes"):
         v = getattr(t, name)
         if not _is_int(v) or not 0 <= v <= MAX_REGION_BYTES:
