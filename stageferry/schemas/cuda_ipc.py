@@ -10,7 +10,11 @@ in its agent record (field ``cuda_ipc``, JSON of :class:`CudaIpcArena`) beside `
 pickled: every part is plain bytes (hex) or ints, validated here.
 
 A consumer uses it only when the record's ``gpu_uuid`` is the UUID of its own GPU, and only for
-regions inside the arena (checked again per payload, after the lease seal).
+regions inside the arena (checked again per payload, after the lease seal).  torch maps the reference-counter
+file the record names and, when the mapping is dropped, counts down the int64 at its offset: so the name
+must be one torch makes for such a file (``/torch_<pid>_<random>_<n>``, a shared-memory object) and the
+offset inside it (:data:`REF_COUNTER_SLOTS`), or a record could have a consumer map any shared-memory
+object and write into it.
 
 Version history:
   1 — first version.
@@ -19,9 +23,10 @@ Version history:
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from stageferry.errors import HandshakeError
 from stageferry.schemas.job import Frozen
@@ -30,6 +35,10 @@ CUDA_IPC_VERSION = 1
 GPU_UUID = r"^GPU-[0-9a-fA-F-]{8,64}$"
 _HEX = r"^([0-9a-f]{2}){1,512}$"
 MAX_FIELD_BYTES = 4096
+#: torch's reference-counter files: their names (``at::NewProcessWideShmHandle``) and their int64 slots
+#: (``CUDA_IPC_REF_COUNTER_FILE_SIZE``).
+REF_COUNTER_NAME = re.compile(rb"/torch_[0-9]{1,10}(_[0-9]{1,20}){1,2}")
+REF_COUNTER_SLOTS = 10000
 
 
 class CudaIpcArena(Frozen):
@@ -47,9 +56,16 @@ class CudaIpcArena(Frozen):
     storage_size: Annotated[int, Field(gt=0, le=2**41)]
     storage_offset: Annotated[int, Field(ge=0, le=2**41)]
     ref_counter_handle: Annotated[str, Field(pattern=_HEX)]
-    ref_counter_offset: Annotated[int, Field(ge=0, le=2**40)]
+    ref_counter_offset: Annotated[int, Field(ge=0, lt=REF_COUNTER_SLOTS)]
     event_handle: Annotated[str, Field(pattern=r"^([0-9a-f]{2}){0,512}$")] = ""
     event_sync_required: bool = False
+
+    @field_validator("ref_counter_handle")
+    @classmethod
+    def _torch_ref_counter(cls, value: str) -> str:
+        if not REF_COUNTER_NAME.fullmatch(bytes.fromhex(value)):
+            raise ValueError("not the name of a torch reference-counter file")
+        return value
 
     def to_json(self) -> str:
         return self.model_dump_json()

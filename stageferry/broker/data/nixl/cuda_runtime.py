@@ -58,6 +58,7 @@ class CudaRuntime:
         self._record = self._fn(lib, "cudaEventRecord", vp, vp)
         self._query = self._fn(lib, "cudaEventQuery", vp)
         self._sync = self._fn(lib, "cudaEventSynchronize", vp)
+        self._stream_sync = self._fn(lib, "cudaStreamSynchronize", vp)
         self._last_error = self._fn(lib, "cudaGetLastError")
         self._error_string = lib.cudaGetErrorString
         self._error_string.argtypes, self._error_string.restype = [i32], ctypes.c_char_p
@@ -127,6 +128,10 @@ class CudaRuntime:
     def synchronize(self, event: int) -> None:
         """Block this thread until the work before ``event`` has finished."""
         self._check(self._sync(event), "cudaEventSynchronize")
+
+    def synchronize_stream(self, stream: int) -> None:
+        """Block this thread until everything queued on ``stream`` has finished."""
+        self._check(self._stream_sync(stream), "cudaStreamSynchronize")
 
 
 _loaded: CudaRuntime | None = None

@@ -87,6 +87,8 @@ class Peers:
         self._ep = endpoint
         self._peers: dict[str, Peer] = {}
         self._lock = anyio.Lock()
+        self._stranded: list[IpcArena] = []
+        """Arenas whose warm-up copy did not end: kept mapped, as its slot is kept (:meth:`_warm_copy`)."""
 
     def __contains__(self, name: object) -> bool:
         return name in self._peers
@@ -295,7 +297,8 @@ class Peers:
         finally:
             if ended:
                 pool.release(slot)
-        if not ended:  # the slot is kept: a copy that may still run must not write into a reused one
+        if not ended:  # a copy that may still run must not write into a reused slot nor read an unmapped arena
+            self._stranded.append(arena)
             raise HandshakeError("the warm-up copy from the producer's arena did not end", slot_kept=WARM_BYTES)
 
     def _keep(self, peer: Peer) -> Peer:

@@ -265,8 +265,13 @@ class SameGpu:
         if regions is None:
             regions = self.regions(ref, arena, slots)
         local = slots[DeviceKind.CUDA]
+        queued = False
         try:
             rt.set_device(local.device_id)
+            event = arena.events.take()  # before any copy: a copy is never queued without its completion
+        except RuntimeError as exc:  # the runtime's status, translated once here
+            raise TransferError(f"same-GPU copy failed: {exc}") from exc
+        try:
             dst = local.address
             for i in sorted(regions):
                 spec, remote = ref.manifest.regions[i], ref.regions[i]
@@ -274,9 +279,17 @@ class SameGpu:
                 if start is None or spec.nbytes > remote.length or spec.nbytes > local.nbytes:
                     raise TransferError("same-GPU copy failed: a region does not fit its arena or our slot")
                 rt.copy(dst, arena.base + start, spec.nbytes, arena.stream)
-            event = arena.events.take()
+                queued = True
             rt.record(event, arena.stream)
-        except RuntimeError as exc:  # the runtime's status, translated once here
+        except (RuntimeError, TransferError) as exc:
+            # The caller READs into the same slot next, and gives it back on failure: a copy queued already
+            # must have ended first (its event was not recorded, so only the stream can tell).
+            if queued:
+                with contextlib.suppress(RuntimeError):  # a failed stream: the context is lost anyway
+                    rt.synchronize_stream(arena.stream)
+            arena.events.put(event)
+            if isinstance(exc, TransferError):
+                raise
             raise TransferError(f"same-GPU copy failed: {exc}") from exc
         return ArenaCopy(self, regions, RuntimeCopy(event, arena.events))
 

@@ -12,6 +12,7 @@ processes on one GPU: ``benchmarks/issue39_device.sh`` runs those tests on the H
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,9 +21,12 @@ import structlog
 import torch
 
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.data.nixl.cuda_runtime import CudaRuntime
+from stageferry.broker.data.nixl import peers as peers_module
+from stageferry.broker.data.nixl.cuda_runtime import CudaRuntime, EventPool
+from stageferry.broker.data.nixl.peers import Peers
 from stageferry.broker.data.nixl.same_gpu import IpcArena, SameGpu
 from stageferry.broker.data.payload_codec import plan_payload
+from stageferry.broker.data.pool import MemoryPool
 from stageferry.config import DataPlaneConfig
 from stageferry.errors import HandshakeError, TransferError
 from stageferry.schemas import DeviceKind, NixlPayload, RemoteRegion, Transport
@@ -50,7 +54,7 @@ def exported(**changes: Any) -> CudaIpcArena:
         "handle": "ab" * 64,
         "storage_size": VRAM_ARENA.length,
         "storage_offset": 0,
-        "ref_counter_handle": "2f746f7263682d31",
+        "ref_counter_handle": b"/torch_4242_2933135394_1".hex(),  # as torch names it
         "ref_counter_offset": 0,
         "event_handle": "cd" * 64,
         "event_sync_required": True,
@@ -173,6 +177,10 @@ def test_the_handle_message_is_versioned_and_bounded() -> None:
         (json.dumps({**arena.model_dump(), "version": 0}), "of version 0"),
         (json.dumps({**arena.model_dump(), "handle": "xyz"}), "malformed"),
         (json.dumps({**arena.model_dump(), "extra": 1}), "malformed"),
+        # torch would map whatever shared-memory object is named, and write at the offset when unmapping it
+        (json.dumps({**arena.model_dump(), "ref_counter_handle": b"/sf-pool-ab12".hex()}), "malformed"),
+        (json.dumps({**arena.model_dump(), "ref_counter_handle": b"/torch_1_2_3/../x".hex()}), "malformed"),
+        (json.dumps({**arena.model_dump(), "ref_counter_offset": 10000}), "malformed"),
         (b" " * 5000, "too large"),
     ]:
         with pytest.raises(HandshakeError, match=message):
@@ -272,3 +280,97 @@ async def test_a_runtime_error_while_waiting_for_the_copy_is_a_transfer_error(re
         with pytest.raises(TransferError, match="same-GPU copy failed: cudaEventQuery failed"):
             await same.wait(FailingCopy())  # type: ignore[arg-type]
         assert same.copies == 0
+
+
+class RecordingRuntime:
+    """Stands in for the CUDA runtime's calls (no GPU here): records them in order; ``fail`` names the one
+    the runtime refuses, as it refuses after a lost context."""
+
+    def __init__(self, fail: str | None = None, *, ends: bool = True) -> None:
+        self.calls: list[str] = []
+        self.fail = fail
+        self.ends = ends  # whether a queued copy is ever seen done
+        self.events = 0
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if name == self.fail:
+            raise RuntimeError(f"{name} failed: an illegal memory access was encountered")
+
+    def set_device(self, index: int) -> None:
+        self._call("set_device")
+
+    def event(self) -> int:
+        self._call("event")
+        self.events += 1
+        return self.events
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._call("copy")
+
+    def record(self, event: int, stream: int) -> None:
+        self._call("record")
+
+    def synchronize_stream(self, stream: int) -> None:
+        self._call("synchronize_stream")
+
+    def done(self, event: int) -> bool:
+        self._call("done")
+        return self.ends
+
+
+@pytest.mark.parametrize(
+    ("fail", "calls"),
+    [
+        (None, ["set_device", "event", "copy", "record"]),
+        ("event", ["set_device", "event"]),  # nothing queued: nothing to wait for
+        ("copy", ["set_device", "event", "copy"]),  # refused: nothing queued
+        ("record", ["set_device", "event", "copy", "record", "synchronize_stream"]),
+    ],
+)
+def test_a_copy_is_never_left_queued_without_its_completion(
+    fail: str | None, calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The event is taken before the copy is queued, and a copy queued whose event could not be recorded is
+    waited for on its stream: the consumer READs into the same slot next and gives it back if that fails."""
+    runtime = RecordingRuntime(fail)
+    monkeypatch.setattr(CudaRuntime, "loaded", classmethod(lambda cls: runtime))
+    events = EventPool(runtime)  # type: ignore[arg-type]
+    arena = IpcArena(exported(), torch.empty(0, dtype=torch.uint8), stream=7, events=events)
+    same = SameGpu(SimpleNamespace(config=DataPlaneConfig(same_gpu_copy=True)))  # type: ignore[arg-type]
+    slots: Any = {DeviceKind.CUDA: SimpleNamespace(device_id=0, address=1 << 20, nbytes=8192)}
+    ref = vram_ref(4096, VRAM_ARENA.address + 8192)
+    if fail is None:
+        launched = same.launch(ref, arena, slots)
+        assert launched.regions == frozenset({0}) and launched.done._event == 1
+    else:
+        with pytest.raises(TransferError, match=f"same-GPU copy failed: {fail} failed"):
+            same.launch(ref, arena, slots)
+        if fail != "event":
+            assert events.take() == 1  # the event went back to its pool
+    assert runtime.calls == calls
+
+
+@pytest.mark.parametrize("ends", [True, False])
+def test_a_warm_up_copy_that_does_not_end_keeps_its_slot_and_its_arena(
+    ends: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first copy from a newly mapped arena: once it ended, its slot goes back; if it did not end in time,
+    the slot stays taken and the arena stays mapped (it may still be read), and the peer is READ."""
+    runtime = RecordingRuntime(ends=ends)
+    monkeypatch.setattr(CudaRuntime, "loaded", classmethod(lambda cls: runtime))
+    monkeypatch.setattr(peers_module, "WARM_TIMEOUT_S", 0.01)
+    pool = MemoryPool(DeviceKind.CPU, 1 << 16, device=torch.device("cpu"), registrar=None)  # our CUDA pool's part
+    try:
+        peers = Peers(SimpleNamespace(pools=SimpleNamespace(pools={DeviceKind.CUDA: pool})))  # type: ignore[arg-type]
+        arena = IpcArena(exported(), torch.empty(0, dtype=torch.uint8), stream=7, events=EventPool(runtime))  # type: ignore[arg-type]
+        if ends:
+            peers._warm_copy(arena)
+            assert pool.slots_in_use == 0 and peers._stranded == []
+        else:
+            with pytest.raises(HandshakeError, match="did not end"):
+                peers._warm_copy(arena)
+            assert pool.slots_in_use == 1 and peers._stranded == [arena]
+        assert runtime.calls[:4] == ["set_device", "event", "copy", "record"]
+    finally:
+        pool.close()
