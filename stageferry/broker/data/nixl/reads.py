@@ -201,6 +201,10 @@ class Reader:
             won = True
             clock.mark("claim")
             if post_failed is not None:
+                # READs posted before the one that failed still write into our slots, which go back to the
+                # pool once this is raised: they end first (a failed one too: the caller drops the peer).
+                with contextlib.suppress(TransferError):
+                    await self._wait_all(handles, deadline)
                 raise post_failed
             made = None
             if meanwhile is not None:
