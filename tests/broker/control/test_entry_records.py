@@ -34,6 +34,7 @@ from stageferry.broker.control.entry_records import (
 )
 from stageferry.broker.control.held import Held
 from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.record_loss import Loss, RecordLoss
 from stageferry.broker.control.redis_conn import open_client
 from stageferry.broker.control.requests import RequestStore
 from stageferry.embedded_redis import EmbeddedRedis, find_redis_server
@@ -358,3 +359,25 @@ def test_the_entry_life_writes_of_a_request_stay_within_the_bound(
     assert per_request <= MAX_COMMANDS_PER_REQUEST, f"{per_request:.1f} commands per request:\n" + "\n".join(
         named[: int(per_request) + 5]
     )
+
+
+@pytest.mark.anyio
+async def test_a_look_after_the_record_is_gone_makes_no_record_and_the_request_ends_lost(
+    records: tuple[EntryRecords, RequestStore, Keys],
+) -> None:
+    """A redelivery's look comes two round trips after its admission: Redis may have come back empty in
+    between.  The look then writes nothing (a record holding only the run would read as "recorded" to the
+    loss check, and the request's waiters would wait for its TTL instead of hearing it was lost)."""
+    entry_records, store, keys = records
+    redis, run = entry_records.redis, run_keys(keys, "e-9")
+    looked = await entry_records.look(run, "1-0")
+    assert looked == Look(status=None, cancelled=False, claimed=False, owner=None)
+    assert await redis.exists(run.record, run.events) == 0
+    stream = keys.stage_stream("diffusion")
+    held = Held(stream, "diffusion", "diffusion-a", "1-0")
+    loss = await RecordLoss(redis, store).end_if_lost(held, "e-9", stage="diffusion", stage_index=1)
+    assert loss is Loss.ENDED
+    status = await store.get("e-9")
+    assert status is not None and status.state is RequestState.FAILED and status.error is not None
+    assert status.error.code == "request_lost"
+    await redis.delete(run.record, run.events)

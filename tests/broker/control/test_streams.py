@@ -184,3 +184,33 @@ async def test_a_hand_off_above_maxmemory_is_refused_whole_then_goes_through(pre
         assert await redis.xlen(keys.stage_stream("diffusion")) == 1
         assert (await store.get("r1")).state is RequestState.QUEUED  # type: ignore[union-attr]
         await enc.aclose()
+
+
+async def test_a_hand_off_leaves_the_events_ttl_to_the_next_event(redis_url: str, prefix: str) -> None:
+    """The hand-off adds no event, so it does not mark the events stream refreshed (``ttl_at``): a stream
+    gone before its record (writes without events refresh the record alone) is made again by the next
+    event, whose write then sets its TTL, rather than living on without one."""
+    keys = Keys(prefix)
+    async with open_client(redis_url) as redis:
+        store = RequestStore(redis, keys, ttl_s=60, events_maxlen=100)
+        enc = StageStream(redis, keys, "encoder", "encoder-a", visibility_ms=60_000)
+        await enc.ensure_group()
+        await redis.xadd(keys.stage_stream("encoder"), {"request_id": "r1"})
+        (entry,) = await enc.read(1, block_ms=0)
+        assert await store.set_status(RequestStatus(request_id="r1", state=RequestState.RUNNING, stage="encoder"))
+        # long after: the events stream expired, the record (refreshed since by writes without events) lives
+        await redis.delete(keys.events("r1"))
+        await redis.hset(keys.request("r1"), "ttl_at", "1")
+        queued = RequestStatus(request_id="r1", state=RequestState.QUEUED, stage="diffusion")
+        fields = {"request_id": "r1", "envelope": "{}"}
+        write = store.status_write(queued, stage_index=1)
+        assert await enc.hand_off(
+            entry.id, "diffusion", fields, status=write, crash_field=crash_field("encoder", entry.id)
+        )
+        running = RequestStatus(request_id="r1", state=RequestState.RUNNING, stage="diffusion")
+        assert await store.set_status(running, stage_index=1)
+        assert await redis.exists(keys.events("r1")) == 1
+        assert 60_000 <= await redis.pttl(keys.events("r1")) <= 66_000, "the event's write set the stream's TTL"
+        await redis.delete(keys.stage_stream("encoder"), keys.stage_stream("diffusion"), keys.request("r1"))
+        await redis.delete(keys.events("r1"))
+        await enc.aclose()

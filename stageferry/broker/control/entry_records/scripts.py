@@ -311,8 +311,11 @@ return {admitted, status, cancelled, claimed, owner, started}
 """
 
 #: The look alone (a redelivery's, after its admission).  KEYS: record, cancel flag.  ARGV: entry id, run
-#: field, ttl.  Returns {status, cancelled, claimed, owner}.
+#: field, ttl.  Returns {status, cancelled, claimed, owner}.  A record gone since the admission (Redis came
+#: back empty) is not made again with only the run in it: nothing is written (no status, no owner), and
+#: the entry's end is ``record_loss``'s, which ends a request without a record as lost.
 _LOOK = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {false, redis.call('EXISTS', KEYS[2]), 0, false} end
 local rec = record(KEYS[1], ARGV[3], ARGV[2], nil, true)
 local cancelled = redis.call('EXISTS', KEYS[2])
 local claimed, owner = own_run(rec, ARGV[2], ARGV[1])
@@ -336,7 +339,9 @@ return n
 #: status (the next stage's ``queued``) goes into the record only, with no event of its own: the next
 #: stage's admission writes it again, dated by the hand-off, with its ``running`` and one event for both
 #: (``folded``).  The new entry's id tells the script the clock.  The cancel flag is not read here: the
-#: next stage's admission reads it before it spends anything.
+#: next stage's admission reads it before it spends anything.  The events stream's TTL is not refreshed
+#: here (no event is added): a refresh writes ``ttl_at`` for both keys, and the stream may not exist
+#: (expired before the record, which writes without events refresh alone); the next event refreshes it.
 _HAND_OFF = """
 if not owns(KEYS[1], ARGV[1], ARGV[2], ARGV[3]) then
   redis.call('HDEL', KEYS[3], ARGV[4])
@@ -346,7 +351,6 @@ clock = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 11))
 if redis.call('LPUSH', KEYS[5], '1') > 16 then redis.call('LTRIM', KEYS[5], '0', '7') end
 ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
 local rec = record(KEYS[3], ARGV[7], nil, ARGV[4])
-rec.events = KEYS[4]  -- refreshed with the record, though this step adds no event to it
 set_status(rec, KEYS[4], 5, true)  -- quiet: its event comes with the next stage's running
 unmark(rec, ARGV[4])
 save(rec)
