@@ -336,8 +336,12 @@ class NixlAgent:
         return self._start("READ", local, local_kind, remote, remote_kind, remote_name, notif)
 
     def poll(self, handle: object) -> XferState:
-        """PROC or DONE; a failed transfer raises (TransferError / PeerDisconnectedError), never ERR."""
+        """PROC or DONE; a failed transfer raises (TransferError / PeerDisconnectedError), never ERR.  So
+        does one whose handle was released under it (:meth:`remove_remote`: its peer was dropped while
+        another get still waited on it): NIXL has freed it, and what it would say of it means nothing."""
         xh = self._own(handle)
+        if xh.released:
+            raise PeerDisconnectedError("READ cancelled: its peer was dropped", agent=self.name, remote=xh.remote)
         with self._raising("poll", xh.remote):
             state = _state(self._agent.check_xfer_state(xh._h))
         if state is XferState.PROC:

@@ -227,8 +227,6 @@ class Peers:
         ``incarnation`` (an envelope's), the record must be of it; without, the record's own must be the
         one its name carries."""
         ep = self._ep
-        if agent_name in self._peers:
-            self.forget(agent_name)
         with anyio.fail_after(ep.timeouts.handshake):
             raw = await self._record(agent_name)
         if raw is None:
@@ -238,6 +236,8 @@ class Peers:
             raise ManifestError("agent record does not match the envelope", agent=agent_name)
         if not agent_name.endswith(f"-{record.incarnation[:8]}"):
             raise ManifestError("agent name does not match its incarnation", agent=agent_name)
+        if agent_name in self._peers:  # only now: an envelope refused above leaves a good peer as it was
+            self.forget(agent_name)
         assert ep.agent is not None
         try:
             name = ep.agent.add_remote(record.metadata)

@@ -199,3 +199,23 @@ def test_transfer_states_are_read_once_into_the_enum() -> None:
     assert _state("PROC") is XferState.PROC and _state(b"DONE") is XferState.DONE and _state("ERR") is XferState.ERR
     with pytest.raises(TransferError, match="unknown transfer state"):
         _state("BOGUS")
+
+
+def test_a_read_whose_peer_was_dropped_under_it_fails_and_is_not_polled(
+    consumer: tuple[NixlAgent, torch.Tensor],
+) -> None:
+    """A peer is dropped (``remove_remote``) while another get still waits on one of its READs: that
+    handle is released with it, and NIXL frees it; polling it again fails typed instead of asking NIXL about
+    freed memory (which answered a stale DONE)."""
+    agent, dst = consumer
+    prod = Producer("test-producer-d", salt=5)
+    try:
+        name = agent.add_remote(prod.metadata)
+        h = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM, name, b"")
+        agent.remove_remote(name)
+        with pytest.raises(PeerDisconnectedError, match="peer was dropped"):
+            agent.poll(h)
+        agent.release(h)  # the waiter's own release after it: nothing more
+        assert name not in agent.remotes()
+    finally:
+        prod.close()

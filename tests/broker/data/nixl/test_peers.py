@@ -16,10 +16,10 @@ import structlog
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.data.payload_codec import plan_payload
-from stageferry.errors import ProtocolMismatchError
+from stageferry.errors import ManifestError, ProtocolMismatchError
 from stageferry.schemas import NixlPayload, RemoteRegion
 from stageferry.schemas.nixl import NIXL_PROTOCOL_VERSION, AgentRecord, lease_seal
-from tests.broker.data.nixl.test_connector import consumer
+from tests.broker.data.nixl.test_connector import consumer, ref_of, start_producer  # noqa: F401 - a fixture
 from tests.security.test_codec_fuzz import GOOD_PAYLOAD
 
 pytest.importorskip("nixl")
@@ -98,3 +98,26 @@ async def test_a_connector_publishes_a_record_of_its_own_version(redis_url: str,
         assert record.protocol == NIXL_PROTOCOL_VERSION and raw[b"protocol"] == str(NIXL_PROTOCOL_VERSION).encode()
         assert record.name == conn.name and record.incarnation == conn.incarnation
         assert conn.pools is not None and record.arenas == conn.pools.arenas()
+
+
+async def test_an_envelope_of_a_forged_incarnation_leaves_the_loaded_peer_as_it_was(
+    redis_url: str,
+    prefix: str,
+    start_producer: Any,  # noqa: F811 - the fixture imported above
+) -> None:
+    """An envelope names a loaded agent with an incarnation that shares its name's 8 characters but not the
+    rest: refused (the record is of another incarnation) before the good peer is dropped, so the READs in
+    flight from it go on."""
+    producer = start_producer("--payloads", "T2VA")
+    item = producer.take()
+    ref, blob = ref_of(item)
+    async with consumer(redis_url, prefix) as conn:
+        async with conn.get(ref, blob, key=item["key"]):
+            pass
+        assert ref.agent in conn.peers
+        forged = ref.model_copy(update={"incarnation": ref.incarnation[:8] + "0" * (len(ref.incarnation) - 8)})
+        assert forged.incarnation != ref.incarnation
+        with pytest.raises(ManifestError, match="does not match the envelope"):
+            await conn.peers.ensure(forged)
+        assert ref.agent in conn.peers and conn.agent is not None and ref.agent in conn.agent.remotes()
+    producer.stop()
