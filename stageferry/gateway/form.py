@@ -26,7 +26,7 @@ from stageferry.config import Limits
 from stageferry.errors import field_error
 from stageferry.gateway.errors import invalid, invalid_fields
 from stageferry.gateway.uploads import ParsedForm, UploadedFile
-from stageferry.schemas import MediaInputs, Task
+from stageferry.schemas import MediaInputs, Task, json_text
 from stageferry.schemas.validation import field_errors
 
 #: Text fields whose value may carry a whole upload as a data URL.
@@ -214,7 +214,7 @@ def _extra_params(raw: str | None) -> dict[str, Any]:
     if raw is None or not raw.strip():
         return {}
     try:
-        value = json.loads(raw)
+        value = json_text.loads(raw)
     except ValueError:
         raise invalid("extra_params", "not valid JSON", "json_invalid") from None
     if not isinstance(value, dict):
@@ -231,7 +231,7 @@ def _lora_name(raw: Any, source: str) -> str:
     """An adapter name from ``"name"``, ``{"name": ...}`` (vLLM-Omni's aliases too); paths are refused."""
     if isinstance(raw, str):
         try:
-            raw = json.loads(raw) if raw.lstrip().startswith("{") else raw
+            raw = json_text.loads(raw) if raw.lstrip().startswith("{") else raw
         except ValueError:
             raise invalid(source, "not valid JSON", "json_invalid") from None
     if isinstance(raw, str):
@@ -351,7 +351,7 @@ def media_kind(content_type: str, data: bytes) -> str:
 def _data_url(raw: str, source: str, key: str) -> bytes:
     """The bytes of ``{"<key>": "data:...;base64,..."}``; remote URLs are refused (the gateway fetches nothing)."""
     try:
-        value = json.loads(raw)
+        value = json_text.loads(raw)
     except json.JSONDecodeError as exc:
         if raw.lstrip().startswith("{"):  # JSON meant, and broken: often a base64 wrapped onto several lines
             hint = " (a line break inside the base64? send it on one line)" if "control character" in exc.msg else ""

@@ -22,13 +22,13 @@ Version history:
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Annotated
 
 from pydantic import Field, ValidationError, field_validator
 
 from stageferry.errors import HandshakeError
+from stageferry.schemas import json_text
 from stageferry.schemas.job import Frozen
 
 CUDA_IPC_VERSION = 1
@@ -77,7 +77,7 @@ class CudaIpcArena(Frozen):
         if len(raw) > MAX_FIELD_BYTES:
             raise HandshakeError("cuda_ipc field is too large", bytes=len(raw))
         try:
-            data = json.loads(raw)
+            data = json_text.loads(raw)
         except ValueError as exc:
             raise HandshakeError(f"cuda_ipc field is not JSON: {exc}") from exc
         if not isinstance(data, dict) or data.get("version") != CUDA_IPC_VERSION:

@@ -41,6 +41,7 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationError
 
 from stageferry.errors import HandshakeError, ProtocolMismatchError
+from stageferry.schemas import json_text
 from stageferry.schemas.cuda_ipc import GPU_UUID, MAX_FIELD_BYTES
 from stageferry.schemas.job import Frozen
 from stageferry.schemas.payload import AgentName, Incarnation, LeaseToken, RemoteRegion
@@ -102,7 +103,7 @@ class AgentRecord(Frozen):
         raises :class:`ProtocolMismatchError`; a malformed record :class:`HandshakeError`."""
         check_protocol(raw.get(b"protocol"), what="agent record", agent=_shown(raw.get(b"name", b"")))
         try:
-            arenas = json.loads(raw.get(b"arenas", b"[]"))
+            arenas = json_text.loads(raw.get(b"arenas", b"[]"))
             return cls(
                 protocol=NIXL_PROTOCOL_VERSION,
                 name=_text(raw[b"name"]),

@@ -146,17 +146,21 @@ def test_a_raw_client_cannot_stop_or_trim_the_queue_and_sees_its_refusals(deploy
     assert raw.get(KEYS.result("shared-id"))
 
     # Items that are not submissions, or too large to move (max_entry_bytes = 1 MiB here): refused by ticket.
-    big, junk, extra = uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex
+    big, junk, extra, deep = uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex
     raw.rpush(intake, item("big-1", {**JOB, "negative_prompt": "x" * 8192, "pad": "y" * (2 << 20)}, big))
     raw.rpush(intake, f'{{"v":1,"ticket":"{junk}", not json')
     raw.rpush(intake, item("extra-1", JOB, extra)[:-1] + ',"attempt":7,"deadline":1e12}')
-    for ticket in (big, junk, extra):
+    # nested past the interpreter's recursion limit (json.loads raised RecursionError: the worker died on it)
+    raw.rpush(intake, f'{{"v":1,"ticket":"{deep}","request_id":"deep-1","job":' + "[" * 5000 + "]" * 5000 + "}")
+    for ticket in (big, junk, extra, deep):
         refusal = wait_for(lambda t=ticket: raw.hgetall(KEYS.refused(t)), 60, "refusal")
         assert refusal[b"code"] == b"submission_refused", refusal
     assert b"above limits.max_entry_bytes" in raw.hgetall(KEYS.refused(big))[b"message"]
     dead = admin.xrange(KEYS.dead_letter("encoder"))
     assert all(len(b"".join(f.values())) < (1 << 20) for _, f in dead)  # the big item never went in whole
-    assert not admin.exists(KEYS.request("extra-1"), KEYS.request("big-1"))  # nothing under their ids
+    assert not admin.exists(
+        KEYS.request("extra-1"), KEYS.request("big-1"), KEYS.request("deep-1")
+    )  # none under their ids
 
     # And the queue still works for everyone.
     ok = uuid.uuid4().hex

@@ -45,7 +45,7 @@ from stageferry.errors import (
     SubmissionRefusedError,
     TenantMismatchError,
 )
-from stageferry.schemas import Envelope, request_key
+from stageferry.schemas import Envelope, json_text, request_key
 from stageferry.schemas.job import REQUEST_ID_PATTERN, is_request_id, tenant_of
 from stageferry.schemas.submission import TICKET_WINDOW, Submission
 from stageferry.schemas.validation import (
@@ -67,7 +67,7 @@ def _with_shown_id(entry: Entry) -> Entry:
     """A submission that does not validate, with the ``request_id`` it names (if any) as a field of its
     own, for its refusal record to show (bounded there); the entry is read no further."""
     try:
-        rid = json.loads(entry.fields["submission"]).get("request_id")
+        rid = json_text.loads(entry.fields["submission"]).get("request_id")
     except (ValueError, AttributeError):
         return entry
     return (

@@ -182,6 +182,7 @@ def test_the_handle_message_is_versioned_and_bounded() -> None:
         (json.dumps({**arena.model_dump(), "ref_counter_handle": b"/torch_1_2_3/../x".hex()}), "malformed"),
         (json.dumps({**arena.model_dump(), "ref_counter_offset": 10000}), "malformed"),
         (b" " * 5000, "too large"),
+        (b"[" * 2000 + b"]" * 2000, "not JSON"),  # within the size, past the recursion limit: not a crash
     ]:
         with pytest.raises(HandshakeError, match=message):
             CudaIpcArena.from_json(raw)
