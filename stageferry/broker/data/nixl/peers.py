@@ -4,8 +4,11 @@ Own record (producer side): :meth:`Peers.publish_record` writes ``<prefix>:nixl:
 :class:`~stageferry.schemas.nixl.AgentRecord`: protocol version, metadata, arenas, seal key) at start,
 and names the agent in its stage's index ``<prefix>:nixl:agents:<stage>`` (replica id → agent name, which
 consumers watch: :mod:`~stageferry.broker.data.nixl.upstream`); :meth:`Peers.run_heartbeat` keeps both
-alive (and writes them again when Redis lost them), :meth:`Peers.withdraw_record` deletes the record at
-shutdown.  A record that expires means the producer is gone; its payloads are then recomputed.
+alive (and writes them again when Redis lost them), :meth:`Peers.withdraw_record` deletes the record and
+its index entry at shutdown.  A record that expires means the producer is gone; its payloads are then
+recomputed, and the first consumer that finds its index entry without a record takes the entry out
+(:meth:`Peers.unlist`): replicas come and go (a pod's name is its replica id), and the index must not keep
+every one that ever ran (each consumer reads it whole several times a second).
 
 Peer cache (consumer side): :meth:`Peers.ensure` loads a producer's agent once per *incarnation* (a
 restarted producer keeps its replica name but gets a new incarnation, so it is re-added from fresh
@@ -57,6 +60,12 @@ WARM_BYTES = 4096
 WARM_TIMEOUT_S = 1.0
 #: The stage index outlives its last writer by this much (every heartbeat renews it).
 INDEX_TTL_S = 3600
+#: Take a replica's entry out of a stage's index if it still names the agent (its replica may have
+#: restarted and named its new agent since).  KEYS: the index.  ARGV: replica id, agent name.  1 if removed.
+_UNLIST = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +151,20 @@ class Peers:
                 log.warning("nixl.heartbeat_failed", error=exc.message)
 
     async def withdraw_record(self) -> None:
-        """Delete the record at shutdown (best effort: it expires anyway)."""
+        """Delete the record and its index entry at shutdown (best effort: the record expires anyway, and
+        a consumer then takes the entry out)."""
+        ep = self._ep
         with contextlib.suppress(ControlPlaneError), translated():
-            await self._ep.redis.delete(self._ep.keys.agent(self._ep.name))
+            await ep.redis.delete(ep.keys.agent(ep.name))
+            await self.unlist(ep.stage, ep.replica_id, ep.name)
+
+    async def unlist(self, stage: str, replica: str, name: str) -> bool:
+        """Take ``replica``'s entry out of ``stage``'s index if it still names agent ``name``; True if it did.
+        :class:`ControlPlaneError` if Redis is away."""
+        ep = self._ep
+        with translated():
+            removed = await ep.redis.register_script(_UNLIST)(keys=[ep.keys.agents(stage)], args=[replica, name])
+        return bool(removed)
 
     # ------------------------------------------------------------------ peer cache
 

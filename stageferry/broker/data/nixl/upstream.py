@@ -17,9 +17,11 @@ Restarts, on either side:
 
 The watch looks every :data:`WATCH_S`, and every :data:`WATCH_FAST_S` while no producer of the stage is
 connected (a stage that has just started, or whose producers all restarted), one ``HGETALL`` each time.
-A producer that cannot be connected (no record, a record of another protocol, a failed handshake or
-warm-up READ) is logged once and tried again after a growing pause; its payloads load it on the request
-path as before, where a failure falls back inline.  Nothing here is needed for correctness: every
+An entry whose agent has no record (its producer died without withdrawing it, and the record expired) is
+taken out of the index (:meth:`Peers.unlist`; a producer still alive writes both again at its next
+heartbeat).  A producer that cannot be connected otherwise (a record of another protocol, a failed
+handshake or warm-up READ) is logged once and tried again after a growing pause; its payloads load it on
+the request path as before, where a failure falls back inline.  Nothing here is needed for correctness: every
 check of :meth:`Peers.ensure` (incarnation, metadata, arenas, seal) still runs on every payload.
 """
 
@@ -34,7 +36,7 @@ import structlog
 from stageferry.broker.control.redis_conn import translated
 from stageferry.broker.data.nixl.endpoint import Endpoint
 from stageferry.broker.data.nixl.peers import Peers
-from stageferry.errors import ControlPlaneError, DataPlaneError, ManifestError
+from stageferry.errors import ControlPlaneError, DataPlaneError, ManifestError, PayloadUnavailableError
 
 log = structlog.get_logger(__name__)
 
@@ -86,11 +88,16 @@ class UpstreamWatch:
                 log.info("nixl.peer_replaced", peer=peer.name, by=listed[replica])
                 self._peers.forget(peer.name)
         now = time.monotonic()
+        replicas = {name: replica for replica, name in listed.items()}
         for name in sorted(current):
             if name in self._peers or self._retry.get(name, (0.0, 0.0))[0] > now:
                 continue
             try:
                 await self._peers.connect(name)
+            except PayloadUnavailableError as exc:  # no record: its producer is gone
+                self._failed(name, exc)
+                await self._unlist(replicas[name], name)
+                continue
             except (DataPlaneError, ManifestError, ControlPlaneError, TimeoutError) as exc:
                 self._failed(name, exc)
                 continue
@@ -99,6 +106,14 @@ class UpstreamWatch:
         for name in [n for n in self._retry if n not in current]:
             del self._retry[name]  # replaced or withdrawn: nothing to try again
         return len(self._peers.peers_of(self.stage))
+
+    async def _unlist(self, replica: str, name: str) -> None:
+        try:
+            removed = await self._peers.unlist(self.stage, replica, name)
+        except ControlPlaneError:
+            return  # the next look tries again
+        if removed:
+            log.info("nixl.peer_unlisted", peer=name, stage=self.stage, reason="no record")
 
     def _listed(self, raw: dict[bytes, bytes]) -> dict[str, str]:
         """The index as replica id → agent name, each checked (names of this stage only)."""

@@ -86,13 +86,15 @@ async def test_the_consumer_is_connected_before_the_first_payload_and_again_afte
         await first_payload_without_a_handshake(conn, second, "go2")
         assert conn.counters.fallbacks == {}
         second.stop()
+        assert index_entry(redis_url, prefix) is None, "a producer that stops takes its entry out with its record"
 
 
 async def test_index_entries_without_a_record_or_of_another_stage_are_not_connected(
     redis_url: str, prefix: str
 ) -> None:
-    """A stale entry (its producer's record expired) is tried, logged once and left to a growing pause;
-    an entry naming an agent of another stage, or a name that is not its replica's, is ignored."""
+    """A stale entry (its producer died and its record expired) is tried, logged once and taken out of the
+    index (replicas come and go: the index must not keep them all); an entry naming an agent of another
+    stage, or a name that is not its replica's, is ignored."""
     client = sync_redis.Redis.from_url(redis_url)
     keys = Keys(prefix)
     client.hset(
@@ -112,6 +114,15 @@ async def test_index_entries_without_a_record_or_of_another_stage_are_not_connec
             assert conn.agent is not None and conn.agent.remotes() == frozenset() and len(conn.peers) == 0
     failed = [e for e in logs if e["event"] == "nixl.preconnect_failed"]
     assert [(e["peer"], e["error"]) for e in failed] == [("encoder-gone-0123abcd", "producer agent is gone")]
+    unlisted = [e["peer"] for e in logs if e["event"] == "nixl.peer_unlisted"]
+    assert unlisted == ["encoder-gone-0123abcd"]
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        left = client.hgetall(keys.agents("encoder"))
+        assert left == {b"encoder-x": b"diffusion-x-0123abcd", b"decoder-y": b"decoder-y-0123abcd"}
+        client.delete(keys.agents("encoder"))
+    finally:
+        client.close()
     assert not [e for e in logs if e["event"] == "nixl.remote.added"]
 
 
