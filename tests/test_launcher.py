@@ -6,12 +6,14 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import anyio
+import psutil
 import pytest
 from typer.testing import CliRunner
 
@@ -116,6 +118,39 @@ def test_cli_command_names_the_program_as_it_runs(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("PATH", str(program.parent))
     assert cli_command(str(program)) == "stageferry"
     assert cli_command("/x/stageferry/__main__.py").endswith(" -m stageferry")
+
+
+@pytest.mark.timeout(300)
+def test_signals_during_start_up_stop_up_after_its_clean_up(tmp_path: Path) -> None:
+    """SIGTERM while `up` starts (waiting for its MPS daemon's control pipe), then another at once: the first
+    stops the run, the second waits for the clean-up, which a signal's default action used to cut short —
+    leaving the private Redis and the MPS daemon (each in its own session) running."""
+    record = tmp_path / "mps.txt"
+    env = {**os.environ, **install(tmp_path / "bin", record), "FAKE_MPS_HOLD": str(tmp_path / "never")}
+    env = {k: v for k, v in env.items() if k not in ("STAGEFERRY_REDIS_URL", "STAGEFERRY_PIPELINE")}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "stageferry", "--prefix", "t-up-sig", "up", *SMALL_JOB, "--mps", "on"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (record.exists() and record.read_text().startswith("started ")):
+            assert up.poll() is None and time.monotonic() < deadline, up.communicate(timeout=30)
+            time.sleep(0.02)  # polling a condition: the daemon's first line (it then holds: up waits on it)
+        up.send_signal(signal.SIGTERM)
+        up.send_signal(signal.SIGTERM)
+        err = up.communicate(timeout=120)[1]
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 130, err
+    pipe = Path(record.read_text().splitlines()[0].removeprefix("started "))
+    assert not pipe.parent.exists(), err  # the daemon's directory went with it
+    daemons = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert daemons == [], err
+    port = int(err.split("private server at redis://127.0.0.1:", 1)[1].split("/", 1)[0])
+    with pytest.raises(OSError):  # the private Redis was stopped
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
 @pytest.mark.slow

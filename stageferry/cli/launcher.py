@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -152,6 +153,60 @@ async def wait_for_workers(redis: aioredis.Redis, keys: Keys, stages: Sequence[s
         await anyio.sleep(0.2)
 
 
+@dataclass
+class _Outcome:
+    """What `up` knows of its job so far: its request id once submitted, and the exit status."""
+
+    request_id: str | None = None
+    exit_code: int = 1
+
+
+async def _serve_job(
+    client: Client,
+    services: ServiceGroup,
+    pipeline: Any,
+    job: dict[str, Any],
+    uploads: Mapping[str, Path],
+    url: str,
+    settings: Settings,
+    *,
+    serve: bool,
+    startup_timeout: float,
+    job_timeout: float | None,
+    warm_runs: int,
+    console: Console,
+    on_exit: anyio.CancelScope,
+    outcome: _Outcome,
+) -> None:
+    """Start the services, run the job (and its warm runs), then serve until cancelled if asked; what is
+    known of the job goes into ``outcome`` as it comes (a cancelled run keeps it).  A service that exits
+    cancels ``on_exit``."""
+    async with anyio.create_task_group() as tg:
+        for stage in pipeline.stages:
+            argv = [sys.executable, "-m", "stageferry", "serve", stage.name]
+            await services.start(stage.name, argv)
+            tg.start_soon(services.watch, stage.name, on_exit)
+        console.print(f"services: {', '.join(s.name for s in pipeline.stages)} (logs in {services.log_dir})")
+        await wait_for_workers(client.redis, client.keys, [s.name for s in pipeline.stages], timeout=startup_timeout)
+        request_id = outcome.request_id = await client.submit(job, uploads=uploads)
+        console.print(f"submitted {request_id}")
+        try:
+            status = await follow(client, request_id, timeout=job_timeout, console=console)
+            print(render_status(status))
+            outcome.exit_code = 0 if status.state is RequestState.DONE else 1
+            if warm_runs and status.state is RequestState.DONE:
+                await _run_warm(client, job, uploads, warm_runs, status, timeout=job_timeout, console=console)
+            if serve:
+                console.print(f"serving at {url} with prefix {settings.prefix!r}; Ctrl-C to stop")
+                hint = submit_command(
+                    cli_command(), redis_url=url, prefix=settings.prefix, pipeline=settings.pipeline, job=job
+                )
+                console.print(f"submit another job: {hint}", soft_wrap=True, markup=False, highlight=False)
+                await anyio.sleep_forever()
+        finally:
+            tg.cancel_scope.cancel()
+
+
 async def run_up(
     settings: Settings,
     job: dict[str, Any],
@@ -178,83 +233,74 @@ async def run_up(
     validate_job(with_upload_refs(job, {name: "precheck" for name in uploads}))
     output_dir = Path(await anyio.Path(pipeline.output_dir).resolve())  # the services run here too: the same dir
     console.print(f"outputs: {output_dir}")
-    exit_code = 1
-    request_id: str | None = None
-    async with contextlib.AsyncExitStack() as stack:
-        url = settings.redis_url
-        if url is None:
-            redis_server = await stack.enter_async_context(EmbeddedRedis())
-            url = redis_server.url
-            console.print(f"redis: private server at {url} (stopped on exit)")
-        env = {
-            **os.environ,
-            "STAGEFERRY_REDIS_URL": url,
-            "STAGEFERRY_PREFIX": settings.prefix,
-            "STAGEFERRY_LOG_FORMAT": "json",
-            "STAGEFERRY_LOG_LEVEL": settings.log_level,
-        }
-        if settings.pipeline is not None:
-            env["STAGEFERRY_PIPELINE"] = str(settings.pipeline)  # made absolute by the caller
-        logs = log_dir or output_dir / "logs"
-        # the daemon stops after the services; what it prints goes beside their logs
-        use_mps, mps_env = await start_mps(stack, mps, use_mps, env, logs / "mps-control.txt")
-        env.update(mps_env)
-        if the_plan.shared or mps is MpsMode.ON:
-            console.print(f"cuda mps: {use_mps.reason}")
-        client = await stack.enter_async_context(Client(url, prefix=settings.prefix, pipeline=pipeline))
-        await ping(client.redis)  # an unreachable Redis is one line before any service starts
-        if settings.pipeline is None and gpus and pipeline.stages != DEFAULT_STAGES:
-            console.print(
-                f"pipeline: built-in default fitted to {gpus} GPU{'s' if gpus > 1 else ''} "
-                f"(the reference TP2 → TP4 needs {REFERENCE_GPUS}; give --pipeline to choose)"
-            )
-        console.print(f"placement: {the_plan.summary()}")  # planned (or refused) above, before anything
-        services = ServiceGroup(env, logs)
-        stack.push_async_callback(services.stop)
-        interrupted = False
-        async with anyio.create_task_group() as tg:
+    outcome = _Outcome()
+    # SIGINT and SIGTERM are ours from here to the last clean-up, however many come: the first stops the run
+    # (start-up included); later ones wait for the clean-up, which a signal's default action would cut short,
+    # leaving the services, the private Redis and the MPS daemon (each in its own session) running.
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with anyio.create_task_group() as guard:
+            run = anyio.CancelScope()
+            interrupted = False
 
             async def on_signal() -> None:
                 nonlocal interrupted
-                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
-                        interrupted = True
-                        tg.cancel_scope.cancel()
-                        return
+                async for _ in signals:
+                    if interrupted:
+                        console.print("still stopping: the services are given their time to end")
+                    interrupted = True
+                    run.cancel()
 
-            tg.start_soon(on_signal)
-            for stage in pipeline.stages:
-                argv = [sys.executable, "-m", "stageferry", "serve", stage.name]
-                await services.start(stage.name, argv)
-                tg.start_soon(services.watch, stage.name, tg.cancel_scope)
-            console.print(f"services: {', '.join(s.name for s in pipeline.stages)} (logs in {services.log_dir})")
-            await wait_for_workers(
-                client.redis, client.keys, [s.name for s in pipeline.stages], timeout=startup_timeout
-            )
-            request_id = await client.submit(job, uploads=uploads)
-            console.print(f"submitted {request_id}")
-            status = await follow(client, request_id, timeout=job_timeout, console=console)
-            print(render_status(status))
-            exit_code = 0 if status.state is RequestState.DONE else 1
-            if warm_runs and status.state is RequestState.DONE:
-                await _run_warm(client, job, uploads, warm_runs, status, timeout=job_timeout, console=console)
-            if serve:
-                console.print(f"serving at {url} with prefix {settings.prefix!r}; Ctrl-C to stop")
-                hint = submit_command(
-                    cli_command(), redis_url=url, prefix=settings.prefix, pipeline=settings.pipeline, job=job
-                )
-                console.print(f"submit another job: {hint}", soft_wrap=True, markup=False, highlight=False)
-                await anyio.sleep_forever()
-            tg.cancel_scope.cancel()
-        await services.stop()  # their last events reach the trace before it is saved
-        if request_id is not None:
-            await _save_trace(client, request_id, output_dir, url, console)
-        if services.failure is not None:
-            raise services.failure
-        if interrupted:
-            console.print("interrupted: stopping services")
-            exit_code = 130 if not serve else exit_code
-    return exit_code
+            guard.start_soon(on_signal)
+            async with contextlib.AsyncExitStack() as stack:
+                services: ServiceGroup | None = None
+                client: Client | None = None
+                with run:
+                    url = settings.redis_url
+                    if url is None:
+                        redis_server = await stack.enter_async_context(EmbeddedRedis())
+                        url = redis_server.url
+                        console.print(f"redis: private server at {url} (stopped on exit)")
+                    env = {
+                        **os.environ,
+                        "STAGEFERRY_REDIS_URL": url,
+                        "STAGEFERRY_PREFIX": settings.prefix,
+                        "STAGEFERRY_LOG_FORMAT": "json",
+                        "STAGEFERRY_LOG_LEVEL": settings.log_level,
+                    }
+                    if settings.pipeline is not None:
+                        env["STAGEFERRY_PIPELINE"] = str(settings.pipeline)  # made absolute by the caller
+                    logs = log_dir or output_dir / "logs"
+                    # the daemon stops after the services; what it prints goes beside their logs
+                    use_mps, mps_env = await start_mps(stack, mps, use_mps, env, logs / "mps-control.txt")
+                    env.update(mps_env)
+                    if the_plan.shared or mps is MpsMode.ON:
+                        console.print(f"cuda mps: {use_mps.reason}")
+                    client = await stack.enter_async_context(Client(url, prefix=settings.prefix, pipeline=pipeline))
+                    await ping(client.redis)  # an unreachable Redis is one line before any service starts
+                    if settings.pipeline is None and gpus and pipeline.stages != DEFAULT_STAGES:
+                        console.print(
+                            f"pipeline: built-in default fitted to {gpus} GPU{'s' if gpus > 1 else ''} "
+                            f"(the reference TP2 → TP4 needs {REFERENCE_GPUS}; give --pipeline to choose)"
+                        )
+                    console.print(f"placement: {the_plan.summary()}")  # planned (or refused) above
+                    services = ServiceGroup(env, logs)
+                    stack.push_async_callback(services.stop)
+                    await _serve_job(
+                        client, services, pipeline, job, uploads, url, settings, serve=serve,
+                        startup_timeout=startup_timeout, job_timeout=job_timeout, warm_runs=warm_runs,
+                        console=console, on_exit=run, outcome=outcome,
+                    )  # fmt: skip
+                if services is not None:
+                    await services.stop()  # their last events reach the trace before it is saved
+                if outcome.request_id is not None and client is not None:
+                    await _save_trace(client, outcome.request_id, output_dir, str(client.url), console)
+                if services is not None and services.failure is not None:
+                    raise services.failure
+                if interrupted:
+                    console.print("interrupted: stopping services")
+                    outcome.exit_code = 130 if not serve else outcome.exit_code
+            guard.cancel_scope.cancel()
+    return outcome.exit_code
 
 
 __all__ = ["ServiceGroup", "run_up", "wait_for_workers"]

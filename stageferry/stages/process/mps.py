@@ -144,12 +144,18 @@ class MpsDaemon:
 
     async def _stop(self) -> None:
         with anyio.CancelScope(shield=True):
-            if self._proc is not None and self._proc.returncode is None:
-                await self._quit(self._proc)
-                await astop([self._proc], grace_s=2.0, group=True)
-            if self._dir is not None:
-                shutil.rmtree(self._dir, ignore_errors=True)
-                self._dir = None
+            try:
+                if self._proc is not None and self._proc.returncode is None:
+                    try:
+                        await self._quit(self._proc)
+                    except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+                        # no control client (gone from PATH, a closed pipe): the daemon is stopped below
+                        log.warning("mps.quit_failed", error=f"{type(exc).__name__}: {exc}")
+                    await astop([self._proc], grace_s=2.0, group=True)
+            finally:
+                if self._dir is not None:
+                    shutil.rmtree(self._dir, ignore_errors=True)
+                    self._dir = None
 
     async def _quit(self, daemon: anyio.abc.Process) -> None:
         """Ask the daemon to ``quit`` through its control pipe and wait for it to leave (bounded)."""

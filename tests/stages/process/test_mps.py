@@ -74,6 +74,21 @@ async def test_a_deaf_daemon_is_stopped(fake: tuple[dict[str, str], Path], monke
 
 
 @pytest.mark.anyio
+async def test_a_daemon_that_cannot_be_told_to_quit_is_stopped_and_its_directory_removed(
+    fake: tuple[dict[str, str], Path],
+) -> None:
+    """The control client cannot run (gone from PATH): the daemon is signalled instead, and its pipe and
+    log directory go all the same."""
+    env, record = fake
+    async with MpsDaemon(env) as daemon:
+        pipe, proc = Path(daemon.env[mps.PIPE_ENV]), daemon.process
+        (record.parent / "bin" / mps.CONTROL).unlink()
+    assert proc is not None and proc.returncode is not None and proc.returncode < 0  # signalled
+    assert record.read_text().splitlines() == [f"started {pipe}"]  # no quit reached it
+    assert not pipe.parent.exists()
+
+
+@pytest.mark.anyio
 async def test_a_daemon_that_dies_at_start_is_a_config_error(
     fake: tuple[dict[str, str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
