@@ -286,6 +286,9 @@ class Peers:
             return None
         if record.cuda_ipc is None:
             return None
+        if self._stranded:  # a warm-up copy never ended here: no more arenas mapped, no more slots kept
+            log.warning("nixl.same_gpu_unavailable", peer=record.name, error="a copy did not end", fallback="nixl")
+            return None
         try:
             spec = CudaIpcArena.from_json(record.cuda_ipc)
             vram = [a for a in record.arenas if a.mem_kind is MemKind.VRAM]

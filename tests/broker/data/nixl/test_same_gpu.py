@@ -95,6 +95,8 @@ def index_entry(redis_url: str, prefix: str) -> bytes | None:
         ("another version", UUID, exported(version=CUDA_IPC_VERSION + 1).to_json().encode(), "of version 2"),
         ("another arena", UUID, exported(address=VRAM_ARENA.address + 4096).to_json().encode(), "VRAM arena"),
         ("cannot be opened", UUID, exported().to_json().encode(), "cannot open the producer's CUDA IPC arena"),
+        # an arena's warm-up copy never ended before (its slot is kept): no other arena is mapped, nor slot kept
+        ("after a copy that did not end", UUID, exported().to_json().encode(), "a copy did not end"),
     ],
 )
 async def test_a_producer_not_usable_as_same_gpu_is_read_over_nixl(
@@ -106,13 +108,15 @@ async def test_a_producer_not_usable_as_same_gpu_is_read_over_nixl(
     cuda_ipc: bytes,
     error: str | None,
 ) -> None:
-    if case == "cannot be opened" and torch.cuda.is_available():
+    if case in ("cannot be opened", "after a copy that did not end") and torch.cuda.is_available():
         pytest.skip("a GPU here could open a handle; the opaque bytes are for a box without CUDA")
     producer = start_producer("--payloads", "T2VA", "--hold", "go")
     await eventually(lambda: _async(index_entry(redis_url, prefix)), timeout=60, what="the producer's record")
     name = publish_as_gpu_producer(redis_url, prefix, uuid, cuda_ipc)
     async with consumer(redis_url, prefix, same_gpu_copy=True) as conn:
         conn.endpoint.gpu_uuid = UUID  # this process is "on" GPU UUID
+        if case == "after a copy that did not end":
+            conn.peers._stranded.append(IpcArena(exported(), torch.empty(0, dtype=torch.uint8)))
         producer.redis.set(f"{prefix}:test:go", 1)
         item = producer.take()
         ref, blob = ref_of(item)
