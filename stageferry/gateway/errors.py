@@ -60,7 +60,11 @@ MAX_FIELD_ERRORS = 20
 
 
 def clip(text: str, limit: int) -> str:
-    """``text``, cut to ``limit`` characters (the cut marked with an ellipsis)."""
+    """``text``, cut to ``limit`` characters (the cut marked with an ellipsis), a lone surrogate in it (what
+    a JSON ``"\ud800"`` escape in the client's input decodes to) as ``?``: an answer that quotes the
+    client must still encode as UTF-8."""
+    if not text.isascii():
+        text = text.encode("utf-8", "replace").decode("utf-8")
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

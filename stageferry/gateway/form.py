@@ -66,8 +66,8 @@ class VideoForm(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     prompt: str = Field(description="What to generate.")
-    model: str | None = Field(None, description="Echoed back; the deployment decides the model.")
-    user: str | None = Field(None, description="Caller's identifier (accepted, not used).")
+    model: str | None = Field(None, max_length=256, description="Echoed back; the deployment decides the model.")
+    user: str | None = Field(None, max_length=256, description="Caller's identifier (accepted, not used).")
     negative_prompt: str | None = None
     seconds: Annotated[float, Field(gt=0)] | None = Field(None, description="Duration; same as extra_params.duration.")
     size: Annotated[str, Field(pattern=r"^\d+x\d+$")] | None = Field(None, description="WIDTHxHEIGHT.")

@@ -22,7 +22,7 @@ from python_multipart.multipart import parse_options_header
 
 from stageferry.errors import field_error
 from stageferry.gateway.codes import GatewayCode
-from stageferry.gateway.errors import ApiError
+from stageferry.gateway.errors import ApiError, clip
 
 #: A text part larger than this is refused (prompts are at most 8 KiB; extra_params is small JSON).
 MAX_TEXT_BYTES = 64 * 1024
@@ -190,13 +190,9 @@ async def read_form(
     """Parse a form body from ``stream`` (multipart, or urlencoded as FastAPI's ``Form`` also takes);
     :class:`ApiError` (400/413/415) as soon as a rule breaks."""
     content_type, params = parse_options_header(headers.get("content-type", ""))
-    charset = params.get(b"charset", b"utf-8").decode("latin-1")
-    try:
-        charset = codecs.lookup(charset).name
-    except LookupError:
-        charset = "utf-8"
     if content_type not in (b"multipart/form-data", b"application/x-www-form-urlencoded"):
         raise ApiError.of(GatewayCode.UNSUPPORTED_MEDIA_TYPE, "send the request as multipart/form-data (curl -F)")
+    charset = _charset(params.get(b"charset", b"utf-8").decode("latin-1"))
     check_content_length(headers, max_body_bytes)
     collector = _Collector(charset=charset, max_file_bytes=max_file_bytes, large_text_fields=large_text_fields)
     if content_type == b"application/x-www-form-urlencoded":
@@ -204,8 +200,8 @@ async def read_form(
     boundary = params.get(b"boundary")
     if not boundary:
         raise ApiError.of(GatewayCode.INVALID_FORM, "multipart/form-data without a boundary")
-    parser = python_multipart.MultipartParser(boundary, collector.callbacks())  # type: ignore[arg-type]
     try:
+        parser = python_multipart.MultipartParser(boundary, collector.callbacks())  # type: ignore[arg-type]
         async for chunk in _bounded(stream, max_body_bytes):
             parser.write(chunk)
         parser.finalize()
@@ -214,6 +210,25 @@ async def read_form(
     if not collector.complete:
         raise ApiError.of(GatewayCode.INVALID_FORM, "malformed multipart body: it ends before its closing boundary")
     return collector.form
+
+
+#: The charsets a form's text parts may come in (codec names): what browsers and HTTP clients send.
+#: Python knows other codecs by name, some not text (``hex``, ``zlib``), some raising other errors than a
+#: decoding error's (``punycode``, ``undefined``): those are refused.
+CHARSETS = frozenset({"utf-8", "ascii", "iso8859-1", "cp1252", "utf-16", "utf-16-le", "utf-16-be"})
+
+
+def _charset(name: str) -> str:
+    """The codec of a form's ``charset`` parameter: a name no codec has is read as utf-8 (as before), a
+    codec not in :data:`CHARSETS` is a 400 that says so."""
+    try:
+        codec = codecs.lookup(name).name
+    except LookupError:
+        return "utf-8"
+    if codec not in CHARSETS:
+        shown = clip(name, 40)
+        raise ApiError.of(GatewayCode.INVALID_FORM, f"charset {shown!r} is not supported (send utf-8)")
+    return codec
 
 
 async def _read_urlencoded(stream: AsyncIterator[bytes], collector: _Collector, max_body_bytes: int) -> ParsedForm:

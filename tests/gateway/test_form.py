@@ -179,3 +179,34 @@ def test_no_task_named_is_inferred_from_the_uploads() -> None:
     with pytest.raises(ApiError):  # named ref2va: an image is refused, not taken as fl2va
         map_form(ParsedForm({"prompt": "p", "extra_params": '{"task": "ref2va"}'},
                             [UploadedFile("input_reference", "a.png", "image/png", first)]))  # fmt: skip
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("content_type", "message"),
+    [
+        ("multipart/form-data; boundary=xx; charset=hex", "charset 'hex' is not supported"),  # not a text codec
+        ("multipart/form-data; boundary=xx; charset=punycode", "charset 'punycode' is not supported"),
+        ("multipart/form-data; boundary=xx; charset=undefined", "charset 'undefined' is not supported"),
+        ("multipart/form-data; boundary=" + "b" * 300, "malformed multipart body: Boundary length 300"),
+    ],
+)
+async def test_a_form_of_an_odd_charset_or_boundary_is_a_400(content_type: str, message: str) -> None:
+    """Python knows codecs that are not text, and the multipart parser refuses long boundaries as it is
+    made: both were 500s (LookupError, UnicodeError, FormParserError outside the parse's try)."""
+    body = _multipart(("prompt", None, b"p"))
+    with pytest.raises(ApiError, match=message) as caught:
+        await read_form({"content-type": content_type}, _chunks(body), max_file_bytes=1024, max_body_bytes=1 << 20)
+    assert caught.value.status == 400
+
+
+@pytest.mark.anyio
+async def test_a_charset_known_to_browsers_is_read_and_an_unknown_name_is_utf8() -> None:
+    body = _multipart(("prompt", None, "café".encode("latin-1")))
+    headers = {"content-type": "multipart/form-data; boundary=xx; charset=ISO-8859-1"}
+    form = await read_form(headers, _chunks(body), max_file_bytes=1024, max_body_bytes=1 << 20)
+    assert form.fields == {"prompt": "café"}
+    utf8 = _multipart(("prompt", None, "café".encode()))
+    headers = {"content-type": "multipart/form-data; boundary=xx; charset=no-such-codec"}
+    form = await read_form(headers, _chunks(utf8), max_file_bytes=1024, max_body_bytes=1 << 20)
+    assert form.fields == {"prompt": "café"}

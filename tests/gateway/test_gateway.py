@@ -233,6 +233,8 @@ INVALID = [
     pytest.param({"extra_params": "[" * 5000 + "]" * 5000}, "extra_params", "json_invalid",
                  id="extra-params-nested-too-deep"),
     pytest.param({"lora": "{" + '"a":{' * 3000 + "}" * 3001}, "lora", "json_invalid", id="lora-nested-too-deep"),
+    pytest.param({"extra_params": '{"\\ud800": 1}'}, "extra_params.?", "unknown_field", id="lone-surrogate-key"),
+    pytest.param({"model": "m" * 60_000}, "model", "string_too_long", id="model-echoed-back-is-bounded"),
     pytest.param({"guidance_scale_2": "3"}, "guidance_scale_2", "unsupported", id="wan-only-field"),
     pytest.param({"colour": "blue"}, "colour", "unknown_field", id="unknown-field"),
     pytest.param({"width": "250"}, "width", "invalid_combination", id="width-not-multiple-of-16"),
