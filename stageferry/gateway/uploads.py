@@ -16,6 +16,7 @@ import urllib.parse
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 
+import anyio
 import python_multipart
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
@@ -23,6 +24,9 @@ from python_multipart.multipart import parse_options_header
 from stageferry.errors import field_error
 from stageferry.gateway.codes import GatewayCode
 from stageferry.gateway.errors import ApiError, clip
+
+#: How long a request body may go without a byte before it is refused (``read_form``'s ``idle_s``).
+BODY_IDLE_S = 30.0
 
 #: A text part larger than this is refused (prompts are at most 8 KiB; extra_params is small JSON).
 MAX_TEXT_BYTES = 64 * 1024
@@ -186,9 +190,10 @@ async def read_form(
     max_file_bytes: int,
     max_body_bytes: int,
     large_text_fields: Iterable[str] = (),
+    idle_s: float = BODY_IDLE_S,
 ) -> ParsedForm:
     """Parse a form body from ``stream`` (multipart, or urlencoded as FastAPI's ``Form`` also takes);
-    :class:`ApiError` (400/413/415) as soon as a rule breaks."""
+    :class:`ApiError` (400/413/415) as soon as a rule breaks, 408 when no bytes came for ``idle_s``."""
     content_type, params = parse_options_header(headers.get("content-type", ""))
     if content_type not in (b"multipart/form-data", b"application/x-www-form-urlencoded"):
         raise ApiError.of(GatewayCode.UNSUPPORTED_MEDIA_TYPE, "send the request as multipart/form-data (curl -F)")
@@ -196,13 +201,13 @@ async def read_form(
     check_content_length(headers, max_body_bytes)
     collector = _Collector(charset=charset, max_file_bytes=max_file_bytes, large_text_fields=large_text_fields)
     if content_type == b"application/x-www-form-urlencoded":
-        return await _read_urlencoded(stream, collector, max_body_bytes)
+        return await _read_urlencoded(stream, collector, max_body_bytes, idle_s)
     boundary = params.get(b"boundary")
     if not boundary:
         raise ApiError.of(GatewayCode.INVALID_FORM, "multipart/form-data without a boundary")
     try:
         parser = python_multipart.MultipartParser(boundary, collector.callbacks())  # type: ignore[arg-type]
-        async for chunk in _bounded(stream, max_body_bytes):
+        async for chunk in _bounded(stream, max_body_bytes, idle_s):
             parser.write(chunk)
         parser.finalize()
     except FormParserError as exc:
@@ -231,19 +236,32 @@ def _charset(name: str) -> str:
     return codec
 
 
-async def _read_urlencoded(stream: AsyncIterator[bytes], collector: _Collector, max_body_bytes: int) -> ParsedForm:
+async def _read_urlencoded(
+    stream: AsyncIterator[bytes], collector: _Collector, max_body_bytes: int, idle_s: float
+) -> ParsedForm:
     """A urlencoded body (text fields only), through the same per-field rules as multipart."""
     body = bytearray()
-    async for chunk in _bounded(stream, max_body_bytes):
+    async for chunk in _bounded(stream, max_body_bytes, idle_s):
         body += chunk
     for name, value in urllib.parse.parse_qsl(body.decode("latin-1"), keep_blank_values=True):
         collector.add_text(name, value)
     return collector.form
 
 
-async def _bounded(stream: AsyncIterator[bytes], max_body_bytes: int) -> AsyncIterator[bytes]:
+async def _bounded(stream: AsyncIterator[bytes], max_body_bytes: int, idle_s: float) -> AsyncIterator[bytes]:
+    """``stream``'s chunks, at most ``max_body_bytes`` of them (413), each within ``idle_s`` of the last
+    (408: a body that stops short of its Content-Length, or a chunked one without its last chunk, would
+    hold the request and its connection for as long as the client likes)."""
     received = 0
-    async for chunk in stream:
+    chunks = stream.__aiter__()
+    while True:
+        with anyio.move_on_after(idle_s) as waited:
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                return
+        if waited.cancelled_caught:
+            raise ApiError.of(GatewayCode.BODY_STALLED, f"no bytes of the request body came for {idle_s:g} s")
         received += len(chunk)
         if received > max_body_bytes:
             raise too_large("body", max_body_bytes, "the request body")

@@ -6,6 +6,7 @@ import base64
 import json
 from collections.abc import AsyncIterator
 
+import anyio
 import pytest
 
 import stageferry.gateway
@@ -210,3 +211,22 @@ async def test_a_charset_known_to_browsers_is_read_and_an_unknown_name_is_utf8()
     headers = {"content-type": "multipart/form-data; boundary=xx; charset=no-such-codec"}
     form = await read_form(headers, _chunks(utf8), max_file_bytes=1024, max_body_bytes=1 << 20)
     assert form.fields == {"prompt": "café"}
+
+
+@pytest.mark.anyio
+async def test_a_body_that_stops_arriving_is_a_408() -> None:
+    """A body short of its Content-Length, or chunked without its last chunk: refused once no byte came
+    for ``idle_s``, instead of holding the request (and its connection) for as long as the client likes."""
+    never = anyio.Event()
+
+    async def stalls() -> AsyncIterator[bytes]:
+        yield b'--xx\r\nContent-Disposition: form-data; name="prompt"\r\n\r\np'
+        await never.wait()  # the rest never comes
+        yield b""
+
+    for content_type in (HEADERS["content-type"], "application/x-www-form-urlencoded"):
+        with pytest.raises(ApiError, match=r"no bytes of the request body came for 0\.2 s") as caught:
+            await read_form(
+                {"content-type": content_type}, stalls(), max_file_bytes=1024, max_body_bytes=1 << 20, idle_s=0.2
+            )
+        assert caught.value.status == 408 and caught.value.code == "body_stalled"
