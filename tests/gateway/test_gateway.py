@@ -427,6 +427,7 @@ def test_health_turns_unhealthy_when_diffusion_stops(deployment: Deployment, htt
     """Last in this module: it stops the shared deployment's diffusion stage."""
     healthy = wait_for(lambda: (r := http.get("/health")).status_code == 200 and r, 60, "health to be 200")
     assert healthy.json()["stages"] == {"encoder": ["encoder-a"], "diffusion": ["diffusion-a"]}
+    assert http.head("/health").status_code == 200  # a load balancer's probe may be a HEAD
     diffusion = deployment.services.procs[1]
     diffusion.send_signal(signal.SIGTERM)
     diffusion.wait(timeout=60)
@@ -434,3 +435,4 @@ def test_health_turns_unhealthy_when_diffusion_stops(deployment: Deployment, htt
     body = unhealthy.json()
     assert body["status"] == "unhealthy" and body["redis"] is True and body["stages"]["diffusion"] == []
     assert body["problems"] == ["stage diffusion: no live worker"]
+    assert http.head("/health").status_code == 503
