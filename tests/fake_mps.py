@@ -6,8 +6,8 @@
 listens on ``$CUDA_MPS_PIPE_DIRECTORY/control`` (a UNIX socket, as the real one) and appends ``started``
 to ``record``; run with no argument it sends its stdin to that socket, as the real one does.  The daemon
 appends each command it receives and leaves on ``quit``.  ``FAKE_MPS_EXIT=N`` makes ``-f`` exit N at once;
-``FAKE_MPS_DEAF=1`` makes it ignore ``quit``; ``FAKE_MPS_HOLD=<path>`` keeps it from opening its control
-pipe (``up`` waits for it) until that path exists.
+``FAKE_MPS_DEAF=1`` makes it ignore ``quit``; ``FAKE_MPS_HOLD=1`` keeps it from ever opening its control
+pipe (``up`` waits for it) until it is stopped.
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ if sys.argv[1:] == ["-f"]:
     server.listen()
     note("started " + pipe)
     print("fake mps control: listening on " + pipe, flush=True)  # as the real one logs in the foreground
-    hold = os.environ.get("FAKE_MPS_HOLD")
-    while hold and not os.path.exists(hold):  # not ready until the test says so
-        import time; time.sleep(0.01)
+    if os.environ.get("FAKE_MPS_HOLD"):  # never ready: blocks until it is stopped
+        import threading; threading.Event().wait()
     os.rename(os.path.join(pipe, "control.new"), os.path.join(pipe, "control"))  # ready once it is there
     while True:
         conn, _ = server.accept()

@@ -24,6 +24,7 @@ from stageferry.cli.launcher import ServiceGroup, wait_for_workers
 from stageferry.cli_hints import cli_command
 from stageferry.errors import StageFailedError
 from tests.fake_mps import install
+from tests.waits import until_sync
 
 #: up's job, small (what these tests check is up's wiring, not the model's cost at the default 320×192).
 SMALL_JOB = ["--width", "160", "--height", "96", "--fps", "8", "--duration", "1", "--steps", "2"]
@@ -126,17 +127,17 @@ def test_signals_during_start_up_stop_up_after_its_clean_up(tmp_path: Path) -> N
     stops the run, the second waits for the clean-up, which a signal's default action used to cut short —
     leaving the private Redis and the MPS daemon (each in its own session) running."""
     record = tmp_path / "mps.txt"
-    env = {**os.environ, **install(tmp_path / "bin", record), "FAKE_MPS_HOLD": str(tmp_path / "never")}
+    env = {**os.environ, **install(tmp_path / "bin", record), "FAKE_MPS_HOLD": "1"}
     env = {k: v for k, v in env.items() if k not in ("STAGEFERRY_REDIS_URL", "STAGEFERRY_PIPELINE")}
     up = subprocess.Popen(
         [sys.executable, "-m", "stageferry", "--prefix", "t-up-sig", "up", *SMALL_JOB, "--mps", "on"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while not (record.exists() and record.read_text().startswith("started ")):
-            assert up.poll() is None and time.monotonic() < deadline, up.communicate(timeout=30)
-            time.sleep(0.02)  # polling a condition: the daemon's first line (it then holds: up waits on it)
+        # the daemon's first line (it then holds: up waits on its pipe), unless up ended first
+        until_sync(lambda: up.poll() is not None or (record.exists() and record.read_text().startswith("started ")),
+                   "the MPS daemon started by up", timeout=120)  # fmt: skip
+        assert up.poll() is None, up.communicate(timeout=30)
         up.send_signal(signal.SIGTERM)
         up.send_signal(signal.SIGTERM)
         err = up.communicate(timeout=120)[1]
