@@ -31,7 +31,7 @@ from stageferry.broker.control.redis_conn import ping
 from stageferry.cli.display import follow, render_hops, render_status
 from stageferry.cli_hints import cli_command, submit_command
 from stageferry.client import Client, validate_job, with_upload_refs
-from stageferry.config import DEFAULT_STAGES, Settings
+from stageferry.config import DEFAULT_STAGES, PipelineConfig, Settings
 from stageferry.embedded_redis import EmbeddedRedis
 from stageferry.errors import StageFailedError, StageferryError
 from stageferry.procs import astop
@@ -164,7 +164,7 @@ class _Outcome:
 async def _serve_job(
     client: Client,
     services: ServiceGroup,
-    pipeline: Any,
+    pipeline: PipelineConfig,
     job: dict[str, Any],
     uploads: Mapping[str, Path],
     url: str,

@@ -265,31 +265,31 @@ class SameGpu:
         if regions is None:
             regions = self.regions(ref, arena, slots)
         local = slots[DeviceKind.CUDA]
-        queued = False
+        copies = []  # (source address, bytes): every region checked before anything is queued
+        for i in sorted(regions):
+            spec, remote = ref.manifest.regions[i], ref.regions[i]
+            start = arena.offset(remote.address, remote.length)
+            if start is None or spec.nbytes > remote.length or spec.nbytes > local.nbytes:
+                raise TransferError("same-GPU copy failed: a region does not fit its arena or our slot")
+            copies.append((arena.base + start, spec.nbytes))
         try:
             rt.set_device(local.device_id)
             event = arena.events.take()  # before any copy: a copy is never queued without its completion
         except RuntimeError as exc:  # the runtime's status, translated once here
             raise TransferError(f"same-GPU copy failed: {exc}") from exc
+        queued = False
         try:
-            dst = local.address
-            for i in sorted(regions):
-                spec, remote = ref.manifest.regions[i], ref.regions[i]
-                start = arena.offset(remote.address, remote.length)
-                if start is None or spec.nbytes > remote.length or spec.nbytes > local.nbytes:
-                    raise TransferError("same-GPU copy failed: a region does not fit its arena or our slot")
-                rt.copy(dst, arena.base + start, spec.nbytes, arena.stream)
+            for src, nbytes in copies:
+                rt.copy(local.address, src, nbytes, arena.stream)
                 queued = True
             rt.record(event, arena.stream)
-        except (RuntimeError, TransferError) as exc:
+        except RuntimeError as exc:
             # The caller READs into the same slot next, and gives it back on failure: a copy queued already
             # must have ended first (its event was not recorded, so only the stream can tell).
             if queued:
                 with contextlib.suppress(RuntimeError):  # a failed stream: the context is lost anyway
                     rt.synchronize_stream(arena.stream)
             arena.events.put(event)
-            if isinstance(exc, TransferError):
-                raise
             raise TransferError(f"same-GPU copy failed: {exc}") from exc
         return ArenaCopy(self, regions, RuntimeCopy(event, arena.events))
 
