@@ -62,6 +62,10 @@
 #   first_get a fresh process's first get's local steps (checks, slots, views) against its later gets, 4 processes
 #             each for the T2VA and FL2VA structures (benchmarks/first_get_steps.py, CUDA pool, 1 s idle before each)
 #   mps_copy  same_gpu alone under this call's own MPS control daemon (mps without same_gpu_parts)
+#   launch    where the same-GPU copy's launch time goes inside real gets, by variant (runtime as is, a cheap
+#             call first at the get's start or just before the launch, the driver's calls, the GIL kept),
+#             under this call's MPS daemon (again with a 100 ms progress-thread delay) and without it
+#             (benchmarks/same_gpu_launch.py)
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
 #             round's base (a copy of it carried as .base: `git archive <base> stageferry benchmarks tests
 #             pyproject.toml | tar -x -C .base`), benchmarks/commands_compare.py
@@ -80,7 +84,7 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
     setup) device_setup 2>&1 | tee "$out/setup.txt" ;;
     gpu_tests) run_step "$s" 240 python3 -m pytest -q -p no:cacheprovider -p no:randomly -rs --tb=short \
                  --durations=6 tests/broker/data/nixl/test_same_gpu.py tests/broker/data/nixl/test_cuda_runtime.py \
-                 tests/broker/data/nixl/test_upstream.py tests/stages/process/test_mps.py \
+                 tests/broker/data/nixl/test_upstream.py tests/broker/data/nixl/test_reads.py tests/stages/process/test_mps.py \
                  tests/broker/data/test_payload_codec.py tests/broker/data/test_pool.py \
                  "tests/broker/data/nixl/test_connector.py::test_cuda_leaves_land_on_the_consumer_gpu" \
                  "tests/broker/data/nixl/test_connector.py::test_a_block_cancelled_with_cuda_slots_still_returns_them" ;;
@@ -127,6 +131,16 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
            echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/mps_same_gpu.txt"
          fi
          unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+    launch) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps-launch/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps-launch/log
+         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+         if nvidia-cuda-mps-control -d; then  # the launch's calls inside gets, by variant (same_gpu_launch.py)
+           run_step launch_mps 120 python3 benchmarks/same_gpu_launch.py --log "$out/launch_producer.log"
+           run_step launch_mps_slow_progress 90 python3 benchmarks/same_gpu_launch.py --variants as_is,driver_api \
+             --progress-delay-us 100000 --log "$out/launch_producer.log"
+           echo quit | nvidia-cuda-mps-control
+         fi
+         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+         run_step launch_no_mps 120 python3 benchmarks/same_gpu_launch.py --log "$out/launch_producer.log" ;;
     commands) run_step "$s" 150 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \
                 python3 benchmarks/commands_compare.py --base .base --replicas 8 --requests 2000 --rounds 1 ;;
     commands3) run_step "$s" 330 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \

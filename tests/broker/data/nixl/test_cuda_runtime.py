@@ -69,3 +69,19 @@ def test_a_failing_call_names_the_call_and_the_runtimes_message() -> None:
     rt.set_device(0)
     # the failure is not left as the runtime's last error for torch to raise after its next kernel
     assert torch.arange(3, device="cuda:0").sum().item() == 3
+
+
+@CUDA
+def test_synchronizing_the_stream_waits_for_a_copy_queued_without_an_event() -> None:
+    """What same_gpu.launch relies on when recording the event fails after a copy was queued."""
+    torch.cuda.init()
+    rt = CudaRuntime.loaded()
+    assert rt is not None
+    src = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros_like(src)
+    torch.cuda.synchronize()
+    rt.set_device(0)
+    stream = rt.stream()
+    rt.copy(dst.data_ptr(), src.data_ptr(), src.numel(), stream)
+    rt.synchronize_stream(stream)
+    assert torch.equal(dst, src)
