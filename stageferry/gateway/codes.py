@@ -20,6 +20,11 @@ class GatewayCode(Enum):
     UNAUTHORIZED = ("unauthorized", 401, "no bearer token, or the wrong one, on a gateway that needs one")
     NOT_FOUND = ("not_found", 404, "no such video (unknown, expired or deleted) or its output is gone; or no route")
     METHOD_NOT_ALLOWED = ("method_not_allowed", 405, "the route exists, not with this HTTP method")
+    HEAD_STALLED = (
+        "head_stalled",
+        408,
+        "the request head (request line and headers) did not arrive whole in time: the connection was closed",
+    )
     BODY_STALLED = ("body_stalled", 408, "the request body stopped arriving (no bytes for a while): it was not read")
     NOT_READY = ("not_ready", 409, "the video is still being made: its content is not there yet")
     IDEMPOTENCY_KEY_UNUSABLE = (

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import signal
 from types import FrameType
 
+import h11
+import structlog
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from stageferry.errors import ConfigError
 from stageferry.gateway.app import GatewayConfig, create_app
+from stageferry.gateway.codes import GatewayCode
+from stageferry.gateway.errors import ApiError
 from stageferry.heap import GATEWAY_YOUNG_THRESHOLD, settle_heap
 
 
@@ -34,15 +41,76 @@ class _Server(uvicorn.Server):
 #: 400, and every answer the gateway writes is bounded whatever the client sent.
 MAX_REQUEST_HEAD_BYTES = 80 * 1024
 
+#: How long a connection has to send a whole request head (request line and headers), counted from the
+#: connection's start or from the first byte of its next request, in seconds.  uvicorn has no such bound:
+#: a client that connected and sent nothing, or a head a byte at a time, held its connection (a file
+#: descriptor, a slot under any connection limit) for ever, so a few thousand of them shut every client out.
+#: Once the head is whole, the body has its own idle bound (``uploads.BODY_IDLE_S``), and between requests
+#: uvicorn's keep-alive timeout closes an idle connection.
+HEAD_TIMEOUT_S = 30.0
 
-def uvicorn_config(app: ASGIApp, *, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
+log = structlog.get_logger(__name__)
+
+
+class _HeadBoundedH11(H11Protocol):
+    """uvicorn's h11 protocol with :data:`HEAD_TIMEOUT_S` on every request head: a head not whole in
+    time is answered ``408`` with the gateway's error body (``head_stalled``) and the connection closed.
+    h11 cannot send a response before it has read a request, so the answer is written as bytes."""
+
+    head_timeout_s = HEAD_TIMEOUT_S
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:  # the first bytes of a head (a later request's, too)
+            self._arm_head_timer()
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the head is whole (or h11 refused it)
+            self._cancel_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        message = f"the request head did not arrive whole within {self.head_timeout_s:g} s: the connection is closed"
+        body = json.dumps(ApiError.of(GatewayCode.HEAD_STALLED, message).body()).encode()
+        head = (
+            f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        log.warning("gateway.head_stalled", client=":".join(map(str, self.client or ())), seconds=self.head_timeout_s)
+        self.transport.write(head.encode() + body)
+        self.transport.close()
+
+
+def uvicorn_config(
+    app: ASGIApp, *, host: str, port: int, log_level: str = "warning", head_timeout_s: float = HEAD_TIMEOUT_S
+) -> uvicorn.Config:
     """The uvicorn settings of every gateway (``serve``, the tests', the benchmarks'): h11, with
-    :data:`MAX_REQUEST_HEAD_BYTES`; uvicorn's access log and its logging configuration off."""
+    :data:`MAX_REQUEST_HEAD_BYTES` and ``head_timeout_s`` (:data:`HEAD_TIMEOUT_S`) on each request
+    head; uvicorn's access log and its logging configuration off."""
+    protocol = type("HeadBoundedH11", (_HeadBoundedH11,), {"head_timeout_s": head_timeout_s})
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        http="h11",
+        http=protocol,
         h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES,
         log_level=log_level,
         access_log=False,

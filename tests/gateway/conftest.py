@@ -23,7 +23,7 @@ import uvicorn
 
 from stageferry.config import PipelineConfig
 from stageferry.gateway import GatewayConfig, create_app
-from stageferry.gateway.server import uvicorn_config
+from stageferry.gateway.server import HEAD_TIMEOUT_S, uvicorn_config
 from tests.conftest import delete_prefix
 from tests.procs import Services, write_pipeline
 
@@ -49,10 +49,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_gateway(config: GatewayConfig, *, start_timeout: float = 120) -> Iterator[str]:
+def running_gateway(
+    config: GatewayConfig, *, start_timeout: float = 120, head_timeout_s: float = HEAD_TIMEOUT_S
+) -> Iterator[str]:
     """The gateway for ``config`` served by uvicorn in a background thread; yields its base URL."""
     port = _free_port()
-    server = uvicorn.Server(uvicorn_config(create_app(config), host="127.0.0.1", port=port))
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port, head_timeout_s=head_timeout_s))
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout

@@ -1,4 +1,5 @@
-"""``stageferry gateway`` as a process: a start that cannot happen is one typed line and exit 1."""
+"""``stageferry gateway`` as a process: a start that cannot happen is one typed line and exit 1; and its
+server's own bounds (a request head must arrive whole in time)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,21 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
+from structlog.testing import capture_logs
 
+from stageferry.config import PipelineConfig
 from stageferry.embedded_redis import free_port
+from stageferry.gateway import GatewayConfig
 from stageferry.heap import GATEWAY_YOUNG_THRESHOLD
+from tests.conftest import delete_prefix
+from tests.gateway.conftest import running_gateway
 from tests.procs import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -77,3 +86,85 @@ def _health(port: int) -> httpx.Response | None:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
     except httpx.HTTPError:
         return None
+
+
+@pytest.fixture
+def quick_heads(redis_url: str) -> Iterator[tuple[str, int]]:
+    """A gateway (no stages) whose request heads must be whole within HEAD_S; its host and port."""
+    prefix = f"t-head-{uuid.uuid4().hex[:10]}"
+    config = GatewayConfig(redis_url=redis_url, prefix=prefix, pipeline=PipelineConfig(), trace_events=False)
+    try:
+        with running_gateway(config, head_timeout_s=HEAD_S) as base:
+            host, port = base.removeprefix("http://").split(":")
+            yield host, int(port)
+    finally:
+        delete_prefix(redis_url, prefix)
+
+
+HEAD_S = 1.0
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """Everything the gateway writes until it closes the connection (60 s at most)."""
+    sock.settimeout(60)
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _response(sock: socket.socket) -> tuple[bytes, dict[str, Any]]:
+    """One response on a kept-alive connection: its head and its JSON body (read to its Content-Length)."""
+    sock.settimeout(60)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head, dict(json.loads(body))
+
+
+def _stalled(answer: bytes) -> dict[str, Any]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert b"connection: close" in head.lower()
+    error: dict[str, Any] = json.loads(body)["error"]
+    assert error["code"] == "head_stalled" and error["type"] == "invalid_request_error"
+    return error
+
+
+def test_a_head_not_whole_in_time_is_answered_408_and_its_connection_closed(quick_heads: tuple[str, int]) -> None:
+    """uvicorn bounds no request head: a connection that sent nothing, or half a head, was held for ever."""
+    with (
+        capture_logs() as logs,
+        socket.create_connection(quick_heads) as silent,
+        socket.create_connection(quick_heads) as slow,
+    ):
+        slow.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: gateway\r\nContent-Type: multipart/form-da")
+        for sock in (silent, slow):
+            assert f"within {HEAD_S:g} s" in _stalled(_answer(sock))["message"]
+    assert sum(e["event"] == "gateway.head_stalled" for e in logs) == 2
+
+
+def test_a_whole_head_is_not_cut_by_the_head_timer(quick_heads: tuple[str, int]) -> None:
+    """Once the head is whole the request runs past HEAD_S (its body has its own bound), the connection is
+    kept alive, and the next request's head is bounded again."""
+    body = b'--b\r\nContent-Disposition: form-data; name="size"\r\n\r\n64x64\r\n--b--\r\n'
+    head = (
+        b"POST /v1/videos HTTP/1.1\r\nHost: gateway\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    with socket.create_connection(quick_heads) as request:
+        request.sendall(head)  # the body is held back until HEAD_S has passed for a later connection
+        with socket.create_connection(quick_heads) as witness:
+            _stalled(_answer(witness))
+        request.sendall(body)
+        head_bytes, answer = _response(request)
+        assert head_bytes.startswith(b"HTTP/1.1 400 "), head_bytes  # the form's own answer: no prompt
+        assert answer["error"]["code"] == "invalid_form"
+        request.sendall(b"GET /health HTTP/1.1\r\nHost: gateway\r\n")  # half of the next request's head
+        _stalled(_answer(request))
