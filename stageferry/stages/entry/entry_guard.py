@@ -170,7 +170,7 @@ class EntryGuard:
         the entry (:class:`CrashMark`)."""
         mark = CrashMark(self.keys.request(rid), crash_field(self.stage, entry.id))
         if not marked:
-            await self.records.mark(mark.record, mark.field)
+            await self.records.mark(mark.record, mark.field, entry.deliveries)
         try:
             yield mark
         except GroupBrokenError:

@@ -96,7 +96,8 @@ class Stage:
 async def crashes(redis: aioredis.Redis, keys: Keys, rid: str, stage: str, entry_id: str) -> int:
     """An entry's crash mark: the field of its request's record (0: none, or cleared)."""
     raw = await redis.hget(keys.request(rid), crash_field(stage, entry_id))
-    return int(raw) if raw else 0
+    count = raw.split(b":")[0] if raw else b""  # ``<count>`` or, marked by a redelivery, ``<count>:<delivery>``
+    return int(count) if count else 0
 
 
 async def set_crashes(redis: aioredis.Redis, keys: Keys, rid: str, stage: str, entry_id: str, n: int) -> None:

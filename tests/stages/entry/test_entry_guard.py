@@ -7,13 +7,14 @@ from collections.abc import AsyncIterator, Awaitable
 
 import pytest
 
+from stageferry.broker.control.entry_records import crash_field
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
 from stageferry.broker.control.requests import RequestStore
 from stageferry.broker.control.resp_link import open_link
 from stageferry.broker.control.streams import Entry
 from stageferry.config import Limits
-from stageferry.errors import RequestIdTakenError
+from stageferry.errors import RequestIdTakenError, StageCrashedError
 from stageferry.schemas import Envelope, JobRequest
 from stageferry.stages.entry.entry_guard import EntryGuard
 from tests.stages.entry.test_admission import crashes
@@ -85,3 +86,19 @@ async def test_a_first_delivery_s_admission_run_twice_counts_one_crash_mark_and_
         assert await crashes(redis, keys, "r5", "diffusion", first.id) == 1
         assert link is not None and link.fallbacks <= 1, "over the link (the first call may load the script)"
         await link.aclose()
+
+
+async def test_a_redelivery_s_mark_run_twice_counts_one_crash(guard: EntryGuard) -> None:
+    """A redelivery's mark counts up, unlike the first delivery's: run twice for one delivery (a retry
+    after a lost reply), it must still count one crash, or the request is dead-lettered a crash early."""
+    first = Entry("6-0", {}, deliveries=1)
+    assert await guard.admit(envelope("r6"), first) is True  # marked 1; the stage then dies with it
+    again = Entry("6-0", {}, deliveries=2)
+    await guard.check_crashes(again, "r6")  # 1 < max_crashes (2): it runs
+    field = crash_field("diffusion", again.id)
+    record = guard.keys.request("r6")
+    assert await guard.records.mark(record, field, again.deliveries) == 2  # and dies again
+    assert await guard.records.mark(record, field, again.deliveries) == 2  # the same call, repeated
+    assert await crashes(guard.redis, guard.keys, "r6", "diffusion", again.id) == 2
+    with pytest.raises(StageCrashedError):
+        await guard.check_crashes(Entry("6-0", {}, deliveries=3), "r6")

@@ -231,12 +231,15 @@ class EntryRecords:
         """How many times the stage died running an entry (its crash mark: ``field`` of ``record``)."""
         with translated():
             raw = await self.redis.hget(record, field)
-        return int(raw) if raw else 0
+        count = raw.split(b":", 1)[0] if raw else b""  # ``<count>`` or ``<count>:<delivery>`` (MARK's)
+        return int(count) if count else 0
 
-    async def mark(self, record: str, field: str) -> int:
-        """Count this delivery of an entry as a crash until :meth:`clear_mark`; the count so far."""
+    async def mark(self, record: str, field: str, delivery: int) -> int:
+        """Count this delivery of an entry (``delivery``: the stream's delivery count, which no other
+        delivery of it has) as a crash until :meth:`clear_mark`; the count so far.  Idempotent for one
+        delivery: a retry after a lost reply does not count it twice."""
         with translated():
-            return int(await run_script(self.link, self._mark, [record], [field]))
+            return int(await run_script(self.link, self._mark, [record], [field, delivery]))
 
     async def clear_mark(self, record: str, field: str) -> None:
         """The entry's work returned or raised: it did not kill the stage."""

@@ -324,12 +324,17 @@ return {rec.status, cancelled, claimed, owner}
 """
 
 #: Count one more crash of an entry (a redelivery's, admitted first: its record exists).  KEYS: record.
-#: ARGV: crash field.  Returns the count (0: no record, nothing written).
+#: ARGV: crash field, the delivery's number (the stream's delivery count).  The mark is written as
+#: ``<count>:<delivery>``: the same delivery marked again (the script run twice after a lost connection,
+#: redis-py's retry) returns the count it made and counts nothing.  Returns the count (0: no record,
+#: nothing written).
 _MARK = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local n = (tonumber(redis.call('HGET', KEYS[1], ARGV[1])) or 0) + 1
-redis.call('HSET', KEYS[1], ARGV[1], n)
-return n
+local n, by = string.match(redis.call('HGET', KEYS[1], ARGV[1]) or '', '^(%d*):?(%d*)$')
+n = tonumber(n) or 0
+if by == ARGV[2] then return n end
+redis.call('HSET', KEYS[1], ARGV[1], (n + 1) .. ':' .. ARGV[2])
+return n + 1
 """
 
 #: The hand-off with the next stage's status in one step.  KEYS: source stream, next stage's stream,
