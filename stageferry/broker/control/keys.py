@@ -149,7 +149,7 @@ KEY_DOCS: dict[str, str | None] = {  # None: a helper choosing among the keys, n
     "the status's `order`, `ttl_at` (when the record and its events expire, as of their last TTL refresh) "
     "`run:<stage>:<attempt>` (the entry id "
     "that owns that run: dedup of resubmits) and `crash:<stage>:<entry>` (deliveries of that entry its stage "
-    "died with: set before the work, cleared after)",
+    "died with: set before the work, cleared after; `<count>` or `<count>:<delivery that counted it>`)",
     "events": (
         "stream: the request's trace (log events `kind=log`, `event`; status changes `kind=status`, `state`, "
         "`status`, and on a terminal one the record's `job_sha`; a first stage's `queued` and `running`, "
