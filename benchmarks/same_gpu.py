@@ -164,6 +164,15 @@ def start_producer(args: argparse.Namespace) -> subprocess.Popen[bytes]:
     )  # fmt: skip
 
 
+async def producer_loaded(conn: NixlConnector, child: subprocess.Popen[bytes], log: str) -> None:
+    """Return once the consumer's connector has loaded the producer (its arena mapped, if it can be)."""
+    with anyio.fail_after(120):
+        while not conn.peers.peers_of(PRODUCER):
+            if child.poll() is not None:
+                raise SystemExit(f"producer exited: see {log}")
+            await anyio.sleep(0.01)
+
+
 async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> None:
     torch.cuda.set_device(0)
     redis = connect(args.redis_url)
@@ -211,11 +220,7 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(conn.run)
-            with anyio.fail_after(120):
-                while not conn.peers.peers_of(PRODUCER):
-                    if child.poll() is not None:
-                        raise SystemExit(f"producer exited: see {args.log}")
-                    await anyio.sleep(0.01)
+            await producer_loaded(conn, child, args.log)
             (peer,) = conn.peers.peers_of(PRODUCER)
             mapped = peer.ipc is not None
             for nbytes in args.sizes:

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import anyio  # noqa: E402
 import torch  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
-from same_gpu import CONSUMER, PRODUCER, MiB, make, start_producer, torch_copy_ms  # noqa: E402
+from same_gpu import CONSUMER, PRODUCER, MiB, make, producer_loaded, start_producer, torch_copy_ms  # noqa: E402
 
 from stageferry.broker.control.redis_conn import connect  # noqa: E402
 from stageferry.broker.data.nixl import agent as agent_module  # noqa: E402
@@ -146,11 +146,7 @@ async def consumer(args: argparse.Namespace, child: Any) -> None:
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(conn.run)
-            with anyio.fail_after(120):
-                while not conn.peers.peers_of(PRODUCER):
-                    if child.poll() is not None:
-                        raise SystemExit(f"producer exited: see {args.log}")
-                    await anyio.sleep(0.01)
+            await producer_loaded(conn, child, args.log)
             torch_gpu, torch_wall = torch_copy_ms(args.bytes, 100)
             n = 0
             for _round in range(args.rounds):
