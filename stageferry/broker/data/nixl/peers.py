@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import structlog
+from redis.commands.core import AsyncScript
 
 from stageferry.broker.control.redis_conn import translated
 from stageferry.broker.data.nixl.agent import XferState
@@ -98,6 +99,7 @@ class Peers:
         self._lock = anyio.Lock()
         self._stranded: list[IpcArena] = []
         """Arenas whose warm-up copy did not end: kept mapped, as its slot is kept (:meth:`_warm_copy`)."""
+        self._unlist_script: AsyncScript | None = None  #: :data:`_UNLIST` bound to the endpoint's client, on first use
 
     def __contains__(self, name: object) -> bool:
         return name in self._peers
@@ -163,7 +165,9 @@ class Peers:
         :class:`ControlPlaneError` if Redis is away."""
         ep = self._ep
         with translated():
-            removed = await ep.redis.register_script(_UNLIST)(keys=[ep.keys.agents(stage)], args=[replica, name])
+            if self._unlist_script is None:
+                self._unlist_script = ep.redis.register_script(_UNLIST)
+            removed = await self._unlist_script(keys=[ep.keys.agents(stage)], args=[replica, name])
         return bool(removed)
 
     # ------------------------------------------------------------------ peer cache
