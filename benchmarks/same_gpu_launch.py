@@ -16,7 +16,13 @@ inside real gets, under variants taken in turns within one run (rounds of ``--it
   Python work (checks, slots) that is slow?
 * ``driver_api``: the copy and its event queued with the driver's calls (``cuMemcpyDtoDAsync_v2``,
   ``cuEventRecord``, ``cuEventQuery``), no ``cudaSetDevice``: the runtime's own layer left out;
-* ``no_gil_release``: the runtime calls through ``ctypes.PyDLL`` (the GIL kept across them).
+* ``no_gil_release``: the runtime calls through ``ctypes.PyDLL`` (the GIL kept across them);
+* ``twice``: the launch's copy queued twice, the second (``memcpy2``, the same bytes again) timed apart: is
+  a copy queued right after another one fast inside a get too?
+* ``warm_local_at_get`` / ``warm_src_at_get``: a 4 KiB copy queued on the arena's stream when the get
+  starts (``touch``), between two scratch buffers of ours or from the payload's own first source bytes in
+  the producer's mapped arena: is the launch's copy slow because it is the first copy after the wait for
+  the payload (then a warm one at the start helps), or because of its source (then only the second helps)?
 
 Medians in µs: ``py`` is the launch's Python before its first runtime call, then each call, ``launch`` the
 whole launch, ``touch`` the extra call where there is one, ``copy`` launch → copy done (what ``same_gpu.py``
@@ -52,7 +58,16 @@ from stageferry.broker.data.nixl.cuda_runtime import CudaRuntime  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402
 from stageferry.schemas import NixlPayload, PayloadRef  # noqa: E402
 
-VARIANTS = ("as_is", "touch_at_get", "touch_at_launch", "driver_api", "no_gil_release")
+VARIANTS = (
+    "as_is",
+    "touch_at_get",
+    "touch_at_launch",
+    "driver_api",
+    "no_gil_release",
+    "twice",
+    "warm_local_at_get",
+    "warm_src_at_get",
+)
 CALLS = ("_set_device", "_memcpy", "_record", "_query")
 
 
@@ -82,11 +97,15 @@ class Probe:
         self.touch_event = rt.event()
         rt.record(self.touch_event, 0)
         rt.synchronize(self.touch_event)
+        self.scratch = torch.zeros(2, 4096, dtype=torch.uint8, device="cuda:0")
 
     def use(self, variant: str) -> None:
         calls = {"driver_api": self.driver, "no_gil_release": self.no_gil}.get(variant, self.real)
         for name in CALLS:
             setattr(self.rt, name, self._timed(name, calls[name]))
+        if variant == "twice":
+            once, again = self.rt._memcpy, self._timed("_memcpy2", self.real["_memcpy"])
+            self.rt._memcpy = lambda *a: once(*a) or again(*a)  # type: ignore[method-assign]
 
     def _timed(self, name: str, fn: Callable[..., int]) -> Callable[..., int]:
         marks = self.marks
@@ -102,6 +121,13 @@ class Probe:
     def touch(self) -> None:
         t = time.perf_counter()
         self.rt._query(self.touch_event)
+        self.marks.append(("touch", t, time.perf_counter()))
+
+    def warm(self, src: int | None, stream: int) -> None:
+        """A 4 KiB copy into scratch, from ``src`` (or the other scratch row), queued on ``stream``."""
+        t = time.perf_counter()
+        source = self.scratch[1].data_ptr() if src is None else src
+        self.real["_memcpy"](self.scratch[0].data_ptr(), source, 4096, 3, stream)  # cudaMemcpyDeviceToDevice
         self.marks.append(("touch", t, time.perf_counter()))
 
 
@@ -137,6 +163,12 @@ async def consumer(args: argparse.Namespace, child: Any) -> None:
     async def fetch_timed(*a: Any, **k: Any) -> Any:
         if variant["name"] == "touch_at_get":
             probe.touch()
+        elif variant["name"].startswith("warm_"):
+            ref = a[0]
+            peer = await cons._peers.ensure(ref)  # cached: loaded before the first get
+            start = peer.ipc.offset(ref.regions[-1].address, 4096) if peer.ipc else None
+            assert start is not None and peer.ipc is not None
+            probe.warm(peer.ipc.base + start if variant["name"] == "warm_src_at_get" else None, peer.ipc.stream)
         return await fetch(*a, **k)
 
     cons.same_gpu.launch, cons.same_gpu.wait = launch_timed, wait_timed  # type: ignore[method-assign]
@@ -190,7 +222,7 @@ async def consumer(args: argparse.Namespace, child: Any) -> None:
           f"progress-thread delay {args.progress_delay_us} µs; {args.rounds} rounds × {args.iters} gets a variant "
           f"(after {args.warmup} each round)\n")  # fmt: skip
     print(f"torch copy back to back: GPU {torch_gpu * 1e3:.1f} µs, host wall {torch_wall * 1e3:.1f} µs\n")
-    cols = ["touch", "py", "_set_device", "_memcpy", "_record", "launch", "copy", "get"]
+    cols = ["touch", "py", "_set_device", "_memcpy", "_memcpy2", "_record", "launch", "copy", "get"]
     print("| variant | " + " | ".join(c.strip("_") for c in cols) + " | copy / torch wall |")
     print("| --- |" + " ---: |" * (len(cols) + 1))
     for name, row in seen.items():
