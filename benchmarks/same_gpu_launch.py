@@ -9,20 +9,21 @@ thread slept 2 ms (``benchmarks/wake_cost.py``, same host).  This runs the same 
 producer is ``same_gpu.py``'s) and, for the fast path only, times each runtime call the launch makes
 inside real gets, under variants taken in turns within one run (rounds of ``--iters`` gets each):
 
-* ``as_is``: the code as it is;
-* ``touch_at_get``: one cheap runtime call (``cudaEventQuery`` of a finished event) when the get starts,
-  before its checks: is the first CUDA call after the wake-up the slow one, wherever it comes?
-* ``touch_at_launch``: the same call just before the launch: is it the first call after the get's
-  Python work (checks, slots) that is slow?
+* ``as_is``: the code as it is (a get first queues a 4 KiB copy of ours, ``SameGpu.prime``: ``prime`` is
+  the host time of its calls, before the checks);
+* ``no_prime``: without that copy, so the payload's is the first queued after the wait for the payload;
+* ``touch_at_launch``: one cheap runtime call (``cudaEventQuery`` of a finished event) just before the
+  launch, no prime: is any first runtime call slow, or the first copy only?
 * ``driver_api``: the copy and its event queued with the driver's calls (``cuMemcpyDtoDAsync_v2``,
   ``cuEventRecord``, ``cuEventQuery``), no ``cudaSetDevice``: the runtime's own layer left out;
 * ``no_gil_release``: the runtime calls through ``ctypes.PyDLL`` (the GIL kept across them);
-* ``twice``: the launch's copy queued twice, the second (``memcpy2``, the same bytes again) timed apart: is
-  a copy queued right after another one fast inside a get too?
-* ``warm_local_at_get`` / ``warm_src_at_get``: a 4 KiB copy queued on the arena's stream when the get
-  starts (``touch``), between two scratch buffers of ours or from the payload's own first source bytes in
-  the producer's mapped arena: is the launch's copy slow because it is the first copy after the wait for
-  the payload (then a warm one at the start helps), or because of its source (then only the second helps)?
+* ``twice``: no prime, the launch's copy queued twice, the second (``memcpy2``, the same bytes again) timed
+  apart: is a copy queued right after another fast inside a get too?
+
+Round 19 (no prime in the code yet, H100 under MPS): the payload's ``cudaMemcpyAsync`` 18–19 µs, a second
+one right after it 5 µs; a 4 KiB copy between scratch buffers (or from the payload's source) queued when
+the get started took 36–38 µs itself, and then the payload's took 7–8 µs and the whole get 108 against 118
+µs (without MPS 160 against 249 µs): hence ``SameGpu.prime``.
 
 Medians in µs: ``py`` is the launch's Python before its first runtime call, then each call, ``launch`` the
 whole launch, ``touch`` the extra call where there is one, ``copy`` launch → copy done (what ``same_gpu.py``
@@ -58,16 +59,7 @@ from stageferry.broker.data.nixl.cuda_runtime import CudaRuntime  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402
 from stageferry.schemas import NixlPayload, PayloadRef  # noqa: E402
 
-VARIANTS = (
-    "as_is",
-    "touch_at_get",
-    "touch_at_launch",
-    "driver_api",
-    "no_gil_release",
-    "twice",
-    "warm_local_at_get",
-    "warm_src_at_get",
-)
+VARIANTS = ("as_is", "no_prime", "touch_at_launch", "driver_api", "no_gil_release", "twice")
 CALLS = ("_set_device", "_memcpy", "_record", "_query")
 
 
@@ -97,7 +89,6 @@ class Probe:
         self.touch_event = rt.event()
         rt.record(self.touch_event, 0)
         rt.synchronize(self.touch_event)
-        self.scratch = torch.zeros(2, 4096, dtype=torch.uint8, device="cuda:0")
 
     def use(self, variant: str) -> None:
         calls = {"driver_api": self.driver, "no_gil_release": self.no_gil}.get(variant, self.real)
@@ -123,13 +114,6 @@ class Probe:
         self.rt._query(self.touch_event)
         self.marks.append(("touch", t, time.perf_counter()))
 
-    def warm(self, src: int | None, stream: int) -> None:
-        """A 4 KiB copy into scratch, from ``src`` (or the other scratch row), queued on ``stream``."""
-        t = time.perf_counter()
-        source = self.scratch[1].data_ptr() if src is None else src
-        self.real["_memcpy"](self.scratch[0].data_ptr(), source, 4096, 3, stream)  # cudaMemcpyDeviceToDevice
-        self.marks.append(("touch", t, time.perf_counter()))
-
 
 async def consumer(args: argparse.Namespace, child: Any) -> None:
     torch.cuda.set_device(0)
@@ -143,7 +127,11 @@ async def consumer(args: argparse.Namespace, child: Any) -> None:
     refs: TypeAdapter[PayloadRef] = TypeAdapter(PayloadRef)
     variant = {"name": "as_is"}
     at: dict[str, float] = {}
-    launch, wait, fetch = cons.same_gpu.launch, cons.same_gpu.wait, cons._fetch
+    launch, wait, prime = cons.same_gpu.launch, cons.same_gpu.wait, cons.same_gpu.prime
+
+    def prime_or_not(*a: Any, **k: Any) -> None:
+        if variant["name"] in ("as_is", "driver_api", "no_gil_release"):
+            prime(*a, **k)
 
     def launch_timed(*a: Any, **k: Any) -> Any:
         if variant["name"] == "touch_at_launch":
@@ -160,19 +148,8 @@ async def consumer(args: argparse.Namespace, child: Any) -> None:
         finally:
             at["done"] = time.perf_counter()
 
-    async def fetch_timed(*a: Any, **k: Any) -> Any:
-        if variant["name"] == "touch_at_get":
-            probe.touch()
-        elif variant["name"].startswith("warm_"):
-            ref = a[0]
-            peer = await cons._peers.ensure(ref)  # cached: loaded before the first get
-            start = peer.ipc.offset(ref.regions[-1].address, 4096) if peer.ipc else None
-            assert start is not None and peer.ipc is not None
-            probe.warm(peer.ipc.base + start if variant["name"] == "warm_src_at_get" else None, peer.ipc.stream)
-        return await fetch(*a, **k)
-
     cons.same_gpu.launch, cons.same_gpu.wait = launch_timed, wait_timed  # type: ignore[method-assign]
-    cons._fetch = fetch_timed  # type: ignore[method-assign]
+    cons.same_gpu.prime = prime_or_not  # type: ignore[method-assign]
     seen: dict[str, dict[str, list[float]]] = {v: defaultdict(list) for v in args.variants}
     cmd = json.dumps({"nbytes": args.bytes, "count": 1})
     try:
@@ -206,6 +183,9 @@ async def consumer(args: argparse.Namespace, child: Any) -> None:
                         for call, t0, t1 in marks:
                             if call == "touch":
                                 row["touch"].append((t1 - t0) * 1e6)
+                        primed = [t1 - t0 for call, t0, t1 in marks if t1 <= at["launch"] and call != "touch"]
+                        if primed:
+                            row["prime"].append(sum(primed) * 1e6)
                         row["py"].append((launch_marks[0][1] - at["launch"]) * 1e6)
                         row["launch"].append((at["launched"] - at["launch"]) * 1e6)
                         row["copy"].append((at["done"] - at["launch"]) * 1e6)
@@ -222,7 +202,7 @@ async def consumer(args: argparse.Namespace, child: Any) -> None:
           f"progress-thread delay {args.progress_delay_us} µs; {args.rounds} rounds × {args.iters} gets a variant "
           f"(after {args.warmup} each round)\n")  # fmt: skip
     print(f"torch copy back to back: GPU {torch_gpu * 1e3:.1f} µs, host wall {torch_wall * 1e3:.1f} µs\n")
-    cols = ["touch", "py", "_set_device", "_memcpy", "_memcpy2", "_record", "launch", "copy", "get"]
+    cols = ["prime", "touch", "py", "_set_device", "_memcpy", "_memcpy2", "_record", "launch", "copy", "get"]
     print("| variant | " + " | ".join(c.strip("_") for c in cols) + " | copy / torch wall |")
     print("| --- |" + " ---: |" * (len(cols) + 1))
     for name, row in seen.items():

@@ -137,6 +137,9 @@ class Consumer:
             return await self.resend_inline(ref, reason=ep.unavailable_reason or "nixl_unavailable"), {}
         pools = ep.pools
         started = time.perf_counter()
+        known = self._peers.loaded(ref.agent)
+        if known is not None and known.ipc is not None:
+            self.same_gpu.prime(ref, known.ipc)  # the copy's runtime path woken while the checks run
         try:
             peer = await self._peers.ensure(ref)
         except ProtocolMismatchError as exc:

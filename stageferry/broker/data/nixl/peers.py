@@ -172,6 +172,10 @@ class Peers:
 
     # ------------------------------------------------------------------ peer cache
 
+    def loaded(self, name: str) -> Peer | None:
+        """The agent ``name`` if it is loaded already (any incarnation; :meth:`ensure` checks that): no I/O."""
+        return self._peers.get(name)
+
     async def ensure(self, ref: NixlPayload) -> Peer:
         """The producer's agent, loaded once per incarnation; metadata only from our own prefix.
 

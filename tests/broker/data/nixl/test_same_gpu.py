@@ -126,6 +126,7 @@ async def test_a_producer_not_usable_as_same_gpu_is_read_over_nixl(
                 assert "same-gpu" not in incoming.route, incoming.route
                 assert_same(incoming.payload, build(item["spec"], item["seed"]))
         assert conn.counters.same_gpu == 0 and conn.consumer.same_gpu.copies == 0
+        assert conn.consumer.same_gpu.primed == 0  # nothing queued for a peer READ
         assert conn.peers._peers[name].ipc is None and conn.counters.fallbacks == {}
         unavailable = [e for e in logs if e["event"] == "nixl.same_gpu_unavailable"]
         if error is None:  # another GPU: not even tried
@@ -229,6 +230,7 @@ async def test_a_producer_on_our_gpu_is_copied_device_to_device(
                     assert incoming.route == "VRAM:0→VRAM:0 same-gpu copy", incoming.route
                 assert_same(incoming.payload, build(item["spec"], item["seed"], "cuda:0"))
         assert conn.counters.same_gpu == 2 and conn.counters.fallbacks == {}
+        assert conn.consumer.same_gpu.primed == 2  # each get queued its scratch copy first (SameGpu.prime)
         producer.wait_stats(leases=0, slots_in_use=0)  # the release notification freed both slots
     producer.stop()
 
