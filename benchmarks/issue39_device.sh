@@ -62,8 +62,8 @@
 #   first_get a fresh process's first get's local steps (checks, slots, views) against its later gets, 4 processes
 #             each for the T2VA and FL2VA structures (benchmarks/first_get_steps.py, CUDA pool, 1 s idle before each)
 #   mps_copy  same_gpu alone under this call's own MPS control daemon (mps without same_gpu_parts)
-#   launch    where the same-GPU copy's launch time goes inside real gets, by variant (runtime as is, a cheap
-#             call first at the get's start or just before the launch, the driver's calls, the GIL kept),
+#   launch    where the same-GPU copy's launch time goes inside real gets, by variant (as is, without the
+#             get's prime copy, a cheap call just before the launch, the driver's calls, the GIL kept, twice),
 #             under this call's MPS daemon (again with a 100 ms progress-thread delay) and without it
 #             (benchmarks/same_gpu_launch.py)
 #   commands  Redis commands per T2VA request and requests/s, 8 replicas a stage, this tree against the
