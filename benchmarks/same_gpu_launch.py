@@ -12,6 +12,8 @@ inside real gets, under variants taken in turns within one run (rounds of ``--it
 * ``as_is``: the code as it is (a get first queues a 4 KiB copy of ours, ``SameGpu.prime``: ``prime`` is
   the host time of its calls, before the checks);
 * ``no_prime``: without that copy, so the payload's is the first queued after the wait for the payload;
+* ``prime_thread``: that copy queued by a thread of its own, woken at the same point (``touch`` is the
+  get's own cost: handing it over): does the get gain more when its checks run meanwhile?
 * ``touch_at_launch``: one cheap runtime call (``cudaEventQuery`` of a finished event) just before the
   launch, no prime: is any first runtime call slow, or the first copy only?
 * ``driver_api``: the copy and its event queued with the driver's calls (``cuMemcpyDtoDAsync_v2``,
@@ -37,8 +39,10 @@ import argparse
 import ctypes
 import json
 import os
+import queue
 import statistics
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -56,10 +60,11 @@ from same_gpu import CONSUMER, PRODUCER, MiB, make, producer_loaded, start_produ
 from stageferry.broker.control.redis_conn import connect  # noqa: E402
 from stageferry.broker.data.nixl import agent as agent_module  # noqa: E402
 from stageferry.broker.data.nixl.cuda_runtime import CudaRuntime  # noqa: E402
+from stageferry.broker.data.nixl.same_gpu import PRIME_BYTES, IpcArena  # noqa: E402
 from stageferry.logs import configure_logging  # noqa: E402
 from stageferry.schemas import NixlPayload, PayloadRef  # noqa: E402
 
-VARIANTS = ("as_is", "no_prime", "touch_at_launch", "driver_api", "no_gil_release", "twice")
+VARIANTS = ("as_is", "no_prime", "prime_thread", "touch_at_launch", "driver_api", "no_gil_release", "twice")
 CALLS = ("_set_device", "_memcpy", "_record", "_query")
 
 
@@ -129,9 +134,23 @@ async def consumer(args: argparse.Namespace, child: Any) -> None:
     at: dict[str, float] = {}
     launch, wait, prime = cons.same_gpu.launch, cons.same_gpu.wait, cons.same_gpu.prime
 
+    primes: queue.SimpleQueue[IpcArena | None] = queue.SimpleQueue()
+
+    def prime_in_thread() -> None:  # SameGpu.prime's calls, untimed (not to be taken for the launch's)
+        set_device, memcpy = probe.real["_set_device"], probe.real["_memcpy"]
+        while (arena := primes.get()) is not None:
+            set_device(arena.device)
+            memcpy(arena.scratch, arena.scratch + PRIME_BYTES, PRIME_BYTES, 3, arena.stream)
+
+    threading.Thread(target=prime_in_thread, daemon=True).start()
+
     def prime_or_not(*a: Any, **k: Any) -> None:
         if variant["name"] in ("as_is", "driver_api", "no_gil_release"):
             prime(*a, **k)
+        elif variant["name"] == "prime_thread":
+            t = time.perf_counter()
+            primes.put(a[1])
+            probe.marks.append(("touch", t, time.perf_counter()))
 
     def launch_timed(*a: Any, **k: Any) -> Any:
         if variant["name"] == "touch_at_launch":
@@ -191,6 +210,7 @@ async def consumer(args: argparse.Namespace, child: Any) -> None:
                         row["copy"].append((at["done"] - at["launch"]) * 1e6)
                         row["get"].append(incoming.seconds * 1e6)
             probe.use("as_is")
+            primes.put(None)
             await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"stop": True}))
             tg.cancel_scope.cancel()
     finally:
