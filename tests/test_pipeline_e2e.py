@@ -88,6 +88,7 @@ def check_mp4(status: RequestStatus, job: dict[str, Any]) -> None:
         assert audio.codec_context.channels == 2
 
 
+@pytest.mark.slow
 def test_reference_pipeline_end_to_end(tmp_path_factory: pytest.TempPathFactory, redis_url: str, prefix: str) -> None:
     jobs = {
         "t2va": JOB,

@@ -26,6 +26,7 @@ def test_the_mix_gives_streamed_jobs_their_share_and_is_unchanged_without_them()
         SoakConfig(streamed=1.0)
 
 
+@pytest.mark.slow
 def test_streamed_requests_survive_the_soak(tmp_path: Path) -> None:
     cfg = SoakConfig(
         requests=12,

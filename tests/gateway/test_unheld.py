@@ -47,6 +47,7 @@ def test_a_phase_after_the_steps_is_in_the_status(deployment: Deployment, http: 
     wait_for(lambda: video(http, vid)["stageferry_state"] == "cancelled", 60, "the cancel")
 
 
+@pytest.mark.slow
 def test_a_job_whose_stage_died_says_no_live_worker_holds_it(deployment: Deployment, http: httpx.Client) -> None:
     vid = http.post("/v1/videos", data={"prompt": "sleep:120 held by a stage that dies", **SMALL}).json()["id"]
     running = wait_for(lambda: (v := video(http, vid))["stageferry_state"] == "running" and v["progress"] >= 50

@@ -91,6 +91,7 @@ def last_hop(status: RequestStatus) -> tuple[str, int]:
     return hop.transport.value, hop.payload_bytes
 
 
+@pytest.mark.slow
 def test_payloads_cross_between_namespaces_and_a_cut_link_falls_back(
     topology: Topology, tmp_path: Path, prefix: str
 ) -> None:

@@ -16,6 +16,7 @@ from stageferry.chaos.soak import SoakConfig, render, run_soak
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow
 def test_short_soak_loses_nothing_duplicates_nothing_and_returns_to_baseline(tmp_path: Path) -> None:
     cfg = SoakConfig(
         requests=24,

@@ -216,6 +216,7 @@ def test_entry_fields_that_do_not_belong_to_the_payload_kind_are_refused(deploym
 # -- item 1: a request that keeps killing its stage ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_request_that_kills_its_stage_twice_is_dead_lettered(tmp_path: Path, redis_url: str, prefix: str) -> None:
     """The test model calls ``os._exit`` on a ``poison`` job (the stand-in for an OOM kill): the first two
     replicas die with it, the third finds two crash marks, dead-letters it and keeps serving."""

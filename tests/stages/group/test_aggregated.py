@@ -78,6 +78,7 @@ def test_aggregated_config_folds_the_stages_into_one() -> None:
     assert again == pipeline, "a dumped aggregated config loads back unchanged"
 
 
+@pytest.mark.slow
 def test_aggregated_and_disaggregated_give_identical_frames(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, prefix: str
 ) -> None:

@@ -62,6 +62,7 @@ def digests(tmp_path: Path, stage: str, rid: str) -> dict[int, str]:
     return {int(rank): digest for s, r, rank, digest in rows if s == stage and r == rid}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("connector", ["nixl", "inline"])
 def test_tp2_to_tp4_every_rank_holds_the_producers_payload(
     tmp_path: Path, redis_url: str, prefix: str, connector: str
@@ -128,6 +129,7 @@ def test_a_miss_is_broadcast_and_followers_raise_the_same_error(tmp_path: Path, 
         assert status is not None and status.stage == "encoder", "sent back to be recomputed"
 
 
+@pytest.mark.slow
 def test_a_follower_killed_mid_request_stops_its_group_and_a_replica_finishes(
     tmp_path: Path, redis_url: str, prefix: str
 ) -> None:

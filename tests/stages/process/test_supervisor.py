@@ -113,6 +113,7 @@ def one_stage(tmp_path: Path, redis_url: str, prefix: str) -> Services:
     return Services(tmp_path, redis_url=redis_url, prefix=prefix, pipeline=path, extra_env={})
 
 
+@pytest.mark.slow
 def test_poison_jobs_are_dead_letters_not_a_replica_that_gives_up(tmp_path: Path, redis_url: str, prefix: str) -> None:
     """Two poison jobs, each killing the stage ``max_crashes`` (2) times: four deaths, more than
     ``--max-restarts`` (3) — but every pair is charged to an entry that is then dead-lettered, so the
