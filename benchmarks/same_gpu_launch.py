@@ -12,6 +12,7 @@ inside real gets, under variants taken in turns within one run (rounds of ``--it
 * ``as_is``: the code as it is (a get first queues a 4 KiB copy of ours, ``SameGpu.prime``: ``prime`` is
   the host time of its calls, before the checks);
 * ``no_prime``: without that copy, so the payload's is the first queued after the wait for the payload;
+* ``prime_at_get``: that copy queued as the get's very first step instead, before the manifest's checks;
 * ``prime_thread``: that copy queued by a thread of its own, woken at the same point (``touch`` is the
   get's own cost: handing it over): does the get gain more when its checks run meanwhile?
 * ``touch_at_launch``: one cheap runtime call (``cudaEventQuery`` of a finished event) just before the
@@ -64,7 +65,7 @@ from stageferry.broker.data.nixl.same_gpu import PRIME_BYTES, IpcArena  # noqa: 
 from stageferry.logs import configure_logging  # noqa: E402
 from stageferry.schemas import NixlPayload, PayloadRef  # noqa: E402
 
-VARIANTS = ("as_is", "no_prime", "prime_thread", "touch_at_launch", "driver_api", "no_gil_release", "twice")
+VARIANTS = ("as_is", "no_prime", "prime_at_get", "prime_thread", "touch_at_launch", "driver_api", "no_gil_release", "twice")
 CALLS = ("_set_device", "_memcpy", "_record", "_query")
 
 
@@ -169,6 +170,15 @@ async def consumer(args: argparse.Namespace, child: Any) -> None:
 
     cons.same_gpu.launch, cons.same_gpu.wait = launch_timed, wait_timed  # type: ignore[method-assign]
     cons.same_gpu.prime = prime_or_not  # type: ignore[method-assign]
+    fetch = cons._fetch
+
+    async def fetch_primed(*a: Any, **k: Any) -> Any:
+        if variant["name"] == "prime_at_get":
+            known = cons._peers.loaded(a[0].agent)
+            prime(a[0], known.ipc if known is not None else None)
+        return await fetch(*a, **k)
+
+    cons._fetch = fetch_primed  # type: ignore[method-assign]
     seen: dict[str, dict[str, list[float]]] = {v: defaultdict(list) for v in args.variants}
     cmd = json.dumps({"nbytes": args.bytes, "count": 1})
     try:
