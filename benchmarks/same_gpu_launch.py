@@ -65,7 +65,16 @@ from stageferry.broker.data.nixl.same_gpu import PRIME_BYTES, IpcArena  # noqa: 
 from stageferry.logs import configure_logging  # noqa: E402
 from stageferry.schemas import NixlPayload, PayloadRef  # noqa: E402
 
-VARIANTS = ("as_is", "no_prime", "prime_at_get", "prime_thread", "touch_at_launch", "driver_api", "no_gil_release", "twice")
+VARIANTS = (
+    "as_is",
+    "no_prime",
+    "prime_at_get",
+    "prime_thread",
+    "touch_at_launch",
+    "driver_api",
+    "no_gil_release",
+    "twice",
+)
 CALLS = ("_set_device", "_memcpy", "_record", "_query")
 
 
