@@ -68,7 +68,6 @@ from stageferry.schemas import NixlPayload, PayloadRef  # noqa: E402
 VARIANTS = (
     "as_is",
     "no_prime",
-    "prime_at_get",
     "prime_thread",
     "touch_at_launch",
     "driver_api",

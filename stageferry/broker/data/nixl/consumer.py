@@ -130,6 +130,9 @@ class Consumer:
             return await ep.inline.decode(ref, blob), {}
         if not isinstance(ref, NixlPayload):
             raise ManifestError(f"cannot fetch a {ref.kind!r} payload", kind=ref.kind)
+        known = self._peers.loaded(ref.agent)  # first of all (SameGpu.prime): the copy's path woken meanwhile
+        if known is not None and known.ipc is not None:
+            self.same_gpu.prime(ref, known.ipc)
         validate_manifest(ref.manifest, max_payload_bytes=ep.config.max_payload_bytes)
         if claimed is False:  # the stream read found the lease taken: not ours to read, nor to ask for
             await self.claim(ref, claimed)
@@ -137,9 +140,6 @@ class Consumer:
             return await self.resend_inline(ref, reason=ep.unavailable_reason or "nixl_unavailable"), {}
         pools = ep.pools
         started = time.perf_counter()
-        known = self._peers.loaded(ref.agent)
-        if known is not None and known.ipc is not None:
-            self.same_gpu.prime(ref, known.ipc)  # the copy's runtime path woken while the checks run
         try:
             peer = await self._peers.ensure(ref)
         except ProtocolMismatchError as exc:
