@@ -31,7 +31,7 @@ if not Path(CHROMIUM).exists():
         allow_module_level=True,
     )
 
-from playwright.sync_api import Browser, Page, expect, sync_playwright  # noqa: E402
+from playwright.sync_api import Browser, Page, Route, expect, sync_playwright  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,32 @@ def test_wrong_token_is_asked_again(browser: Browser, deployment: ConsoleDeploym
     page.click("#token-save")
     expect(page.locator("#token-error")).to_have_text("That token was refused.", timeout=30_000)
     expect(page.locator("#token-dialog")).to_be_visible()
+    page.close()
+
+
+def test_a_refusal_of_a_call_sent_before_the_token_was_saved_asks_nothing(
+    browser: Browser, deployment: ConsoleDeployment
+) -> None:
+    """The page's first panel calls go out without a token and are refused; a refusal arriving after the
+    token was saved (a loaded box) neither reopens the token dialog nor marks the gateway unreachable."""
+    page = browser.new_page()
+    held: list[Route] = []
+
+    def hold_the_first(route: Route) -> None:
+        if not held and "authorization" not in route.request.headers:
+            held.append(route)  # answered below, once the token is saved and the page is healthy
+        else:
+            route.continue_()
+
+    page.route("**/console/api/stages", hold_the_first)
+    sign_in(page, deployment)  # a later call, with the token, made the page healthy
+    assert len(held) == 1
+    with page.expect_response(lambda reply: reply.request == held[0].request) as stale:
+        held[0].continue_()
+    assert stale.value.status == 401
+    page.evaluate("() => Api.json('/console/api/stages')")  # its reply is handled after the stale one's
+    assert page.evaluate("() => document.getElementById('token-dialog').open") is False
+    expect(page.locator("#health")).to_have_text("healthy")
     page.close()
 
 

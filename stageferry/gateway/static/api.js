@@ -15,11 +15,17 @@ const Api = (() => {
     else sessionStorage.removeItem(TOKEN_KEY);
   }
 
-  function headers(extra) {
+  function headers(extra, sent) {
     const h = Object.assign({}, extra || {});
-    const t = token();
+    const t = sent === undefined ? token() : sent;
     if (t) h["Authorization"] = "Bearer " + t;
     return h;
+  }
+
+  // A 401 asks for a token only while the token it refused is still the one set: the reply to a call sent
+  // before a token was saved (the page's first calls go out without one) must not reopen the dialog.
+  function refused(reply, sent) {
+    if (reply.status === 401 && sent === token()) onUnauthorized();
   }
 
   class ApiError extends Error {
@@ -34,8 +40,9 @@ const Api = (() => {
   }
 
   async function request(method, path, body) {
-    const reply = await fetch(path, { method, body, headers: headers(), cache: "no-store" });
-    if (reply.status === 401) onUnauthorized();
+    const sent = token();
+    const reply = await fetch(path, { method, body, headers: headers({}, sent), cache: "no-store" });
+    refused(reply, sent);
     if (!reply.ok) {
       let parsed = null;
       try { parsed = await reply.json(); } catch (_) { /* not JSON */ }
@@ -58,8 +65,9 @@ const Api = (() => {
 
   // Calls onFrame(frame) for every `data:` message of the stream; resolves when the stream ends.
   async function follow(path, onFrame, signal) {
-    const reply = await fetch(path, { headers: headers({ Accept: "text/event-stream" }), signal, cache: "no-store" });
-    if (reply.status === 401) onUnauthorized();
+    const sent = token();
+    const reply = await fetch(path, { headers: headers({ Accept: "text/event-stream" }, sent), signal, cache: "no-store" });
+    refused(reply, sent);
     if (!reply.ok) {
       let parsed = null;
       try { parsed = await reply.json(); } catch (_) { /* not JSON */ }

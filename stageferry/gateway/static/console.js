@@ -338,7 +338,8 @@ async function refreshStages() {
       el("p", { class: "muted" }, "ranks → devices: " + s.ranks.map((r) => `${r.rank}→${r.device}`).join(", ")),
       el("p", { class: "muted" }, "pools: " + s.pools.map((p) => `${p.kind} ${fmtBytes(p.capacity_bytes)}`).join(", ")),
     )));
-  } catch (_) {
+  } catch (e) {
+    if (e.status === 401) return;  // the token dialog says it (a refusal of an older token: nothing to say)
     $("health").textContent = "unreachable";
     $("health").className = "pill bad";
   }
