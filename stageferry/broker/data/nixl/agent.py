@@ -80,6 +80,12 @@ def _import_nixl() -> tuple[Any, Any]:
     return _api, _bindings
 
 
+#: Tries at creating the native agent.  UCX makes an endpoint to itself while the agent is built, over
+#: every network device it found a moment before; one deleted meanwhile (a veth torn down by another
+#: process) fails it: NIXL_ERR_BACKEND, "Destination is unreachable".  The next try sees the devices as
+#: they are now; without it the process ran inline only for its whole life.
+CREATE_TRIES = 3
+
 PROGRESS_DELAY_US = 1000
 """Longest the NIXL progress thread sleeps in ``poll()`` between looks when no UCX event wakes it.
 
@@ -183,12 +189,16 @@ class NixlAgent:
     ) -> None:
         api, bind = _import_nixl()
         t0 = time.perf_counter()
-        try:
-            with _progress_thread_delay(api, progress_delay_us):
-                config = api.nixl_agent_config(backends=list(backends), num_threads=ucx_threads)
-                self._agent = api.nixl_agent(name, config)
-        except Exception as exc:
-            raise NixlUnavailableError(f"cannot create NIXL agent {name!r}: {exc}", agent=name) from exc
+        for tried in range(1, CREATE_TRIES + 1):
+            try:
+                with _progress_thread_delay(api, progress_delay_us):
+                    config = api.nixl_agent_config(backends=list(backends), num_threads=ucx_threads)
+                    self._agent = api.nixl_agent(name, config)
+                break
+            except Exception as exc:
+                if tried == CREATE_TRIES:
+                    raise NixlUnavailableError(f"cannot create NIXL agent {name!r}: {exc}", agent=name) from exc
+                log.warning("nixl.agent_retry", agent=name, tried=tried, error=f"{type(exc).__name__}: {exc}")
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:  # nixl only warns when a plugin is missing; an agent without it is useless to us
             raise NixlUnavailableError(f"NIXL backend(s) {missing} not available", agent=name)

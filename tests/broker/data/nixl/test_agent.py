@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import pytest
+import structlog
 import torch
 
 from stageferry.broker.data.nixl import agent as na
@@ -190,6 +191,53 @@ def test_missing_nixl_raises_unavailable(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.setitem(sys.modules, mod, None)
     with pytest.raises(NixlUnavailableError):
         NixlAgent("never")
+
+
+def _failing_first(monkeypatch: pytest.MonkeyPatch, failures: int) -> list[str]:
+    """Make the next ``failures`` native agents fail as UCX's did when a device vanished (the real
+    ``nixl_agent`` after them); the names tried, in order."""
+    api, _ = na._import_nixl()
+    real, tried = api.nixl_agent, []
+
+    def nixl_agent(name: str, config: object) -> object:
+        tried.append(name)
+        if len(tried) <= failures:
+            raise RuntimeError("NIXL_ERR_BACKEND")  # what nixl raises when createBackend failed
+        return real(name, config)
+
+    monkeypatch.setattr(api, "nixl_agent", nixl_agent)
+    return tried
+
+
+def test_an_agent_whose_backend_failed_once_is_made_again_and_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    tried = _failing_first(monkeypatch, 1)
+    name = f"test-retried-{os.getpid()}"
+    with structlog.testing.capture_logs() as logs:
+        agent = NixlAgent(name)
+    monkeypatch.undo()
+    assert tried == [name, name]
+    assert [(e["event"], e["tried"], e["error"]) for e in logs if e["log_level"] == "warning"] == [
+        ("nixl.agent_retry", 1, "RuntimeError: NIXL_ERR_BACKEND")
+    ]
+    dst = torch.zeros(NBYTES, dtype=torch.uint8)
+    agent.register(dst)
+    prod = Producer("test-producer-r", salt=5)
+    try:
+        remote = agent.add_remote(prod.metadata)
+        handle = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM, remote, b"")
+        wait_done(agent, handle)
+        agent.release(handle)
+        assert torch.equal(dst, pattern(NBYTES, 5))
+    finally:
+        prod.kill()
+        agent.close()
+
+
+def test_an_agent_whose_backend_keeps_failing_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    tried = _failing_first(monkeypatch, na.CREATE_TRIES)
+    with pytest.raises(NixlUnavailableError, match="NIXL_ERR_BACKEND"):
+        NixlAgent("never-made")
+    assert len(tried) == na.CREATE_TRIES
 
 
 def test_transfer_states_are_read_once_into_the_enum() -> None:
