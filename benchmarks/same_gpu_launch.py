@@ -12,7 +12,6 @@ inside real gets, under variants taken in turns within one run (rounds of ``--it
 * ``as_is``: the code as it is (a get first queues a 4 KiB copy of ours, ``SameGpu.prime``: ``prime`` is
   the host time of its calls, before the checks);
 * ``no_prime``: without that copy, so the payload's is the first queued after the wait for the payload;
-* ``prime_at_get``: that copy queued as the get's very first step instead, before the manifest's checks;
 * ``prime_thread``: that copy queued by a thread of its own, woken at the same point (``touch`` is the
   get's own cost: handing it over): does the get gain more when its checks run meanwhile?
 * ``touch_at_launch``: one cheap runtime call (``cudaEventQuery`` of a finished event) just before the
@@ -23,10 +22,10 @@ inside real gets, under variants taken in turns within one run (rounds of ``--it
 * ``twice``: no prime, the launch's copy queued twice, the second (``memcpy2``, the same bytes again) timed
   apart: is a copy queued right after another fast inside a get too?
 
-Round 19 (no prime in the code yet, H100 under MPS): the payload's ``cudaMemcpyAsync`` 18–19 µs, a second
-one right after it 5 µs; a 4 KiB copy between scratch buffers (or from the payload's source) queued when
-the get started took 36–38 µs itself, and then the payload's took 7–8 µs and the whole get 108 against 118
-µs (without MPS 160 against 249 µs): hence ``SameGpu.prime``.
+Round 19 on H100s (``benchmarks/results/issue39/h100/round19/``): before the prime, the payload's
+``cudaMemcpyAsync`` took 18–19 µs inside gets under MPS and a second one right after it 5 µs; a 4 KiB copy
+of ours queued first made the get shorter when queued as the get's first step (then in ``_fetch``'s
+caller) and longer when queued after the manifest's checks: hence ``SameGpu.prime``, first thing in a get.
 
 Medians in µs: ``py`` is the launch's Python before its first runtime call, then each call, ``launch`` the
 whole launch, ``touch`` the extra call where there is one, ``copy`` launch → copy done (what ``same_gpu.py``
@@ -178,15 +177,6 @@ async def consumer(args: argparse.Namespace, child: Any) -> None:
 
     cons.same_gpu.launch, cons.same_gpu.wait = launch_timed, wait_timed  # type: ignore[method-assign]
     cons.same_gpu.prime = prime_or_not  # type: ignore[method-assign]
-    fetch = cons._fetch
-
-    async def fetch_primed(*a: Any, **k: Any) -> Any:
-        if variant["name"] == "prime_at_get":
-            known = cons._peers.loaded(a[0].agent)
-            prime(a[0], known.ipc if known is not None else None)
-        return await fetch(*a, **k)
-
-    cons._fetch = fetch_primed  # type: ignore[method-assign]
     seen: dict[str, dict[str, list[float]]] = {v: defaultdict(list) for v in args.variants}
     cmd = json.dumps({"nbytes": args.bytes, "count": 1})
     try:

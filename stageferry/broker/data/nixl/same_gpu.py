@@ -245,17 +245,18 @@ class SameGpu:
         self.primed = 0  #: :meth:`prime` copies queued
 
     def prime(self, ref: NixlPayload, arena: IpcArena | None) -> None:
-        """Queue :data:`PRIME_BYTES` between the two halves of our scratch on the arena's stream, when a get
-        of a payload with VRAM regions from a producer whose arena is mapped starts, before its checks.
+        """Queue :data:`PRIME_BYTES` between the two halves of our scratch on the arena's stream, as the first
+        step of a get of a payload with VRAM regions from a producer whose arena is mapped.
 
         The first copy a process queues after waiting for a payload is the slow one, whatever it copies:
-        inside gets on an H100, 18–19 µs of host time for the payload's ``cudaMemcpyAsync`` against 5 µs
-        for a second one right after it; with a copy queued here first, the payload's took 7–8 µs and the
-        whole get was 9 µs shorter under MPS and 88 µs shorter without it, where the GPU was still on the
-        producer's context (``benchmarks/same_gpu_launch.py``: ``no_prime`` against ``as_is``).  Nothing of
-        the payload is read (the descriptors are not checked yet) and nothing is waited for: the payload's
-        copy is queued behind this one on the same stream.  A runtime error is left to that copy's launch,
-        which reports it and falls back."""
+        inside gets on H100s, 18–28 µs of host time for the payload's ``cudaMemcpyAsync`` against 5 µs for
+        a second one right after it.  Queued here first, this one takes that time and the payload's copy
+        7–13 µs; the whole 1 MiB get was 21–38 µs shorter under MPS and 116–131 µs shorter without it
+        (``benchmarks/same_gpu_launch.py``, ``as_is`` against ``no_prime``, round 19).  Where it is queued
+        matters: after the manifest's checks instead, the get was 15–25 µs *longer* under MPS, and from a
+        thread of its own longer still.  Nothing of the payload is read (its descriptors are not checked
+        yet) and nothing is waited for: the payload's copy is queued behind this one on the same stream.
+        A runtime error is left to that copy's launch, which reports it and falls back."""
         runtime = CudaRuntime.loaded()
         if runtime is None or arena is None or not arena.scratch or not self._ep.config.same_gpu_copy:
             return
