@@ -94,6 +94,15 @@ def wait_done(agent: NixlAgent, handle: object) -> float:
     return time.monotonic() - t0
 
 
+def read_whole(agent: NixlAgent, dst: torch.Tensor, prod: Producer, notif: bytes = b"") -> str:
+    """Add ``prod`` as a remote and READ its region into ``dst`` (waited for, released); the remote's name."""
+    name = agent.add_remote(prod.metadata)
+    handle = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM, name, notif)
+    wait_done(agent, handle)
+    agent.release(handle)
+    return name
+
+
 @pytest.fixture(scope="module")
 def consumer() -> Iterator[tuple[NixlAgent, torch.Tensor]]:
     agent = NixlAgent(f"test-consumer-{os.getpid()}")
@@ -152,10 +161,7 @@ def test_read_from_dead_peer_raises_then_restarted_peer_works(
     base = agent.open_handles()
     prod = Producer("test-producer-b", salt=5)
     try:
-        name = agent.add_remote(prod.metadata)
-        h = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM, name, b"ok")
-        wait_done(agent, h)
-        agent.release(h)
+        name = read_whole(agent, dst, prod, b"ok")
         prod.kill()
 
         t0 = time.monotonic()
@@ -223,10 +229,7 @@ def test_an_agent_whose_backend_failed_once_is_made_again_and_reads(monkeypatch:
     agent.register(dst)
     prod = Producer("test-producer-r", salt=5)
     try:
-        remote = agent.add_remote(prod.metadata)
-        handle = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM, remote, b"")
-        wait_done(agent, handle)
-        agent.release(handle)
+        read_whole(agent, dst, prod)
         assert torch.equal(dst, pattern(NBYTES, 5))
     finally:
         prod.kill()
