@@ -1,8 +1,9 @@
 """The one boundary between stageferry and the ``nixl`` library.
 
-Everything NIXL-specific lives here: lazy import, agent creation, memory registration, remote agents,
-READ transfers, notifications and clean-up.  Every nixl exception is translated into a
-:mod:`stageferry.errors` class (original kept as ``__cause__``), so no other module imports nixl.
+Everything NIXL-specific lives here: memory registration, remote agents, READ transfers, notifications
+and clean-up, over the native agent :mod:`~stageferry.broker.data.nixl.native` loads and makes.  Every nixl
+exception is translated into a :mod:`stageferry.errors` class (original kept as ``__cause__``), so no
+other module imports nixl.
 Only what the data plane uses is here: the benchmarks extend it with prepared descriptor lists, reposts,
 WRITE and warm-up (``benchmarks/nixl_bench_agent.py``); UCX's log is read by
 :mod:`stageferry.broker.data.nixl.ucx_log`.
@@ -26,24 +27,17 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import threading
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
 
-from stageferry.broker.data.nixl.ucx_log import (
-    UcxLogTail,
-    configure_environment,
-    own_tables,
-    parse_ucx_log,
-    route_matches,
-)
+from stageferry.broker.data.nixl import native
+from stageferry.broker.data.nixl.native import PROGRESS_DELAY_US
+from stageferry.broker.data.nixl.ucx_log import UcxLogTail, own_tables, parse_ucx_log, route_matches
 from stageferry.errors import NixlUnavailableError, PeerDisconnectedError, TransferError
-from stageferry.logs import adopt_library_logger
 from stageferry.schemas.payload import MemKind
 
 log = structlog.get_logger(__name__)
@@ -57,71 +51,6 @@ class XferState(enum.StrEnum):
     PROC = "PROC"
     DONE = "DONE"
     ERR = "ERR"
-
-
-_nixl_api: Any = None  # nixl._api, once imported
-_nixl_bind: Any = None  # nixl._bindings (exception classes)
-_ucx_log_path: Path | None = None  # where UCX writes its log, when we can read it (see transport_info)
-
-
-def _import_nixl() -> tuple[Any, Any]:
-    """Import nixl once; UCX reads its environment when the library loads, so set it first."""
-    global _nixl_api, _nixl_bind, _ucx_log_path
-    if _nixl_api is not None:
-        return _nixl_api, _nixl_bind
-    _ucx_log_path = configure_environment(cuda=torch.cuda.is_available())
-    try:
-        import nixl  # noqa: F401  (selects the CUDA-matching backend package)
-        from nixl import _api, _bindings
-    except Exception as exc:  # ImportError, OSError from missing shared libraries, ...
-        raise NixlUnavailableError(f"cannot import nixl: {exc}") from exc
-    adopt_library_logger("nixl")  # nixl gave itself a stdout handler on import: its lines go through ours
-    _nixl_api, _nixl_bind = _api, _bindings
-    return _api, _bindings
-
-
-#: Tries at creating the native agent.  UCX makes an endpoint to itself while the agent is built, over
-#: every network device it found a moment before; one deleted meanwhile (a veth torn down by another
-#: process) fails it: NIXL_ERR_BACKEND, "Destination is unreachable".  The next try sees the devices as
-#: they are now; without it the process ran inline only for its whole life.
-CREATE_TRIES = 3
-
-PROGRESS_DELAY_US = 1000
-"""Longest the NIXL progress thread sleeps in ``poll()`` between looks when no UCX event wakes it.
-
-nixl's Python API hard-codes 0, which makes the thread spin on ``poll(..., 0)``: about 85% of a core per
-process while idle, stolen from the event loop, torch and the peer on a small host (measured on the 2-core
-CPU box: T2VA hop 5.5 ms -> 2.1 ms p50 with 1000).  The thread still wakes at once on UCX's event fd
-(incoming notifications, completions); the delay only bounds a missed wake-up (nixl rounds it up to ms).
-"""
-_config_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _progress_thread_delay(api: Any, delay_us: int) -> Iterator[None]:
-    """Make the next ``nixl_agent`` get ``delay_us`` as its progress-thread delay.
-
-    ``nixl_agent.__init__`` sets ``pthrDelay = 0`` on its config right before building the native agent,
-    so the value is applied in a wrapper around the bindings' constructor, for this one call only.  If the
-    bindings change shape, the agent is built with nixl's own default instead.
-    """
-    bind: Any = getattr(api, "nixlBind", None)
-    real: Any = getattr(bind, "nixlAgent", None)
-    if real is None or delay_us <= 0:
-        yield
-        return
-
-    def make(name: str, config: Any) -> Any:
-        if hasattr(config, "pthrDelay"):
-            config.pthrDelay = delay_us
-        return real(name, config)
-
-    with _config_lock:
-        bind.nixlAgent = make
-        try:
-            yield
-        finally:
-            bind.nixlAgent = real
 
 
 def is_nixl_error(exc: BaseException) -> bool:
@@ -187,18 +116,8 @@ class NixlAgent:
         progress_delay_us: int = PROGRESS_DELAY_US,
         ucx_threads: int = 0,
     ) -> None:
-        api, bind = _import_nixl()
         t0 = time.perf_counter()
-        for tried in range(1, CREATE_TRIES + 1):
-            try:
-                with _progress_thread_delay(api, progress_delay_us):
-                    config = api.nixl_agent_config(backends=list(backends), num_threads=ucx_threads)
-                    self._agent = api.nixl_agent(name, config)
-                break
-            except Exception as exc:
-                if tried == CREATE_TRIES:
-                    raise NixlUnavailableError(f"cannot create NIXL agent {name!r}: {exc}", agent=name) from exc
-                log.warning("nixl.agent_retry", agent=name, tried=tried, error=f"{type(exc).__name__}: {exc}")
+        self._agent, bind = native.make_agent(name, backends, progress_delay_us, ucx_threads)
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:  # nixl only warns when a plugin is missing; an agent without it is useless to us
             raise NixlUnavailableError(f"NIXL backend(s) {missing} not available", agent=name)
@@ -212,7 +131,7 @@ class NixlAgent:
         self._transport: dict[tuple[str, str], str] = {}  # (remote, route) -> what UCX said
         self._transport_tries: dict[tuple[str, str], int] = {}
         self._ucx_tables: dict[str, list[str]] = {}  # remote -> what UCX printed, not yet matched to a route
-        self._ucx_log = UcxLogTail(_ucx_log_path) if _ucx_log_path is not None else None
+        self._ucx_log = UcxLogTail(native.ucx_log_path) if native.ucx_log_path is not None else None
         log.info(
             "nixl.agent.created",
             agent=name,

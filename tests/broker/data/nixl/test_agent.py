@@ -17,7 +17,7 @@ import pytest
 import structlog
 import torch
 
-from stageferry.broker.data.nixl import agent as na
+from stageferry.broker.data.nixl import native
 from stageferry.broker.data.nixl.agent import MemKind, NixlAgent, XferState
 from stageferry.errors import NixlUnavailableError, PeerDisconnectedError, TransferError
 
@@ -192,7 +192,7 @@ def test_read_from_dead_peer_raises_then_restarted_peer_works(
 
 
 def test_missing_nixl_raises_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(na, "_nixl_api", None)
+    monkeypatch.setattr(native, "_nixl_api", None)
     for mod in ("nixl", "nixl._api", "nixl._bindings"):
         monkeypatch.setitem(sys.modules, mod, None)
     with pytest.raises(NixlUnavailableError):
@@ -202,7 +202,7 @@ def test_missing_nixl_raises_unavailable(monkeypatch: pytest.MonkeyPatch) -> Non
 def _failing_first(monkeypatch: pytest.MonkeyPatch, failures: int) -> list[str]:
     """Make the next ``failures`` native agents fail as UCX's did when a device vanished (the real
     ``nixl_agent`` after them); the names tried, in order."""
-    api, _ = na._import_nixl()
+    api, _ = native._import_nixl()
     real, tried = api.nixl_agent, []
 
     def nixl_agent(name: str, config: object) -> object:
@@ -237,10 +237,10 @@ def test_an_agent_whose_backend_failed_once_is_made_again_and_reads(monkeypatch:
 
 
 def test_an_agent_whose_backend_keeps_failing_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
-    tried = _failing_first(monkeypatch, na.CREATE_TRIES)
+    tried = _failing_first(monkeypatch, native.CREATE_TRIES)
     with pytest.raises(NixlUnavailableError, match="NIXL_ERR_BACKEND"):
         NixlAgent("never-made")
-    assert len(tried) == na.CREATE_TRIES
+    assert len(tried) == native.CREATE_TRIES
 
 
 def test_transfer_states_are_read_once_into_the_enum() -> None:
