@@ -99,7 +99,7 @@ class Peers:
         self._lock = anyio.Lock()
         self._stranded: list[IpcArena] = []
         """Arenas whose warm-up copy did not end: kept mapped, as its slot is kept (:meth:`_warm_copy`)."""
-        self._unlist_script: AsyncScript | None = None  #: :data:`_UNLIST` bound to the endpoint's client, on first use
+        self._unlist: AsyncScript = endpoint.redis.register_script(_UNLIST)  # bound once (no I/O until called)
 
     def __contains__(self, name: object) -> bool:
         return name in self._peers
@@ -165,9 +165,7 @@ class Peers:
         :class:`ControlPlaneError` if Redis is away."""
         ep = self._ep
         with translated():
-            if self._unlist_script is None:
-                self._unlist_script = ep.redis.register_script(_UNLIST)
-            removed = await self._unlist_script(keys=[ep.keys.agents(stage)], args=[replica, name])
+            removed = await self._unlist(keys=[ep.keys.agents(stage)], args=[replica, name])
         return bool(removed)
 
     # ------------------------------------------------------------------ peer cache

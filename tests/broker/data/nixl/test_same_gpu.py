@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import redis as sync_redis
+import redis.asyncio as aioredis
 import structlog
 import torch
 
@@ -370,7 +371,8 @@ def test_a_warm_up_copy_that_does_not_end_keeps_its_slot_and_its_arena(
     monkeypatch.setattr(peers_module, "WARM_TIMEOUT_S", 0.01)
     pool = MemoryPool(DeviceKind.CPU, 1 << 16, device=torch.device("cpu"), registrar=None)  # our CUDA pool's part
     try:
-        peers = Peers(SimpleNamespace(pools=SimpleNamespace(pools={DeviceKind.CUDA: pool})))  # type: ignore[arg-type]
+        endpoint = SimpleNamespace(pools=SimpleNamespace(pools={DeviceKind.CUDA: pool}), redis=aioredis.Redis())
+        peers = Peers(endpoint)  # type: ignore[arg-type]  (a client never connected: no Redis call here)
         arena = IpcArena(exported(), torch.empty(0, dtype=torch.uint8), stream=7, events=EventPool(runtime))  # type: ignore[arg-type]
         if ends:
             peers._warm_copy(arena)
