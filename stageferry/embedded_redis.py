@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import shutil
 import socket
 import ssl
@@ -49,11 +50,44 @@ def find_redis_server() -> str:
     )
 
 
+# free_port's range: below the kernel's ephemeral ports, above the usual services' (PostgreSQL, Redis, ...).
+LISTEN_PORTS_FROM = 15000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_FREE_PORT_TRIES = 64
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a server started next to listen on.
+
+    Chosen at random below the kernel's ephemeral range (``ip_local_port_range``, 32768 and up by default),
+    from :data:`LISTEN_PORTS_FROM`: a port the kernel hands out for ``bind(0)`` is also what it gives the
+    next outgoing connection, which can take it in the seconds before the server binds it (a TP group's
+    rendezvous port is bound only once its rank 0 has imported torch; seen as ``EADDRINUSE`` there).
+    Below that range only another explicit listener can take it.  Falls back to the kernel's choice when
+    the range leaves no room or no port in it binds."""
+    low = _ephemeral_low()
+    if low - LISTEN_PORTS_FROM >= 1024:
+        pick = random.SystemRandom()
+        for _ in range(_FREE_PORT_TRIES):
+            port = pick.randrange(LISTEN_PORTS_FROM, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux); 0 where it cannot be read (then
+    :func:`free_port` takes the kernel's choice)."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,4 +275,4 @@ async def _answers_ping(port: int, tls: ssl.SSLContext | None = None) -> bool:
     return reply.startswith((b"+PONG", b"-NOAUTH"))
 
 
-__all__ = ["EmbeddedRedis", "TlsFiles", "find_redis_server", "free_port"]
+__all__ = ["LISTEN_PORTS_FROM", "EmbeddedRedis", "TlsFiles", "find_redis_server", "free_port"]

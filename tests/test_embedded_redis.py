@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from stageferry import embedded_redis
-from stageferry.embedded_redis import EmbeddedRedis, find_redis_server
+from stageferry.embedded_redis import LISTEN_PORTS_FROM, EmbeddedRedis, find_redis_server, free_port
 from stageferry.errors import ConfigError
 
 pytestmark = pytest.mark.anyio
@@ -94,3 +95,47 @@ def test_usable_across_event_loops(tmp_path: Path) -> None:
     finally:
         anyio.run(server.stop)
     assert not server.running
+
+
+def test_a_free_port_is_below_the_ephemeral_range_and_binds() -> None:
+    """Outgoing connections take their local ports from the ephemeral range: a listener's port chosen
+    there can be taken in the seconds before its server binds it (a TP group's rendezvous: EADDRINUSE)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(LISTEN_PORTS_FROM <= port < low for port in ports), (ports, low)
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free: what the server started next does
+
+
+def test_a_port_in_use_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as taken, socket.socket() as spare:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        spare.bind(("127.0.0.1", 0))
+        in_use, free = taken.getsockname()[1], spare.getsockname()[1]
+        spare.close()  # free again: the pick after the port in use
+        picks = iter([in_use, in_use, free])
+
+        class Picks:
+            def randrange(self, start: int, stop: int) -> int:
+                port = next(picks)
+                assert start <= port < stop
+                return port
+
+        monkeypatch.setattr(embedded_redis, "LISTEN_PORTS_FROM", min(in_use, free) - 1024)
+        monkeypatch.setattr(embedded_redis, "_ephemeral_low", lambda: max(in_use, free) + 1)
+        monkeypatch.setattr(embedded_redis.random, "SystemRandom", Picks)
+        assert free_port() == free
+
+
+def test_without_room_below_the_ephemeral_range_the_kernel_chooses(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("1024\t65535\n")  # everything is ephemeral: nothing below it to choose from
+    monkeypatch.setattr(embedded_redis, "_EPHEMERAL_RANGE", ranges)
+    port = free_port()
+    assert 1024 <= port <= 65535
+    monkeypatch.setattr(embedded_redis, "_EPHEMERAL_RANGE", tmp_path / "missing")  # not Linux: the same
+    assert free_port() > 0

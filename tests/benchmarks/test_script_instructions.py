@@ -4,22 +4,19 @@
 from __future__ import annotations
 
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 
 from benchmarks import script_instructions
+from stageferry.embedded_redis import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None or shutil.which("redis-server") is None, reason="no valgrind")
 def test_every_step_of_a_request_is_counted(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    got = script_instructions.run_tree(ROOT, 2, tmp_path, port, tmp_path)
+    got = script_instructions.run_tree(ROOT, 2, tmp_path, free_port(), tmp_path)
     assert list(got) == list(script_instructions.STEPS)
     assert all(10_000 < n < 10_000_000 for n in got.values()), got  # a script's call: thousands of instructions
     assert len(list(tmp_path.glob("*.callgrind"))) == len(script_instructions.STEPS)  # kept for callgrind_annotate

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import threading
 import time
 import uuid
@@ -22,6 +21,7 @@ import pytest
 import uvicorn
 
 from stageferry.config import PipelineConfig
+from stageferry.embedded_redis import free_port
 from stageferry.gateway import GatewayConfig, create_app
 from stageferry.gateway.server import HEAD_TIMEOUT_S, uvicorn_config
 from tests.conftest import delete_prefix
@@ -42,18 +42,12 @@ class Deployment:
     redis_url: str
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def running_gateway(
     config: GatewayConfig, *, start_timeout: float = 120, head_timeout_s: float = HEAD_TIMEOUT_S
 ) -> Iterator[str]:
     """The gateway for ``config`` served by uvicorn in a background thread; yields its base URL."""
-    port = _free_port()
+    port = free_port()
     app = create_app(config)
     server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port, head_timeout_s=head_timeout_s))
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stageferry.config import PipelineConfig
+from stageferry.embedded_redis import free_port
 from stageferry.gateway import GatewayConfig
-from tests.gateway.conftest import LORA, MAX_STEPS, MAX_UPLOAD_BYTES, _free_port, running_gateway
+from tests.gateway.conftest import LORA, MAX_STEPS, MAX_UPLOAD_BYTES, running_gateway
 from tests.procs import Services, write_pipeline
 
 TOKEN = "console-test-token-0123456789"
@@ -49,11 +50,11 @@ def console_deployment(tmp: Path, *, redis_url: str, prefix: str) -> Iterator[Co
     with Services(tmp, redis_url=redis_url, prefix=prefix, pipeline=path, extra_env={}) as services:
         urls = []
         for stage in ("encoder", "diffusion"):
-            port = _free_port()
+            port = free_port()
             services.extra_env["STAGEFERRY_METRICS_PORT"] = str(port)
             services.start(stage, "a")
             urls.append(f"http://127.0.0.1:{port}/metrics")
-        dead = f"http://127.0.0.1:{_free_port()}/metrics"
+        dead = f"http://127.0.0.1:{free_port()}/metrics"
         config = GatewayConfig(
             redis_url=redis_url,
             prefix=prefix,

@@ -30,8 +30,9 @@ import redis as sync_redis
 
 from stageferry.broker.control.keys import Keys
 from stageferry.cli import sample_media
+from stageferry.embedded_redis import free_port
 from stageferry.schemas import RequestState, RequestStatus, Task
-from tests.gateway.conftest import LORA, MAX_STEPS, MAX_UPLOAD_BYTES, Deployment, _free_port
+from tests.gateway.conftest import LORA, MAX_STEPS, MAX_UPLOAD_BYTES, Deployment
 from tests.procs import wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -345,7 +346,7 @@ def read_response(sock: socket.socket) -> tuple[str, bytes]:
 
 
 def test_gateway_command_serves_the_configured_deployment(deployment: Deployment, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     pipeline = str(deployment.services.pipeline)
     argv = [sys.executable, "-m", "stageferry", "--redis-url", deployment.redis_url, "--prefix", deployment.prefix,
             "--pipeline", pipeline, "gateway", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import socket
 import wave
 from fractions import Fraction
 from pathlib import Path
@@ -35,6 +34,7 @@ from PIL import Image
 
 from stageferry.broker.data.payload_codec import decode_inline, encode_inline
 from stageferry.config import PipelineConfig
+from stageferry.embedded_redis import free_port
 from stageferry.errors import CancelledRequestError, JobValidationError, PayloadContractError
 from stageferry.schemas import JobRequest
 from stageferry.schemas.payload_layout import LAYOUT_VERSION, Layout
@@ -159,12 +159,6 @@ def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
         torch.save(run_models(ctx, Path(tmp)), Path(tmp) / f"tp{world}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
