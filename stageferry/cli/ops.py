@@ -198,7 +198,7 @@ def serve(
     gpus = host_gpus()
     pipeline = pipeline_for_host(settings.pipeline, gpus)
     pipeline.stage(stage)  # an unknown stage is a config error before anything starts
-    from stageferry.stages.process.service import run_service
+    from stageferry.stages.process.serve import run_service
     from stageferry.stages.process.supervisor import RestartPolicy
 
     gpu_list = parse_devices(devices) if devices is not None else None

@@ -75,6 +75,14 @@ class GroupLayout(Strict):
     def world_size(self) -> int:
         return self.row_size * self.rows
 
+    def row_ranks(self, row: int) -> list[int]:
+        """The ranks of one TP (shard) group: row ``row``."""
+        return [row * self.row_size + i for i in range(self.row_size)]
+
+    def column_ranks(self, pos: int) -> list[int]:
+        """The ranks of one SP (replicate) group: those at TP (shard) index ``pos``."""
+        return [pos + r * self.row_size for r in range(self.rows)]
+
     def describe(self) -> str:
         row, col = self.dims
         return f"{row}{self.row_size}x{col}{self.rows}"

@@ -1,7 +1,7 @@
 """Prometheus metrics of the data and control planes, defined once.
 
 Every put/get records transport, bytes and time; every fallback its reason.  A service exposes them
-with ``STAGEFERRY_METRICS_PORT`` (see :func:`stageferry.stages.process.service.serve`).
+with ``STAGEFERRY_METRICS_PORT`` (see :func:`stageferry.stages.process.service.serve_leader`).
 """
 
 from __future__ import annotations

@@ -47,16 +47,6 @@ def coords(layout: GroupLayout, rank: int) -> Coords:
     return Coords(row=rank // layout.row_size, pos=rank % layout.row_size)
 
 
-def row_ranks(layout: GroupLayout, row: int) -> list[int]:
-    """The ranks of one TP (shard) group."""
-    return [row * layout.row_size + i for i in range(layout.row_size)]
-
-
-def column_ranks(layout: GroupLayout, pos: int) -> list[int]:
-    """The ranks of one SP (replicate) group."""
-    return [pos + r * layout.row_size for r in range(layout.rows)]
-
-
 def route_sources(layout: GroupLayout, rank: int) -> list[tuple[str, int, int]]:
     """This rank's broadcasts, in order, as ``(dimension, index, src)``: the leader's row (``"row"``, 0,
     0) for the members of row 0, then its own column (``"column"``, pos, pos)."""
@@ -100,11 +90,11 @@ def build_channel(layout: GroupLayout, rank: int, device: torch.device) -> Group
     whole = _new_group(range(world), cuda=cuda)
     # A dimension of size 1 has no group; a 1-D layout's only dimension is the whole group.
     rows = [
-        (whole if layout.rows == 1 else _new_group(row_ranks(layout, r), cuda=cuda)) if layout.row_size > 1 else None
+        (whole if layout.rows == 1 else _new_group(layout.row_ranks(r), cuda=cuda)) if layout.row_size > 1 else None
         for r in range(layout.rows)
     ]
     columns = [
-        (whole if layout.row_size == 1 else _new_group(column_ranks(layout, p), cuda=cuda)) if layout.rows > 1 else None
+        (whole if layout.row_size == 1 else _new_group(layout.column_ranks(p), cuda=cuda)) if layout.rows > 1 else None
         for p in range(layout.row_size)
     ]
     if not member:

@@ -1,19 +1,18 @@
-"""``stageferry serve <stage>``: one replica of a stage — a single process, or a group of ranks in the
-stage's layout (TP, TP × SP, HSDP; an aggregated stage is such a group too).
+"""One replica of a stage at work — a single process, or one rank of a group in the stage's layout (TP,
+TP × SP, HSDP; an aggregated stage is such a group too).  Which of them a ``serve`` process is, or whether
+it is a group's supervisor, is decided first (:mod:`stageferry.stages.process.serve`), before this module,
+torch and the stage's code are imported.
 
 A replica runs until SIGTERM/SIGINT (it then drains: finishes the entry in hand and exits 0), or until
 Redis has been unreachable for longer than ``timeouts.redis_unreachable`` (it then exits non-zero so that
-a supervisor restarts it; it never hangs silently).  With more than one rank — or one rank and
-``supervised`` (``serve --supervise``) — the process becomes the group's supervisor
-(:func:`stageferry.stages.process.supervisor.supervise`), which restarts the group when a rank dies; under
-torchrun (``WORLD_SIZE`` set) each process is one rank.
+a supervisor restarts it; it never hangs silently).  Under torchrun (``WORLD_SIZE`` set) each process is
+one rank.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
 from typing import Any, NoReturn
 
 import anyio
@@ -24,8 +23,7 @@ from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client, wait_until_reachable
 from stageferry.broker.data.stage_connectors import build_connectors
 from stageferry.config import PipelineConfig, Settings, StageConfig
-from stageferry.errors import ConfigError
-from stageferry.logs import EventSink, configure_logging, flush_native_output
+from stageferry.logs import EventSink, configure_logging
 from stageferry.stages.entry.worker import StageWorker
 from stageferry.stages.group.group import (
     GroupCompute,
@@ -38,88 +36,37 @@ from stageferry.stages.group.group import (
 )
 from stageferry.stages.group.group_channel import GroupChannel
 from stageferry.stages.model import input_contract_of, load_model
-from stageferry.stages.process.placement import Plan, StagePlacement, host_gpus, plan, with_overrides
-from stageferry.stages.process.supervisor import RestartPolicy, supervise
+from stageferry.stages.process.placement import Plan, StagePlacement
+from stageferry.stages.process.serve import exit_now, log_placement
 
 log = structlog.get_logger(__name__)
 
 
-def run_service(
+def run_replica(
     settings: Settings,
     pipeline: PipelineConfig,
-    stage_name: str,
+    stage: StageConfig,
+    the_plan: Plan,
+    placement: StagePlacement,
     *,
-    tp: int | None = None,
-    devices: tuple[int, ...] | None = None,
-    gpus: int | None = None,
-    supervised: bool = False,
-    policy: RestartPolicy | None = None,
-) -> int:
-    """The ``serve`` command: returns the process exit code.  ``tp``/``devices`` override the stage's
-    (``--tp``/``--devices``); ``gpus`` is the host's GPU count (default: the GPUs this process sees).
-    A group of several ranks is always supervised (restarted when a rank dies, see :mod:`.supervisor`);
-    ``supervised`` puts a one-rank replica under one too.
-
-    The placement is planned here, in the supervisor and again in every rank (the same pure function of
-    the same inputs, so they agree): a stage this host cannot run is refused before any rank starts."""
-    pipeline = with_overrides(pipeline, stage_name, tp=tp, devices=devices)
-    stage = pipeline.stage(stage_name)
-    if settings.redis_url is None:
-        raise ConfigError("no Redis configured: set STAGEFERRY_REDIS_URL (or use `stageferry up`)")
-    # Only this stage must fit here: in a deployment over several hosts the others may run elsewhere.
-    the_plan = plan(pipeline, host_gpus() if gpus is None else gpus, strict=False)
-    placement = the_plan.stage(stage.name)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        if world != stage.world_size:
-            raise ConfigError(
-                f"WORLD_SIZE={world} but stage {stage.name} has {stage.world_size} ranks ({stage.layout.describe()})"
-            )
-        return _run_rank(settings, pipeline, stage, placement, rank=int(os.environ["RANK"]))
-    in_group = bool(os.environ.get("STAGEFERRY_GROUP_CHILD"))
-    if stage.world_size > 1 or (supervised and not in_group):
-        configure_logging(
-            fmt=settings.log_format, level=settings.log_level, service=f"{stage.name}-group", capture_native=True
-        )
-        _log_placement(the_plan, placement)
-        child_env = {
-            "STAGEFERRY_REDIS_URL": settings.redis_url,
-            "STAGEFERRY_PREFIX": settings.prefix,
-            "STAGEFERRY_REPLICA": settings.replica,
-            **({"STAGEFERRY_PIPELINE": str(settings.pipeline)} if settings.pipeline else {}),
-        }
-        args = (*(("--tp", str(tp)) if tp else ()), *(("--devices", ",".join(map(str, devices))) if devices else ()))
-        _exit_now(supervise(stage.name, stage.world_size, env=child_env, args=args, policy=policy))
+    in_group: bool,
+) -> NoReturn:
+    """A one-process replica (alone, or the one rank of a supervised replica: ``in_group``) until it
+    drains."""
     if in_group:  # the one rank of a supervised replica: dies with its supervisor
         die_with_parent(follower=False)
     configure_logging(fmt=settings.log_format, level=settings.log_level, service=stage.name, capture_native=True)
-    _log_placement(the_plan, placement)
+    log_placement(the_plan, placement)
     stop = StopRequest.install()
     device = rank_device(placement, 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     compute = GroupCompute(load_model(stage, pipeline), stage, pipeline, GroupChannel.solo(device))
     anyio.run(serve_leader, settings, pipeline, stage, compute, stop)
-    _exit_now(0)
+    exit_now(0)
 
 
-def _log_placement(the_plan: Plan, placement: StagePlacement) -> None:
-    """Where this stage's ranks run, and (a warning) which GPUs it shares with other stages."""
-    log.info(
-        "placement.stage",
-        stage=placement.name,
-        layout=placement.layout,
-        devices=list(placement.devices),
-        placed_by=placement.placed_by.value,
-        gpus=the_plan.gpus,
-        cuda_mps=os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),  # the MPS daemon this process's CUDA reaches, if any
-    )
-    mine = {gpu: ranks for gpu, ranks in the_plan.shared.items() if gpu in placement.gpus}
-    if mine:
-        log.warning("placement.shared", stage=placement.name, gpus={str(g): list(r) for g, r in mine.items()})
-
-
-def _run_rank(
+def run_rank(
     settings: Settings, pipeline: PipelineConfig, stage: StageConfig, placement: StagePlacement, *, rank: int
 ) -> int:
     if os.environ.get("STAGEFERRY_GROUP_CHILD"):
@@ -144,19 +91,7 @@ def _run_rank(
     except Exception:
         log.exception("group.rank_failed", stage=stage.name, rank=rank)
     finally:
-        _exit_now(code)
-
-
-def _exit_now(code: int) -> NoReturn:
-    """End a stage process (a rank, or the supervisor once its ranks are reaped) whose own resources (NIXL
-    agent, pools, Redis, the report pipe) are closed by now: flush the logs, then skip the interpreter's
-    teardown.  That teardown is torch's, UCX's and NIXL's module and C++ clean-up: it can abort (SIGABRT)
-    once a peer rank has gone, and it is what kept an idle stage alive for seconds after ``worker.stopped``
-    (issue 34 item 15; 1.5-3.3 s on a loaded 2-core box for the imports alone, see docs/reliability.md)."""
-    flush_native_output()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        exit_now(code)
 
 
 class StopRequest:

@@ -27,7 +27,7 @@ from stageferry.errors import PayloadUnavailableError
 from stageferry.schemas import JobRequest
 from stageferry.stages.entry.worker import ProgressSink, WorkItem
 from stageferry.stages.group import aggregated
-from stageferry.stages.group.grid import build_channel, column_ranks, coords, route_sources, row_ranks
+from stageferry.stages.group.grid import build_channel, coords, route_sources
 from stageferry.stages.group.group import GroupCompute, connector_calls, follow
 from stageferry.stages.group.group_channel import GroupChannel
 from stageferry.stages.model import FinalOutput, StageContext
@@ -163,7 +163,7 @@ def test_routes_reach_every_rank_once() -> None:
         receives = dict.fromkeys(range(WORLD), 0)
         for rank in range(WORLD):
             for dim, index, src in route_sources(layout, rank):
-                members = row_ranks(layout, index) if dim == "row" else column_ranks(layout, index)
+                members = layout.row_ranks(index) if dim == "row" else layout.column_ranks(index)
                 assert rank in members and src in members
                 receives[rank] += src != rank
         assert receives == {0: 0, 1: 1, 2: 1, 3: 1}, layout
@@ -227,7 +227,7 @@ def test_grid_layouts_fan_out_one_payload_and_one_miss_to_every_rank(tmp_path: P
             assert at == {row: rank % layout.row_size, column: rank // layout.row_size}
             assert sizes == {row: layout.row_size, column: layout.rows, "world": WORLD}
             assert (tp_rank, tp_size) == (rank % layout.row_size, layout.row_size)
-            assert tp_sum == sum(row_ranks(layout, rank // layout.row_size)), "the TP/shard group is the row"
+            assert tp_sum == sum(layout.row_ranks(rank // layout.row_size)), "the TP/shard group is the row"
 
     # Aggregated: the consumer part got the producer part's payload, bit for bit, with no connector call;
     # a producer part failing on ranks 0-1 fails the request on every rank (none waits for a hand-over).

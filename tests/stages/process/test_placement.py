@@ -5,6 +5,9 @@ No GPU is needed: the planner is given the host's GPU count, as ``stageferry pla
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,10 +16,13 @@ from typer.testing import CliRunner
 from stageferry.cli import app
 from stageferry.config import DEFAULT_STAGES, PipelineConfig
 from stageferry.errors import ConfigError
+from stageferry.stages.process import placement
 from stageferry.stages.process.placement import (
+    GPU_DEVICE_NODES,
     PlacedBy,
     Plan,
     default_stages,
+    host_gpus,
     parse_devices,
     pipeline_for_host,
     plan,
@@ -283,3 +289,24 @@ def test_serve_refuses_its_stage_before_starting_anything(tmp_path: Path, redis_
         stage = args[1]
         assert result.stderr.startswith(f"error [config]: stage '{stage}': devices = ["), result.stderr
         assert "this host has no GPU" in result.stderr
+
+
+@pytest.mark.skipif(any(os.path.exists(n) for n in GPU_DEVICE_NODES), reason="this host has a GPU driver's nodes")
+def test_without_a_gpu_drivers_nodes_the_host_has_no_gpu_and_torch_is_not_imported() -> None:
+    """A group's supervisor asks for the GPU count and needs nothing else of torch (half a stage's start)."""
+    probe = (
+        "import sys; from stageferry.stages.process.placement import host_gpus; "
+        "print(host_gpus(), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["0", "False"], out
+
+
+def test_with_a_gpu_drivers_node_torch_counts_the_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    node = tmp_path / "nvidiactl"
+    node.touch()
+    monkeypatch.setattr(placement, "GPU_DEVICE_NODES", (str(tmp_path / "missing"), str(node)))
+    import torch
+
+    expected = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert host_gpus() == expected

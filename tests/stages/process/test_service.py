@@ -100,6 +100,11 @@ def test_rejections_and_dead_letters_name_the_request_key(tmp_path: Path, redis_
 IDLE_EXIT_BOUND_S = 5.0
 
 
+def maps_torch(pid: int) -> bool:
+    """Whether process ``pid`` has torch's native library mapped: it imported torch."""
+    return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_an_idle_stage_exits_promptly_after_sigterm(tmp_path: Path, redis_url: str, prefix: str, tp: int) -> None:
@@ -116,6 +121,12 @@ def test_an_idle_stage_exits_promptly_after_sigterm(tmp_path: Path, redis_url: s
         services.wait_live("encoder", "encoder-r1", timeout=180)
         log = next(tmp_path.glob("encoder-r1-*.log"))
         wait_for(lambda: '"worker.started"' in log.read_text(errors="replace"), 60, "the worker reading")
+        children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        if tp == 1:  # the replica is this one process
+            assert children == [] and maps_torch(proc.pid)
+        else:  # a supervisor, which imports neither torch nor the stage's code; its ranks do
+            assert len(children) == tp and all(maps_torch(pid) for pid in children)
+            assert not maps_torch(proc.pid), "the group's supervisor imported torch"
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         try:
