@@ -19,7 +19,7 @@ asked size in its CUDA pool and hands their references over a Redis list.  For e
 * and the whole ``get`` of each (checks, claim, transfer, release), what a stage's status shows.
 
 The same-GPU copy runs beside :meth:`Reader.read` (which then READs nothing and releases the producer's slot
-once the copy is done); from round 4 to round 20 the copy column held Reader.read's whole time instead of
+once the copy is done); from round 14 to round 20 the copy column held Reader.read's whole time instead of
 launch → wait (its wrapper's time overwrote the copy's): without the launch, with the release after the
 wait.  Now the copy's own pieces follow the table (µs: the get's start to the launch, the launch's end to
 Reader.read, Reader.read's steps before the wait, the release after it).
