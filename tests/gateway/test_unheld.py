@@ -62,10 +62,11 @@ def test_a_job_whose_stage_died_says_no_live_worker_holds_it(deployment: Deploym
     cli = CliRunner().invoke(app, ["--redis-url", deployment.redis_url, "--prefix", deployment.prefix, "status", vid])
     assert cli.exit_code == 0, cli.output
     assert '"state": "running"' in cli.stdout and "no live worker holds it: stage 'diffusion'" in cli.stderr
-    # `submit --wait` follows a new job to the stage that has no worker: its live line says so
+    # `submit --wait` follows a new job to the stage that has no worker: its live line says so (its first look
+    # comes after LIVENESS_EVERY_S, 5 s)
     command = [sys.executable, "-m", "stageferry", "--redis-url", deployment.redis_url, "--prefix", deployment.prefix,
                "submit", "--prompt", "x", "--width", "64", "--height", "64", "--fps", "8", "--duration", "0.125",
-               "--steps", "1", "--wait", "--timeout", "15"]  # fmt: skip
+               "--steps", "1", "--wait", "--timeout", "8"]  # fmt: skip
     waited = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "400"})
     assert waited.returncode == 1 and "error [deadline_exceeded]" in waited.stderr, waited.stderr
     assert "no live worker holds it: stage 'diffusion'" in waited.stderr, waited.stderr
