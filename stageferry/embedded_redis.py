@@ -184,6 +184,7 @@ class EmbeddedRedis:
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._terminate()
+            self._remove_own_dir()
             raise
         log.info("embedded_redis.started", url=self.url, pid=process.pid, aof=self.appendonly)
 
@@ -213,6 +214,10 @@ class EmbeddedRedis:
         """Stop the server (shielded from cancellation) and remove a data directory it created."""
         with anyio.CancelScope(shield=True):
             await self._terminate()
+        self._remove_own_dir()
+
+    def _remove_own_dir(self) -> None:
+        """Remove the data directory :meth:`start` made (one given to us is the caller's)."""
         if self._own_dir and self.data_dir is not None:
             shutil.rmtree(self.data_dir, ignore_errors=True)
             self.data_dir = None

@@ -73,8 +73,10 @@ async def test_kill_then_start_again(tmp_path: Path) -> None:
 
 
 async def test_bad_extra_args_fail_with_a_config_error() -> None:
+    server = EmbeddedRedis(extra_args=["--no-such-option", "1"])
     with pytest.raises(ConfigError, match="exited"):
-        await EmbeddedRedis(extra_args=["--no-such-option", "1"]).start()
+        await server.start()
+    assert server.data_dir is None and not server.running  # the directory it made for itself is gone too
 
 
 def test_missing_binary_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
