@@ -202,7 +202,6 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
 
     def timed(real: Any) -> Any:
         async def call(*a: Any, **k: Any) -> Any:
-            t = phase["read_in"] = time.perf_counter()
             views = k.get("meanwhile")
             if views is not None:  # the views' end, as an instant
 
@@ -213,6 +212,7 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
                         phase["views_end"] = time.perf_counter()
 
                 k["meanwhile"] = views_timed
+            t = phase["read_in"] = time.perf_counter()
             try:
                 return await real(*a, **k)
             finally:
@@ -231,31 +231,32 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
         phase["primed"] = time.perf_counter()
         return prime(*a, **k)
 
+    # Each wrapper only reads the clock inside the span it times; what it derives comes after.
     def launch_timed(*a: Any, **k: Any) -> Any:
-        phase["launched"] = time.perf_counter()
-        if "primed" in phase:
-            phase["to_launch"] = (phase.pop("primed") - phase["launched"]) * -1e3
+        launched = phase["launched"] = time.perf_counter()
         try:
             return launch(*a, **k)
         finally:
-            phase["launch"] = (time.perf_counter() - phase["launched"]) * 1e3
-            phase["launch_end"] = phase["launched"] + phase["launch"] / 1e3
+            end = phase["launch_end"] = time.perf_counter()
+            phase["launch"] = (end - launched) * 1e3
+            if "primed" in phase:
+                phase["to_launch"] = (launched - phase.pop("primed")) * 1e3
 
     async def wait_timed(*a: Any, **k: Any) -> Any:
         t = time.perf_counter()
-        if "read_in" in phase and "launch_end" in phase:
-            phase["to_read"] = (phase["read_in"] - phase["launch_end"]) * 1e3
-        marks = [phase.get(m) for m in ("views_end", "wait_all_in", "wait_all_out", "copy_wait_in")] + [t]
-        if None not in marks:  # the views' end to the copy's wait, in its steps
-            names = ("to_wait_all", "wait_all", "to_copy_wait", "to_wait")
-            for name, start, stop in zip(names, marks, marks[1:], strict=False):
-                phase[name] = (stop - start) * 1e3
         try:
             return await wait(*a, **k)
         finally:
             end = time.perf_counter()
             phase["wait"], phase["copy"] = (end - t) * 1e3, (end - phase["launched"]) * 1e3
             phase["copy_end"] = end
+            if "read_in" in phase and "launch_end" in phase:
+                phase["to_read"] = (phase["read_in"] - phase["launch_end"]) * 1e3
+            marks = [phase.get(m) for m in ("views_end", "wait_all_in", "wait_all_out", "copy_wait_in")] + [t]
+            if None not in marks:  # the views' end to the copy's wait, in its steps
+                names = ("to_wait_all", "wait_all", "to_copy_wait", "to_wait")
+                for name, start, stop in zip(names, marks, marks[1:], strict=False):
+                    phase[name] = (stop - start) * 1e3
 
     cons.reader.read = timed(cons.reader.read)  # type: ignore[method-assign]
     cons.same_gpu.launch, cons.same_gpu.wait = launch_timed, wait_timed  # type: ignore[method-assign]
