@@ -106,7 +106,7 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
             await cons.claim(ref, entry.claimed(ref.token))  # the read's claim: no round trip here
             await cons.reader._wait_all(handles, time.monotonic() + 30)
             t = timed("  wait for DONE", t)
-            await cons.reader.release_producer(ref, peer)
+            cons.reader.releases.send(ref, peer.name)
             for h in handles:
                 consumer.agent.release(h)  # type: ignore[union-attr]
             t = timed("  notify release", t)

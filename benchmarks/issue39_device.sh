@@ -62,6 +62,10 @@
 #   first_get a fresh process's first get's local steps (checks, slots, views) against its later gets, 4 processes
 #             each for the T2VA and FL2VA structures (benchmarks/first_get_steps.py, CUDA pool, 1 s idle before each)
 #   mps_copy  same_gpu alone under this call's own MPS control daemon (mps without same_gpu_parts)
+#   copy_pair same_gpu.py (this tree's benchmark) on the previous tree (.prev, made as first_get_pair's, with this
+#             tree's benchmarks copied in: `cp -r benchmarks .prev/`) and on this one, under one MPS daemon,
+#             PAIR_ROUNDS rounds (default 3; which tree goes first alternates), at each of PAIR_LEVELS (the
+#             consumer's log level, default "warning info": info is a stage's, its payload.get line per get)
 #   launch    where the same-GPU copy's launch time goes inside real gets, by variant (as is, without the
 #             get's prime copy, a cheap call just before the launch, the driver's calls, the GIL kept, twice),
 #             under this call's MPS daemon (again with a 100 ms progress-thread delay) and without it
@@ -129,6 +133,27 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
            [ "$s" = mps ] && cp "$CUDA_MPS_LOG_DIRECTORY"/*.log "$out/" 2>/dev/null
          else
            echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/mps_same_gpu.txt"
+         fi
+         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+    copy_pair) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps-pair/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps-pair/log
+         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+         if nvidia-cuda-mps-control -d; then  # same_gpu.py on .prev and on this tree, alternating which goes first
+           for r in $(seq "${PAIR_ROUNDS:-3}"); do
+             for level in ${PAIR_LEVELS:-warning info}; do
+               pair=(benchmarks/same_gpu.py --iters 30 --warmup 5 --log-level "$level")
+               for tree in $( ((r % 2)) && echo "prev this" || echo "this prev"); do
+                 name="pair${r}_${level}_$tree"
+                 if [ "$tree" = prev ]; then
+                   run_tree .prev "$name" 90 python3 "${pair[@]}" --log "$out/${name}_producer.log" --consumer-log "$out/${name}_consumer.log"
+                 else
+                   run_step "$name" 90 python3 "${pair[@]}" --log "$out/${name}_producer.log" --consumer-log "$out/${name}_consumer.log"
+                 fi
+               done
+             done
+           done
+           echo quit | nvidia-cuda-mps-control
+         else
+           echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/copy_pair.txt"
          fi
          unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     launch) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps-launch/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps-launch/log

@@ -16,7 +16,10 @@ asked size in its CUDA pool and hands their references over a Redis list.  For e
   ``torch wall`` is the device copy timed the same way (launch → its event done, on the host), back to
   back, and ``after idle`` the same copy issued after 2 ms asleep (as a get runs: woken by the reference
   after waiting, its first CUDA calls in a while);
-* and the whole ``get`` of each (checks, claim, transfer, release), what a stage's status shows.
+* and the whole ``get`` of each (checks, claim, transfer, release), what a stage's status shows; ``get wall``
+  is the stage's own view of it: from the call to ``connector.get`` to the payload in hand inside its block
+  (the prime, the manifest's checks and the log line included, which ``get`` leaves out), and its ratio to
+  the torch copy's wall time the issue's target read strictly (the whole get, not only the copy, ≤ 2×).
 
 The same-GPU copy runs beside :meth:`Reader.read` (which then READs nothing and releases the producer's slot
 once the copy is done); from round 14 to round 20 the copy column held Reader.read's whole time instead of
@@ -292,7 +295,7 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
                 for mode in ("nixl", "fast"):
                     conn.endpoint.config = conn.endpoint.config.model_copy(update={"same_gpu_copy": mode == "fast"})
                     await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"nbytes": nbytes, "count": 1}))
-                    transfer, gets, routes = [], [], set()
+                    transfer, gets, walls, routes = [], [], [], set()
                     parts: dict[str, list[float]] = {p: [] for p in PARTS}
                     for i in range(args.warmup + args.iters):
                         _, raw = await redis.blpop([f"{args.prefix}:bench:refs"], timeout=60)  # type: ignore[misc]
@@ -300,7 +303,9 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
                         assert isinstance(ref, NixlPayload), ref
                         await cons.claim(ref)  # as a stage's stream read does: no claim inside the timed part
                         phase.clear()  # each get must time its own transfer
+                        called = time.perf_counter()
                         async with conn.get(ref, None, key=f"g{i}", claimed=True) as incoming:
+                            entered = time.perf_counter()  # the payload in the stage's hands
                             routes.add(incoming.route)
                         if i + 1 < args.warmup + args.iters:  # the next put once this get is over: no overlap
                             await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"nbytes": nbytes, "count": 1}))
@@ -320,8 +325,10 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
                                 seen.extend([phase.pop(part)] if part in phase else [])
                             phase.clear()
                             gets.append(incoming.seconds * 1e3)
+                            walls.append((entered - called) * 1e3)
                     row[mode] = statistics.median(transfer)
                     row[f"{mode}_get"] = statistics.median(gets)
+                    row[f"{mode}_wall"] = statistics.median(walls)
                     row.update({f"{mode}_{p}": statistics.median(v) for p, v in parts.items() if v})
                     row[f"{mode}_route"] = ", ".join(sorted(r or "?" for r in routes))
                 rows.append(row)
@@ -333,17 +340,19 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
     finally:
         await conn.aclose()
         await redis.aclose()
-    print(f"$ python {' '.join(sys.argv)}\n")
+    print(f"$ python {' '.join(sys.argv)}\n")  # the consumer logs at --log-level
     print(f"{torch.cuda.get_device_name(0)}; producer and consumer are two processes on GPU 0; producer's arena "
           f"mapped: {mapped}; medians of {args.iters} after {args.warmup}\n")  # fmt: skip
     head = ["bytes", "torch copy ms", "torch wall ms", "after idle ms", "NIXL READ ms", "same-GPU copy ms",
-            "READ/torch wall", "copy/torch wall", "copy/after idle", "NIXL get ms", "same-GPU get ms"]  # fmt: skip
+            "READ/torch wall", "copy/torch wall", "copy/after idle", "NIXL get ms", "same-GPU get ms",
+            "NIXL get wall ms", "same-GPU get wall ms", "get wall/torch wall"]  # fmt: skip
     table = [head]
     for r in rows:
         wall, idle = r["torch_wall"], r["torch_idle"]
         table.append([f"{r['bytes']:,}", f"{r['torch']:.4f}", f"{wall:.4f}", f"{idle:.4f}", f"{r['nixl']:.4f}",
                       f"{r['fast']:.4f}", f"{r['nixl'] / wall:.2f}×", f"{r['fast'] / wall:.2f}×",
-                      f"{r['fast'] / idle:.2f}×", f"{r['nixl_get']:.4f}", f"{r['fast_get']:.4f}"])  # fmt: skip
+                      f"{r['fast'] / idle:.2f}×", f"{r['nixl_get']:.4f}", f"{r['fast_get']:.4f}",
+                      f"{r['nixl_wall']:.4f}", f"{r['fast_wall']:.4f}", f"{r['fast_wall'] / wall:.2f}×"])  # fmt: skip
     widths = [max(len(t[i]) for t in table) for i in range(len(head))]
     for t in table:
         print("  ".join(c.rjust(w) for c, w in zip(t, widths, strict=True)))
@@ -382,8 +391,14 @@ def main() -> None:
     parser.add_argument("--prefix", default="")
     parser.add_argument("--log", default="")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--log-level", default="warning",
+                        help="the consumer's (info: a stage's default, its payload.get line per get)")  # fmt: skip
+    parser.add_argument("--consumer-log", default="", help="the consumer's log (stderr) goes to this file")
     args = parser.parse_args()
-    configure_logging(fmt="json", level="warning", service=f"bench-same-gpu-{args.role}")
+    if args.consumer_log and args.role == "consumer":
+        os.dup2(os.open(args.consumer_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), 2)
+    level = args.log_level if args.role == "consumer" else "warning"
+    configure_logging(fmt="json", level=level, service=f"bench-same-gpu-{args.role}")
     if not torch.cuda.is_available():
         raise SystemExit("needs a GPU")
     if args.role == "producer":

@@ -74,7 +74,7 @@ def hop_steps(role: str) -> StepTimer:
 
     from stageferry.broker.control import streams
     from stageferry.broker.data import pool
-    from stageferry.broker.data.nixl import consumer, peers, producer, reads, staged_outputs
+    from stageferry.broker.data.nixl import consumer, peers, producer, reads, releases, staged_outputs
 
     timer = StepTimer()
     if role == "producer":
@@ -101,7 +101,7 @@ def hop_steps(role: str) -> StepTimer:
         (reads.Reader, "read", "get: READ (post, wait, release notification)"),
         (reads.Reader, "_post", "get: READ: post"),
         (reads.Reader, "_wait_all", "get: READ: wait for DONE"),
-        (reads.Reader, "release_producer", "get: READ: release notification"),
+        (releases.Releases, "send", "release notification (the loop's next turn, after the get)"),
         (consumer, "unpack", "get: unpack"),
         (consumer.Consumer, "_route", "get: route label"),
         (consumer.Consumer, "_fetch", "get: all of it (to the payload in hand)"),

@@ -38,7 +38,7 @@ async def test_a_redelivered_envelope_finds_a_payload_read_before_gone(
     async with consumer(redis_url, prefix, timeouts=Timeouts(resend=3.0, claim=CLAIM_S)) as conn:
         async with conn.get(ref, blob, key=item["key"]) as incoming:
             assert incoming.transport is Transport.NIXL
-        producer.wait_stats(leases=0, slots_in_use=0)  # the READ's notification freed the slot
+        await producer.settled(leases=0, slots_in_use=0)  # the READ's notification freed the slot
         r = sync_redis.Redis.from_url(redis_url)
         claim = Keys(prefix).claim(ref.token)
         assert r.get(claim) == b"released"

@@ -203,6 +203,7 @@ class NixlConnector(Connector):
             "pool_slots_in_use": pools.slots_in_use - ready.slots if pools else 0,
             "pool_bytes_in_use": pools.bytes_in_use - ready.nbytes if pools else 0,
             "ready_slots": ready.slots,
+            "releases_pending": self.consumer.reader.releases.pending,  # queued for the loop's next turn
             "pools": len(pools.pools) if pools else 0,
             "registrations": agent.registrations if agent else 0,
             "registered_bytes": agent.registered_bytes if agent else 0,
@@ -236,6 +237,7 @@ class NixlConnector(Connector):
     async def aclose(self) -> None:
         """Drop the agent record, free every lease, release remotes and pools (NIXL's clean-up order)."""
         ep = self.endpoint
+        await self.consumer.reader.releases.flush()  # gets' releases still queued: sent while the agent is open
         if ep.link is not None:
             await ep.link.aclose()
             ep.link = None

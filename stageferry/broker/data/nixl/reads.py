@@ -20,6 +20,7 @@ from stageferry.broker.data.nixl.agent import XferState
 from stageferry.broker.data.nixl.endpoint import Endpoint
 from stageferry.broker.data.nixl.leases import claim as claim_lease
 from stageferry.broker.data.nixl.peers import Peer, Peers
+from stageferry.broker.data.nixl.releases import Releases
 from stageferry.broker.data.nixl.resend import discard
 from stageferry.broker.data.pool import Slot
 from stageferry.errors import ControlPlaneError, PayloadUnavailableError, TransferError
@@ -111,6 +112,7 @@ class Reader:
     def __init__(self, endpoint: Endpoint, peers: Peers) -> None:
         self._ep = endpoint
         self._peers = peers
+        self.releases = Releases(endpoint)
         self._transport_logged: set[str] = set()
         self._transport_due: dict[str, NixlPayload] = {}  # peers READ from, not yet logged (log_transport)
         self.wakeups = 0  #: times a READ wait went back to the event loop (benchmarks show it per hop)
@@ -136,9 +138,10 @@ class Reader:
         so no READ still writes into the slots the caller then gives back.
 
         In order: post one READ per non-empty region, all at once and without a notification; claim
-        (Redis ``SET NX``) while they run; wait until every READ is DONE; only then notify the producer
-        (:meth:`NixlAgent.notify`), so the release is sent once, by the claim's winner, after the bytes
-        arrived.  Why reading before the claim is won is safe: a READ changes nothing on the producer;
+        (Redis ``SET NX``) while they run; wait until every READ is DONE; only then queue the producer's
+        release (:class:`~stageferry.broker.data.nixl.releases.Releases`: a notification sent on the event
+        loop's next turn, off the get's path), so the release is sent once, by the claim's winner, after the
+        bytes arrived.  Why reading before the claim is won is safe: a READ changes nothing on the producer;
         if the claim is won, the producer had not marked the claim key ``released``/``expired`` before it,
         and it frees a slot only after that mark, so the slot held this payload throughout; if the claim
         is lost, our copy is never unpacked nor handed on and nothing is notified.  A payload the stream
@@ -222,8 +225,7 @@ class Reader:
         except anyio.get_cancelled_exc_class():
             await _settle(beside)
             if await self._settle_cancelled(peer, handles, deadline) and won and not carried and not post_failed:
-                with anyio.CancelScope(shield=True), contextlib.suppress(ControlPlaneError):
-                    await self.release_producer(ref, peer)  # or its slot waits for the lease to expire
+                self.releases.send(ref, peer.name)  # now, or its slot waits for the lease to expire
             raise
         except BaseException:  # whatever is raised, the copy beside has ended first: the slots go back
             await _settle(beside)
@@ -232,8 +234,8 @@ class Reader:
             for handle in handles:
                 agent.release(handle)
         self._ep.counters.reads += 1
-        if not carried:
-            await self.release_producer(ref, peer)
+        if not carried:  # sent on the loop's next turn: nothing after the get waits for it (nixl.releases)
+            self.releases.soon(ref, peer.name)
         clock.mark("release")
         if handles and peer.name not in self._transport_logged:
             self._transport_due[peer.name] = ref
@@ -271,8 +273,7 @@ class Reader:
             self._peers.forget(peer.name)
             return
         if not released:
-            with contextlib.suppress(ControlPlaneError):
-                await self.release_producer(ref, peer)
+            self.releases.send(ref, peer.name)
 
     async def _settle_cancelled(self, peer: Peer, handles: list[object], deadline: float) -> bool:
         """The caller was cancelled with READs posted: before our slots go back to the pool, wait (shielded,
@@ -309,16 +310,6 @@ class Reader:
             peer.name,
             notif,
         )
-
-    async def release_producer(self, ref: NixlPayload, peer: Peer) -> None:
-        """Tell the producer its slot is free (claim won, bytes here); through Redis if NIXL cannot."""
-        agent = self._ep.agent
-        assert agent is not None
-        try:
-            agent.notify(peer.name, release_notification(ref.token))
-        except TransferError as exc:
-            log.warning("nixl.notify_failed", peer=peer.name, error=exc.message)
-            await discard(self._ep, ref)  # the same release, as a drop request the producer settles
 
     async def _wait_all(self, handles: list[object], deadline: float) -> None:
         """Poll until every READ is DONE: without yielding for ``HOLD_S``, then yielding without sleeping

@@ -7,6 +7,7 @@ consumer leader.  Payloads are compared bit for bit with what the producer built
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import subprocess
@@ -64,6 +65,11 @@ class Producer:
             return s if s and all(s.get(k) == str(v) for k, v in expected.items()) else None
 
         return wait_for(ok, 20, f"producer stats {expected}; last {self.stats()}")
+
+    async def settled(self, **expected: int | str) -> dict[str, str]:
+        """:meth:`wait_stats` with the event loop left running, as a stage's is while its model computes: a
+        get's release is sent on the loop's next turn (``nixl.releases``)."""
+        return await anyio.to_thread.run_sync(functools.partial(self.wait_stats, **expected))
 
     def stop(self) -> None:
         self.redis.set(f"{self.prefix}:test:stop", 1)
@@ -156,7 +162,7 @@ async def test_task_payloads_round_trip_exactly(start_producer: Any, redis_url: 
         assert conn.pools is not None and conn.pools.slots_in_use == 0
         assert conn.agent is not None and conn.agent.open_handles() == 0
         assert metrics.GETS.labels("nixl")._value.get() - nixl_gets_before == 3  # counted, per transport
-        producer.wait_stats(leases=0, slots_in_use=0, open_handles=0, registrations=POOLS)
+        await producer.settled(leases=0, slots_in_use=0, open_handles=0, registrations=POOLS)
         producer.stop()
 
 
@@ -173,7 +179,7 @@ async def test_nixl_unavailable_at_the_producer_goes_inline_up_to_the_cap(
             assert_same(incoming.payload, build("FL2VA", item["seed"]))
         # 65 MB is above the 16 MiB inline-fallback cap: the put fails, the stage recomputes (worker test).
         assert producer.take()["error"] == "payload_unavailable"
-        producer.wait_stats(unavailable="nixl_unavailable")
+        await producer.settled(unavailable="nixl_unavailable")
     producer.stop()
 
 
@@ -193,7 +199,7 @@ async def test_nixl_unavailable_at_the_consumer_gets_an_inline_resend(
         with pytest.raises(PayloadUnavailableError):  # above the cap: only a recompute can help
             async with conn.get(ref, blob, key=item["key"]):
                 pass
-        producer.wait_stats(leases=0, slots_in_use=0)
+        await producer.settled(leases=0, slots_in_use=0)
     producer.stop()
 
 
@@ -217,7 +223,7 @@ async def test_a_thousand_transfers_leave_no_resources_behind(start_producer: An
         assert resources["pool_slots_in_use"] == 0 and resources["open_handles"] == 0
         assert resources["ready_slots"] == 1 and conn.pools is not None and conn.pools.slots_in_use == 1
         assert conn.consumer.ready.hits >= count // 3, conn.consumer.ready.hits  # (this loop never idles)
-        stats = producer.wait_stats(leases=0, slots_in_use=0, open_handles=0, registrations=POOLS)
+        stats = await producer.settled(leases=0, slots_in_use=0, open_handles=0, registrations=POOLS)
         assert stats["puts"] == str(count)
         assert len(conn.agent.remotes()) == 1
         producer.stop()
@@ -266,7 +272,7 @@ async def test_consumer_killed_mid_read_frees_the_slot_once_its_claim_expires(
                 break
             assert leases == "1", "freed under a live claim"
             time.sleep(0.1)
-    producer.wait_stats(leases=0, slots_in_use=0)
+    await producer.settled(leases=0, slots_in_use=0)
     producer.stop()
 
 
@@ -292,7 +298,7 @@ async def test_cuda_leaves_land_on_the_consumer_gpu(start_producer: Any, redis_u
                 moved = "same-gpu copy" if dst.index == 0 else "cuda_ipc"
                 assert incoming.route is not None and f"VRAM:0→VRAM:{dst.index} {moved}" in incoming.route
                 assert "DRAM→DRAM " in incoming.route, incoming.route
-        producer.wait_stats(leases=0, slots_in_use=0)
+        await producer.settled(leases=0, slots_in_use=0)
     producer.stop()
 
 
@@ -315,7 +321,7 @@ async def test_a_block_cancelled_with_cuda_slots_still_returns_them(
                 await anyio.sleep(1)
         assert scope.cancelled_caught
         assert conn.pools.slots_in_use == 0, "the CUDA and CPU slots went back"
-        producer.wait_stats(leases=0, slots_in_use=0)
+        await producer.settled(leases=0, slots_in_use=0)
     producer.stop()
 
 
@@ -324,7 +330,7 @@ async def test_an_unclaimed_lease_expires_and_the_payload_is_then_gone(
 ) -> None:
     producer = start_producer("--payloads", "FL2VA", "--lease", "1")
     item = producer.take()
-    producer.wait_stats(leases=0, slots_in_use=0)  # nobody claimed it within its lease: freed
+    await producer.settled(leases=0, slots_in_use=0)  # nobody claimed it within its lease: freed
     ref, blob = ref_of(item)
     async with consumer(redis_url, prefix) as conn:
         with pytest.raises(PayloadUnavailableError):  # the producer marked the claim key "expired"

@@ -135,7 +135,7 @@ async def test_a_producer_not_usable_as_same_gpu_is_read_over_nixl(
         else:
             assert [(e["peer"], e["fallback"]) for e in unavailable] == [(name, "nixl")], logs
             assert error in unavailable[0]["error"], unavailable[0]["error"]
-        producer.wait_stats(leases=0, slots_in_use=0)  # released as after any READ
+        await producer.settled(leases=0, slots_in_use=0)  # released as after any READ
     producer.stop()
 
 
@@ -232,7 +232,7 @@ async def test_a_producer_on_our_gpu_is_copied_device_to_device(
                 assert_same(incoming.payload, build(item["spec"], item["seed"], "cuda:0"))
         assert conn.counters.same_gpu == 2 and conn.counters.fallbacks == {}
         assert conn.consumer.same_gpu.primed == 2  # each get queued its scratch copy first (SameGpu.prime)
-        producer.wait_stats(leases=0, slots_in_use=0)  # the release notification freed both slots
+        await producer.settled(leases=0, slots_in_use=0)  # the release notification freed both slots
     producer.stop()
 
 
@@ -263,7 +263,7 @@ async def test_a_copy_that_fails_falls_back_to_the_read(
         (fallback,) = [e for e in logs if e["event"] == "nixl.same_gpu_fallback"]
         assert fallback["fallback"] == "nixl" and "same-GPU copy failed" in fallback["error"]
         assert conn.counters.same_gpu == 0 and conn.counters.fallbacks == {}
-        producer.wait_stats(leases=0, slots_in_use=0)
+        await producer.settled(leases=0, slots_in_use=0)
     producer.stop()
 
 
