@@ -142,20 +142,51 @@ def lease_seal(key: bytes, agent: str, token: str, regions: list[RemoteRegion]) 
     request's slot — is refused before any READ.
 
     The signed body is the compact JSON ``[agent, token, [[address, length, device_id, mem_kind], ...]]``;
-    for the usual names and ints it is written directly (every put and get signs one), else by ``json``."""
+    for the usual names and ints it is written directly (every put and get signs one), else by ``json``.
+    Puts and gets sign with a :class:`Sealer` (the same HMAC-SHA256, its key's pads hashed once)."""
+    return hmac.digest(key, _seal_body(agent, token, regions), hashlib.sha256).hex()
+
+
+def _seal_body(agent: str, token: str, regions: list[RemoteRegion]) -> bytes:
     if (
         _PLAIN_NAME.fullmatch(agent)
         and _PLAIN_NAME.fullmatch(token)
         and all(type(r.address) is int and type(r.length) is int and type(r.device_id) is int for r in regions)
     ):
         spans = ",".join(f'[{r.address},{r.length},{r.device_id},"{r.mem_kind.value}"]' for r in regions)
-        body = f'["{agent}","{token}",[{spans}]]'
-    else:
-        body = json.dumps(
-            [agent, token, [[r.address, r.length, r.device_id, r.mem_kind.value] for r in regions]],
-            separators=(",", ":"),
-        )
-    return hmac.digest(key, body.encode(), hashlib.sha256).hex()
+        return f'["{agent}","{token}",[{spans}]]'.encode()
+    return json.dumps(
+        [agent, token, [[r.address, r.length, r.device_id, r.mem_kind.value] for r in regions]],
+        separators=(",", ":"),
+    ).encode()
+
+
+_SHA256_BLOCK = 64
+_IPAD = bytes(x ^ 0x36 for x in range(256))
+_OPAD = bytes(x ^ 0x5C for x in range(256))
+
+
+class Sealer:
+    """:func:`lease_seal` under one key, the key's HMAC pads hashed once (RFC 2104's inner and outer states,
+    as the standard library's own pure-Python HMAC keeps them): a seal then copies two SHA-256 states
+    instead of setting up an HMAC in OpenSSL, whose set-up is what a get pays after its loop slept (on the
+    CPU box, medians after 2 ms asleep: 7 µs against 13.5, p90 25 against 60).  The producer keeps one for
+    its own key, the consumer one per loaded peer."""
+
+    __slots__ = ("_inner", "_outer")
+
+    def __init__(self, key: bytes) -> None:
+        block = (hashlib.sha256(key).digest() if len(key) > _SHA256_BLOCK else key).ljust(_SHA256_BLOCK, b"\0")
+        self._inner = hashlib.sha256(block.translate(_IPAD))
+        self._outer = hashlib.sha256(block.translate(_OPAD))
+
+    def seal(self, agent: str, token: str, regions: list[RemoteRegion]) -> str:
+        """``lease_seal(key, agent, token, regions)``."""
+        inner = self._inner.copy()
+        inner.update(_seal_body(agent, token, regions))
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.hexdigest()
 
 
 class ResendAction(enum.StrEnum):

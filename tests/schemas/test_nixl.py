@@ -17,6 +17,7 @@ from stageferry.schemas.nixl import (
     AgentRecord,
     ResendAction,
     ResendRequest,
+    Sealer,
     decode_resend_reply,
     encode_resend_reply,
     lease_seal,
@@ -161,6 +162,20 @@ def test_the_lease_seal_signs_the_compact_json_body(agent: str, token: str) -> N
         [agent, token, [[r.address, r.length, r.device_id, r.mem_kind.value] for r in regions]], separators=(",", ":")
     )
     assert lease_seal(key, agent, token, regions) == hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+    assert Sealer(key).seal(agent, token, regions) == lease_seal(key, agent, token, regions)
+
+
+@pytest.mark.parametrize("size", [0, 1, 32, 63, 64, 65, 200])
+def test_a_sealer_signs_as_the_lease_seal_under_any_key(size: int) -> None:
+    """The pads hashed once give HMAC-SHA256's bytes for keys shorter than, as long as and longer than its
+    64-byte block (hashed first), every time it is used."""
+    key = secrets.token_bytes(size)
+    sealer = Sealer(key)
+    for n in range(3):
+        regions = [ARENA.model_copy(update={"address": ARENA.address + 64 * n})]
+        assert sealer.seal("encoder-a-01234567", f"tok-1234567{n}", regions) == lease_seal(
+            key, "encoder-a-01234567", f"tok-1234567{n}", regions
+        )
 
 
 def test_an_agent_record_carries_its_advertised_address() -> None:

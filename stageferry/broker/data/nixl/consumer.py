@@ -61,7 +61,6 @@ from stageferry.errors import (
     TransferError,
 )
 from stageferry.schemas import DeviceKind, InlinePayload, MemKind, NixlPayload, PayloadRef, Transport
-from stageferry.schemas.nixl import lease_seal
 
 __all__ = ["Consumer", "mem_kind_of"]
 
@@ -83,6 +82,10 @@ class Consumer:
         self.ready = ReadySlots(endpoint)
         self.same_gpu = SameGpu(endpoint)
         self.reader = Reader(endpoint, peers)
+        nixl = Transport.NIXL.value  # the metrics' children, looked up once (as the producer's)
+        self._gets = metrics.GETS.labels(nixl)
+        self._get_bytes = metrics.BYTES.labels("get", nixl)
+        self._get_seconds = metrics.TRANSFER_SECONDS.labels(nixl, "get")
 
     @contextlib.asynccontextmanager
     async def get(
@@ -90,11 +93,13 @@ class Consumer:
     ) -> AsyncIterator[Incoming]:
         """See the module docstring."""
         slots: dict[DeviceKind, Slot] = {}
+        incoming: Incoming | None = None
         try:
             incoming, slots = await self._fetch(ref, blob, key, claimed)
-            self._count_get(incoming)
             yield incoming
         finally:
+            if incoming is not None:  # counted once the block ended: off the payload's way to the stage
+                self._count_get(incoming)
             pools = self._ep.pools
             if slots and pools is not None:
                 if DeviceKind.CUDA in slots:  # kernels queued on the payload must finish before reuse
@@ -160,7 +165,7 @@ class Consumer:
             return await self.resend_inline(ref, reason="handshake_timeout"), {}
         found = time.perf_counter()
         validate_remote_regions(ref.manifest, ref.regions, peer.arenas)
-        if not hmac.compare_digest(ref.seal, lease_seal(peer.seal_key, ref.agent, ref.token, ref.regions)):
+        if not hmac.compare_digest(ref.seal, peer.sealer.seal(ref.agent, ref.token, ref.regions)):
             # In the producer's pool but not what it leased under this token: another request's slot.
             raise ManifestError("descriptors are not the ones the producer leased", agent=ref.agent, token=ref.token)
         check_fresh(ref)
@@ -209,16 +214,32 @@ class Consumer:
         )
         # Logged on the loop's next turn (the stage's model runs in a thread of its own by then): rendering
         # the line is 20 µs warm on the CPU box, on the request's path when logged here.
-        asyncio.get_running_loop().call_soon(functools.partial(
-            log.info,
+        made = "views" if ready is not None and ready.has_views else "slots" if ready is not None else None
+        marks = (started, primed, validated, found, checked, taken, ended)
+        asyncio.get_running_loop().call_soon(self._log_get, key, incoming, peer, marks, steps, made, claimed is True)
+        return incoming, slots
+
+    def _log_get(
+        self,
+        key: str,
+        incoming: Incoming,
+        peer: Peer,
+        marks: tuple[float, ...],
+        steps: dict[str, int],
+        ready: str | None,
+        claimed: bool,
+    ) -> None:
+        """The get's ``payload.get`` line, from the instants :meth:`_fetch` marked."""
+        started, primed, validated, found, checked, taken, ended = marks
+        log.info(
             "payload.get",
             key=key,
             transport=Transport.NIXL.value,
             bytes=incoming.nbytes,
-            seconds=round(seconds, 6),
+            seconds=round(incoming.seconds, 6),
             peer=peer.name,
             source=peer.address,  # the producer's advertised IP, and ours: both ends of the hop
-            destination=ep.address,
+            destination=self._ep.address,
             route=incoming.route,
             # where the hop's time went, in µs: the same-GPU copy's prime, the manifest, the peer, the
             # descriptors' checks, our slots (made ahead: ``ready``), the claim (by the stream read already:
@@ -232,10 +253,9 @@ class Consumer:
                 "move": round((ended - taken) * 1e6),
                 **steps,  # the move's own steps (Reader.read)
             },
-            ready="views" if ready is not None and ready.has_views else "slots" if ready is not None else None,
-            claimed=claimed is True,
-        ))  # fmt: skip
-        return incoming, slots
+            ready=ready,
+            claimed=claimed,
+        )
 
     async def _copy_or_read(
         self,
@@ -279,7 +299,13 @@ class Consumer:
         """Each region's memory on both sides and what moved it: the UCX transport that READ it (``?`` when
         UCX did not say) or the same-GPU copy: ``VRAM:0→VRAM:1 cuda_ipc, DRAM→DRAM cma``, ``DRAM→DRAM cma,
         VRAM:0→VRAM:0 same-gpu copy``.  Kept per peer and layout once every transport is known (a peer
-        loaded again starts afresh)."""
+        loaded again starts afresh).  The layout is keyed by the remote regions alone (checked already: each
+        one's memory kind is its manifest region's device, its length that region's size) and the regions
+        copied: our slots' devices are this connector's, fixed."""
+        layout = (tuple([(r.mem_kind, r.device_id, r.length > 0) for r in ref.regions]), copy and copy.regions)
+        known = peer.routes.get(layout)
+        if known is not None:
+            return known
         agent = self._ep.agent
         assert agent is not None
         pairs = [
@@ -288,10 +314,6 @@ class Consumer:
             if spec.nbytes
         ]
         copied = {i for i, _, _ in pairs if copy is not None and copy.covers(i)}
-        layout = tuple((s.device, r.mem_kind, r.device_id, slots[s.device].device_id, i in copied) for i, s, r in pairs)
-        known = peer.routes.get(layout)
-        if known is not None:
-            return known
         parts = []
         for i, spec, remote in pairs:
             kind, local = mem_kind_of(spec.device), slots[spec.device]
@@ -310,6 +332,6 @@ class Consumer:
         """Count a get; inline gets are counted by the inline connector's metrics already."""
         self._ep.counters.gets += 1
         if incoming.transport is Transport.NIXL:
-            metrics.GETS.labels(Transport.NIXL.value).inc()
-            metrics.BYTES.labels("get", Transport.NIXL.value).inc(incoming.nbytes)
-            metrics.TRANSFER_SECONDS.labels(Transport.NIXL.value, "get").observe(incoming.seconds)
+            self._gets.inc()
+            self._get_bytes.inc(incoming.nbytes)
+            self._get_seconds.observe(incoming.seconds)

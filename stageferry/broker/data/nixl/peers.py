@@ -50,7 +50,7 @@ from stageferry.errors import (
 )
 from stageferry.schemas import DeviceKind, MemKind, NixlPayload, RemoteRegion
 from stageferry.schemas.cuda_ipc import CudaIpcArena
-from stageferry.schemas.nixl import WARM_NOTIFICATION, AgentRecord
+from stageferry.schemas.nixl import WARM_NOTIFICATION, AgentRecord, Sealer
 
 log = structlog.get_logger(__name__)
 
@@ -88,6 +88,11 @@ class Peer:
     """Its CUDA pool arena, mapped when it is on our GPU (:mod:`~stageferry.broker.data.nixl.same_gpu`)."""
     routes: dict[tuple[object, ...], str] = field(default_factory=dict, compare=False, repr=False)
     """Route labels of payload layouts READ from it (:meth:`Consumer._route`), once UCX named the transport."""
+    sealer: Sealer = field(init=False, compare=False, repr=False)
+    """Checks its leases' seals (``seal_key``'s pads hashed once)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sealer", Sealer(self.seal_key))  # frozen: set once, here
 
 
 class Peers:

@@ -50,8 +50,8 @@ from stageferry.schemas import DeviceKind, Manifest, NixlPayload, Transport
 from stageferry.schemas.nixl import (
     ResendAction,
     ResendRequest,
+    Sealer,
     encode_resend_reply,
-    lease_seal,
     released_token,
 )
 
@@ -73,6 +73,7 @@ class Producer:
         nixl = Transport.NIXL.value  # the put's metric series, looked up once instead of on every put
         self._puts = metrics.PUTS.labels(nixl)
         self._put_bytes = metrics.BYTES.labels("put", nixl)
+        self._sealer = Sealer(endpoint.seal_key)  # signs every lease (lease_seal, the key's pads hashed once)
         self._put_seconds = metrics.TRANSFER_SECONDS.labels(nixl, "put")
         self._new_lease = anyio.Event()  # set by each new lease: the idle notification loop polls again at once
 
@@ -184,7 +185,7 @@ class Producer:
             regions=regions,
             lease_expires_at=held.expires_at,
             agent_metadata_b64=metadata,
-            seal=lease_seal(ep.seal_key, ep.name, held.token, regions),
+            seal=self._sealer.seal(ep.name, held.token, regions),
         )
 
     def abandon(self, outgoing: Outgoing) -> None:
