@@ -66,6 +66,8 @@
 #             tree's benchmarks copied in: `cp -r benchmarks .prev/`) and on this one, under one MPS daemon,
 #             PAIR_ROUNDS rounds (default 3; which tree goes first alternates), at each of PAIR_LEVELS (the
 #             consumer's log level, default "warning info": info is a stage's, its payload.get line per get)
+#   up_pair   `stageferry up` (T2VA, 1344x768, up's MPS daemon) on .prev and on this tree, UP_ROUNDS times (default
+#             1): up's own first/warm table and each get's payload.get line (steps_us), side by side
 #   launch    where the same-GPU copy's launch time goes inside real gets, by variant (as is, without the
 #             get's prime copy, a cheap call just before the launch, the driver's calls, the GIL kept, twice),
 #             under this call's MPS daemon (again with a 100 ms progress-thread delay) and without it
@@ -106,6 +108,17 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
                 --width 1344 --height 768 --warm-runs 3 --mps "${UP_MPS:-auto}" --log-dir "/tmp/$name"
               grep -h '"placement\.\|"nixl\.\(same_gpu\|transport\)\|"mps\.\|"payload\.get' "/tmp/$name"/*.log > "$out/${name}_events.txt"
             done ;;
+    up_pair) for r in $(seq "${UP_ROUNDS:-1}"); do  # up's own table (T2VA, 1344x768) on .prev, then on this tree
+               for tree in prev this; do
+                 name="up_pair${r}_$tree"
+                 rm -rf "/tmp/$name"
+                 cmd=(env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" python3 -m stageferry
+                      --prefix "up39-$name" up --task t2va --width 1344 --height 768 --warm-runs 3 --mps auto
+                      --log-dir "/tmp/$name")
+                 if [ "$tree" = prev ]; then run_tree .prev "$name" 200 "${cmd[@]}"; else run_step "$name" 200 "${cmd[@]}"; fi
+                 grep -h '"payload\.get' "/tmp/$name"/*.log > "$out/${name}_events.txt"
+               done
+             done ;;
     first_get_pair) for task in "t2va 0" "fl2va 2"; do  # the previous tree (.prev) and this one, one after the other
                       set -- $task
                       run_tree .prev "first_get_prev_$1" 90 python3 benchmarks/first_get_steps.py --device cuda --processes 4 --frames "$2" --idle 1

@@ -4,7 +4,8 @@ Everything NIXL-specific lives here: memory registration, remote agents, READ tr
 and clean-up, over the native agent :mod:`~stageferry.broker.data.nixl.native` loads and makes.  Every nixl
 exception is translated into a :mod:`stageferry.errors` class (original kept as ``__cause__``), so no
 other module imports nixl.
-Only what the data plane uses is here: the benchmarks extend it with prepared descriptor lists, reposts,
+Only what the data plane uses is here (a READ of the same regions as an earlier one is posted again on its
+handle: :meth:`NixlAgent.recycle`): the benchmarks extend it with prepared descriptor lists, indexed READs,
 WRITE and warm-up (``benchmarks/nixl_bench_agent.py``); UCX's log is read by
 :mod:`stageferry.broker.data.nixl.ucx_log`.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -82,15 +84,23 @@ def _state(raw: Any) -> XferState:
 class XferHandle:
     """Opaque handle for one posted transfer; the caller polls it, then releases it."""
 
-    __slots__ = ("_h", "nbytes", "posted_ns", "released", "remote", "route")
+    __slots__ = ("_h", "key", "nbytes", "posted_ns", "released", "remote", "route")
 
-    def __init__(self, h: Any, remote: str, nbytes: int, route: str = "") -> None:
+    def __init__(self, h: Any, remote: str, nbytes: int, route: str = "", key: tuple[object, ...] = ()) -> None:
         self._h = h
         self.remote = remote
         self.nbytes = nbytes
         self.route = route  #: ``"VRAM<-DRAM"``: local <- remote memory kind
+        self.key = key  #: what it moves (:meth:`NixlAgent.recycle`): a READ of the same posts it again
         self.posted_ns = 0
         self.released = False
+
+
+#: Handles of READs that ended, kept to be posted again by a READ of the very same regions (NIXL's reuse: one
+#: active post per handle, posted again once DONE, its notification given per post); the oldest is freed
+#: past this many.  A consumer's payloads of one shape land in the same slots (``nixl.ready``) from the
+#: same producer slots (its first fit), so their READs repeat.
+IDLE_HANDLES = 16
 
 
 class _Registration:
@@ -128,6 +138,8 @@ class NixlAgent:
         self._remotes: set[str] = set()
         self._dead: set[str] = set()  # remotes that reported a disconnect: must be removed before re-adding
         self._handles: dict[int, XferHandle] = {}
+        self._idle: OrderedDict[tuple[object, ...], XferHandle] = OrderedDict()  # recycled, oldest first
+        self.reposts = 0  #: READs posted on a recycled handle (tests and benchmarks read it)
         self._transport: dict[tuple[str, str], str] = {}  # (remote, route) -> what UCX said
         self._transport_tries: dict[tuple[str, str], int] = {}
         self._ucx_tables: dict[str, list[str]] = {}  # remote -> what UCX printed, not yet matched to a route
@@ -234,6 +246,8 @@ class NixlAgent:
         """Forget a peer (idempotent); its open transfers go first, as NIXL requires."""
         for h in [h for h in self._handles.values() if h.remote == name]:
             self.release(h)
+        for key in [k for k, h in self._idle.items() if h.remote == name]:
+            self._free(self._idle.pop(key))
         self._dead.discard(name)
         for key in [k for k in self._transport if k[0] == name]:
             del self._transport[key]
@@ -286,8 +300,26 @@ class NixlAgent:
         xh = self._own(handle)
         if xh.released:
             return
-        xh.released = True
         self._handles.pop(id(xh), None)
+        self._free(xh)
+
+    def recycle(self, handle: object) -> None:
+        """Done with a handle whose READ :meth:`poll` saw DONE: keep it for a READ of the very same regions,
+        which :meth:`start_read` then posts on it instead of making a new one (NIXL's per-call descriptor
+        checks skipped); the oldest kept is freed past :data:`IDLE_HANDLES`.  Anything else: :meth:`release`."""
+        xh = self._own(handle)
+        if xh.released:
+            return
+        self._handles.pop(id(xh), None)
+        stale = self._idle.pop(xh.key, None)
+        if stale is not None:
+            self._free(stale)
+        self._idle[xh.key] = xh
+        while len(self._idle) > IDLE_HANDLES:
+            self._free(self._idle.popitem(last=False)[1])
+
+    def _free(self, xh: XferHandle) -> None:
+        xh.released = True
         # On failure nixl keeps the handle on its leak list and frees it when the agent goes.
         with self._warning("nixl.xfer.release_failed", remote=xh.remote):
             self._agent.release_xfer_handle(xh._h)
@@ -305,7 +337,12 @@ class NixlAgent:
         return {(k.decode() if isinstance(k, bytes) else k): list(v) for k, v in got.items()}
 
     def open_handles(self) -> int:
+        """Handles posted and not yet released or recycled (0 at rest)."""
         return len(self._handles)
+
+    def idle_handles(self) -> int:
+        """Recycled handles kept for a READ of the same regions (at most :data:`IDLE_HANDLES`)."""
+        return len(self._idle)
 
     @property
     def registered_bytes(self) -> int:
@@ -316,6 +353,8 @@ class NixlAgent:
         """Clean-up in NIXL's order: transfer handles, remote agents, registrations."""
         for h in list(self._handles.values()):
             self.release(h)
+        while self._idle:
+            self._free(self._idle.popitem()[1])
         for r in list(self._remotes):
             self.remove_remote(r)
         for key in list(self._regs):
@@ -379,12 +418,18 @@ class NixlAgent:
             if lr[1] != rr[1]:
                 raise ValueError(f"region lengths differ: local {lr[1]} vs remote {rr[1]}")
             nbytes += lr[1]
+        # A handle posted with a notification is posted again only with one (each post gives its own).
+        key = (op, remote_name, local_kind, remote_kind, tuple(local), tuple(remote), bool(notif))
+        xh = self._idle.pop(key, None)
+        if xh is not None:
+            self.reposts += 1
+            return self._post(xh, notif)
         with self._raising(f"start_{op.lower()}", remote_name):
             ld = self._agent.get_xfer_descs(list(local), local_kind.value)
             rd = self._agent.get_xfer_descs(list(remote), remote_kind.value)
             h = self._agent.initialize_xfer(op, ld, rd, remote_name, notif)
         route = f"{local_kind.value}<-{remote_kind.value}"
-        return self._post(XferHandle(h, remote_name, nbytes, route), notif)
+        return self._post(XferHandle(h, remote_name, nbytes, route, key), notif)
 
     def _post(self, xh: XferHandle, notif: bytes) -> XferHandle:
         self._handles[id(xh)] = xh

@@ -208,6 +208,7 @@ class NixlConnector(Connector):
             "registrations": agent.registrations if agent else 0,
             "registered_bytes": agent.registered_bytes if agent else 0,
             "open_handles": agent.open_handles() if agent else 0,
+            "idle_handles": agent.idle_handles() if agent else 0,  # kept for READs of the same regions
             "remote_agents": len(agent.remotes()) if agent else 0,
         }
 

@@ -185,6 +185,7 @@ class Reader:
         clock = _Steps(steps)
         post_failed: TransferError | None = None
         won = False  # the claim is ours: only then may the producer be released
+        ended = False  # every READ was seen DONE: their handles are kept for a READ of the same regions
         try:
             try:
                 for spec, remote in pairs:
@@ -219,6 +220,7 @@ class Reader:
                     raise
             clock.mark("views")
             await self._wait_all(handles, deadline)
+            ended = True
             if beside is not None:
                 await beside.wait()  # a failure: raised with the claim won, nothing released
             clock.mark("wait")
@@ -232,7 +234,7 @@ class Reader:
             raise
         finally:
             for handle in handles:
-                agent.release(handle)
+                (agent.recycle if ended else agent.release)(handle)
         self._ep.counters.reads += 1
         if not carried:  # sent on the loop's next turn: nothing after the get waits for it (nixl.releases)
             self.releases.soon(ref, peer.name)

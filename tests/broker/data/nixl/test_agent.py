@@ -17,6 +17,7 @@ import pytest
 import structlog
 import torch
 
+from stageferry.broker.data.nixl import agent as agent_module
 from stageferry.broker.data.nixl import native
 from stageferry.broker.data.nixl.agent import MemKind, NixlAgent, XferState
 from stageferry.errors import NixlUnavailableError, PeerDisconnectedError, TransferError
@@ -51,6 +52,9 @@ def producer_main(conn: Connection, name: str, salt: int) -> None:
                     got.setdefault(k, []).extend(v)
                 time.sleep(0.001)
             conn.send(got)
+        elif cmd == "fill":  # new bytes in the same registered region
+            src.copy_(pattern(NBYTES, arg))
+            conn.send(True)
         elif cmd == "close":
             agent.close()
             conn.send((agent.registrations, agent.open_handles()))
@@ -72,6 +76,10 @@ class Producer:
         self.conn.send(("notifs", (want, DEADLINE_S)))
         got: dict[str, list[bytes]] = self.conn.recv()
         return got
+
+    def fill(self, salt: int) -> None:
+        self.conn.send(("fill", salt))
+        assert self.conn.recv()
 
     def close(self) -> tuple[int, int]:
         self.conn.send(("close", None))
@@ -150,6 +158,74 @@ def test_read_roundtrip_notif_and_handles(consumer: tuple[NixlAgent, torch.Tenso
         agent.remove_remote(name)
         agent.remove_remote(name)  # idempotent
         assert name not in agent.remotes()
+    finally:
+        prod.kill()
+
+
+def test_a_read_of_the_same_regions_is_posted_again_on_its_recycled_handle(
+    consumer: tuple[NixlAgent, torch.Tensor],
+) -> None:
+    """A READ that ended is recycled; the next READ of exactly its regions is posted on it again, READs the
+    bytes there now and sends its own notification; the handle is freed with its peer."""
+    agent, dst = consumer
+    base, idle, reposts = agent.open_handles(), agent.idle_handles(), agent.reposts
+    prod = Producer("test-producer-r", salt=5)
+    try:
+        name = agent.add_remote(prod.metadata)
+        where = ([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM, name)
+        dst.zero_()
+        first = agent.start_read(*where, b"req-1")
+        wait_done(agent, first)
+        agent.recycle(first)
+        assert agent.open_handles() == base and agent.idle_handles() == idle + 1
+        assert torch.equal(dst, pattern(NBYTES, 5))
+        prod.fill(6)
+        dst.zero_()
+        second = agent.start_read(*where, b"req-2")
+        assert second is first and agent.reposts == reposts + 1 and agent.idle_handles() == idle
+        wait_done(agent, second)
+        assert torch.equal(dst, pattern(NBYTES, 6)), "the bytes there now"
+        agent.recycle(second)
+        assert prod.notifs(2) == {agent.name: [b"req-1", b"req-2"]}, "each post's own notification"
+        third = agent.start_read(*where, b"")  # posted with a notification: reused only with one
+        assert third is not first
+        wait_done(agent, third)
+        agent.release(third)
+        agent.remove_remote(name)
+        assert agent.idle_handles() == idle and agent.open_handles() == base, "freed with its peer"
+    finally:
+        prod.kill()
+
+
+def test_recycled_handles_are_bounded_oldest_freed_first(
+    consumer: tuple[NixlAgent, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent, dst = consumer
+    monkeypatch.setattr(agent_module, "IDLE_HANDLES", 2)
+    idle, reposts = agent.idle_handles(), agent.reposts
+    prod = Producer("test-producer-b", salt=7)
+    try:
+        name = agent.add_remote(prod.metadata)
+
+        def read(block: int) -> object:
+            off = block * 4096
+            handle = agent.start_read(
+                [(dst.data_ptr() + off, 4096, 0)], MemKind.DRAM, [(prod.region[0] + off, 4096, 0)], MemKind.DRAM,
+                name, b"",
+            )  # fmt: skip
+            wait_done(agent, handle)
+            agent.recycle(handle)
+            return handle
+
+        first = read(0)
+        read(1)
+        read(2)
+        assert agent.idle_handles() == 2 and agent.reposts == reposts
+        assert read(0) is not first, "the oldest was freed"
+        assert read(2) is not None and agent.reposts == reposts + 1, "a kept one is posted again"
+        assert torch.equal(dst[: 3 * 4096], pattern(NBYTES, 7)[: 3 * 4096])
+        agent.remove_remote(name)
+        assert agent.idle_handles() == idle
     finally:
         prod.kill()
 

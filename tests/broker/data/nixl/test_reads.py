@@ -12,7 +12,8 @@ import pytest
 from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.errors import TransferError
 from stageferry.schemas import DeviceKind
-from tests.broker.data.nixl.test_consumer import pair, put  # noqa: F401 - a fixture
+from stageferry.testing import assert_same
+from tests.broker.data.nixl.test_consumer import pair, put, releases_until  # noqa: F401 - a fixture
 
 pytest.importorskip("nixl")
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -61,3 +62,27 @@ async def test_reads_posted_before_one_that_fails_to_post_end_before_the_error(
     finally:
         consumer.pools.release_all(slots)
     assert set(slots) == {DeviceKind.CPU}
+
+
+async def test_payloads_of_one_shape_from_the_same_producer_slot_repost_their_read(
+    pair: tuple[NixlConnector, NixlConnector],  # noqa: F811 - the fixture imported above
+) -> None:
+    """The producer frees a payload's slot once released and puts the next one of its size there (first
+    fit); our slot is the same too: that READ is posted again on the first one's handle, bit-exact, and a
+    READ that failed is never kept."""
+    producer, consumer = pair
+    agent = consumer.agent
+    assert agent is not None
+    reposts = agent.reposts
+    addresses = set()
+    for n in range(3):
+        ref, payload = await put(producer, f"k-{n}", seed=n)
+        addresses.add(ref.regions[0].address)
+        async with consumer.get(ref, None, key=f"k-{n}") as incoming:
+            assert_same(incoming.payload, payload)
+        assert ref.token in await releases_until(producer, ref.token)
+        await producer.leases.settle(ref.token, reason="read_done")  # its slot free for the next put
+    assert len(addresses) == 1, "the producer's first fit"
+    assert agent.reposts == reposts + 2 and agent.idle_handles() == 1 and agent.open_handles() == 0
+    await consumer.aclose()
+    assert agent.idle_handles() == 0, "freed with the agent"
