@@ -98,7 +98,7 @@ async def producer(args: argparse.Namespace) -> None:
             cmd = json.loads(raw)
             if cmd.get("stop"):
                 break
-            payload = {"x": torch.randint(0, 255, (cmd["nbytes"],), dtype=torch.uint8, device="cuda:0")}
+            payload = {"x": torch.full((cmd["nbytes"],), cmd.get("fill", 7), dtype=torch.uint8, device="cuda:0")}
             torch.cuda.synchronize()
             for _ in range(cmd["count"]):
                 n += 1
@@ -282,6 +282,7 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
     cons.reader._wait_all = wait_all_timed  # type: ignore[method-assign]
     ArenaCopy.wait = copy_wait_timed  # type: ignore[method-assign]
     rows = []
+    exact, checked = {"nixl": 0, "fast": 0}, {"nixl": 0, "fast": 0}  # payloads that arrived bit-exact, of all
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(conn.run)
@@ -294,7 +295,7 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
                 row["torch_idle"] = await torch_copy_after_idle_ms(nbytes, args.iters)
                 for mode in ("nixl", "fast"):
                     conn.endpoint.config = conn.endpoint.config.model_copy(update={"same_gpu_copy": mode == "fast"})
-                    await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"nbytes": nbytes, "count": 1}))
+                    await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"nbytes": nbytes, "count": 1, "fill": 0}))
                     transfer, gets, walls, routes = [], [], [], set()
                     parts: dict[str, list[float]] = {p: [] for p in PARTS}
                     for i in range(args.warmup + args.iters):
@@ -307,8 +308,12 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
                         async with conn.get(ref, None, key=f"g{i}", claimed=True) as incoming:
                             entered = time.perf_counter()  # the payload in the stage's hands
                             routes.add(incoming.route)
+                            x = incoming.payload["x"]  # each payload's own bytes (its fill), checked after the timing
+                            exact[mode] += bool(x.numel() == nbytes and (x == i % 251).all().item())
+                            checked[mode] += 1
                         if i + 1 < args.warmup + args.iters:  # the next put once this get is over: no overlap
-                            await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"nbytes": nbytes, "count": 1}))
+                            cmd = {"nbytes": nbytes, "count": 1, "fill": (i + 1) % 251}
+                            await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps(cmd))
                         if i >= args.warmup:
                             # the READ path: Reader.read whole; the copy: launch → its wait's end (Reader.read's
                             # release of the producer's slot, which follows either, apart: ``release``)
@@ -335,6 +340,7 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
             if costs:  # the same calls with the connector running (its agent's threads, a mapped arena)
                 costs["connector running, local source"] = call_costs(plain_src.data_ptr(), MiB)
                 costs["connector running, mapped arena"] = call_costs(peer.ipc.base, MiB) if peer.ipc else {}
+            reposts = getattr(conn.agent, "reposts", 0)  # an older tree's agent has no count of them
             await redis.rpush(f"{args.prefix}:bench:cmd", json.dumps({"stop": True}))
             tg.cancel_scope.cancel()
     finally:
@@ -359,6 +365,8 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
     print()
     runtime = CudaRuntime.loaded()
     print(f"CUDA runtime: {runtime.path if runtime else 'not found'}")
+    print(f"bit-exact: NIXL READ {exact['nixl']}/{checked['nixl']}, same-GPU copy {exact['fast']}/{checked['fast']} "
+          f"(each payload filled with its own byte); READs posted on a recycled handle: {reposts}")  # fmt: skip
     for r in rows:
         print(f"routes {r['bytes']:,}: NIXL [{r['nixl_route']}]  copy [{r['fast_route']}]")
     if costs:
