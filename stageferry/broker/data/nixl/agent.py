@@ -101,6 +101,10 @@ class XferHandle:
 #: past this many.  A consumer's payloads of one shape land in the same slots (``nixl.ready``) from the
 #: same producer slots (its first fit), so their READs repeat.
 IDLE_HANDLES = 16
+#: The routes (local <- remote memory) whose handles are kept: host memory, the one measured on real agents
+#: so far (CMA on one host, TCP across hosts); VRAM READs make a handle each until reposts of them have run
+#: on a GPU machine.
+RECYCLED_ROUTES = frozenset({"DRAM<-DRAM"})
 
 
 class _Registration:
@@ -306,9 +310,13 @@ class NixlAgent:
     def recycle(self, handle: object) -> None:
         """Done with a handle whose READ :meth:`poll` saw DONE: keep it for a READ of the very same regions,
         which :meth:`start_read` then posts on it instead of making a new one (NIXL's per-call descriptor
-        checks skipped); the oldest kept is freed past :data:`IDLE_HANDLES`.  Anything else: :meth:`release`."""
+        checks skipped); the oldest kept is freed past :data:`IDLE_HANDLES`; one of a route not in
+        :data:`RECYCLED_ROUTES` is released.  Anything else: :meth:`release`."""
         xh = self._own(handle)
         if xh.released:
+            return
+        if xh.route not in RECYCLED_ROUTES:
+            self.release(xh)
             return
         self._handles.pop(id(xh), None)
         stale = self._idle.pop(xh.key, None)

@@ -230,6 +230,27 @@ def test_recycled_handles_are_bounded_oldest_freed_first(
         prod.kill()
 
 
+def test_a_handle_of_a_route_not_recycled_is_released(
+    consumer: tuple[NixlAgent, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the routes in RECYCLED_ROUTES keep their handles (VRAM's have not run reposted on a GPU yet)."""
+    agent, dst = consumer
+    monkeypatch.setattr(agent_module, "RECYCLED_ROUTES", frozenset({"VRAM<-VRAM"}))
+    idle, reposts = agent.idle_handles(), agent.reposts
+    prod = Producer("test-producer-v", salt=9)
+    try:
+        name = agent.add_remote(prod.metadata)
+        for _ in range(2):
+            handle = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM, name, b"")
+            wait_done(agent, handle)
+            agent.recycle(handle)
+            assert agent.idle_handles() == idle and agent.open_handles() == 0
+        assert agent.reposts == reposts and torch.equal(dst, pattern(NBYTES, 9))
+        agent.remove_remote(name)
+    finally:
+        prod.kill()
+
+
 def test_read_from_dead_peer_raises_then_restarted_peer_works(
     consumer: tuple[NixlAgent, torch.Tensor],
 ) -> None:
