@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import redis as sync_redis
 from structlog.testing import capture_logs
@@ -160,7 +161,7 @@ async def test_the_transport_is_logged_once_per_peer_after_the_get_block_off_the
                 assert not [e for e in logs if e["event"] == "payload.get" and e["key"] == f"k-{n}"]
         with anyio.fail_after(10):
             while sum(e["event"] == "payload.get" for e in logs) < 2:
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
     gets = [e["key"] for e in logs if e["event"] == "payload.get"]
     assert gets == ["k-0", "k-1"], gets
     assert [e["event"] for e in logs if "peer" in e and e["event"] == "nixl.transport"] == ["nixl.transport"]
