@@ -426,17 +426,18 @@ class NixlAgent:
             if lr[1] != rr[1]:
                 raise ValueError(f"region lengths differ: local {lr[1]} vs remote {rr[1]}")
             nbytes += lr[1]
-        # A handle posted with a notification is posted again only with one (each post gives its own).
-        key = (op, remote_name, local_kind, remote_kind, tuple(local), tuple(remote), bool(notif))
-        xh = self._idle.pop(key, None)
-        if xh is not None:
-            self.reposts += 1
-            return self._post(xh, notif)
+        route = f"{local_kind.value}<-{remote_kind.value}"
+        key: tuple[object, ...] = ()
+        if route in RECYCLED_ROUTES:  # a handle posted with a notification is reposted only with one
+            key = (op, remote_name, route, tuple(local), tuple(remote), bool(notif))
+            xh = self._idle.pop(key, None)
+            if xh is not None:
+                self.reposts += 1
+                return self._post(xh, notif)
         with self._raising(f"start_{op.lower()}", remote_name):
             ld = self._agent.get_xfer_descs(list(local), local_kind.value)
             rd = self._agent.get_xfer_descs(list(remote), remote_kind.value)
             h = self._agent.initialize_xfer(op, ld, rd, remote_name, notif)
-        route = f"{local_kind.value}<-{remote_kind.value}"
         return self._post(XferHandle(h, remote_name, nbytes, route, key), notif)
 
     def _post(self, xh: XferHandle, notif: bytes) -> XferHandle:

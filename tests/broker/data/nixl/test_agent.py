@@ -19,7 +19,7 @@ import torch
 
 from stageferry.broker.data.nixl import agent as agent_module
 from stageferry.broker.data.nixl import native
-from stageferry.broker.data.nixl.agent import MemKind, NixlAgent, XferState
+from stageferry.broker.data.nixl.agent import MemKind, NixlAgent, Region, XferState
 from stageferry.errors import NixlUnavailableError, PeerDisconnectedError, TransferError
 
 pytest.importorskip("nixl")
@@ -100,6 +100,14 @@ def wait_done(agent: NixlAgent, handle: object) -> float:
         if time.monotonic() - t0 > DEADLINE_S:
             raise AssertionError("READ did not complete in time")
     return time.monotonic() - t0
+
+
+def read_recycled(agent: NixlAgent, local: Region, remote: Region, name: str) -> object:
+    """READ ``remote`` (DRAM) into ``local`` without a notification, wait for it, then recycle its handle."""
+    handle = agent.start_read([local], MemKind.DRAM, [remote], MemKind.DRAM, name, b"")
+    wait_done(agent, handle)
+    agent.recycle(handle)
+    return handle
 
 
 def read_whole(agent: NixlAgent, dst: torch.Tensor, prod: Producer, notif: bytes = b"") -> str:
@@ -209,13 +217,7 @@ def test_recycled_handles_are_bounded_oldest_freed_first(
 
         def read(block: int) -> object:
             off = block * 4096
-            handle = agent.start_read(
-                [(dst.data_ptr() + off, 4096, 0)], MemKind.DRAM, [(prod.region[0] + off, 4096, 0)], MemKind.DRAM,
-                name, b"",
-            )  # fmt: skip
-            wait_done(agent, handle)
-            agent.recycle(handle)
-            return handle
+            return read_recycled(agent, (dst.data_ptr() + off, 4096, 0), (prod.region[0] + off, 4096, 0), name)
 
         first = read(0)
         read(1)
@@ -241,9 +243,7 @@ def test_a_handle_of_a_route_not_recycled_is_released(
     try:
         name = agent.add_remote(prod.metadata)
         for _ in range(2):
-            handle = agent.start_read([NixlAgent.region_of(dst)], MemKind.DRAM, [prod.region], MemKind.DRAM, name, b"")
-            wait_done(agent, handle)
-            agent.recycle(handle)
+            read_recycled(agent, NixlAgent.region_of(dst), prod.region, name)
             assert agent.idle_handles() == idle and agent.open_handles() == 0
         assert agent.reposts == reposts and torch.equal(dst, pattern(NBYTES, 9))
         agent.remove_remote(name)
