@@ -66,6 +66,9 @@
 #             tree's benchmarks copied in: `cp -r benchmarks .prev/`) and on this one, under one MPS daemon,
 #             PAIR_ROUNDS rounds (default 3; which tree goes first alternates), at each of PAIR_LEVELS (the
 #             consumer's log level, default "warning info": info is a stage's, its payload.get line per get)
+#   repost_pair  same_gpu.py on this tree, VRAM READs making a handle each (as shipped) and posted again on
+#             their kept handles (--recycled-routes DRAM<-DRAM,VRAM<-VRAM), under one MPS daemon, PAIR_ROUNDS
+#             rounds (default 3; which goes first alternates), the consumer at warning: the NIXL READ column
 #   up_pair   `stageferry up` (T2VA, 1344x768, up's MPS daemon) on .prev and on this tree, UP_ROUNDS times (default
 #             1): up's own first/warm table and each get's payload.get line (steps_us), side by side
 #   launch    where the same-GPU copy's launch time goes inside real gets, by variant (as is, without the
@@ -93,7 +96,8 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
                  tests/broker/data/nixl/test_upstream.py tests/broker/data/nixl/test_reads.py tests/stages/process/test_mps.py \
                  tests/broker/data/test_payload_codec.py tests/broker/data/test_pool.py \
                  "tests/broker/data/nixl/test_connector.py::test_cuda_leaves_land_on_the_consumer_gpu" \
-                 "tests/broker/data/nixl/test_connector.py::test_a_block_cancelled_with_cuda_slots_still_returns_them" ;;
+                 "tests/broker/data/nixl/test_connector.py::test_a_block_cancelled_with_cuda_slots_still_returns_them" \
+                 "tests/broker/data/nixl/test_agent.py::test_a_vram_read_is_posted_again_on_its_recycled_handle" ;;
     same_gpu) run_step "$s" 90 python3 benchmarks/same_gpu.py --iters 30 --warmup 5 --log "$out/same_gpu_producer.log" ;;
     same_gpu_parts) run_step "$s" 120 python3 benchmarks/same_gpu_parts.py --iters 50 --warmup 10 ;;
     cold_gpu) run_step "${s}_t2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 359024 --rounds 3 --hops 20
@@ -167,6 +171,21 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
            echo quit | nvidia-cuda-mps-control
          else
            echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/copy_pair.txt"
+         fi
+         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+    repost_pair) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps-repost/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps-repost/log
+         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+         if nvidia-cuda-mps-control -d; then  # VRAM READs on fresh handles and on kept ones, alternating
+           for r in $(seq "${PAIR_ROUNDS:-3}"); do
+             for kept in $( ((r % 2)) && echo "fresh kept" || echo "kept fresh"); do
+               routes="DRAM<-DRAM"; [ "$kept" = kept ] && routes="DRAM<-DRAM,VRAM<-VRAM"
+               run_step "repost${r}_$kept" 90 python3 benchmarks/same_gpu.py --iters 30 --warmup 5 \
+                 --recycled-routes "$routes" --log "$out/repost${r}_${kept}_producer.log"
+             done
+           done
+           echo quit | nvidia-cuda-mps-control
+         else
+           echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/repost_pair.txt"
          fi
          unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     launch) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps-launch/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps-launch/log

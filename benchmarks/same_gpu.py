@@ -53,6 +53,7 @@ from pydantic import TypeAdapter  # noqa: E402
 
 from stageferry.broker.control.keys import Keys  # noqa: E402
 from stageferry.broker.control.redis_conn import connect  # noqa: E402
+from stageferry.broker.data.nixl import agent as agent_module  # noqa: E402
 from stageferry.broker.data.nixl.connector import NixlConnector  # noqa: E402
 from stageferry.broker.data.nixl.cuda_runtime import CudaRuntime  # noqa: E402
 from stageferry.broker.data.nixl.same_gpu import ArenaCopy  # noqa: E402
@@ -193,6 +194,8 @@ async def producer_loaded(conn: NixlConnector, child: subprocess.Popen[bytes], l
 
 async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> None:
     torch.cuda.set_device(0)
+    if args.recycled_routes:
+        agent_module.RECYCLED_ROUTES = frozenset(args.recycled_routes.split(","))
     redis = connect(args.redis_url)
     plain_src = torch.empty(MiB, dtype=torch.uint8, device="cuda:0")
     costs = {"plain process, local source": call_costs(plain_src.data_ptr(), MiB)} if CudaRuntime.loaded() else {}
@@ -348,7 +351,8 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
         await redis.aclose()
     print(f"$ python {' '.join(sys.argv)}\n")  # the consumer logs at --log-level
     print(f"{torch.cuda.get_device_name(0)}; producer and consumer are two processes on GPU 0; producer's arena "
-          f"mapped: {mapped}; medians of {args.iters} after {args.warmup}\n")  # fmt: skip
+          f"mapped: {mapped}; medians of {args.iters} after {args.warmup}; handles kept for "
+          f"{sorted(getattr(agent_module, 'RECYCLED_ROUTES', ()))}\n")  # fmt: skip
     head = ["bytes", "torch copy ms", "torch wall ms", "after idle ms", "NIXL READ ms", "same-GPU copy ms",
             "READ/torch wall", "copy/torch wall", "copy/after idle", "NIXL get ms", "same-GPU get ms",
             "NIXL get wall ms", "same-GPU get wall ms", "get wall/torch wall"]  # fmt: skip
@@ -402,6 +406,9 @@ def main() -> None:
     parser.add_argument("--log-level", default="warning",
                         help="the consumer's (info: a stage's default, its payload.get line per get)")  # fmt: skip
     parser.add_argument("--consumer-log", default="", help="the consumer's log (stderr) goes to this file")
+    parser.add_argument("--recycled-routes", default="",
+                        help="the consumer agent's RECYCLED_ROUTES instead of its own, e.g. DRAM<-DRAM,VRAM<-VRAM "
+                             "(VRAM READs posted again on their kept handles)")  # fmt: skip
     args = parser.parse_args()
     if args.consumer_log and args.role == "consumer":
         os.dup2(os.open(args.consumer_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), 2)

@@ -35,10 +35,10 @@ def pattern(n: int, salt: int) -> torch.Tensor:
     return ((torch.arange(n, dtype=torch.int64) * 7 + salt) % 251).to(torch.uint8)
 
 
-def producer_main(conn: Connection, name: str, salt: int) -> None:
-    """Child process: register one tensor, serve notifications until told to stop."""
+def producer_main(conn: Connection, name: str, salt: int, device: str = "cpu") -> None:
+    """Child process: register one tensor (on ``device``), serve notifications until told to stop."""
     agent = NixlAgent(name)
-    src = pattern(NBYTES, salt)
+    src = pattern(NBYTES, salt).to(device)
     agent.register(src)
     conn.send((agent.metadata(), NixlAgent.region_of(src)))
     while True:
@@ -53,7 +53,9 @@ def producer_main(conn: Connection, name: str, salt: int) -> None:
                 time.sleep(0.001)
             conn.send(got)
         elif cmd == "fill":  # new bytes in the same registered region
-            src.copy_(pattern(NBYTES, arg))
+            src.copy_(pattern(NBYTES, arg).to(device))
+            if src.is_cuda:
+                torch.cuda.synchronize()
             conn.send(True)
         elif cmd == "close":
             agent.close()
@@ -62,10 +64,10 @@ def producer_main(conn: Connection, name: str, salt: int) -> None:
 
 
 class Producer:
-    def __init__(self, name: str, salt: int) -> None:
+    def __init__(self, name: str, salt: int, device: str = "cpu") -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=producer_main, args=(child, name, salt), daemon=True)
+        self.proc = ctx.Process(target=producer_main, args=(child, name, salt, device), daemon=True)
         self.proc.start()
         child.close()
         if not self.conn.poll(60):
@@ -249,6 +251,40 @@ def test_a_handle_of_a_route_not_recycled_is_released(
         agent.remove_remote(name)
     finally:
         prod.kill()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (runs on the device machine)")
+def test_a_vram_read_is_posted_again_on_its_recycled_handle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """VRAM <- VRAM (two processes on GPU 0: UCX cuda_ipc) reposted on its kept handle: the bytes there now
+    each time, each post's own notification.  What ``RECYCLED_ROUTES`` needs before it names this route."""
+    monkeypatch.setattr(agent_module, "RECYCLED_ROUTES", frozenset({"DRAM<-DRAM", "VRAM<-VRAM"}))
+    agent = NixlAgent(f"test-consumer-vram-{os.getpid()}")
+    dst = torch.zeros(NBYTES, dtype=torch.uint8, device="cuda")
+    agent.register(dst)
+    prod = Producer("test-producer-vram", salt=11, device="cuda")
+    try:
+        name = agent.add_remote(prod.metadata)
+        where = ([NixlAgent.region_of(dst)], MemKind.VRAM, [prod.region], MemKind.VRAM, name)
+        first = agent.start_read(*where, b"v-0")
+        wait_done(agent, first)
+        agent.recycle(first)
+        assert torch.equal(dst.cpu(), pattern(NBYTES, 11)) and agent.idle_handles() == 1
+        for salt in range(12, 20):
+            prod.fill(salt)
+            dst.zero_()
+            torch.cuda.synchronize()
+            again = agent.start_read(*where, f"v-{salt}".encode())
+            assert again is first
+            wait_done(agent, again)
+            assert torch.equal(dst.cpu(), pattern(NBYTES, salt)), f"the bytes there now (fill {salt})"
+            agent.recycle(again)
+        assert agent.reposts == 8
+        assert prod.notifs(9) == {agent.name: [b"v-0"] + [f"v-{s}".encode() for s in range(12, 20)]}
+        agent.remove_remote(name)
+        assert agent.idle_handles() == 0 and agent.open_handles() == 0
+    finally:
+        prod.kill()
+        agent.close()
 
 
 def test_read_from_dead_peer_raises_then_restarted_peer_works(
