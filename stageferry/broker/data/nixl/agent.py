@@ -101,9 +101,9 @@ class XferHandle:
 #: past this many.  A consumer's payloads of one shape land in the same slots (``nixl.ready``) from the
 #: same producer slots (its first fit), so their READs repeat.
 IDLE_HANDLES = 16
-#: The routes (local <- remote memory) whose handles are kept: host memory, the one measured on real agents
-#: so far (CMA on one host, TCP across hosts); VRAM READs make a handle each until reposts of them have run
-#: on a GPU machine.
+#: The routes (local <- remote memory) whose handles are kept: host memory (CMA on one host, TCP across
+#: hosts), its post measured shorter.  VRAM <- VRAM reposts READ the right bytes on a GPU (cuda_ipc) but were
+#: no faster there than a handle each (issue 39, round 22), so that route makes its handles afresh.
 RECYCLED_ROUTES = frozenset({"DRAM<-DRAM"})
 
 

@@ -237,7 +237,7 @@ def test_recycled_handles_are_bounded_oldest_freed_first(
 def test_a_handle_of_a_route_not_recycled_is_released(
     consumer: tuple[NixlAgent, torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Only the routes in RECYCLED_ROUTES keep their handles (VRAM's have not run reposted on a GPU yet)."""
+    """Only the routes in RECYCLED_ROUTES keep their handles (VRAM's reposts were no faster on a GPU)."""
     agent, dst = consumer
     monkeypatch.setattr(agent_module, "RECYCLED_ROUTES", frozenset({"VRAM<-VRAM"}))
     idle, reposts = agent.idle_handles(), agent.reposts
