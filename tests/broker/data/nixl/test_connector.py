@@ -151,11 +151,12 @@ async def test_task_payloads_round_trip_exactly(start_producer: Any, redis_url: 
             small = spec.startswith("bytes:")
             assert isinstance(ref, InlinePayload if small else NixlPayload), spec
             if mode == "direct" and not small:
-                assert ref.agent_metadata_b64
+                assert isinstance(ref, NixlPayload) and ref.agent_metadata_b64
             async with conn.get(ref, blob, key=item["key"]) as incoming:
                 assert incoming.transport is (Transport.INLINE if small else Transport.NIXL)
                 assert_same(incoming.payload, build(spec, item["seed"]))
                 if not small:  # host memory on both sides, and the UCX transport that carried it
+                    assert isinstance(ref, NixlPayload)
                     assert incoming.route is not None and incoming.route.startswith("DRAM→DRAM "), incoming.route
                     routes = conn.peers._peers[ref.agent].routes  # kept per layout once UCX named the transport
                     assert list(routes.values()) == ([] if incoming.route.endswith(" ?") else [incoming.route])

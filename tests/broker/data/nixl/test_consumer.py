@@ -176,9 +176,9 @@ def spy_on_notify(conn: NixlConnector) -> list[bytes]:
     sent: list[bytes] = []
     notify = agent.notify
 
-    def spy(remote: str, message: bytes) -> None:
+    def spy(remote_name: str, message: bytes) -> None:
         sent.append(message)
-        notify(remote, message)
+        notify(remote_name, message)
 
     agent.notify = spy  # type: ignore[method-assign]
     return sent

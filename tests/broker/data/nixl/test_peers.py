@@ -67,7 +67,12 @@ async def test_a_peer_record_of_another_protocol_version_is_refused_before_any_n
         assert conn.agent is not None
         added: list[Any] = []
         real_add = conn.agent.add_remote
-        conn.agent.add_remote = lambda metadata: added.append(metadata) or real_add(metadata)  # type: ignore[method-assign]
+
+        def add_remote(metadata: bytes) -> str:
+            added.append(metadata)
+            return real_add(metadata)
+
+        conn.agent.add_remote = add_remote  # type: ignore[method-assign]
         with structlog.testing.capture_logs() as logs, pytest.raises(ProtocolMismatchError) as info:
             async with conn.get(ref, None, key="r-1_0_0"):
                 pass

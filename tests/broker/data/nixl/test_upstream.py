@@ -67,9 +67,11 @@ async def test_the_consumer_is_connected_before_the_first_payload_and_again_afte
         name = await eventually(
             lambda: _value(index_entry(redis_url, prefix)), timeout=60, what="the producer's index entry"
         )
+        assert name is not None
         peer = await eventually(lambda: connected(conn, name), timeout=60, what=f"{name} connected")
         # Nothing was sent yet: the agent was loaded and its arenas READ by the watch, not by a payload.
         assert first.redis.llen(f"{prefix}:test:refs") == 0 and conn.counters.gets == 0
+        assert peer is not None
         assert conn.upstream.connects == 1 and peer.stage == "encoder" and peer.arenas
         await first_payload_without_a_handshake(conn, first, "go1")
 
@@ -81,6 +83,7 @@ async def test_the_consumer_is_connected_before_the_first_payload_and_again_afte
             timeout=60,
             what="the restarted producer's index entry",
         )
+        assert renamed is not None
         await eventually(lambda: connected(conn, renamed), timeout=60, what=f"{renamed} connected in place of {name}")
         assert conn.upstream.connects == 2 and name not in conn.peers
         await first_payload_without_a_handshake(conn, second, "go2")
