@@ -10,6 +10,12 @@ the agent (:func:`own_tables`) and route (:func:`route_matches`) they describe.
 
 Who calls: :mod:`stageferry.broker.data.nixl.agent` only — ``configure_environment`` once, before
 ``import nixl``; a tail per agent, read at a peer's first completed READ.  Nothing here touches NIXL.
+
+The file is ours to clean up when we chose it (``$TMP/stageferry-ucx-<pid>.log``): UCX opens it when its
+library loads and keeps writing to it, so the first tail opens it too and unlinks the name at once; every
+tail in the process then reads that one descriptor.  A process that exits or is killed leaves no file
+behind (before, each agent process left one, up to 1.4 MB, in ``$TMP``).  An operator's ``UCX_LOG_FILE``
+is read the same way and never removed.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 import re
 import socket
 import tempfile
+import threading
 from pathlib import Path
 
 _OFF = {"", "n", "no", "0", "off"}
@@ -48,11 +55,37 @@ def configure_environment(*, cuda: bool = False) -> Path | None:
     proto_info = os.environ.get("UCX_PROTO_INFO", "n").lower()
     info_level = os.environ.get("UCX_LOG_LEVEL", "").lower() in {"info", "debug", "trace"}
     if (proto_info not in _OFF or info_level) and "UCX_LOG_FILE" not in os.environ:
-        os.environ["UCX_LOG_FILE"] = str(Path(tempfile.gettempdir()) / "stageferry-ucx-%p.log")
+        os.environ["UCX_LOG_FILE"] = str(Path(tempfile.gettempdir()) / _OWN_LOG)
     if "UCX_LOG_FILE" not in os.environ:
         return None
     raw = os.environ["UCX_LOG_FILE"].replace("%p", str(os.getpid())).replace("%h", socket.gethostname())
     return Path(raw)
+
+
+_OWN_LOG = "stageferry-ucx-%p.log"  #: the log file :func:`configure_environment` names when none is set
+_open_logs: dict[Path, int] = {}  # path -> the descriptor every tail of this process reads
+_open_lock = threading.Lock()
+
+
+def _own_log_path() -> Path:
+    return Path(tempfile.gettempdir()) / _OWN_LOG.replace("%p", str(os.getpid()))
+
+
+def _log_fd(path: Path) -> int | None:
+    """This process's descriptor of UCX's log ``path``, opened once (None while it cannot be); the name is
+    unlinked right after when the file is the one we chose for UCX (UCX writes on through its own)."""
+    with _open_lock:
+        fd = _open_logs.get(path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None
+            _open_logs[path] = fd
+            if path == _own_log_path():
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        return fd
 
 
 class UcxLogTail:
@@ -61,18 +94,22 @@ class UcxLogTail:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._offset = 0
+        _log_fd(path)  # UCX made the file when its library loaded: opened (and our own unlinked) now
 
     def read_new(self) -> str | None:
         """The text appended since the last call; None if the file cannot be read (yet)."""
         _flush_c_stdio()  # UCX writes its log through a fully buffered FILE*
+        fd = _log_fd(self.path)
+        if fd is None:
+            return None
+        chunks = []
         try:
-            with self.path.open("r", errors="replace") as f:
-                f.seek(self._offset)
-                text = f.read()
-                self._offset = f.tell()
+            while chunk := os.pread(fd, 1 << 16, self._offset):
+                chunks.append(chunk)
+                self._offset += len(chunk)
         except OSError:
             return None
-        return text
+        return b"".join(chunks).decode(errors="replace")
 
 
 def _flush_c_stdio() -> None:

@@ -18,7 +18,7 @@ import structlog
 import torch
 
 from stageferry.broker.data.nixl import agent as agent_module
-from stageferry.broker.data.nixl import native
+from stageferry.broker.data.nixl import native, ucx_log
 from stageferry.broker.data.nixl.agent import MemKind, NixlAgent, Region, XferState
 from stageferry.errors import NixlUnavailableError, PeerDisconnectedError, TransferError
 
@@ -170,6 +170,29 @@ def test_read_roundtrip_notif_and_handles(consumer: tuple[NixlAgent, torch.Tenso
         assert name not in agent.remotes()
     finally:
         prod.kill()
+
+
+def test_a_reads_transport_is_read_from_ucxs_log_whose_file_is_gone() -> None:
+    """UCX's log, when it is our own file in $TMP, is read through a descriptor opened when the first agent
+    was made, its name unlinked then: no file is left behind, and a READ's transport is still learned (by
+    an agent of its own: UCX prints a worker's tables once, under that worker's name)."""
+    agent = NixlAgent(f"test-transport-{os.getpid()}")
+    path = native.ucx_log_path
+    if path is None or path != ucx_log._own_log_path():
+        agent.close()
+        pytest.skip("UCX's log is not ours here (UCX_PROTO_INFO off, or the operator's UCX_LOG_FILE)")
+    assert not path.exists(), "unlinked once open"
+    dst = torch.zeros(NBYTES, dtype=torch.uint8)
+    agent.register(dst)
+    prod = Producer("test-producer-t", salt=13)
+    try:
+        name = read_whole(agent, dst, prod)
+        info = agent.transport_info(name, MemKind.DRAM, MemKind.DRAM)
+        assert info is not None and agent.name in info and "memory" in info, info  # "... zero-copy cma/memory"
+        assert torch.equal(dst, pattern(NBYTES, 13))
+    finally:
+        prod.kill()
+        agent.close()
 
 
 def test_a_read_of_the_same_regions_is_posted_again_on_its_recycled_handle(

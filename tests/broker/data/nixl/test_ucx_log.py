@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from stageferry.broker.data.nixl import ucx_log
 from stageferry.broker.data.nixl.ucx_log import (
     UcxLogTail,
     configure_environment,
@@ -54,6 +56,27 @@ def test_the_tail_reads_only_what_was_appended(tmp_path: Path) -> None:
     with path.open("a") as f:
         f.write("second\n")
     assert tail.read_new() == "second\n"
+
+
+def test_our_own_log_file_is_unlinked_once_open_and_still_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file configure_environment chose is unlinked by the first tail, which reads on through its
+    descriptor as UCX writes through its own; a second tail in the process reads the same file."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = tmp_path / f"stageferry-ucx-{os.getpid()}.log"
+    assert path == ucx_log._own_log_path()
+    with path.open("a") as ucx:  # UCX opens it when its library loads
+        ucx.write("first\n")
+        ucx.flush()
+        tail = UcxLogTail(path)
+        assert not path.exists(), "unlinked once open: nothing left in $TMP"
+        assert tail.read_new() == "first\n"
+        ucx.write("second\n")
+        ucx.flush()
+        assert tail.read_new() == "second\n"
+        assert UcxLogTail(path).read_new() == "first\nsecond\n", "another agent's tail: the same file"
+    other = tmp_path / "operator.log"  # an operator's UCX_LOG_FILE stays where it is
+    other.write_text("x\n")
+    assert UcxLogTail(other).read_new() == "x\n" and other.exists()
 
 
 def test_transport_names_from_proto_info() -> None:
