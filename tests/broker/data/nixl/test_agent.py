@@ -6,6 +6,7 @@ cross the pipe (metadata, (addr, len, dev) regions, notifications), as on the re
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import sys
@@ -104,9 +105,11 @@ def wait_done(agent: NixlAgent, handle: object) -> float:
     return time.monotonic() - t0
 
 
-def read_recycled(agent: NixlAgent, local: Region, remote: Region, name: str) -> object:
-    """READ ``remote`` (DRAM) into ``local`` without a notification, wait for it, then recycle its handle."""
-    handle = agent.start_read([local], MemKind.DRAM, [remote], MemKind.DRAM, name, b"")
+def read_recycled(
+    agent: NixlAgent, local: Region, remote: Region, name: str, kind: MemKind = MemKind.DRAM, notif: bytes = b""
+) -> object:
+    """READ ``remote`` into ``local`` (both ``kind``), wait for it, then recycle its handle."""
+    handle = agent.start_read([local], kind, [remote], kind, name, notif)
     wait_done(agent, handle)
     agent.recycle(handle)
     return handle
@@ -119,6 +122,18 @@ def read_whole(agent: NixlAgent, dst: torch.Tensor, prod: Producer, notif: bytes
     wait_done(agent, handle)
     agent.release(handle)
     return name
+
+
+@contextlib.contextmanager
+def own_agent(name: str, device: str = "cpu") -> Iterator[tuple[NixlAgent, torch.Tensor]]:
+    """An agent of the test's own (not the module's ``consumer``) with a registered ``NBYTES`` tensor."""
+    agent = NixlAgent(f"{name}-{os.getpid()}")
+    try:
+        dst = torch.zeros(NBYTES, dtype=torch.uint8, device=device)
+        agent.register(dst)
+        yield agent, dst
+    finally:
+        agent.close()
 
 
 @pytest.fixture(scope="module")
@@ -176,23 +191,19 @@ def test_a_reads_transport_is_read_from_ucxs_log_whose_file_is_gone() -> None:
     """UCX's log, when it is our own file in $TMP, is read through a descriptor opened when the first agent
     was made, its name unlinked then: no file is left behind, and a READ's transport is still learned (by
     an agent of its own: UCX prints a worker's tables once, under that worker's name)."""
-    agent = NixlAgent(f"test-transport-{os.getpid()}")
-    path = native.ucx_log_path
-    if path is None or path != ucx_log._own_log_path():
-        agent.close()
-        pytest.skip("UCX's log is not ours here (UCX_PROTO_INFO off, or the operator's UCX_LOG_FILE)")
-    assert not path.exists(), "unlinked once open"
-    dst = torch.zeros(NBYTES, dtype=torch.uint8)
-    agent.register(dst)
-    prod = Producer("test-producer-t", salt=13)
-    try:
-        name = read_whole(agent, dst, prod)
-        info = agent.transport_info(name, MemKind.DRAM, MemKind.DRAM)
-        assert info is not None and agent.name in info and "memory" in info, info  # "... zero-copy cma/memory"
-        assert torch.equal(dst, pattern(NBYTES, 13))
-    finally:
-        prod.kill()
-        agent.close()
+    with own_agent("test-transport") as (agent, dst):
+        path = native.ucx_log_path
+        if path is None or path != ucx_log._own_log_path():
+            pytest.skip("UCX's log is not ours here (UCX_PROTO_INFO off, or the operator's UCX_LOG_FILE)")
+        assert not path.exists(), "unlinked once open"
+        prod = Producer("test-producer-t", salt=13)
+        try:
+            name = read_whole(agent, dst, prod)
+            info = agent.transport_info(name, MemKind.DRAM, MemKind.DRAM)
+            assert info is not None and agent.name in info and "memory" in info, info  # "...zero-copy cma/memory"
+            assert torch.equal(dst, pattern(NBYTES, 13))
+        finally:
+            prod.kill()
 
 
 def test_a_read_of_the_same_regions_is_posted_again_on_its_recycled_handle(
@@ -281,33 +292,25 @@ def test_a_vram_read_is_posted_again_on_its_recycled_handle(monkeypatch: pytest.
     """VRAM <- VRAM (two processes on GPU 0: UCX cuda_ipc) reposted on its kept handle: the bytes there now
     each time, each post's own notification.  What ``RECYCLED_ROUTES`` needs before it names this route."""
     monkeypatch.setattr(agent_module, "RECYCLED_ROUTES", frozenset({"DRAM<-DRAM", "VRAM<-VRAM"}))
-    agent = NixlAgent(f"test-consumer-vram-{os.getpid()}")
-    dst = torch.zeros(NBYTES, dtype=torch.uint8, device="cuda")
-    agent.register(dst)
-    prod = Producer("test-producer-vram", salt=11, device="cuda")
-    try:
-        name = agent.add_remote(prod.metadata)
-        where = ([NixlAgent.region_of(dst)], MemKind.VRAM, [prod.region], MemKind.VRAM, name)
-        first = agent.start_read(*where, b"v-0")
-        wait_done(agent, first)
-        agent.recycle(first)
-        assert torch.equal(dst.cpu(), pattern(NBYTES, 11)) and agent.idle_handles() == 1
-        for salt in range(12, 20):
-            prod.fill(salt)
-            dst.zero_()
-            torch.cuda.synchronize()
-            again = agent.start_read(*where, f"v-{salt}".encode())
-            assert again is first
-            wait_done(agent, again)
-            assert torch.equal(dst.cpu(), pattern(NBYTES, salt)), f"the bytes there now (fill {salt})"
-            agent.recycle(again)
-        assert agent.reposts == 8
-        assert prod.notifs(9) == {agent.name: [b"v-0"] + [f"v-{s}".encode() for s in range(12, 20)]}
-        agent.remove_remote(name)
-        assert agent.idle_handles() == 0 and agent.open_handles() == 0
-    finally:
-        prod.kill()
-        agent.close()
+    with own_agent("test-consumer-vram", device="cuda") as (agent, dst):
+        prod = Producer("test-producer-vram", salt=11, device="cuda")
+        try:
+            name = agent.add_remote(prod.metadata)
+            where = (agent, NixlAgent.region_of(dst), prod.region, name, MemKind.VRAM)
+            first = read_recycled(*where, notif=b"v-0")
+            assert torch.equal(dst.cpu(), pattern(NBYTES, 11)) and agent.idle_handles() == 1
+            for salt in range(12, 20):
+                prod.fill(salt)
+                dst.zero_()
+                torch.cuda.synchronize()
+                assert read_recycled(*where, notif=f"v-{salt}".encode()) is first
+                assert torch.equal(dst.cpu(), pattern(NBYTES, salt)), f"the bytes there now (fill {salt})"
+            assert agent.reposts == 8
+            assert prod.notifs(9) == {agent.name: [b"v-0"] + [f"v-{s}".encode() for s in range(12, 20)]}
+            agent.remove_remote(name)
+            assert agent.idle_handles() == 0 and agent.open_handles() == 0
+        finally:
+            prod.kill()
 
 
 def test_read_from_dead_peer_raises_then_restarted_peer_works(
