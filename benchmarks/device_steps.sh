@@ -53,6 +53,23 @@ except redis.ConnectionError:
     pass" "$1"
 }
 
+# mps_start NAME: this call's own CUDA MPS control daemon (pipe and log dirs under /tmp/sf-mps-NAME, exported
+# for the steps after it; no GPU setting is changed); fails, saying so in $out/mps_NAME_failed.txt, when it
+# would not start.  mps_stop: quit it (its log stays in /tmp/sf-mps-NAME/log) and unexport the dirs.
+mps_start() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps-$1/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps-$1/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && return 0
+  echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/mps_$1_failed.txt"
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  return 1
+}
+
+mps_stop() {
+  echo quit | nvidia-cuda-mps-control
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
 # device_setup: the carried wheels (.whl, ../shared/tools/device-wheels.sh) installed into python3's own
 # site (every time: a warm machine may hold an older set; pip skips what is there already), the carried
 # redis-server started on 6379 unless one answers (waited for, not slept on), then what there is.

@@ -85,7 +85,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/issue39}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
-. benchmarks/device_steps.sh  # run_step, run_tree, start_server, stop_server
+. benchmarks/device_steps.sh  # run_step, run_tree, start_server, stop_server, mps_start, mps_stop
 # The throughput run the steps below vary (each tree's own benchmarks/throughput.py, from its root).
 T2VA=(python3 benchmarks/throughput.py --tasks T2VA --edges nixl --clients "${TPUT_CLIENTS:-4}")
 for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
@@ -97,7 +97,8 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
                  tests/broker/data/test_payload_codec.py tests/broker/data/test_pool.py \
                  "tests/broker/data/nixl/test_connector.py::test_cuda_leaves_land_on_the_consumer_gpu" \
                  "tests/broker/data/nixl/test_connector.py::test_a_block_cancelled_with_cuda_slots_still_returns_them" \
-                 "tests/broker/data/nixl/test_agent.py::test_a_vram_read_is_posted_again_on_its_recycled_handle" ;;
+                 "tests/broker/data/nixl/test_agent.py::test_a_vram_read_is_posted_again_on_its_recycled_handle" \
+                 "tests/broker/data/nixl/test_agent.py::test_a_reads_transport_is_read_from_ucxs_log_whose_file_is_gone" ;;
     same_gpu) run_step "$s" 90 python3 benchmarks/same_gpu.py --iters 30 --warmup 5 --log "$out/same_gpu_producer.log" ;;
     same_gpu_parts) run_step "$s" 120 python3 benchmarks/same_gpu_parts.py --iters 50 --warmup 10 ;;
     cold_gpu) run_step "${s}_t2va" 45 python3 benchmarks/cold_hop.py --device cuda --bytes 359024 --rounds 3 --hops 20
@@ -129,32 +130,22 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
                       run_step "first_get_this_$1" 90 python3 benchmarks/first_get_steps.py --device cuda --processes 4 --frames "$2" --idle 1
                     done ;;
     wake) run_step wake_cost 60 python3 benchmarks/wake_cost.py  # runtime calls after a sleep, no MPS, then under it
-          export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps-wake/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps-wake/log
-          mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-          if nvidia-cuda-mps-control -d; then
+          if mps_start wake; then
             run_step wake_cost_mps 60 python3 benchmarks/wake_cost.py
-            echo quit | nvidia-cuda-mps-control
-          fi
-          unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+            mps_stop
+          fi ;;
     first_get) run_step first_get_t2va 90 python3 benchmarks/first_get_steps.py --device cuda --processes 4 --idle 1
                run_step first_get_fl2va 90 python3 benchmarks/first_get_steps.py --device cuda --processes 4 --frames 2 --idle 1 ;;
-    mps|mps_copy) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps/log
-         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-         if nvidia-cuda-mps-control -d; then
+    mps|mps_copy) if mps_start "$s"; then
            run_step mps_same_gpu 90 python3 benchmarks/same_gpu.py --iters 30 --warmup 5 --log "$out/mps_producer.log"
            if [ "$s" = mps ]; then
              run_step mps_same_gpu_parts 120 python3 benchmarks/same_gpu_parts.py --iters 50 --warmup 10
              echo get_server_list | nvidia-cuda-mps-control > "$out/mps_servers.txt" 2>&1
            fi
-           echo quit | nvidia-cuda-mps-control
-           [ "$s" = mps ] && cp "$CUDA_MPS_LOG_DIRECTORY"/*.log "$out/" 2>/dev/null
-         else
-           echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/mps_same_gpu.txt"
-         fi
-         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
-    copy_pair) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps-pair/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps-pair/log
-         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-         if nvidia-cuda-mps-control -d; then  # same_gpu.py on .prev and on this tree, alternating which goes first
+           mps_stop
+           [ "$s" = mps ] && cp /tmp/sf-mps-mps/log/*.log "$out/" 2>/dev/null
+         fi ;;
+    copy_pair) if mps_start pair; then  # same_gpu.py on .prev and on this tree, alternating which goes first
            for r in $(seq "${PAIR_ROUNDS:-3}"); do
              for level in ${PAIR_LEVELS:-warning info}; do
                pair=(benchmarks/same_gpu.py --iters 30 --warmup 5 --log-level "$level")
@@ -168,14 +159,9 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
                done
              done
            done
-           echo quit | nvidia-cuda-mps-control
-         else
-           echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/copy_pair.txt"
-         fi
-         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
-    repost_pair) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps-repost/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps-repost/log
-         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-         if nvidia-cuda-mps-control -d; then  # VRAM READs on fresh handles and on kept ones, alternating
+           mps_stop
+         fi ;;
+    repost_pair) if mps_start repost; then  # VRAM READs on fresh handles and on kept ones, alternating
            for r in $(seq "${PAIR_ROUNDS:-3}"); do
              for kept in $( ((r % 2)) && echo "fresh kept" || echo "kept fresh"); do
                routes="DRAM<-DRAM"; [ "$kept" = kept ] && routes="DRAM<-DRAM,VRAM<-VRAM"
@@ -183,20 +169,14 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
                  --recycled-routes "$routes" --log "$out/repost${r}_${kept}_producer.log"
              done
            done
-           echo quit | nvidia-cuda-mps-control
-         else
-           echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/repost_pair.txt"
-         fi
-         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
-    launch) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps-launch/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps-launch/log
-         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-         if nvidia-cuda-mps-control -d; then  # the launch's calls inside gets, by variant (same_gpu_launch.py)
+           mps_stop
+         fi ;;
+    launch) if mps_start launch; then  # the launch's calls inside gets, by variant (same_gpu_launch.py)
            run_step launch_mps 120 python3 benchmarks/same_gpu_launch.py --log "$out/launch_producer.log"
            run_step launch_mps_slow_progress 90 python3 benchmarks/same_gpu_launch.py --variants as_is,driver_api \
              --progress-delay-us 100000 --log "$out/launch_producer.log"
-           echo quit | nvidia-cuda-mps-control
+           mps_stop
          fi
-         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
          run_step launch_no_mps 120 python3 benchmarks/same_gpu_launch.py --log "$out/launch_producer.log" ;;
     commands) run_step "$s" 150 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \
                 python3 benchmarks/commands_compare.py --base .base --replicas 8 --requests 2000 --rounds 1 ;;

@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/issue40}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
-. benchmarks/device_steps.sh  # run_step
+. benchmarks/device_steps.sh  # run_step, mps_start, mps_stop
 device=cuda size=(--width 1344 --height 768 --gpu-util) requests=3 burst=6
 if [ "${1:-}" = "--cpu" ]; then
   shift
@@ -37,18 +37,13 @@ for s in ${*:-setup streamed_reference streaming}; do
                           --duration 2 --steps 4 --requests "$requests" --burst "$burst" ;;
     streamed_chunks2) run_step "$s" 300 "$py" benchmarks/streamed_reference.py --device "$device" "${size[@]}" \
                           --duration 2 --steps 4 --requests "$requests" --burst "$burst" --chunk-latent-frames 2 ;;
-    mps) export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps/log
-         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-         if nvidia-cuda-mps-control -d; then
+    mps) if mps_start streamed; then
            for n in ${MPS_CHUNKS:-1}; do
              run_step "mps_streamed_chunks$n" 300 "$py" benchmarks/streamed_reference.py --device "$device" \
                "${size[@]}" --duration 2 --steps 4 --requests "$requests" --burst "$burst" --chunk-latent-frames $n
            done
-           echo quit | nvidia-cuda-mps-control
-         else
-           echo "nvidia-cuda-mps-control -d failed (rc=$?)" | tee "$out/mps_streamed_chunks1.txt"
-         fi
-         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+           mps_stop
+         fi ;;
     streaming) run_step "$s" 90 "$py" benchmarks/streaming.py --device "$device" --chunks 8 --chunk-kib 2048 --requests 10 ;;
     *) echo "unknown step $s" >&2 ;;
   esac

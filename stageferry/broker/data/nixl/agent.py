@@ -147,6 +147,9 @@ class NixlAgent:
         self._transport: dict[tuple[str, str], str] = {}  # (remote, route) -> what UCX said
         self._transport_tries: dict[tuple[str, str], int] = {}
         self._ucx_tables: dict[str, list[str]] = {}  # remote -> what UCX printed, not yet matched to a route
+        # route -> the last tables UCX printed for it, kept when their peer goes: UCX prints a table once
+        # per endpoint configuration, so a later peer on the same one (a producer restarted) prints none
+        self._route_tables: dict[str, str] = {}
         self._ucx_log = UcxLogTail(native.ucx_log_path) if native.ucx_log_path is not None else None
         log.info(
             "nixl.agent.created",
@@ -384,7 +387,8 @@ class NixlAgent:
         Cannot tell: anything when neither is set (None; NIXL's own ``query_xfer_backend`` only says
         "UCX" and telemetry only times and bytes); per-peer detail when two peers share one UCX endpoint
         configuration (UCX prints a table once per configuration: the second peer gets the first's, marked
-        "shared"); anything with ``UCX_PROTO_INFO=used`` (printed only when the agent is destroyed).
+        "shared", as does a peer that came after one gone, a producer restarted); anything with
+        ``UCX_PROTO_INFO=used`` (printed only when the agent is destroyed).
         Learned at a peer's first completed READ.  Seen on 2 x H200 (nixl-cu13 1.5.1, UCX 1.23.0):
         ``remote memory read by ucp_get*(multi) into cuda/GPU1 from cuda/dev[2]: 0..inf zero-copy
         cuda_ipc/cuda``; on CPU: ``... zero-copy cma/memory``.
@@ -469,11 +473,11 @@ class NixlAgent:
         found = [t for t in tables if route_matches(t, key[1])]
         if found:
             tables[:] = [t for t in tables if t not in found]
-            info = "; ".join(found)
+            info = self._route_tables[key[1]] = "; ".join(found)
         else:
-            earlier = [v for k, v in self._transport.items() if k != key and k[1] == key[1]]
-            if not earlier:
+            earlier = self._route_tables.get(key[1])
+            if earlier is None:
                 return
-            info = earlier[-1].removesuffix(" (shared)") + " (shared)"
+            info = earlier + " (shared)"
         self._transport[key] = info
         log.info("nixl.transport", agent=self.name, remote=key[0], route=key[1], transport=info)

@@ -204,6 +204,16 @@ def test_a_reads_transport_is_read_from_ucxs_log_whose_file_is_gone() -> None:
             assert torch.equal(dst, pattern(NBYTES, 13))
         finally:
             prod.kill()
+        # A producer restarted: UCX prints no table for its endpoint (the same configuration as the gone
+        # one's), so it is told what the gone one used, marked "shared" (it was "?" in `up`'s table).
+        agent.remove_remote(name)
+        again = Producer("test-producer-t2", salt=17)
+        try:
+            later = read_whole(agent, dst, again)
+            assert agent.transport_info(later, MemKind.DRAM, MemKind.DRAM) in {info, f"{info} (shared)"}
+            assert torch.equal(dst, pattern(NBYTES, 17))
+        finally:
+            again.kill()
 
 
 def test_a_read_of_the_same_regions_is_posted_again_on_its_recycled_handle(
