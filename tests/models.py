@@ -141,6 +141,7 @@ class ChunkConsumer:
         run = uuid.uuid4().hex[:12]
         applied: list[int] = []
         record = os.environ.get("STAGEFERRY_TEST_CHUNKS")
+        assert payload is not None, "a consumer stage always has an input"
         for chunk in payload:
             index = int(chunk["index"][0])
             if not torch.equal(chunk["data"], chunk_data(ctx.request_id, index, self.hidden)):

@@ -204,6 +204,7 @@ async def test_health_tells_the_failover_while_it_runs_and_clears_after(settled:
             with ha.group.replicas_frozen() as thaw:
                 await ha.group.kill_primary()
                 told = await eventually(failover_told, timeout=60, what="health naming the failover")
+                assert told is not None  # eventually returns a true value
                 assert set(told.split(",")) <= {"s_down", "o_down", "failover_in_progress", "promoted"}
                 thaw()
             monitor = HealthMonitor(client, redis)

@@ -48,10 +48,17 @@ def test_nothing_listening_is_none_and_other_families_are_ignored() -> None:
     assert resources_in('# TYPE x gauge\nx{what="leases"} 4\n') == {}
 
 
-def outcome(state: str | None, *, code: str | None = None, held: bool = False, **extra: str) -> RequestOutcome:
+def outcome(
+    state: str | None,
+    *,
+    code: str | None = None,
+    held: bool = False,
+    wiped: str | None = None,
+    told: str | None = None,
+) -> RequestOutcome:
     return RequestOutcome(
         request_id="r", expected="done", state=state, code=code, attempt=0, terminal_events=int(state is not None),
-        result_ok=True, held=held, fallback=False, **extra,
+        result_ok=True, held=held, fallback=False, wiped=wiped, told=told,
     )  # fmt: skip
 
 

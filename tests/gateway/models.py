@@ -57,7 +57,8 @@ class HeldBeforeLastChunk:
         go = ctx.output_dir / f"{ctx.request_id}.go"
 
         def held() -> Any:
-            for index, chunk in enumerate(payload):  # type: ignore[union-attr]
+            assert payload is not None, "the decode stage always has an input"
+            for index, chunk in enumerate(payload):
                 yield chunk
                 if index + 1 == last:  # the decode of this chunk is muxed once the next is asked for
                     deadline = time.monotonic() + 120

@@ -132,7 +132,8 @@ def test_submit_watch_play_and_trace(browser: Browser, deployment: ConsoleDeploy
     expect(page.locator("#current-state")).to_have_text("done", timeout=DONE_TIMEOUT_MS)
     page.wait_for_function("document.getElementById('player').readyState >= 2", timeout=60_000)
     assert page.evaluate("document.getElementById('player').videoWidth") == 256
-    assert page.get_attribute("#download", "href", timeout=5_000).startswith("blob:")
+    href = page.get_attribute("#download", "href", timeout=5_000)
+    assert href is not None and href.startswith("blob:")
     assert page.get_attribute("#download", "download") == f"{vid}.mp4"
     page.wait_for_function("document.getElementById('player').poster.startsWith('data:image/jpeg')", timeout=30_000)
     log = page.locator("#event-log li")

@@ -44,7 +44,7 @@ SAMPLES = sample_media(Task.FL2VA) | sample_media(Task.REF2VA)
 
 def mp4_facts(data: bytes) -> dict[str, Any]:
     """What an MP4 decodes to, independently of the writer's own probe."""
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), mode="r") as container:
         video = container.streams.video[0]
         audio = container.streams.audio[0]
         frames = sum(1 for _ in container.decode(video=0))
@@ -364,10 +364,10 @@ def test_gateway_command_serves_the_configured_deployment(deployment: Deployment
         created = httpx.post(f"http://127.0.0.1:{port}/v1/videos", data=form(), timeout=60)
         assert created.status_code == 200, created.text
         redis = sync_redis.Redis.from_url(deployment.redis_url)
-        events = Keys(deployment.prefix).events(created.json()["id"])
+        events_key = Keys(deployment.prefix).events(created.json()["id"])
 
         def traced() -> bool:  # the gateway's own events join the request's trace
-            rows = redis.xrange(events)
+            rows = redis.xrange(events_key)
             return any(json.loads(f.get(b"event", b"{}")).get("event") == "gateway.submitted" for _, f in rows)
 
         wait_for(traced, 30, "the gateway's event in the request's trace")

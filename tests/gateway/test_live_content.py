@@ -51,6 +51,6 @@ def test_a_running_video_downloads_as_it_is_written(live: tuple[str, Path]) -> N
         whole = http.get(f"/v1/videos/{vid}/content")
         assert whole.status_code == 200 and "x-live" not in whole.headers
         assert got == whole.content, "the live body is the finished MP4"
-        with av.open(io.BytesIO(got)) as container:
+        with av.open(io.BytesIO(got), mode="r") as container:
             frames = sum(1 for _ in container.decode(video=0))
         assert frames == FRAMES and not (out / f"{vid}.mp4.part").exists()

@@ -55,7 +55,7 @@ def test_create_poll_and_download_every_variant(sdk: openai.OpenAI) -> None:
     assert video.size == SIZE and video.seconds == "1" and video.progress == 100
     assert video.model_extra is not None and video.model_extra["task"] == "t2va"
     mp4 = sdk.videos.download_content(video.id).read()
-    with av.open(io.BytesIO(mp4)) as container:
+    with av.open(io.BytesIO(mp4), mode="r") as container:
         frames = sum(1 for _frame in container.decode(video=0))
     assert frames == 8
     thumb = sdk.videos.download_content(video.id, variant="thumbnail")

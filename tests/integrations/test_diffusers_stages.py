@@ -73,7 +73,8 @@ def test_each_stage_loads_only_its_components(
     base = enc.pipes[next(iter(enc.pipes))]
     assert base.transformer is None and base.vae is None
     assert dif.pipes[next(iter(dif.pipes))].text_encoder is None
-    assert input_contract_of(dif) is dif.input_contract and dif.input_contract.id == f"stageferry.diffusers.{family}/1"
+    contract = input_contract_of(dif)
+    assert contract is dif.input_contract and contract is not None and contract.id == f"stageferry.diffusers.{family}/1"
 
 
 @pytest.mark.parametrize("family", ["wan", "ltx2"])

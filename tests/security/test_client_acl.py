@@ -9,6 +9,7 @@ without writing anything under that id, and the submitter learns it from the ref
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections.abc import Callable, Iterator
@@ -176,11 +177,14 @@ def test_a_tenant_cannot_submit_for_another_tenant(tenants: tuple[PrivateRedis, 
     acme = sync_redis.Redis.from_url(url(server.port, "sfclient-acme"))
     globex = sync_redis.Redis.from_url(url(server.port, "sfclient-globex"))
     intake = KEYS.intake("encoder", "acme")
-    forged = {"envelope": {"from_stage": "encoder", "attempt": 7, "deadline": 1e12}}
+    forged_envelope = {"from_stage": "encoder", "attempt": 7, "deadline": 1e12}
     cases = {
         "globex.stolen": (submission("globex.stolen", JOB), "tenant_mismatch"),
         "untenanted-id": (submission("untenanted-id", JOB), "tenant_mismatch"),
-        "acme.forged-envelope": (submission("acme.forged-envelope", JOB, **forged), "submission_refused"),
+        "acme.forged-envelope": (
+            submission("acme.forged-envelope", JOB, envelope=forged_envelope),
+            "submission_refused",
+        ),
         "acme.bad:id": (submission("acme.bad:id", JOB), "invalid_request_id"),
     }
     tickets = {rid: json.loads(item)["ticket"] for rid, (item, _code) in cases.items()}
@@ -190,7 +194,7 @@ def test_a_tenant_cannot_submit_for_another_tenant(tenants: tuple[PrivateRedis, 
         refusal = wait_for(lambda t=tickets[rid]: acme.hgetall(KEYS.refused(t, "acme")), 60, f"refusal of {rid}")
         assert refusal[b"code"].decode() == code, (rid, refusal)
         assert refusal[b"request_id"].decode() == rid
-        assert refused(lambda t=tickets[rid]: globex.hgetall(KEYS.refused(t, "acme")))  # not globex's to read
+        assert refused(functools.partial(globex.hgetall, KEYS.refused(tickets[rid], "acme")))  # not globex's to read
     for rid in cases:
         assert not admin.exists(KEYS.request(rid), KEYS.events(rid)), rid  # nothing written under those ids
     dead = admin.xrange(KEYS.dead_letter("encoder"))

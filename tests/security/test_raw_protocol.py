@@ -65,7 +65,9 @@ def test_the_documented_canonical_encoding_is_the_stages() -> None:
     for job in (JOB, {**JOB, "prompt": "ein Boot im Regen – 雨の中の紙の船", "flow_shift": 4, "seed": 7}):
         assert documented_digest(job) == JobRequest.model_validate(job).digest()
     doc = (ROOT / "docs" / "protocol.md").read_text()
-    example = json.loads(re.search(r"^(\{\"task\":\"t2va\",\"prompt\":\"a paper boat in the rain\".*)$", doc, re.M)[1])
+    line = re.search(r"^(\{\"task\":\"t2va\",\"prompt\":\"a paper boat in the rain\".*)$", doc, re.M)
+    assert line is not None, "docs/protocol.md has the example job"
+    example = json.loads(line[1])
     assert json.dumps(example, separators=(",", ":")) == JobRequest.model_validate(example).model_dump_json()
 
 

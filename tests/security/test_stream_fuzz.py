@@ -215,12 +215,8 @@ def draw_entry(dep: Deployment, data: st.DataObject) -> tuple[str, str, dict[str
         fields["request_id"] = data.draw(raw_junk | st.just("x" * 300).map(str.encode), label="rid")
         rid = ""
     else:
-        fields["request_id"] = rid
-    return (
-        data.draw(st.sampled_from(["encoder", "diffusion"]), label="stage"),
-        rid,
-        {k: v if isinstance(v, bytes) else v.encode() for k, v in fields.items()},
-    )
+        fields["request_id"] = rid.encode()
+    return data.draw(st.sampled_from(["encoder", "diffusion"]), label="stage"), rid, fields
 
 
 # -- the test -----------------------------------------------------------------------------------------------

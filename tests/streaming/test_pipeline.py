@@ -219,7 +219,8 @@ def test_a_chunk_that_does_not_come_ends_the_request_chunk_timeout(tmp_path: Pat
         wait_for(lambda: r.xpending(stream, "encoder")["pending"] == 0, 60, "the producer's entry to be settled")
         assert len(events(svc, rid, "chunk.put")) <= 3  # it stopped at its window instead of waiting there
         assert [e.raw["index"] for e in events(svc, rid, "chunk.put")] == [0, 1]
-        assert client.status(rid).error.code == "chunk_timeout"  # and the request's record stands
+        record = client.status(rid)  # and the request's record stands
+        assert record is not None and record.error is not None and record.error.code == "chunk_timeout"
 
 
 def test_a_stream_into_a_model_that_takes_whole_payloads_fails_typed(

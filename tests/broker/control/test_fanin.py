@@ -105,9 +105,10 @@ async def test_a_key_of_the_wrong_type_fails_only_its_own_waiter(redis_url: str,
                     await anyio.sleep(0.02)
             assert good not in outcome
             await finish(client, good)
-        assert isinstance(outcome[good], RequestStatus) and outcome[good].state is RequestState.DONE
-        assert isinstance(outcome[bad], ControlPlaneError)
-        assert "WRONGTYPE" in outcome[bad].message
+        good_outcome, bad_outcome = outcome[good], outcome[bad]
+        assert isinstance(good_outcome, RequestStatus) and good_outcome.state is RequestState.DONE
+        assert isinstance(bad_outcome, ControlPlaneError)
+        assert "WRONGTYPE" in bad_outcome.message
 
 
 async def test_wait_rides_through_a_redis_restart(private_redis: EmbeddedRedis) -> None:

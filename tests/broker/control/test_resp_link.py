@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import selectors
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -106,10 +107,15 @@ async def test_a_hot_link_waits_without_letting_the_event_loop_sleep_and_only_wh
     linked: Linked, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     redis, link = linked.redis, linked.link
-    selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+    selector: selectors.BaseSelector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
     timeouts: list[float | None] = []
     select = selector.select
-    monkeypatch.setattr(selector, "select", lambda timeout=None: timeouts.append(timeout) or select(timeout))
+
+    def recording_select(timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        timeouts.append(timeout)
+        return select(timeout)
+
+    monkeypatch.setattr(selector, "select", recording_select)
 
     async def wait_for_push(wake: str) -> list[float | None]:
         timeouts.clear()

@@ -55,6 +55,7 @@ def test_allocator_never_overlaps_and_coalesces(ops: list[tuple[str, int]], alig
 def test_allocator_shrink_frees_the_tail_and_merges_it() -> None:
     a = ArenaAllocator(1024, 256)
     x = a.allocate(1000)
+    assert x is not None
     a.shrink(x, 300)  # two units kept, the last two free again and one block
     assert a.bytes_in_use == 512 and a.free_blocks() == [(512, 512)]
     a.shrink(x, 600)  # already that small: nothing changes

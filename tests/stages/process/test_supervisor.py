@@ -137,8 +137,9 @@ def test_poison_jobs_are_dead_letters_not_a_replica_that_gives_up(tmp_path: Path
         assert len(events(svc, "group.rank_died")) == 4
         assert not events(svc, "group.gave_up"), svc.logs()
         assert supervisor.poll() is None, "the supervisor still heals its replica"
-        settled = events(svc, "group.crashes_settled")
-        assert [e["crashes"] for e in settled] == [2], settled  # the second pair is settled with no death after
+        # the second pair is settled with no death after
+        crashes_settled = events(svc, "group.crashes_settled")
+        assert [e["crashes"] for e in crashes_settled] == [2], crashes_settled
         assert max(e["attempt"] for e in events(svc, "group.restarting")) == 2  # the count never ran up
 
         after = client.submit(JOB)

@@ -96,6 +96,7 @@ def test_the_decode_stage_writes_a_fragmented_mp4_as_the_chunks_come(runs: dict[
 
     out = decode.factory(stage=StageConfig(name="decode"), pipeline=PIPE)(j, stream_of(runs["chunks"], before), ctx)
     assert isinstance(out, FinalOutput) and out.path == tmp / "req-three.mp4" and not part.exists()
+    assert out.path is not None
     assert b"moof" in seen[last] and b"mvex" in seen[last], "fragments are in the file before the last chunk"
     assert len(seen[last]) < out.path.stat().st_size
     assert out.info["frames_sha256"] == two.info["frames_sha256"], "the two-stage pipeline's frames"

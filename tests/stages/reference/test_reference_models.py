@@ -22,7 +22,7 @@ import math
 import wave
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import av
 import numpy as np
@@ -45,7 +45,17 @@ from stageferry.testing import assert_same, tensor_bytes, tensors_of
 
 pytestmark = pytest.mark.timeout(120)
 PIPE = PipelineConfig()
-SMALL = {"dim": 64, "heads": 4, "layers": 2}  # diffusion model size for the tests
+
+
+class DiffusionSize(TypedDict):
+    """The transformer-size arguments of :func:`stageferry.stages.reference.diffusion.factory`."""
+
+    dim: int
+    heads: int
+    layers: int
+
+
+SMALL: DiffusionSize = {"dim": 64, "heads": 4, "layers": 2}  # diffusion model size for the tests
 PROMPT33 = "a red fox runs through deep snow."
 assert len(PROMPT33.encode()) == 33
 
