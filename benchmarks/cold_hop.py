@@ -128,8 +128,8 @@ async def run(args: argparse.Namespace) -> None:
     print(f"$ python {' '.join(sys.argv)}\n")
     print(f"{args.bytes:,} bytes on {args.device}, {args.hops} hops per round (warm = median of hops 2..N)\n")
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    for line in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
     print("\nmedians over rounds:")
     for mode, rs in results.items():
         first = statistics.median(x["transfer"][0] for x in rs)

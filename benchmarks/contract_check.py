@@ -39,15 +39,17 @@ def payload(task: str) -> tuple[JobRequest, dict[str, Any]]:
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(35, 5120, generator=g).bfloat16()
     roles = torch.ones(35, dtype=torch.int64)
-    extra: dict[str, torch.Tensor] = {}
+    visual: torch.Tensor | None = None
+    audio: torch.Tensor | None = None
+    style: torch.Tensor | None = None
     h, w = layout.latent_height, layout.latent_width
     if task == "fl2va":
-        extra["visual_latents"] = torch.randn(2, 16, 1, h, w, generator=g)
+        visual = torch.randn(2, 16, 1, h, w, generator=g)
     if task == "ref2va":
-        extra["visual_latents"] = torch.randn(1, 16, 21, h, w, generator=g)
-        extra["audio_latents"] = torch.randn(1, 64, 501, generator=g)
-        extra["audio_style"] = extra["audio_latents"].mean(dim=2)
-    return job, build_payload(job, hidden, roles, **extra)
+        visual = torch.randn(1, 16, 21, h, w, generator=g)
+        audio = torch.randn(1, 64, 501, generator=g)
+        style = audio.mean(dim=2)
+    return job, build_payload(job, hidden, roles, visual_latents=visual, audio_latents=audio, audio_style=style)
 
 
 def tensors(tree: Any) -> list[torch.Tensor]:

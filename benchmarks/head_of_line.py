@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,7 @@ async def phase(args: argparse.Namespace, op: str | None) -> dict[str, Any]:
     finally:
         for p in procs:
             try:
-                await anyio.to_thread.run_sync(lambda p=p: p.wait(timeout=30))
+                await anyio.to_thread.run_sync(partial(p.wait, timeout=30))
             except subprocess.TimeoutExpired:
                 p.kill()
         keys = [k async for k in bench.scan_iter(match=f"{prefix}:*")]

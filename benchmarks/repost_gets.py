@@ -50,7 +50,7 @@ def make(url: str, prefix: str, stage: str) -> NixlConnector:
 async def run(args: argparse.Namespace) -> None:
     prefix = f"repost-{time.time_ns()}"
     producer, consumer = make(args.redis_url, prefix, "encoder"), make(args.redis_url, prefix, "diffusion")
-    kept = agent_module.IDLE_HANDLES
+    shipped_handles = agent_module.IDLE_HANDLES
     rows = []
     reader = consumer.consumer.reader
     read = reader.read
@@ -72,7 +72,7 @@ async def run(args: argparse.Namespace) -> None:
             blocks = 2 * (-(-args.gets // (block - 1)) + 1)  # the first two blocks warm up
             for i in range(blocks * block):
                 way = "kept" if (i // block) % 2 == 0 else "fresh"
-                agent_module.IDLE_HANDLES = kept if way == "kept" else 0
+                agent_module.IDLE_HANDLES = shipped_handles if way == "kept" else 0
                 while len(producer.leases):  # noqa: ASYNC110 - the last slot freed: this payload goes there
                     await anyio.sleep(0.0005)
                 out = await producer.put(f"k-{nbytes}-{i}", sized_payload(nbytes, seed=i))
@@ -99,7 +99,7 @@ async def run(args: argparse.Namespace) -> None:
                 (nbytes, {w: {k: statistics.median(v) for k, v in d.items()} for w, d in seen.items()}, reposts)
             )
         tg.cancel_scope.cancel()
-    agent_module.IDLE_HANDLES = kept
+    agent_module.IDLE_HANDLES = shipped_handles
     for conn in (consumer, producer):
         await conn.aclose()
         await conn.endpoint.redis.aclose()

@@ -258,8 +258,9 @@ async def consumer(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> 
             phase["copy_end"] = end
             if "read_in" in phase and "launch_end" in phase:
                 phase["to_read"] = (phase["read_in"] - phase["launch_end"]) * 1e3
-            marks = [phase.get(m) for m in ("views_end", "wait_all_in", "wait_all_out", "copy_wait_in")] + [t]
-            if None not in marks:  # the views' end to the copy's wait, in its steps
+            mark_keys = ("views_end", "wait_all_in", "wait_all_out", "copy_wait_in")
+            if all(m in phase for m in mark_keys):  # the views' end to the copy's wait, in its steps
+                marks = [phase[m] for m in mark_keys] + [t]
                 names = ("to_wait_all", "wait_all", "to_copy_wait", "to_wait")
                 for name, start, stop in zip(names, marks, marks[1:], strict=False):
                     phase[name] = (stop - start) * 1e3

@@ -101,7 +101,7 @@ def med(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
-def gpu_us(fn: Callable[[], None], iters: int, warmup: int) -> float:
+def gpu_us(fn: Callable[[], object], iters: int, warmup: int) -> float:
     out = []
     for i in range(iters + warmup):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -77,6 +77,7 @@ def hop_steps(role: str) -> StepTimer:
     from stageferry.broker.data.nixl import consumer, peers, producer, reads, releases, staged_outputs
 
     timer = StepTimer()
+    owner: object  # a class or a module (both loops below): what StepTimer.wrap takes
     if role == "producer":
         for owner, attr, name in (
             (producer.Producer, "_put", "put (all of it)"),

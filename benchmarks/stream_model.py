@@ -56,6 +56,7 @@ class Consumer:
 
     def __call__(self, job: JobRequest, payload: Any | None, ctx: StageContext) -> Any:
         mode, chunks, _, _, consume_s = _env()
+        assert payload is not None  # a consumer always gets its producer's output (or its chunks)
         first_at: float | None = None
         taken = 0
         if mode == "chunked":

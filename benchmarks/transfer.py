@@ -43,6 +43,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,7 @@ from stageferry.broker.control.redis_conn import connect  # noqa: E402
 from stageferry.broker.control.resp_link import open_link, run_script  # noqa: E402
 from stageferry.broker.control.stream_scripts import WAKE_LUA  # noqa: E402
 from stageferry.broker.control.streams import LEASE_FIELD, Entry, StageStream  # noqa: E402
+from stageferry.broker.data.connector_contract import Incoming  # noqa: E402
 from stageferry.broker.data.inline import InlineConnector  # noqa: E402
 from stageferry.broker.data.nixl.connector import NixlConnector  # noqa: E402
 from stageferry.broker.data.payload_codec import plan_payload  # noqa: E402
@@ -125,10 +127,13 @@ def connector(
         timeouts=Timeouts(pool_wait=120.0, lease=600.0, claim=600.0),
         cuda_device=device if on_gpu else None,
     )
-    conn.inline = InlineConnector(
-        max_bytes=INLINE_CAP, max_payload_bytes=INLINE_CAP, cuda_device=device if on_gpu else None
-    )
     return conn
+
+
+def inline_connector(device: torch.device) -> InlineConnector:
+    """The benchmark's own inline path (its ``inline`` op), beside the NIXL connector on the same device."""
+    on_gpu = device.type == "cuda"
+    return InlineConnector(max_bytes=INLINE_CAP, max_payload_bytes=INLINE_CAP, cuda_device=device if on_gpu else None)
 
 
 def bench_client(url: str) -> Any:
@@ -150,6 +155,7 @@ async def producer(args: argparse.Namespace) -> None:
         torch.cuda.set_device(device)
     redis, bench = connect(args.redis_url), bench_client(args.redis_url)
     conn = connector(redis, args.prefix, "bench-producer", args.pool_bytes, device)
+    inline = inline_connector(device)
     conn.open()
     assert conn.agent is not None and conn.pools is not None, f"producer has no NIXL agent: {conn.unavailable_reason}"
     payloads: dict[int, Any] = {}
@@ -176,7 +182,7 @@ async def producer(args: argparse.Namespace) -> None:
             payload = write_into(await conn.stage(f"bench-{i}", payload), payload)
             sync(device)
         t0 = time.monotonic_ns()
-        out = await conn.put(f"bench-{i}", payload) if op != "inline" else await conn.inline.encode(payload)
+        out = await conn.put(f"bench-{i}", payload) if op != "inline" else await inline.encode(payload)
         t1 = time.monotonic_ns()
         fields: dict[str, Any] = {
             "ref": out.ref.model_dump_json(),
@@ -238,6 +244,7 @@ class Consumer:
     def __init__(self, redis: Any, conn: NixlConnector, prefix: str, device: torch.device, fanout: FanOut) -> None:
         self.redis = redis
         self.conn = conn
+        self.inline = inline_connector(device)
         self.device = device
         self.fanout = fanout
         self.cmd_key = f"{prefix}:bench:cmd"
@@ -268,9 +275,10 @@ class Consumer:
         fields = entry.fields
         ref = self.refs.validate_json(fields["ref"])
         blob = fields.get("blob")
+        ctx: AbstractAsyncContextManager[Incoming]
         if op == "inline":
             assert isinstance(ref, InlinePayload), ref
-            ctx = self.conn.inline.get(ref, blob, key=key)
+            ctx = self.inline.get(ref, blob, key=key)
         else:
             assert isinstance(ref, NixlPayload), ref
             claimed = entry.claimed(ref.token)
