@@ -75,6 +75,7 @@ def hop_steps(role: str) -> StepTimer:
     from stageferry.broker.control import streams
     from stageferry.broker.data import pool
     from stageferry.broker.data.nixl import consumer, peers, producer, reads, releases, staged_outputs
+    from stageferry.schemas.nixl import Sealer
 
     timer = StepTimer()
     owner: object  # a class or a module (both loops below): what StepTimer.wrap takes
@@ -96,7 +97,7 @@ def hop_steps(role: str) -> StepTimer:
         (consumer, "validate_manifest", "get: validate the manifest"),
         (peers.Peers, "ensure", "get: peer lookup"),
         (consumer, "validate_remote_regions", "get: descriptor bounds"),
-        (consumer, "lease_seal", "get: seal"),
+        (Sealer, "seal", "get: seal (the peer's Sealer)"),
         (consumer, "check_fresh", "get: lease fresh"),
         (pool.PoolSet, "acquire_regions", "get: take a slot"),
         (reads.Reader, "read", "get: READ (post, wait, release notification)"),
