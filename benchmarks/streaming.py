@@ -19,6 +19,7 @@ and the same compute, handed on as one payload after the last step.  Printed, me
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -38,6 +39,7 @@ from stageferry.cli.launcher import ServiceGroup, wait_for_workers  # noqa: E402
 from stageferry.client import Client  # noqa: E402
 from stageferry.config import PipelineConfig  # noqa: E402
 from stageferry.schemas import RequestState  # noqa: E402
+from stageferry.trace.events import TraceEvent  # noqa: E402
 
 STAGES = {"encoder": "benchmarks.stream_model:producer", "diffusion": "benchmarks.stream_model:consumer"}
 
@@ -52,6 +54,20 @@ def pipeline_toml(chunk_bytes: int, chunks: int, device: str = "cpu") -> str:
         "[streaming]\nmax_chunks_in_flight = 4\nchunk_timeout_s = 60.0\n\n"
         f"[limits]\nmax_entry_bytes = {256 << 20}\n\n{stages}"
     )
+
+
+async def chunk_events(client: Client, rid: str, want: int, within_s: float = 10.0) -> list[TraceEvent]:
+    """The request's ``chunk.received`` events, once ``want`` of them are in its trace: each service's
+    event sink forwards its log lines a moment after the request is done, so the trace read right after
+    ``wait`` may not hold them yet.  Fewer after ``within_s``: what there is, said on stderr."""
+    deadline = time.monotonic() + within_s
+    while True:
+        events = [ev for ev in await client.trace(rid) if ev.event == "chunk.received"]
+        if len(events) >= want or time.monotonic() > deadline:
+            if len(events) < want:
+                print(f"{rid}: {len(events)} of {want} chunk.received events in its trace", file=sys.stderr)
+            return events
+        await asyncio.sleep(0.05)
 
 
 async def run_mode(url: str, mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -97,10 +113,9 @@ async def run_mode(url: str, mode: str, args: argparse.Namespace, workdir: Path)
                 out["first"].append((res["first_at"] - submitted) * 1e3)
                 out["done"].append((res["done_at"] - submitted) * 1e3)
                 if mode == "chunked":
-                    for ev in await client.trace(rid):
-                        if ev.event == "chunk.received":
-                            out["get"].append(float(ev.raw["seconds"]) * 1e3)
-                            out["announced"].append(float(ev.raw["hop_s"]) * 1e3)
+                    for ev in await chunk_events(client, rid, args.chunks):
+                        out["get"].append(float(ev.raw["seconds"]) * 1e3)
+                        out["announced"].append(float(ev.raw["hop_s"]) * 1e3)
                 else:
                     out["get"] += [t.transfer_seconds * 1e3 for t in status.timings if t.stage == "diffusion"]
             started = time.perf_counter()  # all at once: throughput
