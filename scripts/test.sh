@@ -45,7 +45,7 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 
 .venv/bin/ruff check stageferry tests benchmarks
-.venv/bin/mypy stageferry tests
+.venv/bin/mypy --explicit-package-bases stageferry tests benchmarks
 # Two workers (pytest-xdist): most tests wait on processes, Redis or sockets, so two share the CI box's two
 # cores well (pytest 14.5 min serial, 9.5-10 min on two workers there).  STAGEFERRY_TEST_WORKERS=0 runs in one process.
 exec .venv/bin/pytest -q -n "${STAGEFERRY_TEST_WORKERS:-2}" --durations=30 "$@"
