@@ -11,6 +11,14 @@ import pytest
 import redis as sync_redis
 import structlog
 
+#: The suite runs on one host, and one of its tests (tests/reliability/test_across_hosts.py) adds and deletes
+#: IP-bearing veths in this namespace while the other worker makes NIXL agents.  A UCX worker advertises every
+#: interface it opened, so an agent made while such a veth existed lists it for its whole life, and every
+#: peer's handshake with it then fails ("Destination is unreachable": the address is gone) — the failure CI
+#: met.  Agents here use loopback (shared memory and CUDA transports are not network devices and are kept);
+#: the netns services pin their own data link.  An operator pins a stage with STAGEFERRY_ADVERTISE_ADDRESS.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules holding a ``slow`` test first, each module's tests in their own order: the suite's two

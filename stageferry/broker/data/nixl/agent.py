@@ -59,6 +59,16 @@ def is_nixl_error(exc: BaseException) -> bool:
     return type(exc).__module__.endswith("_bindings") and type(exc).__name__.startswith("nixl")
 
 
+#: Why a peer's metadata loads but UCX cannot connect to it, as seen here: its worker address lists every
+#: interface UCX opened when the peer started, and one of them went away (a veth or a Docker network removed)
+#: or its address now belongs to someone else.  Nothing heals that but restarting the peer, so the error
+#: names the cure; hops to that peer go inline meanwhile.
+UNREACHABLE_HINT = (
+    "UCX reached none of the peer's addresses (an interface it listed when it started may be gone: pin "
+    "stages to one interface with STAGEFERRY_ADVERTISE_ADDRESS or UCX_NET_DEVICES)"
+)
+
+
 def _translate(exc: Exception, what: str, **details: Any) -> Exception:
     """Map a nixl exception to a stageferry error; anything else is re-raised by the caller."""
     name = type(exc).__name__
@@ -70,6 +80,8 @@ def _translate(exc: Exception, what: str, **details: Any) -> Exception:
             "; remove_remote() it first",
             **details,
         )
+    if name == "nixlBackendError" and what == "add_remote":
+        return TransferError(f"add_remote: {UNREACHABLE_HINT} ({name}: {exc})", **details)
     return TransferError(f"{what}: {name} ({exc})", **details)
 
 
