@@ -74,10 +74,13 @@ async def test_150_concurrent_waits_hold_one_blocking_connection(private_redis: 
         assert {rid: s.state for rid, s in results.items()} == dict.fromkeys(rids, RequestState.DONE)
         assert client.store.fanin.waiters == 0
         after = await connected_clients(admin)
+        # The pool's connections, and the submissions' lean link (resp_link: its own socket, opened by the
+        # first submit).  150 waits registering at once can fill the pool on a loaded box (CI saw 65).
+        bound = MAX_CONNECTIONS + (client._link is not None)
     # One blocked read for 150 waiters; the pool's other connections come and go with short commands.
     assert max(blocked for _, blocked in during) == 1, during
-    assert max(total for total, _ in during) <= MAX_CONNECTIONS, during
-    assert after[0] <= MAX_CONNECTIONS and after[1] == 0, after
+    assert max(total for total, _ in during) <= bound, during
+    assert after[0] <= bound and after[1] == 0, after
     await admin.aclose()
 
 
