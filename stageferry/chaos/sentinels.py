@@ -217,7 +217,43 @@ class SentinelGroup:
             if not last:
                 return self.primary()
             await anyio.sleep(0.05)
-        raise TimeoutError(f"the sentinel group did not settle in {timeout:.0f}s: {last}")
+        view = await anyio.to_thread.run_sync(self._replication_view)
+        raise TimeoutError(f"the sentinel group did not settle in {timeout:.0f}s: {last} ({view})")
+
+    def _replication_view(self) -> str:
+        """Each node's replication as it says itself, for a group that did not settle."""
+        parts = []
+        for node in self.nodes:
+            if not node.running:
+                parts.append(f"{node.port}: stopped")
+                continue
+            try:
+                with self.node_client(node) as client:
+                    info = client.info("replication")
+            except (sync_redis.RedisError, OSError) as exc:
+                parts.append(f"{node.port}: {type(exc).__name__}")
+                continue
+            if info["role"] == "master":
+                parts.append(f"{node.port}: master of {info.get('connected_slaves', 0)}")
+            else:
+                link = info.get("master_link_status")
+                parts.append(f"{node.port}: replica of {info.get('master_port')}, link {link}")
+        for i, sentinel in enumerate(self.sentinels):  # TILT (a stalled timer) holds every action for 30 s
+            try:
+                with self._sentinel(i) as client:
+                    tilt = client.info("sentinel").get("sentinel_tilt")
+                    replicas = client.sentinel_slaves(self.service)
+            except (sync_redis.RedisError, OSError) as exc:
+                parts.append(f"sentinel {sentinel.port}: {type(exc).__name__}")
+                continue
+            seen = ", ".join(f"{r.get('port')} {r.get('flags')} ({r.get('role-reported')})" for r in replicas)
+            parts.append(f"sentinel {sentinel.port}: tilt {tilt}, replicas {seen or 'none'}")
+        if self.sentinels and self.sentinels[0].data_dir is not None:  # its last events, in its own words
+            log_file = self.sentinels[0].data_dir / "sentinel.log"
+            if log_file.exists():
+                lines = log_file.read_text(errors="replace").strip().splitlines()[-8:]
+                parts.append("sentinel log: " + " | ".join(line.split(" * ")[-1].split(" # ")[-1] for line in lines))
+        return "; ".join(parts)
 
     def _settled(self, replicas: int | None) -> str:
         """Why the group is not settled yet ('' when it is)."""
