@@ -118,6 +118,8 @@ class EmbeddedRedis:
     """A ``redis-server`` child process on 127.0.0.1; use as ``async with`` or ``start()``/``stop()``
     (``tls``: on TLS only, see :class:`TlsFiles`)."""
 
+    log_name = "redis.log"  #: its log file in ``data_dir``
+
     def __init__(
         self,
         *,
@@ -163,7 +165,7 @@ class EmbeddedRedis:
             "--bind", "127.0.0.1",
             "--daemonize", "no",
             "--dir", str(data_dir),
-            "--logfile", str(data_dir / "redis.log"),
+            "--logfile", str(data_dir / self.log_name),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
             *self.extra_args,
@@ -194,21 +196,22 @@ class EmbeddedRedis:
             while True:
                 code = self._process.poll()
                 if code is not None:
-                    raise ConfigError(f"redis-server exited with code {code}: {self._log_tail()}", port=self.port)
+                    raise ConfigError(f"redis-server exited with code {code}: {self.log_tail()}", port=self.port)
                 if await _answers_ping(self.port, None if self.tls is None else self.tls.context()):
                     return
                 await anyio.sleep(0.02)
         raise ConfigError(
-            f"redis-server did not answer within {self._start_timeout}s: {self._log_tail()}", port=self.port
+            f"redis-server did not answer within {self._start_timeout}s: {self.log_tail()}", port=self.port
         )
 
-    def _log_tail(self) -> str:
+    def log_tail(self, lines: int = 3) -> str:
+        """The server's last ``lines`` log lines, on one line."""
         try:
             assert self.data_dir is not None
-            lines = (self.data_dir / "redis.log").read_text(errors="replace").strip().splitlines()
+            text = (self.data_dir / self.log_name).read_text(errors="replace").strip().splitlines()
         except (OSError, AssertionError):
             return "(no log)"
-        return " | ".join(lines[-3:]) or "(empty log)"
+        return " | ".join(text[-lines:]) or "(empty log)"
 
     async def stop(self) -> None:
         """Stop the server (shielded from cancellation) and remove a data directory it created."""

@@ -57,6 +57,8 @@ class GroupAuth:
 class SentinelProcess(EmbeddedRedis):
     """``redis-server <conf> --sentinel`` watching one service (its config file is its state)."""
 
+    log_name = "sentinel.log"
+
     def __init__(self, *, data_dir: Path, conf: str, tls: TlsFiles | None = None) -> None:
         super().__init__(data_dir=data_dir, tls=tls)
         self._conf = conf
@@ -67,7 +69,7 @@ class SentinelProcess(EmbeddedRedis):
             path.write_text(self._conf)
         ports = self.tls.args(self.port) if self.tls is not None else ["--port", str(self.port)]
         return [binary, str(path), "--sentinel", *ports, "--bind", "127.0.0.1",
-                "--daemonize", "no", "--logfile", str(data_dir / "sentinel.log")]  # fmt: skip
+                "--daemonize", "no", "--logfile", str(data_dir / self.log_name)]  # fmt: skip
 
 
 class SentinelGroup:
@@ -248,11 +250,8 @@ class SentinelGroup:
                 continue
             seen = ", ".join(f"{r.get('port')} {r.get('flags')} ({r.get('role-reported')})" for r in replicas)
             parts.append(f"sentinel {sentinel.port}: tilt {tilt}, replicas {seen or 'none'}")
-        if self.sentinels and self.sentinels[0].data_dir is not None:  # its last events, in its own words
-            log_file = self.sentinels[0].data_dir / "sentinel.log"
-            if log_file.exists():
-                lines = log_file.read_text(errors="replace").strip().splitlines()[-8:]
-                parts.append("sentinel log: " + " | ".join(line.split(" * ")[-1].split(" # ")[-1] for line in lines))
+        if self.sentinels:  # its last events, in its own words
+            parts.append(f"sentinel log: {self.sentinels[0].log_tail(8)}")
         return "; ".join(parts)
 
     def _settled(self, replicas: int | None) -> str:
