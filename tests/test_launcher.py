@@ -72,7 +72,14 @@ def test_up_runs_one_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     result = CliRunner().invoke(
         app,
         ["--prefix", "t-up", "up", *SMALL_JOB, "--startup-timeout", "90", "--timeout", "120", "--mps", "on"],
-        env={"STAGEFERRY_REDIS_URL": None, "STAGEFERRY_PIPELINE": None, **install(tmp_path / "bin", record)},
+        # No UCX pin from the suite (tests/conftest.py): up's own holds its stages to loopback.
+        env={
+            "STAGEFERRY_REDIS_URL": None,
+            "STAGEFERRY_PIPELINE": None,
+            "STAGEFERRY_ADVERTISE_ADDRESS": None,
+            "UCX_NET_DEVICES": None,
+            **install(tmp_path / "bin", record),
+        },
     )
     logs = tmp_path / "out" / "logs"
     assert result.exit_code == 0, result.output + "".join(p.read_text()[-2000:] for p in logs.glob("*.log"))
@@ -81,6 +88,11 @@ def test_up_runs_one_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert result.stderr.count("outputs: ") == 1 and f"outputs: {tmp_path / 'out'}" in result.stderr
     # Service logs are JSON lines only (NIXL's own lines included), and name the request key.
     events = [json.loads(line) for log in logs.glob("*.log") for line in log.read_text().splitlines()]
+    # Both stages advertised loopback and held UCX to it; the hop names both ends there.
+    pinned = {e["service"]: (e["address"], e["net_devices"]) for e in events if e.get("event") == "nixl.address"}
+    assert pinned == {f"{stage}-rank0": ("127.0.0.1", "lo") for stage in ("encoder", "diffusion")}, pinned
+    gets = [e for e in events if e.get("event") == "payload.get" and e.get("transport") == "nixl"]
+    assert gets and {(e["source"], e["destination"]) for e in gets} == {("127.0.0.1", "127.0.0.1")}, gets
     # The daemon was up before the stages (each names its pipe) and was asked to quit after them.
     assert "cuda mps: private control daemon for the stages" in result.stderr
     started, quit_ = record.read_text().splitlines()

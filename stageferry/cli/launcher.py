@@ -40,6 +40,9 @@ from stageferry.stages.process.mps import MpsMode, decide, start_mps
 from stageferry.stages.process.placement import REFERENCE_GPUS, host_gpus, pipeline_for_host, plan
 from stageferry.trace.events import save_trace, saved_trace_path
 
+#: The address ``up``'s stages advertise to each other (``STAGEFERRY_ADVERTISE_ADDRESS``): they share this host.
+LOOPBACK = "127.0.0.1"
+
 
 class ServiceGroup:
     """Child service processes, each in its own session (so its TP followers stop with it)."""
@@ -267,6 +270,11 @@ async def run_up(
                         "STAGEFERRY_LOG_FORMAT": "json",
                         "STAGEFERRY_LOG_LEVEL": settings.log_level,
                     }
+                    # Every stage is on this host: peers reach each other on loopback (UCX held to `lo`;
+                    # shared memory and CUDA IPC are not network devices and still carry the bytes).
+                    # Otherwise each agent advertises every interface up when it started, and one that a
+                    # container runtime removes meanwhile fails every later handshake with it.
+                    env.setdefault("STAGEFERRY_ADVERTISE_ADDRESS", LOOPBACK)
                     if settings.pipeline is not None:
                         env["STAGEFERRY_PIPELINE"] = str(settings.pipeline)  # made absolute by the caller
                     logs = log_dir or output_dir / "logs"

@@ -46,7 +46,8 @@ class Settings(BaseSettings):
     advertise_address: Annotated[str, AfterValidator(parse_address)] | None = None
     """The IP address NIXL peers reach this stage at (Kubernetes: the pod IP, `status.podIP` from the downward
     API). UCX is held to the interface that has it (`UCX_NET_DEVICES`, unless set) and the agent record
-    carries it, so a hop's trace names both ends. Unset: UCX advertises every interface it opens."""
+    carries it, so a hop's trace names both ends. Unset: UCX advertises every interface it opens (`up` sets
+    127.0.0.1 for its stages, all on one host: an interface that comes or goes meanwhile cannot strand them)."""
 
     def load_pipeline(self) -> PipelineConfig:
         return PipelineConfig.load(self.pipeline)
