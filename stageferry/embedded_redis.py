@@ -208,10 +208,10 @@ class EmbeddedRedis:
         """The server's last ``lines`` log lines, on one line."""
         try:
             assert self.data_dir is not None
-            text = (self.data_dir / self.log_name).read_text(errors="replace").strip().splitlines()
+            logged = (self.data_dir / self.log_name).read_text(errors="replace").strip().splitlines()
         except (OSError, AssertionError):
             return "(no log)"
-        return " | ".join(text[-lines:]) or "(empty log)"
+        return " | ".join(logged[-lines:]) or "(empty log)"
 
     async def stop(self) -> None:
         """Stop the server (shielded from cancellation) and remove a data directory it created."""

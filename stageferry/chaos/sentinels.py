@@ -175,10 +175,14 @@ class SentinelGroup:
                 return node
         raise RuntimeError(f"the sentinels agree on no master of {self.service}")
 
+    def replication(self, node: EmbeddedRedis) -> dict[str, Any]:
+        """The node's ``INFO replication``, as it says itself."""
+        with self.node_client(node) as client:
+            return dict(client.info("replication"))
+
     def role(self, node: EmbeddedRedis) -> tuple[str, int]:
         """(``master``/``slave``, connected replicas or link-up flag) as the node itself says."""
-        with self.node_client(node) as client:
-            info = client.info("replication")
+        info = self.replication(node)
         if info["role"] == "master":
             return "master", int(info.get("connected_slaves", 0))
         return "slave", int(info.get("master_link_status") == "up")
@@ -230,8 +234,7 @@ class SentinelGroup:
                 parts.append(f"{node.port}: stopped")
                 continue
             try:
-                with self.node_client(node) as client:
-                    info = client.info("replication")
+                info = self.replication(node)
             except (sync_redis.RedisError, OSError) as exc:
                 parts.append(f"{node.port}: {type(exc).__name__}")
                 continue
