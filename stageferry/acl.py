@@ -42,8 +42,8 @@ from stageferry.schemas.job import TENANT_SEPARATOR, is_tenant
 #: script in the package to this list and runs the control plane's scripts as this user).
 STAGE_COMMANDS = (
     "hello", "auth", "ping", "select", "multi", "exec", "discard", "evalsha", "script|load", "fcall", "function|load",
-    "exists", "get", "set", "strlen", "del", "expire", "pexpire", "pttl", "scan", "hget", "hmget", "hset", "hdel",
-    "hgetall", "rpush", "lpush", "lpop", "ltrim", "llen", "blpop", "xadd", "xack", "xdel", "xtrim", "xclaim",
+    "exists", "get", "getrange", "set", "strlen", "del", "expire", "pexpire", "pttl", "scan", "hget", "hmget", "hset",
+    "hdel", "hgetall", "rpush", "lpush", "lpop", "ltrim", "llen", "blpop", "xadd", "xack", "xdel", "xtrim", "xclaim",
     "xautoclaim", "xgroup|create", "xlen", "xpending", "xrange", "xrevrange", "xread", "xreadgroup", "wait",
 )  # fmt: skip
 _CONNECTION = "+hello +auth +ping +select +multi +exec +discard +wait"

@@ -92,6 +92,9 @@ class Limits(Strict):
     """Largest media upload."""
     max_entry_bytes: Annotated[int, Field(ge=KiB, le=512 * MiB)] = 32 * MiB
     """A stream entry above this is refused inside Redis, without being read."""
+    max_submission_bytes: Annotated[int, Field(ge=4 * KiB, le=64 * MiB)] = MiB
+    """A client's submission (its job as JSON; media go as uploads) above this, or above `max_entry_bytes`,
+    is refused inside Redis, without being read: what one item costs a stage to parse stays small."""
     min_reference_audio_s: Annotated[float, Field(ge=0, le=60)] = 1.0
     """Shortest reference audio the encoder takes."""
     max_deliveries: Annotated[int, Field(ge=1, le=100)] = 5
@@ -102,6 +105,14 @@ class Limits(Strict):
     """Names a job's `lora` may use."""
     tasks: Annotated[tuple[Task, ...], Field(min_length=1)] = (Task.T2VA, Task.FL2VA, Task.REF2VA)
     """Tasks this deployment serves (a text-only encoder: `["t2va"]`); others are refused on submission."""
+
+    @property
+    def submission_cap(self) -> tuple[str, int]:
+        """The bound an intake item is held to, and the setting it comes from: the smaller of
+        ``max_submission_bytes`` and ``max_entry_bytes`` (an item becomes an entry)."""
+        if self.max_submission_bytes <= self.max_entry_bytes:
+            return "max_submission_bytes", self.max_submission_bytes
+        return "max_entry_bytes", self.max_entry_bytes
 
     @model_validator(mode="after")
     def _absolute_roots(self) -> Limits:

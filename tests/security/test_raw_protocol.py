@@ -147,7 +147,7 @@ def test_a_raw_client_cannot_stop_or_trim_the_queue_and_sees_its_refusals(deploy
     assert raw.hgetall(KEYS.refused(first_ticket)) == {}
     assert raw.get(KEYS.result("shared-id"))
 
-    # Items that are not submissions, or too large to move (max_entry_bytes = 1 MiB here): refused by ticket.
+    # Items that are not submissions, or too large to move (max_submission_bytes = 1 MiB): refused by ticket.
     big, junk, extra, deep = uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex
     raw.rpush(intake, item("big-1", {**JOB, "negative_prompt": "x" * 8192, "pad": "y" * (2 << 20)}, big))
     raw.rpush(intake, f'{{"v":1,"ticket":"{junk}", not json')
@@ -157,7 +157,7 @@ def test_a_raw_client_cannot_stop_or_trim_the_queue_and_sees_its_refusals(deploy
     for ticket in (big, junk, extra, deep):
         refusal = wait_for(lambda t=ticket: raw.hgetall(KEYS.refused(t)), 60, "refusal")
         assert refusal[b"code"] == b"submission_refused", refusal
-    assert b"above limits.max_entry_bytes" in raw.hgetall(KEYS.refused(big))[b"message"]
+    assert b"above limits.max_submission_bytes = 1048576" in raw.hgetall(KEYS.refused(big))[b"message"]
     dead = admin.xrange(KEYS.dead_letter("encoder"))
     assert all(len(b"".join(f.values())) < (1 << 20) for _, f in dead)  # the big item never went in whole
     assert not admin.exists(

@@ -13,12 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import redis as sync_redis
 
+from stageferry.broker.control.intake import Intake
+from stageferry.broker.control.redis_conn import open_client
 from stageferry.cli import sample_media
 from stageferry.client import SyncClient
-from stageferry.errors import RequestIdTakenError
+from stageferry.errors import RequestIdTakenError, SubmissionRefusedError
 from stageferry.schemas import Envelope, JobRequest, RequestState, RequestStatus, Task, request_key
 from tests.broker.control.test_control_plane import assert_streams_empty
 from tests.procs import Services, wait_for, write_pipeline
@@ -249,6 +252,43 @@ def test_a_request_that_kills_its_stage_twice_is_dead_lettered(tmp_path: Path, r
         svc.start("diffusion", "a")
         assert client.wait(client.submit(JOB), timeout=60).state is RequestState.DONE
         assert_streams_empty(svc)
+
+
+def test_a_submission_its_stage_keeps_dying_on_before_admission_is_refused_unopened(
+    tmp_path: Path, redis_url: str, prefix: str
+) -> None:
+    """A submission delivered more than ``max_deliveries`` times without being admitted (each delivery's
+    stage died opening it: a client's item built to cost a stage its memory) is refused on its delivery
+    count before it is opened again: the client reads the refusal under its ticket, the entry is
+    dead-lettered, nothing is written under its request id.  The deaths are stood in for by a dead
+    consumer's reads, which raise the entry's delivery count as a reclaim after a death does."""
+    root = tmp_path / "media"
+    root.mkdir()
+    path = pipeline(tmp_path, root, max_deliveries=2)
+    with Services(tmp_path, redis_url=redis_url, prefix=prefix, pipeline=path, extra_env={}) as svc:
+        client = svc.client()
+        rid = client.submit(JOB)  # into the intake list: no stage runs yet
+        keys, stream = svc.keys, svc.keys.stage_stream("encoder")
+
+        async def move() -> int:  # the first stage's own mover (one script), as its leader runs it
+            async with open_client(redis_url) as redis:
+                return (await Intake(redis, keys, "encoder", max_item_bytes=1 << 20).move(1)).total
+
+        assert anyio.run(move) == 1
+        r = sync_redis.Redis.from_url(redis_url)
+        r.xgroup_create(stream, "encoder", id="0", mkstream=True)
+        [[_, [(entry_id, fields)]]] = r.xreadgroup("encoder", "died-1", {stream: ">"}, count=1)
+        assert b"submission" in fields
+        for n in (2, 3):
+            r.xclaim(stream, "encoder", f"died-{n}", 0, [entry_id])
+        svc.start("encoder", "a")  # reclaims it once it idles a visibility timeout: its 4th delivery
+        with pytest.raises(SubmissionRefusedError) as refused:
+            client.wait(rid, timeout=60)
+        assert "delivered 4 times (limit 2) unadmitted" in refused.value.message, refused.value.message
+        [dead] = [f for _, f in r.xrange(keys.dead_letter("encoder"))]
+        assert dead[b"error_code"] == b"submission_refused", dead
+        assert not r.exists(keys.request(rid)), "nothing written under its id"
+        assert "worker.internal_error" not in svc.logs()
 
 
 # -- issue 34 item 16: a record whose status does not parse ---------------------------------------------

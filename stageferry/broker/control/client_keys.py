@@ -154,17 +154,25 @@ class ClientKeySweeper:
             await anyio.sleep(every_s)
 
 
-async def upload_size(redis: aioredis.Redis, key: str) -> int:
-    """An upload's length (0: none), read before its bytes so that a client's upload is bounded when read."""
+@dataclass(frozen=True, slots=True)
+class Upload:
+    """An upload as the stage read it: its length, and its bytes unless it is longer than the reader's
+    bound (``data`` None) or gone (``size`` 0)."""
+
+    size: int
+    data: bytes | None
+
+
+async def read_upload(redis: aioredis.Redis, key: str, max_bytes: int) -> Upload:
+    """An upload's bytes, at most ``max_bytes`` of them, in one command: ``GETRANGE key 0 max_bytes``
+    reads one byte past the bound, so a value longer than it is known without being read whole — also
+    one a client wrote between a length check and the read (the length is asked for, for the refusal's
+    message, only then)."""
     with translated():
-        return int(await redis.strlen(key))
+        data = await redis.getrange(key, 0, max_bytes)
+        if len(data) <= max_bytes:
+            return Upload(len(data), bytes(data))
+        return Upload(max(int(await redis.strlen(key)), max_bytes + 1), None)
 
 
-async def upload_bytes(redis: aioredis.Redis, key: str) -> bytes:
-    """An upload's bytes (empty if it expired meanwhile); ask :func:`upload_size` first."""
-    with translated():
-        data = await redis.get(key)
-    return data or b""
-
-
-__all__ = ["ClientKeySweeper", "KeyBound", "Swept", "client_key_bounds", "upload_bytes", "upload_size"]
+__all__ = ["ClientKeySweeper", "KeyBound", "Swept", "Upload", "client_key_bounds", "read_upload"]

@@ -3,10 +3,11 @@
 In order, for every entry the worker reads:
 
 0. a client's submission, moved from an intake list by the first stage (:mod:`~stageferry.broker.control.intake`),
-   is opened (:meth:`Admission.open`): an item too large to be moved, or one that is not a
-   :class:`~stageferry.schemas.submission.Submission`, is refused; then whether its request id may be
-   trusted at all: an id that breaks the id rule, or — at the first stage of a deployment with tenants —
-   a job that does not come through its tenant's intake, is refused *without a request id*, so that
+   is opened (:meth:`Admission.open`): an item too large to be moved (``limits.max_submission_bytes``), one
+   delivered more than ``limits.max_deliveries`` times unadmitted (a stage died on it: it is not opened again),
+   or one that is not a :class:`~stageferry.schemas.submission.Submission`, is refused; then whether its
+   request id may be trusted at all: an id that breaks the id rule, or — at the first stage of a deployment
+   with tenants — a job that does not come through its tenant's intake, is refused *without a request id*, so that
    nothing is written under an id that may be someone else's (the outcome settles it with a refusal
    record keyed by the submission's ticket);
 1. the entry as an envelope (:meth:`Admission.parse`): clients send a bare ``job`` to the first stage,
@@ -99,11 +100,14 @@ class Admission:
         is written under its request id, or None (:meth:`refusal`)."""
         if "oversized" in entry.fields:
             size = entry.text("oversized")
-            limit = self.pipeline.limits.max_entry_bytes
-            message = f"the submission is {size} bytes, above limits.max_entry_bytes = {limit}"
-            return entry, SubmissionRefusedError(message)
+            setting, limit = self.pipeline.limits.submission_cap
+            return entry, SubmissionRefusedError(f"the submission is {size} bytes, above limits.{setting} = {limit}")
         if "submission" not in entry.fields:
             return entry, self.refusal(entry)
+        limit = self.pipeline.limits.max_deliveries
+        if entry.deliveries > limit:  # a stage died opening it, or before it was admitted: not opened again
+            message = f"delivered {entry.deliveries} times (limit {limit}) unadmitted: the stage keeps dying on it"
+            return entry, SubmissionRefusedError(message, deliveries=entry.deliveries)
         try:
             submission = Submission.model_validate_json(entry.fields["submission"])
         except ValidationError as exc:
@@ -262,5 +266,6 @@ class Admission:
             min_audio_s=limits.min_reference_audio_s,
             media_roots=limits.media_roots,
             max_pixels=limits.max_media_pixels,
+            max_frames=limits.max_reference_frames,
         )
         return loaded.items

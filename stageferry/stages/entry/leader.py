@@ -82,7 +82,7 @@ def build_leader(
     first = pipeline.index_of(stage.name) == 0  # only the first stage takes clients' entries
     heartbeat = Heartbeat(redis, keys, stage.name, replica)
     intake = (
-        Intake(redis, keys, stage.name, tenants=pipeline.security.tenants, max_item_bytes=limits.max_entry_bytes)
+        Intake(redis, keys, stage.name, tenants=pipeline.security.tenants, max_item_bytes=limits.submission_cap[1])
         if first
         else None
     )

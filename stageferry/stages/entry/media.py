@@ -21,15 +21,19 @@ from typing import Any
 import anyio
 import av
 import redis.asyncio as aioredis
+from av.container import InputContainer
 from PIL import Image, UnidentifiedImageError
 
-from stageferry.broker.control.client_keys import upload_bytes, upload_size
+from stageferry.broker.control.client_keys import read_upload
 from stageferry.errors import JobValidationError, field_error
 from stageferry.schemas import JobRequest, MediaRef
 from stageferry.schemas.validation import path_may_be_allowed, path_refusal
 
-#: Decoding stops after this much audio/video: enough to check, bounded work for hostile files.
+#: Decoding stops after this much audio: enough to check, bounded work for hostile files.
 _MAX_PROBE_SECONDS = 600.0
+#: What decoding untrusted bytes may raise besides our own refusals: FFmpeg's errors, and PyAV's own
+#: ``ValueError`` where FFmpeg lets through what PyAV cannot represent (``UnicodeDecodeError`` is one).
+DECODE_ERRORS: tuple[type[Exception], ...] = (av.FFmpegError, ValueError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +57,11 @@ async def load_media(
     min_audio_s: float,
     media_roots: tuple[str, ...] = (),
     max_pixels: int = 4096 * 4096,
+    max_frames: int = 81,
 ) -> LoadedMedia:
-    """Read and validate every media input of ``job``; :class:`JobValidationError` names the field."""
+    """Read and validate every media input of ``job``; :class:`JobValidationError` names the field.  A
+    reference video is decoded as far as ``max_frames`` frames (``limits.max_reference_frames``: what the
+    encoder takes), however many it has."""
     items: dict[str, bytes] = {}
     refused: list[dict[str, Any]] = []  # every refused path, as the lexical check reports them
     for name in type(job.media).model_fields:
@@ -76,19 +83,19 @@ async def load_media(
     if refused:
         raise JobValidationError(f"invalid job: {refused[0]['field']}: {refused[0]['message']}", refused)
     for name, data in items.items():
-        await anyio.to_thread.run_sync(_probe, name, f"media.{name}", data, min_audio_s, max_pixels)
+        await anyio.to_thread.run_sync(_probe, name, f"media.{name}", data, min_audio_s, max_pixels, max_frames)
     return LoadedMedia(items)
 
 
 async def _read_upload(key: str, field: str, *, redis: aioredis.Redis, upload_prefix: str, max_bytes: int) -> bytes:
     if not key.startswith(upload_prefix):
         raise _invalid(field, f"upload key must start with {upload_prefix!r}", "bad_upload_key")
-    size = await upload_size(redis, key)
-    if size == 0:
+    upload = await read_upload(redis, key, max_bytes)
+    if upload.size == 0:
         raise _invalid(field, "upload not found (expired or never uploaded)", "upload_missing")
-    if size > max_bytes:
-        raise _invalid(field, f"upload is {size} bytes; the limit is {max_bytes}", "too_large")
-    return await upload_bytes(redis, key)
+    if upload.data is None:
+        raise _invalid(field, f"upload is {upload.size} bytes; the limit is {max_bytes}", "too_large")
+    return upload.data
 
 
 def read_local_file(path: str, field: str, roots: tuple[str, ...], max_bytes: int) -> bytes:
@@ -137,13 +144,13 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def _probe(name: str, field: str, data: bytes, min_audio_s: float, max_pixels: int) -> None:
+def _probe(name: str, field: str, data: bytes, min_audio_s: float, max_pixels: int, max_frames: int) -> None:
     """Decode enough of the media to know it is what the field says, and that it fits the budget."""
     if name in ("first_frame", "last_frame"):
         width, height = probe_image(data, field)
         _check_pixels(field, width, height, max_pixels)
     elif name == "reference_video":
-        if probe_video_frames(data, field, max_pixels=max_pixels) < 1:
+        if probe_video_frames(data, field, limit=max_frames, max_pixels=max_pixels) < 1:
             raise _invalid(field, "video has no decodable frames", "bad_media")
     elif name == "reference_audio":
         seconds = probe_audio_seconds(data, field)
@@ -169,13 +176,12 @@ def probe_image(data: bytes, field: str) -> tuple[int, int]:
         raise _invalid(field, f"not a decodable image: {describe(exc)}", "bad_media") from exc
 
 
-def probe_video_frames(data: bytes, field: str, *, limit: int = 10_000, max_pixels: int = 1 << 28) -> int:
-    """How many video frames decode (bounded); frames above ``max_pixels`` are refused before decoding."""
+def probe_video_frames(data: bytes, field: str, *, limit: int, max_pixels: int = 1 << 28) -> int:
+    """How many of the first ``limit`` video frames decode; frames above ``max_pixels`` are refused before
+    decoding."""
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
-            if not container.streams.video:
-                raise _invalid(field, "no video stream", "bad_media")
-            ctx = container.streams.video[0].codec_context
+        with open_media(data) as container:
+            ctx = decodable(container, "video", field).codec_context
             _check_pixels(field, int(ctx.width or 0), int(ctx.height or 0), max_pixels)
             count = 0
             for frame in container.decode(video=0):
@@ -184,24 +190,41 @@ def probe_video_frames(data: bytes, field: str, *, limit: int = 10_000, max_pixe
                 if count >= limit:
                     break
             return count
-    except av.FFmpegError as exc:
+    except DECODE_ERRORS as exc:
         raise _invalid(field, f"not a decodable video: {describe(exc)}", "bad_media") from exc
 
 
 def probe_audio_seconds(data: bytes, field: str) -> float:
     """Seconds of decodable audio (decoding stops after ``_MAX_PROBE_SECONDS``)."""
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
-            if not container.streams.audio:
-                raise _invalid(field, "no audio stream", "bad_media")
+        with open_media(data) as container:
+            decodable(container, "audio", field)
             samples = 0.0
             for frame in container.decode(audio=0):
                 samples += frame.samples / float(frame.sample_rate or 1)
                 if samples >= _MAX_PROBE_SECONDS:
                     break
             return samples
-    except av.FFmpegError as exc:
+    except DECODE_ERRORS as exc:
         raise _invalid(field, f"not decodable audio: {describe(exc)}", "bad_media") from exc
+
+
+def open_media(data: bytes) -> InputContainer:
+    """PyAV's reader over untrusted bytes.  Metadata that is not UTF-8 is dropped rather than raised:
+    PyAV's default (``metadata_errors="strict"``) raises ``UnicodeDecodeError`` from ``av.open`` itself."""
+    return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+
+
+def decodable(container: InputContainer, kind: str, field: str) -> Any:
+    """The container's first ``kind`` (``"video"``, ``"audio"``) stream, if it has one this FFmpeg can
+    decode: a stream of a codec without a decoder here has no codec context, and PyAV fails on it with an
+    ``AttributeError`` when it is read."""
+    streams = container.streams.video if kind == "video" else container.streams.audio
+    if not streams:
+        raise _invalid(field, f"no {kind} stream", "bad_media")
+    if streams[0].codec_context is None:
+        raise _invalid(field, f"the {kind} stream's codec has no decoder here", "bad_media")
+    return streams[0]
 
 
 _REPR = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>|'<none>'|: ?'?<[^>]*>'?$")

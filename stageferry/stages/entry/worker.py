@@ -29,7 +29,7 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import redis.asyncio as aioredis
@@ -67,6 +67,7 @@ from stageferry.stages.entry.outcomes import Outcomes
 from stageferry.stages.entry.streaming import ChunkStream, Streaming, is_chunked
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 #: How often the leader looks at the cancel flag (and publishes progress) while the model runs.
 WATCH_EVERY_S = 0.1
 #: How often, at most, a running request's progress is written to its record.
@@ -357,12 +358,16 @@ class StageWorker:
         client = envelope.from_stage == "client"
         if client and not begun:
             await self.outcomes.submitted(entry, envelope)
-        media = await self.admission.load_media(envelope)
+        progress = ProgressSink()
+        media: dict[str, bytes] = {}
+        if not self.admission.media_free(envelope):  # decoding may outlast a visibility timeout: claim held
+            media = await self._holding_claim(entry, envelope, progress, lambda: self.admission.load_media(envelope))
+            if progress.cancelled:
+                raise CancelledRequestError("cancelled by the client")
         # a first stage's running came with its queued only for a job without media (Admission.media_free)
         if not begun or (client and not self.admission.media_free(envelope)):
             await self.outcomes.running(entry, envelope, None)
         started = time.perf_counter()
-        progress = ProgressSink()
         try:
             async with self._fetch(envelope, entry) as incoming:
                 await self._check_input(envelope.job, incoming.payload)
@@ -426,18 +431,25 @@ class StageWorker:
             output_tensors=self.hand.output_tensors(envelope),
             emit_chunk=self.streaming.emitter(envelope),
         )
-        result: list[Any] = []
+        return await self._holding_claim(entry, envelope, progress, lambda: self.compute(item, progress))
+
+    async def _holding_claim(
+        self, entry: Entry, envelope: Envelope, progress: ProgressSink, work: Callable[[], Awaitable[T]]
+    ) -> T:
+        """``work`` (the model; a first stage's media checks) while :meth:`_keep_claim` renews the entry's
+        claim, watches the cancel flag and publishes progress; ``work``'s error is raised as itself."""
+        result: list[T] = []
         failure: list[Exception] = []
 
-        async def run_model() -> None:
+        async def run() -> None:
             try:
-                result.append(await self.compute(item, progress))  # one at a time, however many are in hand
+                result.append(await work())  # the model: one at a time, however many entries are in hand
             except Exception as exc:  # re-raised below as itself, not wrapped in an ExceptionGroup
                 failure.append(exc)
             tg.cancel_scope.cancel()
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(run_model)
+            tg.start_soon(run)
             tg.start_soon(self._keep_claim, entry, envelope, progress)
         if failure:
             raise failure[0]

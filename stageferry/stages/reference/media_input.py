@@ -18,8 +18,12 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from stageferry.errors import JobValidationError, field_error
-from stageferry.stages.entry.media import describe
+from stageferry.stages.entry.media import DECODE_ERRORS, decodable, describe, open_media
 from stageferry.stages.reference.audio import SAMPLE_RATE
+
+#: Source frames decoded per output frame at most (a 240 fps source at 30 fps): a file whose timestamps
+#: barely move cannot make the encoder decode all of its frames within the horizon.
+MAX_SOURCE_PER_FRAME = 8
 
 
 def load_image(data: bytes, width: int, height: int, *, field: str) -> torch.Tensor:
@@ -38,7 +42,8 @@ def load_video(data: bytes, width: int, height: int, fps: int, max_frames: int, 
 
     Output frame i shows the last decoded frame whose time is at or before i / fps (from the first).
     Decoding streams: at most one decoded frame is held besides the output, however long the source
-    runs and however many frames it has per output frame.
+    runs; it stops after ``MAX_SOURCE_PER_FRAME * max_frames`` source frames (the output then ends at the
+    last of them).
     """
     out: list[torch.Tensor] = []
     horizon = max_frames / fps
@@ -47,9 +52,8 @@ def load_video(data: bytes, width: int, height: int, fps: int, max_frames: int, 
     last = 0.0
     decoded = 0
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
-            if not container.streams.video:
-                raise bad_media(field, "no video stream")
+        with open_media(data) as container:
+            decodable(container, "video", field)
             for frame in container.decode(video=0):
                 t = float(frame.time) if frame.time is not None else decoded / fps
                 start = t if start is None else start
@@ -57,9 +61,9 @@ def load_video(data: bytes, width: int, height: int, fps: int, max_frames: int, 
                 while held is not None and len(out) < max_frames and len(out) / fps + 1e-6 < rel:
                     out.append(_fit(held, width, height))
                 held, last, decoded = frame.to_image(), rel, decoded + 1
-                if rel >= horizon or len(out) >= max_frames:
+                if rel >= horizon or len(out) >= max_frames or decoded >= MAX_SOURCE_PER_FRAME * max_frames:
                     break
-    except av.FFmpegError as exc:
+    except DECODE_ERRORS as exc:
         raise bad_media(field, f"not a decodable video: {describe(exc)}") from exc
     if held is None:
         raise bad_media(field, "video has no decodable frames")
@@ -76,9 +80,8 @@ def load_audio(data: bytes, *, max_seconds: float, field: str) -> torch.Tensor:
     total = 0
     resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
-            if not container.streams.audio:
-                raise bad_media(field, "no audio stream")
+        with open_media(data) as container:
+            decodable(container, "audio", field)
             for frame in container.decode(audio=0):
                 for out in resampler.resample(frame):
                     chunks.append(out.to_ndarray().reshape(-1))
@@ -87,7 +90,7 @@ def load_audio(data: bytes, *, max_seconds: float, field: str) -> torch.Tensor:
                     break
             for out in resampler.resample(None):
                 chunks.append(out.to_ndarray().reshape(-1))
-    except av.FFmpegError as exc:
+    except DECODE_ERRORS as exc:
         raise bad_media(field, f"not decodable audio: {describe(exc)}") from exc
     if not chunks:
         raise bad_media(field, "audio has no decodable samples")

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from stageferry.broker.control.client_keys import FLAG_MAX_BYTES, ClientKeySweeper, client_key_bounds
+from stageferry.broker.control.client_keys import (
+    FLAG_MAX_BYTES,
+    ClientKeySweeper,
+    Upload,
+    client_key_bounds,
+    read_upload,
+)
 from stageferry.broker.control.keys import Keys
 
 pytestmark = pytest.mark.anyio
@@ -50,5 +56,32 @@ async def test_one_replica_at_a_time_takes_the_sweep(redis_url: str, prefix: str
         await redis.delete(keys.client_sweep())  # as when the turn expires
         assert await b.my_turn(30.0)
         assert await ClientKeySweeper(redis, bounds).my_turn(30.0), "without a turn key it always sweeps"
+    finally:
+        await redis.aclose()
+
+
+async def test_an_upload_is_read_bounded_in_one_command(redis_url: str, prefix: str) -> None:
+    """The stage reads at most one byte past its bound, in one ``GETRANGE``: a value a client wrote larger
+    — also between a length check and a read, as it could when those were two commands — is known as
+    too large without being read whole."""
+    keys = Keys(prefix)
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        fits, big = keys.upload("r", "first_frame"), keys.upload("r", "reference_video")
+        await redis.set(fits, b"a" * 1024, ex=60)
+        await redis.set(big, b"b" * (4 << 20), ex=60)
+        sent: list[tuple[object, ...]] = []
+        real = redis.execute_command
+
+        async def command(*args: object, **kwargs: object) -> object:
+            sent.append(args)
+            return await real(*args, **kwargs)
+
+        redis.execute_command = command  # type: ignore[method-assign]
+        assert await read_upload(redis, fits, 1024) == Upload(1024, b"a" * 1024)
+        assert [a[0] for a in sent] == ["GETRANGE"], sent
+        assert await read_upload(redis, big, 1024) == Upload(4 << 20, None)
+        assert sent[1] == ("GETRANGE", big, 0, 1024), "one byte past the bound, no more"
+        assert await read_upload(redis, keys.upload("r", "missing"), 1024) == Upload(0, b"")
     finally:
         await redis.aclose()

@@ -18,8 +18,16 @@ from stageferry.config import Limits
 from stageferry.errors import JobValidationError
 from stageferry.schemas import JobRequest, Task
 from stageferry.schemas.validation import check_job_limits
-from stageferry.stages.entry.media import _probe, describe, load_media, probe_image, probe_video_frames, read_local_file
-from stageferry.stages.reference.media_input import load_image, load_video
+from stageferry.stages.entry.media import (
+    _probe,
+    describe,
+    load_media,
+    probe_audio_seconds,
+    probe_image,
+    probe_video_frames,
+    read_local_file,
+)
+from stageferry.stages.reference.media_input import load_audio, load_image, load_video
 
 FIELD = "media.first_frame.path"
 PNG = sample_media(Task.FL2VA)["first_frame"].read_bytes()
@@ -134,7 +142,7 @@ def test_probe_errors_show_no_object_reprs() -> None:
     for call in (
         lambda: probe_image(b"not an image", "media.first_frame"),
         lambda: load_image(b"not an image", 64, 64, field="media.first_frame"),
-        lambda: probe_video_frames(b"not a video", "media.reference_video"),
+        lambda: probe_video_frames(b"not a video", "media.reference_video", limit=81),
         lambda: load_video(b"not a video", 64, 64, 8, 8, field="media.reference_video"),
     ):
         with pytest.raises(JobValidationError) as info:
@@ -149,12 +157,54 @@ def test_oversized_media_frames_are_refused_before_decoding() -> None:
     buf = io.BytesIO()
     Image.new("RGB", (640, 480)).save(buf, format="PNG")
     with pytest.raises(JobValidationError) as info:
-        _probe("first_frame", "media.first_frame", buf.getvalue(), 0.0, 320 * 240)
+        _probe("first_frame", "media.first_frame", buf.getvalue(), 0.0, 320 * 240, 81)
     assert "max_media_pixels = 76800" in str(info.value.field_errors[0]["message"])
     with pytest.raises(JobValidationError):
-        probe_video_frames(MP4, "media.reference_video", max_pixels=64 * 64)
+        probe_video_frames(MP4, "media.reference_video", limit=81, max_pixels=64 * 64)
 
 
 def test_streaming_video_decode_keeps_the_resampling() -> None:
     frames = load_video(MP4, 64, 64, 4, 6, field="media.reference_video")
     assert frames.shape[1:] == (3, 64, 64) and 1 <= frames.shape[0] <= 6
+
+
+def _non_utf8_metadata(mp4: bytes) -> bytes:
+    """``mp4`` with the first byte of its encoder tag's value made 0xff: metadata that is not UTF-8."""
+    value = mp4.index(b"data", mp4.index(b"\xa9too")) + 12  # the tag's data atom: its type and locale first
+    return mp4[:value] + b"\xff" + mp4[value + 1 :]
+
+
+def test_metadata_that_is_not_utf8_is_ignored_not_an_internal_error() -> None:
+    """PyAV reads metadata strictly by default: ``av.open`` itself raised ``UnicodeDecodeError`` (found by
+    fuzzing: the request failed as an internal error).  The video's frames are what counts."""
+    bad = _non_utf8_metadata(MP4)
+    field = "media.reference_video"
+    assert probe_video_frames(bad, field, limit=81) == probe_video_frames(MP4, field, limit=81) > 1
+    assert load_video(bad, 64, 64, 8, 8, field=field).shape == load_video(MP4, 64, 64, 8, 8, field=field).shape
+    with pytest.raises(JobValidationError) as info:  # the same bytes as audio: no audio stream, said so
+        probe_audio_seconds(bad, "media.reference_audio")
+    assert info.value.field_errors[0]["type"] == "bad_media"
+
+
+def test_a_codec_without_a_decoder_is_bad_media() -> None:
+    """A stream whose codec FFmpeg has no decoder for has no codec context: PyAV's ``AttributeError`` on it
+    was an internal error; now it is ``bad_media`` naming the field, from the probe and the encoder's read."""
+    unknown = MP4.replace(b"avc1", b"zzzz")  # the sample's H.264 sample entry renamed
+    for call in (
+        lambda: probe_video_frames(unknown, "media.reference_video", limit=81),
+        lambda: load_video(unknown, 64, 64, 8, 8, field="media.reference_video"),
+    ):
+        with pytest.raises(JobValidationError) as info:
+            call()
+        [error] = info.value.field_errors
+        assert error["field"] == "media.reference_video" and error["type"] == "bad_media"
+        assert "no decoder" in str(error["message"]), error
+    with pytest.raises(JobValidationError):
+        load_audio(unknown, max_seconds=1.0, field="media.reference_audio")
+
+
+def test_the_probe_decodes_as_far_as_the_encoder_reads() -> None:
+    """A reference video is checked as far as ``limits.max_reference_frames`` frames, what the encoder
+    takes, not to its end (a tiny upload of many large frames cost minutes of a stage's CPU)."""
+    assert probe_video_frames(MP4, "media.reference_video", limit=3) == 3
+    assert probe_video_frames(MP4, "media.reference_video", limit=1000) == 16  # the sample's every frame
