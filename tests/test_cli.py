@@ -163,9 +163,13 @@ def test_wait_has_a_default_timeout(redis_url: str, prefix: str, tmp_path: Path)
     assert time.monotonic() - started < 15
 
 
-def test_bad_settings_are_a_config_error() -> None:
+def test_bad_settings_are_a_config_error_naming_the_setting() -> None:
+    """The setting is named as its user set it: the flag on the command line, else the variable."""
     result = runner.invoke(app, ["--prefix", "bad prefix!", "status", "x"])
-    assert result.exit_code == 1 and result.stderr.startswith("error [config]")
+    assert result.exit_code == 1 and result.stderr.startswith("error [config]: bad settings: --prefix: ")
+    result = runner.invoke(app, ["status", "x"], env={"STAGEFERRY_GATEWAY_TOKEN": "short"})
+    assert result.stderr.startswith("error [config]: bad settings: STAGEFERRY_GATEWAY_TOKEN: "), result.stderr
+    assert "8 characters" in result.stderr
 
 
 def test_serve_unknown_stage_fails_before_starting(redis_url: str, prefix: str) -> None:

@@ -133,6 +133,20 @@ def test_cli_command_names_the_program_as_it_runs(tmp_path: Path, monkeypatch: p
     assert cli_command("/x/stageferry/__main__.py").endswith(" -m stageferry")
 
 
+def test_a_job_the_deployment_refuses_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """`up --task i2va` on the built-in pipeline (it serves t2va, fl2va, ref2va): the deployment's refusal,
+    before a Redis or a stage is started (it used to come after both, some 8 s later)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STAGEFERRY_")}
+    env["STAGEFERRY_REDIS_URL"] = "redis://127.0.0.1:1/0"  # nothing answers there: a start would fail otherwise
+    command = [sys.executable, "-m", "stageferry", "up", "--task", "i2va", "--log-dir", str(tmp_path / "logs")]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error [invalid_job]: task: this deployment serves t2va, fl2va, ref2va only (limits.tasks)"
+    )
+    assert not (tmp_path / "logs").exists() and "outputs:" not in done.stdout + done.stderr
+
+
 @pytest.mark.timeout(300)
 def test_signals_during_start_up_stop_up_after_its_clean_up(tmp_path: Path) -> None:
     """SIGTERM while `up` starts (waiting for its MPS daemon's control pipe), then another at once: the first

@@ -106,7 +106,12 @@ def _settings(ctx: typer.Context) -> Settings:
     try:
         return Settings(**overrides)
     except ValidationError as exc:
-        raise ConfigError(f"bad settings: {exc.errors(include_url=False)[0]['msg']}") from exc
+        error = exc.errors(include_url=False)[0]
+        field = str(error["loc"][0]) if error["loc"] else ""
+        prefix = str(Settings.model_config.get("env_prefix", ""))
+        # the setting named as its user set it: a flag given on this command line, else its variable
+        where = f"--{field.replace('_', '-')}" if field in overrides else f"{prefix}{field.upper()}"
+        raise ConfigError(f"bad settings: {where}: {error['msg']}") from exc
 
 
 def _expected_errors(fn: Callable[P, R]) -> Callable[P, R]:

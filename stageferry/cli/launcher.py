@@ -36,6 +36,7 @@ from stageferry.embedded_redis import EmbeddedRedis
 from stageferry.errors import StageFailedError, StageferryError
 from stageferry.procs import astop
 from stageferry.schemas import RequestState, RequestStatus
+from stageferry.schemas.validation import check_job_limits
 from stageferry.stages.process.mps import MpsMode, decide, start_mps
 from stageferry.stages.process.placement import REFERENCE_GPUS, host_gpus, pipeline_for_host, plan
 from stageferry.trace.events import save_trace, saved_trace_path
@@ -233,7 +234,8 @@ async def run_up(
     pipeline = pipeline_for_host(settings.pipeline, gpus)
     the_plan = plan(pipeline, gpus)
     use_mps = decide(mps, the_plan.shared, os.environ)  # a refusal (--mps on, no daemon) before anything starts
-    validate_job(with_upload_refs(job, {name: "precheck" for name in uploads}))
+    checked = validate_job(with_upload_refs(job, {name: "precheck" for name in uploads}), pipeline.limits)
+    check_job_limits(checked, pipeline.limits, upload_prefix="")  # e.g. a task it does not serve: before any start
     output_dir = Path(await anyio.Path(pipeline.output_dir).resolve())  # the services run here too: the same dir
     console.print(f"outputs: {output_dir}")
     outcome = _Outcome()

@@ -27,6 +27,7 @@ import yaml
 
 from stageferry.acl import acl_file
 from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_url import check_url
 from stageferry.config import PipelineConfig
 from stageferry.errors import ConfigError
 from stageferry.kube.manifests import REDIS_SECRET, cpu_patch, gpu_patch, labels, scaled_object, stage_objects
@@ -103,6 +104,8 @@ def redis_secret(
     in the ACL file and their passwords (``replica-password``, ``sentinel-password``)."""
     if sentinel and (tls or url is not None):
         raise ConfigError("the Sentinel deployment (components/redis-ha) takes neither --tls nor --url")
+    if url is not None:
+        check_url(url)  # refused here, as --redis-url is, not by every pod at its start
     ha_users = ["sfreplica", "sfsentinel"] if sentinel else []
     users = ["stageferry", "sfscaler", *ha_users, *([f"sfclient-{t}" for t in tenants] or ["sfclient"])]
     passwords = {u: secrets.token_urlsafe(24) for u in users}

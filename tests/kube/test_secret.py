@@ -13,6 +13,7 @@ import redis as sync_redis
 import yaml
 
 from stageferry.config import PipelineConfig
+from stageferry.errors import ConfigError
 from stageferry.kube.generate import redis_secret, secret_yaml
 from stageferry.kube.values import Values
 from tests.kube.render import TREE
@@ -55,6 +56,18 @@ def test_an_existing_redis_and_tls() -> None:
     assert (external["address"], external["scaler-tls"]) == ("redis.internal:6380", "enable")
     tls = redis_secret(pipeline, values, tls=True)["stringData"]
     assert tls["url"].startswith("rediss://") and tls["url"].endswith("?ssl_ca_certs=/etc/stageferry/tls/ca.crt")
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [("notaurl", "got none; a host and port: redis://HOST:PORT/0"), ("http://redis:6379", "got 'http'")],
+)
+def test_a_url_that_is_no_redis_url_is_refused_here_not_by_the_pods(url: str, said: str) -> None:
+    """``--url`` is held to the check ``--redis-url`` gets: every pod would have failed at its start."""
+    pipeline = PipelineConfig.load(TREE / "base" / "pipeline.toml")
+    with pytest.raises(ConfigError, match="redis URL must start with redis://") as refused:
+        redis_secret(pipeline, Values(), url=url)
+    assert said in refused.value.message
 
 
 def test_the_acl_file_runs_in_redis(server: PrivateRedis, secret: dict[str, Any]) -> None:

@@ -92,9 +92,8 @@ def parse_url(url: str) -> RedisUrl:
     file, a sentinel URL without a service)."""
     parts = urlsplit(url)
     if parts.scheme not in _SCHEMES:
-        raise ConfigError(
-            f"redis URL must start with redis://, rediss://, unix:// or redis+sentinel:// (got {parts.scheme!r})"
-        )
+        got = f"got {parts.scheme[:20]!r}" if parts.scheme else "got none; a host and port: redis://HOST:PORT/0"
+        raise ConfigError(f"redis URL must start with redis://, rediss://, unix:// or redis+sentinel:// ({got})")
     query = {name: values[-1] for name, values in parse_qs(parts.query, keep_blank_values=True).items()}
     sentinel = parts.scheme == SENTINEL_SCHEME
     tls = parts.scheme == "rediss" or (sentinel and _flag(query.get("ssl", "false"), "ssl"))
