@@ -41,6 +41,11 @@ class GatewayCode(Enum):
         "this Idempotency-Key was used for a different request (its id is in X-Request-Id)",
     )
     TOO_MANY_STREAMS = ("too_many_streams", 429, "every event-stream slot is taken: retry after Retry-After")
+    NOT_SUPPORTED = (
+        "not_supported",
+        501,
+        "an operation of OpenAI's videos API this gateway does not offer (remix, edits, extensions, characters)",
+    )
     HTTP_ERROR = ("http_error", None, "any other refusal of the web framework, with its status")
     INTERNAL = ("internal", 500, "an unexpected error in the gateway (a bug): the body names its type")
 

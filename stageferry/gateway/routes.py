@@ -211,6 +211,38 @@ async def create_video(
         raise with_request_id(from_exception(exc), rid) from exc
 
 
+#: OpenAI's videos operations this gateway does not offer, by route: each answers 501 ``not_supported``
+#: naming itself (they used to meet the id routes' 404 and 405, which read as an unknown video).
+UNSUPPORTED = (
+    ("POST", "/v1/videos/{video_id}/remix", "remix"),
+    ("POST", "/v1/videos/edits", "edit"),
+    ("POST", "/v1/videos/extensions", "extend"),
+    ("POST", "/v1/videos/characters", "create_character"),
+    ("GET", "/v1/videos/characters/{character_id}", "get_character"),
+)
+OFFERED = "create, create_and_poll, retrieve, list, delete, download_content (docs/gateway.md)"
+
+
+def _refuse(operation: str) -> Any:
+    async def refuse() -> None:
+        raise ApiError.of(
+            GatewayCode.NOT_SUPPORTED, f"this gateway does not offer videos.{operation}; it offers {OFFERED}"
+        )
+
+    return refuse
+
+
+for _method, _path, _operation in UNSUPPORTED:
+    router.add_api_route(
+        _path,
+        _refuse(_operation),
+        methods=[_method],
+        responses={501: _ERROR},
+        summary=f"Not offered here: OpenAI's videos.{_operation}",
+        operation_id=f"unsupported_{_operation}",
+    )
+
+
 @router.get("/v1/videos", responses={400: _ERROR}, summary="This gateway's video jobs, in cursor pages")
 async def list_videos(
     request: Request,

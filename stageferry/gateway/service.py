@@ -214,12 +214,13 @@ class VideoService:
         return previews.variant(variant)
 
     async def delete(self, request_id: str) -> VideoDeleted:
-        """Cancel a job still in flight (it stays, as cancelled); a finished one is gone: its output and
-        previews are dropped, and its record becomes a tombstone (404 from now on; a list cursor still)."""
+        """Cancel a job still in flight: not deleted (``deleted`` false), it stays, as cancelled, until a
+        later ``DELETE``; a finished one is gone: its output and previews are dropped, and its record
+        becomes a tombstone (404 from now on; a list cursor still)."""
         status, meta = await self.video(request_id)
         if not status.state.terminal:
             await self.client.cancel(request_id)
-            return VideoDeleted(id=request_id, deleted=True)
+            return VideoDeleted(id=request_id, deleted=False)
         tomb = (meta or VideoMeta(model=self.model_name, prompt="")).model_copy(update={"deleted_at": int(time.time())})
         await self.records.tombstone(request_id, tomb, previews=PREVIEW_VARIANTS)
         if meta is not None and meta.index_entry is not None:

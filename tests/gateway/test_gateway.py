@@ -178,7 +178,7 @@ def test_delete_cancels_a_running_job(http: httpx.Client) -> None:
     vid = created.json()["id"]
     running = wait_video(http, vid, lambda v: v["status"] == "in_progress" and v["progress"] > 50)
     assert running["stageferry_state"] == "running"
-    assert http.delete(f"/v1/videos/{vid}").json()["deleted"] is True
+    assert http.delete(f"/v1/videos/{vid}").json()["deleted"] is False  # cancelled, not deleted: it stays
     ended = wait_video(http, vid, lambda v: v["status"] == "failed")
     assert ended["stageferry_state"] == "cancelled" and ended["error"]["code"] == "cancelled"
     assert_error(http.get(f"/v1/videos/{vid}/content"), 422, "generation_failed")

@@ -109,9 +109,12 @@ def test_delete_cancels_a_running_job(sdk: openai.OpenAI) -> None:
         return video if video.status == "in_progress" else None
 
     wait_for(running, 60, "the job running")
-    assert sdk.videos.delete(vid).deleted is True
+    assert sdk.videos.delete(vid).deleted is False  # cancelled, not deleted: it stays until deleted again
     ended = sdk.videos.poll(vid, poll_interval_ms=100)
     assert ended.status == "failed" and ended.error is not None and ended.error.code == "cancelled"
+    assert sdk.videos.delete(vid).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        sdk.videos.retrieve(vid)
 
 
 def test_an_image_reference_is_an_image_to_video_job(sdk: openai.OpenAI) -> None:
@@ -166,3 +169,25 @@ def test_list_skips_what_the_caller_did_not_submit(deployment: Deployment, sdk: 
     # let it finish, so that it does not hold the shared stages
     wait_for(lambda: httpx.get(f"{deployment.base_url}/v1/videos/{beside}").json().get("status") == "completed" or None,
              60, "the raw job")  # fmt: skip
+
+
+def test_operations_the_gateway_does_not_offer_say_so(sdk: openai.OpenAI) -> None:
+    """remix, edit, extend and the character calls answer 501 ``not_supported`` naming the operation and
+    what is offered: they met the id routes' 404 (read as an unknown video) and 405."""
+    vid = create(sdk, "a tern").id
+    mp4 = SAMPLES["reference_video"].read_bytes()
+    calls = {
+        "remix": lambda: sdk.videos.remix(vid, prompt="again"),
+        "edit": lambda: sdk.videos.edit(prompt="again", video=("tern.mp4", mp4)),
+        "extend": lambda: sdk.videos.extend(prompt="more", seconds="4", video=("tern.mp4", mp4)),
+        "create_character": lambda: sdk.videos.create_character(name="tern", video=("tern.mp4", mp4)),
+        "get_character": lambda: sdk.videos.get_character("char_1"),
+    }
+    for operation, call in calls.items():
+        with pytest.raises(openai.APIStatusError) as refused:
+            call()
+        assert refused.value.status_code == 501, (operation, refused.value.response.text)
+        error = refused.value.response.json()["error"]
+        assert error["code"] == "not_supported" and f"videos.{operation};" in error["message"], error
+        assert "download_content" in error["message"]
+    assert sdk.videos.retrieve(vid).id == vid  # the video itself is untouched
