@@ -33,7 +33,11 @@ class GatewayCode(Enum):
         "the record of this Idempotency-Key cannot be read: use another key",
     )
     UPLOAD_TOO_LARGE = ("upload_too_large", 413, "an uploaded file (or the whole body) is over its limit")
-    UNSUPPORTED_MEDIA_TYPE = ("unsupported_media_type", 415, "the body is not multipart/form-data")
+    UNSUPPORTED_MEDIA_TYPE = (
+        "unsupported_media_type",
+        415,
+        "the body is neither a form (multipart or urlencoded) nor a JSON object",
+    )
     GENERATION_FAILED = ("generation_failed", 422, "the video's generation ended without the output asked for")
     IDEMPOTENCY_KEY_REUSED = (
         "idempotency_key_reused",

@@ -89,14 +89,28 @@ class VideoForm(BaseModel):
 
 
 def openapi_request_body() -> dict[str, Any]:
-    """The multipart request body for the OpenAPI document: the text fields plus the upload fields."""
+    """The request body for the OpenAPI document: multipart (the text fields plus the upload fields), or a
+    JSON object (the text fields, ``input_reference`` as OpenAI's image reference object)."""
     schema = VideoForm.model_json_schema()
     for name in MEDIA_FIELDS:
         file_schema = {"type": "string", "format": "binary"}
         schema["properties"][name] = (
             {"type": "array", "items": file_schema} if name == "input_references" else dict(file_schema)
         )
-    return {"content": {"multipart/form-data": {"schema": schema}}, "required": True}
+    text_only = {**schema, "properties": {k: v for k, v in schema["properties"].items() if k not in MEDIA_FIELDS}}
+    json_schema = {**text_only, "properties": {**text_only["properties"], "input_reference": _IMAGE_URL_OBJECT}}
+    return {
+        "content": {"multipart/form-data": {"schema": schema}, "application/json": {"schema": json_schema}},
+        "required": True,
+    }
+
+
+#: ``input_reference`` in a JSON body: OpenAI's image reference object (no file parts in JSON).
+_IMAGE_URL_OBJECT = {
+    "type": "object",
+    "properties": {"image_url": {"type": "string", "description": "a data URL (data:image/png;base64,...)"}},
+    "additionalProperties": False,
+}
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""Reading a form body (multipart/form-data, or urlencoded) as it streams in, with hard caps, straight into memory.
+"""Reading a form body (multipart/form-data, urlencoded, or a JSON object) as it streams in, with hard caps,
+straight into memory.
 
 Media end up as bytes in Redis (``Client.submit(uploads=...)``), so there is nothing to spool to disk;
 what matters is refusing an oversized body *before* it has been read whole.  Three bounds apply:
@@ -12,6 +13,7 @@ what matters is refusing an oversized body *before* it has been read whole.  Thr
 from __future__ import annotations
 
 import codecs
+import json
 import urllib.parse
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -23,7 +25,8 @@ from python_multipart.multipart import parse_options_header
 
 from stageferry.errors import field_error
 from stageferry.gateway.codes import GatewayCode
-from stageferry.gateway.errors import ApiError, clip
+from stageferry.gateway.errors import ApiError, clip, invalid
+from stageferry.schemas import json_text
 
 #: How long a request body may go without a byte before it is refused (``read_form``'s ``idle_s``).
 BODY_IDLE_S = 30.0
@@ -192,16 +195,20 @@ async def read_form(
     large_text_fields: Iterable[str] = (),
     idle_s: float = BODY_IDLE_S,
 ) -> ParsedForm:
-    """Parse a form body from ``stream`` (multipart, or urlencoded as FastAPI's ``Form`` also takes);
-    :class:`ApiError` (400/413/415) as soon as a rule breaks, 408 when no bytes came for ``idle_s``."""
+    """Parse a form body from ``stream`` (multipart, urlencoded as FastAPI's ``Form`` also takes, or a JSON
+    object as OpenAI's create-video also takes); :class:`ApiError` (400/413/415) as soon as a rule breaks,
+    408 when no bytes came for ``idle_s``."""
     content_type, params = parse_options_header(headers.get("content-type", ""))
-    if content_type not in (b"multipart/form-data", b"application/x-www-form-urlencoded"):
-        raise ApiError.of(GatewayCode.UNSUPPORTED_MEDIA_TYPE, "send the request as multipart/form-data (curl -F)")
+    if content_type not in (b"multipart/form-data", b"application/x-www-form-urlencoded", b"application/json"):
+        message = "send the request as multipart/form-data (curl -F), or as a JSON object"
+        raise ApiError.of(GatewayCode.UNSUPPORTED_MEDIA_TYPE, message)
     charset = _charset(params.get(b"charset", b"utf-8").decode("latin-1"))
     check_content_length(headers, max_body_bytes)
     collector = _Collector(charset=charset, max_file_bytes=max_file_bytes, large_text_fields=large_text_fields)
     if content_type == b"application/x-www-form-urlencoded":
         return await _read_urlencoded(stream, collector, max_body_bytes, idle_s)
+    if content_type == b"application/json":
+        return await _read_json(stream, collector, max_body_bytes, idle_s)
     boundary = params.get(b"boundary")
     if not boundary:
         raise ApiError.of(GatewayCode.INVALID_FORM, "multipart/form-data without a boundary")
@@ -245,6 +252,36 @@ async def _read_urlencoded(
         body += chunk
     for name, value in urllib.parse.parse_qsl(body.decode("latin-1"), keep_blank_values=True):
         collector.add_text(name, value)
+    return collector.form
+
+
+async def _read_json(
+    stream: AsyncIterator[bytes], collector: _Collector, max_body_bytes: int, idle_s: float
+) -> ParsedForm:
+    """A JSON object body as the form it stands for (no file parts: images come as data URLs), through the
+    same per-field rules: strings as they are, numbers and booleans as their JSON text, OpenAI's
+    ``input_reference`` object as its ``input_reference[image_url]`` / ``[file_id]`` fields (what the SDK
+    sends in a form), any other object or array as its JSON text (``extra_params``)."""
+    body = bytearray()
+    async for chunk in _bounded(stream, max_body_bytes, idle_s):
+        body += chunk
+    try:
+        data = json_text.loads(body)
+    except ValueError as exc:  # also not UTF-8
+        raise ApiError.of(GatewayCode.INVALID_FORM, f"the JSON body does not parse: {clip(str(exc), 120)}") from None
+    if not isinstance(data, dict):
+        raise ApiError.of(GatewayCode.INVALID_FORM, "the JSON body must be an object of the form's fields")
+    for name, value in data.items():
+        if value is None:
+            continue
+        if name == "input_reference" and isinstance(value, dict):
+            for key, inner in value.items():
+                if key not in ("image_url", "file_id") or not isinstance(inner, str):
+                    message = "an object with a string image_url (a data URL) or file_id"
+                    raise invalid("input_reference", message, "invalid_reference")
+                collector.add_text(f"input_reference[{key}]", inner)
+            continue
+        collector.add_text(name, value if isinstance(value, str) else json.dumps(value, separators=(",", ":")))
     return collector.form
 
 

@@ -122,8 +122,8 @@ async def test_form_reader_refusals() -> None:
         await read_form(HEADERS, _chunks(twice), max_file_bytes=1024, max_body_bytes=1 << 20)
     assert caught.value.status == 400 and caught.value.body()["error"]["param"] == "prompt"
     with pytest.raises(ApiError) as caught:
-        await read_form({"content-type": "application/json"}, _chunks(b"{}"), max_file_bytes=1024, max_body_bytes=99)
-    assert caught.value.status == 415
+        await read_form({"content-type": "text/plain"}, _chunks(b"{}"), max_file_bytes=1024, max_body_bytes=99)
+    assert caught.value.status == 415 and "JSON object" in caught.value.message
     with pytest.raises(ApiError) as caught:
         headers = {**HEADERS, "content-length": "100000"}
         await read_form(headers, _chunks(twice), max_file_bytes=1024, max_body_bytes=99)
@@ -230,3 +230,34 @@ async def test_a_body_that_stops_arriving_is_a_408() -> None:
                 {"content-type": content_type}, stalls(), max_file_bytes=1024, max_body_bytes=1 << 20, idle_s=0.2
             )
         assert caught.value.status == 408 and caught.value.code == "body_stalled"
+
+
+@pytest.mark.anyio
+async def test_a_json_body_is_the_form_it_stands_for() -> None:
+    """OpenAI's create-video takes a JSON body too: strings as they are, numbers and booleans as their JSON
+    text, ``input_reference`` as the SDK's ``input_reference[image_url]`` field, other objects as JSON
+    text (``extra_params``); the same caps and refusals as a form's."""
+    headers = {"content-type": "application/json"}
+
+    async def read(body: bytes, max_body_bytes: int = 1 << 20) -> ParsedForm:
+        return await read_form(headers, _chunks(body), max_file_bytes=1024, max_body_bytes=max_body_bytes)
+
+    body = {"prompt": "p", "seconds": 4, "size": "256x144", "model": None, "input_reference": {"image_url": "data:x"},
+            "extra_params": {"task": "fl2va", "seed": 3}}  # fmt: skip
+    form = await read(json.dumps(body).encode())
+    assert form.fields == {
+        "prompt": "p", "seconds": "4", "size": "256x144", "input_reference[image_url]": "data:x",
+        "extra_params": '{"task":"fl2va","seed":3}',
+    }  # fmt: skip
+    assert form.files == []
+    refusals = {
+        b"[1, 2]": (400, "must be an object"),
+        b'{"prompt": "p"': (400, "does not parse"),
+        b"[" * 5000: (400, "does not parse"),  # nested past the recursion limit: a refusal, not a crash
+        b'{"input_reference": {"url": "x"}}': (400, "image_url"),
+        b'{"prompt": "' + b"x" * 200 + b'"}': (413, "body"),
+    }
+    for raw, (status, said) in refusals.items():
+        with pytest.raises(ApiError) as caught:
+            await read(raw, max_body_bytes=100 if status == 413 else 1 << 20)
+        assert caught.value.status == status and said in caught.value.message, (raw[:30], caught.value.message)

@@ -140,6 +140,33 @@ def test_sync_request_as_curl_sends_it(deployment: Deployment, http: httpx.Clien
     assert set(json.loads(headers["x-stage-durations"])) == {"encoder", "diffusion"}
 
 
+def test_a_json_body_with_an_image_url_reference_sent_by_curl(deployment: Deployment, http: httpx.Client) -> None:
+    """OpenAI's create-video as a JSON body (what clients written from its API reference send), with the
+    real curl: the image reference as a data URL makes it an image-to-video job, as an uploaded one does."""
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("no curl on this machine")
+    image = base64.b64encode(SAMPLES["first_frame"].read_bytes()).decode()
+    body = {
+        "prompt": "the scene comes alive", "size": "256x144", "seconds": 1, "model": "test-model",
+        "input_reference": {"image_url": f"data:image/png;base64,{image}"},
+        "fps": 8, "num_inference_steps": 2, "extra_params": {"duration": 1.0},
+    }  # fmt: skip
+    args = [curl, "-sS", "-H", "content-type: application/json", "--data-binary", "@-", "-w", "\n%{http_code}"]
+    done = subprocess.run([*args, f"{deployment.base_url}/v1/videos"], input=json.dumps(body), capture_output=True,
+                          text=True, timeout=120, check=True)  # fmt: skip
+    answer, code = done.stdout.rsplit("\n", 1)
+    assert code == "200", answer
+    video = json.loads(answer)
+    assert video["object"] == "video" and video["size"] == "256x144" and video["task"] == "fl2va", video
+    finished = wait_video(http, video["id"], lambda v: v["status"] not in ("queued", "in_progress"))
+    assert finished["status"] == "completed", finished
+    refused = subprocess.run([*args, f"{deployment.base_url}/v1/videos"], input='{"prompt": "x", "seconds": "x"}',
+                             capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    answer, code = refused.stdout.rsplit("\n", 1)
+    assert code == "400" and json.loads(answer)["error"]["param"] == "seconds", answer
+
+
 def test_async_pair_with_uploaded_frames(http: httpx.Client) -> None:
     files = {
         "input_reference": ("first.png", SAMPLES["first_frame"].read_bytes(), "image/png"),
