@@ -497,3 +497,13 @@ def test_a_typo_in_the_pipeline_file_says_what_was_meant(tmp_path: Path) -> None
     assert "stages.0.modle: unknown key; did you mean `model`?" in line
     assert "limits.max_stepz: unknown key; did you mean `max_steps`?" in line
     assert "pydantic.dev" not in line
+
+
+def test_submit_timeout_without_wait_is_a_usage_error() -> None:
+    """``--timeout`` bounds ``--wait`` only: alone it was accepted and did nothing."""
+    done = subprocess.run(
+        [sys.executable, "-m", "stageferry", "submit", "--prompt", "x", "--timeout", "5"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stderr.startswith("error [usage]: "), done.stderr
+    assert "--timeout bounds the --wait: give --wait too" in done.stderr

@@ -50,3 +50,13 @@ def test_stage_needs_this_replicas_fresh_heartbeat(
     beat(redis_url, prefix, "encoder", "encoder-box-1", time.time())
     assert health(redis_url, prefix, "--stage", "encoder") == (0, "ok\n")
     assert health(redis_url, prefix, "--stage", "diffusion")[0] == 1  # per stage
+
+
+def test_a_stage_the_pipeline_has_not_is_named_as_such(redis_url: str, prefix: str) -> None:
+    """A mistyped ``--stage`` says the pipeline has no such stage and lists them (it read as a replica
+    whose heartbeat is missing)."""
+    code, output = health(redis_url, prefix, "--stage", "encodr")
+    assert (code, output) == (
+        1,
+        "unhealthy: no stage named 'encodr' in the pipeline (its stages: encoder, diffusion)\n",
+    )

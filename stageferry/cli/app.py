@@ -74,8 +74,8 @@ def _global_options(
         typer.Option(
             "--redis-url",
             metavar="URL",
-            help=f"Redis URL, redis:// or rediss:// (env STAGEFERRY_REDIS_URL). Default: {DEFAULT_REDIS_URL} for"
-            " client commands; `up` starts a private server; `serve` and `gateway` need one.",
+            help=f"Redis URL, redis://, rediss:// or redis+sentinel:// (env STAGEFERRY_REDIS_URL). Default:"
+            f" {DEFAULT_REDIS_URL} for client commands and `gateway`; `up` starts a private server; `serve` needs one.",
         ),
     ] = None,
     prefix: Annotated[

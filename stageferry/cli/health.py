@@ -18,7 +18,12 @@ from stageferry.errors import ControlPlaneError
 
 
 async def check_health(settings: Settings, *, stage: str | None, timeout: float) -> str | None:
-    """``None`` when healthy, else a one-line reason."""
+    """``None`` when healthy, else a one-line reason (a stage the pipeline has not: said so, not a missing
+    heartbeat)."""
+    if stage is not None:
+        stages = [s.name for s in settings.load_pipeline().stages]
+        if stage not in stages:
+            return f"no stage named {stage!r} in the pipeline (its stages: {', '.join(stages)})"
     url = settings.redis_url or "redis://127.0.0.1:6379/0"
     try:
         with anyio.fail_after(timeout):

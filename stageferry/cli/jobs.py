@@ -187,6 +187,8 @@ def submit(
     ] = None,
 ) -> None:
     """Submit a job; prints its request id (with --wait: follows it and prints the final status)."""
+    if timeout is not None and not wait:  # it bounds the wait only: without one it would do nothing, silently
+        raise typer.BadParameter("--timeout bounds the --wait: give --wait too", param_hint="--timeout")
     fields = {
         "task": task, "prompt": prompt, "negative_prompt": negative_prompt, "width": width, "height": height,
         "fps": fps, "duration": duration,

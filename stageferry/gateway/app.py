@@ -23,7 +23,7 @@ from stageferry.config import PipelineConfig, Settings
 from stageferry.errors import StageferryError, field_error
 from stageferry.gateway.auth import require_token
 from stageferry.gateway.codes import GatewayCode
-from stageferry.gateway.errors import ApiError, clip, from_exception
+from stageferry.gateway.errors import ApiError, clip, from_exception, invalid_fields
 from stageferry.gateway.events_sse import MAX_EVENT_STREAMS
 from stageferry.gateway.health import HealthMonitor, health_connection
 from stageferry.gateway.metrics import MetricsMiddleware
@@ -153,9 +153,7 @@ def _install_error_handlers(app: FastAPI) -> None:
             field_error(".".join(str(p) for p in e.get("loc", ())[1:]) or "request", str(e.get("msg", "")), e["type"])
             for e in exc.errors()[:20]
         ]
-        return _refused(
-            request, ApiError.of(GatewayCode.INVALID_FORM, "invalid request parameters", field_errors=errors)
-        )
+        return _refused(request, invalid_fields(errors))  # "invalid request: limit: …", as every 400 reads
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -26,9 +26,12 @@ async def require_token(request: Request) -> None:
     if not token or request.url.path in OPEN_PATHS:
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise ApiError.of(
-            GatewayCode.UNAUTHORIZED,
-            "this gateway needs a bearer token (Authorization: Bearer <token>)",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    if scheme.lower() != "bearer" or not given.strip():
+        raise _unauthorized("this gateway needs a bearer token (Authorization: Bearer <token>)", "")
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise _unauthorized("the bearer token is not this gateway's", ' error="invalid_token"')
+
+
+def _unauthorized(message: str, error: str) -> ApiError:
+    """401, with the challenge RFC 6750 gives: a wrong token also says ``invalid_token``."""
+    return ApiError.of(GatewayCode.UNAUTHORIZED, message, headers={"WWW-Authenticate": f"Bearer{error}"})

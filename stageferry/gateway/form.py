@@ -131,6 +131,8 @@ class _Builder:
         self.origin: dict[str, str] = {}
         self.uploads: dict[str, bytes] = {}
         self.errors: list[dict[str, Any]] = []
+        self.duplicates: dict[str, int] = {}  #: uploads beyond the first, by slot
+        self.duplicate_at: dict[str, int] = {}  #: each slot's one duplicate error, by index in ``errors``
 
     def put(self, job_field: str, value: Any, source: str) -> None:
         if value is None:
@@ -143,9 +145,16 @@ class _Builder:
         self.origin.setdefault(job_field, source)
 
     def media(self, slot: str, data: bytes, source: str) -> None:
-        if slot in self.uploads:
-            message = f"a second {slot} (the first came from {self.origin['media.' + slot]})"
-            self.errors.append(field_error(source, message, "duplicate_media"))
+        if slot in self.uploads:  # one error a slot, however many more came (50 images: one error, not 48)
+            extra = self.duplicates[slot] = self.duplicates.get(slot, 0) + 1
+            shown = "a second" if extra == 1 else f"{extra} more"
+            message = f"{shown} {slot} (a job takes one; the first came from {self.origin['media.' + slot]})"
+            error = field_error(source, message, "duplicate_media")
+            if extra == 1:
+                self.errors.append(error)
+            else:
+                self.errors[self.duplicate_at[slot]] = error
+            self.duplicate_at.setdefault(slot, len(self.errors) - 1)
             return
         self.uploads[slot] = data
         self.origin["media." + slot] = source

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 from types import FrameType
 
 import h11
@@ -26,6 +27,14 @@ class _Server(uvicorn.Server):
     uvicorn drains on SIGTERM and then raises the signal again, so the process dies of it (exit 143,
     which ``docker compose stop`` reports as a failure).  A stop is what an orchestrator asks for: after
     the drain the gateway exits 0.  SIGINT keeps uvicorn's behaviour (a Ctrl-C is an interruption)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's start, then one ``gateway.listening`` line with the URL (uvicorn's own says it at info,
+        which the gateway keeps quiet: its loggers run at warning)."""
+        await super().startup(sockets)
+        if self.started:
+            config = self.config
+            log.info("gateway.listening", url=f"http://{config.host}:{config.port}", docs="/docs", console="/")
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)

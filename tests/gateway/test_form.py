@@ -261,3 +261,15 @@ async def test_a_json_body_is_the_form_it_stands_for() -> None:
         with pytest.raises(ApiError) as caught:
             await read(raw, max_body_bytes=100 if status == 413 else 1 << 20)
         assert caught.value.status == status and said in caught.value.message, (raw[:30], caught.value.message)
+
+
+def test_many_images_for_two_slots_are_one_error_that_says_so() -> None:
+    """50 ``input_references`` images on an image-to-video job: one error for the slot they overflow
+    (it used to be 48 identical ones), saying how many more came and that a job takes one."""
+    png = b"\x89PNG\r\n\x1a\n" + b"\x00" * 32
+    files = [UploadedFile("input_references", f"{n}.png", "image/png", png) for n in range(50)]
+    with pytest.raises(ApiError) as caught:
+        map_form(ParsedForm({"prompt": "p"}, files))
+    [error] = caught.value.field_errors
+    assert error["field"] == "input_references" and error["type"] == "duplicate_media", error
+    assert error["message"] == "48 more last_frame (a job takes one; the first came from input_references)"

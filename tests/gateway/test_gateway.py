@@ -411,6 +411,8 @@ def test_gateway_command_serves_the_configured_deployment(deployment: Deployment
     assert code == 0, logged  # a stop is a normal end: drained, exit 0 (not 143)
     events = [json.loads(line) for line in logged.splitlines()]  # the log is JSON lines only
     assert any(e["event"] == "gateway.stopped" for e in events), logged
+    [listening] = [e for e in events if e["event"] == "gateway.listening"]  # where it serves, said once
+    assert listening["url"] == f"http://127.0.0.1:{port}", listening
     refusal = next(e for e in events if e["event"] == "gateway.refused")
     assert refusal["key"] == f"{refused_id}_-1_0" and refusal["status"] == 400 and refusal["code"] == "invalid_form"
 

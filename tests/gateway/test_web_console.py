@@ -107,7 +107,10 @@ def test_api_needs_the_token(deployment: ConsoleDeployment, path: str, authoriza
     reply = httpx.get(deployment.base_url + path, headers=headers, timeout=30)
     assert reply.status_code == 401, reply.text
     assert reply.json()["error"]["code"] == "unauthorized"
-    assert reply.headers["www-authenticate"] == "Bearer"
+    wrong = authorization == "Bearer wrong-token-xyz"  # a token, not this gateway's: said so (RFC 6750)
+    assert reply.headers["www-authenticate"] == ('Bearer error="invalid_token"' if wrong else "Bearer")
+    said = "not this gateway's" if wrong else "needs a bearer token"
+    assert said in reply.json()["error"]["message"], reply.text
 
 
 def test_submit_needs_the_token(deployment: ConsoleDeployment) -> None:

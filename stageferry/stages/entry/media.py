@@ -227,12 +227,12 @@ def decodable(container: InputContainer, kind: str, field: str) -> Any:
     return streams[0]
 
 
-_REPR = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>|'<none>'|: ?'?<[^>]*>'?$")
+_REPR = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>|'<none>'|: ?'?<[^>]*>'?$|^\[Errno -?\d+\] ")
 
 
 def describe(exc: BaseException) -> str:
-    """A decoder's error as a client may read it: object reprs (``<_io.BytesIO object at 0x…>``) and
-    stand-in file names removed, bounded."""
+    """A decoder's error as a client may read it: object reprs (``<_io.BytesIO object at 0x…>``), stand-in
+    file names and FFmpeg's error number (``[Errno 1094995529]``) removed, bounded."""
     text = _REPR.sub("", str(exc)).strip(" :")
     return (text or type(exc).__name__)[:200]
 

@@ -151,6 +151,9 @@ def test_probe_errors_show_no_object_reprs() -> None:
         assert "0x" not in message and "BytesIO" not in message and "<" not in message, message
     plain = describe(OSError("cannot identify image file <_io.BytesIO object at 0x7f3a2c>"))
     assert plain == "cannot identify image file"
+    assert describe(OSError("[Errno 1094995529] Invalid data found when processing input: '<none>'")) == (
+        "Invalid data found when processing input"
+    )
 
 
 def test_oversized_media_frames_are_refused_before_decoding() -> None:
