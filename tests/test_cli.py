@@ -18,6 +18,7 @@ import typer.main
 from typer.testing import CliRunner
 
 from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_url import shown
 from stageferry.cli import app, build_job
 from stageferry.client import Client
 from stageferry.embedded_redis import EmbeddedRedis
@@ -507,3 +508,13 @@ def test_submit_timeout_without_wait_is_a_usage_error() -> None:
     )  # fmt: skip
     assert done.returncode == 2 and done.stderr.startswith("error [usage]: "), done.stderr
     assert "--timeout bounds the --wait: give --wait too" in done.stderr
+
+
+def test_status_of_an_unknown_id_says_where_it_looked(redis_url: str, prefix: str) -> None:
+    """The Redis and prefix it read (a status asked of the wrong one read as "expired"), no password."""
+    result = invoke(redis_url, prefix, "status", "never-submitted")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (
+        f"error [not_found]: no request 'never-submitted' in Redis {shown(redis_url)} (prefix {prefix!r}): "
+        "unknown or expired"
+    )

@@ -12,6 +12,7 @@ import typer
 import typer.core
 
 from stageferry.broker.control.liveness import unheld_note
+from stageferry.broker.control.redis_url import shown
 from stageferry.cli.app import _expected_errors, _print_status, _settings, _with_client, app, stderr
 from stageferry.cli.display import follow, render_status
 from stageferry.client import DEFAULT_REDIS_URL, Client
@@ -226,7 +227,9 @@ def status(ctx: typer.Context, request_id: RequestIdArg) -> None:
 
     found, note = _with_client(ctx, act)
     if found is None:
-        typer.echo(f"error [not_found]: no request {request_id!r} (unknown or expired)", err=True)
+        settings = _settings(ctx)
+        where = f"Redis {shown(settings.redis_url or DEFAULT_REDIS_URL)} (prefix {settings.prefix!r})"
+        typer.echo(f"error [not_found]: no request {request_id!r} in {where}: unknown or expired", err=True)
         raise typer.Exit(1)
     _print_status(found)
     if note is not None:  # stdout stays the status's JSON
@@ -330,6 +333,6 @@ def _find_trace(ctx: typer.Context, request_id: str) -> list[TraceEvent]:
         raise
     if events or from_file:
         return events or from_file or []
-    looked = f"Redis {url} (prefix {settings.prefix!r})" + (f" and {saved}" if saved is not None else "")
+    looked = f"Redis {shown(url)} (prefix {settings.prefix!r})" + (f" and {saved}" if saved is not None else "")
     typer.echo(f"error [not_found]: no events for {request_id!r} in {looked}", err=True)
     raise typer.Exit(1)

@@ -63,7 +63,7 @@ MEDIA_FIELDS = (*MediaInputs.model_fields, "input_reference", "last_image", "inp
 class VideoForm(BaseModel):
     """The text fields of ``POST /v1/videos[/sync]`` (multipart; files are listed in the OpenAPI schema)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # nan: "finite", as inf
 
     prompt: str = Field(description="What to generate.")
     model: str | None = Field(None, max_length=256, description="Echoed back; the deployment decides the model.")

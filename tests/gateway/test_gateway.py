@@ -270,6 +270,7 @@ INVALID = [
     pytest.param({"seconds": "3"}, "extra_params.duration", "conflict", id="seconds-vs-duration"),
     pytest.param({"prompt": None}, "prompt", "missing", id="no-prompt"),
     pytest.param({"flow_shift": "nan"}, "flow_shift", "finite_number", id="flow-shift-nan"),
+    pytest.param({"seconds": "nan", "extra_params": None}, "seconds", "finite_number", id="seconds-nan"),
     pytest.param({"width": "2048", "height": "1152", "extra_params": {**EXTRA, "duration": 30.0}},
                  "extra_params.duration", "over_budget", id="over-the-deployment-budget"),
 ]  # fmt: skip

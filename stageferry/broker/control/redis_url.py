@@ -124,6 +124,16 @@ def parse_url(url: str) -> RedisUrl:
     return RedisUrl(plain, durability, _sentinel_target(parts.netloc, parts.path, ours, tls=tls))
 
 
+def shown(url: str) -> str:
+    """``url`` as a message may show it: a password (``user:password@``) replaced by ``***``."""
+    parts = urlsplit(url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return parts._replace(netloc=f"{user}:***@{hosts}").geturl()
+
+
 def check_url(url: str) -> None:
     """Refuse (:class:`ConfigError`) a URL that redis-py would only choke on later (see :func:`parse_url`)."""
     parse_url(url)

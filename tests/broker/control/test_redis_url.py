@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from stageferry.broker.control.redis_conn import check_url, connect, durability_of
-from stageferry.broker.control.redis_url import DEFAULT_FAILOVER_WAIT_S, DEFAULT_WAIT_TIMEOUT_MS, Durability, parse_url
+from stageferry.broker.control.redis_url import (
+    DEFAULT_FAILOVER_WAIT_S,
+    DEFAULT_WAIT_TIMEOUT_MS,
+    Durability,
+    parse_url,
+    shown,
+)
 from stageferry.errors import ConfigError
 
 
@@ -72,3 +78,17 @@ def test_the_factory_records_each_clients_durability() -> None:
     client = connect("redis+sentinel://127.0.0.1:1/svc?wait_replicas=2&wait_timeout_ms=300&failover_wait_s=5")
     assert durability_of(client) == Durability(2, 300, 5)
     assert durability_of(connect("redis://127.0.0.1:1/0")) == Durability(0)
+
+
+@pytest.mark.parametrize(
+    ("url", "as_shown"),
+    [
+        ("redis://sfclient:s3cret@redis:6379/0", "redis://sfclient:***@redis:6379/0"),
+        ("redis://:s3cret@redis/0", "redis://:***@redis/0"),
+        ("redis+sentinel://u:p@s1:26379,s2:26379/mymaster/0", "redis+sentinel://u:***@s1:26379,s2:26379/mymaster/0"),
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("redis://user@h/0", "redis://user@h/0"),
+    ],
+)
+def test_a_url_in_a_message_shows_no_password(url: str, as_shown: str) -> None:
+    assert shown(url) == as_shown
