@@ -331,7 +331,8 @@ def test_up_with_unreachable_redis_is_one_line_and_starts_nothing(tmp_path: Path
     assert result.returncode == 1
     assert "Traceback" not in result.stderr and "ExceptionGroup" not in result.stderr
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error [")]
-    assert len(errors) == 1 and errors[0].startswith("error [control_plane]: redis: ConnectionError")
+    assert len(errors) == 1 and errors[0].startswith("error [control_plane]: the configured Redis does not answer (")
+    assert errors[0].endswith("; unset STAGEFERRY_REDIS_URL (or drop --redis-url) and up starts a private one")
     assert len(result.stderr.strip().splitlines()) <= 2, result.stderr  # "outputs: …" and the error
     assert "services:" not in result.stderr and not (tmp_path / "out" / "logs").exists()
 

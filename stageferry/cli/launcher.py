@@ -27,13 +27,13 @@ from rich.console import Console
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.liveness import live_by_stage
-from stageferry.broker.control.redis_conn import ping
+from stageferry.broker.control.redis_conn import is_connection_error, ping
 from stageferry.cli.display import follow, render_hops, render_status
 from stageferry.cli_hints import cli_command, submit_command
 from stageferry.client import Client, validate_job, with_upload_refs
 from stageferry.config import DEFAULT_STAGES, PipelineConfig, Settings
 from stageferry.embedded_redis import EmbeddedRedis
-from stageferry.errors import StageFailedError, StageferryError
+from stageferry.errors import ControlPlaneError, StageFailedError, StageferryError
 from stageferry.procs import astop
 from stageferry.schemas import RequestState, RequestStatus
 from stageferry.schemas.validation import check_job_limits
@@ -286,7 +286,15 @@ async def run_up(
                     if the_plan.shared or mps is MpsMode.ON:
                         console.print(f"cuda mps: {use_mps.reason}")
                     client = await stack.enter_async_context(Client(url, prefix=settings.prefix, pipeline=pipeline))
-                    await ping(client.redis)  # an unreachable Redis is one line before any service starts
+                    try:  # an unreachable Redis is one line before any service starts
+                        await ping(client.redis)
+                    except ControlPlaneError as exc:
+                        if settings.redis_url is None or not is_connection_error(exc):
+                            raise
+                        hint = "unset STAGEFERRY_REDIS_URL (or drop --redis-url) and up starts a private one"
+                        raise ControlPlaneError(
+                            f"the configured Redis does not answer ({exc.message}); {hint}"
+                        ) from exc
                     if settings.pipeline is None and gpus and pipeline.stages != DEFAULT_STAGES:
                         console.print(
                             f"pipeline: built-in default fitted to {gpus} GPU{'s' if gpus > 1 else ''} "
