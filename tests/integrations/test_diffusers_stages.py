@@ -186,6 +186,15 @@ def test_the_consumer_refuses_a_payload_that_breaks_its_contract(pairs: dict[str
     wide = {**wan, "prompt_embeds": torch.zeros(3, 48)}
     with pytest.raises(PayloadContractError, match=r"prompt_embeds: dimension 1 \(32\) must be 32, got 48"):
         pairs["wan"][1].input_contract.check(wan_job, wide)
+    # plain ints the consumer allocates from or passes on are bounded (a producer's 10**12 padded to OOM)
+    for payload, field, contract, job_ in (
+        ({**wan, "max_sequence_length": 10**12}, "max_sequence_length", pairs["wan"][1].input_contract, wan_job),
+        ({**wan, "max_sequence_length": True}, "max_sequence_length", pairs["wan"][1].input_contract, wan_job),
+        ({**good, "image_crf": -(10**9)}, "image_crf", dif.input_contract, job),
+    ):
+        with pytest.raises(PayloadContractError) as info:
+            contract.check(job_, payload)
+        assert [e["field"] for e in info.value.field_errors] == [field], info.value.field_errors
 
 
 def test_bad_options_stop_the_service_at_start(checkpoints: dict[str, Path], tmp_path: Path) -> None:

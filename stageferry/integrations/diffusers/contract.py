@@ -14,7 +14,7 @@ Version history: 1 — first version.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,6 +51,8 @@ class DiffusersContract:
     plain: Mapping[str, type]
     bounds: Mapping[str, tuple[int, int]]
     guided: Callable[[JobRequest], bool]
+    #: Bounds of plain ints (what the consumer allocates or passes on from them), inclusive.
+    ranges: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -77,8 +79,14 @@ class DiffusersContract:
                 continue
             self._tensor(entry, value, sizes, errors)
         for name, kind in self.plain.items():
-            if name in payload and not isinstance(payload[name], kind):
-                errors.append((name, f"expected {kind.__name__}, got {type(payload[name]).__name__}", "type"))
+            if name not in payload:
+                continue
+            value = payload[name]
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                errors.append((name, f"expected {kind.__name__}, got {type(value).__name__}", "type"))
+            elif name in self.ranges and not self.ranges[name][0] <= value <= self.ranges[name][1]:
+                low, high = self.ranges[name]
+                errors.append((name, f"{str(value)[:24]} is outside {low}..{high}", "value"))
         known = {e.name for e in self.entries} | set(self.plain) | {"family", "task"}
         errors += [(str(k)[:64], "is not an entry of this contract", "unknown") for k in payload if k not in known]
         if errors:
@@ -146,7 +154,8 @@ def ltx2_contract(guided: Callable[[JobRequest], bool]) -> DiffusersContract:
         Entry("attention_mask", (torch.int64,), ("b", "L"), "the connectors' mask, 1 = attend", values=(0, 1)),
         Entry("image", (torch.uint8,), ("h", "w", 3), "i2va: the first frame, RGB", needed=_i2va),
     )
-    return DiffusersContract("ltx2", entries, {"image_crf": int, "meta": dict}, _BOUNDS, guided)
+    plain = {"image_crf": int, "meta": dict}
+    return DiffusersContract("ltx2", entries, plain, _BOUNDS, guided, ranges={"image_crf": (0, 51)})  # x264's CRF
 
 
 def wan_contract(guided: Callable[[JobRequest], bool], width: int) -> DiffusersContract:
@@ -156,4 +165,5 @@ def wan_contract(guided: Callable[[JobRequest], bool], width: int) -> DiffusersC
         Entry("prompt_embeds", FLOATS, ("n", width), "prompt embeddings, padding dropped"),
         Entry("negative_prompt_embeds", FLOATS, ("m", width), "negative prompt embeddings (CFG)", needed=_guided),
     )
-    return DiffusersContract("wan", entries, {"max_sequence_length": int, "meta": dict}, _BOUNDS, guided)
+    plain = {"max_sequence_length": int, "meta": dict}  # the consumer pads to it: bounded as token counts are
+    return DiffusersContract("wan", entries, plain, _BOUNDS, guided, ranges={"max_sequence_length": (1, MAX_TOKENS)})
