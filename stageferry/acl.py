@@ -34,6 +34,7 @@ import urllib.parse
 from collections.abc import Sequence
 
 from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.redis_url import SENTINEL_SCHEME, parse_url
 from stageferry.errors import ConfigError
 from stageferry.schemas.job import TENANT_SEPARATOR, is_tenant
 
@@ -61,7 +62,11 @@ _SINGLE_TICKET = "?" * 32
 
 
 def redis_db(url: str) -> int:
-    """The database a Redis URL names (``/N`` or ``?db=N``; 0 when it names none)."""
+    """The database a Redis URL names (``/N`` or ``?db=N``; 0 when it names none); a sentinel URL's is the
+    one after its service (``redis+sentinel://…/<service>/N``)."""
+    if url.startswith(f"{SENTINEL_SCHEME}://"):
+        target = parse_url(url).sentinel
+        return 0 if target is None else target.db
     parts = urllib.parse.urlsplit(url)
     raw = urllib.parse.parse_qs(parts.query).get("db", [parts.path.strip("/")])[0]
     try:

@@ -27,7 +27,7 @@ import yaml
 
 from stageferry.acl import acl_file
 from stageferry.broker.control.keys import Keys
-from stageferry.broker.control.redis_url import check_url
+from stageferry.broker.control.redis_url import SENTINEL_SCHEME, check_url
 from stageferry.config import PipelineConfig
 from stageferry.errors import ConfigError
 from stageferry.kube.manifests import REDIS_SECRET, cpu_patch, gpu_patch, labels, scaled_object, stage_objects
@@ -106,13 +106,18 @@ def redis_secret(
         raise ConfigError("the Sentinel deployment (components/redis-ha) takes neither --tls nor --url")
     if url is not None:
         check_url(url)  # refused here, as --redis-url is, not by every pod at its start
+        if url.startswith(f"{SENTINEL_SCHEME}://"):  # KEDA's triggers would be pointed at a sentinel as a Redis
+            raise ConfigError(
+                "--url takes a Redis (redis:// or rediss://); Sentinel is components/redis-ha's (--sentinel)"
+            )
+    tenants = tenants or pipeline.security.tenants  # every client user the ACL file has gets its own password
     ha_users = ["sfreplica", "sfsentinel"] if sentinel else []
     users = ["stageferry", "sfscaler", *ha_users, *([f"sfclient-{t}" for t in tenants] or ["sfclient"])]
     passwords = {u: secrets.token_urlsafe(24) for u in users}
     acl = acl_file(
         values.prefix,
         pipeline.stages[0].name,
-        tenants=tenants or pipeline.security.tenants,
+        tenants=tenants,
         passwords={u: f">{p}" for u, p in passwords.items()},
         scaler=True,
         sentinel=sentinel,

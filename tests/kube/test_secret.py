@@ -70,6 +70,23 @@ def test_a_url_that_is_no_redis_url_is_refused_here_not_by_the_pods(url: str, sa
     assert said in refused.value.message
 
 
+def test_a_pipeline_with_tenants_gets_a_password_for_each_tenants_user(tmp_path: Path) -> None:
+    """The tenants come from the pipeline file, as the ACL's users do: each user its own fresh password
+    (they were left at CHANGE-ME, and a password was made for an ``sfclient`` the file did not have)."""
+    pipeline = PipelineConfig.model_validate({"security": {"tenants": ["acme", "beta"]}})
+    data = redis_secret(pipeline, Values())["stringData"]
+    assert "CHANGE-ME" not in data["users.acl"]
+    assert {k for k in data if k.startswith("sfclient")} == {"sfclient-acme-password", "sfclient-beta-password"}
+    for tenant in ("acme", "beta"):
+        assert f"user sfclient-{tenant} on >{data[f'sfclient-{tenant}-password']} " in data["users.acl"]
+
+
+def test_a_sentinel_url_is_refused_as_url_pointing_at_the_ha_component() -> None:
+    pipeline = PipelineConfig.load(TREE / "base" / "pipeline.toml")
+    with pytest.raises(ConfigError, match="--sentinel"):  # it crashed on the sentinels' port list
+        redis_secret(pipeline, Values(), url="redis+sentinel://u:p@s1:26379,s2:26379/stageferry/0")
+
+
 def test_the_acl_file_runs_in_redis(server: PrivateRedis, secret: dict[str, Any]) -> None:
     data = secret["stringData"]
     services = sync_redis.Redis(port=server.port, username="stageferry", password=data["password"])

@@ -18,7 +18,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from stageferry.acl import STAGE_COMMANDS, acl_file
+from stageferry.acl import STAGE_COMMANDS, acl_file, redis_db
 from stageferry.broker.control.client_keys import ClientKeySweeper, client_key_bounds
 from stageferry.broker.control.entry_records import crash_field
 from stageferry.broker.control.intake import Intake
@@ -152,3 +152,19 @@ def test_the_shipped_acl_file_is_what_stageferry_acl_prints() -> None:
         line for line in (ROOT / "compose" / "redis-acl.conf").read_text().splitlines() if line.startswith("user ")
     ]
     assert shipped == acl_file("sf", "encoder").splitlines()
+
+
+@pytest.mark.parametrize(
+    ("url", "db"),
+    [
+        ("redis://127.0.0.1:6379/2", 2),
+        ("redis://127.0.0.1:6379?db=3", 3),
+        ("redis://127.0.0.1:6379", 0),
+        ("redis+sentinel://stageferry:pw@s1:26379,s2:26379,s3:26379/stageferry/0?wait_replicas=2", 0),
+        ("redis+sentinel://s1:26379/stageferry/5", 5),
+    ],
+)
+def test_the_acl_pins_the_database_its_url_names_a_sentinel_url_too(url: str, db: int) -> None:
+    """``stageferry acl`` reads the database from the deployment's URL: a sentinel URL's follows its
+    service (it was refused as "no valid database: 'stageferry/0'", with the URL the HA docs give)."""
+    assert redis_db(url) == db
