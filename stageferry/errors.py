@@ -41,7 +41,9 @@ a request's failed/rejected status shows, so that clients branch on codes, never
     ├── DeadlineExceededError        the request's deadline passed
     ├── ChunkTimeoutError            a streamed payload's next chunk did not come (or was not taken) in time
     ├── StreamAbandonedError         a streamed payload's consumer restarted the request under a later
-    │                                attempt: this producer's run stops, writing nothing
+    │   │                            attempt: this producer's run stops, writing nothing
+    │   └── UpstreamEndedError       the request ended upstream (its producer failed) while this consumer
+    │                                waited for a chunk: it stops, writing nothing
     ├── RequestLostError             the request's record vanished (a Redis without persistence restarted)
     ├── RequestNotFoundError         no such request, and the caller would not wait for it to appear
     └── CancelledRequestError        the client cancelled the request (or gave up waiting, and cancelled it)
@@ -266,6 +268,14 @@ class StreamAbandonedError(StageferryError):
     status (the new attempt owns the request)."""
 
     code = "stream_abandoned"
+
+
+class UpstreamEndedError(StreamAbandonedError):
+    """A streamed payload's consumer waited for its next chunk while the request ended upstream (its
+    producer failed, and that ended it): it stops at once, rather than at ``chunk_timeout_s`` with its
+    stage held, and its entry is acknowledged without a status (the request has its own already)."""
+
+    code = "upstream_ended"
 
 
 class RequestLostError(StageferryError):

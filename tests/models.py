@@ -120,6 +120,8 @@ class Streamer:
                 os._exit(19)
             if stall is not None and int(stall[0]) == index:
                 time.sleep(float(stall[1]))
+            if "fail_at" in opts and int(opts["fail_at"]) == index:  # the model breaks mid-stream
+                raise RuntimeError(f"the producer broke before chunk {index}")
             ctx.emit_chunk({"index": torch.tensor([index]), "data": chunk_data(ctx.request_id, index, self.hidden)})
         return None
 
@@ -155,6 +157,8 @@ class ChunkConsumer:
             dies = opts.get("consumer_dies_at")
             if dies is not None and int(dies) == index and ctx.rank == 0 and _once("consumer", ctx.request_id):
                 os._exit(23)
+            if "take" in opts and len(applied) >= int(opts["take"]):  # done before the last chunk
+                break
         return FinalOutput(data=json.dumps({"run": run, "applied": applied}).encode())
 
 

@@ -245,3 +245,36 @@ def test_a_stream_into_a_model_that_takes_whole_payloads_fails_typed(
         r = sync_redis.Redis.from_url(redis_url)
         stream = svc.keys.stage_stream("encoder")
         wait_for(lambda: r.xpending(stream, "encoder")["pending"] == 0, 60, "the producer's entry to be settled")
+
+
+def test_a_stream_cut_short_at_either_end_frees_both_stages_and_its_announcements(
+    tmp_path: Path, redis_url: str, prefix: str
+) -> None:
+    """A consumer model that returns after one chunk stops its producer (which waited in back-pressure for
+    ``producer_wait_s``); a producer model that breaks mid-stream ends its consumer's wait (which lasted
+    ``chunk_timeout_s``, its stage held): both long here, so a stage still held would not serve the next
+    job in time.  And once a consumer is done with a stream its announcements, inline bytes among them,
+    are deleted (they were kept for the request's TTL)."""
+    long = {"chunk_timeout_s": 600.0, "producer_wait_s": 600.0}
+    with make(tmp_path, redis_url, prefix, streaming=long, inline_max_bytes=1 << 20) as svc:
+        svc.start("encoder", "a")
+        svc.start("diffusion", "a")
+        client = svc.client()
+        early = client.submit(job("chunks:8 take:1"))
+        assert client.wait(early, timeout=60).state is RequestState.DONE
+        assert result(svc, early)["applied"] == [0]
+        after_early = client.submit(job("chunks:2"))  # the producer stopped: it serves this at once
+        assert client.wait(after_early, timeout=60).state is RequestState.DONE
+
+        broken = client.submit(job("chunks:6 fail_at:2"))
+        status = client.wait(broken, timeout=60)
+        assert status.state is RequestState.FAILED and status.stage == "encoder", status
+        after_broken = client.submit(job("chunks:2"))  # the consumer stopped waiting: it serves this
+        assert client.wait(after_broken, timeout=60).state is RequestState.DONE
+        assert status == client.status(broken), "the consumer wrote nothing over the producer's failure"
+        consumer_log = "".join(p.read_text() for p in tmp_path.glob("diffusion-*.log"))
+        assert '"event": "chunk.upstream_ended"' in consumer_log and broken in consumer_log
+
+        r = sync_redis.Redis.from_url(redis_url)
+        left = lambda: sorted(r.scan_iter(match=f"{prefix}:req-chunks:*"))  # noqa: E731
+        assert wait_for(lambda: left() == [], 30, "every stream's announcements deleted") is True

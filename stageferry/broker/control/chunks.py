@@ -1,6 +1,7 @@
 """The control plane of a streamed payload: chunk announcements and the stream's progress, on Redis.
 
-Written by stages only, both with the request's TTL:
+Written by stages only, both with the request's TTL (the announcements are deleted sooner, when the
+consumer is done with them: :meth:`ChunkChannel.drop`):
 
 * ``Keys.chunks`` — a stream: one entry per announced chunk (:mod:`stageferry.schemas.chunks`), in the
   order the producer announced them;
@@ -180,6 +181,15 @@ class ChunkChannel:
         _, state = self._keys(sid)
         with translated():
             return bool(int(await self._open_once(keys=[state], args=[self.ttl_s])))
+
+    async def drop(self, sid: StreamId) -> None:
+        """The consumer is done with the stream (its last chunk applied, or it stopped): its announcements,
+        inline chunk bytes among them, go now rather than at the request's TTL.  Nobody reads them again: a
+        consumer that takes the request over finds ``taken`` set and starts a later attempt.  The state hash
+        stays (the producer reads ``applied``, ``stopped`` there)."""
+        stream, _ = self._keys(sid)
+        with translated():
+            await self.redis.delete(stream)
 
     async def abandon(self, sid: StreamId, *, why: str = "abandoned") -> None:
         """The consumer restarts the request under a later attempt (``abandoned``), or gave up on it

@@ -48,11 +48,13 @@ from stageferry.errors import (
     QueueFullError,
     RequestIdTakenError,
 )
-from stageferry.schemas import JobRequest, RequestState, RequestStatus
+from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestState, RequestStatus
 from stageferry.schemas.submission import new_ticket, submission_item
 from stageferry.schemas.validation import parse_status
 
 log = structlog.get_logger(__name__)
+#: The states a request's record says it ended in (its ``state`` field).
+_TERMINAL_NAMES = frozenset(state.value for state in TERMINAL_STATES)
 #: A submission whose uploads add up to more than this goes through redis-py's pool, not a client's lean
 #: link: a link is one socket, so a large write would queue every other caller's commands behind it, and
 #: its reply timer starts at the write.
@@ -317,6 +319,13 @@ class RequestStore(RequestWaits):
         with translated():
             await self._redis.set(self._keys.cancel(request_id), b"1", ex=self._ttl)
         return True
+
+    async def ended(self, request_id: str) -> bool:
+        """Whether the request's record says it is terminal (one HGET of its ``state``): a stage that waits
+        on another for it (a streamed payload's next chunk) stops once it has ended elsewhere."""
+        with translated():
+            state = await self._redis.hget(self._keys.request(request_id), "state")
+        return state is not None and state.decode(errors="replace") in _TERMINAL_NAMES
 
     async def is_cancelled(self, request_id: str) -> bool:
         with translated():

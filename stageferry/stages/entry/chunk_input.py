@@ -37,8 +37,10 @@ from stageferry.errors import (
     CancelledRequestError,
     ChunkTimeoutError,
     ClaimError,
+    ControlPlaneError,
     PayloadUnavailableError,
     StreamAbandonedError,
+    UpstreamEndedError,
 )
 from stageferry.stages.chunk_stream import Chunk
 
@@ -58,12 +60,15 @@ class ChunkReader:
         *,
         timeout_s: float,
         is_cancelled: Callable[[], Awaitable[bool]] | None = None,
+        ended_upstream: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self.channel = channel
         self.connector = connector
         self.sid = sid
         self.timeout_s = timeout_s
         self.is_cancelled = is_cancelled
+        #: Whether the request has ended elsewhere (its producer failed): asked with the cancel flag.
+        self.ended_upstream = ended_upstream
         self.expected = 0
         self.after = "0"
         self.ended = False
@@ -119,6 +124,11 @@ class ChunkReader:
                 )
             if self.is_cancelled is not None and await self.is_cancelled():
                 raise CancelledRequestError("cancelled by the client")
+            if self.ended_upstream is not None and await self.ended_upstream():
+                log.info("chunk.upstream_ended", index=self.expected)  # its producer failed: nothing to wait for
+                raise UpstreamEndedError(
+                    f"the request ended upstream while chunk {self.expected} was awaited", index=self.expected
+                )
             applied, self._unreported = (self._unreported if self._unreported >= 0 else None), -1
             records = await self.channel.read(
                 self.sid, self.after, block_ms=int(min(remaining, READ_BLOCK_MS / 1000) * 1000), applied=applied
@@ -191,7 +201,8 @@ class ChunkReader:
                 await self.channel.raise_to(self.sid, "applied", index)
 
     async def aclose(self) -> None:
-        """The stream is done with (the model returned or failed): release what is held, drop the rest."""
+        """The stream is done with (the model returned or failed): release what is held, drop the rest,
+        and the announcements themselves (:meth:`ChunkChannel.drop`; their TTL is the backstop)."""
         with anyio.CancelScope(shield=True):
             await self.release()
             for records in self._pending.values():
@@ -199,3 +210,5 @@ class ChunkReader:
                     with contextlib.suppress(Exception):
                         await self.connector.discard(record.announcement.payload)
             self._pending.clear()
+            with contextlib.suppress(ControlPlaneError):
+                await self.channel.drop(self.sid)

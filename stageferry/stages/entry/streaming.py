@@ -180,6 +180,7 @@ class Streaming:
             StreamId(rid, self.index - 1, envelope.attempt),
             timeout_s=self.config.chunk_timeout_s,
             is_cancelled=lambda: self.store.is_cancelled(rid),
+            ended_upstream=lambda: self.store.ended(rid),
         )
         await reader.check_start()
 
@@ -197,12 +198,18 @@ class Streaming:
         except GroupBrokenError:
             raise  # the entry stays pending: the consumer that takes it over decides
         except BaseException:  # the request ends here (failed, cancelled): the producer need not go on
-            if not reader.ended:
-                with anyio.CancelScope(shield=True), contextlib.suppress(ControlPlaneError):
-                    await self.channel.abandon(reader.sid, why="stopped")
+            await self._stop_producer(reader)
             raise
+        else:  # the model returned before the last chunk: its producer would wait on it (back-pressure)
+            await self._stop_producer(reader)
         finally:
             await reader.aclose()
+
+    async def _stop_producer(self, reader: ChunkReader) -> None:
+        """Mark the stream ``stopped`` unless its last chunk was read: its producer stops."""
+        if not reader.ended:
+            with anyio.CancelScope(shield=True), contextlib.suppress(ControlPlaneError):
+                await self.channel.abandon(reader.sid, why="stopped")
 
 
 Publish = Callable[[Any, bool], Coroutine[Any, Any, None]]
