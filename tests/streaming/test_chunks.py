@@ -111,8 +111,9 @@ async def test_a_missing_chunk_ends_typed_after_its_deadline(channel: ChunkChann
 
 
 def producer(channel: ChunkChannel, handed: list[int], *, window: int = 2) -> ChunkProducer:
-    async def hand_on() -> None:
-        handed.append(1)
+    async def hand_on() -> None:  # as the stage's: the channel's script hands on once per attempt
+        if await channel.hand_on_once(SID, "diffusion", {"request_id": SID.request_id, "envelope": "{}"}):
+            handed.append(1)
 
     async def not_cancelled() -> bool:
         return False
@@ -194,7 +195,13 @@ async def test_the_chunk_channel_runs_as_the_stage_acl_user(tmp_path: Path, pref
             assert record.announcement.index == 0
             assert await acl.raise_to(SID, "taken", 0) == 0  # the script is loaded now: the next read pipelines it
             assert await acl.read(SID, record.entry_id, block_ms=10, applied=0) == []
-            assert await acl.open_once(SID) and not await acl.open_once(SID)
+            fields = {"request_id": SID.request_id, "envelope": "{}"}
+            assert await acl.hand_on_once(SID, "diffusion", fields)  # handed on once, in one script
+            assert not await acl.hand_on_once(SID, "diffusion", fields)  # a recomputing producer's: no second
+            keys = Keys(prefix)
+            [(_, added)] = await client.xrange(keys.stage_stream("diffusion"))
+            assert added == {b"request_id": SID.request_id.encode(), b"envelope": b"{}"}
+            assert await client.llen(keys.wake("diffusion")) == 1
             await acl.abandon(SID, why="stopped")
             state = await acl.state(SID)
             assert (state.applied, state.taken, state.opened, state.stopped) == (0, 0, True, True)

@@ -8,7 +8,8 @@ consumer is done with them: :meth:`ChunkChannel.drop`):
 * ``Keys.chunk_state`` — a hash: ``applied`` (the highest index the consumer applied; the producer's
   back-pressure reads it), ``taken`` (the first index a consumer began to fetch: a consumer that finds
   one there on a redelivery knows a dead consumer took chunks that are gone), ``opened`` (the
-  producer handed the stream's envelope on: a recomputing producer does not hand it on twice),
+  producer handed the stream's envelope on, in the same script: a recomputing producer does not hand it
+  on twice),
   ``abandoned`` (the consumer restarted the request under a later attempt: the producer stops) and
   ``stopped`` (the consumer gave up on a chunk that did not come: the request failed, the producer stops).
 
@@ -41,14 +42,19 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 return cur
 """
 
-#: KEYS: state hash. ARGV: ttl. Sets ``opened`` unless set: 1 for the first caller, else 0 (commands the
-#: stage ACL user holds: no HSETNX).
-_OPEN_ONCE = """
+#: KEYS: state hash, the next stage's stream, its wake list.  ARGV: ttl, then the envelope's fields (name,
+#: value, ...).  Hands the stream on unless it was: sets ``opened`` and adds the envelope in one step (they
+#: were two round trips: a producer that died, or lost Redis, between them left ``opened`` set and no
+#: envelope, and the request stalled).  1 for the first caller, else 0.  Commands the stage ACL user holds.
+_HAND_ON_ONCE = """
 if redis.call('HGET', KEYS[1], 'opened') then
   return 0
 end
 redis.call('HSET', KEYS[1], 'opened', '1')
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+redis.call('LPUSH', KEYS[3], '1')
+redis.call('LTRIM', KEYS[3], 0, 15)
 return 1
 """
 
@@ -96,7 +102,7 @@ class ChunkChannel:
         self.ttl_s = ttl_s
         self._raise = redis.register_script(_RAISE)
         self._raise_loaded = False  #: the raise script is known to the server (it ran once)
-        self._open_once = redis.register_script(_OPEN_ONCE)
+        self._hand_on_once = redis.register_script(_HAND_ON_ONCE)
 
     def _keys(self, sid: StreamId) -> tuple[str, str]:
         return (
@@ -104,15 +110,15 @@ class ChunkChannel:
             self.keys.chunk_state(sid.request_id, sid.stage_index, sid.attempt),
         )
 
-    async def hand_on(self, next_stage: str, fields: dict[str, str]) -> None:
-        """XADD a streamed payload's envelope (``fields``) to ``next_stage``'s stream and wake it, in one
-        transaction."""
+    async def hand_on_once(self, sid: StreamId, next_stage: str, fields: dict[str, str]) -> bool:
+        """Hand the stream on: add its envelope (``fields``) to ``next_stage``'s stream and wake it, and mark
+        it ``opened``, in one script, unless it was (a recomputing producer's attempt); True when this call
+        handed it on."""
+        _, state = self._keys(sid)
+        flat = [part for item in fields.items() for part in item]
+        keys = [state, self.keys.stage_stream(next_stage), self.keys.wake(next_stage)]
         with translated():
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.xadd(self.keys.stage_stream(next_stage), fields)  # type: ignore[arg-type]
-                pipe.lpush(self.keys.wake(next_stage), "1")
-                pipe.ltrim(self.keys.wake(next_stage), 0, 15)
-                await pipe.execute()
+            return bool(int(await self._hand_on_once(keys=keys, args=[self.ttl_s, *flat])))
 
     async def announce(self, sid: StreamId, announcement: ChunkAnnouncement, blob: bytes | None) -> str:
         """Append ``announcement`` (and its inline ``blob``) to the stream; its entry id."""
@@ -175,12 +181,6 @@ class ChunkChannel:
             value = int(await self._raise(keys=[state], args=[field, index, self.ttl_s]))
         self._raise_loaded = True
         return value
-
-    async def open_once(self, sid: StreamId) -> bool:
-        """Mark the stream handed on; True only for the first caller (a recomputing producer gets False)."""
-        _, state = self._keys(sid)
-        with translated():
-            return bool(int(await self._open_once(keys=[state], args=[self.ttl_s])))
 
     async def drop(self, sid: StreamId) -> None:
         """The consumer is done with the stream (its last chunk applied, or it stopped): its announcements,

@@ -202,12 +202,12 @@ class ChunkProducer:
         await self._opened()
 
     async def _opened(self) -> None:
-        """Hand the stream on after its first announcement (once per attempt, by whoever comes first)."""
+        """Hand the stream on after its first announcement (once per attempt, by whoever comes first: the
+        hand-on's script marks it and adds the envelope in one step, :meth:`ChunkChannel.hand_on_once`)."""
         if self.handed:
             return
         self.handed = True
-        if await self.channel.open_once(self.sid):
-            await self._hand_on()
+        await self._hand_on()
 
 
 def _check_open(state: ChunkState) -> None:

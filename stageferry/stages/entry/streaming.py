@@ -93,7 +93,7 @@ class Streaming:
         sid = StreamId(rid, self.index, envelope.attempt)
 
         async def hand_on() -> None:
-            await self._hand_on(envelope, next_stage)
+            await self._hand_on(envelope, sid, next_stage)
 
         producer = ChunkProducer(
             channel=self.channel,
@@ -147,8 +147,9 @@ class Streaming:
         self._producers.pop(envelope.request_id, None)
         self._emitters.pop(envelope.request_id, None)
 
-    async def _hand_on(self, envelope: Envelope, next_stage: str) -> None:
-        """XADD the stream's envelope (version 2) to the next stage and wake it."""
+    async def _hand_on(self, envelope: Envelope, sid: StreamId, next_stage: str) -> None:
+        """Add the stream's envelope (version 2) to the next stage and wake it, unless this attempt's stream
+        was handed on already (a recomputing producer's run)."""
         rid = envelope.request_id
         nxt = Envelope(
             schema_version=ENVELOPE_VERSION,
@@ -163,8 +164,8 @@ class Streaming:
             trace=envelope.trace.model_copy(update={"hop_started_at": time.time(), "force_inline": False}),
         )
         fields = {"request_id": rid, "envelope": nxt.model_dump_json()}
-        await self.channel.hand_on(next_stage, fields)
-        log.info("stream.handed_on", to_stage=next_stage, attempt=envelope.attempt)
+        if await self.channel.hand_on_once(sid, next_stage, fields):
+            log.info("stream.handed_on", to_stage=next_stage, attempt=envelope.attempt)
 
     # ---------------------------------------------------------------- consumer side
 
