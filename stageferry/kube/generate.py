@@ -30,7 +30,15 @@ from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_url import SENTINEL_SCHEME, check_url
 from stageferry.config import PipelineConfig
 from stageferry.errors import ConfigError
-from stageferry.kube.manifests import REDIS_SECRET, cpu_patch, gpu_patch, labels, scaled_object, stage_objects
+from stageferry.kube.manifests import (
+    REDIS_SECRET,
+    cpu_patch,
+    gateway_patch,
+    gpu_patch,
+    labels,
+    scaled_object,
+    stage_objects,
+)
 from stageferry.kube.sentinel import sentinel_addresses, sentinel_scaled_object_patch, sentinel_url
 from stageferry.kube.values import Values
 
@@ -57,6 +65,7 @@ def generated_files(pipeline_path: Path, values_path: Path | None) -> dict[str, 
     return {
         "base/pipeline.toml": text,
         "base/stages.yaml": _dump(stage_objects(pipeline, values), source),
+        "base/gateway-env.yaml": _dump([gateway_patch(values)], source),
         "overlays/cpu/stages.yaml": _dump([cpu_patch(pipeline, s, values) for s in stages], source),
         "overlays/gpu/stages.yaml": _dump([gpu_patch(pipeline, s, values) for s in stages], source),
         "components/keda/scaledobjects.yaml": _dump(scaled, source),

@@ -291,6 +291,18 @@ def nixl_policy(values: Values) -> Obj:
     }
 
 
+def gateway_patch(values: Values) -> Obj:
+    """The gateway's key prefix, from the values as the stages' is (``base/gateway.yaml`` is written by hand:
+    a prefix there drifted from the stages' when ``values.prefix`` changed, and its jobs reached no stage)."""
+    env = [{"name": "STAGEFERRY_PREFIX", "value": values.prefix}]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "stageferry-gateway"},
+        "spec": {"template": {"spec": {"containers": [{"name": "gateway", "env": env}]}}},
+    }
+
+
 def stage_objects(pipeline: PipelineConfig, values: Values) -> list[Obj]:
     """The base's per-stage objects, stage by stage in the pipeline's order, then the NIXL policy."""
     out: list[Obj] = []

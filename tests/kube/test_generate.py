@@ -77,6 +77,22 @@ def test_a_stage_added_to_the_pipeline_file_appears_in_the_manifests(tmp_path: P
         assert 'name = "upscale_2x"' in cm["data"]["pipeline.toml"]
 
 
+def test_a_prefix_in_the_values_reaches_the_gateway_as_the_stages(tmp_path: Path) -> None:
+    """``prefix`` in values.toml: the gateway submits under the stages' prefix (its was written by hand as
+    ``sf`` and drifted: its jobs reached no stage, and its ACL user was refused their keys)."""
+    tree = copy_tree(tmp_path / "k")
+    values = tree / "values.toml"
+    values.write_text(values.read_text().replace('prefix = "sf"', 'prefix = "xq"', 1))
+    assert write(tree, generated_files(tree / "base" / "pipeline.toml", values))  # the drift, mended
+    objects = render(tree / "overlays" / "cpu")
+    prefixes = {
+        name: [e["value"] for c in d["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])
+               if e["name"] == "STAGEFERRY_PREFIX"]
+        for name, d in by_kind(objects, "Deployment").items()
+    }  # fmt: skip
+    assert prefixes == {name: ["xq"] for name in prefixes} and "stageferry-gateway" in prefixes, prefixes
+
+
 def test_values_for_a_stage_the_file_lacks_are_refused(tmp_path: Path) -> None:
     values = tmp_path / "values.toml"
     values.write_text((TREE / "values.toml").read_text() + "\n[stages.upscaler]\nmax_replicas = 2\n")
