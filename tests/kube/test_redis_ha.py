@@ -8,6 +8,9 @@ replicas).  The containers themselves run in deploy/kubernetes/ha_smoke.sh."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -176,3 +179,73 @@ async def test_the_secrets_users_run_a_sentinel_group(tmp_path: Path, secret: Ob
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+def _redis_cli_shim(directory: Path, hosts: dict[str, int]) -> Path:
+    """A ``redis-cli`` first on PATH that maps the pods' DNS names (cluster DNS is not here) to loopback
+    ports, then runs the real one: the script's own commands reach real servers.  A name not in ``hosts``
+    goes to port 1, where nothing listens (a pod that is down)."""
+    real = shutil.which("redis-cli")
+    assert real, "redis-cli is not on PATH"
+    cases = "".join(f'      "{name}") set -- "$@" -h 127.0.0.1 -p {port}; skip=1 ;;\n' for name, port in hosts.items())
+    shim = directory / "redis-cli"
+    shim.write_text(f"""#!/bin/sh
+n=$#; skip=0
+while [ "$n" -gt 0 ]; do
+  a="$1"; shift; n=$((n - 1))
+  if [ "$a" = "-h" ]; then
+    h="$1"; shift; n=$((n - 1))
+    case "$h" in
+{cases}      *) set -- "$@" -h 127.0.0.1 -p 1; skip=1 ;;
+    esac
+  elif [ "$a" = "-p" ] && [ "$skip" = 1 ]; then
+    shift; n=$((n - 1)); skip=0
+  else
+    set -- "$@" "$a"
+  fi
+done
+exec {real} "$@"
+""")
+    shim.chmod(0o755)
+    return directory
+
+
+@pytest.mark.anyio
+async def test_sentinels_all_restarted_after_a_failover_monitor_the_master_that_is(tmp_path: Path, secret: Obj) -> None:
+    """Every sentinel restarted at once (its state in an emptyDir) after a failover: none can name the
+    master, and the script fell back to ordinal 0, a replica by then; writes stopped for good (READONLY).
+    Now it asks the data nodes themselves (``INFO replication`` as sfsentinel) and monitors the one that
+    is master.  The rendered script runs against a real group after a real failover; only the pods' DNS
+    names are mapped to loopback (:func:`_redis_cli_shim`), and it stops before starting the sentinel."""
+    objects = render(TREE / "overlays" / "cpu-ha")
+    script = _script(by_kind(objects, "StatefulSet")["stageferry-sentinel"])
+    data = secret["stringData"]
+    acl = tmp_path / "users.acl"
+    acl.write_text(data["users.acl"] + "user admin on >admin-pw ~* &* +@all\n")
+    auth = GroupAuth(
+        admin=("admin", "admin-pw"),
+        replica=("sfreplica", data["replica-password"]),
+        sentinel=("sfsentinel", data["sentinel-password"]),
+    )
+    async with SentinelGroup(tmp_path / "ha", data_args=("--aclfile", str(acl)), auth=auth) as group:
+        first = await group.wait_settled(replicas=2)
+        old = group.failover()
+        master = await group.wait_new_master(old)
+        await group.wait_settled(replicas=2)
+        ordinals = [first, *(node for node in group.nodes if node is not first)]  # ordinal 0: the first master
+        hosts = {f"stageferry-redis-{i}.stageferry-redis": node.port for i, node in enumerate(ordinals)}
+        conf_dir = tmp_path / "data"
+        conf_dir.mkdir()
+        run = script.replace("/data", str(conf_dir)).replace(
+            "exec redis-server", "exit 0 #"
+        )  # the sentinel it would start: its config is what counts
+        env = {
+            "PATH": f"{_redis_cli_shim(tmp_path, hosts)}:{os.environ['PATH']}",
+            "HOSTNAME": "stageferry-sentinel-0",
+            "REDIS_SENTINEL_PASSWORD": data["sentinel-password"],
+        }
+        done = subprocess.run(["sh", "-c", run], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        [monitor] = [ln for ln in (conf_dir / "sentinel.conf").read_text().splitlines() if "sentinel monitor" in ln]
+        named = monitor.split()[3]
+        assert hosts[named] == master.port != first.port, (monitor, hosts, master.port)
