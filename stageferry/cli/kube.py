@@ -88,6 +88,13 @@ def secret(
             help="For components/redis-ha: the URL via its sentinels, the replicas' and sentinels' users.",
         ),
     ] = False,
+    namespace: Annotated[
+        str,
+        typer.Option(
+            "--namespace",
+            help="The namespace the deployment runs in: KEDA's operator dials Redis from its own, by this name.",
+        ),
+    ] = "stageferry",
 ) -> None:
     """Print the Secret stageferry-redis (kubectl apply -f -): the Redis ACL file (`stageferry acl --scaler`)
     with fresh passwords, the services' URL, the autoscaler's and the clients' passwords."""
@@ -98,4 +105,5 @@ def secret(
     settings = _settings(ctx)
     pipeline = PipelineConfig.load(settings.pipeline or root / "base" / "pipeline.toml")
     vals = Values.load(_values_path(root, values))
-    typer.echo(secret_yaml(redis_secret(pipeline, vals, url=url, tls=tls, sentinel=sentinel)), nl=False)
+    secret = redis_secret(pipeline, vals, url=url, tls=tls, sentinel=sentinel, namespace=namespace)
+    typer.echo(secret_yaml(secret), nl=False)

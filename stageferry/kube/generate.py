@@ -96,6 +96,12 @@ def stale(root: Path, files: dict[str, str]) -> list[str]:
     return [rel for rel, text in files.items() if not (root / rel).exists() or (root / rel).read_text() != text]
 
 
+#: The Redis Service of ``base/redis.yaml`` (the stages' URL names it: they run in its namespace).
+REDIS_SERVICE = "stageferry-redis"
+#: The namespace the docs install into (``kubectl create namespace stageferry``).
+DEFAULT_NAMESPACE = "stageferry"
+
+
 def redis_secret(
     pipeline: PipelineConfig,
     values: Values,
@@ -104,13 +110,16 @@ def redis_secret(
     tls: bool = False,
     sentinel: bool = False,
     tenants: tuple[str, ...] = (),
+    namespace: str = DEFAULT_NAMESPACE,
 ) -> dict[str, Any]:
     """The Secret ``stageferry-redis``: the ACL file (``stageferry acl --scaler`` with fresh passwords),
     the services' URL and password, the scaler's password.  ``url`` points the deployment at an existing
     Redis instead (its own ACL is then yours to keep); ``tls`` makes the URL ``rediss://`` with the CA
     the redis-tls component mounts; ``sentinel`` is for ``components/redis-ha``: the URL through its
     sentinels (``redis+sentinel://``, every replica waited for), the replicas' and the sentinels' users
-    in the ACL file and their passwords (``replica-password``, ``sentinel-password``)."""
+    in the ACL file and their passwords (``replica-password``, ``sentinel-password``).  ``namespace``: the
+    deployment's, for the address KEDA's operator dials from a namespace of its own (``keda``): a name
+    only the deployment's own namespace resolves (``stageferry-redis``) reached no Redis from there."""
     if sentinel and (tls or url is not None):
         raise ConfigError("the Sentinel deployment (components/redis-ha) takes neither --tls nor --url")
     if url is not None:
@@ -133,16 +142,15 @@ def redis_secret(
     )
     if sentinel:
         url = sentinel_url("stageferry", passwords["stageferry"])
+    external = url is not None and not sentinel  # an existing Redis: its address is the user's to name
     if url is None:
         scheme, query = ("rediss", "?ssl_ca_certs=/etc/stageferry/tls/ca.crt") if tls else ("redis", "")
-        url = f"{scheme}://stageferry:{passwords['stageferry']}@stageferry-redis:6379/0{query}"
+        url = f"{scheme}://stageferry:{passwords['stageferry']}@{REDIS_SERVICE}:6379/0{query}"
     parsed = urlsplit(url)
-    # KEDA's redis-streams trigger; behind Sentinel its triggers name the sentinels themselves
-    address = (
-        {"sentinel-addresses": sentinel_addresses()}
-        if sentinel
-        else {"address": f"{parsed.hostname}:{parsed.port or 6379}"}
-    )
+    # KEDA's redis-streams trigger, dialled from KEDA's own namespace; behind Sentinel its triggers name the
+    # sentinels themselves
+    host = parsed.hostname if external else f"{REDIS_SERVICE}.{namespace}.svc"
+    address = {"sentinel-addresses": sentinel_addresses()} if sentinel else {"address": f"{host}:{parsed.port or 6379}"}
     data = {
         "users.acl": acl,
         "url": url,

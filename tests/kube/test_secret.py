@@ -45,7 +45,10 @@ def server(tmp_path: Path, secret: dict[str, Any]) -> Iterator[PrivateRedis]:
 def test_passwords_are_fresh_and_the_url_names_the_service(secret: dict[str, Any]) -> None:
     data = secret["stringData"]
     assert data["url"] == f"redis://stageferry:{data['password']}@stageferry-redis:6379/0"
-    assert data["address"] == "stageferry-redis:6379" and "CHANGE-ME" not in data["users.acl"]
+    # KEDA's operator dials from its own namespace (keda): the Service by its namespace's name, not bare
+    assert data["address"] == "stageferry-redis.stageferry.svc:6379" and "CHANGE-ME" not in data["users.acl"]
+    elsewhere = redis_secret(PipelineConfig.load(TREE / "base" / "pipeline.toml"), Values(), namespace="prod")
+    assert elsewhere["stringData"]["address"] == "stageferry-redis.prod.svc:6379"
     other = redis_secret(PipelineConfig.load(TREE / "base" / "pipeline.toml"), Values())
     assert other["stringData"]["password"] != data["password"]
 
