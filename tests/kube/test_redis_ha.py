@@ -77,6 +77,9 @@ def test_three_data_pods_with_the_settings_that_bound_the_loss(objects: list[Obj
     assert "sentinel get-master-addr-by-name stageferry" in script
     assert 'master="stageferry-redis-0.stageferry-redis"' in script
     assert "[ -e /data/appendonlydir ]" in script  # a restarted master with data waits for the failover
+    (container,) = data["spec"]["template"]["spec"]["containers"]
+    startup = container["startupProbe"]  # liveness waits for it: the wait above (60 s and its asks) is no hang
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 180 and "for _ in $(seq 60)" in script
     (claim,) = data["spec"]["volumeClaimTemplates"]  # the AOF on a volume of its own, per pod
     assert claim["metadata"]["name"] == "data"
 
