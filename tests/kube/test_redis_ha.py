@@ -152,12 +152,9 @@ def test_the_secret_names_the_pods_and_every_key_the_pods_read(objects: list[Obj
         redis_secret(PIPELINE, VALUES, sentinel=True, tls=True)
 
 
-@pytest.mark.anyio
-async def test_the_secrets_users_run_a_sentinel_group(tmp_path: Path, secret: Obj) -> None:
-    """Real servers with the Secret's ACL file: the replicas replicate with its replica password, the
-    sentinels watch with its sentinel password, and a client on its URL's options submits, WAITed on both
-    replicas (the group is on loopback: only the sentinels' addresses differ from the URL)."""
-    data = secret["stringData"]
+def secrets_group(tmp_path: Path, data: dict[str, str]) -> SentinelGroup:
+    """A real Sentinel group on loopback whose data nodes load the Secret's ACL file (and an admin user
+    for the group's own checks): replication as sfreplica, the sentinels as sfsentinel."""
     acl = tmp_path / "users.acl"
     acl.write_text(data["users.acl"] + "user admin on >admin-pw ~* &* +@all\n")
     auth = GroupAuth(
@@ -165,7 +162,16 @@ async def test_the_secrets_users_run_a_sentinel_group(tmp_path: Path, secret: Ob
         replica=("sfreplica", data["replica-password"]),
         sentinel=("sfsentinel", data["sentinel-password"]),
     )
-    async with SentinelGroup(tmp_path / "ha", data_args=("--aclfile", str(acl)), auth=auth) as group:
+    return SentinelGroup(tmp_path / "ha", data_args=("--aclfile", str(acl)), auth=auth)
+
+
+@pytest.mark.anyio
+async def test_the_secrets_users_run_a_sentinel_group(tmp_path: Path, secret: Obj) -> None:
+    """Real servers with the Secret's ACL file: the replicas replicate with its replica password, the
+    sentinels watch with its sentinel password, and a client on its URL's options submits, WAITed on both
+    replicas (the group is on loopback: only the sentinels' addresses differ from the URL)."""
+    data = secret["stringData"]
+    async with secrets_group(tmp_path, data) as group:
         primary = await group.wait_settled(replicas=2)
         parts = urlsplit(data["url"])
         url = group.url(userinfo=f"sfclient:{data['sfclient-password']}@", query=parts.query)
@@ -223,14 +229,7 @@ async def test_sentinels_all_restarted_after_a_failover_monitor_the_master_that_
     objects = render(TREE / "overlays" / "cpu-ha")
     script = _script(by_kind(objects, "StatefulSet")["stageferry-sentinel"])
     data = secret["stringData"]
-    acl = tmp_path / "users.acl"
-    acl.write_text(data["users.acl"] + "user admin on >admin-pw ~* &* +@all\n")
-    auth = GroupAuth(
-        admin=("admin", "admin-pw"),
-        replica=("sfreplica", data["replica-password"]),
-        sentinel=("sfsentinel", data["sentinel-password"]),
-    )
-    async with SentinelGroup(tmp_path / "ha", data_args=("--aclfile", str(acl)), auth=auth) as group:
+    async with secrets_group(tmp_path, data) as group:
         first = await group.wait_settled(replicas=2)
         old = group.failover()
         master = await group.wait_new_master(old)
