@@ -257,9 +257,10 @@ def test_a_request_that_kills_its_stage_twice_is_dead_lettered(tmp_path: Path, r
 def test_a_submission_its_stage_keeps_dying_on_before_admission_is_refused_unopened(
     tmp_path: Path, redis_url: str, prefix: str
 ) -> None:
-    """A submission delivered more than ``max_deliveries`` times without being admitted (each delivery's
-    stage died opening it: a client's item built to cost a stage its memory) is refused on its delivery
-    count before it is opened again: the client reads the refusal under its ticket, the entry is
+    """A submission delivered past ``max_deliveries`` + 1 times never reached admission (where its limit + 1st
+    delivery would have been dead-lettered with its status): each delivery's stage died opening it (a
+    client's item built to cost a stage its memory).  It is refused on its delivery count before it is
+    opened again: the client reads the refusal under its ticket, the entry is
     dead-lettered, nothing is written under its request id.  The deaths are stood in for by a dead
     consumer's reads, which raise the entry's delivery count as a reclaim after a death does."""
     root = tmp_path / "media"
@@ -279,12 +280,12 @@ def test_a_submission_its_stage_keeps_dying_on_before_admission_is_refused_unope
         r.xgroup_create(stream, "encoder", id="0", mkstream=True)
         [[_, [(entry_id, fields)]]] = r.xreadgroup("encoder", "died-1", {stream: ">"}, count=1)
         assert b"submission" in fields
-        for n in (2, 3):
+        for n in (2, 3, 4):  # admitted on its 3rd it would have been dead-lettered then, with its status
             r.xclaim(stream, "encoder", f"died-{n}", 0, [entry_id])
-        svc.start("encoder", "a")  # reclaims it once it idles a visibility timeout: its 4th delivery
+        svc.start("encoder", "a")  # reclaims it once it idles a visibility timeout: its 5th delivery
         with pytest.raises(SubmissionRefusedError) as refused:
             client.wait(rid, timeout=60)
-        assert "delivered 4 times (limit 2) unadmitted" in refused.value.message, refused.value.message
+        assert "delivered 5 times (limit 2), never admitted" in refused.value.message, refused.value.message
         [dead] = [f for _, f in r.xrange(keys.dead_letter("encoder"))]
         assert dead[b"error_code"] == b"submission_refused", dead
         assert not r.exists(keys.request(rid)), "nothing written under its id"

@@ -4,7 +4,7 @@ In order, for every entry the worker reads:
 
 0. a client's submission, moved from an intake list by the first stage (:mod:`~stageferry.broker.control.intake`),
    is opened (:meth:`Admission.open`): an item too large to be moved (``limits.max_submission_bytes``), one
-   delivered more than ``limits.max_deliveries`` times unadmitted (a stage died on it: it is not opened again),
+   delivered past ``limits.max_deliveries`` + 1 (a stage died opening it each time: not opened again),
    or one that is not a :class:`~stageferry.schemas.submission.Submission`, is refused; then whether its
    request id may be trusted at all: an id that breaks the id rule, or — at the first stage of a deployment
    with tenants — a job that does not come through its tenant's intake, is refused *without a request id*, so that
@@ -105,8 +105,11 @@ class Admission:
         if "submission" not in entry.fields:
             return entry, self.refusal(entry)
         limit = self.pipeline.limits.max_deliveries
-        if entry.deliveries > limit:  # a stage died opening it, or before it was admitted: not opened again
-            message = f"delivered {entry.deliveries} times (limit {limit}) unadmitted: the stage keeps dying on it"
+        # Admitted on its delivery limit + 1, it would have been dead-lettered then, with its status
+        # (check_deliveries); one delivered more never got that far: its stage died opening or admitting
+        # it each time.  Not opened again.
+        if entry.deliveries > limit + 1:
+            message = f"delivered {entry.deliveries} times (limit {limit}), never admitted: the stage keeps dying on it"
             return entry, SubmissionRefusedError(message, deliveries=entry.deliveries)
         try:
             submission = Submission.model_validate_json(entry.fields["submission"])
