@@ -91,6 +91,8 @@ def test_the_pair_over_the_inline_codec_equals_the_plain_pipeline(
     plain = baseline(checkpoints[family], family, JOBS[family], pairs["device"])
     assert result.info["frames_sha256"] == plain["frames_sha256"]
     assert result.info["audio_sha256"] == plain["audio_sha256"]
+    # the checkpoint named as the client may see it: a local directory by its name, not the server's path
+    assert result.info["model_path"] == checkpoints[family].name and "/" not in result.info["model_path"]
     assert result.media["frames"] == JOBS[family]["num_frames"] and result.media["width"] == 64
     if family == "wan":
         assert "audio_codec" not in result.media and result.info["audio"].startswith("none")

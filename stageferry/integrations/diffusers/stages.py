@@ -66,6 +66,13 @@ def _bytes_of(pipes: dict[Any, Any]) -> dict[str, int]:
     return out
 
 
+def shown_model(model_path: str) -> str:
+    """The checkpoint as a result may name it to a client: a hub id as it is, a local directory by its
+    name alone (the deployment's filesystem layout is not the client's business)."""
+    local = os.path.isabs(model_path) or model_path.startswith(("./", "../", "~"))
+    return Path(model_path).name if local else model_path
+
+
 class _Stage:
     part: str
 
@@ -110,7 +117,7 @@ class DiffusersEncoder(_Stage):
             out = self.family.encode(self.pipes[job.task], job, ctx.media, self.device)
         tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
         meta = {
-            "model_path": self.opts.model_path,
+            "model_path": shown_model(self.opts.model_path),
             "encoder_s": round(time.perf_counter() - started, 4),
             "payload_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
             **_memory(self.device),
@@ -163,7 +170,7 @@ class DiffusersDiffusion(_Stage):
         write_mp4(path, pixels, job.fps, wave, rate or 32_000, qp=self.opts.qp)
         info = {
             "model": f"diffusers:{self.family.tasks[job.task]}",
-            "model_path": self.opts.model_path,
+            "model_path": shown_model(self.opts.model_path),
             "task": job.task.value,
             "seed": job.seed,
             "steps": job.num_inference_steps,
