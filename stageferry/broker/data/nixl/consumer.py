@@ -166,6 +166,7 @@ class Consumer:
         if claimed is False:  # the stream read found the lease taken: not ours to read, nor to ask for
             await self.claim(ref, claimed)
         if ep.agent is None or ep.pools is None:
+            await self.claim(ref, claimed)  # ours before its producer is asked for it inline (Reader.read)
             return await self.resend_inline(ref, reason=ep.unavailable_reason or "nixl_unavailable"), {}
         pools = ep.pools
         validated = time.perf_counter()
@@ -180,9 +181,11 @@ class Consumer:
         except HandshakeError as exc:
             metrics.HANDSHAKE_FAILURES.labels(exc.code).inc()
             log.warning("nixl.handshake_failed", key=key, error=exc.message)
+            await self.claim(ref, claimed)  # a consumer that lost the claim must not ask for a resend
             return await self.resend_inline(ref, reason="handshake_failed"), {}
         except TimeoutError:
             metrics.HANDSHAKE_FAILURES.labels("timeout").inc()
+            await self.claim(ref, claimed)
             return await self.resend_inline(ref, reason="handshake_timeout"), {}
         found = time.perf_counter()
         validate_remote_regions(ref.manifest, ref.regions, peer.arenas)

@@ -270,12 +270,16 @@ class Peers:
         if agent_name in self._peers:  # only now: an envelope refused above leaves a good peer as it was
             self.forget(agent_name)
         assert ep.agent is not None
+        loaded = ep.agent.remotes()
         try:
             name = ep.agent.add_remote(record.metadata)
         except DataPlaneError as exc:
             raise HandshakeError(f"cannot load agent {agent_name}: {exc.message}", agent=agent_name) from exc
         if name != agent_name:
-            ep.agent.remove_remote(name)
+            # Metadata of an agent loaded already (a record copying a real producer's) loads as that
+            # agent: it is not this record's to unload, with its READs in flight.
+            if name not in loaded:
+                ep.agent.remove_remote(name)
             raise HandshakeError("agent metadata names another agent", agent=agent_name, metadata_name=name)
         return Peer(
             name=name,

@@ -28,11 +28,11 @@ from structlog.testing import capture_logs
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import connect
 from stageferry.broker.data.nixl import consumer as consumer_module
-from stageferry.broker.data.nixl.agent import XferState
+from stageferry.broker.data.nixl.agent import UNREACHABLE_HINT, XferState
 from stageferry.broker.data.nixl.connector import NixlConnector
 from stageferry.broker.data.nixl.reads import lane_spans
 from stageferry.config import DataPlaneConfig, Timeouts
-from stageferry.errors import ManifestError, PayloadUnavailableError, TransferError
+from stageferry.errors import HandshakeError, ManifestError, PayloadUnavailableError, TransferError
 from stageferry.schemas import NixlPayload, Transport
 from stageferry.schemas.nixl import released_token
 from stageferry.testing import assert_same, sized_payload
@@ -570,3 +570,51 @@ async def test_a_read_that_fails_beside_a_failing_copy_is_a_read_failure(
     assert [e["event"] for e in logs if e["event"].startswith("nixl.")].count("nixl.same_gpu_fallback") == 0
     assert producer.agent.name not in agent.remotes(), "the peer was dropped"
     assert consumer.pools is not None and consumer.pools.slots_in_use == 0
+
+
+async def test_a_consumer_that_cannot_reach_the_producer_claims_before_it_asks_for_a_resend(
+    pair: tuple[NixlConnector, NixlConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get whose claim the stream read did not take (``claimed`` None: a chunk, a replicated write) and
+    whose handshake fails claims the lease before asking for the bytes inline.  It asked without: a lease
+    another consumer had claimed (and may be reading) was resent, released and its slot freed under it."""
+    producer, consumer = pair
+    ref, _ = await put(producer, "k-1", seed=1)
+    redis = consumer.endpoint.redis
+    claim_key = consumer.endpoint.keys.claim(ref.token)
+    await redis.set(claim_key, b"diffusion-winner")  # another consumer won the claim and is reading
+
+    def unreachable(metadata: bytes) -> str:  # UCX finds no route to the producer (a cut link)
+        raise TransferError(f"add_remote: {UNREACHABLE_HINT}")
+
+    monkeypatch.setattr(consumer.agent, "add_remote", unreachable)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(producer.producer.run_resends)
+        with pytest.raises(PayloadUnavailableError):  # not ours: nothing asked for, nothing freed
+            async with consumer.get(ref, None, key="k-1"):
+                pass
+        tg.cancel_scope.cancel()
+    assert await redis.get(claim_key) == b"diffusion-winner" and ref.token in producer.leases
+
+
+async def test_a_record_copying_a_loaded_producers_metadata_leaves_that_producer_loaded(
+    pair: tuple[NixlConnector, NixlConnector],
+) -> None:
+    """A record under another name with a loaded producer's metadata (any stage user can write one) loads
+    as that producer: it is refused, and that producer stays loaded (it was unloaded, its reads released,
+    and every later get from it fell back inline)."""
+    producer, consumer = pair
+    first, _ = await put(producer, "k-1", seed=1)
+    async with consumer.get(first, None, key="k-1") as incoming:
+        assert incoming.transport is Transport.NIXL
+    redis = consumer.endpoint.redis
+    forged = dict(await redis.hgetall(consumer.endpoint.keys.agent(producer.name)))
+    evil = "encoder-evil-deadbeef"
+    forged[b"name"], forged[b"incarnation"] = evil.encode(), b"deadbeef00000000"
+    await redis.hset(consumer.endpoint.keys.agent(evil), mapping=forged)
+    with pytest.raises(HandshakeError, match="names another agent"):
+        await consumer.peers.connect(evil)  # what the upstream watch does for each agent it lists
+    assert consumer.agent is not None and producer.name in consumer.agent.remotes()
+    second, _ = await put(producer, "k-2", seed=2)
+    async with consumer.get(second, None, key="k-2") as incoming:
+        assert incoming.transport is Transport.NIXL
