@@ -131,8 +131,8 @@ class _Builder:
         self.origin: dict[str, str] = {}
         self.uploads: dict[str, bytes] = {}
         self.errors: list[dict[str, Any]] = []
-        self.duplicates: dict[str, int] = {}  #: uploads beyond the first, by slot
-        self.duplicate_at: dict[str, int] = {}  #: each slot's one duplicate error, by index in ``errors``
+        #: Per slot with uploads beyond its first: how many, and where in ``errors`` its one error stands.
+        self.duplicates: dict[str, tuple[int, int]] = {}
 
     def put(self, job_field: str, value: Any, source: str) -> None:
         if value is None:
@@ -146,15 +146,12 @@ class _Builder:
 
     def media(self, slot: str, data: bytes, source: str) -> None:
         if slot in self.uploads:  # one error a slot, however many more came (50 images: one error, not 48)
-            extra = self.duplicates[slot] = self.duplicates.get(slot, 0) + 1
+            extra, at = self.duplicates.get(slot, (0, len(self.errors)))
+            extra += 1
             shown = "a second" if extra == 1 else f"{extra} more"
             message = f"{shown} {slot} (a job takes one; the first came from {self.origin['media.' + slot]})"
-            error = field_error(source, message, "duplicate_media")
-            if extra == 1:
-                self.errors.append(error)
-            else:
-                self.errors[self.duplicate_at[slot]] = error
-            self.duplicate_at.setdefault(slot, len(self.errors) - 1)
+            self.errors[at : at + 1] = [field_error(source, message, "duplicate_media")]  # added, or replaced
+            self.duplicates[slot] = (extra, at)
             return
         self.uploads[slot] = data
         self.origin["media." + slot] = source

@@ -38,11 +38,12 @@ UNKNOWN_GRACE_S = 30.0
 #: A waiter that heard nothing for this long reads the status itself (events may have expired, or Redis
 #: restarted empty); jittered so that many waiters do not check at once.
 QUIET_CHECK_S = 2.0
-_TERMINAL_NAMES = frozenset(state.value for state in TERMINAL_STATES)
+#: The states a request's record or its status event says it ended in (their ``state`` field).
+TERMINAL_NAMES = frozenset(state.value for state in TERMINAL_STATES)
 
 
 def _is_terminal(fields: Mapping[str, str]) -> bool:
-    return fields.get("kind") == "status" and fields.get("state") in _TERMINAL_NAMES
+    return fields.get("kind") == "status" and fields.get("state") in TERMINAL_NAMES
 
 
 class RequestWaits(abc.ABC):
@@ -204,7 +205,7 @@ class RequestWaits(abc.ABC):
 def _terminal_status(fields: Mapping[str, str], request_id: str) -> RequestStatus | None:
     """The status a terminal status event of ``request_id`` carries; None for any other row (or one that
     does not parse, or names another request: then the record is read instead, and judged)."""
-    if fields.get("kind") != "status" or fields.get("state") not in _TERMINAL_NAMES or "status" not in fields:
+    if fields.get("kind") != "status" or fields.get("state") not in TERMINAL_NAMES or "status" not in fields:
         return None
     try:
         status = RequestStatus.model_validate_json(fields["status"])

@@ -42,19 +42,17 @@ from stageferry.broker.control.replication import (
     replicated_transaction,
     wait_command,
 )
-from stageferry.broker.control.request_waits import RequestWaits
+from stageferry.broker.control.request_waits import TERMINAL_NAMES, RequestWaits
 from stageferry.broker.control.resp_link import RespLink, run_pipeline, run_script
 from stageferry.errors import (
     QueueFullError,
     RequestIdTakenError,
 )
-from stageferry.schemas import TERMINAL_STATES, JobRequest, RequestState, RequestStatus
+from stageferry.schemas import JobRequest, RequestState, RequestStatus
 from stageferry.schemas.submission import new_ticket, submission_item
 from stageferry.schemas.validation import parse_status
 
 log = structlog.get_logger(__name__)
-#: The states a request's record says it ended in (its ``state`` field).
-_TERMINAL_NAMES = frozenset(state.value for state in TERMINAL_STATES)
 #: A submission whose uploads add up to more than this goes through redis-py's pool, not a client's lean
 #: link: a link is one socket, so a large write would queue every other caller's commands behind it, and
 #: its reply timer starts at the write.
@@ -325,7 +323,7 @@ class RequestStore(RequestWaits):
         on another for it (a streamed payload's next chunk) stops once it has ended elsewhere."""
         with translated():
             state = await self._redis.hget(self._keys.request(request_id), "state")
-        return state is not None and state.decode(errors="replace") in _TERMINAL_NAMES
+        return state is not None and state.decode(errors="replace") in TERMINAL_NAMES
 
     async def is_cancelled(self, request_id: str) -> bool:
         with translated():
