@@ -266,7 +266,9 @@ def test_a_stream_cut_short_at_either_end_frees_both_stages_and_its_announcement
         after_early = client.submit(job("chunks:2"))  # the producer stopped: it serves this at once
         assert client.wait(after_early, timeout=60).state is RequestState.DONE
 
-        broken = client.submit(job("chunks:6 fail_at:2"))
+        # breaks at chunk 4: emitting chunk 3 waited for chunk 2's publish, which waited (window 2) for the
+        # consumer to apply chunk 0, so the consumer is mid-stream (at 2 it might not have claimed it yet)
+        broken = client.submit(job("chunks:6 fail_at:4"))
         status = client.wait(broken, timeout=60)
         assert status.state is RequestState.FAILED and status.stage == "encoder", status
         after_broken = client.submit(job("chunks:2"))  # the consumer stopped waiting: it serves this
