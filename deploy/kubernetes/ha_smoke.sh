@@ -8,7 +8,10 @@
 #   2. the failover is timed: kill -> the sentinels name another master -> first successful write on it;
 #   3. every job the gateway accepted is followed to its end and audited in Redis (stageferry.chaos.audit):
 #      lost / duplicated / stuck must all be 0, every accepted id done exactly once;
-#   4. the killed pod is back as a replica of the new master, both replicas in sync.
+#   4. the killed pod is back as a replica of the new master, both replicas in sync;
+#   5. KEDA's path: the Secret's sentinel-addresses (the names with the namespace, which KEDA's operator
+#      dials from its own) name the master by its namespace-qualified name, and the scaler user reads there
+#      what the triggers read (XPENDING, XINFO GROUPS, LLEN).
 # Prints PASS or FAIL and removes everything it made (SMOKE_KEEP=1 leaves the pods up).
 #
 #   sudo deploy/kubernetes/ha_smoke.sh                   # root: podman's bridge network and pod IPs
@@ -30,6 +33,7 @@ spacing="${HA_SPACING:-1}"
 health_timeout="${SMOKE_HEALTH_TIMEOUT:-600}"
 job_timeout="${SMOKE_JOB_TIMEOUT:-900}"
 image="localhost/stageferry:cpu"
+namespace="${SMOKE_NAMESPACE:-stageferry}"   # what the pods' POD_NAMESPACE and the Secret's names hold
 prefix=sf
 t0=$(date +%s.%N)
 since() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.1f", a - b}'; }
@@ -62,7 +66,7 @@ sed -i -e 's/^tp = [0-9]*/tp = 1/' "$tree/base/pipeline.toml"
 sed -i 's/^memory_per_rank = .*/memory_per_rank = "2Gi"/; s/^cpu_per_rank = .*/cpu_per_rank = "250m"/' "$tree/values.toml"
 (cd "$root" && "$py" -m stageferry kube generate --root "$tree") >/dev/null
 "$kubectl" kustomize "$tree/overlays/cpu-ha" >"$work/rendered.yaml" || fail "kubectl kustomize overlays/cpu-ha"
-(cd "$root" && "$py" -m stageferry kube secret --sentinel --root "$tree") >"$work/secret.yaml"
+(cd "$root" && "$py" -m stageferry kube secret --sentinel --namespace "$namespace" --root "$tree") >"$work/secret.yaml"
 say "rendered overlays/cpu-ha: $(grep '^kind:' "$work/rendered.yaml" | sort | uniq -c | awk '{printf "%s%s %s", sep, $1, $3; sep=", "}')"
 url="$("$py" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["stringData"]["url"])' "$work/secret.yaml")"
 say "STAGEFERRY_REDIS_URL: $(echo "$url" | sed 's/:[^:@]*@/:***@/')"
@@ -72,11 +76,12 @@ podman network exists "$net" && podman network rm -f "$net" >/dev/null
 for volume in "${volumes[@]}"; do podman volume rm -f "$volume" >/dev/null 2>&1 || true; done  # a run before's
 podman network create --subnet "$subnet.0/24" "$net" >/dev/null
 "$py" "$here/podplay.py" "$work/rendered.yaml" "$work/secret.yaml" --out "$work/pods" --subnet "$subnet" \
-  --replicas stageferry-gateway=1 >"$work/plan.txt" 2>/dev/null
+  --namespace "$namespace" --replicas stageferry-gateway=1 >"$work/plan.txt" 2>/dev/null
 declare -A ip_of workload_of
 while read -r pod ip workload; do ip_of[$pod]=$ip; workload_of[$pod]=$workload; done <"$work/plan.txt"
-password="$("$py" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["stringData"]["password"])' "$work/secret.yaml")"
-sentinel_password="$("$py" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["stringData"]["sentinel-password"])' "$work/secret.yaml")"
+secret_key() { "$py" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["stringData"][sys.argv[2]])' "$work/secret.yaml" "$1"; }
+password="$(secret_key password)"
+sentinel_password="$(secret_key sentinel-password)"
 rcli() { REDISCLI_AUTH="$password" timeout 5 redis-cli --no-auth-warning --user stageferry -h "$@"; }   # the services' user
 node_info() {  # pod section: INFO as the sentinels' user (the services' user has no INFO)
   REDISCLI_AUTH="$sentinel_password" timeout 5 redis-cli --no-auth-warning --user sfsentinel -h "${ip_of[$1]}" info "$2" | tr -d '\r'
@@ -126,9 +131,26 @@ audit_jobs
 
 # --- 4. the old primary is a replica of the new one ---------------------------------------------------------
 replication() { node_info "$1" replication; }
-announced() { echo "$1.stageferry-redis"; }   # <pod>.<headless service>
+announced() { echo "$1.stageferry-redis.$namespace.svc"; }   # <pod>.<headless service>.<namespace>.svc
 await_rejoin
 say "4. $primary (restarted $(since "$(cat "$work/restarted_at")" "$killed_at") s after the kill) is a replica of $new, link up; its start-up lines:"
 podman logs "$victim" 2>&1 | grep 'data node' | sed 's/^/    /' || true
 say "   $new: $(node_info "$new" replication | grep -E '^(role|connected_slaves):' | tr '\n' ' ')"
+# --- 5. KEDA's path: from the Secret's sentinel-addresses to the master, as sfscaler ---------------------------
+keda_read='
+import sys, redis
+from redis.sentinel import Sentinel
+addresses, password, prefix, stage = sys.argv[1:5]
+sentinels = [(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in addresses.split(",")]
+host, port = Sentinel(sentinels, socket_timeout=3).discover_master("stageferry")
+r = redis.Redis(host=host, port=port, username="sfscaler", password=password, socket_timeout=3)
+stream = f"{prefix}:stage:{stage}:in"
+(group,) = [g for g in r.xinfo_groups(stream) if g["name"] == stage.encode()]
+print(host, port, r.xpending(stream, stage)["pending"], group["lag"], r.llen(f"{prefix}:stage:{stage}:submit"))
+'
+read -r keda_host keda_port keda_pending keda_lag keda_intake <<<"$(in_pod "$gateway" python -c "$keda_read" \
+  "$(secret_key sentinel-addresses)" "$(secret_key scaler-password)" "$prefix" encoder)" || true
+[[ "$keda_host" == "$(announced "$new")" && "$keda_port" == 6379 && -n "$keda_intake" ]] \
+  || fail "KEDA's path: the sentinels at the Secret's addresses named ${keda_host:-nothing}, not $(announced "$new")"
+say "5. KEDA's path: sentinel-addresses $(secret_key sentinel-addresses | cut -d, -f1),... -> master $keda_host:$keda_port; as sfscaler XPENDING $keda_pending, lag $keda_lag, LLEN $keda_intake"
 say "every check passed: $accepted/$requests accepted, all done exactly once, lost=0 duplicated=0 stuck=0 across a failover under load"

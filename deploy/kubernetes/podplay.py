@@ -8,11 +8,12 @@ controllers' part and nothing else, so that the pods podman runs are the rendere
   replica behind a Service of the same name is named after the Service instead, which is how the other
   pods find it: podman resolves pod names, not Services);
 * `secretKeyRef` and `configMapKeyRef` env values are filled in from the rendered Secret and ConfigMaps;
-  `fieldRef` metadata.name and status.podIP from the pod's name and the IP this script gives it (podman
-  assigns it with --ip, the kubelet would report it);
-* a StatefulSet pod's stable DNS name under its headless Service (`<pod>.<serviceName>`, which the
-  sentinels and the data nodes of components/redis-ha announce) becomes a `hostAliases` entry of every
-  pod: podman's DNS knows pod names only;
+  `fieldRef` metadata.name, metadata.namespace and status.podIP from the pod's name, --namespace and the
+  IP this script gives it (podman assigns it with --ip, the kubelet would report it);
+* a StatefulSet pod's stable DNS names under its headless Service (`<pod>.<serviceName>` and, from any
+  namespace, `<pod>.<serviceName>.<namespace>.svc`, which the sentinels and the data nodes of
+  components/redis-ha announce) become `hostAliases` entries of every pod: podman's DNS knows pod names
+  only;
 * container ports are not published (podman would bind them on the host); probes' named ports become numbers;
 * configMap and secret volumes become read-only files under OUTDIR/files (hostPath), volumeClaimTemplates
   PersistentVolumeClaims (podman volumes), emptyDirs a directory per pod (podman 4.3 would share one named
@@ -22,7 +23,7 @@ controllers' part and nothing else, so that the pods podman runs are the rendere
   ScaledObject, TriggerAuthentication) are listed, not played; the suite checks them
   (tests/kube/test_render.py).
 
-  python podplay.py RENDERED.yaml [SECRET.yaml ...] --out DIR --subnet 10.89.42 \
+  python podplay.py RENDERED.yaml [SECRET.yaml ...] --out DIR --subnet 10.89.42 [--namespace stageferry] \
       [--replicas stageferry-diffusion=2 ...] [--extra stageferry-diffusion:2]
 
 writes DIR/<pod>.yaml per pod and prints one line per pod: `<pod> <ip> <workload>`.  --extra W:I writes
@@ -62,8 +63,9 @@ def _data(obj: Obj) -> dict[str, str]:
 
 
 class Cluster:
-    def __init__(self, docs: list[Obj], out: Path) -> None:
+    def __init__(self, docs: list[Obj], out: Path, namespace: str = "stageferry") -> None:
         self.out = out
+        self.namespace = namespace
         self.stores = {
             (d["kind"], d["metadata"]["name"]): _data(d) for d in docs if d["kind"] in ("Secret", "ConfigMap")
         }
@@ -82,22 +84,26 @@ class Cluster:
         except KeyError:
             raise SystemExit(f"podplay: no {kind} {name} with key {key}") from None
 
-    def stable_name(self, workload: Obj, index: int) -> str | None:
-        """A StatefulSet pod's DNS name under its headless Service, as a cluster's DNS serves it."""
+    def stable_names(self, workload: Obj, index: int) -> list[str]:
+        """A StatefulSet pod's DNS names under its headless Service, as a cluster's DNS serves them: in its
+        namespace and from any."""
         service = workload["spec"].get("serviceName")
         if workload["kind"] != "StatefulSet" or service not in self.services:
-            return None
+            return []
         if self.services[service]["spec"].get("clusterIP") != "None":
-            return None  # pods have DNS names under a headless Service only
-        return f"{self.pod_name(workload, index)}.{service}"
+            return []  # pods have DNS names under a headless Service only
+        name = f"{self.pod_name(workload, index)}.{service}"
+        return [name, f"{name}.{self.namespace}.svc"]
 
-    def pod(self, workload: Obj, index: int, ip: str, files: Path, aliases: dict[str, str] | None = None) -> list[Obj]:
-        """The Pod (and its PersistentVolumeClaims) of replica ``index``; ``aliases``: DNS name -> IP."""
+    def pod(
+        self, workload: Obj, index: int, ip: str, files: Path, aliases: dict[str, list[str]] | None = None
+    ) -> list[Obj]:
+        """The Pod (and its PersistentVolumeClaims) of replica ``index``; ``aliases``: IP -> DNS names."""
         name = self.pod_name(workload, index)
         template = copy.deepcopy(workload["spec"]["template"])
         spec = template["spec"]
         if aliases:
-            spec["hostAliases"] = [{"ip": a, "hostnames": [n]} for n, a in sorted(aliases.items())]
+            spec["hostAliases"] = [{"ip": a, "hostnames": names} for a, names in sorted(aliases.items())]
         docs: list[Obj] = []
         for container in spec.get("containers", []):
             for env in container.get("env", []):
@@ -116,6 +122,8 @@ class Cluster:
                     env["value"] = self.lookup(kind, r["name"], r["key"])
                 elif ref.get("fieldRef", {}).get("fieldPath") == "metadata.name":
                     env["value"] = name
+                elif ref.get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
+                    env["value"] = self.namespace
                 elif ref.get("fieldRef", {}).get("fieldPath") == "status.podIP":
                     env["value"] = ip
                 else:
@@ -191,10 +199,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("manifests", nargs="+")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--subnet", required=True, help="the first three octets of the pods' /24, e.g. 10.89.42")
+    ap.add_argument("--namespace", default="stageferry", help="the pods' namespace (`stageferry kube secret`'s)")
     ap.add_argument("--replicas", action="append", default=[], help="WORKLOAD=N instead of its own replicas")
     ap.add_argument("--extra", help="WORKLOAD:INDEX: only this one more pod (a replacement)")
     args = ap.parse_args(argv)
-    cluster = Cluster(load(args.manifests), args.out)
+    cluster = Cluster(load(args.manifests), args.out, args.namespace)
     counts = {k: int(v) for k, v in (r.split("=", 1) for r in args.replicas)}
     files = args.out / "files"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -205,7 +214,7 @@ def main(argv: list[str]) -> int:
         for i in range(counts.get(workload["metadata"]["name"], workload["spec"].get("replicas", 1))):
             plan.append((workload, i, f"{args.subnet}.{host}"))
             host += 1
-    aliases = {n: ip for w, i, ip in plan if (n := cluster.stable_name(w, i)) is not None}
+    aliases = {ip: names for w, i, ip in plan if (names := cluster.stable_names(w, i))}
     if args.extra:
         wname, index = args.extra.split(":")
         plan = [(cluster.workloads[wname], int(index), f"{args.subnet}.{100 + int(index)}")]

@@ -147,10 +147,13 @@ def redis_secret(
         scheme, query = ("rediss", "?ssl_ca_certs=/etc/stageferry/tls/ca.crt") if tls else ("redis", "")
         url = f"{scheme}://stageferry:{passwords['stageferry']}@{REDIS_SERVICE}:6379/0{query}"
     parsed = urlsplit(url)
-    # KEDA's redis-streams trigger, dialled from KEDA's own namespace; behind Sentinel its triggers name the
-    # sentinels themselves
+    # what KEDA's triggers dial from KEDA's own namespace: the Redis, or behind Sentinel the sentinels (whose
+    # master's address, announced by the data pods, names the namespace too)
     host = parsed.hostname if external else f"{REDIS_SERVICE}.{namespace}.svc"
-    address = {"sentinel-addresses": sentinel_addresses()} if sentinel else {"address": f"{host}:{parsed.port or 6379}"}
+    if sentinel:
+        address = {"sentinel-addresses": sentinel_addresses(namespace)}
+    else:
+        address = {"address": f"{host}:{parsed.port or 6379}"}
     data = {
         "users.acl": acl,
         "url": url,

@@ -3,10 +3,14 @@
 
 The hand-written component runs three Redis data pods (StatefulSet ``stageferry-redis``) and three
 sentinels (StatefulSet ``stageferry-sentinel``), each under a headless Service of its name, so every pod
-has a stable DNS name ``<statefulset>-<i>.<service>``.  This module holds those names once, for what is
-generated from them: the services' URL (:func:`sentinel_url`, for ``stageferry kube secret --sentinel``)
-and KEDA's triggers through the sentinels (:func:`sentinel_scaled_object_patch`, written by
-``stageferry kube generate`` into ``components/keda-sentinel/scaledobjects.yaml``).
+has a stable DNS name ``<statefulset>-<i>.<service>`` in its namespace and ``<statefulset>-<i>.<service>.
+<namespace>.svc`` from any.  The pods announce the long one (``POD_NAMESPACE``, from the downward API):
+the master's address the sentinels hand out is dialled by KEDA's operator too, from its own namespace.
+This module holds those names once, for what is generated from them: the services' URL
+(:func:`sentinel_url`, for ``stageferry kube secret --sentinel``), the sentinels' addresses KEDA's
+triggers take from that Secret (:func:`sentinel_addresses`) and the triggers themselves
+(:func:`sentinel_scaled_object_patch`, written by ``stageferry kube generate`` into
+``components/keda-sentinel/scaledobjects.yaml``).
 """
 
 from __future__ import annotations
@@ -27,14 +31,17 @@ _SENTINEL_TRIGGERS = {"redis-streams": "redis-sentinel-streams", "redis": "redis
 Obj = dict[str, Any]
 
 
-def pod_dns(statefulset: str, index: int) -> str:
-    """A StatefulSet pod's stable name under its headless Service (named like the StatefulSet)."""
-    return f"{statefulset}-{index}.{statefulset}"
+def pod_dns(statefulset: str, index: int, namespace: str | None = None) -> str:
+    """A StatefulSet pod's stable name under its headless Service (named like the StatefulSet); with its
+    ``namespace``, the name any namespace resolves."""
+    name = f"{statefulset}-{index}.{statefulset}"
+    return f"{name}.{namespace}.svc" if namespace else name
 
 
-def sentinel_addresses() -> str:
-    """``host:port,...`` of the sentinels (the URL's hosts, KEDA's ``addresses``)."""
-    return ",".join(f"{pod_dns(SENTINEL_SET, i)}:{SENTINEL_PORT}" for i in range(SENTINELS))
+def sentinel_addresses(namespace: str | None = None) -> str:
+    """``host:port,...`` of the sentinels: the URL's hosts (their own namespace's names) or, with the
+    ``namespace``, KEDA's ``addresses`` (the Secret's ``sentinel-addresses``, dialled from ``keda``)."""
+    return ",".join(f"{pod_dns(SENTINEL_SET, i, namespace)}:{SENTINEL_PORT}" for i in range(SENTINELS))
 
 
 def sentinel_url(user: str, password: str, *, db: int = 0) -> str:
@@ -43,11 +50,12 @@ def sentinel_url(user: str, password: str, *, db: int = 0) -> str:
 
 
 def sentinel_trigger(trigger: Obj) -> Obj:
-    """One of :func:`~stageferry.kube.manifests.scaled_object`'s triggers, asking the sentinels instead."""
+    """One of :func:`~stageferry.kube.manifests.scaled_object`'s triggers, asking the sentinels instead
+    (their ``addresses`` come from the TriggerAuthentication: the Secret's, which names the namespace)."""
     kind = trigger["type"]
     if kind not in _SENTINEL_TRIGGERS:
         raise ValueError(f"no Sentinel variant of KEDA trigger type {kind!r}")
-    metadata = {"addresses": sentinel_addresses(), "sentinelMaster": SERVICE, **trigger["metadata"]}
+    metadata = {"sentinelMaster": SERVICE, **trigger["metadata"]}
     return {**trigger, "type": _SENTINEL_TRIGGERS[kind], "metadata": metadata}
 
 

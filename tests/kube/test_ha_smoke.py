@@ -40,9 +40,11 @@ def test_the_names_it_uses_are_the_rendered_ones() -> None:
     claims = " ".join(f"{claim['metadata']['name']}-stageferry-redis-{i}" for i in range(data["spec"]["replicas"]))
     assert f"volumes=({claims})" in SCRIPT
     # it asks the sentinels on their port for the service they monitor, and maps the master's announced
-    # name (<pod>.<headless service>) back to the pod
+    # name (<pod>.<headless service>.<namespace>.svc) back to the pod; the Secret and the pods' POD_NAMESPACE
+    # both name its namespace
     assert f"-p {SENTINEL_PORT} --raw sentinel get-master-addr-by-name {SERVICE}" in SCRIPT
-    assert f'announced() {{ echo "$1.{data["spec"]["serviceName"]}"; }}' in SCRIPT
+    assert f'announced() {{ echo "$1.{data["spec"]["serviceName"]}.$namespace.svc"; }}' in SCRIPT
+    assert 'kube secret --sentinel --namespace "$namespace"' in SCRIPT and '--namespace "$namespace"' in SCRIPT
     (port,) = sentinels["spec"]["template"]["spec"]["containers"][0]["ports"]
     assert port["containerPort"] == SENTINEL_PORT
     # the gateway it submits to: its one container's port

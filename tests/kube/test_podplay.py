@@ -65,8 +65,8 @@ def test_pods_from_the_rendered_cpu_profile(tmp_path: Path) -> None:
 
 def test_pods_of_the_sentinel_profile_know_the_stable_names(tmp_path: Path) -> None:
     """overlays/cpu-ha: three data pods and three sentinels named as their StatefulSets name them, and
-    every pod resolves each one's DNS name under its headless Service (hostAliases: podman's DNS serves
-    pod names only), which the sentinels hand out as the master's address."""
+    every pod resolves each one's DNS names under its headless Service (hostAliases: podman's DNS serves
+    pod names only), the long one of which the sentinels hand out as the master's address."""
     out = subprocess.run(
         [kubectl(), "kustomize", str(TREE / "overlays" / "cpu-ha")], capture_output=True, text=True, timeout=60
     )
@@ -82,12 +82,18 @@ def test_pods_of_the_sentinel_profile_know_the_stable_names(tmp_path: Path) -> N
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     ip_of = {name: ip for name, ip, _ in (line.split() for line in plan.stdout.splitlines())}
-    stable = {f"{s}-{i}.{s}": ip_of[f"{s}-{i}"] for s in ("stageferry-redis", "stageferry-sentinel") for i in range(3)}
+    stable = {
+        ip_of[f"{s}-{i}"]: [f"{s}-{i}.{s}", f"{s}-{i}.{s}.stageferry.svc"]  # in the namespace, and from any
+        for s in ("stageferry-redis", "stageferry-sentinel")
+        for i in range(3)
+    }
     for name in ip_of:
         docs = list(yaml.safe_load_all((pods / f"{name}.yaml").read_text()))
         (pod,) = [d for d in docs if d["kind"] == "Pod"]
-        assert {h["hostnames"][0]: h["ip"] for h in pod["spec"]["hostAliases"]} == stable
+        assert {h["ip"]: h["hostnames"] for h in pod["spec"]["hostAliases"]} == stable
         env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        if name.startswith(("stageferry-redis-", "stageferry-sentinel-")):
+            assert env["POD_NAMESPACE"] == "stageferry"  # the downward API's metadata.namespace
         if name.startswith("stageferry-redis-"):
             assert env["REDIS_REPLICA_PASSWORD"] == secret["stringData"]["replica-password"]
             assert [d["kind"] for d in docs] == ["PersistentVolumeClaim", "Pod"]

@@ -52,10 +52,18 @@ def _script(statefulset: Obj) -> str:
     return str(container["command"][2])
 
 
-def _stable_names(statefulset: Obj, port: int) -> list[str]:
-    """The pods' DNS names under the StatefulSet's headless Service, as the cluster's DNS serves them."""
+def _stable_names(statefulset: Obj, port: int, namespace: str | None = None) -> list[str]:
+    """The pods' DNS names under the StatefulSet's headless Service, as the cluster's DNS serves them: in
+    their namespace, or with ``namespace`` from any."""
     name, service = statefulset["metadata"]["name"], statefulset["spec"]["serviceName"]
-    return [f"{name}-{i}.{service}:{port}" for i in range(statefulset["spec"]["replicas"])]
+    suffix = f".{namespace}.svc" if namespace else ""
+    return [f"{name}-{i}.{service}{suffix}:{port}" for i in range(statefulset["spec"]["replicas"])]
+
+
+def _namespace_from_the_downward_api(statefulset: Obj) -> bool:
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("valueFrom") for e in container["env"]}
+    return env.get("POD_NAMESPACE") == {"fieldRef": {"fieldPath": "metadata.namespace"}}
 
 
 def test_every_object_validates(objects: list[Obj]) -> None:
@@ -75,7 +83,9 @@ def test_three_data_pods_with_the_settings_that_bound_the_loss(objects: list[Obj
         assert setting in script, setting
     # a restarted pod asks the sentinels first: only with none answering does ordinal 0 start as the primary
     assert "sentinel get-master-addr-by-name stageferry" in script
-    assert 'master="stageferry-redis-0.stageferry-redis"' in script
+    assert 'master="stageferry-redis-0.stageferry-redis.$POD_NAMESPACE.svc"' in script
+    assert 'me="$HOSTNAME.stageferry-redis.$POD_NAMESPACE.svc"' in script  # announced: dialled from any namespace
+    assert _namespace_from_the_downward_api(data)
     assert "[ -e /data/appendonlydir ]" in script  # a restarted master with data waits for the failover
     (container,) = data["spec"]["template"]["spec"]["containers"]
     startup = container["startupProbe"]  # liveness waits for it: the wait above (60 s and its asks) is no hang
@@ -92,6 +102,8 @@ def test_three_sentinels_quorum_two_with_their_user(objects: list[Obj]) -> None:
     assert f"sentinel auth-user {SERVICE} sfsentinel" in script
     assert "sentinel resolve-hostnames yes" in script and "sentinel announce-hostnames yes" in script
     assert "sentinel myid $(printf" in script  # the same id across restarts: no stale sentinels pile up
+    assert "sentinel announce-ip $HOSTNAME.stageferry-sentinel.$POD_NAMESPACE.svc" in script
+    assert _namespace_from_the_downward_api(sentinels)
 
 
 def test_budgets_anti_affinity_and_headless_services(objects: list[Obj]) -> None:
@@ -114,8 +126,8 @@ def test_budgets_anti_affinity_and_headless_services(objects: list[Obj]) -> None
 
 
 def test_every_keda_trigger_asks_the_sentinels(objects: list[Obj]) -> None:
-    sentinels = by_kind(objects, "StatefulSet")["stageferry-sentinel"]
-    addresses = ",".join(_stable_names(sentinels, 26379))
+    """Each trigger asks the sentinels, whose addresses come from the Secret through the
+    TriggerAuthentication: there they name the namespace (KEDA's operator dials from ``keda``)."""
     scaled = by_kind(objects, "ScaledObject")
     assert set(scaled) == {f"stageferry-{s.name}" for s in PIPELINE.stages}
     for obj in scaled.values():
@@ -126,9 +138,13 @@ def test_every_keda_trigger_asks_the_sentinels(objects: list[Obj]) -> None:
             assert trigger["type"] == (
                 "redis-sentinel" if "listName" in trigger["metadata"] else "redis-sentinel-streams"
             )
-            assert (trigger["metadata"]["addresses"], trigger["metadata"]["sentinelMaster"]) == (addresses, SERVICE)
+            assert trigger["metadata"]["sentinelMaster"] == SERVICE and "addresses" not in trigger["metadata"]
     auth = by_kind(objects, "TriggerAuthentication")["stageferry-redis-scaler"]["spec"]["secretTargetRef"]
-    assert {a["parameter"] for a in auth} == {"username", "password"}  # no single address any more
+    assert {a["parameter"]: a["key"] for a in auth} == {  # the sentinels' addresses, no single address
+        "addresses": "sentinel-addresses",
+        "username": "scaler-username",
+        "password": "scaler-password",
+    }
 
 
 def test_the_secret_names_the_pods_and_every_key_the_pods_read(objects: list[Obj], secret: Obj) -> None:
@@ -137,7 +153,14 @@ def test_the_secret_names_the_pods_and_every_key_the_pods_read(objects: list[Obj
     sentinels = by_kind(objects, "StatefulSet")["stageferry-sentinel"]
     assert data["url"].startswith("redis+sentinel://stageferry:")
     assert urlsplit(data["url"]).netloc.split("@")[1] == ",".join(_stable_names(sentinels, 26379))
-    assert data["sentinel-addresses"] == sentinel_addresses()
+    # KEDA's: dialled from its own namespace, so named with the deployment's (--namespace, default stageferry)
+    assert data["sentinel-addresses"] == ",".join(_stable_names(sentinels, 26379, "stageferry"))
+    other = redis_secret(PIPELINE, VALUES, sentinel=True, namespace="video-prod")["stringData"]
+    assert (
+        other["sentinel-addresses"]
+        == sentinel_addresses("video-prod")
+        == ",".join(_stable_names(sentinels, 26379, "video-prod"))
+    )
     assert url.durability.replicas == by_kind(objects, "StatefulSet")["stageferry-redis"]["spec"]["replicas"] - 1
     assert "/stageferry/0?" in data["url"]  # the service the sentinels monitor, database 0
     for obj in objects:
@@ -235,7 +258,7 @@ async def test_sentinels_all_restarted_after_a_failover_monitor_the_master_that_
         master = await group.wait_new_master(old)
         await group.wait_settled(replicas=2)
         ordinals = [first, *(node for node in group.nodes if node is not first)]  # ordinal 0: the first master
-        hosts = {f"stageferry-redis-{i}.stageferry-redis": node.port for i, node in enumerate(ordinals)}
+        hosts = {f"stageferry-redis-{i}.stageferry-redis.ns1.svc": node.port for i, node in enumerate(ordinals)}
         conf_dir = tmp_path / "data"
         conf_dir.mkdir()
         run = script.replace("/data", str(conf_dir)).replace(
@@ -244,10 +267,13 @@ async def test_sentinels_all_restarted_after_a_failover_monitor_the_master_that_
         env = {
             "PATH": f"{_redis_cli_shim(tmp_path, hosts)}:{os.environ['PATH']}",
             "HOSTNAME": "stageferry-sentinel-0",
+            "POD_NAMESPACE": "ns1",
             "REDIS_SENTINEL_PASSWORD": data["sentinel-password"],
         }
         done = subprocess.run(["sh", "-c", run], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-        [monitor] = [ln for ln in (conf_dir / "sentinel.conf").read_text().splitlines() if "sentinel monitor" in ln]
-        named = monitor.split()[3]
+        conf = (conf_dir / "sentinel.conf").read_text().splitlines()
+        [monitor] = [ln for ln in conf if "sentinel monitor" in ln]
+        named = monitor.split()[3]  # its name from any namespace: the address KEDA's operator is handed
         assert hosts[named] == master.port != first.port, (monitor, hosts, master.port)
+        assert "sentinel announce-ip stageferry-sentinel-0.stageferry-sentinel.ns1.svc" in [ln.strip() for ln in conf]
