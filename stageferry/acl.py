@@ -45,7 +45,8 @@ STAGE_COMMANDS = (
     "hello", "auth", "ping", "select", "multi", "exec", "discard", "evalsha", "script|load", "fcall", "function|load",
     "exists", "get", "getrange", "set", "strlen", "del", "expire", "pexpire", "pttl", "scan", "hget", "hmget", "hset",
     "hdel", "hgetall", "rpush", "lpush", "lpop", "ltrim", "llen", "blpop", "xadd", "xack", "xdel", "xtrim", "xclaim",
-    "xautoclaim", "xgroup|create", "xlen", "xpending", "xrange", "xrevrange", "xread", "xreadgroup", "wait",
+    "xautoclaim", "xgroup|create", "xgroup|delconsumer", "xinfo|consumers", "xlen", "xpending", "xrange",
+    "xrevrange", "xread", "xreadgroup", "wait",
 )  # fmt: skip
 _CONNECTION = "+hello +auth +ping +select +multi +exec +discard +wait"
 _CLIENT_CONNECTION = "+hello +auth +ping +multi +exec +discard +wait"

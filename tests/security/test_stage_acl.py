@@ -39,7 +39,7 @@ from tests.security.servers import AclRedis
 CALL = re.compile(r"redis\.p?call\(")
 LITERAL = re.compile(r"redis\.p?call\(\s*'([A-Za-z]+)'(?:\s*,\s*'([A-Za-z]+)')?")
 #: Commands whose ACL name carries the subcommand (``xgroup|create``).
-WITH_SUBCOMMAND = {"xgroup", "script", "client", "config", "object"}
+WITH_SUBCOMMAND = {"xgroup", "xinfo", "script", "client", "config", "object"}
 
 
 def lua_commands() -> dict[str, list[str]]:
@@ -137,6 +137,7 @@ async def test_every_control_plane_script_runs_as_the_stage_user(tmp_path: Path,
             assert await ClientKeySweeper(  # and the sweep of client-written keys
                 redis, client_key_bounds(keys, request_ttl_s=60, max_upload_bytes=1024)
             ).sweep()
+            assert await other.pruner.prune(stale_s=0) == ("encoder-a",)  # and the prune of gone consumers
             heartbeat = Heartbeat(redis, keys, "encoder", "a")
             await heartbeat.beat()
             await heartbeat.withdraw()

@@ -52,6 +52,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 
+from stageferry.broker.control.consumers import ConsumerPruner
 from stageferry.broker.control.dead_letter import DEAD_LETTER_LUA, DeadLetterPolicy
 from stageferry.broker.control.entry_records import FINISH, HAND_OFF, StatusWrite
 from stageferry.broker.control.held import Held
@@ -171,6 +172,8 @@ class StageStream:
         self._ack = redis.register_script(ACK)
         self._renew = redis.register_script(RENEW)
         self._read_capped = redis.register_script(READ_CAPPED if intake is None else READ_CAPPED_MOVING)
+        #: Deletes the group's consumers that are gone, when this replica makes sure of the group.
+        self.pruner = ConsumerPruner(redis, self.streams, self.group, consumer)
         self._max_entry_bytes = max_entry_bytes
         #: How many replicas a hand-off and a last stage's ending must reach (the URL's ``wait_replicas``).
         self.durability = durability_of(redis)
@@ -203,7 +206,8 @@ class StageStream:
             await link.aclose()
 
     async def ensure_group(self) -> None:
-        """Create the streams and group if missing (also after a Redis restart that lost them)."""
+        """Create the streams and group if missing (also after a Redis restart that lost them), and delete
+        the group's consumers that are gone (:mod:`.consumers`)."""
         self._own_pending = True
         for key in self.streams:
             try:
@@ -213,6 +217,7 @@ class StageStream:
             except ControlPlaneError as exc:  # BUSYGROUP: it exists already
                 if "BUSYGROUP" not in str(exc):
                     raise
+        await self.pruner.prune()
 
     def held(self, entry: Entry) -> Held:
         """``entry`` as this consumer holds it, for an owned write on its behalf (:mod:`.held`)."""
