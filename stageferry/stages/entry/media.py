@@ -209,10 +209,19 @@ def probe_audio_seconds(data: bytes, field: str) -> float:
         raise _invalid(field, f"not decodable audio: {describe(exc)}", "bad_media") from exc
 
 
+#: Whether ``av.open`` needs telling about metadata in untrusted bytes.  PyAV before 19 decodes container
+#: metadata as UTF-8 with ``metadata_errors="strict"`` by default, which raises ``UnicodeDecodeError`` from
+#: ``av.open`` itself on metadata that is not: it is dropped instead.  PyAV 19 took the argument away
+#: (``av.open`` refuses it: every reference medium failed) and decodes with ``surrogateescape``, which
+#: never raises.
+STRICT_METADATA = int(av.__version__.split(".")[0]) < 19
+
+
 def open_media(data: bytes) -> InputContainer:
-    """PyAV's reader over untrusted bytes.  Metadata that is not UTF-8 is dropped rather than raised:
-    PyAV's default (``metadata_errors="strict"``) raises ``UnicodeDecodeError`` from ``av.open`` itself."""
-    return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+    """PyAV's reader over untrusted bytes; metadata that is not UTF-8 never fails it (:data:`STRICT_METADATA`)."""
+    if STRICT_METADATA:
+        return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+    return av.open(io.BytesIO(data), mode="r")
 
 
 def decodable(container: InputContainer, kind: str, field: str) -> Any:
