@@ -87,6 +87,9 @@ def test_three_data_pods_with_the_settings_that_bound_the_loss(objects: list[Obj
     assert 'me="$HOSTNAME.stageferry-redis.$POD_NAMESPACE.svc"' in script  # announced: dialled from any namespace
     assert _namespace_from_the_downward_api(data)
     assert "[ -e /data/appendonlydir ]" in script  # a restarted master with data waits for the failover
+    # it knows itself by pod name in the master the sentinels name: long, or short (a group made before)
+    assert 'if [ "${master%%.*}" = "$HOSTNAME" ] && [ -e /data/appendonlydir ]' in script
+    assert '"$master" = "$me"' not in script and '"$master" != "$me"' not in script
     (container,) = data["spec"]["template"]["spec"]["containers"]
     startup = container["startupProbe"]  # liveness waits for it: the wait above (60 s and its asks) is no hang
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 180 and "for _ in $(seq 60)" in script

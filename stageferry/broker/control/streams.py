@@ -173,7 +173,7 @@ class StageStream:
         self._renew = redis.register_script(RENEW)
         self._read_capped = redis.register_script(READ_CAPPED if intake is None else READ_CAPPED_MOVING)
         #: Deletes the group's consumers that are gone, when this replica makes sure of the group.
-        self.pruner = ConsumerPruner(redis, self.streams, self.group, consumer)
+        self.pruner = ConsumerPruner(redis, keys, stage, self.streams, consumer)
         self._max_entry_bytes = max_entry_bytes
         #: How many replicas a hand-off and a last stage's ending must reach (the URL's ``wait_replicas``).
         self.durability = durability_of(redis)

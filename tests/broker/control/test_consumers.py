@@ -1,7 +1,8 @@
 """A stage group's gone consumers, pruned when a replica makes sure of its group, on real Redis: those that
-hold nothing and idled past the threshold go (never this replica's own); one that holds an entry stays,
-however idle, and its entry with it; a pruned live replica's next read makes it again; the most deleted
-per prune is bounded; an ACL without the commands is logged and stops nothing."""
+hold nothing, idled past the threshold and have no fresh heartbeat go (never this replica's own); one that
+holds an entry stays, however idle, and its entry with it; a live replica stays, however idle (before
+Redis 7.2 its empty reads do not count); a replica pruned while it lived after all gets its next entry;
+the most deleted per prune is bounded; an ACL without the commands is logged and stops nothing."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from structlog.testing import capture_logs
 
 from stageferry.broker.control.consumers import ConsumerPruner
 from stageferry.broker.control.keys import Keys
+from stageferry.broker.control.liveness import Heartbeat
 from stageferry.broker.control.redis_conn import open_client
 from stageferry.broker.control.streams import StageStream
 from tests.security.servers import AclRedis
@@ -62,19 +64,21 @@ async def test_gone_consumers_go_and_one_that_holds_an_entry_stays(redis_url: st
             await stream.aclose()
 
 
-async def test_a_pruned_live_replica_reads_on(redis_url: str, prefix: str) -> None:
+async def test_a_live_replica_stays_and_one_pruned_while_stalled_reads_on(redis_url: str, prefix: str) -> None:
     keys = Keys(prefix)
     async with open_client(redis_url) as redis:
-        quiet, other = replica(redis, keys, "quiet"), replica(redis, keys, "other")
-        await quiet.ensure_group()
-        assert await quiet.read(1, block_ms=0) == []
+        live, quiet, other = replica(redis, keys, "live"), replica(redis, keys, "quiet"), replica(redis, keys, "other")
+        await live.ensure_group()
+        assert await live.read(1, block_ms=0) == [] and await quiet.read(1, block_ms=0) == []
+        await Heartbeat(redis, keys, "diffusion", "live").beat()  # "live" beats; "quiet" stalled (no heartbeat)
         assert await other.pruner.prune(stale_s=0) == ("diffusion-quiet",)
+        assert set(await consumers(redis, keys)) == {"diffusion-live"}
         await redis.xadd(keys.stage_stream("diffusion"), {"request_id": "r2"})
-        (entry,) = await quiet.read(1, block_ms=0)  # its read makes it again, and it holds the entry
+        (entry,) = await quiet.read(1, block_ms=0)  # back from its stall: the read delivers, and makes it again
         assert entry.text("request_id") == "r2" and (await consumers(redis, keys))["diffusion-quiet"] == 1
         assert await quiet.ack(entry.id)
-        await quiet.aclose()
-        await other.aclose()
+        for stream in (live, quiet, other):
+            await stream.aclose()
 
 
 async def test_one_prune_deletes_at_most_its_bound(redis_url: str, prefix: str) -> None:
@@ -84,7 +88,7 @@ async def test_one_prune_deletes_at_most_its_bound(redis_url: str, prefix: str) 
         await redis.xgroup_create(stream, "diffusion", id="0", mkstream=True)
         for i in range(5):  # five replicas that came and went (XGROUP CREATECONSUMER: as a first read makes them)
             await redis.execute_command("XGROUP", "CREATECONSUMER", stream, "diffusion", f"diffusion-gone{i}")
-        pruner = ConsumerPruner(redis, [stream], "diffusion", "diffusion-me")
+        pruner = ConsumerPruner(redis, keys, "diffusion", [stream], "diffusion-me")
         assert len(await pruner.prune(stale_s=0, most=3)) == 3
         assert len(await pruner.prune(stale_s=0, most=3)) == 2
         assert await consumers(redis, keys) == {}
