@@ -83,22 +83,42 @@ async def test_each_index_is_applied_once_and_in_order_under_repeats_and_reorder
         await announce(channel, index)
     await announce(channel, 5, final=True)
     await announce(channel, 5, final=True)  # the final chunk repeated too
-    reader = ChunkReader(channel, connector(), SID, timeout_s=10.0)
+    reader = ChunkReader(channel, connector(), SID, timeout_s=10.0, window=8)
     assert await take_all(reader) == [0, 1, 2, 3, 4, 5]
     assert reader.skipped >= 3
     state = await channel.state(SID)
     assert state.applied == 5 and state.taken == 0  # taken: the first chunk a consumer began with
 
 
+async def test_what_a_writer_puts_past_the_window_or_past_the_repeats_kept_is_dropped(channel: ChunkChannel) -> None:
+    """A reader awaiting chunk n keeps announcements up to the window past n and the newest few of one
+    index: a flood of far-ahead indices or of one index's repeats (each may carry inline bytes) is not
+    held.  The stream itself is taken whole and in order."""
+    await announce(channel, 0)
+    for index in range(100, 140):  # no producer gets 100 ahead of its consumer: back-pressure holds it
+        await announce(channel, index)
+    for _ in range(12):  # one index announced again and again
+        await announce(channel, 1)
+    await announce(channel, 2, final=True)
+    reader = ChunkReader(channel, connector(), SID, timeout_s=10.0, window=4)
+    with capture_logs() as logs:
+        first = await reader.next()
+        assert first is not None and first.index == 0
+        assert sum(len(kept) for kept in reader._pending.values()) <= 4 + 1  # held: bounded, not 52
+        assert await take_all(reader) == [1, 2]
+    dropped = [e for e in logs if e["event"] == "chunk.dropped"]
+    assert {e["why"] for e in dropped} == {"beyond_window", "repeats"} and reader.dropped == len(dropped) == 40 + 8
+
+
 async def test_an_end_marker_closes_the_stream_without_a_chunk(channel: ChunkChannel) -> None:
     await announce(channel, 0)
     await announce(channel, 1, end=True)
-    assert await take_all(ChunkReader(channel, connector(), SID, timeout_s=10.0)) == [0]
+    assert await take_all(ChunkReader(channel, connector(), SID, timeout_s=10.0, window=8)) == [0]
 
 
 async def test_a_missing_chunk_ends_typed_after_its_deadline(channel: ChunkChannel) -> None:
     await announce(channel, 0)
-    reader = ChunkReader(channel, connector(), SID, timeout_s=0.6)
+    reader = ChunkReader(channel, connector(), SID, timeout_s=0.6, window=8)
     first = await reader.next()
     assert first is not None and first.index == 0
     started = time.monotonic()
@@ -177,12 +197,12 @@ async def test_a_redelivered_consumer_that_had_taken_chunks_restarts_the_request
     await prod.emit(chunk(0))
     await channel.raise_to(SID, "taken", 0)  # a consumer took chunk 0, then died
     with pytest.raises(PayloadUnavailableError):  # the outcome table's recompute: the next attempt
-        await ChunkReader(channel, connector(), SID, timeout_s=5.0).check_start()
+        await ChunkReader(channel, connector(), SID, timeout_s=5.0, window=8).check_start()
     assert (await channel.state(SID)).abandoned
     with pytest.raises(StreamAbandonedError):  # the old attempt's producer stops
         await prod.emit(chunk(1))
     with pytest.raises(StreamAbandonedError):  # and a stale entry of the old attempt does not start
-        await ChunkReader(channel, connector(), SID, timeout_s=5.0).check_start()
+        await ChunkReader(channel, connector(), SID, timeout_s=5.0, window=8).check_start()
 
 
 async def test_the_chunk_channel_runs_as_the_stage_acl_user(tmp_path: Path, prefix: str) -> None:

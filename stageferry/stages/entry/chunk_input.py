@@ -6,7 +6,10 @@ hands the model one chunk at a time (:class:`~stageferry.stages.chunk_stream.Chu
 * it waits for chunk ``n`` at most ``streaming.chunk_timeout_s`` from the moment it starts waiting, then
   raises :class:`~stageferry.errors.ChunkTimeoutError` (never a wait forever);
 * announcements of an index below ``n`` are repeats (a producer that died and computes the stream again
-  announces from where the consumer was) and are skipped; an index above ``n`` is kept for later;
+  announces from where the consumer was) and are skipped; an index above ``n`` is kept for later, up to
+  the window past ``n`` (``streaming.max_chunks_in_flight``, which no producer passes: back-pressure holds
+  it) and the newest :data:`MAX_REPEATS` announcements of one index — what a writer puts beyond either is
+  dropped (``chunk.dropped``), so what the reader holds stays bounded (announcements carry inline bytes);
 * it fetches a chunk through the input connector (NIXL, or inline) — a chunk whose copy is gone
   (:class:`~stageferry.errors.PayloadUnavailableError`: its producer died) is dropped, and the reader waits
   on for the same index from the producer that computes it again;
@@ -47,6 +50,9 @@ from stageferry.stages.chunk_stream import Chunk
 log = structlog.get_logger(__name__)
 #: One blocking read of the chunk stream; the deadline is checked between reads.
 READ_BLOCK_MS = 250
+#: Announcements of one index kept for later (repeats from producers that computed the stream again):
+#: the newest are used, older ones beyond this many are dropped.
+MAX_REPEATS = 4
 
 
 class ChunkReader:
@@ -59,6 +65,7 @@ class ChunkReader:
         sid: StreamId,
         *,
         timeout_s: float,
+        window: int,
         is_cancelled: Callable[[], Awaitable[bool]] | None = None,
         ended_upstream: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
@@ -66,6 +73,8 @@ class ChunkReader:
         self.connector = connector
         self.sid = sid
         self.timeout_s = timeout_s
+        #: How far past the awaited index an announcement may be (the producer's back-pressure window).
+        self.window = window
         self.is_cancelled = is_cancelled
         #: Whether the request has ended elsewhere (its producer failed): asked with the cancel flag.
         self.ended_upstream = ended_upstream
@@ -73,6 +82,7 @@ class ChunkReader:
         self.after = "0"
         self.ended = False
         self.skipped = 0  #: repeated announcements passed over
+        self.dropped = 0  #: announcements beyond the window or the repeats kept
         self._pending: dict[int, list[ChunkRecord]] = {}
         self._held: contextlib.AsyncExitStack | None = None
         self._held_index = -1
@@ -138,8 +148,19 @@ class ChunkReader:
                 index = record.announcement.index
                 if index < self.expected:
                     await self._skip(record)
+                elif index > self.expected + self.window:  # no producer gets there: not kept
+                    self._drop(record, why="beyond_window")
                 else:
-                    self._pending.setdefault(index, []).append(record)
+                    kept = self._pending.setdefault(index, [])
+                    kept.append(record)
+                    if len(kept) > MAX_REPEATS:
+                        self._drop(kept.pop(0), why="repeats")
+
+    def _drop(self, record: ChunkRecord, *, why: str) -> None:
+        """An announcement not kept (see the module docstring); its bytes, if inline, go with it."""
+        self.dropped += 1
+        index = record.announcement.index
+        log.warning("chunk.dropped", index=index, expected=self.expected, window=self.window, why=why)
 
     async def _skip(self, record: ChunkRecord) -> None:
         """A repeat of an index taken already (or about to be): its producer may free it now."""

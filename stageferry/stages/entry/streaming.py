@@ -180,6 +180,7 @@ class Streaming:
             self.input_connector,
             StreamId(rid, self.index - 1, envelope.attempt),
             timeout_s=self.config.chunk_timeout_s,
+            window=self.config.max_chunks_in_flight,
             is_cancelled=lambda: self.store.is_cancelled(rid),
             ended_upstream=lambda: self.store.ended(rid),
         )
