@@ -29,6 +29,8 @@ from stageferry.schemas import DeviceKind, MemKind, NixlPayload, RegionSpec, Rem
 from stageferry.schemas.nixl import release_notification
 
 log = structlog.get_logger(__name__)
+#: Peers whose transport was logged, remembered at most (each restarted producer is a new name).
+_TRANSPORTS_REMEMBERED = 1024
 
 T = TypeVar("T")
 
@@ -262,6 +264,8 @@ class Reader:
             except Exception:  # noqa: BLE001 - diagnostics: never the get's failure; the next get tries again
                 self._transport_due.setdefault(name, ref)
                 continue
+            if len(self._transport_logged) >= _TRANSPORTS_REMEMBERED:  # one name per producer incarnation:
+                self._transport_logged.clear()  # bounded; a peer logged again after this many is harmless
             self._transport_logged.add(name)
 
     async def _end_reads(
