@@ -20,7 +20,7 @@ from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
 from stageferry.broker.data.inline import InlineConnector
 from stageferry.config import Streaming
-from stageferry.errors import ChunkTimeoutError, PayloadUnavailableError, StreamAbandonedError
+from stageferry.errors import ChunkTimeoutError, PayloadUnavailableError, StreamAbandonedError, UpstreamEndedError
 from stageferry.schemas import NoPayload, request_key
 from stageferry.schemas.chunks import ChunkAnnouncement
 from stageferry.stages.entry.chunk_input import ChunkReader
@@ -108,6 +108,34 @@ async def test_what_a_writer_puts_past_the_window_or_past_the_repeats_kept_is_dr
         assert await take_all(reader) == [1, 2]
     dropped = [e for e in logs if e["event"] == "chunk.dropped"]
     assert {e["why"] for e in dropped} == {"beyond_window", "repeats"} and reader.dropped == len(dropped) == 40 + 8
+
+
+async def test_the_cancel_and_upstream_checks_run_while_waiting_not_per_chunk(channel: ChunkChannel) -> None:
+    """Chunks that come as they are asked for cost no check of the request (two Redis round trips each, on
+    the stream's path); a wait asks between its reads, and an upstream end ends it typed."""
+    asked: list[str] = []
+
+    async def is_cancelled() -> bool:
+        asked.append("cancelled")
+        return False
+
+    async def ended_upstream() -> bool:
+        asked.append("ended")
+        return len(asked) >= 4  # the producer fails while chunk 3 is awaited
+
+    for index in range(3):
+        await announce(channel, index)
+    reader = ChunkReader(
+        channel, connector(), SID, timeout_s=30.0, window=4, is_cancelled=is_cancelled, ended_upstream=ended_upstream
+    )
+    for index in range(3):
+        got = await reader.next()
+        assert got is not None and got.index == index
+    assert asked == [], "no check while the chunks flow"
+    with pytest.raises(UpstreamEndedError):
+        await reader.next()  # chunk 3 never comes: checked between reads until the request ended upstream
+    assert asked == ["cancelled", "ended", "cancelled", "ended"]
+    await reader.aclose()
 
 
 async def test_an_end_marker_closes_the_stream_without_a_chunk(channel: ChunkChannel) -> None:

@@ -112,6 +112,7 @@ class ChunkReader:
             return None
         deadline = time.monotonic() + self.timeout_s
         waited_from = time.monotonic()
+        read_once = False  # the cancel and upstream checks wait for a read that missed: none per chunk that flows
         while True:
             records = self._pending.pop(self.expected, [])
             while records:
@@ -132,9 +133,9 @@ class ChunkReader:
                     index=self.expected,
                     timeout_s=self.timeout_s,
                 )
-            if self.is_cancelled is not None and await self.is_cancelled():
+            if read_once and self.is_cancelled is not None and await self.is_cancelled():
                 raise CancelledRequestError("cancelled by the client")
-            if self.ended_upstream is not None and await self.ended_upstream():
+            if read_once and self.ended_upstream is not None and await self.ended_upstream():
                 log.info("chunk.upstream_ended", index=self.expected)  # its producer failed: nothing to wait for
                 raise UpstreamEndedError(
                     f"the request ended upstream while chunk {self.expected} was awaited", index=self.expected
@@ -143,6 +144,7 @@ class ChunkReader:
             records = await self.channel.read(
                 self.sid, self.after, block_ms=int(min(remaining, READ_BLOCK_MS / 1000) * 1000), applied=applied
             )
+            read_once = True
             for record in records:
                 self.after = record.entry_id
                 index = record.announcement.index
