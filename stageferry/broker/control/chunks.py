@@ -27,6 +27,7 @@ from redis.exceptions import NoScriptError
 
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import translated
+from stageferry.broker.control.stream_scripts import WAKE_LUA
 from stageferry.errors import EnvelopeError
 from stageferry.schemas.chunks import CHUNK_FIELDS, MAX_CHUNKS, ChunkAnnouncement
 
@@ -46,17 +47,18 @@ return cur
 #: value, ...).  Hands the stream on unless it was: sets ``opened`` and adds the envelope in one step (they
 #: were two round trips: a producer that died, or lost Redis, between them left ``opened`` set and no
 #: envelope, and the request stalled).  1 for the first caller, else 0.  Commands the stage ACL user holds.
-_HAND_ON_ONCE = """
+_HAND_ON_ONCE = (
+    """
 if redis.call('HGET', KEYS[1], 'opened') then
   return 0
 end
 redis.call('HSET', KEYS[1], 'opened', '1')
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
 redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
-redis.call('LPUSH', KEYS[3], '1')
-redis.call('LTRIM', KEYS[3], 0, 15)
-return 1
 """
+    + WAKE_LUA
+    + "return 1\n"
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""A stage group's consumers that are gone, pruned when a replica (re)makes its group.
+"""A stage's consumer group: made when a replica starts (:func:`make_group`), its gone consumers pruned.
 
 Every replica reads its stage's group as a consumer of its own name (its replica id,
 :func:`~stageferry.broker.control.liveness.replica_id`), and Redis keeps a consumer once made until it is
@@ -81,6 +81,18 @@ def _refused(exc: ControlPlaneError) -> bool:
 _SCRIPT_REFUSAL = "can't run this command"
 
 
+async def make_group(redis: aioredis.Redis, streams: Sequence[str], group: str) -> None:
+    """Create the streams and the group if missing (also after a Redis restart that lost them)."""
+    for key in streams:
+        try:
+            with translated():
+                await redis.xgroup_create(key, group, id="0", mkstream=True)
+            log.info("stream.group_created", stream=key, group=group)
+        except ControlPlaneError as exc:  # BUSYGROUP: it exists already
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+
 class ConsumerPruner:
     """Deletes the stale consumers of one stage's group (see the module docstring)."""
 
@@ -113,4 +125,4 @@ class ConsumerPruner:
         return names
 
 
-__all__ = ["MAX_PRUNED", "PRUNE_LUA", "STALE_S", "ConsumerPruner"]
+__all__ = ["MAX_PRUNED", "PRUNE_LUA", "STALE_S", "ConsumerPruner", "make_group"]

@@ -52,7 +52,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 
-from stageferry.broker.control.consumers import ConsumerPruner
+from stageferry.broker.control.consumers import ConsumerPruner, make_group
 from stageferry.broker.control.dead_letter import DEAD_LETTER_LUA, DeadLetterPolicy
 from stageferry.broker.control.entry_records import FINISH, HAND_OFF, StatusWrite
 from stageferry.broker.control.held import Held
@@ -209,14 +209,7 @@ class StageStream:
         """Create the streams and group if missing (also after a Redis restart that lost them), and delete
         the group's consumers that are gone (:mod:`.consumers`)."""
         self._own_pending = True
-        for key in self.streams:
-            try:
-                with translated():
-                    await self._redis.xgroup_create(key, self.group, id="0", mkstream=True)
-                log.info("stream.group_created", stream=key, group=self.group)
-            except ControlPlaneError as exc:  # BUSYGROUP: it exists already
-                if "BUSYGROUP" not in str(exc):
-                    raise
+        await make_group(self._redis, self.streams, self.group)
         await self.pruner.prune()
 
     def held(self, entry: Entry) -> Held:

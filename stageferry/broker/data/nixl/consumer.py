@@ -143,6 +143,12 @@ class Consumer:
         """Ask the producer to send the payload inline (:func:`~stageferry.broker.data.nixl.resend.resend_inline`)."""
         return await resend_inline(self._ep, ref, reason=reason)
 
+    async def _claimed_resend(self, ref: NixlPayload, claimed: bool | None, reason: str) -> Incoming:
+        """The payload sent inline, once its lease is ours: a consumer that lost the claim must not ask its
+        producer for it (as :meth:`~stageferry.broker.data.nixl.reads.Reader.read` claims before it asks)."""
+        await self.claim(ref, claimed)
+        return await self.resend_inline(ref, reason=reason)
+
     @property
     def wakeups(self) -> int:
         """Times a READ wait went back to the event loop (benchmarks show it per hop)."""
@@ -166,8 +172,7 @@ class Consumer:
         if claimed is False:  # the stream read found the lease taken: not ours to read, nor to ask for
             await self.claim(ref, claimed)
         if ep.agent is None or ep.pools is None:
-            await self.claim(ref, claimed)  # ours before its producer is asked for it inline (Reader.read)
-            return await self.resend_inline(ref, reason=ep.unavailable_reason or "nixl_unavailable"), {}
+            return await self._claimed_resend(ref, claimed, ep.unavailable_reason or "nixl_unavailable"), {}
         pools = ep.pools
         validated = time.perf_counter()
         try:
@@ -181,12 +186,10 @@ class Consumer:
         except HandshakeError as exc:
             metrics.HANDSHAKE_FAILURES.labels(exc.code).inc()
             log.warning("nixl.handshake_failed", key=key, error=exc.message)
-            await self.claim(ref, claimed)  # a consumer that lost the claim must not ask for a resend
-            return await self.resend_inline(ref, reason="handshake_failed"), {}
+            return await self._claimed_resend(ref, claimed, "handshake_failed"), {}
         except TimeoutError:
             metrics.HANDSHAKE_FAILURES.labels("timeout").inc()
-            await self.claim(ref, claimed)
-            return await self.resend_inline(ref, reason="handshake_timeout"), {}
+            return await self._claimed_resend(ref, claimed, "handshake_timeout"), {}
         found = time.perf_counter()
         validate_remote_regions(ref.manifest, ref.regions, peer.arenas)
         if not hmac.compare_digest(ref.seal, peer.sealer.seal(ref.agent, ref.token, ref.regions)):
