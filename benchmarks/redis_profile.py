@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import pkgutil
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -30,15 +32,18 @@ NESTED = "(in scripts) "
 
 
 def script_names() -> dict[str, str]:
-    """SHA1 → ``module.CONSTANT`` for every string constant of the broker's modules that may be a script."""
+    """SHA1 → ``module.CONSTANT`` for every string constant of the broker's modules that may be a script,
+    named after the module that defines it (not one that imports it, as chunks imports WAKE_LUA)."""
     names: dict[str, str] = {}
     for info in pkgutil.walk_packages(broker_pkg.__path__, broker_pkg.__name__ + "."):
         try:
             module = importlib.import_module(info.name)
         except ImportError:  # an optional dependency (nixl) missing: its scripts stay unnamed
             continue
+        source = inspect.getsource(module)
         for attr, value in vars(module).items():
-            if isinstance(value, str) and "redis.call" in value:
+            defined = re.search(rf"^{re.escape(attr)}(: [^=\n]+)? = ", source, re.MULTILINE) is not None
+            if isinstance(value, str) and "redis.call" in value and defined:
                 sha = hashlib.sha1(value.encode()).hexdigest()
                 names.setdefault(sha, f"{info.name.rsplit('.', 1)[-1]}.{attr}")
     return names
