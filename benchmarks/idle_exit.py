@@ -47,11 +47,11 @@ def one_run(tmp: Path, redis_url: str, model: str, tp: int, idle_s: float, run: 
         time.sleep(idle_s)  # a benchmark: the stage sits idle on purpose
         sent = time.time()
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
+        code = proc.wait(timeout=120)
         reaped = time.time()
         log = max(tmp.glob(f"encoder-a-{len(svc.procs) - 1}.log"), key=os.path.getmtime)
     events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-    out = {"exit_s": reaped - sent, "code": float(proc.returncode)}
+    out = {"exit_s": reaped - sent, "code": float(code)}
     for name in PHASES:
         times = [_at(e) for e in events if e.get("event") == name and _at(e) >= sent - 0.5]
         if times:

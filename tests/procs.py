@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,6 +14,8 @@ from stageferry.broker.control.liveness import is_fresh
 from stageferry.chaos.sentinels import sync_client
 from stageferry.client import SyncClient
 from stageferry.config import PipelineConfig
+from tests import zygote
+from tests.zygote import Proc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,7 +58,7 @@ class Services:
         self.prefix = prefix
         self.pipeline = pipeline
         self.extra_env = dict(extra_env)
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[Proc] = []
         self.keys = Keys(prefix)
         self._clients: list[SyncClient] = []
 
@@ -81,14 +81,13 @@ class Services:
         env.update(self.extra_env)
         return env
 
-    def start(self, stage: str, replica: str, *args: str) -> subprocess.Popen[bytes]:
-        log = open(self.tmp_path / f"{stage}-{replica}-{len(self.procs)}.log", "ab")  # noqa: SIM115 - O_APPEND: ranks share it
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "stageferry", "serve", stage, *args],
-            env=self.env(replica),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=self.tmp_path,
+    def start(self, stage: str, replica: str, *args: str, fresh: bool = False) -> Proc:
+        """``python -m stageferry serve <stage> <args>`` as replica ``replica``, forked from the test zygote
+        (its imports done once: :mod:`tests.zygote`) unless ``fresh`` (exec'd: a test of what it imports)
+        or ``STAGEFERRY_TEST_ZYGOTE=0``."""
+        path = self.tmp_path / f"{stage}-{replica}-{len(self.procs)}.log"
+        proc = zygote.start(
+            "stageferry", ["serve", stage, *args], env=self.env(replica), cwd=self.tmp_path, log=path, fresh=fresh
         )
         self.procs.append(proc)
         return proc

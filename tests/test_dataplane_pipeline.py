@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from pydantic import TypeAdapter
 
 from stageferry.broker.control import tally
 from stageferry.schemas import Envelope, JobRequest, NixlPayload, PayloadRef, RequestState, request_key
+from tests import zygote
 from tests.procs import ROOT, Services, wait_for, write_pipeline
 
 pytestmark = pytest.mark.timeout(240)
@@ -127,24 +126,12 @@ def test_hostile_descriptors_are_rejected_and_the_worker_survives(tmp_path: Path
     r = sync_redis.Redis.from_url(redis_url, socket_timeout=None)
     with make(tmp_path, redis_url, prefix) as svc:
         consumer = svc.start("diffusion", "a")
-        peer = subprocess.Popen(  # a real producer agent, so that valid references exist to corrupt
-            [
-                sys.executable,
-                "-m",
-                "tests.peer_producer",
-                "--redis-url",
-                redis_url,
-                "--prefix",
-                prefix,
-                "--payloads",
-                "T2VA,T2VA",
-                "--mode",
-                "direct",
-            ],
-            stdout=(tmp_path / "peer.log").open("wb"),
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
+        peer = zygote.start(  # a real producer agent, so that valid references exist to corrupt
+            "tests.peer_producer",
+            ["--redis-url", redis_url, "--prefix", prefix, "--payloads", "T2VA,T2VA", "--mode", "direct"],
             env={**os.environ, "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+            log=tmp_path / "peer.log",
         )
         svc.procs.append(peer)
         refs = [json.loads(r.blpop([f"{prefix}:test:refs"], timeout=60)[1])["ref"] for _ in range(2)]

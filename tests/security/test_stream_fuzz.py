@@ -12,8 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +25,7 @@ from hypothesis import strategies as st
 
 from stageferry.broker.data.payload_codec import encode_inline
 from stageferry.schemas import Envelope, InlinePayload, JobRequest, RequestState, request_key
+from tests import zygote
 from tests.procs import ROOT, Services, wait_for, write_pipeline
 from tests.security.tripwire import tripwire_env
 
@@ -78,12 +77,12 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     svc = Services(tmp, redis_url=url, prefix=prefix, pipeline=pipeline, extra_env=env)
     try:
         workers = [svc.start("encoder", "a"), svc.start("diffusion", "a")]
-        peer = subprocess.Popen(  # a real producer agent: its references are valid until corrupted
-            [sys.executable, "-m", "tests.peer_producer", "--redis-url", url, "--prefix", prefix, *PEER_ARGS],
-            stdout=(tmp / "peer.log").open("wb"),
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
+        peer = zygote.start(  # a real producer agent: its references are valid until corrupted
+            "tests.peer_producer",
+            ["--redis-url", url, "--prefix", prefix, *PEER_ARGS],
             env={**os.environ, **env},
+            cwd=ROOT,
+            log=tmp / "peer.log",
         )
         svc.procs.append(peer)
         refs = [json.loads(redis.blpop([f"{prefix}:test:refs"], timeout=90)[1])["ref"] for _ in range(3)]

@@ -117,7 +117,7 @@ def test_an_idle_stage_exits_promptly_after_sigterm(tmp_path: Path, redis_url: s
         data_plane={"connector": "nixl"},
     )
     with Services(tmp_path, redis_url=redis_url, prefix=prefix, pipeline=pipeline, extra_env={}) as services:
-        proc = services.start("encoder", "r1")
+        proc = services.start("encoder", "r1", fresh=True)  # exec'd: what it imports is under test
         services.wait_live("encoder", "encoder-r1", timeout=180)
         log = next(tmp_path.glob("encoder-r1-*.log"))
         wait_for(lambda: '"worker.started"' in log.read_text(errors="replace"), 60, "the worker reading")

@@ -10,8 +10,6 @@ import base64
 import functools
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -33,6 +31,7 @@ from stageferry.config import DataPlaneConfig, Timeouts
 from stageferry.errors import ManifestError, PayloadUnavailableError
 from stageferry.schemas import DeviceKind, InlinePayload, NixlPayload, PayloadRef, Transport
 from stageferry.testing import assert_same
+from tests import zygote
 from tests.peer_producer import build
 from tests.procs import ROOT, wait_for
 
@@ -46,7 +45,7 @@ PYTHONPATH = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")
 
 @dataclass
 class Producer:
-    proc: subprocess.Popen[bytes]
+    proc: zygote.Proc
     redis: sync_redis.Redis
     prefix: str
     log: Path
@@ -82,12 +81,12 @@ def start_producer(tmp_path: Path, redis_url: str, prefix: str) -> Iterator[Any]
 
     def start(*args: str) -> Producer:
         log = tmp_path / f"producer-{len(started)}.log"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.peer_producer", "--redis-url", redis_url, "--prefix", prefix, *args],
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
+        proc = zygote.start(
+            "tests.peer_producer",
+            ["--redis-url", redis_url, "--prefix", prefix, *args],
             env={**os.environ, "PYTHONPATH": PYTHONPATH},
+            cwd=ROOT,
+            log=log,
         )
         producer = Producer(proc, sync_redis.Redis.from_url(redis_url, socket_timeout=None), prefix, log)
         started.append(producer)
@@ -238,25 +237,16 @@ async def test_a_thousand_transfers_leave_no_resources_behind(start_producer: An
 async def test_consumer_killed_mid_read_frees_the_slot_once_its_claim_expires(
     start_producer: Any, redis_url: str, prefix: str, tmp_path: Path, die_after: str
 ) -> None:
-    producer = start_producer("--payloads", "Ref2VA", "--lease", "3")
+    # The reader first, waiting for the ref: the 3 s lease starts at the producer's put.
     log = tmp_path / "reader.log"
-    reader = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.peer_reader_dies",
-            "--redis-url",
-            redis_url,
-            "--prefix",
-            prefix,
-            "--die-after",
-            die_after,
-        ],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
+    reader = zygote.start(
+        "tests.peer_reader_dies",
+        ["--redis-url", redis_url, "--prefix", prefix, "--die-after", die_after],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        log=log,
     )
+    producer = start_producer("--payloads", "Ref2VA", "--lease", "3")
     assert reader.wait(timeout=60) == -9, log.read_text()[-3000:]
     r = sync_redis.Redis.from_url(redis_url)
     claims = list(r.scan_iter(match=f"{prefix}:nixl:claim:*"))

@@ -12,8 +12,6 @@ import itertools
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -36,6 +34,7 @@ from stageferry.errors import HandshakeError, ManifestError, PayloadUnavailableE
 from stageferry.schemas import NixlPayload, Transport
 from stageferry.schemas.nixl import released_token
 from stageferry.testing import assert_same, sized_payload
+from tests import zygote
 from tests.broker.data.nixl.test_connector import ref_of
 from tests.procs import ROOT
 
@@ -241,12 +240,12 @@ async def test_a_read_that_fails_with_the_claim_won_drops_the_peer_and_asks_for_
     says so at the post or at a poll); the peer is dropped, the inline resend goes unanswered, and the
     payload counts as gone."""
     log = tmp_path / "producer.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.peer_producer", "--redis-url", redis_url, "--prefix", prefix],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
+    proc = zygote.start(
+        "tests.peer_producer",
+        ["--redis-url", redis_url, "--prefix", prefix],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        log=log,
     )
     r = sync_redis.Redis.from_url(redis_url, socket_timeout=None)
     try:
