@@ -113,7 +113,10 @@ class Zygote:
     def _read(self) -> None:
         assert self._proc.stdout is not None
         for line in self._proc.stdout:
-            message = json.loads(line)
+            try:
+                message = json.loads(line)
+            except ValueError:  # only the zygote writes here; nothing else is expected
+                continue
             with self._changed:
                 if "exit" in message:
                     self._exits[message["exit"]] = message["code"]
@@ -210,10 +213,10 @@ def _child(request: dict[str, Any], keep: tuple[int, ...]) -> None:
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        # what interpreter shutdown does in a process of its own: atexit handlers, then the streams
-        import atexit as _atexit
-
-        _atexit._run_exitfuncs()
+        # what interpreter shutdown does in a process of its own: join the threads, run the atexit handlers,
+        # flush the streams (below)
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
     except BaseException:  # noqa: BLE001 - a child must never return into the zygote's loop
         import traceback
 
@@ -229,12 +232,13 @@ def serve() -> None:
     """The zygote's loop: fork a child per request, report each child's end (module docstring)."""
     import importlib
 
-    for name in PRELOAD:
-        importlib.import_module(name)
     commands, replies = os.dup(0), os.dup(1)  # never the sys streams: a child flushes those
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
+    os.dup2(2, 1)  # whatever an import prints goes to stderr, not into the replies
     os.close(null)
+    for name in PRELOAD:
+        importlib.import_module(name)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
