@@ -49,6 +49,20 @@ def write_pipeline(path: Path, stages: list[dict[str, Any]], **sections: Mapping
     return path
 
 
+def start_peer(
+    module: str, redis_url: str, prefix: str, *args: str, log: Path, env: Mapping[str, str] | None = None
+) -> Proc:
+    """A test's peer process (``tests.peer_producer``, ``tests.peer_reader_dies``) on ``redis_url`` under
+    ``prefix``, its output in ``log``; ``env`` is added to ours (a ``PYTHONPATH`` of its own is exec'd)."""
+    return zygote.start(
+        module,
+        ["--redis-url", redis_url, "--prefix", prefix, *args],
+        env={**os.environ, "PYTHONPATH": zygote.PYTHONPATH, **(env or {})},
+        cwd=ROOT,
+        log=log,
+    )
+
+
 class Services:
     """Stage processes started for one test; everything is killed at the end."""
 
@@ -76,7 +90,7 @@ class Services:
             STAGEFERRY_PIPELINE=str(self.pipeline),
             STAGEFERRY_REPLICA=replica,
             STAGEFERRY_LOG_FORMAT="json",
-            PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+            PYTHONPATH=zygote.PYTHONPATH,
         )
         env.update(self.extra_env)
         return env

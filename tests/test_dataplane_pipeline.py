@@ -4,7 +4,6 @@ down and the payload is too big for inline, and hostile descriptors rejected bef
 from __future__ import annotations
 
 import json
-import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -16,8 +15,7 @@ from pydantic import TypeAdapter
 
 from stageferry.broker.control import tally
 from stageferry.schemas import Envelope, JobRequest, NixlPayload, PayloadRef, RequestState, request_key
-from tests import zygote
-from tests.procs import ROOT, Services, wait_for, write_pipeline
+from tests.procs import Services, start_peer, wait_for, write_pipeline
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -126,11 +124,14 @@ def test_hostile_descriptors_are_rejected_and_the_worker_survives(tmp_path: Path
     r = sync_redis.Redis.from_url(redis_url, socket_timeout=None)
     with make(tmp_path, redis_url, prefix) as svc:
         consumer = svc.start("diffusion", "a")
-        peer = zygote.start(  # a real producer agent, so that valid references exist to corrupt
+        peer = start_peer(  # a real producer agent, so that valid references exist to corrupt
             "tests.peer_producer",
-            ["--redis-url", redis_url, "--prefix", prefix, "--payloads", "T2VA,T2VA", "--mode", "direct"],
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            cwd=ROOT,
+            redis_url,
+            prefix,
+            "--payloads",
+            "T2VA,T2VA",
+            "--mode",
+            "direct",
             log=tmp_path / "peer.log",
         )
         svc.procs.append(peer)

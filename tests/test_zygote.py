@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests import zygote
 from tests.procs import wait_for
-from tests.zygote import Zygote
+from tests.zygote import ForkedProcess, Zygote
 
 
 @pytest.fixture
@@ -57,3 +59,18 @@ def test_closing_the_zygote_kills_its_children(tmp_path: Path) -> None:
         return False
 
     wait_for(gone, timeout=30, what="the zygote's child killed with it")
+
+
+def test_a_pythonpath_the_zygote_lacks_is_execd_so_its_sitecustomize_runs(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    marker = tmp_path / "loaded"
+    (site / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    plain = dict(os.environ, PYTHONPATH=zygote.PYTHONPATH)
+    forked = zygote.start("stageferry", ["schema", "job"], env=plain, cwd=tmp_path, log=tmp_path / "a.log")
+    assert isinstance(forked, ForkedProcess) and forked.wait(timeout=60) == 0
+    assert not marker.exists()
+    env = dict(plain, PYTHONPATH=os.pathsep.join([str(site), zygote.PYTHONPATH]))
+    execd = zygote.start("stageferry", ["schema", "job"], env=env, cwd=tmp_path, log=tmp_path / "b.log")
+    assert isinstance(execd, subprocess.Popen) and execd.wait(timeout=60) == 0
+    assert marker.exists()  # the pickle tripwire's sitecustomize is loaded this way

@@ -4,16 +4,16 @@ A test's ``stageferry serve`` process spends about 3.4 of its 4.4 s of CPU befor
 torch and the stage's code (the 2-core CI box; ~300 such processes in the suite).  :class:`Zygote` is a
 process per test worker that has imported them (:data:`PRELOAD`; nothing configured, no thread of ours,
 NIXL not loaded) and forks a child per :meth:`Zygote.spawn`.  The child becomes what ``python -m
-<module> <args>`` would be — the given environment, working directory and ``sys.path`` entries, stdin
-``/dev/null``, stdout and stderr into the log file, default signal dispositions — and runs the module as
-``__main__`` (:func:`runpy.run_module`, as ``-m`` does).  Only the exec and the imports are skipped: what
+<module> <args>`` would be — the given environment and working directory (one whose ``PYTHONPATH`` the
+zygote lacks is exec'd instead: a ``sitecustomize`` there runs only at start-up), stdin ``/dev/null``,
+stdout and stderr into the log file, default signal dispositions — and runs the module as ``__main__``
+(:func:`runpy.run_module`, as ``-m`` does).  Only the exec and the imports are skipped: what
 the process does then runs as in production, where ``serve`` is exec'd (a group's ranks still are, by
 their supervisor; the CLI's and launcher's tests exec the command).
 
 Protocol (JSON lines, nothing pickled): the test process writes ``{"id", "module", "argv", "env", "cwd",
-"log"}`` to
-the zygote's stdin; the zygote answers ``{"id", "pid"}`` (or ``{"id", "error"}``) and, when a child
-ends, ``{"exit": pid, "code": c}`` (``-signal`` as :class:`subprocess.Popen` says it) on its stdout.
+"log"}`` to the zygote's stdin; the zygote answers ``{"id", "pid"}`` (or ``{"id", "error"}``) and, when a
+child ends, ``{"exit": pid, "code": c}`` (``-signal`` as :class:`subprocess.Popen` says it) on its stdout.
 When its stdin closes (the test worker ended), it SIGKILLs the children still running and exits.
 
 ``STAGEFERRY_TEST_ZYGOTE=0`` turns it off (every service is exec'd, as before).
@@ -41,14 +41,27 @@ PRELOAD = ("torch", "stageferry.cli", "stageferry.stages.process.service")
 REIMPORT = ("stageferry.failpoints",)
 
 
+#: The zygote's own ``PYTHONPATH``: the repository, then the caller's.
+PYTHONPATH = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+
+
 def enabled() -> bool:
     return os.environ.get("STAGEFERRY_TEST_ZYGOTE", "1") != "0"
 
 
+def forkable(env: dict[str, str]) -> bool:
+    """Whether a child with ``env`` can be forked: every ``PYTHONPATH`` entry is one the zygote started with.
+    Another directory may carry a ``sitecustomize`` (the pickle tripwire's), which only an interpreter's
+    start-up runs: such a child is exec'd."""
+    ours = set(PYTHONPATH.split(os.pathsep))
+    return all(not p or p in ours for p in env.get("PYTHONPATH", "").split(os.pathsep))
+
+
 def start(module: str, argv: list[str], *, env: dict[str, str], cwd: Path, log: Path, fresh: bool = False) -> Proc:
     """``python -m <module> <argv>``, its output appended to ``log``: forked from this worker's zygote, or
-    exec'd with ``fresh`` (a test of what the process imports) or ``STAGEFERRY_TEST_ZYGOTE=0``."""
-    if enabled() and not fresh:
+    exec'd with ``fresh`` (a test of what the process imports), with a ``PYTHONPATH`` the zygote does not
+    have (:func:`forkable`) or with ``STAGEFERRY_TEST_ZYGOTE=0``."""
+    if enabled() and not fresh and forkable(env):
         return zygote().spawn(argv, env=env, cwd=cwd, log=log, module=module)
     with open(log, "ab") as out:  # O_APPEND: a group's ranks share it
         return subprocess.Popen(
@@ -94,7 +107,7 @@ class Zygote:
     """The test process's side: starts the zygote once, asks it for children, learns their exit codes."""
 
     def __init__(self) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+        env = dict(os.environ, PYTHONPATH=PYTHONPATH)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tests.zygote"],
             stdin=subprocess.PIPE,
@@ -200,8 +213,7 @@ def _child(request: dict[str, Any], keep: tuple[int, ...]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-        sys.path[:0] = [request["cwd"], *extra]  # `python -m` puts the working directory first
+        sys.path.insert(0, request["cwd"])  # as `python -m` does (its PYTHONPATH is ours: forkable)
         import importlib
 
         for name in REIMPORT:

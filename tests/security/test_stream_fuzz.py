@@ -25,8 +25,7 @@ from hypothesis import strategies as st
 
 from stageferry.broker.data.payload_codec import encode_inline
 from stageferry.schemas import Envelope, InlinePayload, JobRequest, RequestState, request_key
-from tests import zygote
-from tests.procs import ROOT, Services, wait_for, write_pipeline
+from tests.procs import Services, start_peer, wait_for, write_pipeline
 from tests.security.tripwire import tripwire_env
 
 pytestmark = pytest.mark.timeout(400)
@@ -77,13 +76,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     svc = Services(tmp, redis_url=url, prefix=prefix, pipeline=pipeline, extra_env=env)
     try:
         workers = [svc.start("encoder", "a"), svc.start("diffusion", "a")]
-        peer = zygote.start(  # a real producer agent: its references are valid until corrupted
-            "tests.peer_producer",
-            ["--redis-url", url, "--prefix", prefix, *PEER_ARGS],
-            env={**os.environ, **env},
-            cwd=ROOT,
-            log=tmp / "peer.log",
-        )
+        # a real producer agent: its references are valid until corrupted (exec'd: the tripwire's PYTHONPATH)
+        peer = start_peer("tests.peer_producer", url, prefix, *PEER_ARGS, log=tmp / "peer.log", env=env)
         svc.procs.append(peer)
         refs = [json.loads(redis.blpop([f"{prefix}:test:refs"], timeout=90)[1])["ref"] for _ in range(3)]
         svc.wait_live("encoder", "encoder-a")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import functools
 import json
-import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -33,14 +32,13 @@ from stageferry.schemas import DeviceKind, InlinePayload, NixlPayload, PayloadRe
 from stageferry.testing import assert_same
 from tests import zygote
 from tests.peer_producer import build
-from tests.procs import ROOT, wait_for
+from tests.procs import start_peer, wait_for
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 REF = TypeAdapter(PayloadRef)
 # One registration per pool: the CPU pool, plus the CUDA pool every connector makes where a GPU is present.
 POOLS = 1 + int(torch.cuda.is_available())
 #: The producers' path: the repository, then the caller's own (a device machine's carried wheels).
-PYTHONPATH = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 
 @dataclass
@@ -81,13 +79,7 @@ def start_producer(tmp_path: Path, redis_url: str, prefix: str) -> Iterator[Any]
 
     def start(*args: str) -> Producer:
         log = tmp_path / f"producer-{len(started)}.log"
-        proc = zygote.start(
-            "tests.peer_producer",
-            ["--redis-url", redis_url, "--prefix", prefix, *args],
-            env={**os.environ, "PYTHONPATH": PYTHONPATH},
-            cwd=ROOT,
-            log=log,
-        )
+        proc = start_peer("tests.peer_producer", redis_url, prefix, *args, log=log)
         producer = Producer(proc, sync_redis.Redis.from_url(redis_url, socket_timeout=None), prefix, log)
         started.append(producer)
         return producer
@@ -239,13 +231,7 @@ async def test_consumer_killed_mid_read_frees_the_slot_once_its_claim_expires(
 ) -> None:
     # The reader first, waiting for the ref: the 3 s lease starts at the producer's put.
     log = tmp_path / "reader.log"
-    reader = zygote.start(
-        "tests.peer_reader_dies",
-        ["--redis-url", redis_url, "--prefix", prefix, "--die-after", die_after],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-        log=log,
-    )
+    reader = start_peer("tests.peer_reader_dies", redis_url, prefix, "--die-after", die_after, log=log)
     producer = start_producer("--payloads", "Ref2VA", "--lease", "3")
     assert reader.wait(timeout=60) == -9, log.read_text()[-3000:]
     r = sync_redis.Redis.from_url(redis_url)

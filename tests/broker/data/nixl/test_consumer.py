@@ -34,9 +34,8 @@ from stageferry.errors import HandshakeError, ManifestError, PayloadUnavailableE
 from stageferry.schemas import NixlPayload, Transport
 from stageferry.schemas.nixl import released_token
 from stageferry.testing import assert_same, sized_payload
-from tests import zygote
 from tests.broker.data.nixl.test_connector import ref_of
-from tests.procs import ROOT
+from tests.procs import start_peer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -240,13 +239,7 @@ async def test_a_read_that_fails_with_the_claim_won_drops_the_peer_and_asks_for_
     says so at the post or at a poll); the peer is dropped, the inline resend goes unanswered, and the
     payload counts as gone."""
     log = tmp_path / "producer.log"
-    proc = zygote.start(
-        "tests.peer_producer",
-        ["--redis-url", redis_url, "--prefix", prefix],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-        log=log,
-    )
+    proc = start_peer("tests.peer_producer", redis_url, prefix, log=log)
     r = sync_redis.Redis.from_url(redis_url, socket_timeout=None)
     try:
         item = r.blpop([f"{prefix}:test:refs"], timeout=60)
