@@ -41,7 +41,7 @@ PRELOAD = ("torch", "stageferry.cli", "stageferry.stages.process.service")
 REIMPORT = ("stageferry.failpoints",)
 
 
-#: The zygote's own ``PYTHONPATH``: the repository, then the caller's.
+#: The zygote's own ``PYTHONPATH``: the repository, then the caller's (a device machine's carried wheels).
 PYTHONPATH = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 

@@ -38,7 +38,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 REF = TypeAdapter(PayloadRef)
 # One registration per pool: the CPU pool, plus the CUDA pool every connector makes where a GPU is present.
 POOLS = 1 + int(torch.cuda.is_available())
-#: The producers' path: the repository, then the caller's own (a device machine's carried wheels).
 
 
 @dataclass
