@@ -53,7 +53,8 @@
 #             one encoder and one diffusion replica for 4 s each mid-run (raw stacks: spy_<stage>.raw, Python
 #             frames only); carry it as .whl/py-spy (`pip install py-spy`, then copy its static binary there)
 #   up_gpu    `stageferry up` at 1344x768 (the issue's measure of item 1: its own table, each hop's first transfer
-#             beside the median of 3 warm runs) for each of UP_TASKS (default "t2va fl2va ref2va"), both stages on
+#             beside the median of the warm runs: UP_WARM, default 6, the later 3 with longer prompts, payloads of
+#             another structure) for each of UP_TASKS (default "t2va fl2va ref2va"), both stages on
 #             GPU 0 as the planner places them on one GPU, with --mps UP_MPS (default auto: up's private daemon)
 #   first_get_pair  first_get's two runs on the previous tree (.prev: `mkdir .prev && git archive <prev> stageferry
 #             benchmarks pyproject.toml | tar -x -C .prev`, its own benchmarks) and on this one, side by side
@@ -110,7 +111,7 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
               # up starts its own private Redis: the carried redis-server (setup's) on its PATH
               run_step "$name" 200 env PATH="$PWD/.whl/redis:$PATH" LD_LIBRARY_PATH="$PWD/.whl/redis" \
                 python3 -m stageferry --prefix "up39-$task" up --task "$task" \
-                --width 1344 --height 768 --warm-runs 3 --mps "${UP_MPS:-auto}" --log-dir "/tmp/$name"
+                --width 1344 --height 768 --warm-runs "${UP_WARM:-6}" --mps "${UP_MPS:-auto}" --log-dir "/tmp/$name"
               grep -h '"placement\.\|"nixl\.\(same_gpu\|transport\)\|"mps\.\|"payload\.get' "/tmp/$name"/*.log > "$out/${name}_events.txt"
             done ;;
     up_pair) for r in $(seq "${UP_ROUNDS:-1}"); do  # up's own table (T2VA, 1344x768) on .prev, then on this tree

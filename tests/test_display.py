@@ -91,3 +91,23 @@ def test_each_hop_shows_its_first_transfer_beside_the_warm_ones() -> None:
     assert head.split() == ["hop", "payload", "first", "ms", "warm", "ms", "first/warm"]
     assert row.split() == ["encoder", "→", "diffusion", "789,504", "3.000", "2.000", "1.50×"]
     assert render_hops(status("a", 0.003), []) == ""  # no warm run ended done: no table
+
+
+def test_reprompted_runs_get_columns_of_their_own() -> None:
+    """`up --warm-runs 4`: the later runs carry longer prompts (payloads of another structure): their
+    median and the first hop's ratio to it beside the same-job columns."""
+
+    def status(rid: str, transfer: float | None) -> RequestStatus:
+        timings = [StageTiming(stage="encoder", seconds=0.5)]
+        if transfer is not None:
+            timings.append(StageTiming(stage="diffusion", seconds=4.5, transport=Transport.NIXL,
+                                       payload_bytes=789_504, transfer_seconds=transfer))  # fmt: skip
+        return RequestStatus(request_id=rid, state=RequestState.DONE, timings=timings)
+
+    table = render_hops(status("a", 0.0030), [status("b", 0.0010)], [status("c", 0.0020), status("d", 0.0025)])
+    head, row = table.splitlines()
+    assert head.split()[-5:] == ["first/warm", "new", "prompt", "ms", "first/new"], head
+    assert row.split()[3:] == ["789,504", "3.000", "1.000", "3.00×", "2.250", "1.33×"], row
+    # a reprompted run that never reached the hop leaves its cells empty, not the row out
+    row = render_hops(status("a", 0.0030), [status("b", 0.0010)], [status("c", None)]).splitlines()[1]
+    assert row.split()[-2:] == ["-", "-"], row

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
 from stageferry.cli import app
-from stageferry.cli.launcher import ServiceGroup, wait_for_workers
+from stageferry.cli.launcher import ServiceGroup, reprompted, wait_for_workers
 from stageferry.cli_hints import cli_command
 from stageferry.errors import StageFailedError
 from tests.fake_mps import install
@@ -114,6 +114,20 @@ def test_up_runs_one_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     traced = CliRunner().invoke(app, ["trace", request_id], env={"STAGEFERRY_REDIS_URL": None})
     assert traced.exit_code == 0, traced.output
     assert "payload.put" in traced.stdout and "status.done" in traced.stdout
+
+
+def test_reprompted_jobs_differ_only_in_their_prompts_length() -> None:
+    """The warm runs' later half: the same job, each prompt another length, so each payload has another
+    structure (the reference encoder's text states are one token per prompt byte)."""
+    from stageferry.stages.reference.text_encoder import tokenize
+
+    job = {"task": "t2va", "prompt": "a cat", "width": 64, "media": {"first_frame": "upload:x"}}
+    runs = [reprompted(job, n) for n in (1, 2, 3)]
+    assert all({k: v for k, v in r.items() if k != "prompt"} == {k: v for k, v in job.items() if k != "prompt"}
+               for r in runs)  # fmt: skip
+    lengths = [len(tokenize(r["prompt"], 512)) for r in [job, *runs]]
+    assert len(set(lengths)) == 4, lengths
+    assert job["prompt"] == "a cat" and reprompted({"task": "t2va"}, 1)["prompt"].strip() == "again"
 
 
 def test_cli_command_names_the_program_as_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

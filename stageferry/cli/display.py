@@ -17,7 +17,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from stageferry.broker.control.liveness import unheld_note
 from stageferry.client import Client
 from stageferry.errors import ControlPlaneError, JobValidationError, StageferryError
-from stageferry.schemas import RequestState, RequestStatus, Transport
+from stageferry.schemas import RequestState, RequestStatus, StageTiming, Transport
 from stageferry.trace.events import TraceEvent
 
 #: How the console names a stage's phases after its steps (others are shown as reported).
@@ -148,25 +148,44 @@ def render_status(status: RequestStatus) -> str:
     return "\n".join(lines)
 
 
-def render_hops(first: RequestStatus, warm: Sequence[RequestStatus]) -> str:
+def render_hops(first: RequestStatus, warm: Sequence[RequestStatus], reprompted: Sequence[RequestStatus] = ()) -> str:
     """Each hop's payload transfer in the first request against the same job run again (warm): the first
     one used to pay the peers' handshake (issue 39).  ``warm ms``: the median over the warm runs; in ms
-    with µs shown, since a warm hop on one GPU takes a tenth of a millisecond."""
-    lines = [f"{'hop':<26} {'payload':>12} {'first ms':>9} {'warm ms':>9} {'first/warm':>10}"]
+    with µs shown, since a warm hop on one GPU takes a tenth of a millisecond.
+
+    With ``reprompted`` runs (the job again, each with a prompt of another length), two more columns: their
+    median and the first hop's ratio to it.  A payload's structure follows its prompt (the text states'
+    length), and a warm run of the very same job finds its payload's views made ahead and its structure
+    checked already (``nixl/ready.py``), which a new structure cannot: what a stage serving varied prompts
+    sees on most hops, and the fair mark for a first hop once the peers' cold costs are gone."""
+    head = f"{'hop':<26} {'payload':>12} {'first ms':>9} {'warm ms':>9} {'first/warm':>10}"
+    lines = [head + (f" {'new prompt ms':>13} {'first/new':>9}" if reprompted else "")]
     previous = "client"
     for t in first.timings:
         hop = f"{previous} → {t.stage}"
         previous = t.stage
         if t.transport is Transport.NONE:
             continue
-        again = [w.transfer_seconds for s in warm for w in s.timings if w.stage == t.stage]
-        if not again:
+        typical = _median_transfer(warm, t.stage)
+        if typical is None:
             continue
-        typical = statistics.median(again)
-        ratio = f"{t.transfer_seconds / typical:.2f}×" if typical > 0 else "-"
-        first_ms, warm_ms = t.transfer_seconds * 1e3, typical * 1e3
-        lines.append(f"{hop:<26} {t.payload_bytes:>12,} {first_ms:>9.3f} {warm_ms:>9.3f} {ratio:>10}")
+        first_ms = t.transfer_seconds * 1e3
+        row = f"{hop:<26} {t.payload_bytes:>12,} {first_ms:>9.3f} {typical * 1e3:>9.3f} {_ratio(t, typical):>10}"
+        other = _median_transfer(reprompted, t.stage)
+        if reprompted:
+            row += f" {other * 1e3:>13.3f} {_ratio(t, other):>9}" if other is not None else f" {'-':>13} {'-':>9}"
+        lines.append(row)
     return "\n".join(lines) if len(lines) > 1 else ""
+
+
+def _median_transfer(runs: Sequence[RequestStatus], stage: str) -> float | None:
+    """The median payload transfer into ``stage`` over ``runs`` (None: none of them reached it)."""
+    again = [w.transfer_seconds for s in runs for w in s.timings if w.stage == stage]
+    return statistics.median(again) if again else None
+
+
+def _ratio(first: StageTiming, typical: float | None) -> str:
+    return f"{first.transfer_seconds / typical:.2f}×" if typical else "-"
 
 
 def error_line(exc: StageferryError) -> str:

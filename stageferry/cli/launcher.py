@@ -119,6 +119,16 @@ async def _save_trace(client: Client, request_id: str, output_dir: Path, url: st
     console.print(f"trace: {cli_command()} trace {request_id}  (saved in {path})", soft_wrap=True, highlight=False)
 
 
+#: What a reprompted warm run appends to the job's prompt, once more per run (each run another length).
+REPROMPT = " again"
+
+
+def reprompted(job: dict[str, Any], n: int) -> dict[str, Any]:
+    """``job`` with its prompt ``n`` times :data:`REPROMPT` longer: a payload of another structure (the text
+    states' length follows the prompt), as a stage serving varied prompts receives on most hops."""
+    return {**job, "prompt": f"{job.get('prompt') or ''}{REPROMPT * n}"}
+
+
 async def _run_warm(
     client: Client,
     job: dict[str, Any],
@@ -129,17 +139,21 @@ async def _run_warm(
     timeout: float | None,
     console: Console,
 ) -> None:
-    """Run the job ``runs`` times more and print each hop's first transfer beside the warm ones (a run
-    that does not end done is reported, not counted)."""
+    """Run the job ``runs`` times more and print each hop's first transfer beside the warm ones: the first
+    half (rounded up) the very same job, then the rest each with a longer prompt (:func:`reprompted`,
+    :func:`~stageferry.cli.display.render_hops`).  A run that does not end done is reported, not counted."""
     console.print(f"running the job {runs} more time{'s' if runs > 1 else ''} (warm hops)")
-    warm = []
-    for _ in range(runs):
-        status = await client.wait(await client.submit(job, uploads=uploads), timeout=timeout)
+    same = runs - runs // 2
+    warm: list[RequestStatus] = []
+    other: list[RequestStatus] = []
+    for i in range(runs):
+        again = job if i < same else reprompted(job, i - same + 1)
+        status = await client.wait(await client.submit(again, uploads=uploads), timeout=timeout)
         if status.state is RequestState.DONE:
-            warm.append(status)
+            (warm if i < same else other).append(status)
         else:
             console.print(f"  {status.request_id}: {status.state.value}")
-    table = render_hops(first, warm)
+    table = render_hops(first, warm, other)
     if table:
         print(table)
 
@@ -228,7 +242,8 @@ async def run_up(
 
     The placement is planned (and a layout this host cannot run refused) before anything starts; each
     ``serve`` child plans the same from the same file and GPU count.  With ``warm_runs``, the job is run
-    that many times more once it is done, and each hop's first transfer is shown beside the warm ones.
+    that many times more once it is done (the later half with longer prompts: :func:`_run_warm`), and each
+    hop's first transfer is shown beside the warm ones.
     Stages placed on one GPU get a private CUDA MPS daemon as ``mps`` says (``stages/process/mps.py``)."""
     gpus = host_gpus()
     pipeline = pipeline_for_host(settings.pipeline, gpus)

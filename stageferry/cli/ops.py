@@ -264,7 +264,8 @@ def up(
             "--warm-runs",
             min=0,
             max=20,
-            help="Run the job this many times more and show each hop's first transfer beside the warm ones.",
+            help="Run the job this many times more and show each hop's first transfer beside the warm ones "
+            "(from 2 on, the later half with longer prompts: payloads of another structure, as varied prompts send).",
         ),
     ] = 1,
     mps: Annotated[
