@@ -20,8 +20,9 @@ from typer.testing import CliRunner
 from stageferry.broker.control.keys import Keys
 from stageferry.broker.control.redis_conn import open_client
 from stageferry.cli import app
-from stageferry.cli.launcher import ServiceGroup, reprompted, wait_for_workers
+from stageferry.cli.launcher import REPROMPT, ServiceGroup, wait_for_workers, warm_jobs
 from stageferry.cli_hints import cli_command
+from stageferry.config import Limits
 from stageferry.errors import StageFailedError
 from tests.fake_mps import install
 from tests.waits import until_sync
@@ -69,9 +70,10 @@ async def test_service_group_stops_children_and_reports_early_exits(tmp_path: Pa
 def test_up_runs_one_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # outputs land under the working directory: never in the repository
     record = tmp_path / "mps.txt"  # --mps on with the stand-in daemon (tests/fake_mps.py; CI has no driver)
+    flags = ["--startup-timeout", "90", "--timeout", "120", "--mps", "on", "--warm-runs", "2"]
     result = CliRunner().invoke(
         app,
-        ["--prefix", "t-up", "up", *SMALL_JOB, "--startup-timeout", "90", "--timeout", "120", "--mps", "on"],
+        ["--prefix", "t-up", "up", *SMALL_JOB, *flags],
         # No UCX pin from the suite (tests/conftest.py): up's own holds its stages to loopback.
         env={
             "STAGEFERRY_REDIS_URL": None,
@@ -101,33 +103,41 @@ def test_up_runs_one_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert placed == {"encoder": pipe, "diffusion": pipe} and quit_ == "quit"
     # What the daemon prints goes beside the stages' logs, not to up's terminal.
     assert f"listening on {pipe}" in (logs / "mps-control.txt").read_text() and "listening" not in result.output
-    # The job ran once more (--warm-runs 1 by default): each hop's first transfer beside the warm one.
+    # The job ran twice more (--warm-runs 2): the same job, then with a longer prompt (another payload
+    # structure); each hop's first transfer beside both.
     table = result.stdout.splitlines()
     head = next(i for i, line in enumerate(table) if line.startswith("hop "))
-    assert table[head].split() == ["hop", "payload", "first", "ms", "warm", "ms", "first/warm"], table[head]
+    assert table[head].split()[-5:] == ["first/warm", "new", "prompt", "ms", "first/new"], table[head]
     hop = table[head + 1].split()
-    assert hop[:3] == ["encoder", "→", "diffusion"] and hop[-1].endswith("×"), table[head + 1]
+    assert hop[:3] == ["encoder", "→", "diffusion"] and hop[-1].endswith("×") and hop[-3].endswith("×"), hop
+    sizes = {e["bytes"] for e in gets}
+    assert len(gets) == 3 and len(sizes) == 2, gets  # the longer prompt's payload is another size
     # The trace outlives up's private Redis: `trace` finds it with no flags.
     request_id = result.stdout.split("request ", 1)[1].split(":", 1)[0]
-    assert len(list((tmp_path / "out").glob("*.mp4"))) == 2 and (tmp_path / "out" / f"{request_id}.mp4").is_file()
+    assert len(list((tmp_path / "out").glob("*.mp4"))) == 3 and (tmp_path / "out" / f"{request_id}.mp4").is_file()
     assert (tmp_path / "out" / f"{request_id}.trace.json").is_file()
     traced = CliRunner().invoke(app, ["trace", request_id], env={"STAGEFERRY_REDIS_URL": None})
     assert traced.exit_code == 0, traced.output
     assert "payload.put" in traced.stdout and "status.done" in traced.stdout
 
 
-def test_reprompted_jobs_differ_only_in_their_prompts_length() -> None:
-    """The warm runs' later half: the same job, each prompt another length, so each payload has another
-    structure (the reference encoder's text states are one token per prompt byte)."""
+def test_warm_runs_are_the_same_job_then_longer_prompts() -> None:
+    """The warm runs: the first half (rounded up) the very same job, then the same job with a prompt longer
+    each time, so each payload has another structure (the reference encoder's text states are one token per
+    prompt byte); all the same job when the longest prompt would be past the deployment's limits."""
     from stageferry.stages.reference.text_encoder import tokenize
 
-    job = {"task": "t2va", "prompt": "a cat", "width": 64, "media": {"first_frame": "upload:x"}}
-    runs = [reprompted(job, n) for n in (1, 2, 3)]
-    assert all({k: v for k, v in r.items() if k != "prompt"} == {k: v for k, v in job.items() if k != "prompt"}
-               for r in runs)  # fmt: skip
-    lengths = [len(tokenize(r["prompt"], 512)) for r in [job, *runs]]
-    assert len(set(lengths)) == 4, lengths
-    assert job["prompt"] == "a cat" and reprompted({"task": "t2va"}, 1)["prompt"].strip() == "again"
+    job = {"task": "t2va", "prompt": "a cat", "width": 64, "height": 64}
+    jobs, same = warm_jobs(job, 5, Limits(), [])
+    assert same == 3 and jobs[:3] == [job] * 3
+    assert all({**j, "prompt": job["prompt"]} == job for j in jobs[3:])  # only the prompt differs
+    lengths = [len(tokenize(j["prompt"], 512)) for j in [job, *jobs[3:]]]
+    assert len(set(lengths)) == 3, lengths
+    assert warm_jobs(job, 1, Limits(), []) == ([job], 1)
+    # a prompt at the deployment's limit: no longer one is sent (it would be refused), the same job instead
+    tight = Limits(max_prompt_chars=len("a cat") + len(REPROMPT))
+    assert warm_jobs(job, 2, tight, [])[1] == 1  # one more is allowed
+    assert warm_jobs(job, 4, tight, []) == ([job] * 4, 4)
 
 
 def test_cli_command_names_the_program_as_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -31,9 +31,9 @@ from stageferry.broker.control.redis_conn import is_connection_error, ping
 from stageferry.cli.display import follow, render_hops, render_status
 from stageferry.cli_hints import cli_command, submit_command
 from stageferry.client import Client, validate_job, with_upload_refs
-from stageferry.config import DEFAULT_STAGES, PipelineConfig, Settings
+from stageferry.config import DEFAULT_STAGES, Limits, PipelineConfig, Settings
 from stageferry.embedded_redis import EmbeddedRedis
-from stageferry.errors import ControlPlaneError, StageFailedError, StageferryError
+from stageferry.errors import ControlPlaneError, JobValidationError, StageFailedError, StageferryError
 from stageferry.procs import astop
 from stageferry.schemas import RequestState, RequestStatus
 from stageferry.schemas.validation import check_job_limits
@@ -129,6 +129,22 @@ def reprompted(job: dict[str, Any], n: int) -> dict[str, Any]:
     return {**job, "prompt": f"{job.get('prompt') or ''}{REPROMPT * n}"}
 
 
+def warm_jobs(
+    job: dict[str, Any], runs: int, limits: Limits, uploads: Iterable[str]
+) -> tuple[list[dict[str, Any]], int]:
+    """The jobs of ``runs`` warm runs and how many of them, first, are the very same job: the first half
+    (rounded up), then each :func:`reprompted` once more; all the same job when the longest prompt would be
+    past the deployment's ``limits`` (checked as a submission is, before anything is sent)."""
+    same = runs - runs // 2
+    longest = reprompted(job, runs - same)
+    try:
+        checked = validate_job(with_upload_refs(longest, {name: "precheck" for name in uploads}), limits)
+        check_job_limits(checked, limits, upload_prefix="")
+    except JobValidationError:
+        same = runs
+    return [job if i < same else reprompted(job, i - same + 1) for i in range(runs)], same
+
+
 async def _run_warm(
     client: Client,
     job: dict[str, Any],
@@ -143,11 +159,12 @@ async def _run_warm(
     half (rounded up) the very same job, then the rest each with a longer prompt (:func:`reprompted`,
     :func:`~stageferry.cli.display.render_hops`).  A run that does not end done is reported, not counted."""
     console.print(f"running the job {runs} more time{'s' if runs > 1 else ''} (warm hops)")
-    same = runs - runs // 2
+    jobs, same = warm_jobs(job, runs, client.pipeline.limits, uploads)
+    if runs // 2 and same == runs:
+        console.print("  (a longer prompt would be past the deployment's limits: every run the same job)")
     warm: list[RequestStatus] = []
     other: list[RequestStatus] = []
-    for i in range(runs):
-        again = job if i < same else reprompted(job, i - same + 1)
+    for i, again in enumerate(jobs):
         status = await client.wait(await client.submit(again, uploads=uploads), timeout=timeout)
         if status.state is RequestState.DONE:
             (warm if i < same else other).append(status)
