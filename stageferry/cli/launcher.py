@@ -119,6 +119,13 @@ async def _save_trace(client: Client, request_id: str, output_dir: Path, url: st
     console.print(f"trace: {cli_command()} trace {request_id}  (saved in {path})", soft_wrap=True, highlight=False)
 
 
+def precheck(job: dict[str, Any], limits: Limits, uploads: Iterable[str]) -> None:
+    """Hold ``job`` (its media the named ``uploads``) to the deployment's ``limits`` as a submission is
+    held, before anything is sent: :class:`JobValidationError` naming what is wrong."""
+    checked = validate_job(with_upload_refs(job, {name: "precheck" for name in uploads}), limits)
+    check_job_limits(checked, limits, upload_prefix="")
+
+
 #: What a reprompted warm run appends to the job's prompt, once more per run (each run another length).
 REPROMPT = " again"
 
@@ -136,10 +143,8 @@ def warm_jobs(
     (rounded up), then each :func:`reprompted` once more; all the same job when the longest prompt would be
     past the deployment's ``limits`` (checked as a submission is, before anything is sent)."""
     same = runs - runs // 2
-    longest = reprompted(job, runs - same)
     try:
-        checked = validate_job(with_upload_refs(longest, {name: "precheck" for name in uploads}), limits)
-        check_job_limits(checked, limits, upload_prefix="")
+        precheck(reprompted(job, runs - same), limits, uploads)
     except JobValidationError:
         same = runs
     return [job if i < same else reprompted(job, i - same + 1) for i in range(runs)], same
@@ -266,8 +271,7 @@ async def run_up(
     pipeline = pipeline_for_host(settings.pipeline, gpus)
     the_plan = plan(pipeline, gpus)
     use_mps = decide(mps, the_plan.shared, os.environ)  # a refusal (--mps on, no daemon) before anything starts
-    checked = validate_job(with_upload_refs(job, {name: "precheck" for name in uploads}), pipeline.limits)
-    check_job_limits(checked, pipeline.limits, upload_prefix="")  # e.g. a task it does not serve: before any start
+    precheck(job, pipeline.limits, uploads)  # e.g. a task it does not serve: before any start
     output_dir = Path(await anyio.Path(pipeline.output_dir).resolve())  # the services run here too: the same dir
     console.print(f"outputs: {output_dir}")
     outcome = _Outcome()
