@@ -27,10 +27,10 @@ def zyg() -> Iterator[Zygote]:
 def test_a_child_runs_the_cli_with_its_own_environment_and_directory(zyg: Zygote, tmp_path: Path) -> None:
     log = tmp_path / "schema.log"
     env = dict(os.environ, STAGEFERRY_PREFIX="zyg-test")
-    proc = zyg.spawn(["schema", "job"], env=env, cwd=tmp_path, log=log)
+    proc = zyg.spawn("stageferry", ["schema", "job"], env=env, cwd=tmp_path, log=log)
     assert proc.wait(timeout=60) == 0
     assert json.loads(log.read_text())["title"]  # the CLI's stdout went to the log, whole
-    failing = zyg.spawn(["schema", "nonsense"], env=env, cwd=tmp_path, log=tmp_path / "bad.log")
+    failing = zyg.spawn("stageferry", ["schema", "nonsense"], env=env, cwd=tmp_path, log=tmp_path / "bad.log")
     assert failing.wait(timeout=60) == 2  # a usage error, as from the exec'd command
     assert "error [usage]" in (tmp_path / "bad.log").read_text()
 
@@ -38,7 +38,7 @@ def test_a_child_runs_the_cli_with_its_own_environment_and_directory(zyg: Zygote
 def test_signals_reach_the_child_and_its_end_is_told_as_popen_tells_it(zyg: Zygote, tmp_path: Path) -> None:
     env = dict(os.environ, STAGEFERRY_REDIS_URL="redis://127.0.0.1:1/0", STAGEFERRY_PREFIX="zyg-test")
     # `wait` retries an unreachable Redis until its timeout: a child that runs until it is told otherwise
-    proc = zyg.spawn(["wait", "x", "--timeout", "120"], env=env, cwd=tmp_path, log=tmp_path / "wait.log")
+    proc = zyg.spawn("stageferry", ["wait", "x", "--timeout", "120"], env=env, cwd=tmp_path, log=tmp_path / "wait.log")
     assert proc.poll() is None
     proc.kill()
     assert proc.wait(timeout=60) == -signal.SIGKILL
@@ -48,7 +48,7 @@ def test_signals_reach_the_child_and_its_end_is_told_as_popen_tells_it(zyg: Zygo
 def test_closing_the_zygote_kills_its_children(tmp_path: Path) -> None:
     z = Zygote()
     env = dict(os.environ, STAGEFERRY_REDIS_URL="redis://127.0.0.1:1/0", STAGEFERRY_PREFIX="zyg-test")
-    proc = z.spawn(["wait", "x", "--timeout", "120"], env=env, cwd=tmp_path, log=tmp_path / "wait.log")
+    proc = z.spawn("stageferry", ["wait", "x", "--timeout", "120"], env=env, cwd=tmp_path, log=tmp_path / "wait.log")
     z.close()
 
     def gone() -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import json
 import os
 import runpy
@@ -62,7 +63,7 @@ def start(module: str, argv: list[str], *, env: dict[str, str], cwd: Path, log: 
     exec'd with ``fresh`` (a test of what the process imports), with a ``PYTHONPATH`` the zygote does not
     have (:func:`forkable`) or with ``STAGEFERRY_TEST_ZYGOTE=0``."""
     if enabled() and not fresh and forkable(env):
-        return zygote().spawn(argv, env=env, cwd=cwd, log=log, module=module)
+        return zygote().spawn(module, argv, env=env, cwd=cwd, log=log)
     with open(log, "ab") as out:  # O_APPEND: a group's ranks share it
         return subprocess.Popen(
             [sys.executable, "-m", module, *argv], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=cwd
@@ -140,9 +141,7 @@ class Zygote:
             self._closed = True
             self._changed.notify_all()
 
-    def spawn(
-        self, argv: list[str], *, env: dict[str, str], cwd: Path, log: Path, module: str = "stageferry"
-    ) -> ForkedProcess:
+    def spawn(self, module: str, argv: list[str], *, env: dict[str, str], cwd: Path, log: Path) -> ForkedProcess:
         """A child running ``python -m <module> <argv>`` (see the module docstring)."""
         assert self._proc.stdin is not None
         with self._lock:
@@ -214,8 +213,6 @@ def _child(request: dict[str, Any], keep: tuple[int, ...]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.path.insert(0, request["cwd"])  # as `python -m` does (its PYTHONPATH is ours: forkable)
-        import importlib
-
         for name in REIMPORT:
             if name in sys.modules:
                 importlib.reload(sys.modules[name])
@@ -242,8 +239,6 @@ def _child(request: dict[str, Any], keep: tuple[int, ...]) -> None:
 
 def serve() -> None:
     """The zygote's loop: fork a child per request, report each child's end (module docstring)."""
-    import importlib
-
     commands, replies = os.dup(0), os.dup(1)  # never the sys streams: a child flushes those
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
