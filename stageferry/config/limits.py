@@ -40,8 +40,7 @@ class Timeouts(Strict):
     hot_wait: Annotated[float, Field(ge=0, le=0.1)] | None = None
     """After a stage's leader takes or settles an entry, how long its stream's lean Redis links poll for
     replies instead of sleeping (0: never), so a next entry finds it awake (woken Python runs slowly at
-    first); only while it holds one entry at most (holding several, it sleeps: replies come in for the
-    others).  Unset: 0.002 on 8 usable CPUs or more, else 0 (fewer: the spin takes others' CPU)."""
+    first).  Unset: 0.002 on 8 usable CPUs or more, else 0 (fewer: the spin takes others' CPU)."""
 
     def hot_wait_s(self) -> float:  # ``hot_wait`` as this process uses it (unset: by its usable CPUs)
         return default_hot_wait() if self.hot_wait is None else self.hot_wait
