@@ -185,14 +185,10 @@ class StageStream:
     def _keep_hot(self) -> None:
         """An entry was delivered or settled: for ``hot_wait_s`` the links poll for their replies instead
         of sleeping (:meth:`RespLink.keep_hot`), so the next read, and an entry that follows closely, find
-        this process awake — while this replica holds one entry at most.  One that holds several
-        (``entries_in_flight`` > 1, busy) has replies coming in for the others while it waits, and its
-        spinning would only take a core from the stages and the Redis that share the host: its links cool
-        at once (a call polling already stops when its own window ends)."""
+        this process awake."""
         if self.hot_wait_s > 0:
-            seconds = self.hot_wait_s if len(self._source) <= 1 else 0.0
             for link in self.links:
-                link.keep_hot(seconds)
+                link.keep_hot(self.hot_wait_s)
 
     @property
     def script_link(self) -> RespLink | None:

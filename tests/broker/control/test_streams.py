@@ -134,27 +134,6 @@ async def test_a_stream_keeps_its_links_hot_after_an_entry_is_delivered_or_settl
             await stream.aclose()
 
 
-async def test_a_stream_holding_several_entries_lets_its_links_sleep(redis_url: str, prefix: str) -> None:
-    """A busy replica (several entries in hand) does not spin: its replies come in for the others."""
-    keys = Keys(prefix)
-    async with open_client(redis_url) as redis:
-        busy = StageStream(redis, keys, "diffusion", "diffusion-busy", visibility_ms=60_000, hot_wait_s=5.0)
-        await busy.ensure_group()
-        for n in range(3):
-            await redis.xadd(keys.stage_stream("diffusion"), {"request_id": f"r{n}"})
-        loop = asyncio.get_running_loop()
-        first, second = await busy.read(2, block_ms=0)
-        assert all(link.hot_until <= loop.time() for link in busy.links), "two in hand: asleep"
-        assert await busy.ack(first.id)
-        assert all(link.hot_until > loop.time() + 4 for link in busy.links), "one left in hand: hot"
-        (third,) = await busy.read(1, block_ms=0, in_hand=True)
-        assert all(link.hot_until <= loop.time() for link in busy.links), "two in hand again: cooled at once"
-        for entry in (second, third):
-            assert await busy.ack(entry.id)
-        assert all(link.hot_until > loop.time() + 4 for link in busy.links), "none in hand: hot"
-        await busy.aclose()
-
-
 async def test_a_new_only_read_skips_entries_in_hand_and_a_plain_read_returns_them(redis_url: str, prefix: str) -> None:
     keys = Keys(prefix)
     claim = LeaseClaim(prefix=keys.claim(""), holder="agent-n", ttl_ms=30_000)
