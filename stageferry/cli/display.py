@@ -171,8 +171,8 @@ def render_hops(first: RequestStatus, warm: Sequence[RequestStatus], reprompted:
             continue
         first_ms = t.transfer_seconds * 1e3
         row = f"{hop:<26} {t.payload_bytes:>12,} {first_ms:>9.3f} {typical * 1e3:>9.3f} {_ratio(t, typical):>10}"
-        other = _median_transfer(reprompted, t.stage)
         if reprompted:
+            other = _median_transfer(reprompted, t.stage)
             row += f" {other * 1e3:>13.3f} {_ratio(t, other):>9}" if other is not None else f" {'-':>13} {'-':>9}"
         lines.append(row)
     return "\n".join(lines) if len(lines) > 1 else ""
