@@ -41,6 +41,9 @@
 #   sweep     this tree's throughput (8 replicas, HELD_REQUESTS, default 12000) under each setting SWEEP names
 #             (default "k16 k32"): kN entries in flight N; hwS (16 held) hot wait S seconds; cN (16 held) N client
 #             processes; ifN (16 held) N submissions in flight a client; base (16 held) the base's stageferry;
+#             issue the issue's code (.issue_base, as trio makes it), one entry at a time; lN (16 held) N lanes:
+#             N control planes, the Redis on 6379 and N-1 more of this run's own, each with its share of the
+#             replicas and clients (throughput.py's comma-separated --redis-url);
 #             outputs sweep<i>_<setting>_n<requests>.txt, i its place in SWEEP (a setting may come twice)
 #   trio      the issue's own code against the round's base and this tree, HELD_ROUNDS times (default 2), 8 replicas,
 #             HELD_REQUESTS (default 12000): .issue_base (d346e8a, the code the issue measured, one entry at a time: it
@@ -229,18 +232,28 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
     sweep) n=${HELD_REQUESTS:-12000}
           i=0
           for v in ${SWEEP:-k16 k32}; do
-            i=$((i + 1)) extra=(--entries-in-flight 16)
+            i=$((i + 1)) extra=(--entries-in-flight 16 ${SWEEP_STEPS:+--steps}) switch=()
             case $v in
-              k*) extra=(--entries-in-flight "${v#k}") ;;
+              k*) extra=(--entries-in-flight "${v#k}" ${SWEEP_STEPS:+--steps}) ;;
               hw*) extra+=(--hot-wait "${v#hw}") ;;
               c*) extra+=(--clients "${v#c}") ;;
               if*) extra+=(--in-flight "${v#if}") ;;
+              sw*) switch=(env SF_SWITCH_INTERVAL="${v#sw}" PYTHONPATH="$PWD/benchmarks/switch_interval") ;;
+              l*) urls=redis://127.0.0.1:6379/0  # N lanes (16 held): N-1 more servers, 6394 on, this run's own
+                  for k in $(seq 2 "${v#l}"); do
+                    start_server $((6392 + k)) .whl/redis/redis-server --appendonly no --logfile /tmp/sf-lane$k.log
+                    urls+=,redis://127.0.0.1:$((6392 + k))/0
+                  done
+                  extra+=(--redis-url "$urls") ;;
             esac
             if [ "$v" = base ]; then
               run_tree .base "sweep${i}_base_n$n" 200 "${T2VA[@]}" --replicas 8 --requests "$n" "${extra[@]}"
+            elif [ "$v" = issue ]; then  # the issue's code (.issue_base, see trio): no entries_in_flight
+              run_tree .issue_base "sweep${i}_issue_n$n" 200 "${T2VA[@]}" --replicas 8 --requests "$n"
             else
-              run_step "sweep${i}_${v}_n$n" 200 "${T2VA[@]}" --replicas 8 --requests "$n" "${extra[@]}"
+              run_step "sweep${i}_${v}_n$n" 200 "${switch[@]}" "${T2VA[@]}" --replicas 8 --requests "$n" "${extra[@]}"
             fi
+            case $v in l*) for k in $(seq 2 "${v#l}"); do stop_server $((6392 + k)); done ;; esac
           done ;;
     trio) n=${HELD_REQUESTS:-12000}
           run=("${T2VA[@]}" --replicas 8 --requests "$n")

@@ -164,15 +164,15 @@ class ClientProcess:
 
 @contextlib.asynccontextmanager
 async def client_processes(
-    env: Mapping[str, str], shares: list[int], in_flight: int = 1
+    env: Mapping[str, str], shares: list[int], in_flight: int = 1, first_index: int = 0, first_seed: int = FIRST_SEED
 ) -> AsyncIterator[list[ClientProcess]]:
-    """One client process per share, the measured requests' seeds numbered across them; all of them let go
-    (or killed) on the way out."""
+    """One client process per share (numbered from ``first_index``), the measured requests' seeds numbered
+    across them from ``first_seed``; all of them let go (or killed) on the way out."""
     procs: list[ClientProcess] = []
     try:
         for index, requests in enumerate(shares):
-            first = FIRST_SEED + sum(shares[:index])
-            procs.append(await ClientProcess.start(env, index, requests, first, in_flight))
+            first = first_seed + sum(shares[:index])
+            procs.append(await ClientProcess.start(env, first_index + index, requests, first, in_flight))
         yield procs
     finally:
         with anyio.CancelScope(shield=True):
@@ -195,8 +195,13 @@ def client_figures(reports: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def lane_shares(total: int, lanes: int) -> list[int]:
+    """``total`` (replicas, clients or requests) split over ``lanes`` control planes, the first ones one more."""
+    return [total // lanes + (k < total % lanes) for k in range(lanes)]
+
+
 async def run_config(
-    url: str,
+    urls: list[str],
     task: str,
     connector: str,
     replicas: int,
@@ -223,10 +228,9 @@ async def run_config(
     steps_dir.mkdir()
     pipeline = workdir / f"{prefix}.toml"
     pipeline.write_text(pipeline_toml(connector, TASK_BYTES[task], ready_slots, hot_wait, entries_in_flight))
-    env = {
+    base_env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        "STAGEFERRY_REDIS_URL": url,
         "STAGEFERRY_PREFIX": prefix,
         "STAGEFERRY_PIPELINE": str(pipeline),
         "STAGEFERRY_LOG_FORMAT": "json",
@@ -236,57 +240,81 @@ async def run_config(
         "OMP_NUM_THREADS": "1",
         **({STEPS_ENV: str(steps_dir)} if steps else {}),
     }
-    services = ServiceGroup(env, workdir / prefix)
+    # One control plane a URL ("lanes"): each its own Redis, its share of the replicas, clients and requests;
+    # nothing shared but the host.  Replica and client numbers run on across lanes (the CPU table's names).
+    lanes = len(urls)
+    envs = [{**base_env, "STAGEFERRY_REDIS_URL": url} for url in urls]
+    replica_shares, client_counts = lane_shares(replicas, lanes), lane_shares(clients, lanes)
+    request_shares = lane_shares(requests, lanes)
+    services = [ServiceGroup(env, workdir / f"{prefix}-lane{i}") for i, env in enumerate(envs)]
     from stageferry.config import PipelineConfig
 
     config = PipelineConfig.load(pipeline)
     try:
-        for stage in STAGES:
-            for r in range(replicas):
-                await services.start(
-                    f"{stage}-{r}",
-                    ["env", f"STAGEFERRY_REPLICA={stage}{r}", sys.executable, "-m", "stageferry", "serve", stage],
+        for lane, group in enumerate(services):
+            for stage in STAGES:
+                for r in range(sum(replica_shares[:lane]), sum(replica_shares[: lane + 1])):
+                    await group.start(
+                        f"{stage}-{r}",
+                        ["env", f"STAGEFERRY_REPLICA={stage}{r}", sys.executable, "-m", "stageferry", "serve", stage],
+                    )
+        async with contextlib.AsyncExitStack() as stack:
+            lane_clients = [
+                await stack.enter_async_context(Client(url, prefix=prefix, pipeline=config)) for url in urls
+            ]
+            client = lane_clients[0]
+            for lane_client in lane_clients:
+                await wait_for_workers(lane_client.redis, lane_client.keys, list(STAGES), timeout=120)
+            await anyio.sleep(1.0 * max(replica_shares))  # let every replica join its consumer group
+            for lane_client in lane_clients:
+                for i in range(3):  # warm-up: NIXL handshakes, code paths
+                    await lane_client.wait(await lane_client.submit({**JOB, "seed": i}), timeout=120)
+            procs = []
+            for lane, env in enumerate(envs):
+                shares = client_shares(request_shares[lane], client_counts[lane])
+                first = sum(client_counts[:lane])
+                procs += await stack.enter_async_context(
+                    client_processes(
+                        env, shares, in_flight, first_index=first, first_seed=FIRST_SEED + sum(request_shares[:lane])
+                    )
                 )
-        async with Client(url, prefix=prefix, pipeline=config) as client:
-            await wait_for_workers(client.redis, client.keys, list(STAGES), timeout=120)
-            await anyio.sleep(1.0 * replicas)  # let every replica join its consumer group
-            for i in range(3):  # warm-up: NIXL handshakes, code paths
-                await client.wait(await client.submit({**JOB, "seed": i}), timeout=120)
-            async with client_processes(env, client_shares(requests, clients), in_flight) as procs:
-                for proc in procs:
-                    await proc.receive()  # ready: connected, warmed up, its tally file written
-                await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)  # idle readers poll within BLOCK_MS: files flushed
+            for proc in procs:
+                await proc.receive()  # ready: connected, warmed up, its tally file written
+            await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)  # idle readers poll within BLOCK_MS: files flushed
+            flush_tally()
+            trips_before = tally.read_dir(tally_dir)
+            steps_before = read_steps(steps_dir)
+            before = [await command_counts(c.redis) for c in lane_clients]
+            usec_before = [await command_usec(c.redis) for c in lane_clients]
+            log_len = requests * 60
+            logged = await redis_profile.start(client.redis, log_len) if script_times else None
+            cpu_before = await lanes_cpu_seconds([c.redis for c in lane_clients], prefix)
+            for proc in procs:
+                await proc.go()
+            figures = client_figures([await proc.receive() for proc in procs])
+            wall = figures["wall"]
+            cpu_after = await lanes_cpu_seconds(
+                [c.redis for c in lane_clients], prefix
+            )  # the clients idle, still there
+            cpu = {k: (v - cpu_before.get(k, 0.0)) / wall for k, v in cpu_after.items()}
+            after = [await command_counts(c.redis) for c in lane_clients]
+            usec_after = [await command_usec(c.redis) for c in lane_clients]
+            profile = {} if logged is None else await redis_profile.collect(client.redis, logged, log_len)
+            commands = summed_deltas(before, after, requests)
+            usec = summed_deltas(usec_before, usec_after, requests)
+            trips_after = trips_before
+            if tally_on:  # the services' files follow within a flush interval of their last send
+                await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)
                 flush_tally()
-                trips_before = tally.read_dir(tally_dir)
-                steps_before = read_steps(steps_dir)
-                before = await command_counts(client.redis)
-                usec_before = await command_usec(client.redis)
-                log_len = requests * 60
-                logged = await redis_profile.start(client.redis, log_len) if script_times else None
-                cpu_before = await cpu_seconds(client.redis, prefix)
-                for proc in procs:
-                    await proc.go()
-                figures = client_figures([await proc.receive() for proc in procs])
-                wall = figures["wall"]
-                cpu_after = await cpu_seconds(client.redis, prefix)  # the clients idle, still there
-                cpu = {k: (v - cpu_before.get(k, 0.0)) / wall for k, v in cpu_after.items()}
-                after = await command_counts(client.redis)
-                usec_after = await command_usec(client.redis)
-                profile = {} if logged is None else await redis_profile.collect(client.redis, logged, log_len)
-                commands = {name: (after[name] - before.get(name, 0)) / requests for name in after}
-                usec = {name: (usec_after[name] - usec_before.get(name, 0)) / requests for name in usec_after}
-                trips_after = trips_before
-                if tally_on:  # the services' files follow within a flush interval of their last send
-                    await anyio.sleep(tally.FLUSH_EVERY_S + 1.2)
-                    flush_tally()
-                    trips_after = tally.read_dir(tally_dir)
-                steps_after = read_steps(steps_dir)
+                trips_after = tally.read_dir(tally_dir)
+            steps_after = read_steps(steps_dir)
             trips = {
                 key: [(n - trips_before.get(key, [0, 0])[i]) / requests for i, n in enumerate(row)]
                 for key, row in trips_after.items()
             }
     finally:
-        await services.stop()
+        for group in services:
+            await group.stop()
     return {
         **figures,
         "rps": requests / wall,
@@ -296,8 +324,18 @@ async def run_config(
         "trips": {k: v for k, v in trips.items() if v[0] > 0},
         "cpu": cpu,
         "clients": clients,
+        "lanes": lanes,
         "steps": steps_between(steps_before, steps_after),
     }
+
+
+def summed_deltas(before: list[dict[str, int]], after: list[dict[str, int]], requests: int) -> dict[str, float]:
+    """Per request, each name's growth between two readings of every lane's Redis, summed over the lanes."""
+    out: dict[str, float] = {}
+    for lane_before, lane_after in zip(before, after, strict=True):
+        for name, value in lane_after.items():
+            out[name] = out.get(name, 0.0) + (value - lane_before.get(name, 0)) / requests
+    return out
 
 
 def read_steps(directory: Path) -> dict[str, dict[str, list[float]]]:
@@ -322,14 +360,31 @@ def steps_between(
     return merged
 
 
+async def lanes_cpu_seconds(servers: list[Any], prefix: str) -> dict[str, float]:
+    """:func:`cpu_seconds` over one or several lanes' servers: ``redis`` their main threads' sum, and with
+    several lanes ``redis<i>`` each (the busiest of them is each lane's limit)."""
+    out = await cpu_seconds(servers[0], prefix)
+    if len(servers) > 1:
+        out["redis0"] = out["redis"]
+        for i, server in enumerate(servers[1:], 1):
+            out[f"redis{i}"] = await redis_main_thread_seconds(server)
+            out["redis"] += out[f"redis{i}"]
+    return out
+
+
+async def redis_main_thread_seconds(redis: Any) -> float:
+    """CPU seconds of the server's main thread (the one that runs commands), or of the whole server when its
+    ``INFO`` does not tell them apart."""
+    info = await redis.info("cpu")
+    suffix = "_main_thread" if "used_cpu_user_main_thread" in info else ""
+    return float(info[f"used_cpu_user{suffix}"]) + float(info[f"used_cpu_sys{suffix}"])
+
+
 async def cpu_seconds(redis: Any, prefix: str) -> dict[str, float]:
     """CPU seconds used so far: ``redis`` (its main thread, the one that runs commands) and, per process of
     ``prefix`` (found by its environment: services and client processes), ``<stage><replica>`` and
     ``client<n>``."""
-    info = await redis.info("cpu")
-    main = "used_cpu_user_main_thread" in info
-    suffix = "_main_thread" if main else ""
-    out = {"redis": float(info[f"used_cpu_user{suffix}"]) + float(info[f"used_cpu_sys{suffix}"])}
+    out = {"redis": await redis_main_thread_seconds(redis)}
     out.update(service_cpu_seconds(prefix))
     return out
 
@@ -412,6 +467,13 @@ def replicas_label(replicas: int, entries_in_flight: int) -> str:
     return str(replicas) if entries_in_flight == 1 else f"{replicas} ({entries_in_flight} held)"
 
 
+def redis_cell(cpu: dict[str, float], lanes: int) -> str:
+    """The Redis column: its main thread, or with several lanes their sum and each lane's (``1.62 (0.81 / 0.81)``)."""
+    if lanes == 1:
+        return f"{cpu['redis']:.2f}"
+    return f"{cpu['redis']:.2f} (" + " / ".join(f"{cpu[f'redis{i}']:.2f}" for i in range(lanes)) + ")"
+
+
 def busy_cell(cpu: dict[str, float], party: str) -> str:
     """``sum / busiest`` of the cores kept busy by the processes whose names start with ``party``."""
     mine = [v for k, v in cpu.items() if k.startswith(party)]
@@ -445,7 +507,7 @@ async def main_async(args: argparse.Namespace) -> None:
             for replicas, held in [(n, k) for n in args.replicas for k in args.entries_in_flight]:
                 for connector in args.edges:
                     r = await run_config(
-                        args.redis_url,
+                        args.redis_url.split(","),
                         task,
                         connector,
                         replicas,
@@ -482,6 +544,10 @@ async def main_async(args: argparse.Namespace) -> None:
             f"| {cell(r['hop'], 2)} | {r['failed']} |"
         )
     print("\n## CPU: cores kept busy over the measured requests (CPU seconds / wall seconds)\n")
+    lanes = len(args.redis_url.split(","))
+    if lanes > 1:
+        print(f"{lanes} lanes: {lanes} independent control planes (one Redis each, --redis-url), each with its share")
+        print("of the replicas, clients and requests; requests/s and wall over all of them, from one go.")
     print(f"Redis: its main thread (≈ 1.0 = saturated); clients: the {args.clients} client process(es) that submit")
     print("and wait; stages: all replicas' processes; each the sum, and the busiest process (≈ 1.0 = its event")
     print("loop is the limit).  submit s: the slowest client's, from its go to its last submission.\n")
@@ -495,8 +561,8 @@ async def main_async(args: argparse.Namespace) -> None:
         cpu = r["cpu"]
         cells = " | ".join(busy_cell(cpu, party) for party in ("client", *STAGES))
         print(
-            f"| {task} | {replicas} | {connector} | {r['wall']:.2f} | {r['submit_s']:.2f} | {cpu['redis']:.2f} "
-            f"| {cells} |"
+            f"| {task} | {replicas} | {connector} | {r['wall']:.2f} | {r['submit_s']:.2f} "
+            f"| {redis_cell(cpu, r['lanes'])} | {cells} |"
         )
     print()
     for task, replicas, connector, r in rows:
@@ -566,7 +632,13 @@ def main() -> None:
     parser.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--edges", type=lambda s: s.split(","), default=["nixl", "inline"])
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--redis-url",
+        default="redis://127.0.0.1:6379/0",
+        help="the control plane's Redis; several, comma-separated, are lanes: independent control planes on one "
+        "host, each with its share of the replicas, clients and requests (what sharding requests by id over "
+        "several servers could give), measured as one run",
+    )
     parser.add_argument(
         "--output",
         choices=["copy", "in-place"],
@@ -629,6 +701,11 @@ def main() -> None:
         parser.error("--in-flight must be at least 1")
     if not 1 <= args.clients <= args.requests:
         parser.error(f"--clients must be between 1 and --requests ({args.requests})")
+    lanes = len(args.redis_url.split(","))
+    if lanes > 1 and (args.clients < lanes or min(args.replicas) < lanes):
+        parser.error(f"{lanes} lanes (--redis-url) need at least {lanes} --clients and --replicas")
+    if lanes > 1 and (args.script_times or args.tally):
+        parser.error("--script-times and --tally read one server and one set of processes: one --redis-url")
     print(f"$ python {' '.join(sys.argv)}\n")
     anyio.run(main_async, args)
 
