@@ -275,7 +275,7 @@ while r.info('stats')['instantaneous_ops_per_sec'] < 40000 and time.monotonic() 
          sleep 1
          for stage in encoder diffusion; do
            pid=$(pgrep -f "stageferry serve $stage" | head -1)
-           .whl/py-spy record -p "$pid" -d 4 -r 250 -f raw -o "$out/spy_$stage.raw" --nonblocking \
+           .whl/py-spy record -p "$pid" -d 4 -r 250 -f raw -o "$out/spy_$stage.raw" --nonblocking ${SPY_THREADS:+--threads} \
              > "$out/spy_$stage.log" 2>&1 &
          done
          wait ;;

@@ -162,4 +162,45 @@ def entry_steps(stage: str, directory: str) -> StepTimer:
         (streams.StageStream, "finish", "last stage: finish script"),
     ):
         timer.wrap(owner, attr, name)
+    time_thread_hops(timer, group.GroupCompute)
     return timer
+
+
+def time_thread_hops(timer: StepTimer, compute: Any) -> None:
+    """Split the model's hop (``compute.__call__`` around ``compute._run`` in the model thread) into its
+    waits: behind the items queued before it (the thread busy), the free thread's wake-up until its run
+    starts (a thread switch, and the GIL taken from a busy event loop), and the way back to the loop
+    after the run.  A hop of milliseconds with short runs and no queue is the GIL's switch interval
+    (5 ms by default) paid by a thread waiting on a loop that keeps the GIL."""
+    import contextvars
+
+    hop: contextvars.ContextVar[dict[str, float]] = contextvars.ContextVar("step_timer_hop")
+    thread = {"ended": 0.0}  # the model thread's last run's end (one model thread a process)
+    call, run = compute.__call__, compute._run
+
+    @functools.wraps(call)
+    async def timed_call(*args: Any, **kwargs: Any) -> Any:
+        marks = {"submitted": time.perf_counter()}
+        hop.set(marks)  # the call copies the context for its run: the run finds these marks
+        try:
+            return await call(*args, **kwargs)
+        finally:
+            if "ended" in marks:
+                timer.add("model: hop back (thread → loop)", (time.perf_counter() - marks["ended"]) * 1e3)
+
+    @functools.wraps(run)
+    def timed_run(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        marks = hop.get(None)
+        if marks is not None:
+            free = max(marks["submitted"], thread["ended"])
+            timer.add("model: queued behind earlier runs", (free - marks["submitted"]) * 1e3)
+            timer.add("model: hop there (free thread → run)", (started - free) * 1e3)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            thread["ended"] = time.perf_counter()
+            if marks is not None:
+                marks["ended"] = thread["ended"]
+
+    compute.__call__, compute._run = timed_call, timed_run
