@@ -293,9 +293,8 @@ async def run_config(
                 await proc.go()
             figures = client_figures([await proc.receive() for proc in procs])
             wall = figures["wall"]
-            cpu_after = await lanes_cpu_seconds(
-                [c.redis for c in lane_clients], prefix
-            )  # the clients idle, still there
+            servers = [c.redis for c in lane_clients]
+            cpu_after = await lanes_cpu_seconds(servers, prefix)  # the clients idle, still there
             cpu = {k: (v - cpu_before.get(k, 0.0)) / wall for k, v in cpu_after.items()}
             after = [await command_counts(c.redis) for c in lane_clients]
             usec_after = [await command_usec(c.redis) for c in lane_clients]
