@@ -438,28 +438,23 @@ class StageWorker:
         self, entry: Entry, envelope: Envelope, progress: ProgressSink, work: Callable[[], Awaitable[T]]
     ) -> T:
         """``work`` (the model; a first stage's media checks) while :meth:`_keep_claim` renews the entry's
-        claim, watches the cancel flag and publishes progress; ``work``'s error is raised as itself.
+        claim, watches the cancel flag and publishes progress, from its first look on (:func:`run_watched`:
+        most work ends before it); ``work``'s error is raised as itself."""
+        return await run_watched(
+            work, functools.partial(self._keep_claim, entry, envelope, progress), after_s=WATCH_EVERY_S
+        )
 
-        The keeper starts only when its first look is due, :data:`WATCH_EVERY_S` into the work
-        (:func:`run_watched`): most entries' work ends before that.  A task group of the two made every
-        entry wait, after its work, for the keeper's cancellation, its end and the group's end, each a turn
-        of a busy event loop (``benchmarks/step_timer.py``'s model steps: 7 of a 2-core box's 11 ms; 1.8 of
-        3.1 ms on the GPU host in issue 39's round 6)."""
-        started = time.monotonic()
-        keep = functools.partial(self._keep_claim, entry, envelope, progress, started)
-        return await run_watched(work, keep, after_s=WATCH_EVERY_S)
-
-    async def _keep_claim(self, entry: Entry, envelope: Envelope, progress: ProgressSink, started: float) -> None:
-        """While the work that began at ``started`` (``time.monotonic()``) runs: watch the cancel flag (at
+    async def _keep_claim(self, entry: Entry, envelope: Envelope, progress: ProgressSink) -> None:
+        """While the model runs, from :data:`WATCH_EVERY_S` after it started: watch the cancel flag (at
         once, then every :data:`WATCH_EVERY_S`, so a model that checks ``is_cancelled`` per step stops
         within one step), publish progress (at most every :data:`PUBLISH_EVERY_S`) and renew the entry's
-        claim (every ``claim_renew_every`` from ``started``).  Redis trouble here is logged and retried on
-        the next round, and so is any other failure of a round: it must not fail a job that is computing
-        fine, nor leave it unwatched."""
+        claim (its times counted from the work's start).  Redis trouble here is logged and retried on the
+        next round: it must not fail a job that is computing fine."""
         every = self.pipeline.timeouts.claim_renew_every
         published: tuple[int, int, str | None] | None = None
-        next_renew = started + every
-        next_publish = started + PUBLISH_EVERY_S
+        # started WATCH_EVERY_S after the work (:meth:`_holding_claim`): its first look is due at once
+        next_renew = time.monotonic() + every - WATCH_EVERY_S
+        next_publish = time.monotonic() + PUBLISH_EVERY_S - WATCH_EVERY_S
         while True:
             try:
                 if not progress.cancelled and await self.store.is_cancelled(envelope.request_id):
@@ -479,6 +474,4 @@ class StageWorker:
                     next_renew = now + every
             except ControlPlaneError as exc:
                 log.warning("worker.renew_failed", entry=entry.id, error=exc.message)
-            except Exception:
-                log.exception("worker.keeper_failed", entry=entry.id)
             await anyio.sleep(WATCH_EVERY_S)
