@@ -65,7 +65,6 @@ from stageferry.stages.entry.handoff import HandOn
 from stageferry.stages.entry.leader import build_leader
 from stageferry.stages.entry.outcomes import Outcomes
 from stageferry.stages.entry.streaming import ChunkStream, Streaming, is_chunked
-from stageferry.stages.entry.watched import run_watched
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -438,24 +437,35 @@ class StageWorker:
         self, entry: Entry, envelope: Envelope, progress: ProgressSink, work: Callable[[], Awaitable[T]]
     ) -> T:
         """``work`` (the model; a first stage's media checks) while :meth:`_keep_claim` renews the entry's
-        claim, watches the cancel flag and publishes progress, from its first look on (:func:`run_watched`:
-        most work ends before it); ``work``'s error is raised as itself."""
-        return await run_watched(
-            work, functools.partial(self._keep_claim, entry, envelope, progress), after_s=WATCH_EVERY_S
-        )
+        claim, watches the cancel flag and publishes progress; ``work``'s error is raised as itself."""
+        result: list[T] = []
+        failure: list[Exception] = []
+
+        async def run() -> None:
+            try:
+                result.append(await work())  # the model: one at a time, however many entries are in hand
+            except Exception as exc:  # re-raised below as itself, not wrapped in an ExceptionGroup
+                failure.append(exc)
+            tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            tg.start_soon(self._keep_claim, entry, envelope, progress)
+        if failure:
+            raise failure[0]
+        return result[0]
 
     async def _keep_claim(self, entry: Entry, envelope: Envelope, progress: ProgressSink) -> None:
-        """While the model runs, from :data:`WATCH_EVERY_S` after it started: watch the cancel flag (at
-        once, then every :data:`WATCH_EVERY_S`, so a model that checks ``is_cancelled`` per step stops
-        within one step), publish progress (at most every :data:`PUBLISH_EVERY_S`) and renew the entry's
-        claim (its times counted from the work's start).  Redis trouble here is logged and retried on the
-        next round: it must not fail a job that is computing fine."""
+        """While the model runs: watch the cancel flag (every :data:`WATCH_EVERY_S`, so a model that
+        checks ``is_cancelled`` per step stops within one step), publish progress (at most every
+        :data:`PUBLISH_EVERY_S`) and renew the entry's claim.  Redis trouble here is logged and retried on
+        the next round: it must not fail a job that is computing fine."""
         every = self.pipeline.timeouts.claim_renew_every
         published: tuple[int, int, str | None] | None = None
-        # started WATCH_EVERY_S after the work (:meth:`_holding_claim`): its first look is due at once
-        next_renew = time.monotonic() + every - WATCH_EVERY_S
-        next_publish = time.monotonic() + PUBLISH_EVERY_S - WATCH_EVERY_S
+        next_renew = time.monotonic() + every
+        next_publish = time.monotonic() + PUBLISH_EVERY_S
         while True:
+            await anyio.sleep(WATCH_EVERY_S)
             try:
                 if not progress.cancelled and await self.store.is_cancelled(envelope.request_id):
                     progress.cancelled = True
@@ -474,4 +484,3 @@ class StageWorker:
                     next_renew = now + every
             except ControlPlaneError as exc:
                 log.warning("worker.renew_failed", entry=entry.id, error=exc.message)
-            await anyio.sleep(WATCH_EVERY_S)
