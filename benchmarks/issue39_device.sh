@@ -232,9 +232,9 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
     sweep) n=${HELD_REQUESTS:-12000}
           i=0
           for v in ${SWEEP:-k16 k32}; do
-            i=$((i + 1)) extra=(--entries-in-flight 16 ${SWEEP_STEPS:+--steps}) switch=()
+            i=$((i + 1)) extra=(--entries-in-flight 16) switch=()
             case $v in
-              k*) extra=(--entries-in-flight "${v#k}" ${SWEEP_STEPS:+--steps}) ;;
+              k*) extra=(--entries-in-flight "${v#k}") ;;
               hw*) extra+=(--hot-wait "${v#hw}") ;;
               c*) extra+=(--clients "${v#c}") ;;
               if*) extra+=(--in-flight "${v#if}") ;;
@@ -246,6 +246,7 @@ for s in ${*:-setup gpu_tests same_gpu cold_gpu}; do
                   done
                   extra+=(--redis-url "$urls") ;;
             esac
+            extra+=(${SWEEP_STEPS:+--steps})
             if [ "$v" = base ]; then
               run_tree .base "sweep${i}_base_n$n" 200 "${T2VA[@]}" --replicas 8 --requests "$n" "${extra[@]}"
             elif [ "$v" = issue ]; then  # the issue's code (.issue_base, see trio): no entries_in_flight

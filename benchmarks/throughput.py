@@ -506,7 +506,7 @@ async def main_async(args: argparse.Namespace) -> None:
             for replicas, held in [(n, k) for n in args.replicas for k in args.entries_in_flight]:
                 for connector in args.edges:
                     r = await run_config(
-                        args.redis_url.split(","),
+                        args.redis_url,
                         task,
                         connector,
                         replicas,
@@ -543,7 +543,7 @@ async def main_async(args: argparse.Namespace) -> None:
             f"| {cell(r['hop'], 2)} | {r['failed']} |"
         )
     print("\n## CPU: cores kept busy over the measured requests (CPU seconds / wall seconds)\n")
-    lanes = len(args.redis_url.split(","))
+    lanes = len(args.redis_url)
     if lanes > 1:
         print(f"{lanes} lanes: {lanes} independent control planes (one Redis each, --redis-url), each with its share")
         print("of the replicas, clients and requests; requests/s and wall over all of them, from one go.")
@@ -633,7 +633,8 @@ def main() -> None:
     parser.add_argument("--edges", type=lambda s: s.split(","), default=["nixl", "inline"])
     parser.add_argument(
         "--redis-url",
-        default="redis://127.0.0.1:6379/0",
+        type=lambda s: s.split(","),
+        default=["redis://127.0.0.1:6379/0"],
         help="the control plane's Redis; several, comma-separated, are lanes: independent control planes on one "
         "host, each with its share of the replicas, clients and requests (what sharding requests by id over "
         "several servers could give), measured as one run",
@@ -700,7 +701,7 @@ def main() -> None:
         parser.error("--in-flight must be at least 1")
     if not 1 <= args.clients <= args.requests:
         parser.error(f"--clients must be between 1 and --requests ({args.requests})")
-    lanes = len(args.redis_url.split(","))
+    lanes = len(args.redis_url)
     if lanes > 1 and (args.clients < lanes or min(args.replicas) < lanes):
         parser.error(f"{lanes} lanes (--redis-url) need at least {lanes} --clients and --replicas")
     if lanes > 1 and (args.script_times or args.tally):
